@@ -1,0 +1,212 @@
+"""The one config schema: every default lives here; the CLI, UI and launch scripts only override it.
+
+A config is a TOML file with the sections below (all optional) plus `--set section.key=value`
+overrides. Errors name the field, the bad value and what is allowed.
+"""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_DATA = REPO_ROOT / "sample_data"
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field and says what to do."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    # "tiny-sdxl" is the embedded model built in-process; otherwise a diffusers SDXL folder or a
+    # single-file .safetensors checkpoint.
+    path: str = "tiny-sdxl"
+    # Folder holding tokenizer/ and tokenizer_2/ (for single-file checkpoints, which carry none).
+    tokenizer: str | None = None
+    # "auto" reads the scheduler config of the model.
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = "auto"
+    # Where the embedded tiny SDXL is materialised (once) as a diffusers folder.
+    cache_dir: str = str(REPO_ROOT / ".cache" / "models")
+
+
+class DataConfig(Section):
+    # One or more dataset folders; none means the bundled sample_data/images.
+    dirs: list[str] = Field(default_factory=lambda: [str(SAMPLE_DATA / "images")])
+    caption_extension: str = ".txt"
+    trigger_word: str = ""
+    class_token: str = ""
+    # Training resolution (side of a square of the same area); none means the model's native one.
+    resolution: int | None = None
+    bucket_step: int = 64
+    max_aspect: float = 2.0
+    crop: Literal["center", "random"] = "center"
+    flip: bool = False
+    small_images: Literal["upscale", "skip"] = "upscale"
+    # Images with fewer pixels than (resolution * min_size_fraction)^2 count as small.
+    min_size_fraction: float = 0.5
+    # Decompression-bomb guard: images with more pixels than this are refused.
+    max_pixels: int = 100_000_000
+    shuffle_tags: bool = False
+    keep_tokens: int = 0
+    caption_dropout: float = 0.0
+    # Where latents and text embeddings are cached; none means <runs_dir>/.cache.
+    cache_dir: str | None = None
+
+    @field_validator("caption_extension")
+    @classmethod
+    def _dot(cls, v: str) -> str:
+        if not v.startswith("."):
+            raise ValueError(f"must start with a dot, e.g. '.{v}'")
+        return v
+
+    @field_validator("caption_dropout")
+    @classmethod
+    def _prob(cls, v: float) -> float:
+        if not 0.0 <= v <= 1.0:
+            raise ValueError("must be between 0 and 1")
+        return v
+
+
+class AdapterConfig(Section):
+    # Which layers get LoRA: "attn" = to_q, to_k, to_v, to_out.0 of every attention (diffusers' default).
+    preset: Literal["attn", "cross-attn", "full"] = "attn"
+    rank: int = Field(16, ge=1, le=1024)
+    # none means alpha = rank (scale 1).
+    alpha: float | None = None
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+
+class TrainConfig(Section):
+    steps: int = Field(300, ge=1)
+    batch_size: int = Field(2, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    optimizer: Literal["adamw"] = "adamw"
+    weight_decay: float = Field(1e-2, ge=0)
+    scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0)
+    # "auto": bf16 on a GPU that supports it, fp32 ("no") on CPU.
+    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
+    gradient_checkpointing: bool = False
+    seed: int = 42
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = Field(10, ge=1)
+
+
+class PreviewConfig(Section):
+    # One prompt per line; none means the bundled sample_data/prompts.txt. Empty string: no previews.
+    prompts: str | None = str(SAMPLE_DATA / "prompts.txt")
+    steps: int = Field(20, ge=1)
+    guidance: float = 5.0
+    seed: int = 0
+    # Render before training (baseline) and at the end.
+    before: bool = True
+    after: bool = True
+
+
+class OutputConfig(Section):
+    runs_dir: str = "runs"
+    # none means a timestamped name.
+    name: str | None = None
+    overwrite: bool = False
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    preview: PreviewConfig = Field(default_factory=PreviewConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(_drop_none(self.model_dump(mode="json")))
+
+
+def _drop_none(d: Any) -> Any:
+    # TOML has no null; a missing key means "default", which is what None means here.
+    if isinstance(d, dict):
+        return {k: _drop_none(v) for k, v in d.items() if v is not None}
+    return d
+
+
+def _parse_value(raw: str) -> Any:
+    """`--set` values are TOML literals (1e-4, true, [1, 2], "x"); anything else is a plain string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: '{p}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            section = _section_at(e["loc"][:-1])
+            allowed = ", ".join(section.model_fields) if section else ""
+            msg = f"unknown field; allowed here: {allowed}"
+        elif e["type"] == "literal_error":
+            msg = f"must be one of {e['ctx']['expected']}"
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) else f" = {value!r}"
+        lines.append(f"  {field}{shown}: {msg}")
+    return "\n".join(lines)
+
+
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for p in loc:
+        f = model.model_fields.get(str(p))
+        if f is None or not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)):
+            return None
+        model = f.annotation
+    return model
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                extra: dict[str, Any] | None = None) -> Config:
+    """Build a Config from an optional TOML file, then `key=value` overrides, then a dict of dotted keys."""
+    tree: dict = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            tree = tomllib.loads(p.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from e
+        source = str(p)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.lr=1e-4")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), _parse_value(raw.strip()))
+        source = f"{source} + --set"
+    for key, value in (extra or {}).items():
+        _set_dotted(tree, key, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None

@@ -1,0 +1,53 @@
+"""Atomic file writes: a temp file in the same folder, fsync, rename; a crash leaves the old file or the new."""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    # The rename is only durable once the folder entry itself is on disk.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(dest: str | Path) -> Iterator[Path]:
+    """Yield a temp path beside `dest`; write it; on success it is fsynced and renamed onto `dest`."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, dest)
+        fsync_dir(dest.parent)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def atomic_write_bytes(dest: str | Path, data: bytes) -> Path:
+    with atomic_path(dest) as tmp:
+        tmp.write_bytes(data)
+    return Path(dest)
+
+
+def atomic_write_text(dest: str | Path, text: str) -> Path:
+    return atomic_write_bytes(dest, text.encode("utf-8"))
+
+
+def atomic_save(dest: str | Path, writer: Callable[[Path], None]) -> Path:
+    """Call writer(tmp_path) (e.g. safetensors' save_file) and move the result onto dest atomically."""
+    with atomic_path(dest) as tmp:
+        writer(tmp)
+    return Path(dest)

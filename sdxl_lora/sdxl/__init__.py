@@ -1,0 +1,1 @@
+"""The SDXL task: model loading, data, caches, loss and previews."""
