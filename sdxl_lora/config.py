@@ -53,6 +53,9 @@ class DataConfig(Section):
     min_size_fraction: float = 0.5
     # Decompression-bomb guard: images with more pixels than this are refused.
     max_pixels: int = 100_000_000
+    # Images with a side shorter than this are always skipped (icons, tracking pixels, broken
+    # thumbnails), whatever small_images says: upscaling them would only teach blur.
+    min_side: int = Field(16, ge=1)
     shuffle_tags: bool = False
     keep_tokens: int = 0
     caption_dropout: float = 0.0

@@ -23,6 +23,10 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    # mkstemp makes the file private (0600); outputs get the usual mode (0666 less the umask).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
     os.close(fd)
     tmp_path = Path(tmp)
     try:

@@ -1,0 +1,112 @@
+"""A run's folder under runs/: creation (never over an existing run unless asked) and its events file.
+
+Layout of runs/<name>/:
+  config.toml      the resolved config
+  events.jsonl     one JSON object per line: {"event": ..., "time": ..., ...}; the UI reads it
+  train.log        the log
+  samples/         preview images, step in the file name
+  checkpoints/     training states
+  <name>.safetensors and exports
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import Config
+from .fsutil import atomic_write_text
+
+
+class RunExistsError(FileExistsError):
+    pass
+
+
+@dataclass
+class Run:
+    dir: Path
+
+    @property
+    def name(self) -> str:
+        return self.dir.name
+
+    @property
+    def events_path(self) -> Path:
+        return self.dir / "events.jsonl"
+
+    @property
+    def samples_dir(self) -> Path:
+        return self.dir / "samples"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.dir / "checkpoints"
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / "train.log"
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """Append one event line. Each line is written with one write() and flushed, so a reader
+        never sees half a line except after a crash mid-write (readers skip a broken last line)."""
+        record = {"event": kind, "time": round(time.time(), 3), **fields}
+        line = json.dumps(record, default=str) + "\n"
+        with open(self.events_path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+
+    def events(self) -> list[dict]:
+        return read_events(self.events_path)
+
+
+def read_events(path: Path) -> list[dict]:
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn last line from a crash; everything before it is intact
+    return out
+
+
+def default_run_name() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def create_run(cfg: Config) -> Run:
+    """Make the run folder and write the resolved config; refuse to reuse a folder unless overwrite."""
+    name = cfg.output.name or default_run_name()
+    run_dir = Path(cfg.output.runs_dir) / name
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not cfg.output.overwrite:
+            raise RunExistsError(
+                f"run folder {run_dir} already exists; choose another output.name (--name), "
+                f"resume it with --resume {run_dir}, or pass --overwrite to replace it")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run = Run(run_dir)
+    run.samples_dir.mkdir(exist_ok=True)
+    atomic_write_text(run_dir / "config.toml", cfg.to_toml())
+    return run
+
+
+def attach_log_file(run: Run) -> logging.Handler:
+    handler = logging.FileHandler(run.log_path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def relpath(p: Path) -> str:
+    """A path as the user should see it: relative to the working folder when under it."""
+    try:
+        return os.path.relpath(p)
+    except ValueError:
+        return str(p)

@@ -1,0 +1,603 @@
+"""SDXL training data: find images and captions, bucket them by aspect, load pixels with SDXL's
+micro-conditioning, build captions, and draw batches one bucket at a time.
+
+`scan()` reads every file once before training: bad images and captions are listed with their
+reason and skipped, a caption setting that matches nothing stops the run with the fix, and the run
+stops only if nothing usable remains. Source files are only ever opened for reading.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import os
+import random
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from sdxl_lora.config import DataConfig
+from sdxl_lora.images import IMAGE_EXTENSIONS, ImageProblem, open_image, probe_image
+
+log = logging.getLogger(__name__)
+
+# Caption extensions people use; checked when the configured one matches nothing.
+CAPTION_EXTENSIONS = (".txt", ".caption", ".tag", ".md")
+METADATA_FILES = ("metadata.jsonl", "metadata.csv")
+METADATA_CAPTION_FIELDS = ("text", "caption")
+# kohya's folder convention: "10_sks dog" means every image inside is seen 10 times an epoch.
+_REPEATS_PREFIX = re.compile(r"^([1-9][0-9]*)_(.+)$")
+_MAX_LISTED = 20
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A file that was skipped, and why."""
+    path: Path
+    reason: str
+
+
+@dataclass
+class Item:
+    """One usable image: where it is, its caption and the bucket it trains in."""
+    path: Path
+    caption: str  # the caption file's text, whitespace collapsed; "" when it has none
+    repeats: int
+    size: tuple[int, int]  # (width, height) as displayed, i.e. after EXIF orientation
+    bucket: tuple[int, int]  # (width, height), multiples of bucket_step
+    dataset: Path  # the data.dirs entry it came from
+    has_caption: bool
+
+
+class DataError(Exception):
+    """The dataset cannot be used as configured; the message says what to do."""
+
+
+@dataclass
+class Dataset:
+    items: list[Item]
+    problems: list[Problem]
+    resolution: int
+    bucket_step: int
+    roots: list[Path] = field(default_factory=list)
+    # Things a user should know that are not errors (fallback captions, upscaled images...).
+    notes: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return sum(item.repeats for item in self.items)
+
+    def expanded(self) -> list[int]:
+        """Item index for every position of an epoch: item i appears items[i].repeats times."""
+        return [i for i, item in enumerate(self.items) for _ in range(item.repeats)]
+
+    def bucket_histogram(self) -> dict[tuple[int, int], int]:
+        """Images per bucket (not counting repeats), narrowest (tallest) bucket first."""
+        counts = Counter(item.bucket for item in self.items)
+        return dict(sorted(counts.items(), key=lambda kv: (kv[0][0] / kv[0][1], kv[0])))
+
+    def report(self) -> str:
+        n = len(self.items)
+        lines = [f"{n} images ({len(self)} per epoch with repeats) from {len(self.roots)} folder(s); "
+                 f"resolution {self.resolution}, bucket sides in steps of {self.bucket_step}"]
+        for root in self.roots:
+            mine = [it for it in self.items if it.dataset == root]
+            repeats = sorted({it.repeats for it in mine})
+            shown = "" if repeats in ([], [1]) else f", repeats {', '.join(map(str, repeats))}"
+            lines.append(f"  {root}: {len(mine)} images{shown}")
+        captioned = sum(it.has_caption for it in self.items)
+        pct = f" ({100 * captioned / n:.0f}%)" if n else ""
+        lines.append(f"captions: {captioned} of {n} images have one{pct}")
+        hist = self.bucket_histogram()
+        if hist:
+            lines.append("buckets (width x height: images):")
+            top = max(hist.values())
+            for (w, h), count in hist.items():
+                bar = "#" * max(1, round(30 * count / top))
+                lines.append(f"  {w:>5}x{h:<5} {count:>6}  {bar}")
+        lines.extend(f"note: {note}" for note in self.notes)
+        if self.problems:
+            lines.append(f"problems: {len(self.problems)}, each skipped")
+            lines.extend(f"  {p.path}: {p.reason}" for p in self.problems)
+        else:
+            lines.append("problems: none")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- buckets
+
+def make_buckets(resolution: int, step: int, max_aspect: float) -> list[tuple[int, int]]:
+    """(width, height) buckets with sides in multiples of `step`, area at most about resolution^2 and
+    aspect at most `max_aspect`; for each height the widest such width is kept. Sorted by aspect."""
+    if step < 8 or step % 8:
+        raise DataError(f"data.bucket_step={step} must be a positive multiple of 8 (the VAE downsamples by 8)")
+    if resolution < step:
+        raise DataError(f"resolution {resolution} is smaller than data.bucket_step={step}; lower the step")
+    if max_aspect < 1.0:
+        raise DataError(f"data.max_aspect={max_aspect} must be at least 1.0 (it bounds long side / short side)")
+    side = max(step, round(resolution / step) * step)
+    area = side * side
+    widest: dict[int, int] = {}  # height -> widest landscape width that fits the area
+    w = side
+    while True:
+        h = (area // w) // step * step
+        if h < step or w / h > max_aspect:
+            break
+        widest[h] = w
+        w += step
+    buckets = {(w, h) for h, w in widest.items()} | {(h, w) for h, w in widest.items()}
+    return sorted(buckets, key=lambda b: (b[0] / b[1], b))
+
+
+def nearest_bucket(size: tuple[int, int], buckets: list[tuple[int, int]]) -> tuple[int, int]:
+    """The bucket whose aspect ratio is closest to the image's, by log-aspect (so 2:1 and 1:2 are
+    equally far from 1:1); ties go to the larger bucket."""
+    w, h = size
+    target = math.log(w / h)
+    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - target), -b[0] * b[1], b))
+
+
+# ------------------------------------------------------------------------------------------- scan
+
+@dataclass
+class _Candidate:
+    root: Path
+    path: Path
+    repeats: int
+    caption: str | None
+
+
+@dataclass
+class _CaptionCount:
+    images: int = 0
+    matched: int = 0  # images with a sidecar of the configured extension
+    other: Counter = field(default_factory=Counter)  # uncaptioned images with another extension's sidecar
+
+
+def _roots(cfg: DataConfig) -> list[Path]:
+    if not cfg.dirs:
+        raise DataError("data.dirs is empty; give at least one folder of images")
+    roots = []
+    for d in cfg.dirs:
+        p = Path(d).expanduser().absolute()
+        if not p.exists():
+            raise DataError(f"data.dirs: {p} does not exist — check the path")
+        if not p.is_dir():
+            raise DataError(f"data.dirs: {p} is a file, not a folder — give the folder that holds the images")
+        roots.append(p)
+    return roots
+
+
+def _walk(root: Path) -> list[tuple[Path, list[str]]]:
+    """(folder, file names) for every folder under root, in a stable order, hidden entries skipped
+    (.DS_Store, macOS '._x.jpg' resource forks, .git, caches)."""
+    out = []
+    def fail(e: OSError) -> None:
+        raise DataError(f"cannot list {e.filename}: {e.strerror} — check its permissions")
+    for folder, dirs, files in os.walk(root, onerror=fail):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        out.append((Path(folder), sorted(f for f in files if not f.startswith("."))))
+    return out
+
+
+def _repeats(root: Path, folder: Path) -> int:
+    # The deepest "N_name" folder from the root down to the image decides, so a "10_sks" root or a
+    # "10_sks" subfolder both work, and nested sets can override their parent.
+    repeats = 1
+    for name in (root.name, *folder.relative_to(root).parts):
+        m = _REPEATS_PREFIX.match(name)
+        if m:
+            repeats = int(m.group(1))
+    return repeats
+
+
+def _clean(text: str) -> str:
+    # Line breaks and runs of spaces carry no meaning to a text encoder; one line of text does.
+    return " ".join(text.split())
+
+
+def _read_text(path: Path, what: str) -> str:
+    """Read a UTF-8 file; raise ValueError whose message is the reason (for a Problem)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read the {what}: {e.strerror or e}") from e
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}) "
+                         "— re-save it as UTF-8") from e
+
+
+def _read_metadata(path: Path, problems: list[Problem]) -> dict[str, tuple[str, int]]:
+    """Captions from a metadata.jsonl/.csv: normalised image path -> (caption, line number).
+
+    A damaged line is listed as a problem; a file whose captions cannot be found at all stops the
+    run, since training would otherwise silently ignore every caption in it.
+    """
+    try:
+        text = _read_text(path, "metadata file")
+    except ValueError as e:
+        raise DataError(f"{path}: {e}") from e
+    rows: list[tuple[int, dict]] = []
+    if path.suffix == ".jsonl":
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                problems.append(Problem(path, f"line {n} is not valid JSON ({e.msg}); that line is ignored"))
+                continue
+            if not isinstance(obj, dict):
+                problems.append(Problem(path, f"line {n} is not a JSON object; that line is ignored"))
+                continue
+            rows.append((n, obj))
+        fields = sorted({k for _, obj in rows for k in obj})
+    else:
+        # newline="" lets a quoted caption span lines, as CSV allows.
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        fields = list(reader.fieldnames or [])
+        rows = [(reader.line_num, row) for row in reader]
+    if rows and ("file_name" not in fields or not any(f in fields for f in METADATA_CAPTION_FIELDS)):
+        raise DataError(f"{path}: needs a 'file_name' field and a 'text' or 'caption' field; it has "
+                        f"{', '.join(map(repr, fields)) or 'none'} — rename the fields")
+    out: dict[str, tuple[str, int]] = {}
+    for n, row in rows:
+        name = row.get("file_name")
+        caption = next((row[f] for f in METADATA_CAPTION_FIELDS if row.get(f) is not None), None)
+        if not isinstance(name, str) or not name.strip():
+            problems.append(Problem(path, f"line {n} has no file_name; that line is ignored"))
+            continue
+        if not isinstance(caption, str):
+            problems.append(Problem(path, f"line {n} ({name}) has no text or caption; that line is ignored"))
+            continue
+        out[os.path.normpath(path.parent / name)] = (_clean(caption), n)
+    return out
+
+
+def _caption_extension_error(cfg: DataConfig, counts: dict[Path, _CaptionCount]) -> str | None:
+    ext = cfg.caption_extension
+    total = sum(c.images for c in counts.values())
+    matched = sum(c.matched for c in counts.values())
+    other = sum((c.other for c in counts.values()), Counter())
+    if matched == 0 and other:
+        best, n = other.most_common(1)[0]
+        also = "".join(f", {k} have '{e}'" for e, k in other.most_common()[1:])
+        return (f"caption_extension='{ext}' matched 0 of {total} images; {n} have '{best}'{also} "
+                f"— set data.caption_extension='{best}'")
+    for root, c in counts.items():
+        if c.matched == 0 and c.other:
+            best, n = c.other.most_common(1)[0]
+            return (f"caption_extension='{ext}' matched 0 of {c.images} images in {root} (it matched "
+                    f"{matched} in the other folders); {n} there have '{best}' — one caption_extension "
+                    f"applies to every folder in data.dirs, so give those captions the '{ext}' "
+                    f"extension (in a copy of the folder) or train that folder separately")
+    return None
+
+
+def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem]) -> tuple[list[_Candidate], list[str]]:
+    """Every image under the roots with its caption (or None); caption problems go to `problems`."""
+    candidates: list[_Candidate] = []
+    counts: dict[Path, _CaptionCount] = {}
+    ignored: Counter = Counter()
+    seen: set[str] = set()
+    duplicates = 0
+    known = set(CAPTION_EXTENSIONS) | {cfg.caption_extension}
+    for root in roots:
+        folders = _walk(root)
+        metadata: dict[str, tuple[str, int]] = {}
+        meta_file: dict[str, Path] = {}
+        for folder, names in folders:
+            for mname in METADATA_FILES:
+                if mname in names:
+                    found = _read_metadata(folder / mname, problems)
+                    metadata.update(found)
+                    meta_file.update(dict.fromkeys(found, folder / mname))
+        used: set[str] = set()
+        count = counts.setdefault(root, _CaptionCount())
+        for folder, names in folders:
+            present = set(names)
+            repeats = _repeats(root, folder)
+            for name in names:
+                stem, ext = os.path.splitext(name)
+                if ext.lower() not in IMAGE_EXTENSIONS:
+                    if ext.lower() not in known and name not in METADATA_FILES:
+                        ignored[ext.lower() or "(no extension)"] += 1
+                    continue
+                path = folder / name
+                norm = os.path.normpath(path)
+                real = os.path.realpath(path)
+                if real in seen:
+                    # Overlapping data.dirs (a folder and its subfolder) must not double an image's weight.
+                    duplicates += 1
+                    used.add(norm)
+                    continue
+                seen.add(real)
+                count.images += 1
+                caption: str | None = None
+                if stem + cfg.caption_extension in present:
+                    count.matched += 1
+                    try:
+                        # An empty caption file counts as no caption (it gets the fallback).
+                        caption = _clean(_read_text(folder / (stem + cfg.caption_extension), "caption")) or None
+                    except ValueError as e:
+                        problems.append(Problem(folder / (stem + cfg.caption_extension),
+                                                f"{e}; its image {name} was skipped"))
+                        used.add(norm)
+                        continue
+                if norm in metadata:
+                    used.add(norm)
+                    if caption is None:  # a sidecar next to the image wins over a metadata file
+                        caption = metadata[norm][0]
+                if caption is None:
+                    for alt in CAPTION_EXTENSIONS:
+                        if alt != cfg.caption_extension and stem + alt in present:
+                            count.other[alt] += 1
+                            break
+                candidates.append(_Candidate(root, path, repeats, caption))
+        for norm, (_, line) in metadata.items():
+            if norm not in used:
+                what = "is not a supported image type" if os.path.exists(norm) else "was not found"
+                problems.append(Problem(meta_file[norm], f"line {line}: {norm} {what}; that line is ignored"))
+    error = _caption_extension_error(cfg, counts)
+    if error:
+        raise DataError(error)
+    notes = []
+    if ignored:
+        kinds = ", ".join(f"{ext}: {n}" for ext, n in sorted(ignored.items()))
+        notes.append(f"ignored {sum(ignored.values())} file(s) that are not images or captions ({kinds}); "
+                     f"images must be one of {' '.join(sorted(IMAGE_EXTENSIONS))}")
+    if duplicates:
+        notes.append(f"{duplicates} image(s) were reached through more than one data.dirs entry and are used once")
+    return candidates, notes
+
+
+def _probe(candidates: list[_Candidate], max_pixels: int,
+           on_progress: Callable[[int, int], None] | None) -> list[tuple[int, int] | ImageProblem]:
+    def one(c: _Candidate) -> tuple[int, int] | ImageProblem:
+        try:
+            return probe_image(c.path, max_pixels)
+        except ImageProblem as e:
+            return e
+    total = len(candidates)
+    results = []
+    # Decoding releases the GIL, so a few threads use the cores; more would only hold more images in memory.
+    workers = max(1, min(4, os.cpu_count() or 1))
+    bar = tqdm(total=total, desc="checking images", unit="img", disable=None if on_progress is None else True)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for done, result in enumerate(pool.map(one, candidates), 1):
+            results.append(result)
+            bar.update(1)
+            if on_progress is not None:
+                on_progress(done, total)
+    bar.close()
+    return results
+
+
+def fallback_caption(cfg: DataConfig) -> str:
+    """What an image without a caption trains with: "<trigger_word> <class_token>" (either may be empty)."""
+    return " ".join(part for part in (cfg.trigger_word.strip(), cfg.class_token.strip()) if part)
+
+
+def scan(cfg: DataConfig, resolution: int,
+         on_progress: Callable[[int, int], None] | None = None) -> Dataset:
+    """Find every image and caption under cfg.dirs, check each image decodes, and bucket the good ones.
+
+    on_progress(done, total) is called as images are checked (a terminal bar is shown otherwise).
+    Raises DataError when a folder is missing, the caption setting matches nothing while another
+    extension would, a metadata file is unusable, or no usable image remains.
+    """
+    roots = _roots(cfg)
+    buckets = make_buckets(resolution, cfg.bucket_step, cfg.max_aspect)
+    problems: list[Problem] = []
+    candidates, notes = _find(cfg, roots, problems)
+    if not candidates and not problems:
+        raise DataError(f"no images found in {', '.join(map(str, roots))} (looked for "
+                        f"{' '.join(sorted(IMAGE_EXTENSIONS))}) — point data.dirs at a folder of images"
+                        + (f"; {notes[0]}" if notes else ""))
+    small_side = resolution * cfg.min_size_fraction
+    items: list[Item] = []
+    upscaled = over_aspect = 0
+    for c, result in zip(candidates, _probe(candidates, cfg.max_pixels, on_progress)):
+        if isinstance(result, ImageProblem):
+            problems.append(Problem(c.path, str(result)))
+            continue
+        w, h = result
+        if min(w, h) < cfg.min_side:
+            problems.append(Problem(c.path, f"{w}x{h} is too small to train on (a side under "
+                                            f"data.min_side={cfg.min_side} px)"))
+            continue
+        if w * h < small_side * small_side:
+            if cfg.small_images == "skip":
+                problems.append(Problem(
+                    c.path, f"{w}x{h} is under the {small_side:.0f}x{small_side:.0f} pixel count that "
+                            f"data.min_size_fraction={cfg.min_size_fraction} of resolution {resolution} asks "
+                            "for, and data.small_images='skip' (set 'upscale' to use it)"))
+                continue
+            upscaled += 1
+        if max(w / h, h / w) > cfg.max_aspect:
+            over_aspect += 1
+        items.append(Item(path=c.path, caption=c.caption or "", repeats=c.repeats, size=(w, h),
+                          bucket=nearest_bucket((w, h), buckets), dataset=c.root,
+                          has_caption=bool(c.caption)))
+    uncaptioned = sum(not it.has_caption for it in items)
+    if uncaptioned:
+        fallback = fallback_caption(cfg)
+        if fallback:
+            message = f"{uncaptioned} of {len(items)} images have no caption; they train with {fallback!r}"
+        else:
+            message = (f"{uncaptioned} of {len(items)} images have no caption and no fallback, so they train "
+                       "with an empty caption — set data.trigger_word or data.class_token to give them one")
+        log.warning(message)
+        notes.append(message)
+    if upscaled:
+        notes.append(f"{upscaled} image(s) are smaller than {small_side:.0f}x{small_side:.0f} pixels and "
+                     "will be upscaled (data.small_images='skip' leaves them out)")
+    if over_aspect:
+        notes.append(f"{over_aspect} image(s) are more elongated than data.max_aspect={cfg.max_aspect} "
+                     "and will be cropped to the nearest bucket")
+    dataset = Dataset(items=items, problems=problems, resolution=resolution,
+                      bucket_step=cfg.bucket_step, roots=roots, notes=notes)
+    if problems:
+        log.warning("%d problem(s) found and skipped; the dataset report lists each with its reason", len(problems))
+    if not items:
+        listed = "\n".join(f"  {p.path}: {p.reason}" for p in problems[:_MAX_LISTED])
+        more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        raise DataError(f"no usable images remain in {', '.join(map(str, roots))}; every file was skipped:\n"
+                        f"{listed}{more}\nfix or replace those files, or point data.dirs at another folder")
+    return dataset
+
+
+def inspect_text(cfg: DataConfig, resolution: int) -> str:
+    """The dataset report `sdxl-lora dataset inspect` prints; DataError propagates with its fix."""
+    return scan(cfg, resolution).report()
+
+
+# ------------------------------------------------------------------------------ pixels & captions
+
+def load_pixels(item: Item, crop: str, flip: bool,
+                rng: random.Random) -> tuple[torch.Tensor, tuple[int, int, int, int, int, int]]:
+    """Pixels float32 [3, H, W] in [-1, 1] at exactly the item's bucket, and SDXL's time_ids.
+
+    The image is resized so it covers the bucket, mirrored if `flip` (the caller draws it, so a
+    cache can key on it), then cropped: "center", or "random" (position drawn from rng).
+    time_ids = (original_h, original_w, crop_top, crop_left, target_h, target_w) as SDXL was trained:
+    original size before resizing, crop top-left in the resized (and mirrored) image, as diffusers'
+    SDXL training example computes them.
+    """
+    w, h = item.size
+    # The scan already applied data.max_pixels; this limit only guards against a file replaced since.
+    limit = max(w * h, DataConfig.model_fields["max_pixels"].default)
+    try:
+        img = open_image(item.path, max_pixels=limit)
+    except ImageProblem as e:
+        raise ImageProblem(f"{item.path}: {e} (it was readable when the dataset was scanned; "
+                           "was it changed or replaced since?)") from e
+    if img.size != (w, h):
+        raise ImageProblem(f"{item.path} is now {img.size[0]}x{img.size[1]} but was {w}x{h} when the dataset "
+                           "was scanned — the file changed; start the run again to rescan")
+    bw, bh = item.bucket
+    scale = max(bw / w, bh / h)
+    rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
+    if (rw, rh) != (w, h):
+        # reducing_gap first shrinks big photos by a cheap integer box filter, then Lanczos finishes.
+        img = img.resize((rw, rh), Image.Resampling.LANCZOS, reducing_gap=3.0 if scale < 1 else None)
+    if flip:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    if crop == "center":
+        top, left = int(round((rh - bh) / 2.0)), int(round((rw - bw) / 2.0))
+    elif crop == "random":
+        top, left = rng.randint(0, rh - bh), rng.randint(0, rw - bw)
+    else:
+        raise ValueError(f"crop={crop!r}: use 'center' or 'random'")
+    img = img.crop((left, top, left + bw, top + bh))
+    arr = np.asarray(img, dtype=np.uint8)
+    pixels = torch.from_numpy(arr.copy()).permute(2, 0, 1).float().div_(127.5).sub_(1.0).contiguous()
+    return pixels, (h, w, top, left, bh, bw)
+
+
+def _has_word(text: str, word: str) -> bool:
+    return re.search(rf"(?<!\w){re.escape(word)}(?!\w)", text) is not None
+
+
+def make_caption(item: Item, cfg: DataConfig, rng: random.Random) -> str:
+    """The caption an image trains with this time.
+
+    - caption dropout: with probability cfg.caption_dropout the caption is "" (for classifier-free guidance);
+    - no caption: "<trigger_word> <class_token>";
+    - tag shuffle: comma-separated tags are shuffled, the first cfg.keep_tokens staying in place;
+    - a trigger word missing from the caption is put first, so every image teaches it.
+    """
+    if cfg.caption_dropout > 0 and rng.random() < cfg.caption_dropout:
+        return ""
+    text = item.caption if item.has_caption else fallback_caption(cfg)
+    if cfg.shuffle_tags:
+        tags = [t.strip() for t in text.split(",") if t.strip()]
+        keep = max(0, cfg.keep_tokens)
+        rest = tags[keep:]
+        rng.shuffle(rest)
+        text = ", ".join(tags[:keep] + rest)
+    trigger = cfg.trigger_word.strip()
+    if trigger and not _has_word(text, trigger):
+        text = f"{trigger}, {text}" if text else trigger
+    return text
+
+
+# ---------------------------------------------------------------------------------------- sampler
+
+class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Batches of positions in `dataset.expanded()`, every batch from one bucket (so they stack).
+
+    Each epoch shuffles within buckets and then the order of batches, from (seed, epoch) alone, so
+    a resumed run sees the same batches. With several replicas (DDP) the epoch's batches are dealt
+    out in turn: shares are disjoint and equally long. When the batch count does not divide evenly,
+    drop_last leaves the remainder out; otherwise the first batches are dealt again to even it up.
+    drop_last also drops each bucket's last, partial batch.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, seed: int, num_replicas: int = 1,
+                 rank: int = 0, drop_last: bool = False):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be at least 1")
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank={rank} must be in 0..{num_replicas - 1}")
+        super().__init__()
+        self.batch_size = batch_size
+        self.seed = seed
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.drop_last = drop_last
+        self.epoch = 0
+        groups: dict[tuple[int, int], list[int]] = {}
+        for pos, i in enumerate(dataset.expanded()):
+            groups.setdefault(dataset.items[i].bucket, []).append(pos)
+        self._groups = dict(sorted(groups.items()))
+        sizes = [len(g) for g in self._groups.values()]
+        self._total = sum(n // batch_size if drop_last else -(-n // batch_size) for n in sizes)
+        if not sizes:
+            raise DataError("the dataset has no images to draw batches from")
+        if drop_last and self._total < num_replicas:
+            raise DataError(f"batch_size={batch_size} with drop_last leaves {self._total} full batch(es) for "
+                            f"{num_replicas} process(es) (the largest bucket has {max(sizes)} images) — lower "
+                            "train.batch_size or add images")
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self._total // self.num_replicas
+        return -(-self._total // self.num_replicas)
+
+    def _batches(self) -> list[list[int]]:
+        # A string seed hashes the same in every process (unlike hash() of a tuple).
+        rng = random.Random(f"{self.seed}:{self.epoch}")
+        batches = []
+        for positions in self._groups.values():
+            order = list(positions)
+            rng.shuffle(order)
+            for start in range(0, len(order), self.batch_size):
+                batch = order[start:start + self.batch_size]
+                if len(batch) == self.batch_size or not self.drop_last:
+                    batches.append(batch)
+        rng.shuffle(batches)
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self._batches()
+        extra = len(batches) % self.num_replicas
+        if extra and self.drop_last:
+            batches = batches[:len(batches) - extra]
+        elif extra:
+            batches += [batches[i % len(batches)] for i in range(self.num_replicas - extra)]
+        yield from batches[self.rank::self.num_replicas]

@@ -1,0 +1,53 @@
+"""Load an SDXL pipeline from what the user named: the embedded tiny model, a diffusers folder, or a
+single-file .safetensors checkpoint. Always offline; errors say which file is missing."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from .tiny import TINY_NAME, materialize_tiny
+
+# diffusers folder layout of an SDXL pipeline: what must be there for from_pretrained to work.
+REQUIRED = ("model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json",
+            "text_encoder_2/config.json", "scheduler/scheduler_config.json", "tokenizer", "tokenizer_2")
+
+
+class ModelError(ValueError):
+    pass
+
+
+def resolve_model_path(cfg: ModelConfig) -> Path:
+    """The diffusers folder or file the config names (materialising the tiny model if asked)."""
+    if cfg.path == TINY_NAME:
+        return materialize_tiny(cfg.cache_dir)
+    return Path(cfg.path).expanduser()
+
+
+def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32):
+    from diffusers import StableDiffusionXLPipeline
+
+    # Belt and braces: nothing in this process may reach a hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = resolve_model_path(cfg)
+    if not path.exists():
+        raise ModelError(f"model.path={str(path)!r} does not exist; give a diffusers SDXL folder, "
+                         f"a single-file .safetensors checkpoint, or '{TINY_NAME}'")
+    if path.is_file():
+        if path.suffix.lower() in (".ckpt", ".pt", ".pth", ".bin"):
+            raise ModelError(f"{path}: pickle checkpoints can run code when loaded and are refused; "
+                             "convert it to .safetensors first")
+        from .single_file import load_single_file
+        tok = Path(cfg.tokenizer) if cfg.tokenizer else None
+        return load_single_file(path, tokenizer_dir=tok, torch_dtype=torch_dtype)
+    missing = [r for r in REQUIRED if not (path / r).exists()]
+    if missing:
+        raise ModelError(f"{path} is not a diffusers SDXL folder: missing {', '.join(missing)}")
+    return StableDiffusionXLPipeline.from_pretrained(str(path), torch_dtype=torch_dtype,
+                                                     local_files_only=True, use_safetensors=True)
+
+
+def native_resolution(pipe) -> int:
+    return int(pipe.unet.config.sample_size) * int(pipe.vae_scale_factor)

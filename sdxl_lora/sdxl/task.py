@@ -1,0 +1,257 @@
+"""The SDXL task for the training loop: the UNet with its adapter, cached latents and text embeddings
+as batches, the diffusion loss, the adapter file and preview images.
+
+Latents and text embeddings are computed once, before the UNet loop, then the VAE and text encoders
+leave the accelerator, so the UNet trains with the memory to itself.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .. import inject
+from ..config import Config
+from ..export import save_diffusers_lora
+from ..runs import Run
+from . import data as sdxl_data
+from .cache import TensorCache, cache_key, file_digest
+from .model import load_pipeline, native_resolution, resolve_model_path
+from .preview import render_previews
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def component_identity(model_path: Path, component: str) -> str:
+    """Identifies a model component's weights for cache keys: path, sizes and mtimes of its files.
+    Cheap (no hashing of gigabytes) and changes whenever the weights are replaced."""
+    root = model_path / component if model_path.is_dir() else model_path
+    files = sorted(root.rglob("*")) if root.is_dir() else [root]
+    h = hashlib.sha256(str(root.resolve()).encode())
+    for f in files:
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+class CachedSDXLDataset(torch.utils.data.Dataset):
+    """Items of the dataset (repeats expanded) as tensors read from the on-disk cache."""
+
+    def __init__(self, task: "SDXLTask"):
+        self.task = task
+        self.index = task.dataset.expanded()
+        self.rng = random.Random(task.cfg.train.seed)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        t = self.task
+        item_idx = self.index[i]
+        flip = t.cfg.data.flip and self.rng.random() < 0.5
+        lat = t.cache.get(t.latent_keys[item_idx][flip])
+        if lat is None:
+            raise RuntimeError(f"latent cache entry for {t.dataset.items[item_idx].path} vanished during training")
+        text = t.cache.get(t.text_keys[item_idx])
+        if t.cfg.data.caption_dropout and self.rng.random() < t.cfg.data.caption_dropout:
+            text = t.empty_text
+        return {"latent_mean": lat["mean"], "latent_std": lat["std"], "time_ids": lat["time_ids"],
+                "prompt_embeds": text["prompt_embeds"], "pooled": text["pooled"]}
+
+
+def _collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+class SDXLTask:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    # ---- set-up, in dependency order: model -> data -> caches -> adapter ----
+    def setup(self, accelerator, run: Run) -> None:
+        cfg = self.cfg
+        self.accelerator = accelerator
+        self.device = accelerator.device
+        self.model_path = resolve_model_path(cfg.model)
+        self.pipe = load_pipeline(cfg.model)
+        self.resolution = cfg.data.resolution or native_resolution(self.pipe)
+        self.noise_scheduler = self._noise_scheduler()
+
+        self.dataset = sdxl_data.scan(cfg.data, self.resolution)
+        log.info("dataset:\n%s", self.dataset.report())
+        run.event("dataset", images=len(self.dataset.items), samples=len(self.dataset),
+                  problems=[{"path": str(p.path), "reason": p.reason} for p in self.dataset.problems],
+                  buckets={f"{w}x{h}": n for (w, h), n in self.dataset.bucket_histogram().items()})
+
+        cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output.runs_dir) / ".cache"
+        self.cache = TensorCache(cache_root)
+        if cfg.data.shuffle_tags:
+            raise NotImplementedError("data.shuffle_tags needs live text encoding, which is not built yet; "
+                                      "set data.shuffle_tags=false")
+        self._cache_latents()
+        self._cache_text()
+        # The VAE and text encoders are done: off the accelerator, the UNet gets the memory.
+        for m in (self.pipe.vae, self.pipe.text_encoder, self.pipe.text_encoder_2):
+            m.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+        unet = self.pipe.unet
+        self.plan = inject.make_plan(unet, cfg.adapter)
+        mp = accelerator.mixed_precision
+        # Frozen weights in the compute dtype; the adapter stays fp32 (apply_plan does that).
+        unet.to(self.device, dtype=_DTYPES.get(mp, torch.float32))
+        inject.apply_plan(unet, self.plan, dropout=cfg.adapter.dropout)
+        if cfg.train.gradient_checkpointing:
+            unet.enable_gradient_checkpointing()
+        n = self.plan.trainable_params
+        log.info("adapter: %d layers, %s trainable parameters (%.1f MB fp32)",
+                 len(self.plan.targets), f"{n:,}", n * 4 / 2**20)
+        run.event("plan", layers=len(self.plan.targets), trainable_params=n, preset=cfg.adapter.preset,
+                  rank=cfg.adapter.rank)
+
+    def _noise_scheduler(self):
+        from diffusers import DDPMScheduler
+
+        sched_cfg = dict(self.pipe.scheduler.config)
+        if self.cfg.model.prediction_type != "auto":
+            sched_cfg["prediction_type"] = self.cfg.model.prediction_type
+        return DDPMScheduler.from_config(sched_cfg)
+
+    @torch.no_grad()
+    def _cache_latents(self) -> None:
+        vae = self.pipe.vae
+        # fp32 VAE: SDXL's VAE overflows in fp16 and gives NaN latents.
+        vae.to(self.device, dtype=torch.float32)
+        vae_id = component_identity(self.model_path, "vae")
+        flips = (False, True) if self.cfg.data.flip else (False,)
+        self.latent_keys: list[dict[bool, str]] = []
+        rng = random.Random(0)  # center crop and fixed flips: the rng is not consulted for the result
+        todo = []
+        for idx, item in enumerate(self.dataset.items):
+            keys = {}
+            digest = file_digest(item.path)
+            for flip in flips:
+                keys[flip] = cache_key("latent", digest, item.bucket, "center", flip, vae_id)
+                if self.cache.get(keys[flip]) is None:
+                    todo.append((idx, flip, keys[flip]))
+            self.latent_keys.append(keys)
+        if not todo:
+            log.info("latent cache: all %d entries reused", sum(len(k) for k in self.latent_keys))
+            return
+        for idx, flip, key in tqdm(todo, desc="caching latents", unit="img"):
+            item = self.dataset.items[idx]
+            pixels, time_ids = sdxl_data.load_pixels(item, "center", flip, rng)
+            dist = vae.encode(pixels[None].to(self.device, torch.float32)).latent_dist
+            mean, std = dist.mean[0].cpu(), dist.std[0].cpu()
+            if not (torch.isfinite(mean).all() and torch.isfinite(std).all()):
+                raise ValueError(f"the VAE gave non-finite latents for {item.path}; the image may be corrupt "
+                                 "or the VAE broken (try another VAE)")
+            self.cache.put(key, {"mean": mean, "std": std, "time_ids": torch.tensor(time_ids, dtype=torch.float32)})
+
+    @torch.no_grad()
+    def _cache_text(self) -> None:
+        pipe = self.pipe
+        for m in (pipe.text_encoder, pipe.text_encoder_2):
+            m.to(self.device)
+        te_id = component_identity(self.model_path, "text_encoder") + component_identity(self.model_path, "text_encoder_2")
+        # Captions are fixed here (trigger word, class token); dropout happens per sample at train time.
+        fixed = self.cfg.data.model_copy(update={"caption_dropout": 0.0, "shuffle_tags": False})
+        rng = random.Random(0)
+        captions = [sdxl_data.make_caption(item, fixed, rng) for item in self.dataset.items]
+        self.text_keys = [cache_key("text", c, te_id) for c in captions]
+        unique = {k: c for k, c in zip(self.text_keys, captions)}
+        empty_key = cache_key("text", "", te_id)
+        unique[empty_key] = ""
+        for key, caption in tqdm(list(unique.items()), desc="caching text", unit="caption"):
+            if self.cache.get(key) is None:
+                self.cache.put(key, self.encode_text(caption))
+        self.empty_text = self.cache.get(empty_key)
+
+    def encode_text(self, caption: str) -> dict[str, torch.Tensor]:
+        # diffusers' own SDXL prompt encoding: penultimate hidden states of both encoders, concatenated,
+        # and the second encoder's pooled projection.
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=caption, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=False)
+        return {"prompt_embeds": embeds[0].float().cpu(), "pooled": pooled[0].float().cpu()}
+
+    # ---- what the loop asks for ----
+    def model(self) -> torch.nn.Module:
+        return self.pipe.unet
+
+    def param_groups(self) -> list[dict]:
+        return [{"params": inject.trainable_parameters(self.pipe.unet)}]
+
+    def dataloader(self) -> torch.utils.data.DataLoader:
+        ds = CachedSDXLDataset(self)
+        sampler = sdxl_data.BucketBatchSampler(self.dataset, self.cfg.train.batch_size, self.cfg.train.seed)
+        return torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=_collate, num_workers=0)
+
+    def batch_size(self, batch) -> int:
+        return int(batch["latent_mean"].shape[0])
+
+    def loss(self, model, batch) -> torch.Tensor:
+        sched = self.noise_scheduler
+        scale = self.pipe.vae.config.scaling_factor
+        mean, std = batch["latent_mean"], batch["latent_std"]
+        latents = (mean + std * torch.randn_like(mean)) * scale
+        noise = torch.randn_like(latents)
+        bsz = latents.shape[0]
+        t = torch.randint(0, sched.config.num_train_timesteps, (bsz,), device=latents.device)
+        noisy = sched.add_noise(latents, noise, t)
+        if sched.config.prediction_type == "v_prediction":
+            target = sched.get_velocity(latents, noise, t)
+        else:
+            target = noise
+        pred = model(noisy, t, encoder_hidden_states=batch["prompt_embeds"],
+                     added_cond_kwargs={"text_embeds": batch["pooled"], "time_ids": batch["time_ids"]}).sample
+        return F.mse_loss(pred.float(), target.float())
+
+    @torch.no_grad()
+    def evaluate(self, model) -> float:
+        """Loss on up to 8 training images at fixed timesteps and fixed noise (latent means, no
+        sampling): the same number for the same weights, so before/after compare like for like."""
+        sched = self.noise_scheduler
+        scale = self.pipe.vae.config.scaling_factor
+        n_t = sched.config.num_train_timesteps
+        timesteps = torch.tensor([n_t // 8, 3 * n_t // 8, 5 * n_t // 8, 7 * n_t // 8], device=self.device)
+        gen = torch.Generator("cpu").manual_seed(0)
+        was_training = model.training
+        model.eval()
+        losses = []
+        try:
+            for idx in range(min(8, len(self.dataset.items))):
+                lat = self.cache.get(self.latent_keys[idx][False])
+                text = self.cache.get(self.text_keys[idx])
+                latents = (lat["mean"] * scale).expand(len(timesteps), -1, -1, -1).to(self.device)
+                noise = torch.randn(latents.shape, generator=gen).to(self.device)
+                batch = {"noisy": sched.add_noise(latents, noise, timesteps),
+                         "target": (sched.get_velocity(latents, noise, timesteps)
+                                    if sched.config.prediction_type == "v_prediction" else noise)}
+                k = len(timesteps)
+                with self.accelerator.autocast():
+                    pred = model(batch["noisy"], timesteps,
+                                 encoder_hidden_states=text["prompt_embeds"].expand(k, -1, -1).to(self.device),
+                                 added_cond_kwargs={"text_embeds": text["pooled"].expand(k, -1).to(self.device),
+                                                    "time_ids": lat["time_ids"].expand(k, -1).to(self.device)}).sample
+                losses.append(F.mse_loss(pred.float(), batch["target"].float()).item())
+        finally:
+            model.train(was_training)
+        return sum(losses) / len(losses)
+
+    def save_adapter(self, model, run: Run, step: int) -> dict[str, Path]:
+        meta = {"sdxl_lora.steps": str(step), "sdxl_lora.resolution": str(self.resolution),
+                "sdxl_lora.preset": self.cfg.adapter.preset}
+        path = save_diffusers_lora(model, run.dir / f"{run.name}.safetensors", extra_metadata=meta)
+        return {"diffusers": path}
+
+    def preview(self, model, run: Run, step: int) -> list[Path]:
+        return render_previews(self, model, run, step)

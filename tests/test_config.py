@@ -1,0 +1,61 @@
+"""The config schema: defaults that work, TOML + --set overrides, errors that name the field."""
+import pytest
+
+from sdxl_lora.config import Config, ConfigError, load_config
+
+
+def test_defaults_are_valid_and_roundtrip_through_toml(tmp_path):
+    cfg = load_config()
+    path = tmp_path / "c.toml"
+    path.write_text(cfg.to_toml())
+    assert load_config(path) == cfg
+
+
+def test_set_overrides_parse_toml_literals(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nsteps = 10\nlr = 0.5\n")
+    cfg = load_config(path, ["train.lr=1e-4", "data.flip=true", "output.name=my run", "data.dirs=['a', 'b']"])
+    assert cfg.train.steps == 10
+    assert cfg.train.lr == pytest.approx(1e-4)
+    assert cfg.data.flip is True
+    assert cfg.output.name == "my run"
+    assert cfg.data.dirs == ["a", "b"]
+
+
+def test_bad_choice_names_field_value_and_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["train.mixed_precision=fp8"])
+    msg = str(e.value)
+    assert "train.mixed_precision" in msg and "'fp8'" in msg
+    for allowed in ("'no'", "'fp16'", "'bf16'"):
+        assert allowed in msg
+
+
+def test_unknown_field_lists_allowed_fields(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nlearning_rate = 1e-4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert "train.learning_rate" in msg and "lr" in msg and str(path) in msg
+
+
+def test_out_of_range_number_is_refused():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["adapter.rank=0"])
+    assert "adapter.rank" in str(e.value) and "0" in str(e.value)
+
+
+def test_missing_or_broken_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_set_needs_key_value():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(overrides=["train.lr"])
+    assert isinstance(load_config(), Config)
