@@ -23,14 +23,15 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-    # mkstemp makes the file private (0600); outputs get the usual mode (0666 less the umask).
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        # mkstemp makes the file private (0600), and some writers replace it; outputs get the usual
+        # mode (0666 less the umask) so other users' tools (a ComfyUI service, say) can read them.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_path, 0o666 & ~umask)
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, dest)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sdxl_lora.sdxl import single_file as sf
-from sdxl_lora.sdxl.tiny import materialize_tiny
+from sdxl_lora.sdxl.tiny import bytes_to_unicode, materialize_tiny
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def test_unet_only_file_names_missing_parts(tmp_path, tiny_file):
 
 
 def _alphabet() -> list[str]:
-    return list(sf._bytes_to_unicode().values())
+    return list(bytes_to_unicode().values())
 
 
 def _write_bpe(path: Path, merges: list[str]) -> Path:
