@@ -49,20 +49,54 @@ def _config_from_args(args) -> "Config":  # noqa: F821
     return load_config(args.config, args.set, extra)
 
 
+def _resume_target(args) -> tuple["Config", "Run", Path]:  # noqa: F821
+    """The run to resume, its own config (plus any --set given now) and its newest complete state."""
+    from . import checkpoint
+    from .config import ConfigError, load_config
+    from .runs import Run
+
+    if args.config:
+        raise ConfigError("--resume uses the run's own config.toml; drop the CONFIG argument")
+    if args.resume == "latest":
+        runs_dir = Path(args.out or load_config().output.runs_dir)
+        candidates = [d for d in runs_dir.iterdir() if (d / "checkpoints").is_dir()] if runs_dir.is_dir() else []
+        if not candidates:
+            raise FileNotFoundError(f"--resume latest: no run with checkpoints under {runs_dir}")
+        run_dir = max(candidates, key=lambda d: (d / "events.jsonl").stat().st_mtime
+                      if (d / "events.jsonl").exists() else 0)
+    else:
+        run_dir = Path(args.resume)
+    if not (run_dir / "config.toml").is_file():
+        raise FileNotFoundError(f"--resume {run_dir}: not a run folder (no config.toml)")
+    cfg = load_config(run_dir / "config.toml", args.set, {"train.steps": args.steps} if args.steps else None)
+    state = checkpoint.newest_valid(run_dir / "checkpoints")
+    if state is None:
+        raise FileNotFoundError(f"--resume {run_dir}: no complete training state in {run_dir / 'checkpoints'}; "
+                                "nothing to resume (start a new run instead)")
+    return cfg, Run(run_dir), state
+
+
 def cmd_train(args) -> int:
     from .runs import attach_log_file, create_run, relpath
     from .sdxl.task import SDXLTask
     from .train import Trainer
 
-    cfg = _config_from_args(args)
-    run = create_run(cfg)
+    if args.resume:
+        cfg, run, state = _resume_target(args)
+    else:
+        cfg, state = _config_from_args(args), None
+        run = create_run(cfg)
     attach_log_file(run)
     logging.getLogger(__name__).info("run folder: %s", run.dir)
-    trainer = Trainer(cfg, SDXLTask(cfg), run)
+    trainer = Trainer(cfg, SDXLTask(cfg), run, resume=state)
     trainer.setup()
     result = trainer.fit()
     if not trainer.accelerator.is_main_process:
         return 0
+    if result.interrupted:
+        print(f"\nstopped by {result.interrupted} at step {result.steps}; state saved in {relpath(result.state)}")
+        print(f"resume with: sdxl-lora train --resume {relpath(run.dir)}")
+        return 130
     print()
     print(f"run folder : {relpath(run.dir)}")
     for kind, path in result.adapter.items():
@@ -115,6 +149,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    import json
+
+    from .config import load_config
+    from . import inject
+    from .sdxl.model import unet_skeleton
+
+    extra = {k: v for k, v in (("model.path", args.model), ("adapter.preset", args.preset),
+                                ("adapter.rank", args.rank), ("data.resolution", args.resolution)) if v is not None}
+    cfg = load_config(args.config, args.set, extra)
+    unet, native = unet_skeleton(cfg.model)
+    resolution = cfg.data.resolution or native
+    plan = inject.make_plan(unet, cfg.adapter, resolution=resolution, native=native)
+    if args.json:
+        print(json.dumps({"model": cfg.model.path, "preset": cfg.adapter.preset, "resolution": resolution,
+                          "base_rank": plan.base_rank, "modules": len(plan.targets),
+                          "trainable_params": plan.trainable_params,
+                          "adapter_mb": round(plan.trainable_params * 4 / 2**20, 3),
+                          "groups": plan.groups()}, indent=1))
+    else:
+        print(f"model {cfg.model.path}, preset {cfg.adapter.preset}, resolution {resolution} (native {native})")
+        print(inject.format_plan(plan))
+    return 0
+
+
 def cmd_dataset_inspect(args) -> int:
     from .config import load_config
     from .sdxl.data import inspect_text
@@ -122,6 +181,78 @@ def cmd_dataset_inspect(args) -> int:
     cfg = load_config(args.config, args.set, {"data.dirs": list(args.dirs)})
     resolution = cfg.data.resolution or args.resolution
     print(inspect_text(cfg.data, resolution))
+    return 0
+
+
+def _adapter_source(source: str, model: str | None) -> tuple[Path, str | None]:
+    """The adapter (file or PEFT folder) a path names, and the model its layer names refer to: a run
+    folder gives its main adapter file and the model it was trained on."""
+    p = Path(source)
+    if p.is_dir() and (p / "config.toml").is_file():
+        from .config import load_config
+
+        for cand in (p / f"{p.name}.safetensors", p / f"{p.name}.diffusers.safetensors"):
+            if cand.is_file():
+                run_model = load_config(p / "config.toml").model.path
+                return cand, model or run_model
+        raise FileNotFoundError(f"run folder {p} has no adapter ({p.name}.safetensors): has the run finished?")
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such adapter file, PEFT folder or run folder")
+    return p, model
+
+
+def cmd_export(args) -> int:
+    from .export import AdapterError, export_adapter, layer_table, load_adapter
+    from .runs import relpath
+
+    try:
+        src, model = _adapter_source(args.source, args.model)
+        table = layer_table(model)
+        adapter = load_adapter(src, table)
+        if adapter.unknown and not args.drop_unknown:
+            print(f"error: {src}: {adapter.problems[0]}; pass --drop-unknown to export the other layers",
+                  file=sys.stderr)
+            return 2
+        out = export_adapter(adapter, args.out, args.format, metadata=not args.no_metadata, names=args.names,
+                             unet_config=table.unet_config, uniform_alpha=not args.true_alpha,
+                             overwrite=args.overwrite)
+    except AdapterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.format} adapter: {relpath(out)}  ({len(adapter.layers)} layers, read from {relpath(src)}, "
+          f"{adapter.format})")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .export import AdapterError, inspect_adapter
+
+    try:
+        src, model = _adapter_source(args.file, args.model)
+        _, text = inspect_adapter(src, model)
+    except AdapterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from .export import AdapterError
+    from .merge import merge_checkpoint, parse_lora_arg
+    from .runs import relpath
+
+    loras = [parse_lora_arg(a) for a in args.lora]
+    try:
+        out = merge_checkpoint(args.model, loras, args.out, tokenizer=args.tokenizer, dtype=args.dtype,
+                               overwrite=args.overwrite)
+    except AdapterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    merged = ", ".join(f"{p.name} x {s:g}" for p, s in loras)
+    kind = "single-file checkpoint" if out.suffix == ".safetensors" else "diffusers folder"
+    print(f"merged     : {merged}")
+    print(f"checkpoint : {relpath(out)}  ({kind})")
     return 0
 
 
@@ -138,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
         kw = {"action": "append"} if field == "data.dirs" else {}
         t.add_argument(flag, type=typ, help=f"{help_} [{field}]", **kw)
     t.add_argument("--overwrite", action="store_true", help="replace an existing run folder of the same name")
+    t.add_argument("--resume", metavar="RUN_DIR|latest",
+                   help="continue a run from its newest complete training state (with its own config)")
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="render images with a base model and LoRA adapters")
@@ -157,6 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true")
     g.set_defaults(func=cmd_generate)
 
+    pl = sub.add_parser("plan", help="print the adapter plan: slots, ranks, alphas, parameters, size")
+    pl.add_argument("config", nargs="?", help="TOML config file")
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    pl.add_argument("--model", help="tiny-sdxl, arch:sdxl (SDXL base's structure, no weights), a folder or file")
+    pl.add_argument("--preset", help="attn, cross-attn, topology or full [adapter.preset]")
+    pl.add_argument("--rank", type=int, help="base rank [adapter.rank]")
+    pl.add_argument("--resolution", type=int, help="training resolution [data.resolution]")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(func=cmd_plan)
+
     d = sub.add_parser("dataset", help="dataset tools")
     dsub = d.add_subparsers(dest="dataset_command", required=True)
     di = dsub.add_parser("inspect", help="image count, caption coverage, bucket histogram, problems")
@@ -166,10 +309,42 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--resolution", type=int, default=1024,
                     help="bucket resolution when the config sets none (default 1024, SDXL's)")
     di.set_defaults(func=cmd_dataset_inspect)
+
+    e = sub.add_parser("export", help="write an adapter as kohya (ComfyUI/A1111/Forge), diffusers or peft")
+    e.add_argument("source", metavar="RUN_DIR_OR_FILE", help="a run folder, an adapter file or a PEFT folder")
+    e.add_argument("--format", required=True, choices=["kohya", "diffusers", "peft"])
+    e.add_argument("--out", required=True, help="the file to write (a folder for --format peft)")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    e.add_argument("--no-metadata", action="store_true", help="write no ss_*/modelspec.* (or any) metadata")
+    e.add_argument("--names", default="sgm", choices=["sgm", "diffusers"],
+                   help="kohya layer names: SDXL's original (sgm, what A1111/ComfyUI expect) or diffusers' blocks")
+    e.add_argument("--true-alpha", action="store_true",
+                   help="kohya: keep each layer's training alpha instead of one alpha with the rest folded into the "
+                        "weights (A1111/ComfyUI read both right; diffusers only the default)")
+    e.add_argument("--model", help="the model the adapter's layer names refer to (default: the run's, or SDXL base)")
+    e.add_argument("--drop-unknown", action="store_true", help="export even when some keys fit no layer of the model")
+    e.set_defaults(func=cmd_export)
+
+    i = sub.add_parser("inspect", help="an adapter's format, base model, per-block rank and alpha, metadata, problems")
+    i.add_argument("file", metavar="FILE", help="an adapter file, a PEFT folder or a run folder")
+    i.add_argument("--model", help="the model the adapter's layer names refer to (default: the run's, or SDXL base)")
+    i.set_defaults(func=cmd_inspect)
+
+    m = sub.add_parser("merge", help="bake adapters into a full SDXL checkpoint (diffusers folder or single file)")
+    m.add_argument("--model", required=True, help="base: diffusers SDXL folder, single-file .safetensors or tiny-sdxl")
+    m.add_argument("--lora", action="append", required=True, metavar="FILE[:STRENGTH]",
+                   help="adapter and its strength (default 1.0); repeatable, merged in order")
+    m.add_argument("--out", required=True, help="a .safetensors path (single file) or a folder (diffusers)")
+    m.add_argument("--tokenizer", help="folder with tokenizer/ and tokenizer_2/ (for a single-file base)")
+    m.add_argument("--dtype", default="auto", choices=["auto", "fp16", "bf16", "fp32"],
+                   help="weights of the result (auto: as the base stores them)")
+    m.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint")
+    m.set_defaults(func=cmd_merge)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .checkpoint import CheckpointError
     from .config import ConfigError
     from .sdxl.data import DataError
     from .sdxl.model import ModelError
@@ -180,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     # The errors we raise for bad input carry the fix in their message: print it, no traceback.
-    except (ConfigError, DataError, ModelError, SingleFileError, FileExistsError, FileNotFoundError) as e:
+    except (ConfigError, DataError, ModelError, SingleFileError, CheckpointError, FileExistsError,
+            FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -78,12 +78,26 @@ class DataConfig(Section):
 
 
 class AdapterConfig(Section):
-    # Which layers get LoRA: "attn" = to_q, to_k, to_v, to_out.0 of every attention (diffusers' default).
-    preset: Literal["attn", "cross-attn", "full"] = "attn"
+    # Which layers get LoRA, and how ranks are weighted across them (docs/injector.md):
+    #   attn       to_q, to_k, to_v, to_out.0 of every attention, one rank (diffusers' default)
+    #   cross-attn the same, cross-attention only
+    #   topology   the attention projections, ranks weighted by slot (kind, projection, level)
+    #   full       attention, feed-forward and proj_in/proj_out linears
+    preset: Literal["attn", "cross-attn", "topology", "full"] = "topology"
+    # The base rank (at the model's native resolution when scale_rank_with_resolution).
     rank: int = Field(16, ge=1, le=1024)
-    # none means alpha = rank (scale 1).
+    # none means alpha = rank (scale 1); otherwise every slot keeps the same alpha/rank ratio.
     alpha: float | None = None
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # rank = base x sqrt(resolution / native resolution), rounded, clamped to [min_rank, max_rank].
+    scale_rank_with_resolution: bool = True
+    min_rank: int = Field(1, ge=1)
+    max_rank: int = Field(256, ge=1)
+    # Glob on the module path or kohya block id (IN00..IN08, MID, OUT00..OUT08) -> rank; 0 leaves it
+    # out; the last matching entry wins. E.g. {"*.attn2.to_v" = 32, "OUT0[0-2]" = 8}.
+    overrides: dict[str, int] = Field(default_factory=dict)
+    # LoRA-Bias: a trainable bias on each adapter's up projection.
+    lora_bias: bool = False
 
 
 class TrainConfig(Section):
@@ -102,6 +116,11 @@ class TrainConfig(Section):
     seed: int = 42
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = Field(10, ge=1)
+    # Training state (adapter, optimizer, schedule, RNG, data position) every N steps and/or every
+    # M minutes, whichever comes first; 0 turns either off. The last K states are kept.
+    save_every: int = Field(100, ge=0)
+    save_every_minutes: float = Field(10.0, ge=0)
+    keep_checkpoints: int = Field(3, ge=1)
 
 
 class PreviewConfig(Section):

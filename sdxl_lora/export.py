@@ -1,17 +1,62 @@
-"""Adapter files: write them (atomically, never over an existing file unless asked) and read them back."""
+"""Adapter files: write them in the kohya format (AUTOMATIC1111/Forge, ComfyUI, kohya), diffusers' or
+PEFT's, atomically and never over an existing file unless asked; read any of them back (import).
+
+In memory an adapter is an `Adapter`: its layers by diffusers module path with the component in
+front (`unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`), each with its down and
+up weights and its true alpha (the layer adds alpha / rank * up @ down), whatever file it came
+from. Every conversion is read -> Adapter -> write, so a new format is one reader and one writer.
+
+  kohya      `lora_unet_<sgm module>.lora_down.weight` / `.lora_up.weight` / `.alpha` (+ `.dora_scale`),
+             `ss_*` and `modelspec.*` metadata; or diffusers block names with names="diffusers"
+  diffusers  `unet.<module>.lora_A.weight` / `.lora_B.weight`, the LoRA config (ranks, alphas) in the
+             `lora_adapter_metadata` entry; `load_lora_weights` reads it
+  peft       a folder: adapter_config.json + adapter_model.safetensors (`base_model.model.<module>...`)
+"""
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from .fsutil import atomic_save
+from . import kohya
+from .fsutil import atomic_save, atomic_write_text, fsync_dir
+
+log = logging.getLogger(__name__)
 
 # diffusers reads the LoRA config (ranks, alphas, targets) from this metadata key when it loads a file,
 # so mixed ranks and alpha != rank survive the trip.
 DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"
+FORMATS = ("kohya", "diffusers", "peft")
+PEFT_CONFIG_NAME = "adapter_config.json"
+PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
+DIFFUSERS_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+# What AUTOMATIC1111/Forge read to decide an adapter is for SDXL (it hides LoRAs that do not say so).
+SS_BASE_MODEL_VERSION = "sdxl_base_v1-0"
+SS_NETWORK_MODULE = "networks.lora"
+MODELSPEC_LORA_ARCHITECTURE = "stable-diffusion-xl-v1-base/lora"
+MODELSPEC_IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
+# Metadata computed from the weights at write time: a carried-over value would be stale.
+_DERIVED = {"ss_network_dim", "ss_network_alpha", "sshs_model_hash", "sshs_legacy_hash", "format",
+            DIFFUSERS_METADATA_KEY}
+PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle"}
+
+
+class AdapterError(ValueError):
+    """An adapter file or folder cannot be read or written as asked; the message says why and what to do."""
 
 
 class ExportExistsError(FileExistsError):
@@ -23,6 +68,364 @@ def _check_dest(path: Path, overwrite: bool) -> None:
         raise ExportExistsError(f"{path} already exists; choose another path or pass overwrite=True (--overwrite)")
 
 
+# --------------------------------------------------------------------------------------------
+# The adapter in memory
+
+
+@dataclass
+class LoraLayer:
+    """One adapted layer: the update is alpha / rank * up @ down (for convolutions, up is 1x1)."""
+    down: torch.Tensor               # (rank, in) or (rank, in, kh, kw)
+    up: torch.Tensor                 # (out, rank) or (out, rank, 1, 1)
+    alpha: float
+    magnitude: torch.Tensor | None = None  # DoRA: the per-output-channel magnitude, shape (out,)
+    bias: torch.Tensor | None = None       # LoRA-Bias: up's bias, shape (out,); adds alpha / rank * bias
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def delta(self) -> torch.Tensor:
+        """The change to the base weight (fp32), shaped like it."""
+        down, up = self.down.float(), self.up.float()
+        d = up.flatten(1) @ down.flatten(1)
+        return (d.reshape(up.shape[0], *down.shape[1:]) if down.dim() == 4 else d) * self.scale
+
+
+@dataclass
+class Adapter:
+    layers: dict[str, LoraLayer]                 # "unet.<module path>" / "text_encoder.<...>" -> layer
+    metadata: dict[str, str] = field(default_factory=dict)
+    format: str = "memory"                       # what it was read from
+    unknown: list[str] = field(default_factory=list)   # keys of the file that name no layer of the model
+    problems: list[str] = field(default_factory=list)
+
+    def component(self, name: str) -> dict[str, LoraLayer]:
+        return {k.split(".", 1)[1]: v for k, v in self.layers.items() if k.split(".", 1)[0] == name}
+
+    def components(self) -> list[str]:
+        return sorted({k.split(".", 1)[0] for k in self.layers})
+
+
+def _rank_alpha(cfg: Mapping, module: str) -> tuple[int | None, float | None]:
+    """A module's rank and alpha (scale = alpha / rank) under a peft LoRA config (as a dict), resolved
+    with peft's own pattern rule, so rank_pattern/alpha_pattern mean what they meant when training."""
+    from peft.utils.other import get_pattern_key
+
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), cfg.get("r"))
+    alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), cfg.get("lora_alpha"))
+    if alpha is not None and r is not None and cfg.get("use_rslora"):
+        alpha = alpha * math.sqrt(r)  # rsLoRA scales by alpha / sqrt(r): the same update as alpha * sqrt(r) / r
+    return r, (float(alpha) if alpha is not None else None)
+
+
+def _config_dict(config) -> dict:
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    for k, v in list(cfg.items()):
+        if isinstance(v, set):
+            cfg[k] = sorted(v)
+    return cfg
+
+
+def adapter_from_model(model: torch.nn.Module, component: str = "unet", adapter_name: str = "default") -> Adapter:
+    """The LoRA layers peft put in `model` (e.g. the UNet being trained), with each layer's rank and
+    alpha from the adapter's config (rank_pattern and alpha_pattern included)."""
+    from peft.tuners.lora import LoraLayer as PeftLoraLayer
+
+    configs = getattr(model, "peft_config", None) or {}
+    # Injected without a config on the model (peft.inject_adapter_in_model): each layer's own r and alpha.
+    cfg = _config_dict(configs[adapter_name]) if adapter_name in configs else None
+    layers = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, PeftLoraLayer) or adapter_name not in mod.lora_A:
+            continue
+        name = name.removeprefix(PEFT_PREFIX)
+        if cfg is not None:
+            r, alpha = _rank_alpha(cfg, name)
+        else:
+            r, alpha = mod.r[adapter_name], float(mod.lora_alpha[adapter_name])
+            alpha = alpha * math.sqrt(r) if mod.use_rslora.get(adapter_name) else alpha
+        down = mod.lora_A[adapter_name].weight.detach()
+        up = mod.lora_B[adapter_name].weight.detach()
+        if down.shape[0] != r:
+            raise AdapterError(f"{name}: lora_A has rank {down.shape[0]} but the adapter config says r={r}")
+        bias = getattr(mod.lora_B[adapter_name], "bias", None)
+        mag = None
+        if mod.use_dora.get(adapter_name):
+            mag = mod.lora_magnitude_vector[adapter_name].weight.detach().reshape(-1)
+        layers[f"{component}.{name}"] = LoraLayer(down, up, alpha, mag, None if bias is None else bias.detach())
+    if not layers:
+        raise AdapterError(f"the {component} has no LoRA layers of an adapter named {adapter_name!r}"
+                           + (f" (its adapters: {', '.join(configs)})" if configs else ""))
+    return Adapter(layers)
+
+
+def _as_adapter(source) -> Adapter:
+    return source if isinstance(source, Adapter) else adapter_from_model(source)
+
+
+def lora_config_for(layers: Mapping[str, LoraLayer]):
+    """A peft LoraConfig that recreates these layers (module paths without the component): the most
+    common rank and alpha as r / lora_alpha, the others as exact (anchored) patterns."""
+    from peft import LoraConfig
+
+    ranks = Counter(layer.rank for layer in layers.values())
+    alphas = Counter(layer.alpha for layer in layers.values())
+    r = ranks.most_common(1)[0][0]
+    alpha = alphas.most_common(1)[0][0]
+    # Anchored full-path regexes: peft matches a pattern by suffix, which could catch a deeper module.
+    return LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=sorted(layers),
+        rank_pattern={f"^{re.escape(m)}$": lay.rank for m, lay in sorted(layers.items()) if lay.rank != r},
+        alpha_pattern={f"^{re.escape(m)}$": lay.alpha for m, lay in sorted(layers.items()) if lay.alpha != alpha},
+        use_dora=any(lay.magnitude is not None for lay in layers.values()),
+        lora_bias=any(lay.bias is not None for lay in layers.values()),
+    )
+
+
+def apply_adapter(model: torch.nn.Module, adapter: Adapter, component: str = "unet",
+                  adapter_name: str = "default") -> int:
+    """Add the adapter's `component` layers to `model` with peft (as training does) and load their
+    weights: for previews, comparisons and as the start of further training. Returns the layer count."""
+    layers = adapter.component(component)
+    if not layers:
+        have = ", ".join(adapter.components()) or "none"
+        raise AdapterError(f"the adapter has no {component} layers (it has: {have})")
+    named = dict(model.named_modules())
+    missing = [m for m in layers if m not in named]
+    if missing:
+        raise AdapterError(f"the {component} has no module {missing[0]!r} ({len(missing)} of {len(layers)} adapter "
+                           "layers do not fit this model: was the adapter trained for another model?)")
+    cfg = lora_config_for(layers)
+    from diffusers.loaders.peft import PeftAdapterMixin
+
+    if isinstance(model, PeftAdapterMixin):  # diffusers' integration: its own save/load helpers then work
+        model.add_adapter(cfg, adapter_name=adapter_name)
+    else:
+        from peft import inject_adapter_in_model
+        inject_adapter_in_model(cfg, model, adapter_name=adapter_name)
+    named = dict(model.named_modules())
+    with torch.no_grad():
+        for m, layer in layers.items():
+            mod = named[m]
+            pairs = ((mod.lora_A[adapter_name].weight, layer.down), (mod.lora_B[adapter_name].weight, layer.up))
+            for target, value in pairs:
+                if target.shape != value.shape:
+                    raise AdapterError(f"{component}.{m}: adapter weight has shape {list(value.shape)}, the model's "
+                                       f"layer expects {list(target.shape)}: the adapter was trained for another model")
+                target.copy_(value)
+            if layer.magnitude is not None:
+                w = mod.lora_magnitude_vector[adapter_name].weight
+                w.copy_(layer.magnitude.reshape(w.shape))
+            if layer.bias is not None:
+                mod.lora_B[adapter_name].bias.copy_(layer.bias)
+    return len(layers)
+
+
+# --------------------------------------------------------------------------------------------
+# Metadata
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def training_metadata(*, title: str, steps: int | None = None, resolution: int | None = None,
+                      trigger_phrase: str = "", base_model: str | None = None,
+                      datasets: Mapping[str, Sequence[tuple[str, int]]] | None = None,
+                      extra: Mapping[str, object] | None = None) -> dict[str, str]:
+    """The descriptive `ss_*` / `modelspec.*` metadata of a trained adapter (the writer adds the keys
+    computed from the weights). `datasets` maps a dataset folder's name (not its path) to
+    (caption, repeats) per image; `base_model` is reduced to its file or folder name."""
+    meta: dict[str, str] = {"ss_output_name": title, "modelspec.title": title}
+    if steps is not None:
+        meta["ss_steps"] = meta["ss_max_train_steps"] = str(int(steps))
+    if resolution:
+        meta["ss_resolution"] = f"({resolution}, {resolution})"
+        meta["modelspec.resolution"] = f"{resolution}x{resolution}"
+    if trigger_phrase.strip():
+        meta["modelspec.trigger_phrase"] = trigger_phrase.strip()
+    if base_model:
+        meta["ss_sd_model_name"] = Path(str(base_model)).name
+    if datasets is not None:
+        dirs, tags, total = {}, {}, 0
+        for name, images in datasets.items():
+            repeats = Counter(r for _, r in images)
+            dirs[name] = {"n_repeats": repeats.most_common(1)[0][0] if repeats else 1, "img_count": len(images)}
+            total += sum(r for _, r in images)
+            freq: Counter = Counter()
+            for caption, _ in images:
+                freq.update(t.strip() for t in caption.split(",") if t.strip())
+            tags[name] = dict(freq.most_common())
+        meta["ss_num_train_images"] = str(total)
+        meta["ss_dataset_dirs"] = json.dumps(dirs, ensure_ascii=False)
+        meta["ss_tag_frequency"] = json.dumps(tags, ensure_ascii=False)
+    for k, v in (extra or {}).items():
+        meta[str(k)] = v if isinstance(v, str) else json.dumps(v)
+    return meta
+
+
+def _scrub_paths(meta: dict[str, str]) -> dict[str, str]:
+    """No absolute paths leave the machine in a shared file: a value that is one keeps its last part."""
+    out = {}
+    for k, v in meta.items():
+        s = v.strip()
+        if len(s) > 1 and (os.path.isabs(s) or re.match(r"^[A-Za-z]:[\\/]", s)) and "\n" not in s:
+            log.info("metadata %s held an absolute path; only its last part %r is written", k, Path(s).name)
+            v = Path(s.replace("\\", "/")).name
+        out[k] = v
+    return out
+
+
+def _carried(meta: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in meta.items() if k not in _DERIVED}
+
+
+def kohya_metadata(adapter: Adapter, extra: Mapping[str, str] | None = None,
+                   uniform_alpha: bool = False) -> dict[str, str]:
+    """`ss_*` and `modelspec.*` metadata for a kohya file: what A1111/Forge need to list it as an SDXL
+    LoRA, the adapter's carried-over description, then `extra` (which wins)."""
+    ranks = Counter(lay.rank for lay in adapter.layers.values())
+    alphas = Counter(lay.alpha for lay in adapter.layers.values())
+    folded = sorted(alphas) if uniform_alpha and len(alphas) > 1 else []
+    if uniform_alpha:
+        alphas = Counter({alphas.most_common(1)[0][0]: len(adapter.layers)})
+    meta = {
+        "ss_base_model_version": SS_BASE_MODEL_VERSION,
+        "ss_network_module": SS_NETWORK_MODULE,
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": MODELSPEC_LORA_ARCHITECTURE,
+        "modelspec.implementation": MODELSPEC_IMPLEMENTATION,
+    }
+    meta.update(_carried(adapter.metadata))
+    meta.update({str(k): str(v) for k, v in (extra or {}).items()})
+    meta["ss_network_dim"] = str(ranks.most_common(1)[0][0])
+    meta["ss_network_alpha"] = _num(alphas.most_common(1)[0][0])
+    # kohya's key for the network's settings: note mixed ranks/alphas (each layer's own are in its tensors).
+    try:
+        args = json.loads(meta.get("ss_network_args", "{}"))
+    except json.JSONDecodeError:
+        args = None
+    if isinstance(args, dict):
+        for k in ("mixed_ranks", "mixed_alphas", "training_alphas_folded"):
+            args.pop(k, None)
+        if len(ranks) > 1:
+            args["mixed_ranks"] = sorted(ranks)
+        if len(alphas) > 1:
+            args["mixed_alphas"] = sorted(alphas)
+        if folded:  # the layers' training alphas, now folded into their up weights
+            args["training_alphas_folded"] = folded
+        if args:
+            meta["ss_network_args"] = json.dumps(args)
+        else:
+            meta.pop("ss_network_args", None)
+    return _scrub_paths(meta)
+
+
+def _addnet_hashes(tensors: dict[str, torch.Tensor], meta: Mapping[str, str]) -> tuple[str, str]:
+    """kohya's `sshs_model_hash` / `sshs_legacy_hash` (what A1111 shows and matches on): sha256 of the
+    tensor bytes of the file as written with only its `ss_*` metadata, and the old 8-digit hash."""
+    from safetensors.torch import save
+
+    data = save(tensors, metadata={k: v for k, v in meta.items() if k.startswith("ss_")})
+    n = int.from_bytes(data[:8], "little")
+    legacy = hashlib.sha256(data[0x100000:0x110000]).hexdigest()[:8]
+    return hashlib.sha256(data[8 + n:]).hexdigest(), legacy
+
+
+# --------------------------------------------------------------------------------------------
+# Writers
+
+
+def _saveable(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    t = t.detach()
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    return t.contiguous()
+
+
+def kohya_state_dict(adapter: Adapter, unet_config: Mapping | None = None, names: str = "sgm",
+                     dtype: torch.dtype | None = torch.float32, uniform_alpha: bool = True) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under kohya names (tensors stay on their device; alphas are fp32 scalars).
+
+    uniform_alpha=True (the default) gives every layer the most common alpha and folds the difference
+    into its up weights, the same update in every tool: diffusers' kohya loader applies a single alpha
+    to all attention layers, so a file with mixed alphas loads at the wrong strength there. With
+    uniform_alpha=False each layer keeps its training alpha (right in A1111/Forge, ComfyUI, kohya).
+    """
+    biased = [k for k, lay in adapter.layers.items() if lay.bias is not None]
+    if biased:
+        raise AdapterError(f"{len(biased)} layers have a LoRA bias (adapter.lora_bias), which the kohya format "
+                           f"cannot hold, e.g. {biased[0]}: export --format diffusers or peft")
+    from .sdxl.single_file import unet_config as sdxl_unet_config
+    from .sdxl.single_file import unet_diffusers_to_sgm
+
+    unet_map = unet_diffusers_to_sgm(dict(unet_config) if unet_config is not None else sdxl_unet_config())
+    out: dict[str, torch.Tensor] = {}
+    owner: dict[str, str] = {}
+    common = Counter(lay.alpha for lay in adapter.layers.values()).most_common(1)[0][0] if adapter.layers else 1.0
+    for key, layer in sorted(adapter.layers.items()):
+        comp, module = key.split(".", 1)
+        if uniform_alpha and layer.alpha != common:
+            layer = LoraLayer(layer.down, layer.up.float() * (layer.alpha / common), common, layer.magnitude)
+        try:
+            name = kohya.kohya_name(comp, module, unet_map, names)
+        except KeyError:
+            raise AdapterError(f"{key}: the UNet config gives this layer no sgm name; export with "
+                               "names='diffusers' (--names diffusers)") from None
+        if name in owner:
+            raise AdapterError(f"{key} and {owner[name]} both get the kohya name {name}")
+        owner[name] = key
+        out[f"{name}.lora_down.weight"] = _saveable(layer.down, dtype)
+        out[f"{name}.lora_up.weight"] = _saveable(layer.up, dtype)
+        out[f"{name}.alpha"] = torch.tensor(float(layer.alpha), dtype=torch.float32)
+        if layer.magnitude is not None:
+            # kohya/LyCORIS DoRA: magnitude along the output axis, shaped (out, 1[, 1, 1]).
+            shape = (layer.up.shape[0],) + (1,) * (layer.up.dim() - 1)
+            out[f"{name}.dora_scale"] = _saveable(layer.magnitude.reshape(shape), dtype)
+    return out
+
+
+def save_kohya_lora(source, path: str | Path, *, metadata: bool | Mapping[str, str] = True, names: str = "sgm",
+                    unet_config: Mapping | None = None, dtype: torch.dtype | None = torch.float32,
+                    uniform_alpha: bool = True, overwrite: bool = False) -> Path:
+    """Write an adapter (an `Adapter`, or a UNet with a peft adapter) as a kohya `.safetensors` file.
+
+    Names are SDXL's sgm module names (names="diffusers": diffusers block names), each layer with its
+    own `.alpha`. metadata=True writes the `ss_*` / `modelspec.*` keys A1111/Forge use (with the
+    adapter's own description), a mapping adds to or overrides them, False writes none.
+    `unet_config` (default: the model's, or SDXL base's) fixes the sgm block numbers. Mixed alphas are
+    unified unless uniform_alpha=False, so diffusers loads the file at the right strength too (see
+    `kohya_state_dict`).
+    """
+    path = Path(path)
+    _check_dest(path, overwrite)
+    if unet_config is None and not isinstance(source, Adapter):
+        unet_config = dict(source.config)
+    adapter = _as_adapter(source)
+    if not uniform_alpha and _mixed_attention_alphas(adapter):
+        log.warning("%s: the attention layers have different alphas; AUTOMATIC1111/Forge, ComfyUI and kohya "
+                    "read them right, diffusers' kohya loader applies one alpha to all of them (leave "
+                    "uniform_alpha on / drop --true-alpha for diffusers, or use the diffusers file)", path.name)
+    tensors = {k: v.cpu() for k, v in kohya_state_dict(adapter, unet_config, names, dtype, uniform_alpha).items()}
+    meta = None
+    if metadata is not False:
+        meta = kohya_metadata(adapter, metadata if isinstance(metadata, Mapping) else None, uniform_alpha)
+        meta.setdefault("modelspec.title", path.stem)
+        meta["sshs_model_hash"], meta["sshs_legacy_hash"] = _addnet_hashes(tensors, meta)
+    return atomic_save(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+
+def _mixed_attention_alphas(adapter: Adapter) -> bool:
+    return len({lay.alpha for k, lay in adapter.layers.items()
+                if k.startswith("unet.") and re.search(r"\.attn\d\.", k)}) > 1
+
+
 def unet_lora_state_dict(unet: torch.nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
     """The UNet's LoRA weights in diffusers/PEFT naming (`<module>.lora_A.weight`), fp32, on CPU."""
     from peft.utils import get_peft_model_state_dict
@@ -32,26 +435,437 @@ def unet_lora_state_dict(unet: torch.nn.Module, adapter_name: str = "default") -
 
 
 def lora_config_dict(model: torch.nn.Module, adapter_name: str = "default") -> dict:
-    cfg = model.peft_config[adapter_name].to_dict()
-    for k, v in list(cfg.items()):
-        if isinstance(v, set):
-            cfg[k] = sorted(v)
-    return cfg
+    return _config_dict(model.peft_config[adapter_name])
 
 
-def save_diffusers_lora(unet: torch.nn.Module, path: str | Path, overwrite: bool = False,
-                        extra_metadata: dict[str, str] | None = None) -> Path:
-    """Write the UNet adapter as a diffusers LoRA file (`unet.`-prefixed PEFT keys) that
-    `StableDiffusionXLPipeline.load_lora_weights` loads.
+def _peft_tensors(layers: Mapping[str, LoraLayer], prefix: str, bake: bool,
+                  dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    out = {}
+    for m, layer in sorted(layers.items()):
+        up = layer.up.float() * layer.scale if bake else layer.up
+        out[f"{prefix}{m}.lora_A.weight"] = _saveable(layer.down, dtype).cpu()
+        out[f"{prefix}{m}.lora_B.weight"] = _saveable(up, dtype).cpu()
+        if layer.magnitude is not None:
+            shape = (1, -1, 1, 1) if layer.down.dim() == 4 else (-1,)  # peft's own shapes
+            out[f"{prefix}{m}.lora_magnitude_vector"] = _saveable(layer.magnitude.reshape(shape), dtype).cpu()
+        if layer.bias is not None:
+            bias = layer.bias.float() * layer.scale if bake else layer.bias
+            out[f"{prefix}{m}.lora_B.bias"] = _saveable(bias, dtype).cpu()
+    return out
+
+
+def _loadable_config(layers: Mapping[str, LoraLayer]) -> dict:
+    # The LoraConfig fields a loader needs, nothing that ties the file to this peft version.
+    cfg = _config_dict(lora_config_for(layers))
+    keep = ("r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern", "use_dora", "use_rslora",
+            "lora_bias", "fan_in_fan_out", "bias", "peft_type", "init_lora_weights", "lora_dropout")
+    return {k: cfg[k] for k in keep if k in cfg}
+
+
+def save_diffusers_lora(unet, path: str | Path, overwrite: bool = False,
+                        extra_metadata: dict[str, str] | None = None, *, metadata: bool = True,
+                        dtype: torch.dtype | None = torch.float32) -> Path:
+    """Write an adapter (a UNet with a peft adapter, or an `Adapter`) as a diffusers LoRA file
+    (`unet.`-prefixed PEFT keys) that `StableDiffusionXLPipeline.load_lora_weights` loads.
 
     Written here rather than with `save_lora_weights` because that writes in place (a crash mid-write
-    leaves a torn file) and only into a folder; the layout and metadata key are the same.
+    leaves a torn file) and only into a folder; the layout and metadata key are the same. With
+    metadata=False the file has no metadata at all: each layer's alpha / rank is folded into its up
+    weights, which is what diffusers assumes (alpha = rank) for a file without its config.
     """
     path = Path(path)
     _check_dest(path, overwrite)
-    sd = {f"unet.{k}": v for k, v in unet_lora_state_dict(unet).items()}
-    cfg = lora_config_dict(unet)
-    metadata = {"format": "pt",
-                DIFFUSERS_METADATA_KEY: json.dumps({f"unet.{k}": v for k, v in cfg.items()}, sort_keys=True, default=str)}
-    metadata.update(extra_metadata or {})
-    return atomic_save(path, lambda tmp: save_file(sd, str(tmp), metadata=metadata))
+    adapter = _as_adapter(unet)
+    sd: dict[str, torch.Tensor] = {}
+    packed: dict[str, object] = {}
+    for comp in adapter.components():
+        layers = adapter.component(comp)
+        sd.update(_peft_tensors(layers, f"{comp}.", bake=not metadata, dtype=dtype))
+        packed.update({f"{comp}.{k}": v for k, v in _loadable_config(layers).items()})
+    meta = None
+    if metadata:
+        extra = {str(k): str(v) for k, v in (extra_metadata or {}).items()}
+        meta = _scrub_paths({**_carried(adapter.metadata), **extra})
+        meta.update({"format": "pt", DIFFUSERS_METADATA_KEY: json.dumps(packed, sort_keys=True, default=str)})
+    return atomic_save(path, lambda tmp: save_file(sd, str(tmp), metadata=meta))
+
+
+def _replace_folder(tmp: Path, dest: Path, overwrite: bool) -> None:
+    """Move a finished temp folder onto dest; an existing dest (overwrite) goes only once the new one is in place."""
+    for root, _, files in os.walk(tmp):  # on disk before the rename makes them visible
+        for f in files:
+            with open(Path(root) / f, "rb+") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(Path(root))
+    old = None
+    if dest.exists():
+        if not overwrite:
+            raise ExportExistsError(f"{dest} already exists; choose another path or pass overwrite=True (--overwrite)")
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    fsync_dir(dest.parent)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def save_peft_adapter(source, folder: str | Path, *, component: str = "unet", metadata: bool = True,
+                      dtype: torch.dtype | None = torch.float32, overwrite: bool = False) -> Path:
+    """Write one model's adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors),
+    loadable with `peft.PeftModel.from_pretrained(model, folder)`."""
+    folder = Path(folder)
+    _check_dest(folder, overwrite)
+    adapter = _as_adapter(source)
+    others = [c for c in adapter.components() if c != component]
+    if others:
+        raise AdapterError(f"a PEFT folder holds one model's adapter; this one also has {', '.join(others)} "
+                           "layers: export those with --format kohya or diffusers")
+    layers = adapter.component(component)
+    if not layers:
+        raise AdapterError(f"the adapter has no {component} layers")
+    cfg = _config_dict(lora_config_for(layers))
+    cfg["base_model_name_or_path"] = None
+    meta = None
+    if metadata:
+        meta = {**_scrub_paths(_carried(adapter.metadata)), "format": "pt"}
+    sd = _peft_tensors(layers, PEFT_PREFIX, bake=False, dtype=dtype)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        atomic_write_text(tmp / PEFT_CONFIG_NAME, json.dumps(cfg, indent=2, sort_keys=True, default=str))
+        atomic_save(tmp / PEFT_WEIGHTS_NAME, lambda t: save_file(sd, str(t), metadata=meta))
+        os.chmod(tmp, 0o777 & ~_umask())
+        _replace_folder(tmp, folder, overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _umask() -> int:
+    u = os.umask(0)
+    os.umask(u)
+    return u
+
+
+def export_adapter(source, path: str | Path, format: str = "kohya", *, metadata: bool | Mapping[str, str] = True,
+                   names: str = "sgm", unet_config: Mapping | None = None, uniform_alpha: bool = True,
+                   overwrite: bool = False) -> Path:
+    """Write `source` (an `Adapter` or a model with a peft adapter) in `format`: kohya, diffusers or peft."""
+    if format == "kohya":
+        return save_kohya_lora(source, path, metadata=metadata, names=names, unet_config=unet_config,
+                               uniform_alpha=uniform_alpha, overwrite=overwrite)
+    if format == "diffusers":
+        extra = dict(metadata) if isinstance(metadata, Mapping) else None
+        return save_diffusers_lora(source, path, overwrite, extra, metadata=metadata is not False)
+    if format == "peft":
+        return save_peft_adapter(source, path, metadata=metadata is not False, overwrite=overwrite)
+    raise AdapterError(f"format={format!r}: must be one of {', '.join(FORMATS)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Import
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import safe_open
+
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise AdapterError(f"{path} is a pickle ({path.suffix}); pickles run code when loaded, so they are "
+                           "refused: convert it to .safetensors with a tool you trust")
+    if not path.exists():
+        raise FileNotFoundError(f"adapter {path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    except Exception as e:  # safetensors raises its own error types
+        raise AdapterError(f"{path} is not a valid safetensors file: {e}") from None
+
+
+_KOHYA_SUFFIXES = ("lora_down.weight", "lora_up.weight", "alpha", "dora_scale")
+_LYCORIS_HINTS = ("hada_", "lokr_", "oft_", "lora_mid", ".diff", ".w_norm", ".b_norm")
+
+
+def _read_kohya(sd: dict[str, torch.Tensor], table: kohya.LayerTable, adapter: Adapter) -> set[str]:
+    groups: dict[str, dict[str, str]] = {}
+    for k in sd:
+        if not k.startswith(tuple(p for p, _ in kohya.READ_PREFIXES)):
+            continue
+        name, _, suffix = k.partition(".")
+        groups.setdefault(name, {})[suffix] = k
+    used: set[str] = set()
+    styles, no_alpha = set(), 0
+    for name, parts in groups.items():
+        where = table.lookup(name)
+        if where is None or not {"lora_down.weight", "lora_up.weight"} <= parts.keys():
+            continue
+        comp, module = where
+        down, up = sd[parts["lora_down.weight"]], sd[parts["lora_up.weight"]]
+        if "alpha" in parts:
+            alpha = float(sd[parts["alpha"]].float().item())
+        else:
+            alpha, no_alpha = float(down.shape[0]), no_alpha + 1
+        mag = sd[parts["dora_scale"]].reshape(-1) if "dora_scale" in parts else None
+        adapter.layers[f"{comp}.{module}"] = LoraLayer(down, up, alpha, mag)
+        used.update(parts[s] for s in _KOHYA_SUFFIXES if s in parts)
+        if comp == "unet":
+            sgm = re.match(r"lora_unet_(input_blocks|middle_block|output_blocks|out_|time_embed|label_emb)", name)
+            styles.add("sgm" if sgm else "diffusers")
+    if no_alpha:
+        adapter.problems.append(f"{no_alpha} layers have no .alpha; taken as alpha = rank (scale 1), as kohya does")
+    adapter.format = "kohya" + (" (diffusers block names)" if styles == {"diffusers"} else
+                                " (mixed sgm and diffusers block names)" if len(styles) > 1 else "")
+    return used
+
+
+def _read_peft_keys(sd: dict[str, torch.Tensor], table: kohya.LayerTable, adapter: Adapter,
+                    prefixes: Mapping[str, str], configs: Mapping[str, Mapping]) -> set[str]:
+    """Keys `<prefix><module>.lora_A.weight` etc.; `prefixes` maps a key prefix to its component."""
+    used: set[str] = set()
+    pat = re.compile(r"^(.*)\.(lora_A\.weight|lora_B\.weight|lora_B\.bias|lora_magnitude_vector|alpha)$")
+    groups: dict[tuple[str, str], dict[str, str]] = {}
+    for k in sd:
+        prefix = next((p for p in sorted(prefixes, key=len, reverse=True) if k.startswith(p)), None)
+        m = pat.match(k[len(prefix):]) if prefix is not None else None
+        if m:
+            groups.setdefault((prefixes[prefix], m.group(1)), {})[m.group(2)] = k
+    no_config = set()
+    for (comp, module), parts in groups.items():
+        if not {"lora_A.weight", "lora_B.weight"} <= parts.keys():
+            continue
+        if table.layers.get(comp) and module not in table.layers[comp]:
+            continue
+        down, up = sd[parts["lora_A.weight"]], sd[parts["lora_B.weight"]]
+        cfg = configs.get(comp)
+        if "alpha" in parts:
+            alpha = float(sd[parts["alpha"]].float().item())
+        elif cfg:
+            r, alpha = _rank_alpha(cfg, module)
+            if r is not None and r != down.shape[0]:
+                adapter.problems.append(f"{comp}.{module}: lora_A has rank {down.shape[0]}, its config says {r}")
+            alpha = alpha if alpha is not None else float(down.shape[0])
+        else:
+            alpha = float(down.shape[0])  # no config: diffusers and peft then use alpha = rank
+            no_config.add(comp)
+        mag = sd[parts["lora_magnitude_vector"]].reshape(-1) if "lora_magnitude_vector" in parts else None
+        bias = sd[parts["lora_B.bias"]] if "lora_B.bias" in parts else None
+        adapter.layers[f"{comp}.{module}"] = LoraLayer(down, up, alpha, mag, bias)
+        used.update(parts.values())
+    for comp in sorted(no_config):
+        adapter.problems.append(f"no LoRA config for the {comp} in the file: alpha taken as rank (scale 1), "
+                                "as diffusers does")
+    return used
+
+
+def _unpack_diffusers_config(meta: Mapping[str, str]) -> dict[str, dict]:
+    raw = meta.get(DIFFUSERS_METADATA_KEY)
+    if not raw:
+        return {}
+    try:
+        packed = json.loads(raw)
+    except json.JSONDecodeError:
+        return {}
+    out: dict[str, dict] = {}
+    for k, v in packed.items():
+        comp, _, field_ = k.partition(".")
+        out.setdefault(comp, {})[field_] = v
+    return out
+
+
+def load_adapter(path: str | Path, model=None) -> Adapter:
+    """Read a LoRA adapter file or folder in any supported format into an `Adapter`.
+
+    Formats: kohya (sgm or diffusers block names; `lora_unet_`/`lora_te1_`/`lora_te2_`/`lora_te_`),
+    diffusers (`unet.`/`text_encoder.`/`text_encoder_2.` + lora_A/lora_B, with or without its
+    config), a PEFT folder or its adapter_model.safetensors. `model` says which model's layers the
+    names refer to: a `kohya.LayerTable`, a pipeline, a diffusers SDXL folder (configs only), or None
+    for SDXL base. Keys that name no layer of that model are listed in `unknown`, with a line in
+    `problems`, and logged: nothing is dropped silently. Weights stay as stored (dtype, CPU).
+    """
+    path = Path(path)
+    table = layer_table(model)
+    peft_cfg = None
+    if path.is_dir():
+        if (path / PEFT_CONFIG_NAME).is_file():
+            peft_cfg = json.loads((path / PEFT_CONFIG_NAME).read_text(encoding="utf-8"))
+            path = path / PEFT_WEIGHTS_NAME
+        elif (path / DIFFUSERS_WEIGHTS_NAME).is_file():
+            path = path / DIFFUSERS_WEIGHTS_NAME
+        else:
+            raise AdapterError(f"{path} is a folder without {PEFT_CONFIG_NAME} (PEFT) or {DIFFUSERS_WEIGHTS_NAME} "
+                               "(diffusers): give the adapter file")
+    elif path.name == PEFT_WEIGHTS_NAME and (path.parent / PEFT_CONFIG_NAME).is_file():
+        peft_cfg = json.loads((path.parent / PEFT_CONFIG_NAME).read_text(encoding="utf-8"))
+    sd, meta = _read_safetensors(path)
+    if not sd:
+        raise AdapterError(f"{path} holds no tensors")
+    if any(k.startswith(("model.diffusion_model.", "conditioner.embedders.")) for k in sd):
+        raise AdapterError(f"{path} is a full SDXL checkpoint, not a LoRA adapter")
+    adapter = Adapter({}, metadata=meta)
+    used: set[str] = set()
+    kinds = []
+    if any(k.startswith(tuple(p for p, _ in kohya.READ_PREFIXES)) for k in sd):
+        used |= _read_kohya(sd, table, adapter)
+        kinds.append(adapter.format)
+    if any(k.startswith(PEFT_PREFIX) for k in sd):
+        comp = "unet"
+        n = len(adapter.layers)
+        used |= _read_peft_keys(sd, table, adapter, {PEFT_PREFIX: comp}, {comp: peft_cfg} if peft_cfg else {})
+        if len(adapter.layers) > n:
+            kinds.append("peft")
+    diffusers_prefixes = {f"{c}.": c for c in kohya.COMPONENTS}
+    if any(k.startswith(tuple(diffusers_prefixes)) for k in sd):
+        n = len(adapter.layers)
+        used |= _read_peft_keys(sd, table, adapter, diffusers_prefixes, _unpack_diffusers_config(meta))
+        if len(adapter.layers) > n:
+            kinds.append("diffusers")
+    adapter.format = " + ".join(kinds) if kinds else "unknown"
+    adapter.unknown = sorted(set(sd) - used)
+    if adapter.unknown:
+        lyco = [k for k in adapter.unknown if any(h in k for h in _LYCORIS_HINTS)]
+        hint = (" (LyCORIS LoHa/LoKr/OFT layers, which this tool does not read)" if lyco else
+                " (layers of another model, or a format this tool does not read)")
+        adapter.problems.insert(0, f"{len(adapter.unknown)} of {len(sd)} keys name no layer of the model{hint}, "
+                                   f"e.g. {', '.join(adapter.unknown[:3])}")
+        log.warning("%s: %s", path.name, adapter.problems[0])
+    if not adapter.layers:
+        raise AdapterError(f"{path}: no LoRA layer found for this model ({len(sd)} keys, e.g. {next(iter(sd))}); "
+                           "is it a LoRA adapter for SDXL?")
+    _check_shapes(adapter, table)
+    return adapter
+
+
+def layer_table(model=None) -> kohya.LayerTable:
+    """The layers adapter names refer to, from a `kohya.LayerTable`, a pipeline, a UNet, a diffusers SDXL
+    folder or "tiny-sdxl" (configs only, no weights read), or None / a single file (SDXL base's configs)."""
+    if isinstance(model, kohya.LayerTable):
+        return model
+    if model is None:
+        return kohya.LayerTable.from_config_dir(None)
+    if isinstance(model, (str, Path)):
+        from .config import ModelConfig
+        from .sdxl.model import resolve_model_path
+
+        p = resolve_model_path(ModelConfig(path=str(model)))
+        if not p.exists():
+            raise FileNotFoundError(f"model {p} does not exist; give a diffusers SDXL folder, a single-file "
+                                    "checkpoint or 'tiny-sdxl'")
+        # A single file carries no configs; it loads with SDXL base's, so its layers are those.
+        return kohya.LayerTable.from_config_dir(p if p.is_dir() else None)
+    if hasattr(model, "unet"):
+        return kohya.LayerTable.from_pipeline(model)
+    return kohya.LayerTable.from_models(model)
+
+
+def _check_shapes(adapter: Adapter, table: kohya.LayerTable) -> None:
+    bad, nonfinite = [], []
+    for key, layer in adapter.layers.items():
+        comp, module = key.split(".", 1)
+        shape = table.shape(comp, module)
+        if layer.up.shape[1] != layer.down.shape[0]:
+            bad.append(f"{key}: up has rank {layer.up.shape[1]}, down {layer.down.shape[0]}")
+        elif layer.magnitude is not None and layer.magnitude.numel() != layer.up.shape[0]:
+            bad.append(f"{key}: its DoRA scale has {layer.magnitude.numel()} entries, not one per output "
+                       f"({layer.up.shape[0]}): input-axis DoRA is not supported")
+        elif shape is not None and (layer.up.shape[0] != shape[0] or tuple(layer.down.shape[1:]) != tuple(shape[1:])):
+            bad.append(f"{key}: the update is {layer.up.shape[0]}x{list(layer.down.shape[1:])}, the layer "
+                       f"{shape[0]}x{list(shape[1:])}")
+        if not (torch.isfinite(layer.down).all() and torch.isfinite(layer.up).all()):
+            nonfinite.append(key)
+    if bad:
+        adapter.problems.append(f"{len(bad)} layers do not fit the model's shapes (another base model?), e.g. {bad[0]}")
+    if nonfinite:
+        adapter.problems.append(f"{len(nonfinite)} layers hold NaN or infinite weights, e.g. {nonfinite[0]}")
+
+
+# --------------------------------------------------------------------------------------------
+# Inspect
+
+_BLOCK = re.compile(r"^((?:down_blocks|up_blocks)\.\d+\.[a-z_]+\.\d+|mid_block\.[a-z_]+\.\d+|[^.]+)")
+_CROSS_WIDTHS = {2048: "SDXL", 768: "SD 1.x", 1024: "SD 2.x"}
+
+
+def _base_model(adapter: Adapter) -> tuple[str, list[str]]:
+    meta, problems = adapter.metadata, []
+    said = [f"{k}={meta[k]}" for k in ("ss_base_model_version", "modelspec.architecture") if meta.get(k)]
+    widths = sorted({int(lay.down.shape[1]) for k, lay in adapter.layers.items()
+                     if k.startswith("unet.") and k.endswith(".attn2.to_k")})
+    from_shapes = ", ".join(f"{_CROSS_WIDTHS.get(w, 'unknown')} (cross-attention width {w})" for w in widths)
+    if not said and adapter.format.startswith("kohya"):
+        problems.append("no ss_base_model_version or modelspec.architecture: AUTOMATIC1111/Forge cannot tell it "
+                        "is an SDXL LoRA and may hide it")
+    elif not any("sdxl" in s or "stable-diffusion-xl" in s for s in said):
+        problems.append(f"its metadata says {', '.join(said)}, not SDXL")
+    if widths and widths != [2048]:
+        problems.append(f"its cross-attention layers take {'/'.join(map(str, widths))}-wide text embeddings; "
+                        "SDXL's take 2048: it will not load onto SDXL base")
+    text = "; ".join(x for x in (", ".join(said), f"from the layer shapes: {from_shapes}" if from_shapes else "") if x)
+    return text or "unknown", problems
+
+
+def _span(values) -> str:
+    vals = sorted(set(values))
+    return _num(vals[0]) if len(vals) == 1 else ", ".join(_num(v) for v in vals)
+
+
+def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, title: str = "") -> str:
+    """A plain-text report: format, base model, per-block rank and alpha, metadata, problems."""
+    from .sdxl.single_file import unet_diffusers_to_sgm
+
+    table = table or kohya.LayerTable.from_config_dir(None)
+    unet_map = unet_diffusers_to_sgm(table.unet_config)
+    base, problems = _base_model(adapter)
+    problems = list(adapter.problems) + problems
+    if adapter.format.startswith("kohya") and _mixed_attention_alphas(adapter):
+        problems.append("its attention layers have different alphas: right in AUTOMATIC1111/Forge, ComfyUI and "
+                        "kohya, but diffusers' kohya loader applies one alpha to all of them (re-export it with "
+                        "`sdxl-lora export --format kohya` for diffusers)")
+    counts = Counter(k.split(".", 1)[0] for k in adapter.layers)
+    lines = [f"adapter    : {title}" if title else None,
+             f"format     : {adapter.format}",
+             f"base model : {base}",
+             f"layers     : {len(adapter.layers)} ({', '.join(f'{c} {n}' for c, n in sorted(counts.items()))})",
+             f"rank       : {_span(lay.rank for lay in adapter.layers.values())}",
+             f"alpha      : {_span(lay.alpha for lay in adapter.layers.values())}"]
+    if any(lay.magnitude is not None for lay in adapter.layers.values()):
+        lines.append("dora       : yes (magnitude vectors present)")
+    if any(lay.bias is not None for lay in adapter.layers.values()):
+        lines.append("lora bias  : yes (up projections have a bias)")
+    blocks: dict[tuple[str, str], list[LoraLayer]] = {}
+    order: dict[tuple[str, str], int] = {}
+    for key, layer in adapter.layers.items():
+        comp, module = key.split(".", 1)
+        if comp == "unet":
+            block = _BLOCK.match(module).group(1)
+            sgm = unet_map.get(block, "?")
+        else:
+            block, sgm = comp, kohya.PREFIX[comp].strip("_")
+        blocks.setdefault((sgm, block), []).append(layer)
+    sgm_order = ["time_embed", "label_emb", "input_blocks", "middle_block", "output_blocks", "out", "lora_te"]
+    for i, name in enumerate(sgm_order):
+        for b in blocks:
+            if b[0].startswith(name) and b not in order:
+                order[b] = i
+
+    def sort_key(b):
+        return (order.get(b, 99), [int(p) if p.isdigit() else 0 for p in b[0].split(".")], b)
+    lines.append("blocks (sgm name / diffusers name: layers, rank, alpha):")
+    w = max((len(s) for s, _ in blocks), default=0)
+    w2 = max((len(d) for _, d in blocks), default=0)
+    for b in sorted(blocks, key=sort_key):
+        ls = blocks[b]
+        lines.append(f"  {b[0]:<{w}}  {b[1]:<{w2}}  {len(ls):>4} layers  rank {_span(x.rank for x in ls)}  "
+                     f"alpha {_span(x.alpha for x in ls)}")
+    lines.append("metadata:" if adapter.metadata else "metadata   : none")
+    for k in sorted(adapter.metadata):
+        v = adapter.metadata[k].replace("\n", " ")
+        lines.append(f"  {k} = {v if len(v) <= 160 else v[:157] + '...'}")
+    lines.append("problems   : none" if not problems else "problems:")
+    lines.extend(f"  - {p}" for p in problems)
+    return "\n".join(x for x in lines if x is not None)
+
+
+def inspect_adapter(path: str | Path, model=None) -> tuple[Adapter, str]:
+    """Read an adapter (see `load_adapter`) and describe it."""
+    table = layer_table(model)
+    adapter = load_adapter(path, table)
+    return adapter, describe_adapter(adapter, table, title=Path(path).name)

@@ -1,11 +1,19 @@
 """The injector: classify every candidate layer of a model into a slot, turn a policy into a plan, apply it with peft.
 
-A slot says where a layer sits in the model's topology (for the SDXL UNet: down/mid/up level,
-self or cross attention, which projection), so a policy can say "cross-attention q and v" instead
-of listing module names. The injector walks the model; no module list is typed by hand.
+A slot says where a layer sits in the model's topology (for the SDXL UNet: down/mid/up level, its
+feature-map size, kohya's block id, self or cross attention, which projection; for a causal LM: the
+layer index and q/k/v/o/gate/up/down), so a policy can say "cross-attention q and v" instead of
+listing module names. The injector walks the model; no module list is typed by hand.
+
+Policy, in order: a preset picks the layers and weights their ranks (docs/injector.md says why each
+weight is what it is); the base rank scales with training resolution; glob overrides set a rank
+per slot (0 leaves it out). The plan goes to peft as one LoraConfig with per-module rank_pattern and
+alpha_pattern, so mixed ranks flow into training, checkpoints and exports unchanged.
 """
 from __future__ import annotations
 
+import fnmatch
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -14,44 +22,96 @@ from torch import nn
 
 from .config import AdapterConfig
 
-# Projections of an attention block, in the names diffusers and transformers use.
+# Projections of an attention block, in the names diffusers uses.
 ATTN_PROJ = ("to_q", "to_k", "to_v", "to_out.0")
+# ... and of a transformers causal LM.
+LLM_PROJ = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
+            "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+# The `topology` preset: rank multipliers by (attention kind, projection). Reasons in docs/injector.md.
+TOPOLOGY_PROJ = {
+    ("attn2", "to_q"): 1.0, ("attn2", "to_k"): 0.5, ("attn2", "to_v"): 1.0, ("attn2", "to_out.0"): 0.5,
+    ("attn1", "to_q"): 0.5, ("attn1", "to_k"): 0.5, ("attn1", "to_v"): 0.75, ("attn1", "to_out.0"): 0.5,
+}
+# ... and by level: the deepest level and the mid block (lowest resolution, most semantic) get the
+# full rank; higher-resolution levels, which mostly carry texture and detail, three quarters.
+TOPOLOGY_DEEP, TOPOLOGY_SHALLOW = 1.0, 0.75
+# For a causal LM: attention and MLP alike; v and o a little higher than q and k.
+TOPOLOGY_LLM = {"q": 0.75, "k": 0.5, "v": 1.0, "o": 1.0, "gate": 0.75, "up": 0.75, "down": 1.0}
 
 
 @dataclass(frozen=True)
 class Slot:
     name: str            # full module path, e.g. "down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_q"
-    part: str            # "down" | "mid" | "up" | "other"
-    block: int | None    # block index within its part (level for down/up)
-    kind: str            # "attn1" (self) | "attn2" (cross) | "ff" | "proj" | "resnet" | "embed" | "other"
-    proj: str            # "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "proj_in", "conv1", ...
+    part: str            # "down" | "mid" | "up" | "layer" (LLM) | "other"
+    index: int | None    # block index within its part (down/up), or the LLM layer index
+    level: int | None    # UNet level, 0 = full latent resolution; mid = deepest
+    block: str           # kohya's block id: IN00..IN08, MID, OUT00..OUT08, or "" where none
+    kind: str            # "attn1" (self) | "attn2" (cross) | "ff" | "proj" | "resnet" | "embed" | "attn" | "mlp" | "other"
+    proj: str            # "to_q", "to_out.0", "ff.net.0.proj", "proj_in", "conv1", "q", "gate", ...
     in_features: int
     out_features: int
     conv: bool = False
 
-    def params_at_rank(self, rank: int) -> int:
-        if self.conv:
-            return rank * (self.in_features + self.out_features)  # 1x1 LoRA on convs' flattened kernels
-        return rank * (self.in_features + self.out_features)
+    def params_at_rank(self, rank: int, bias: bool = False) -> int:
+        # LoRA A: in x r, B: r x out (for convs, A is the flattened kernel), plus B's bias with lora_bias.
+        return rank * (self.in_features + self.out_features) + (self.out_features if bias else 0)
 
 
 _PART = re.compile(r"^(down_blocks|mid_block|up_blocks)(?:\.(\d+))?")
+_LLM_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _classify(name: str, module: nn.Module) -> Slot | None:
+def _kohya_blocks(model: nn.Module) -> dict[str, str]:
+    """diffusers UNet module prefix -> kohya block id (IN04, MID, OUT03...), from the sgm layout."""
+    config = getattr(model, "config", None)
+    if config is None or "down_block_types" not in config:
+        return {}
+    from .sdxl.single_file import SingleFileError, unet_diffusers_to_sgm
+
+    try:
+        mapping = unet_diffusers_to_sgm(dict(config))
+    except SingleFileError:
+        return {}
+    out = {}
+    for diff, sgm in mapping.items():
+        m = re.match(r"^(input_blocks|middle_block|output_blocks)\.?(\d+)?", sgm)
+        if not m:
+            continue
+        kind, idx = m.group(1), m.group(2)
+        out[diff] = "MID" if kind == "middle_block" else f"{'IN' if kind == 'input_blocks' else 'OUT'}{int(idx):02d}"
+    return out
+
+
+def _lookup_block(name: str, blocks: dict[str, str]) -> str:
+    # Longest mapped prefix of the module path.
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        b = blocks.get(".".join(parts[:i]))
+        if b:
+            return b
+    return ""
+
+
+def _classify(name: str, module: nn.Module, n_levels: int, blocks: dict[str, str]) -> Slot | None:
     if isinstance(module, nn.Linear):
         fin, fout, conv = module.in_features, module.out_features, False
     elif isinstance(module, nn.Conv2d):
         fin, fout, conv = module.in_channels * module.kernel_size[0] * module.kernel_size[1], module.out_channels, True
     else:
         return None
+    leaf = name.rsplit(".", 1)[-1]
+    llm = _LLM_LAYER.search(name)
+    if llm and leaf in LLM_PROJ:
+        kind = "attn" if leaf in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        return Slot(name, "layer", int(llm.group(1)), None, "", kind, LLM_PROJ[leaf], fin, fout, conv)
     m = _PART.match(name)
     if m:
         part = {"down_blocks": "down", "mid_block": "mid", "up_blocks": "up"}[m.group(1)]
-        block = int(m.group(2)) if m.group(2) is not None else 0
+        index = int(m.group(2)) if m.group(2) is not None else None
+        level = {"down": index, "up": None if index is None else n_levels - 1 - index, "mid": n_levels - 1}[part]
     else:
-        part, block = "other", None
-    leaf = name.rsplit(".", 1)[-1]
+        part, index, level = "other", None, None
     if ".attn1." in name or ".attn2." in name:
         kind = "attn1" if ".attn1." in name else "attn2"
         proj = name.split(f".{kind}.", 1)[1]
@@ -61,31 +121,58 @@ def _classify(name: str, module: nn.Module) -> Slot | None:
         kind, proj = "proj", leaf
     elif ".resnets." in name:
         kind, proj = "resnet", leaf
-    elif "embedding" in name or name.startswith(("time_embedding", "add_embedding")):
+    elif name.startswith(("time_embedding", "add_embedding")):
         kind, proj = "embed", leaf
     else:
         kind, proj = "other", leaf
-    return Slot(name, part, block, kind, proj, fin, fout, conv)
+    return Slot(name, part, index, level, _lookup_block(name, blocks), kind, proj, fin, fout, conv)
 
 
 def slots(model: nn.Module) -> list[Slot]:
-    """Every Linear/Conv2d of the model, classified."""
+    """Every Linear/Conv2d of the model, classified. Works on the meta device (no weights needed)."""
+    config = getattr(model, "config", None)
+    n_levels = len(config["down_block_types"]) if config is not None and "down_block_types" in config else 0
+    blocks = _kohya_blocks(model)
     out = []
     for name, module in model.named_modules():
-        s = _classify(name, module)
+        s = _classify(name, module, n_levels, blocks)
         if s is not None:
             out.append(s)
     return out
 
 
-def select(all_slots: list[Slot], preset: str) -> list[Slot]:
+PRESETS = ("attn", "cross-attn", "topology", "full")
+
+
+def _weight(s: Slot, preset: str, deepest: int | None) -> float:
+    """The preset's rank multiplier for a slot; 0 leaves it out."""
+    if s.part == "layer":  # causal LM
+        if preset in ("attn", "cross-attn"):
+            return 1.0 if s.kind == "attn" else 0.0
+        if preset == "topology":
+            return TOPOLOGY_LLM.get(s.proj, 0.0)
+        return 1.0  # full
+    attn = s.kind in ("attn1", "attn2") and s.proj in ATTN_PROJ
     if preset == "attn":
-        return [s for s in all_slots if s.kind in ("attn1", "attn2") and s.proj in ATTN_PROJ]
+        return 1.0 if attn else 0.0
     if preset == "cross-attn":
-        return [s for s in all_slots if s.kind == "attn2" and s.proj in ATTN_PROJ]
+        return 1.0 if attn and s.kind == "attn2" else 0.0
+    if preset == "topology":
+        if not attn:
+            return 0.0
+        level = TOPOLOGY_DEEP if s.level is None or s.level == deepest else TOPOLOGY_SHALLOW
+        return TOPOLOGY_PROJ[(s.kind, s.proj)] * level
     if preset == "full":
-        return [s for s in all_slots if s.kind in ("attn1", "attn2", "ff", "proj") and not s.conv]
-    raise ValueError(f"adapter.preset={preset!r}: must be one of 'attn', 'cross-attn', 'full'")
+        return 1.0 if s.kind in ("attn1", "attn2", "ff", "proj") and not s.conv else 0.0
+    raise ValueError(f"adapter.preset={preset!r}: must be one of {', '.join(PRESETS)}")
+
+
+def scaled_rank(base: int, resolution: int | None, native: int | None, enabled: bool, lo: int, hi: int) -> int:
+    """rank = base x sqrt(resolution / native), rounded, clamped to [lo, hi]. `native` is the model's
+    own resolution (1024 for SDXL), so the rule is the docs' base x sqrt(resolution / 1024) there."""
+    if not enabled or not resolution or not native:
+        return base
+    return max(lo, min(hi, round(base * math.sqrt(resolution / native))))
 
 
 @dataclass
@@ -93,34 +180,76 @@ class Plan:
     targets: list[Slot]
     rank: dict[str, int] = field(default_factory=dict)
     alpha: dict[str, float] = field(default_factory=dict)
+    bias: bool = False
+    base_rank: int = 0
+    resolution: int | None = None
 
     @property
     def trainable_params(self) -> int:
-        return sum(s.params_at_rank(self.rank[s.name]) for s in self.targets)
+        return sum(s.params_at_rank(self.rank[s.name], self.bias) for s in self.targets)
 
     def lora_config(self, dropout: float = 0.0):
         from peft import LoraConfig
 
-        ranks = sorted(set(self.rank.values()))
-        base_r = ranks[0] if ranks else 1
-        base_alpha = next((self.alpha[s.name] for s in self.targets if self.rank[s.name] == base_r), base_r)
+        ranks = [self.rank[s.name] for s in self.targets]
+        base_r = max(set(ranks), key=ranks.count)  # the most common rank: the fewest pattern entries
+        base_alpha = next(self.alpha[s.name] for s in self.targets if self.rank[s.name] == base_r)
         # Anchored full-path regexes: peft matches a list entry by suffix, which could catch a deeper
         # module of the same tail; an exact pattern per module cannot.
         return LoraConfig(
-            r=base_r, lora_alpha=base_alpha, lora_dropout=dropout, init_lora_weights="gaussian",
-            target_modules=[s.name for s in self.targets],
+            # gaussian A (diffusers' training examples); peft allows lora_bias only with its default init.
+            r=base_r, lora_alpha=base_alpha, lora_dropout=dropout,
+            init_lora_weights=True if self.bias else "gaussian",
+            target_modules=[s.name for s in self.targets], lora_bias=self.bias,
             rank_pattern={f"^{re.escape(s.name)}$": r for s in self.targets if (r := self.rank[s.name]) != base_r},
             alpha_pattern={f"^{re.escape(s.name)}$": a for s in self.targets
                            if (a := self.alpha[s.name]) != base_alpha},
         )
 
+    def groups(self) -> list[dict]:
+        """Rows for a table: slots grouped by part, level, block, kind and projection."""
+        rows: dict[tuple, dict] = {}
+        for s in self.targets:
+            key = (s.part, s.index if s.part == "layer" else s.level, s.block if s.part != "layer" else "",
+                   s.kind, s.proj, self.rank[s.name], self.alpha[s.name])
+            row = rows.setdefault(key, {"part": s.part, "level": key[1], "block": key[2], "kind": s.kind,
+                                        "proj": s.proj, "rank": self.rank[s.name], "alpha": self.alpha[s.name],
+                                        "modules": 0, "params": 0})
+            row["modules"] += 1
+            row["params"] += s.params_at_rank(self.rank[s.name], self.bias)
+        return list(rows.values())
 
-def make_plan(model: nn.Module, cfg: AdapterConfig) -> Plan:
-    targets = select(slots(model), cfg.preset)
+
+def _override(s: Slot, overrides: dict[str, int]) -> int | None:
+    """The last glob that matches the module path or its kohya block id wins."""
+    hit = None
+    for pattern, rank in overrides.items():
+        if fnmatch.fnmatchcase(s.name, pattern) or (s.block and fnmatch.fnmatchcase(s.block, pattern)):
+            hit = rank
+    return hit
+
+
+def make_plan(model: nn.Module, cfg: AdapterConfig, resolution: int | None = None, native: int | None = None) -> Plan:
+    all_slots = slots(model)
+    deepest = max((s.level for s in all_slots if s.level is not None), default=None)
+    base = scaled_rank(cfg.rank, resolution, native, cfg.scale_rank_with_resolution, cfg.min_rank, cfg.max_rank)
+    scale = (cfg.alpha if cfg.alpha is not None else cfg.rank) / cfg.rank  # alpha/rank, the same on every slot
+    targets, rank, alpha = [], {}, {}
+    for s in all_slots:
+        w = _weight(s, cfg.preset, deepest)
+        r = max(cfg.min_rank, round(base * w)) if w > 0 else 0
+        o = _override(s, cfg.overrides)
+        if o is not None:
+            r = o
+        if r <= 0:
+            continue
+        targets.append(s)
+        rank[s.name] = r
+        alpha[s.name] = float(r * scale)
     if not targets:
-        raise ValueError(f"adapter.preset={cfg.preset!r} matched no layer of {type(model).__name__}")
-    alpha = cfg.alpha if cfg.alpha is not None else float(cfg.rank)
-    return Plan(targets, {s.name: cfg.rank for s in targets}, {s.name: alpha for s in targets})
+        raise ValueError(f"adapter.preset={cfg.preset!r} with adapter.overrides={cfg.overrides} selects no layer "
+                         f"of {type(model).__name__}")
+    return Plan(targets, rank, alpha, cfg.lora_bias, base, resolution)
 
 
 def apply_plan(model: nn.Module, plan: Plan, dropout: float = 0.0, adapter_name: str = "default") -> None:
@@ -142,3 +271,18 @@ def apply_plan(model: nn.Module, plan: Plan, dropout: float = 0.0, adapter_name:
 
 def trainable_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a table, with totals; sizes are of the fp32 adapter file."""
+    head = f"{'part':5} {'lvl':>3} {'block':6} {'kind':6} {'proj':14} {'mods':>5} {'rank':>5} {'alpha':>6} {'params':>12} {'MB':>8}"
+    lines = [head, "-" * len(head)]
+    for r in plan.groups():
+        lvl = "" if r["level"] is None else str(r["level"])
+        lines.append(f"{r['part']:5} {lvl:>3} {r['block']:6} {r['kind']:6} {r['proj']:14} {r['modules']:>5} "
+                     f"{r['rank']:>5} {r['alpha']:>6g} {r['params']:>12,} {r['params'] * 4 / 2**20:>8.2f}")
+    n = plan.trainable_params
+    lines.append("-" * len(head))
+    lines.append(f"total: {len(plan.targets)} modules, {n:,} trainable parameters, {n * 4 / 2**20:.2f} MB (fp32)"
+                 + (f"; base rank {plan.base_rank} at resolution {plan.resolution}" if plan.resolution else ""))
+    return "\n".join(lines)

@@ -5,6 +5,8 @@ What a user gets from `Trainer`:
     precision no/fp16/bf16 ("auto": bf16 where the GPU has it), gradient accumulation;
   - AdamW with a warmup + constant/linear/cosine schedule (diffusers' schedule helpers), gradient clipping;
   - a progress bar, and an events file (step, loss, lr, images/s, eta) that the UI reads;
+  - training states every N steps / M minutes (atomic, checksummed, last K kept), resume to the same
+    adapter bit for bit, Ctrl-C/SIGTERM finishing the step and saving before it stops;
   - the final adapter written (atomically) before anything that can still fail (final previews).
 Set-up reads top to bottom in the order things depend on each other:
 accelerator -> seed -> task (model, data, caches) -> optimizer -> schedule -> prepare.
@@ -13,6 +15,9 @@ from __future__ import annotations
 
 import logging
 import math
+import random
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +26,7 @@ from typing import Any, Protocol
 import torch
 from tqdm.auto import tqdm
 
+from . import checkpoint
 from .config import Config
 from .runs import Run
 
@@ -50,6 +56,8 @@ class Result:
     losses: list[float] = field(default_factory=list)
     eval_before: float = math.nan
     eval_after: float = math.nan
+    interrupted: str | None = None   # the signal's name when stopped by Ctrl-C/SIGTERM
+    state: Path | None = None        # the last training state saved
 
 
 def resolve_mixed_precision(cfg: Config, device_type: str) -> str:
@@ -85,8 +93,11 @@ def make_schedule(cfg: Config, optimizer, num_processes: int = 1):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, task: Task, run: Run):
-        self.cfg, self.task, self.run = cfg, task, run
+    def __init__(self, cfg: Config, task: Task, run: Run, resume: Path | None = None):
+        self.cfg, self.task, self.run, self.resume = cfg, task, run, resume
+        self.step = self.epoch = self.position = 0  # position: batches taken in the current epoch
+        self._rng_to_restore: dict | None = None
+        self._stop: str | None = None
 
     def setup(self) -> None:
         from accelerate.utils import set_seed
@@ -98,36 +109,118 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.task.param_groups(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay)
         self.schedule = make_schedule(cfg, self.optimizer, self.accelerator.num_processes)
+        loader = self.task.dataloader()
+        self.sampler = loader.batch_sampler
         self.model, self.optimizer, self.loader, self.schedule = self.accelerator.prepare(
-            self.task.model(), self.optimizer, self.task.dataloader(), self.schedule)
+            self.task.model(), self.optimizer, loader, self.schedule)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.resume is not None:
+            self._load(self.resume)
+
+    # ---- training state ----
+    def _trainable(self) -> dict[str, torch.nn.Parameter]:
+        model = self.accelerator.unwrap_model(self.model)
+        return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+    def _save(self) -> Path:
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        trainer_state = {"step": self.step, "epoch": self.epoch, "position": self.position,
+                         "schedule": self.schedule.state_dict(), "rng": rng}
+        path = checkpoint.save_state(self.run.checkpoints_dir, self.step, self._trainable(),
+                                     self.optimizer.state_dict(), trainer_state, self.cfg.train.keep_checkpoints)
+        self.run.event("checkpoint", step=self.step, path=str(path))
+        return path
+
+    def _load(self, state: Path) -> None:
+        adapter, opt_state, tr = checkpoint.load_state(state)
+        params = self._trainable()
+        if adapter.keys() != params.keys():
+            raise checkpoint.CheckpointError(
+                f"{state}: its adapter does not match this run's plan ({len(adapter)} tensors saved, "
+                f"{len(params)} expected); resume with the run's own config")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(adapter[name])
+        self.optimizer.load_state_dict(opt_state)
+        self.schedule.load_state_dict(tr["schedule"])
+        self.step, self.epoch, self.position = tr["step"], tr["epoch"], tr["position"]
+        # Restored once the epoch's loader iterator exists (creating one draws from the RNG).
+        self._rng_to_restore = tr["rng"]
+        log.info("resumed from %s at step %d", state, self.step)
+        self.run.event("resume", step=self.step, path=str(state))
+
+    def _restore_rng(self) -> None:
+        rng, self._rng_to_restore = self._rng_to_restore, None
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
 
     def _batches(self):
-        epoch = 0
         while True:
-            # Accelerate's loader forwards the epoch to our bucket sampler: a new order each epoch.
-            self.loader.set_epoch(epoch)
-            yield from self.loader
-            epoch += 1
+            # Accelerate's loader forwards the epoch to our bucket sampler and dataset: a new order
+            # each epoch, decided by (seed, epoch) alone.
+            self.loader.set_epoch(self.epoch)
+            if self.position:
+                self.sampler.skip_next(self.position)
+            for batch in self.loader:
+                # Starting an epoch's iterator draws from the RNG (the loader's base seed), and it only
+                # starts at the first fetch: restore the saved RNG after that, as the saved run had it.
+                if self._rng_to_restore is not None:
+                    self._restore_rng()
+                self.position += 1
+                yield batch
+            if self._rng_to_restore is not None:  # resumed exactly at an epoch's end
+                self._restore_rng()
+            self.epoch += 1
+            self.position = 0
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop is not None:
+            raise KeyboardInterrupt  # second Ctrl-C: stop now; the last saved state is intact
+        self._stop = signal.Signals(signum).name
+        log.warning("%s received: finishing this step and saving the state (press Ctrl-C again to stop at once)",
+                    self._stop)
 
     def fit(self) -> Result:
         cfg, acc, run = self.cfg, self.accelerator, self.run
         total = cfg.train.steps
         unwrapped = acc.unwrap_model(self.model)
         samples: list[Path] = []
-        if cfg.preview.before and acc.is_main_process:
+        if cfg.preview.before and acc.is_main_process and self.step == 0:
             samples += self.task.preview(unwrapped, run, 0)
             run.event("samples", step=0, paths=[str(p) for p in samples])
 
-        eval_before = self.task.evaluate(unwrapped)
-        run.event("eval", step=0, loss=eval_before)
-        run.event("start", total_steps=total, state="training")
-        bar = tqdm(total=total, desc="training", unit="step", disable=not acc.is_main_process, dynamic_ncols=True)
+        if self.step == 0:
+            eval_before = self.task.evaluate(unwrapped)
+            run.event("eval", step=0, loss=eval_before)
+        else:  # resumed: the run's own starting figure
+            eval_before = next((e["loss"] for e in run.events() if e["event"] == "eval"), math.nan)
+        run.event("start", step=self.step, total_steps=total, state="training")
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._loop(samples, eval_before)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+
+    def _loop(self, samples: list[Path], eval_before: float) -> Result:
+        """The training step, on one screen: batches -> loss -> backward -> clip -> step; log; save."""
+        cfg, acc, run = self.cfg, self.accelerator, self.run
+        total = cfg.train.steps
+        unwrapped = acc.unwrap_model(self.model)
+        bar = tqdm(total=total, initial=self.step, desc="training", unit="step", disable=not acc.is_main_process,
+                   dynamic_ncols=True)
         losses: list[float] = []
         window = torch.zeros((), device=acc.device)
-        window_n, window_images, t_window = 0, 0, time.perf_counter()
-        t_start = time.perf_counter()
-        step = 0
+        window_n, window_images = 0, 0
+        t_start = t_window = t_saved = time.perf_counter()
+        step0 = step = self.step
+        state: Path | None = None
         batches = self._batches()
         self.model.train()
         while step < total:
@@ -136,6 +229,7 @@ class Trainer:
                 with acc.accumulate(self.model):
                     loss = self.task.loss(self.model, batch)
                     acc.backward(loss)
+                    checkpoint.test_fault("step", step + 1)
                     if acc.sync_gradients and cfg.train.max_grad_norm > 0:
                         acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm)
                     self.optimizer.step()
@@ -145,14 +239,14 @@ class Trainer:
                 window += loss.detach()
                 window_n += 1
                 window_images += self.task.batch_size(batch) * acc.num_processes
-            step += 1
+            step = self.step = step + 1
             bar.update(1)
             if step % cfg.train.log_every == 0 or step == total:
                 mean = (acc.reduce(window, "mean") / window_n).item()
                 now = time.perf_counter()
                 ips = window_images / max(now - t_window, 1e-9)
                 elapsed = now - t_start
-                eta = elapsed / step * (total - step)
+                eta = elapsed / (step - step0) * (total - step)
                 lr = self.schedule.get_last_lr()[0]
                 losses.append(mean)
                 bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}", img_s=f"{ips:.1f}")
@@ -161,6 +255,17 @@ class Trainer:
                               images_per_s=round(ips, 3), eta_s=round(eta, 1), state="training")
                 window.zero_()
                 window_n, window_images, t_window = 0, 0, now
+            due = (cfg.train.save_every and step % cfg.train.save_every == 0) or (
+                cfg.train.save_every_minutes and time.perf_counter() - t_saved >= 60 * cfg.train.save_every_minutes)
+            if self._stop or (due and step < total):
+                if acc.is_main_process:
+                    state = self._save()
+                acc.wait_for_everyone()
+                t_saved = time.perf_counter()
+            if self._stop:
+                bar.close()
+                run.event("interrupted", step=step, signal=self._stop, state="interrupted", path=str(state))
+                return Result(run, step, {}, samples, losses, eval_before, interrupted=self._stop, state=state)
         bar.close()
 
         acc.wait_for_everyone()
@@ -176,4 +281,4 @@ class Trainer:
                 samples += after
                 run.event("samples", step=step, paths=[str(p) for p in after])
             run.event("done", step=step, state="finished", final_loss=losses[-1] if losses else math.nan)
-        return Result(run, step, adapter, samples, losses, eval_before, eval_after)
+        return Result(run, step, adapter, samples, losses, eval_before, eval_after, state=state)

@@ -558,6 +558,7 @@ class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.rank = rank
         self.drop_last = drop_last
         self.epoch = 0
+        self.skip = 0
         groups: dict[tuple[int, int], list[int]] = {}
         for pos, i in enumerate(dataset.expanded()):
             groups.setdefault(dataset.items[i].bucket, []).append(pos)
@@ -573,6 +574,11 @@ class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+    def skip_next(self, batches: int) -> None:
+        """The next iteration leaves out its first `batches` batches (resuming mid-epoch). Kept apart
+        from set_epoch, which Accelerate's loader calls again on every iteration."""
+        self.skip = batches
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -600,4 +606,5 @@ class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
             batches = batches[:len(batches) - extra]
         elif extra:
             batches += [batches[i % len(batches)] for i in range(self.num_replicas - extra)]
-        yield from batches[self.rank::self.num_replicas]
+        skip, self.skip = self.skip, 0
+        yield from batches[self.rank::self.num_replicas][skip:]

@@ -51,3 +51,32 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32):
 
 def native_resolution(pipe) -> int:
     return int(pipe.unet.config.sample_size) * int(pipe.vae_scale_factor)
+
+
+ARCH_SDXL = "arch:sdxl"
+
+
+def unet_skeleton(cfg: ModelConfig):
+    """The model's UNet on the meta device (structure only: no memory, no weights read), and its
+    native resolution. `arch:sdxl` is SDXL base's own config, bundled with the package."""
+    import json
+
+    from diffusers import UNet2DConditionModel
+
+    from .single_file import SDXL_BASE_CONFIG_DIR
+
+    if cfg.path == ARCH_SDXL:
+        folder = SDXL_BASE_CONFIG_DIR
+    else:
+        path = resolve_model_path(cfg)
+        # A single-file checkpoint is read as SDXL base (the configs its loading uses too).
+        folder = SDXL_BASE_CONFIG_DIR if path.is_file() else path
+    unet_cfg = folder / "unet" / "config.json"
+    if not unet_cfg.is_file():
+        raise ModelError(f"{folder} has no unet/config.json; give a diffusers SDXL folder, "
+                         f"a single-file checkpoint, '{TINY_NAME}' or '{ARCH_SDXL}'")
+    vae_cfg = json.loads((folder / "vae" / "config.json").read_text(encoding="utf-8"))
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(json.loads(unet_cfg.read_text(encoding="utf-8")))
+    vae_factor = 2 ** (len(vae_cfg["block_out_channels"]) - 1)
+    return unet, int(unet.config.sample_size) * vae_factor

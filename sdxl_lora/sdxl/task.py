@@ -48,7 +48,10 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
     def __init__(self, task: "SDXLTask"):
         self.task = task
         self.index = task.dataset.expanded()
-        self.rng = random.Random(task.cfg.train.seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.index)
@@ -56,12 +59,15 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         t = self.task
         item_idx = self.index[i]
-        flip = t.cfg.data.flip and self.rng.random() < 0.5
+        # Flip and dropout decisions from (seed, epoch, sample) alone: no RNG state to carry, so a
+        # resumed run (and a loader that reads ahead) makes the same decisions.
+        rng = random.Random(f"{t.cfg.train.seed}:{self.epoch}:{i}")
+        flip = t.cfg.data.flip and rng.random() < 0.5
         lat = t.cache.get(t.latent_keys[item_idx][flip])
         if lat is None:
             raise RuntimeError(f"latent cache entry for {t.dataset.items[item_idx].path} vanished during training")
         text = t.cache.get(t.text_keys[item_idx])
-        if t.cfg.data.caption_dropout and self.rng.random() < t.cfg.data.caption_dropout:
+        if t.cfg.data.caption_dropout and rng.random() < t.cfg.data.caption_dropout:
             text = t.empty_text
         return {"latent_mean": lat["mean"], "latent_std": lat["std"], "time_ids": lat["time_ids"],
                 "prompt_embeds": text["prompt_embeds"], "pooled": text["pooled"]}
@@ -105,7 +111,10 @@ class SDXLTask:
             torch.cuda.empty_cache()
 
         unet = self.pipe.unet
-        self.plan = inject.make_plan(unet, cfg.adapter)
+        # Ranks scale with the largest bucket's area: the most tokens any batch carries.
+        largest = max(w * h for w, h in self.dataset.bucket_histogram())
+        self.plan = inject.make_plan(unet, cfg.adapter, resolution=round(largest ** 0.5),
+                                     native=native_resolution(self.pipe))
         mp = accelerator.mixed_precision
         # Frozen weights in the compute dtype; the adapter stays fp32 (apply_plan does that).
         unet.to(self.device, dtype=_DTYPES.get(mp, torch.float32))
@@ -113,10 +122,9 @@ class SDXLTask:
         if cfg.train.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
         n = self.plan.trainable_params
-        log.info("adapter: %d layers, %s trainable parameters (%.1f MB fp32)",
-                 len(self.plan.targets), f"{n:,}", n * 4 / 2**20)
+        log.info("adapter plan:\n%s", inject.format_plan(self.plan))
         run.event("plan", layers=len(self.plan.targets), trainable_params=n, preset=cfg.adapter.preset,
-                  rank=cfg.adapter.rank)
+                  base_rank=self.plan.base_rank, groups=self.plan.groups())
 
     def _noise_scheduler(self):
         from diffusers import DDPMScheduler
@@ -248,10 +256,32 @@ class SDXLTask:
         return sum(losses) / len(losses)
 
     def save_adapter(self, model, run: Run, step: int) -> dict[str, Path]:
-        meta = {"sdxl_lora.steps": str(step), "sdxl_lora.resolution": str(self.resolution),
-                "sdxl_lora.preset": self.cfg.adapter.preset}
-        path = save_diffusers_lora(model, run.dir / f"{run.name}.safetensors", extra_metadata=meta)
-        return {"diffusers": path}
+        # The kohya file is the main one (ComfyUI, AUTOMATIC1111/Forge, kohya and diffusers load it); the
+        # diffusers/PEFT file sits beside it, with the same description (no absolute paths in either).
+        from ..export import adapter_from_model, save_kohya_lora, training_metadata
+
+        cfg = self.cfg
+        datasets: dict[str, list[tuple[str, int]]] = {}
+        for item in self.dataset.items:
+            datasets.setdefault(item.dataset.name, []).append((item.caption, item.repeats))
+        meta = training_metadata(
+            title=run.name, steps=step, resolution=self.resolution, trigger_phrase=cfg.data.trigger_word,
+            base_model=cfg.model.path, datasets=datasets,
+            extra={"ss_learning_rate": str(cfg.train.lr), "ss_batch_size_per_device": str(cfg.train.batch_size),
+                   "ss_lr_scheduler": cfg.train.scheduler, "ss_seed": str(cfg.train.seed),
+                   "ss_network_dropout": str(cfg.adapter.dropout),
+                   "ss_mixed_precision": str(self.accelerator.mixed_precision),
+                   "sdxl_lora.steps": str(step), "sdxl_lora.resolution": str(self.resolution),
+                   "sdxl_lora.preset": cfg.adapter.preset})
+        adapter = adapter_from_model(model)
+        main = run.dir / f"{run.name}.safetensors"
+        if any(layer.bias is not None for layer in adapter.layers.values()):
+            log.warning("adapter.lora_bias: the kohya format has no LoRA bias, so %s is in diffusers format "
+                        "(diffusers and peft load it; ComfyUI and AUTOMATIC1111 may not)", main.name)
+            return {"diffusers": save_diffusers_lora(adapter, main, extra_metadata=meta)}
+        kohya = save_kohya_lora(adapter, main, unet_config=model.config, metadata=meta)
+        diffusers = save_diffusers_lora(adapter, run.dir / f"{run.name}.diffusers.safetensors", extra_metadata=meta)
+        return {"kohya": kohya, "diffusers": diffusers}
 
     def preview(self, model, run: Run, step: int) -> list[Path]:
         return render_previews(self, model, run, step)

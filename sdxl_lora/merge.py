@@ -1,0 +1,149 @@
+"""Merge: bake one or more LoRA adapters, each at its own strength, into a full SDXL checkpoint
+(a diffusers folder, or one `.safetensors` in the original layout for ComfyUI/A1111/Forge).
+
+Each adapted weight becomes W + strength * alpha / rank * up @ down, computed in fp32 and stored in
+the checkpoint's dtype: what `load_lora_weights` + `set_adapters(weights=[strength])` computes on
+the fly. Adapters are read with `export.load_adapter` against the base model's own layers, so a key
+that fits no layer stops the merge instead of vanishing from the result.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from . import kohya
+from .export import Adapter, AdapterError, ExportExistsError, _replace_folder, _umask, load_adapter
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class MergeError(AdapterError):
+    """An adapter cannot be merged into this model; the message says why."""
+
+
+def _module(named: dict[str, torch.nn.Module], path: str) -> torch.nn.Module | None:
+    if path in named:
+        return named[path]
+    # CLIP-L's names lost `text_model.` in transformers >= 5.6; adapters may carry either.
+    alt = path.removeprefix("text_model.") if path.startswith("text_model.") else f"text_model.{path}"
+    return named.get(alt)
+
+
+@torch.no_grad()
+def merge_adapter(pipe, adapter: Adapter, strength: float = 1.0) -> int:
+    """Add `strength` times the adapter's update to the pipeline's weights in place; returns the layer
+    count. Every layer is checked before any weight changes, so a refused adapter leaves the model as it was."""
+    named: dict[str, dict[str, torch.nn.Module]] = {}
+    todo = []
+    for key, layer in sorted(adapter.layers.items()):
+        comp, path = key.split(".", 1)
+        model = getattr(pipe, comp, None)
+        if model is None:
+            raise MergeError(f"{key}: the pipeline has no {comp}")
+        if comp not in named:
+            named[comp] = dict(model.named_modules())
+        mod = _module(named[comp], path)
+        if mod is None or not hasattr(mod, "weight"):
+            raise MergeError(f"{key}: the {comp} has no such layer; was the adapter trained for another model?")
+        if hasattr(mod, "base_layer"):
+            raise MergeError(f"{key}: the {comp} already holds an unmerged peft adapter; merge into a clean model")
+        if layer.magnitude is not None:
+            raise MergeError(f"{key}: DoRA layers do not merge linearly with a strength; merging them is not supported")
+        shape = (layer.up.shape[0], *layer.down.shape[1:])  # of the update, without computing it yet
+        if shape != tuple(mod.weight.shape):
+            raise MergeError(f"{key}: the adapter's update has shape {list(shape)}, the layer's weight "
+                             f"{list(mod.weight.shape)}: the adapter was trained for another model")
+        if layer.bias is not None and getattr(mod, "bias", None) is None:
+            raise MergeError(f"{key}: the adapter has a LoRA bias for this layer, which has no bias in the base "
+                             "model: merging it would change the architecture (load the adapter instead)")
+        todo.append((mod, layer))
+    for mod, layer in todo:
+        w = mod.weight
+        w.copy_((w.float() + strength * layer.delta().to(w.device)).to(w.dtype))
+        if layer.bias is not None:
+            b = mod.bias
+            b.copy_((b.float() + strength * layer.scale * layer.bias.float().to(b.device)).to(b.dtype))
+    return len(todo)
+
+
+def parse_lora_arg(arg: str) -> tuple[Path, float]:
+    """`FILE[:STRENGTH]` -> (path, strength); a trailing part that is not a number belongs to the path."""
+    head, sep, tail = arg.rpartition(":")
+    if sep:
+        try:
+            return Path(head), float(tail)
+        except ValueError:
+            pass
+    return Path(arg), 1.0
+
+
+def _source_dtype(model_path: Path) -> torch.dtype:
+    """The dtype the base's UNet weights are stored in (so a merged fp16 checkpoint stays fp16)."""
+    from safetensors import safe_open
+
+    files = [model_path] if model_path.is_file() else sorted((model_path / "unet").glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                if model_path.is_dir() or k.startswith("model.diffusion_model."):
+                    return _ST_DTYPES.get(st.get_slice(k).get_dtype(), torch.float32)
+    return torch.float32
+
+
+def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]], out: str | Path, *,
+                     tokenizer: str | Path | None = None, dtype: str = "auto", overwrite: bool = False) -> Path:
+    """Load the base model (diffusers folder, single file or "tiny-sdxl"), merge each (adapter, strength)
+    in order and write the result: a single original-layout file when `out` ends in .safetensors,
+    otherwise a diffusers folder. dtype "auto" keeps the base's storage dtype."""
+    from .config import ModelConfig
+    from .sdxl.model import load_pipeline, resolve_model_path
+    from .sdxl.single_file import save_single_file
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise ExportExistsError(f"{out} already exists; choose another --out or pass --overwrite")
+    if not loras:
+        raise MergeError("no adapter to merge: give at least one --lora FILE[:STRENGTH]")
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise MergeError(f"dtype={dtype!r}: must be auto, {', '.join(_DTYPES)}")
+    for path, _ in loras:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"--lora {path}: no such file")
+    mcfg = ModelConfig(path=str(model), tokenizer=str(tokenizer) if tokenizer else None)
+    model_path = resolve_model_path(mcfg)
+    target = _source_dtype(model_path) if dtype == "auto" else _DTYPES[dtype]
+    pipe = load_pipeline(mcfg, torch_dtype=torch.float32)
+    table = kohya.LayerTable.from_pipeline(pipe)
+    merged = []
+    for path, strength in loras:
+        adapter = load_adapter(path, table)
+        if adapter.unknown:
+            raise MergeError(f"{path}: {adapter.problems[0]}; merging the rest would give a model the adapter's "
+                             "author never saw, so nothing was merged")
+        n = merge_adapter(pipe, adapter, strength)
+        log.info("merged %s at strength %g: %d layers", Path(path).name, strength, n)
+        merged.append({"lora": Path(path).name, "strength": strength, "layers": n})
+    note = {"sdxl_lora.merged": json.dumps(merged)}
+    if out.suffix == ".safetensors":
+        return save_single_file(pipe, out, overwrite=overwrite, dtype=target, metadata=note)
+    if target != torch.float32:
+        pipe.to(target)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        os.chmod(tmp, 0o777 & ~_umask())
+        _replace_folder(tmp, out, overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

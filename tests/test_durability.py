@@ -1,0 +1,117 @@
+"""A run is never lost: SIGKILL at any point, a corrupt newest state, Ctrl-C — each resumes to the
+same adapter, bit for bit, as an uninterrupted run with the same seed (CPU, tiny model)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sdxl_lora import checkpoint
+from sdxl_lora.runs import read_events
+
+STEPS = 12
+COMMON = ["--steps", str(STEPS), "--set", "train.save_every=3", "--set", "preview.prompts=''",
+          "--set", "train.log_every=1", "--set", "train.save_every_minutes=0"]
+
+
+def train(out, *args, kill=None, check=True):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("SDXL_LORA_TEST_KILL", None)
+    if kill:
+        env["SDXL_LORA_TEST_KILL"] = kill
+    proc = subprocess.run([sys.executable, "-m", "sdxl_lora.cli", "train", "--out", str(out), *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def adapter(run_dir):
+    return load_file(run_dir / f"{run_dir.name}.safetensors")
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    train(out, "--name", "ref", *COMMON)
+    return adapter(out / "ref")
+
+
+def test_sigkill_during_a_save_and_during_a_step_then_resume_gives_the_same_adapter(tmp_path, reference):
+    run = tmp_path / "k"
+    p = train(tmp_path, "--name", "k", *COMMON, kill="save:6", check=False)
+    assert p.returncode == -signal.SIGKILL
+    states = run / "checkpoints"
+    assert (states / ".tmp-step-00000006").exists()  # the torn save
+    assert checkpoint.newest_valid(states).name == "step-00000003"
+
+    p = train(tmp_path, "--resume", str(run), kill="step:10", check=False)
+    assert p.returncode == -signal.SIGKILL
+    assert checkpoint.newest_valid(states).name == "step-00000009"
+    assert not (run / "k.safetensors").exists()
+
+    train(tmp_path, "--resume", str(run))
+    resumes = [e["step"] for e in read_events(run / "events.jsonl") if e["event"] == "resume"]
+    assert resumes == [3, 9]
+    assert_same(adapter(run), reference)
+
+
+def test_truncated_newest_state_falls_back_to_the_previous_one(tmp_path, reference):
+    run = tmp_path / "t"
+    p = train(tmp_path, "--name", "t", *COMMON, kill="step:11", check=False)
+    assert p.returncode == -signal.SIGKILL
+    newest = run / "checkpoints" / "step-00000009" / "adapter.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])
+    p = train(tmp_path, "--resume", str(run))
+    assert "skipping checkpoint step-00000009" in p.stderr
+    assert "does not match its checksum" in p.stderr
+    assert [e["step"] for e in read_events(run / "events.jsonl") if e["event"] == "resume"] == [6]
+    assert_same(adapter(run), reference)
+
+
+def test_ctrl_c_saves_the_state_and_resume_continues_from_the_next_step(tmp_path, reference):
+    run = tmp_path / "c"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "sdxl_lora.cli", "train", "--out", str(tmp_path), "--name", "c",
+                             *COMMON, "--set", "train.save_every=0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    events = run / "events.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if events.exists() and any(e["event"] == "step" for e in read_events(events)):
+            break
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    stopped = [e for e in read_events(events) if e["event"] == "interrupted"]
+    assert len(stopped) == 1 and stopped[0]["signal"] == "SIGINT"
+    n = stopped[0]["step"]
+    assert 1 <= n < STEPS
+    assert f"resume with: sdxl-lora train --resume" in out
+    assert checkpoint.newest_valid(run / "checkpoints").name == f"step-{n:08d}"
+
+    train(tmp_path, "--resume", str(run))
+    ev = read_events(events)
+    assert [e["step"] for e in ev if e["event"] == "resume"] == [n]
+    steps_after = [e["step"] for e in ev if e["event"] == "step" and ev.index(e) > ev.index(stopped[0])]
+    assert steps_after[0] == n + 1 and steps_after[-1] == STEPS
+    assert_same(adapter(run), reference)
+
+
+def test_resume_without_a_state_says_so(tmp_path):
+    train(tmp_path, "--name", "s", "--steps", "2", "--set", "preview.prompts=''", "--set", "train.save_every=0")
+    p = train(tmp_path, "--resume", str(tmp_path / "s"), check=False)
+    assert p.returncode == 2
+    assert "no complete training state" in p.stderr
