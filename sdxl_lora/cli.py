@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -95,6 +96,8 @@ def cmd_train(args) -> int:
         return 0
     if result.interrupted:
         print(f"\nstopped by {result.interrupted} at step {result.steps}; state saved in {relpath(result.state)}")
+        if result.message:
+            print(result.message)
         print(f"resume with: sdxl-lora train --resume {relpath(run.dir)}")
         return 130
     print()
@@ -359,6 +362,14 @@ def main(argv: list[str] | None = None) -> int:
             FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        # Disk full, read-only or permission denied: every save is atomic, so what was on disk before
+        # (the previous training state, an earlier export) is intact; say what failed and where.
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS):
+            print(f"error: could not write {e.filename or 'a file'}: {e.strerror}. Earlier states and "
+                  "exports are intact; free space or fix permissions, then resume with --resume", file=sys.stderr)
+            return 1
+        raise
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

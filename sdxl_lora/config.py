@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO_ROOT / "sample_data"
@@ -98,6 +98,12 @@ class AdapterConfig(Section):
     overrides: dict[str, int] = Field(default_factory=dict)
     # LoRA-Bias: a trainable bias on each adapter's up projection.
     lora_bias: bool = False
+    # A budget of trainable parameters (or adapter megabytes, fp32): ranks are redistributed across the
+    # planned slots in proportion to their measured sensitivity (adapter gradient norms on
+    # `calibration_batches` batches before training). None: no budget.
+    rank_budget: int | None = Field(None, ge=1)
+    rank_budget_mb: float | None = Field(None, gt=0)
+    calibration_batches: int = Field(4, ge=1)
 
 
 class TrainConfig(Section):
@@ -105,11 +111,35 @@ class TrainConfig(Section):
     batch_size: int = Field(2, ge=1)
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(1e-3, gt=0)
-    optimizer: Literal["adamw"] = "adamw"
+    # adamw8bit and lion need bitsandbytes (the qlora extra); prodigy needs prodigyopt and wants lr=1.0
+    # (it finds the step size itself). docs/training.md compares them.
+    optimizer: Literal["adamw", "adamw8bit", "adafactor", "lion", "prodigy"] = "adamw"
     weight_decay: float = Field(1e-2, ge=0)
-    scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    # Each with warmup_steps of linear warmup first. cosine_with_restarts: scheduler_cycles hard
+    # restarts; polynomial: decays to ~0 with power scheduler_power (1 = linear).
+    scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = "constant"
+    scheduler_cycles: int = Field(1, ge=1)
+    scheduler_power: float = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
     max_grad_norm: float = Field(1.0, ge=0)
+    # The diffusion loss (docs/training.md). l2 is the usual MSE; huber is quadratic within huber_delta
+    # of the target and linear beyond it.
+    loss: Literal["l2", "huber"] = "l2"
+    huber_delta: float = Field(1.0, gt=0)
+    # Noise offset: adds offset x N(0,1) per image and channel to the noise; ~0.05-0.1 helps very
+    # dark/bright images. 0 is off.
+    noise_offset: float = Field(0.0, ge=0)
+    # Min-SNR-gamma loss weighting (5 is the paper's value); 0 is off.
+    min_snr_gamma: float = Field(0.0, ge=0)
+    # Rescale the noise schedule's betas to zero terminal SNR (pairs with v-prediction models).
+    zero_terminal_snr: bool = False
+    # Timesteps are drawn uniformly from [timestep_min, timestep_max]; none means the schedule's last.
+    timestep_min: int = Field(0, ge=0)
+    timestep_max: int | None = Field(None, ge=0)
+    # NaN/Inf guard: a step with a non-finite loss or gradient is skipped (weights unchanged) and
+    # logged; after max_nan_steps in a row the run saves its state and stops. Costs one host sync a step.
+    nan_guard: bool = True
+    max_nan_steps: int = Field(5, ge=1)
     # "auto": bf16 on a GPU that supports it, fp32 ("no") on CPU.
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
     gradient_checkpointing: bool = False
@@ -121,6 +151,13 @@ class TrainConfig(Section):
     save_every: int = Field(100, ge=0)
     save_every_minutes: float = Field(10.0, ge=0)
     keep_checkpoints: int = Field(3, ge=1)
+
+    @model_validator(mode="after")
+    def _timestep_range(self) -> "TrainConfig":
+        if self.timestep_max is not None and self.timestep_max < self.timestep_min:
+            raise ValueError(f"timestep_max={self.timestep_max} is below timestep_min={self.timestep_min}; "
+                             "the range is [timestep_min, timestep_max]")
+        return self
 
 
 class PreviewConfig(Section):

@@ -252,6 +252,35 @@ def make_plan(model: nn.Module, cfg: AdapterConfig, resolution: int | None = Non
     return Plan(targets, rank, alpha, cfg.lora_bias, base, resolution)
 
 
+def budget_plan(plan: Plan, sensitivity: dict[str, float], budget: int, lo: int, hi: int) -> Plan:
+    """Redistribute ranks to fit `budget` trainable parameters: each slot's rank is proportional to its
+    planned rank times its measured sensitivity (normalised to mean 1), rounded and clamped to
+    [lo, hi]; the common factor is the largest that fits, found by bisection. Deterministic."""
+    mean = sum(sensitivity[s.name] for s in plan.targets) / len(plan.targets)
+    weight = {s.name: plan.rank[s.name] * (sensitivity[s.name] / mean if mean > 0 else 1.0) for s in plan.targets}
+
+    def ranks(c: float) -> dict[str, int]:
+        return {n: max(lo, min(hi, round(c * w))) for n, w in weight.items()}
+
+    def cost(r: dict[str, int]) -> int:
+        return sum(s.params_at_rank(r[s.name], plan.bias) for s in plan.targets)
+
+    floor = cost(ranks(0.0))
+    if floor > budget:
+        raise ValueError(f"adapter.rank_budget={budget:,} parameters is below what these {len(plan.targets)} "
+                         f"modules need at min_rank={lo} ({floor:,}); raise the budget or pick fewer slots")
+    a, b = 0.0, 1.0
+    while cost(ranks(b)) <= budget and b < 1e6:
+        a, b = b, b * 2
+    for _ in range(60):
+        mid = (a + b) / 2
+        a, b = (mid, b) if cost(ranks(mid)) <= budget else (a, mid)
+    chosen = ranks(a)
+    scale = {n: plan.alpha[n] / plan.rank[n] for n in plan.rank}
+    return Plan(plan.targets, chosen, {n: float(chosen[n] * scale[n]) for n in chosen}, plan.bias,
+                plan.base_rank, plan.resolution)
+
+
 def apply_plan(model: nn.Module, plan: Plan, dropout: float = 0.0, adapter_name: str = "default") -> None:
     """Freeze the model and add the planned LoRA layers (through diffusers' peft integration when the
     model has it, so diffusers' own save/load helpers understand the result)."""

@@ -3,7 +3,11 @@
 What a user gets from `Trainer`:
   - Accelerate underneath: one code path for CPU, one GPU or many (`accelerate launch`), mixed
     precision no/fp16/bf16 ("auto": bf16 where the GPU has it), gradient accumulation;
-  - AdamW with a warmup + constant/linear/cosine schedule (diffusers' schedule helpers), gradient clipping;
+  - the optimizer and lr schedule of the config (optim.py: AdamW, AdamW8bit, Adafactor, Lion, Prodigy;
+    constant, linear, cosine, cosine with restarts, polynomial, each with warmup), gradient clipping;
+  - a NaN/Inf guard: a step with a non-finite loss or gradient is skipped (weights unchanged), counted and
+    logged; after train.max_nan_steps in a row the state is saved and the run stops, naming likely causes.
+    It costs one host sync a step (train.nan_guard=false removes it);
   - a progress bar, and an events file (step, loss, lr, images/s, eta) that the UI reads;
   - training states every N steps / M minutes (atomic, checksummed, last K kept), resume to the same
     adapter bit for bit, Ctrl-C/SIGTERM finishing the step and saving before it stops;
@@ -28,6 +32,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint
 from .config import Config
+from .optim import build_optimizer, make_schedule
 from .runs import Run
 
 log = logging.getLogger(__name__)
@@ -56,7 +61,8 @@ class Result:
     losses: list[float] = field(default_factory=list)
     eval_before: float = math.nan
     eval_after: float = math.nan
-    interrupted: str | None = None   # the signal's name when stopped by Ctrl-C/SIGTERM
+    interrupted: str | None = None   # the signal's name when stopped by Ctrl-C/SIGTERM, or "nan_guard"
+    message: str | None = None       # why the run stopped, for the user, when not by a signal
     state: Path | None = None        # the last training state saved
 
 
@@ -80,24 +86,13 @@ def make_accelerator(cfg: Config):
     return Accelerator(cpu=cpu, mixed_precision=mp, gradient_accumulation_steps=cfg.train.grad_accum)
 
 
-def make_schedule(cfg: Config, optimizer, num_processes: int = 1):
-    from diffusers.optimization import get_scheduler
-
-    name = cfg.train.scheduler
-    if name == "constant" and cfg.train.warmup_steps:
-        name = "constant_with_warmup"
-    # Accelerate's prepared scheduler advances num_processes times per optimizer step, so the
-    # schedule is laid out in those units to keep warmup and decay in optimizer steps.
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.train.warmup_steps * num_processes,
-                         num_training_steps=cfg.train.steps * num_processes)
-
-
 class Trainer:
     def __init__(self, cfg: Config, task: Task, run: Run, resume: Path | None = None):
         self.cfg, self.task, self.run, self.resume = cfg, task, run, resume
         self.step = self.epoch = self.position = 0  # position: batches taken in the current epoch
         self._rng_to_restore: dict | None = None
         self._stop: str | None = None
+        self.skipped = 0  # optimizer steps skipped by the NaN guard in this session
 
     def setup(self) -> None:
         from accelerate.utils import set_seed
@@ -106,8 +101,7 @@ class Trainer:
         self.accelerator = make_accelerator(cfg)
         set_seed(cfg.train.seed)
         self.task.setup(self.accelerator, self.run)
-        self.optimizer = torch.optim.AdamW(self.task.param_groups(), lr=cfg.train.lr,
-                                           weight_decay=cfg.train.weight_decay)
+        self.optimizer = build_optimizer(cfg, self.task.param_groups())
         self.schedule = make_schedule(cfg, self.optimizer, self.accelerator.num_processes)
         loader = self.task.dataloader()
         self.sampler = loader.batch_sampler
@@ -177,6 +171,14 @@ class Trainer:
             self.epoch += 1
             self.position = 0
 
+    def _skip_step(self, bad: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Whether this optimizer step must be skipped: a non-finite loss (in any micro-batch) or gradient
+        norm, on any process. The one host sync of the step. Under fp16, gradient overflow is the grad
+        scaler's to handle (it skips the step and lowers its scale), so only the loss counts there."""
+        if self.accelerator.scaler is None:
+            bad = bad | ~torch.isfinite(grad_norm)
+        return bool(self.accelerator.reduce(bad.float(), "sum").item())
+
     def _on_signal(self, signum, frame) -> None:
         if self._stop is not None:
             raise KeyboardInterrupt  # second Ctrl-C: stop now; the last saved state is intact
@@ -216,33 +218,61 @@ class Trainer:
         bar = tqdm(total=total, initial=self.step, desc="training", unit="step", disable=not acc.is_main_process,
                    dynamic_ncols=True)
         losses: list[float] = []
+        # Finite losses summed on the device, and their count; read back only at log time.
         window = torch.zeros((), device=acc.device)
-        window_n, window_images = 0, 0
+        window_n = torch.zeros((), device=acc.device)
+        window_images = 0
         t_start = t_window = t_saved = time.perf_counter()
         step0 = step = self.step
         state: Path | None = None
+        guard, clip = cfg.train.nan_guard, cfg.train.max_grad_norm
+        bad_in_a_row, nan_stop = 0, None
         batches = self._batches()
         self.model.train()
         while step < total:
+            bad = torch.zeros((), dtype=torch.bool, device=acc.device)
+            skip = False
             for _ in range(cfg.train.grad_accum):
                 batch = next(batches)
                 with acc.accumulate(self.model):
                     loss = self.task.loss(self.model, batch)
                     acc.backward(loss)
                     checkpoint.test_fault("step", step + 1)
-                    if acc.sync_gradients and cfg.train.max_grad_norm > 0:
-                        acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm)
-                    self.optimizer.step()
+                    finite = torch.isfinite(loss.detach())
+                    bad = bad | ~finite
+                    if acc.sync_gradients and (clip > 0 or guard):
+                        # With clipping off the guard still needs the norm: clipping at infinity scales by 1.0.
+                        norm = acc.clip_grad_norm_(self.params, clip if clip > 0 else math.inf)
+                        if guard:
+                            skip = self._skip_step(bad, norm)
+                    if not skip:
+                        self.optimizer.step()
                     self.schedule.step()
                     self.optimizer.zero_grad(set_to_none=True)
-                # Summed on the device; read back only at log time, so the step never waits on the host.
-                window += loss.detach()
-                window_n += 1
+                window += torch.where(finite, loss.detach(), 0.0)
+                window_n += finite
                 window_images += self.task.batch_size(batch) * acc.num_processes
             step = self.step = step + 1
             bar.update(1)
+            if skip:
+                bad_in_a_row += 1
+                self.skipped += 1
+                log.warning("step %d: non-finite loss or gradient; step skipped, weights unchanged (%d in a row, "
+                            "%d in all)", step, bad_in_a_row, self.skipped)
+                if acc.is_main_process:
+                    run.event("nonfinite", step=step, in_a_row=bad_in_a_row, skipped=self.skipped)
+                if bad_in_a_row >= cfg.train.max_nan_steps:
+                    nan_stop = (
+                        f"{bad_in_a_row} steps in a row (up to step {step}) had a non-finite loss or gradient, "
+                        f"so the run stopped. Likely causes: fp16 overflow (mixed_precision="
+                        f"{acc.mixed_precision!r}; try train.mixed_precision='bf16', or 'no'), or a learning rate "
+                        f"too high (train.lr={cfg.train.lr:g}; try a smaller one, or more warmup_steps, or "
+                        f"max_grad_norm). The state is saved: fix the cause and resume.")
+                    log.error(nan_stop)
+            else:
+                bad_in_a_row = 0
             if step % cfg.train.log_every == 0 or step == total:
-                mean = (acc.reduce(window, "mean") / window_n).item()
+                mean = (acc.reduce(window, "sum") / acc.reduce(window_n, "sum")).item()
                 now = time.perf_counter()
                 ips = window_images / max(now - t_window, 1e-9)
                 elapsed = now - t_start
@@ -254,18 +284,23 @@ class Trainer:
                     run.event("step", step=step, total_steps=total, loss=mean, lr=lr,
                               images_per_s=round(ips, 3), eta_s=round(eta, 1), state="training")
                 window.zero_()
-                window_n, window_images, t_window = 0, 0, now
+                window_n.zero_()
+                window_images, t_window = 0, now
             due = (cfg.train.save_every and step % cfg.train.save_every == 0) or (
                 cfg.train.save_every_minutes and time.perf_counter() - t_saved >= 60 * cfg.train.save_every_minutes)
-            if self._stop or (due and step < total):
+            stop = self._stop or ("nan_guard" if nan_stop else None)
+            if stop or (due and step < total):
                 if acc.is_main_process:
                     state = self._save()
                 acc.wait_for_everyone()
                 t_saved = time.perf_counter()
-            if self._stop:
+            if stop:
                 bar.close()
-                run.event("interrupted", step=step, signal=self._stop, state="interrupted", path=str(state))
-                return Result(run, step, {}, samples, losses, eval_before, interrupted=self._stop, state=state)
+                if acc.is_main_process:
+                    run.event("interrupted", step=step, signal=stop, state="interrupted", path=str(state),
+                              **({"message": nan_stop} if nan_stop else {}))
+                return Result(run, step, {}, samples, losses, eval_before, interrupted=stop, state=state,
+                              message=nan_stop)
         bar.close()
 
         acc.wait_for_everyone()

@@ -18,8 +18,13 @@ COMMON = ["--steps", str(STEPS), "--set", "train.save_every=3", "--set", "previe
           "--set", "train.log_every=1", "--set", "train.save_every_minutes=0"]
 
 
+# One thread per training process: bit-exact comparisons need the same thread count in every run,
+# and several processes spinning two OpenMP threads each on two cores slow to a crawl.
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
 def train(out, *args, kill=None, check=True):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = dict(ENV)
     env.pop("SDXL_LORA_TEST_KILL", None)
     if kill:
         env["SDXL_LORA_TEST_KILL"] = kill
@@ -81,7 +86,7 @@ def test_truncated_newest_state_falls_back_to_the_previous_one(tmp_path, referen
 
 def test_ctrl_c_saves_the_state_and_resume_continues_from_the_next_step(tmp_path, reference):
     run = tmp_path / "c"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = dict(ENV)
     proc = subprocess.Popen([sys.executable, "-m", "sdxl_lora.cli", "train", "--out", str(tmp_path), "--name", "c",
                              *COMMON, "--set", "train.save_every=0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -126,3 +126,39 @@ def test_plan_command_json_on_the_sdxl_architecture(capsys):
     assert out["modules"] == 560 and out["trainable_params"] == 23_224_320
     assert abs(out["adapter_mb"] - 23_224_320 * 4 / 2**20) < 0.01
     assert sum(g["modules"] for g in out["groups"]) == 560
+
+
+def test_rank_budget_redistributes_by_measured_sensitivity_and_trains(tmp_path):
+    from safetensors.torch import load_file
+
+    from sdxl_lora.runs import read_events
+
+    budget = 60_000
+    args = ["train", "--out", str(tmp_path), "--steps", "3", "--set", "preview.prompts=''",
+            "--set", f"adapter.rank_budget={budget}", "--set", "train.save_every=0"]
+    assert main([*args, "--name", "a"]) == 0
+    assert main([*args, "--name", "b"]) == 0
+    ev = {e["event"]: e for e in read_events(tmp_path / "a" / "events.jsonl")}
+    chosen = ev["budget"]["trainable_params"]
+    assert 0.85 * budget <= chosen <= budget
+    assert ev["plan"]["trainable_params"] == chosen
+    ranks = {g["rank"] for g in ev["plan"]["groups"]}
+    assert len(ranks) > 2  # spread by sensitivity, not one rank
+    # Deterministic: the same data and seed give the same ranks and the same adapter.
+    evb = {e["event"]: e for e in read_events(tmp_path / "b" / "events.jsonl")}
+    assert evb["plan"]["groups"] == ev["plan"]["groups"]
+    a = load_file(tmp_path / "a" / "a.diffusers.safetensors")
+    b = load_file(tmp_path / "b" / "b.diffusers.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # The most sensitive slot gets at least the rank of the least sensitive one of the same kind.
+    sens = ev["budget"]["sensitivity"]
+    shapes = {k: v.shape[0] for k, v in a.items() if k.endswith("lora_A.weight")}
+    rank_of = {k.removeprefix("unet.").removesuffix(".lora_A.weight"): r for k, r in shapes.items()}
+    q = sorted((n for n in sens if n.endswith("attn2.to_q")), key=sens.get)
+    assert rank_of[q[-1]] >= rank_of[q[0]]
+
+
+def test_rank_budget_below_the_minimum_is_refused(sdxl_unet):
+    plan = inject.make_plan(sdxl_unet, AdapterConfig(preset="attn", rank=16), resolution=1024, native=1024)
+    with pytest.raises(ValueError, match="rank_budget=1,000 parameters is below"):
+        inject.budget_plan(plan, {s.name: 1.0 for s in plan.targets}, 1000, 1, 64)

@@ -112,3 +112,24 @@ def test_bad_flag_value_names_the_field(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "train.device" in err and "'tpu'" in err
     assert not any(tmp_path.iterdir())
+
+
+def test_tag_shuffling_trains_with_live_text_encoding(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    from PIL import Image
+    for i, colour in enumerate(["red", "blue", "green", "white"]):
+        Image.new("RGB", (128, 128), colour).save(data / f"{i}.png")
+        (data / f"{i}.txt").write_text(f"sks, {colour}, plain, square image", encoding="utf-8")
+    args = ["train", "--data", str(data), "--out", str(tmp_path / "runs"), "--name", "s", "--steps", "4",
+            "--set", "preview.prompts=''", "--set", "data.shuffle_tags=true", "--set", "data.keep_tokens=1"]
+    assert main(args) == 0
+    assert (tmp_path / "runs" / "s" / "s.safetensors").is_file()
+
+
+def test_random_crop_trains_with_live_latents(tmp_path):
+    args = ["train", "--out", str(tmp_path), "--name", "rc", "--steps", "3", "--resolution", "96",
+            "--set", "preview.prompts=''", "--set", "data.crop='random'", "--set", "data.flip=true",
+            "--set", "data.bucket_step=32"]
+    assert main(args) == 0
+    assert (tmp_path / "rc" / "rc.safetensors").is_file()

@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .. import inject
-from ..config import Config
+from ..config import Config, ConfigError
 from ..export import save_diffusers_lora
 from ..runs import Run
 from . import data as sdxl_data
+from . import loss as diffusion
 from .cache import TensorCache, cache_key, file_digest
 from .model import load_pipeline, native_resolution, resolve_model_path
 from .preview import render_previews
@@ -63,12 +64,26 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
         # resumed run (and a loader that reads ahead) makes the same decisions.
         rng = random.Random(f"{t.cfg.train.seed}:{self.epoch}:{i}")
         flip = t.cfg.data.flip and rng.random() < 0.5
-        lat = t.cache.get(t.latent_keys[item_idx][flip])
+        if t.cfg.data.crop == "random":
+            # A new crop each time: encoded now, with the VAE kept on the device (fp32).
+            pixels, time_ids = sdxl_data.load_pixels(t.dataset.items[item_idx], "random", flip, rng)
+            with torch.no_grad():
+                dist = t.pipe.vae.encode(pixels[None].to(t.device, torch.float32)).latent_dist
+            lat = {"mean": dist.mean[0].cpu(), "std": dist.std[0].cpu(),
+                   "time_ids": torch.tensor(time_ids, dtype=torch.float32)}
+        else:
+            lat = t.cache.get(t.latent_keys[item_idx][flip])
         if lat is None:
             raise RuntimeError(f"latent cache entry for {t.dataset.items[item_idx].path} vanished during training")
-        text = t.cache.get(t.text_keys[item_idx])
-        if t.cfg.data.caption_dropout and rng.random() < t.cfg.data.caption_dropout:
-            text = t.empty_text
+        if t.cfg.data.shuffle_tags:
+            # A new tag order each time: encoded now, with the text encoders kept on the device.
+            caption = sdxl_data.make_caption(t.dataset.items[item_idx], t.cfg.data, rng)
+            with torch.no_grad():
+                text = t.encode_text(caption)
+        else:
+            text = t.cache.get(t.text_keys[item_idx])
+            if t.cfg.data.caption_dropout and rng.random() < t.cfg.data.caption_dropout:
+                text = t.empty_text
         return {"latent_mean": lat["mean"], "latent_std": lat["std"], "time_ids": lat["time_ids"],
                 "prompt_embeds": text["prompt_embeds"], "pooled": text["pooled"]}
 
@@ -99,13 +114,23 @@ class SDXLTask:
 
         cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output.runs_dir) / ".cache"
         self.cache = TensorCache(cache_root)
-        if cfg.data.shuffle_tags:
-            raise NotImplementedError("data.shuffle_tags needs live text encoding, which is not built yet; "
-                                      "set data.shuffle_tags=false")
-        self._cache_latents()
+        computed = self._cache_latents()
         self._cache_text()
-        # The VAE and text encoders are done: off the accelerator, the UNet gets the memory.
-        for m in (self.pipe.vae, self.pipe.text_encoder, self.pipe.text_encoder_2):
+        run.event("cache", latents_computed=computed, latents_total=sum(len(k) for k in self.latent_keys))
+        # The VAE and text encoders are done: off the accelerator, the UNet gets the memory. With tag
+        # shuffling every caption is new, so the text encoders stay (frozen) for live encoding.
+        done = []
+        if cfg.data.crop == "random":
+            log.info("data.crop='random': latents are encoded per sample (the cache holds the center crops "
+                     "used for evaluation); the VAE stays on %s", self.device)
+        else:
+            done.append(self.pipe.vae)
+        if cfg.data.shuffle_tags:
+            log.info("data.shuffle_tags: text embeddings are computed per sample (not cached); "
+                     "the text encoders stay on %s", self.device)
+        else:
+            done += [self.pipe.text_encoder, self.pipe.text_encoder_2]
+        for m in done:
             m.to("cpu")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -118,6 +143,13 @@ class SDXLTask:
         mp = accelerator.mixed_precision
         # Frozen weights in the compute dtype; the adapter stays fp32 (apply_plan does that).
         unet.to(self.device, dtype=_DTYPES.get(mp, torch.float32))
+        budget = cfg.adapter.rank_budget or (
+            round(cfg.adapter.rank_budget_mb * 2**20 / 4) if cfg.adapter.rank_budget_mb else None)
+        if budget:
+            sensitivity = self._calibrate(unet)
+            self.plan = inject.budget_plan(self.plan, sensitivity, budget, cfg.adapter.min_rank, cfg.adapter.max_rank)
+            run.event("budget", budget=budget, trainable_params=self.plan.trainable_params,
+                      sensitivity={k: round(v, 6) for k, v in sensitivity.items()})
         inject.apply_plan(unet, self.plan, dropout=cfg.adapter.dropout)
         if cfg.train.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
@@ -126,16 +158,59 @@ class SDXLTask:
         run.event("plan", layers=len(self.plan.targets), trainable_params=n, preset=cfg.adapter.preset,
                   base_rank=self.plan.base_rank, groups=self.plan.groups())
 
+    def _calibrate(self, unet) -> dict[str, float]:
+        """Sensitivity of each planned slot: the norm of its adapter's gradient, summed over the first
+        `calibration_batches` batches, with a throwaway rank-4 adapter on every planned slot. The RNG
+        is forked, so the run after it is the same as without it."""
+        probe = inject.Plan(self.plan.targets, {s.name: 4 for s in self.plan.targets},
+                            {s.name: 4.0 for s in self.plan.targets})
+        inject.apply_plan(unet, probe, adapter_name="calibration")
+        norms = {s.name: 0.0 for s in self.plan.targets}
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.cfg.train.seed)
+            batches = iter(self.dataloader())
+            for _ in tqdm(range(self.cfg.adapter.calibration_batches), desc="calibrating ranks", unit="batch"):
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    batches = iter(self.dataloader())
+                    batch = next(batches)
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                with self.accelerator.autocast():
+                    loss = self.loss(unet, batch)
+                grads = torch.autograd.grad(loss, [m.lora_B["calibration"].weight for m in self._lora_layers(unet)])
+                for name, g in zip(norms, grads):
+                    norms[name] += g.float().norm().item()
+        unet.delete_adapters("calibration")
+        unet.requires_grad_(False)
+        return norms
+
+    def _lora_layers(self, unet):
+        modules = dict(unet.named_modules())
+        return [modules[s.name] for s in self.plan.targets]
+
     def _noise_scheduler(self):
         from diffusers import DDPMScheduler
 
-        sched_cfg = dict(self.pipe.scheduler.config)
+        # Overrides go in as keyword arguments: keys set in the config dict itself are dropped when the
+        # config lists them among its defaults (_use_default_values), silently.
+        overrides = {}
         if self.cfg.model.prediction_type != "auto":
-            sched_cfg["prediction_type"] = self.cfg.model.prediction_type
-        return DDPMScheduler.from_config(sched_cfg)
+            overrides["prediction_type"] = self.cfg.model.prediction_type
+        if self.cfg.train.zero_terminal_snr:
+            overrides["rescale_betas_zero_snr"] = True
+        sched = DDPMScheduler.from_config(self.pipe.scheduler.config, **overrides)
+        n = sched.config.num_train_timesteps
+        tc = self.cfg.train
+        self.timestep_max = n - 1 if tc.timestep_max is None else tc.timestep_max
+        if self.timestep_max >= n or tc.timestep_min > self.timestep_max:
+            raise ConfigError(f"train.timestep_min={tc.timestep_min}, train.timestep_max={tc.timestep_max}: the "
+                             f"model's schedule has timesteps 0..{n - 1}; choose a range inside it")
+        return sched
 
     @torch.no_grad()
-    def _cache_latents(self) -> None:
+    def _cache_latents(self) -> int:
+        """Encode what the cache lacks; returns how many latents were computed."""
         vae = self.pipe.vae
         # fp32 VAE: SDXL's VAE overflows in fp16 and gives NaN latents.
         vae.to(self.device, dtype=torch.float32)
@@ -154,7 +229,7 @@ class SDXLTask:
             self.latent_keys.append(keys)
         if not todo:
             log.info("latent cache: all %d entries reused", sum(len(k) for k in self.latent_keys))
-            return
+            return 0
         for idx, flip, key in tqdm(todo, desc="caching latents", unit="img"):
             item = self.dataset.items[idx]
             pixels, time_ids = sdxl_data.load_pixels(item, "center", flip, rng)
@@ -164,6 +239,7 @@ class SDXLTask:
                 raise ValueError(f"the VAE gave non-finite latents for {item.path}; the image may be corrupt "
                                  "or the VAE broken (try another VAE)")
             self.cache.put(key, {"mean": mean, "std": std, "time_ids": torch.tensor(time_ids, dtype=torch.float32)})
+        return len(todo)
 
     @torch.no_grad()
     def _cache_text(self) -> None:
@@ -207,21 +283,22 @@ class SDXLTask:
         return int(batch["latent_mean"].shape[0])
 
     def loss(self, model, batch) -> torch.Tensor:
-        sched = self.noise_scheduler
+        """The diffusion loss with the train.* options (sdxl/loss.py); draws in a fixed order: latent
+        sample, noise (and offset), timesteps."""
+        tc, sched = self.cfg.train, self.noise_scheduler
         scale = self.pipe.vae.config.scaling_factor
         mean, std = batch["latent_mean"], batch["latent_std"]
         latents = (mean + std * torch.randn_like(mean)) * scale
-        noise = torch.randn_like(latents)
-        bsz = latents.shape[0]
-        t = torch.randint(0, sched.config.num_train_timesteps, (bsz,), device=latents.device)
+        noise = diffusion.draw_noise(latents, tc.noise_offset)
+        t = diffusion.draw_timesteps(latents.shape[0], tc.timestep_min, self.timestep_max, latents.device)
         noisy = sched.add_noise(latents, noise, t)
-        if sched.config.prediction_type == "v_prediction":
-            target = sched.get_velocity(latents, noise, t)
-        else:
-            target = noise
+        prediction_type = sched.config.prediction_type
+        target = sched.get_velocity(latents, noise, t) if prediction_type == "v_prediction" else noise
         pred = model(noisy, t, encoder_hidden_states=batch["prompt_embeds"],
                      added_cond_kwargs={"text_embeds": batch["pooled"], "time_ids": batch["time_ids"]}).sample
-        return F.mse_loss(pred.float(), target.float())
+        return diffusion.diffusion_loss(pred, target, t, sched.alphas_cumprod, kind=tc.loss,
+                                        huber_delta=tc.huber_delta, min_snr_gamma=tc.min_snr_gamma,
+                                        prediction_type=prediction_type)
 
     @torch.no_grad()
     def evaluate(self, model) -> float:

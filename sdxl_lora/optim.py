@@ -1,0 +1,65 @@
+"""Optimizers and learning-rate schedules from the config: one builder each, a dispatch on the name.
+
+  adamw       torch's AdamW: the safe default.
+  adamw8bit   bitsandbytes' 8-bit AdamW: the same updates with a quarter of the optimizer memory.
+  adafactor   transformers' Adafactor at a fixed learning rate (no relative step): factored second
+              moments, the least memory.
+  lion        bitsandbytes' Lion: sign updates, one moment; wants a 3-10x smaller lr than AdamW.
+  prodigy     prodigyopt's Prodigy: estimates the step size itself; set train.lr=1.0.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .config import Config
+
+
+def _bitsandbytes(name: str):
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(f"train.optimizer={name!r} needs bitsandbytes, which is not installed; "
+                          "install the qlora extra (pip install 'sdxl_lora[qlora]') or choose optimizer='adamw'")
+    import bitsandbytes
+
+    return bitsandbytes.optim
+
+
+def build_optimizer(cfg: Config, param_groups: list[dict]) -> torch.optim.Optimizer:
+    tc = cfg.train
+    name, lr, wd = tc.optimizer, tc.lr, tc.weight_decay
+    if name == "adamw":
+        return torch.optim.AdamW(param_groups, lr=lr, weight_decay=wd)
+    if name == "adamw8bit":
+        return _bitsandbytes(name).AdamW8bit(param_groups, lr=lr, weight_decay=wd)
+    if name == "lion":
+        return _bitsandbytes(name).Lion(param_groups, lr=lr, weight_decay=wd)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # A fixed lr, so the schedule and warmup apply as with the other optimizers.
+        return Adafactor(param_groups, lr=lr, weight_decay=wd, relative_step=False, scale_parameter=False,
+                         warmup_init=False)
+    if name == "prodigy":
+        if importlib.util.find_spec("prodigyopt") is None:
+            raise ImportError("train.optimizer='prodigy' needs the prodigyopt package, which is not installed; "
+                              "pip install prodigyopt, or choose another optimizer")
+        from prodigyopt import Prodigy
+
+        return Prodigy(param_groups, lr=lr, weight_decay=wd)
+    raise ValueError(f"train.optimizer={name!r} is not one of adamw, adamw8bit, adafactor, lion, prodigy")
+
+
+def make_schedule(cfg: Config, optimizer, num_processes: int = 1):
+    """The lr schedule (diffusers' helpers), every kind with linear warmup over train.warmup_steps."""
+    from diffusers.optimization import get_scheduler
+
+    tc = cfg.train
+    name = tc.scheduler
+    if name == "constant" and tc.warmup_steps:
+        name = "constant_with_warmup"
+    # Accelerate's prepared scheduler advances num_processes times per optimizer step, so the
+    # schedule is laid out in those units to keep warmup and decay in optimizer steps.
+    return get_scheduler(name, optimizer, num_warmup_steps=tc.warmup_steps * num_processes,
+                         num_training_steps=tc.steps * num_processes, num_cycles=tc.scheduler_cycles,
+                         power=tc.scheduler_power)

@@ -1,0 +1,60 @@
+"""The diffusion training loss and its options: timestep range, noise offset, L2/Huber, min-SNR-gamma
+weighting, for epsilon and v-prediction. Zero terminal SNR is a property of the noise schedule (its
+betas), set where the scheduler is built; everything here reads the schedule's alphas_cumprod.
+
+Random draws happen in one fixed order (latent sample, noise, offset noise when on, timesteps), so a
+seeded run makes the same draws every time and a resumed run continues them exactly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def draw_noise(latents: torch.Tensor, offset: float) -> torch.Tensor:
+    """Gaussian noise; with an offset, plus one constant per (image, channel) times `offset`
+    (the "noise offset" trick: lets the model learn overall brightness, very dark or light images)."""
+    noise = torch.randn_like(latents)
+    if offset:
+        noise = noise + offset * torch.randn(latents.shape[0], latents.shape[1], 1, 1,
+                                             device=latents.device, dtype=latents.dtype)
+    return noise
+
+
+def draw_timesteps(n: int, lo: int, hi: int, device) -> torch.Tensor:
+    """Uniform integer timesteps in [lo, hi], both included."""
+    return torch.randint(lo, hi + 1, (n,), device=device)
+
+
+def snr(alphas_cumprod: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Signal-to-noise ratio alpha_bar / (1 - alpha_bar) at timesteps t (0 at a zero-terminal-SNR end)."""
+    a = alphas_cumprod.to(t.device)[t].float()
+    return a / (1.0 - a)
+
+
+def min_snr_weight(snr_t: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
+    """Min-SNR-gamma (Hang et al. 2023): the x0-loss weight min(SNR, gamma), expressed for the model's
+    target. Epsilon: min(SNR, gamma) / SNR = min(gamma / SNR, 1) (finite at SNR = 0). v-prediction:
+    min(SNR, gamma) / (SNR + 1)."""
+    if prediction_type == "v_prediction":
+        return torch.minimum(snr_t, torch.full_like(snr_t, gamma)) / (snr_t + 1.0)
+    return torch.clamp(gamma / snr_t, max=1.0)
+
+
+def elementwise(pred: torch.Tensor, target: torch.Tensor, kind: str, huber_delta: float) -> torch.Tensor:
+    if kind == "huber":
+        # Quadratic within delta of the target, linear beyond: outliers pull less.
+        return F.huber_loss(pred, target, reduction="none", delta=huber_delta)
+    return (pred - target) ** 2
+
+
+def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor, alphas_cumprod: torch.Tensor, *,
+                   kind: str = "l2", huber_delta: float = 1.0, min_snr_gamma: float = 0.0,
+                   prediction_type: str = "epsilon") -> torch.Tensor:
+    """Mean per-element loss of each image, weighted per image (min-SNR-gamma), averaged over the batch."""
+    per = elementwise(pred.float(), target.float(), kind, huber_delta)
+    if not min_snr_gamma:
+        return per.mean()
+    per_image = per.mean(dim=tuple(range(1, per.ndim)))
+    w = min_snr_weight(snr(alphas_cumprod, t), min_snr_gamma, prediction_type)
+    return (per_image * w).mean()

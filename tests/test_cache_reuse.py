@@ -1,0 +1,45 @@
+"""The latent cache across runs: reused when nothing changed, recomputed for exactly the changed images."""
+import hashlib
+import shutil
+
+from PIL import Image
+
+from sdxl_lora.cli import main
+from sdxl_lora.config import SAMPLE_DATA
+from sdxl_lora.runs import read_events
+
+
+def _computed(out, name):
+    ev = [e for e in read_events(out / name / "events.jsonl") if e["event"] == "cache"]
+    return ev[0]["latents_computed"], ev[0]["latents_total"]
+
+
+def _digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_cache_reused_when_unchanged_and_recomputed_for_the_edited_image(tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(SAMPLE_DATA / "images", data)
+    out = tmp_path / "runs"
+    args = ["train", "--data", str(data), "--out", str(out), "--steps", "1", "--set", "preview.prompts=''",
+            "--set", "train.save_every=0"]
+    assert main([*args, "--name", "a"]) == 0
+    n = len(list(data.glob("*.png")))
+    assert _computed(out, "a") == (n, n)
+
+    before = _digest(data)
+    assert main([*args, "--name", "b"]) == 0
+    assert _computed(out, "b") == (0, n)
+    assert _digest(data) == before  # training never touches the sources
+
+    edited = sorted(data.glob("*.png"))[3]
+    img = Image.open(edited).convert("RGB")
+    img.putpixel((0, 0), (1, 2, 3))
+    img.save(edited)
+    assert main([*args, "--name", "c"]) == 0
+    assert _computed(out, "c") == (1, n)
+
+    # Another resolution is another bucket: everything is encoded again, nothing stale is served.
+    assert main([*args, "--name", "d", "--resolution", "192"]) == 0
+    assert _computed(out, "d")[0] == n
