@@ -59,6 +59,8 @@ class DataConfig(Section):
     shuffle_tags: bool = False
     keep_tokens: int = 0
     caption_dropout: float = 0.0
+    # Fraction of images held out for the validation loss (fixed timesteps and noise); 0 = none.
+    validation_split: float = Field(0.0, ge=0.0, lt=1.0)
     # Where latents and text embeddings are cached; none means <runs_dir>/.cache.
     cache_dir: str | None = None
 
@@ -163,6 +165,9 @@ class TrainConfig(Section):
 class PreviewConfig(Section):
     # One prompt per line; none means the bundled sample_data/prompts.txt. Empty string: no previews.
     prompts: str | None = str(SAMPLE_DATA / "prompts.txt")
+    # Also every N steps during training (0: only before and after). The validation loss (with
+    # data.validation_split) is computed at the same steps.
+    every: int = Field(0, ge=0)
     steps: int = Field(20, ge=1)
     guidance: float = 5.0
     seed: int = 0

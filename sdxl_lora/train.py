@@ -47,6 +47,7 @@ class Task(Protocol):
     def dataloader(self) -> torch.utils.data.DataLoader: ...
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor: ...
     def evaluate(self, model: torch.nn.Module) -> float: ...
+    def validate(self, model: torch.nn.Module) -> float | None: ...
     def batch_size(self, batch: Any) -> int: ...
     def save_adapter(self, model: torch.nn.Module, run: Run, step: int) -> dict[str, Path]: ...
     def preview(self, model: torch.nn.Module, run: Run, step: int) -> list[Path]: ...
@@ -179,6 +180,20 @@ class Trainer:
             bad = bad | ~torch.isfinite(grad_norm)
         return bool(self.accelerator.reduce(bad.float(), "sum").item())
 
+    def _check_in(self, model, step: int) -> list[Path]:
+        """Previews and the validation loss at this step. The RNG is forked so the run goes on exactly
+        as without them (resume stays bit-exact)."""
+        paths: list[Path] = []
+        with torch.random.fork_rng(devices=[self.accelerator.device] if self.accelerator.device.type == "cuda" else []):
+            val = self.task.validate(model)
+            if self.accelerator.is_main_process:
+                if val is not None:
+                    self.run.event("validation", step=step, loss=val)
+                paths = self.task.preview(model, self.run, step)
+                if paths:
+                    self.run.event("samples", step=step, paths=[str(p) for p in paths])
+        return paths
+
     def _on_signal(self, signum, frame) -> None:
         if self._stop is not None:
             raise KeyboardInterrupt  # second Ctrl-C: stop now; the last saved state is intact
@@ -198,6 +213,8 @@ class Trainer:
         if self.step == 0:
             eval_before = self.task.evaluate(unwrapped)
             run.event("eval", step=0, loss=eval_before)
+            if (val := self.task.validate(unwrapped)) is not None:
+                run.event("validation", step=0, loss=val)
         else:  # resumed: the run's own starting figure
             eval_before = next((e["loss"] for e in run.events() if e["event"] == "eval"), math.nan)
         run.event("start", step=self.step, total_steps=total, state="training")
@@ -286,6 +303,8 @@ class Trainer:
                 window.zero_()
                 window_n.zero_()
                 window_images, t_window = 0, now
+            if cfg.preview.every and step % cfg.preview.every == 0 and step < total:
+                samples += self._check_in(unwrapped, step)
             due = (cfg.train.save_every and step % cfg.train.save_every == 0) or (
                 cfg.train.save_every_minutes and time.perf_counter() - t_saved >= 60 * cfg.train.save_every_minutes)
             stop = self._stop or ("nan_guard" if nan_stop else None)
@@ -305,12 +324,15 @@ class Trainer:
 
         acc.wait_for_everyone()
         eval_after = self.task.evaluate(unwrapped)
+        val_after = self.task.validate(unwrapped)
         adapter: dict[str, Path] = {}
         if acc.is_main_process:
             # The adapter first: previews can still fail (out of memory, a bad prompt) and must not cost the result.
             adapter = self.task.save_adapter(unwrapped, run, step)
             run.event("adapter", step=step, paths={k: str(v) for k, v in adapter.items()})
             run.event("eval", step=step, loss=eval_after)
+            if val_after is not None:
+                run.event("validation", step=step, loss=val_after)
             if cfg.preview.after:
                 after = self.task.preview(unwrapped, run, step)
                 samples += after

@@ -133,3 +133,26 @@ def test_random_crop_trains_with_live_latents(tmp_path):
             "--set", "data.bucket_step=32"]
     assert main(args) == 0
     assert (tmp_path / "rc" / "rc.safetensors").is_file()
+
+
+def test_previews_every_n_steps_and_validation_loss_on_held_out_images(tmp_path):
+    args = ["train", "--out", str(tmp_path), "--name", "v", "--steps", "6", "--set", "preview.every=3",
+            "--set", "preview.steps=2", "--set", "data.validation_split=0.25", "--set", "train.save_every=3"]
+    assert main(args) == 0
+    run = tmp_path / "v"
+    names = {p.name for p in (run / "samples").iterdir()}
+    for step in (0, 3, 6):
+        assert f"step-{step:06d}-grid.png" in names
+    events = read_events(run / "events.jsonl")
+    val = [e for e in events if e["event"] == "validation"]
+    assert [e["step"] for e in val] == [0, 3, 6]
+    assert all(e["loss"] > 0 for e in val)
+    # 4 of the 16 sample images are held out: training batches never see them.
+    ds = next(e for e in events if e["event"] == "dataset")
+    assert ds["images"] == 16 and ds["train_images"] == 12 and len(ds["held_out"]) == 4
+    assert ds["samples"] == 12
+    assert next(e for e in events if e["event"] == "cache")["latents_total"] == 16
+    # Same validation images and noise: a second identical run gives the same figures.
+    assert main([*args[:4], "v2", *args[5:]]) == 0
+    val2 = [e for e in read_events(tmp_path / "v2" / "events.jsonl") if e["event"] == "validation"]
+    assert [e["loss"] for e in val2] == [e["loss"] for e in val]

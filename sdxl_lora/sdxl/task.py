@@ -6,6 +6,7 @@ leave the accelerator, so the UNet trains with the memory to itself.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import random
@@ -41,6 +42,17 @@ def component_identity(model_path: Path, component: str) -> str:
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
+
+
+def _split(items: list, fraction: float) -> tuple[list, list]:
+    """Hold out round(fraction * n) images (at least 1 when fraction > 0, never all), chosen by a hash of
+    the file name: the same images whatever the folder order or the seed."""
+    if fraction <= 0 or len(items) < 2:
+        return list(items), []
+    n_val = min(len(items) - 1, max(1, round(fraction * len(items))))
+    ranked = sorted(items, key=lambda it: hashlib.sha256(it.path.name.encode()).hexdigest())
+    held = {id(it) for it in ranked[:n_val]}
+    return [it for it in items if id(it) not in held], [it for it in items if id(it) in held]
 
 
 class CachedSDXLDataset(torch.utils.data.Dataset):
@@ -106,11 +118,20 @@ class SDXLTask:
         self.resolution = cfg.data.resolution or native_resolution(self.pipe)
         self.noise_scheduler = self._noise_scheduler()
 
-        self.dataset = sdxl_data.scan(cfg.data, self.resolution)
-        log.info("dataset:\n%s", self.dataset.report())
-        run.event("dataset", images=len(self.dataset.items), samples=len(self.dataset),
-                  problems=[{"path": str(p.path), "reason": p.reason} for p in self.dataset.problems],
-                  buckets={f"{w}x{h}": n for (w, h), n in self.dataset.bucket_histogram().items()})
+        scanned = sdxl_data.scan(cfg.data, self.resolution)
+        log.info("dataset:\n%s", scanned.report())
+        train_items, val_items = _split(scanned.items, cfg.data.validation_split)
+        # Training draws from train_items only; caches cover both (validation items come last).
+        self.dataset = dataclasses.replace(scanned, items=train_items)
+        self.all_items = train_items + val_items
+        self.val_indices = list(range(len(train_items), len(self.all_items)))
+        if val_items:
+            log.info("validation: %d image(s) held out: %s", len(val_items), ", ".join(i.path.name for i in val_items))
+        run.event("dataset", images=len(scanned.items), train_images=len(train_items),
+                  held_out=[str(i.path) for i in val_items], samples=len(self.dataset),
+                  problems=[{"path": str(p.path), "reason": p.reason} for p in scanned.problems],
+                  buckets={f"{w}x{h}": n for (w, h), n in scanned.bucket_histogram().items()})
+
 
         cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output.runs_dir) / ".cache"
         self.cache = TensorCache(cache_root)
@@ -185,6 +206,10 @@ class SDXLTask:
         unet.requires_grad_(False)
         return norms
 
+    def validate(self, model) -> float | None:
+        """The loss on the held-out images, or None when data.validation_split is 0."""
+        return self.evaluate(model, self.val_indices) if self.val_indices else None
+
     def _lora_layers(self, unet):
         modules = dict(unet.named_modules())
         return [modules[s.name] for s in self.plan.targets]
@@ -219,7 +244,7 @@ class SDXLTask:
         self.latent_keys: list[dict[bool, str]] = []
         rng = random.Random(0)  # center crop and fixed flips: the rng is not consulted for the result
         todo = []
-        for idx, item in enumerate(self.dataset.items):
+        for idx, item in enumerate(self.all_items):
             keys = {}
             digest = file_digest(item.path)
             for flip in flips:
@@ -231,7 +256,7 @@ class SDXLTask:
             log.info("latent cache: all %d entries reused", sum(len(k) for k in self.latent_keys))
             return 0
         for idx, flip, key in tqdm(todo, desc="caching latents", unit="img"):
-            item = self.dataset.items[idx]
+            item = self.all_items[idx]
             pixels, time_ids = sdxl_data.load_pixels(item, "center", flip, rng)
             dist = vae.encode(pixels[None].to(self.device, torch.float32)).latent_dist
             mean, std = dist.mean[0].cpu(), dist.std[0].cpu()
@@ -250,7 +275,7 @@ class SDXLTask:
         # Captions are fixed here (trigger word, class token); dropout happens per sample at train time.
         fixed = self.cfg.data.model_copy(update={"caption_dropout": 0.0, "shuffle_tags": False})
         rng = random.Random(0)
-        captions = [sdxl_data.make_caption(item, fixed, rng) for item in self.dataset.items]
+        captions = [sdxl_data.make_caption(item, fixed, rng) for item in self.all_items]
         self.text_keys = [cache_key("text", c, te_id) for c in captions]
         unique = {k: c for k, c in zip(self.text_keys, captions)}
         empty_key = cache_key("text", "", te_id)
@@ -301,9 +326,10 @@ class SDXLTask:
                                         prediction_type=prediction_type)
 
     @torch.no_grad()
-    def evaluate(self, model) -> float:
-        """Loss on up to 8 training images at fixed timesteps and fixed noise (latent means, no
-        sampling): the same number for the same weights, so before/after compare like for like."""
+    def evaluate(self, model, indices: list[int] | None = None) -> float:
+        """Loss on the given images (default: up to 8 training images) at fixed timesteps and fixed
+        noise (latent means, no sampling): the same number for the same weights, so before/after and
+        two runs compare like for like."""
         sched = self.noise_scheduler
         scale = self.pipe.vae.config.scaling_factor
         n_t = sched.config.num_train_timesteps
@@ -313,7 +339,7 @@ class SDXLTask:
         model.eval()
         losses = []
         try:
-            for idx in range(min(8, len(self.dataset.items))):
+            for idx in (indices if indices is not None else range(min(8, len(self.dataset.items)))):
                 lat = self.cache.get(self.latent_keys[idx][False])
                 text = self.cache.get(self.text_keys[idx])
                 latents = (lat["mean"] * scale).expand(len(timesteps), -1, -1, -1).to(self.device)
