@@ -1,18 +1,24 @@
-"""SDXL UNet LoRA training step on the GPU: the plain diffusers + peft recipe beside this project's
-injector plans, in one run. The UNet is SDXL base's real config with random weights (same FLOPs and
-memory as the real one), 1024x1024 (128x128 latents), text embeddings precomputed (random tensors of
-the real shapes), bf16 autocast over bf16 frozen weights, fp32 LoRA, SDPA, AdamW.
+"""SDXL UNet LoRA training step on the GPU: the plain diffusers + peft recipe beside this project's own
+step with its speed levers (sdxl_lora/speed.py), in one run. The UNet is SDXL base's real config with
+random weights (same FLOPs and memory as the real one), 1024x1024 (128x128 latents), text embeddings
+precomputed (random tensors of the real shapes), bf16 frozen weights, fp32 LoRA rank 16 on
+to_q/to_k/to_v/to_out.0, SDPA, AdamW.
 
-    python benchmarks/sdxl_step.py [--batches 1 4] [--steps 20] [--warmup 5]
+    python benchmarks/sdxl_step.py [--only NAME ...] [--steps 20] [--warmup 5]
 
-Prints one row per setting: ms/step, images/s, peak GiB, MFU (model FLOPs: 3 x 6.76 TFLOPs per image
-for forward + backward, against the H200's measured ~790 TFLOP/s dense bf16).
+"ours" is the trainer's step: SDXLTask.loss (latent sampling from cached mean/std, noise, timesteps, the
+UNet, the loss), backward, gradient clipping, the NaN guard's host check, fused AdamW, the schedule.
+Prints one JSON row per setting: ms/step, images/s, peak GiB, MFU (3 x 6.76 TFLOPs per image for
+forward + backward against 790 TFLOP/s dense bf16 measured on the H200), time to the first step, and
+for CUDA graphs the largest difference of loss and gradients from the eager step on the same batch.
+With --tiny it runs the embedded tiny UNet on the CPU (a smoke test of the script).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -20,12 +26,17 @@ FWD_TFLOPS_PER_IMAGE = 6.76   # torch FlopCounterMode, SDXL UNet forward at 1024
 PEAK_TFLOPS = 790.0           # bf16 matmul measured on this H200 (device/KINDS.md)
 
 
-def build_unet(device):
+def build_unet(device, tiny=False):
     from diffusers import UNet2DConditionModel
 
     from sdxl_lora.sdxl.single_file import unet_config
 
     torch.manual_seed(0)
+    if tiny:
+        from sdxl_lora.config import ModelConfig
+        from sdxl_lora.sdxl.tiny import materialize_tiny
+
+        return UNet2DConditionModel.from_pretrained(str(materialize_tiny(ModelConfig().cache_dir) / "unet"))
     with torch.device(device):
         unet = UNet2DConditionModel.from_config(unet_config())
     return unet.to(dtype=torch.bfloat16)
@@ -47,77 +58,203 @@ def project_lora(unet, preset, rank):
     from sdxl_lora import inject
     from sdxl_lora.config import AdapterConfig
 
-    plan = inject.make_plan(unet, AdapterConfig(preset=preset, rank=rank), resolution=1024, native=1024)
+    res = unet.config.sample_size * 8
+    plan = inject.make_plan(unet, AdapterConfig(preset=preset, rank=rank), resolution=res, native=res)
     inject.apply_plan(unet, plan)
     return plan
 
 
-def bench(unet, batch, steps, warmup, checkpointing=False):
+def inputs(unet, batch, device):
+    g = torch.Generator(device).manual_seed(0)
+    c = unet.config
+    s = c.sample_size
+    pooled_dim = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
+    res = float(s * 8)
+    return {"latent_mean": torch.randn(batch, 4, s, s, device=device, generator=g),
+            "latent_std": 0.05 * torch.rand(batch, 4, s, s, device=device, generator=g),
+            "prompt_embeds": torch.randn(batch, 77, c.cross_attention_dim, device=device, generator=g),
+            "pooled": torch.randn(batch, pooled_dim, device=device, generator=g),
+            "time_ids": torch.tensor([[res, res, 0, 0, res, res]] * batch, device=device)}
+
+
+def our_task(unet, device, train: dict):
+    """The SDXL task's own loss on `unet`, without dataset or pipeline (those are not in the step)."""
     from diffusers import DDPMScheduler
 
-    dev = "cuda"
-    if checkpointing:
+    from sdxl_lora.config import load_config
+    from sdxl_lora.sdxl.task import SDXLTask
+
+    cfg = load_config(extra={f"train.{k}": v for k, v in train.items()})
+    task = SDXLTask(cfg)
+    task.device = torch.device(device)
+    sched = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    task.pipe = SimpleNamespace(vae=SimpleNamespace(config=SimpleNamespace(scaling_factor=0.13025)), scheduler=sched)
+    task.noise_scheduler = task._noise_scheduler()
+    task.accelerator = SimpleNamespace(num_processes=1, autocast=lambda: torch.autocast(
+        device, dtype=torch.bfloat16, enabled=device == "cuda", cache_enabled=False))
+    run = SimpleNamespace(event=lambda *a, **k: print(json.dumps({"event": a[0], **k}), flush=True))
+    if train.get("gradient_checkpointing"):
         unet.enable_gradient_checkpointing()
+    task.dataloader = lambda: [task._bench_batch]
+    return task, run
+
+
+def bench(unet, batch, steps, warmup, device, mode, train=None):
+    from diffusers import DDPMScheduler
+
     unet.train()
     params = [p for p in unet.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    sched = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
-    lat = torch.randn(batch, 4, 128, 128, device=dev)
-    emb = torch.randn(batch, 77, 2048, device=dev)
-    pooled = torch.randn(batch, 1280, device=dev)
-    tids = torch.tensor([[1024, 1024, 0, 0, 1024, 1024]] * batch, device=dev, dtype=torch.float32)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
+    sync = (lambda: torch.cuda.synchronize()) if device == "cuda" else (lambda: None)
+    data = inputs(unet, batch, device)
+    check = None
+    if mode == "recipe":
+        if (train or {}).get("gradient_checkpointing"):
+            unet.enable_gradient_checkpointing()
+        sched = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+        lat = data["latent_mean"]
+
+        def loss_fn():
+            noise = torch.randn_like(lat)
+            t = torch.randint(0, 1000, (batch,), device=device)
+            noisy = sched.add_noise(lat, noise, t)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+                pred = unet(noisy, t, encoder_hidden_states=data["prompt_embeds"],
+                            added_cond_kwargs={"text_embeds": data["pooled"], "time_ids": data["time_ids"]}).sample
+            return torch.nn.functional.mse_loss(pred.float(), noise)
+    else:
+        task, run = our_task(unet, device, train or {})
+        task._bench_batch = data
+        t_setup = time.perf_counter()
+        task._speed_setup(unet, run)
+        setup_s = time.perf_counter() - t_setup
+        if train and train.get("cuda_graphs"):
+            check = graph_check(task, unet, data, params)
+
+        def loss_fn():
+            with task.accelerator.autocast():
+                return task.loss(unet, data)
 
     def step():
-        noise = torch.randn_like(lat)
-        t = torch.randint(0, 1000, (batch,), device=dev)
-        noisy = sched.add_noise(lat, noise, t)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            pred = unet(noisy, t, encoder_hidden_states=emb,
-                        added_cond_kwargs={"text_embeds": pooled, "time_ids": tids}).sample
-        loss = torch.nn.functional.mse_loss(pred.float(), noise)
+        loss = loss_fn()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if mode != "recipe":
+            # The NaN guard's one host check per step (train.nan_guard, on by default).
+            bool((~torch.isfinite(loss.detach()) | ~torch.isfinite(norm)).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(warmup):
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    step()
+    sync()
+    first_s = time.perf_counter() - t0 + (setup_s if mode != "recipe" else 0.0)
+    for _ in range(warmup - 1):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = step()
-    torch.cuda.synchronize()
+    sync()
     ms = (time.perf_counter() - t0) / steps * 1000
     ips = batch / (ms / 1000)
-    return {"ms_per_step": round(ms, 1), "images_per_s": round(ips, 2),
-            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "mfu": round(3 * FWD_TFLOPS_PER_IMAGE * ips / PEAK_TFLOPS, 3), "loss": round(loss.item(), 4),
-            "trainable": sum(p.numel() for p in params)}
+    row = {"ms_per_step": round(ms, 1), "images_per_s": round(ips, 2),
+           "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
+           "mfu": round(3 * FWD_TFLOPS_PER_IMAGE * ips / PEAK_TFLOPS, 3), "first_step_s": round(first_s, 1),
+           "loss": round(loss.item(), 4), "trainable": sum(p.numel() for p in params)}
+    if check:
+        row.update(check)
+    return row
+
+
+def graph_check(task, unet, data, params):
+    """Loss and gradients of the graphed step against the eager one, on the same batch and noise."""
+    state = {"graphed": task._graphed}
+
+    def once(graphed):
+        task._graphed = state["graphed"] if graphed else None
+        torch.manual_seed(123)
+        for p in params:
+            p.grad = None
+        with task.accelerator.autocast():
+            loss = task.loss(unet, data)
+        loss.backward()
+        if graphed:
+            state["graphed"] = task._graphed
+        return loss.item(), [p.grad.detach().float().clone() for p in params]
+
+    eager_loss, eager_grads = once(False)
+    once(True)  # the first graphed call captures (and runs warm-up iterations)
+    g_loss, g_grads = once(True)
+    task._graphed = state["graphed"]
+    for p in params:
+        p.grad = None
+    rel = max(((a - b).norm() / b.norm().clamp_min(1e-12)).item() for a, b in zip(g_grads, eager_grads))
+    return {"graph_loss_diff": abs(g_loss - eager_loss), "graph_grad_rel_diff": round(rel, 6)}
+
+
+SETTINGS = {
+    # name: (mode, batches, train options)
+    "recipe": ("recipe", [1, 4, 8], {}),
+    "recipe+ckpt": ("recipe", [4], {"gradient_checkpointing": True}),
+    "ours": ("ours", [1, 4, 8], {}),
+    "ours+cl": ("ours", [1, 8], {"channels_last": True}),
+    "ours+graphs": ("ours", [1, 4, 8], {"cuda_graphs": True}),
+    "ours+compile": ("ours", [1, 8], {"compile": "regional", "channels_last": True}),
+    "ours+compile+graphs": ("ours", [1, 4, 8, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True}),
+    "ours+ckpt": ("ours", [4], {"gradient_checkpointing": True}),
+    "ours+budget16": ("ours", [4], {"checkpoint_budget_gb": 16.0}),
+    "ours+budget16+compile+graphs": ("ours", [4], {"checkpoint_budget_gb": 16.0, "compile": "regional",
+                                                   "channels_last": True, "cuda_graphs": True}),
+}
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--only", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    ap.add_argument("--batches", type=int, nargs="+", help="restrict every setting to these batch sizes")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--tiny", action="store_true", help="the embedded tiny UNet on the CPU: a smoke test")
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}")
-    settings = [("recipe attn", None), ("ours attn", "attn"), ("ours topology", "topology")]
-    for batch in args.batches:
-        for name, preset in settings:
-            unet = build_unet("cuda")
-            if preset is None:
+    device = "cpu" if args.tiny else "cuda"
+    if args.tiny:
+        from sdxl_lora import speed
+        speed.COMPILE_BACKEND = "aot_eager"  # no C++ build per graph on the CPU smoke test
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    for name in args.only:
+        mode, batches, train = SETTINGS[name]
+        if device == "cpu":
+            train = {k: v for k, v in train.items() if k != "cuda_graphs"}
+            if "checkpoint_budget_gb" in train:
+                train["checkpoint_budget_gb"] = 0.01
+        for batch in (args.batches or batches):
+            if args.batches and batch not in batches and name != "ours":
+                continue
+            unet = build_unet(device, args.tiny)
+            if mode == "recipe":
                 recipe_lora(unet, args.rank)
             else:
-                project_lora(unet, preset, args.rank)
-            row = {"setting": name, "batch": batch, **bench(unet, batch, args.steps, args.warmup)}
+                project_lora(unet, "attn", args.rank)
+            try:
+                row = {"setting": name, "batch": batch,
+                       **bench(unet, batch, args.steps, args.warmup, device, mode, train)}
+            except torch.OutOfMemoryError as e:
+                row = {"setting": name, "batch": batch, "error": f"out of memory: {str(e)[:120]}"}
+            except Exception as e:  # one failing setting must not cost the others' figures
+                row = {"setting": name, "batch": batch, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(json.dumps(row), flush=True)
             del unet
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            import torch._dynamo
+            torch._dynamo.reset()
 
 
 if __name__ == "__main__":

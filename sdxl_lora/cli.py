@@ -26,6 +26,7 @@ TRAIN_FLAGS = [
     ("--name", "output.name", str, "run name (folder under --out)"),
     ("--seed", "train.seed", int, "random seed"),
     ("--device", "train.device", str, "cpu, cuda or auto"),
+    ("--profile", "train.profile_steps", int, "record N steps with torch's profiler into <run>/profile"),
 ]
 
 
@@ -165,15 +166,20 @@ def cmd_plan(args) -> int:
     unet, native = unet_skeleton(cfg.model)
     resolution = cfg.data.resolution or native
     plan = inject.make_plan(unet, cfg.adapter, resolution=resolution, native=native)
+    from .memory import estimate_for_config
+
+    # On the meta device: structure only. train.mixed_precision "auto" is taken as bf16 (a GPU run).
+    memory = estimate_for_config(unet, cfg, plan.trainable_params, resolution, latent_factor=native // unet.config.sample_size)
     if args.json:
         print(json.dumps({"model": cfg.model.path, "preset": cfg.adapter.preset, "resolution": resolution,
                           "base_rank": plan.base_rank, "modules": len(plan.targets),
                           "trainable_params": plan.trainable_params,
                           "adapter_mb": round(plan.trainable_params * 4 / 2**20, 3),
-                          "groups": plan.groups()}, indent=1))
+                          "groups": plan.groups(), "memory": memory.as_dict()}, indent=1))
     else:
         print(f"model {cfg.model.path}, preset {cfg.adapter.preset}, resolution {resolution} (native {native})")
         print(inject.format_plan(plan))
+        print(memory.format())
     return 0
 
 
@@ -248,7 +254,7 @@ def cmd_merge(args) -> int:
     loras = [parse_lora_arg(a) for a in args.lora]
     try:
         out = merge_checkpoint(args.model, loras, args.out, tokenizer=args.tokenizer, dtype=args.dtype,
-                               overwrite=args.overwrite)
+                               overwrite=args.overwrite, as_trained=args.as_trained)
     except AdapterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -257,6 +263,230 @@ def cmd_merge(args) -> int:
     print(f"merged     : {merged}")
     print(f"checkpoint : {relpath(out)}  ({kind})")
     return 0
+
+
+# ---- the causal-LM path (`sdxl-lora llm ...`, docs/llm.md) ----
+LLM_FLAGS = [
+    ("--model", "model.path", str, "local transformers causal-LM folder, or tiny-llm"),
+    ("--data", "llm.data", str, "JSONL file of alpaca or chat lines (repeat for several)"),
+    ("--steps", "train.steps", int, "optimizer steps"),
+    ("--rank", "adapter.rank", int, "LoRA rank"),
+    ("--batch-size", "train.batch_size", int, "rows per step"),
+    ("--max-length", "llm.max_length", int, "tokens per row"),
+    ("--out", "output.runs_dir", str, "folder that holds the runs"),
+    ("--name", "output.name", str, "run name (folder under --out)"),
+    ("--seed", "train.seed", int, "random seed"),
+    ("--device", "train.device", str, "cpu, cuda or auto"),
+]
+
+
+def _llm_errors():
+    from .llm.data import DataError
+    from .llm.model import LLMModelError
+
+    return DataError, LLMModelError
+
+
+def _llm_config_from_args(args) -> "Config":  # noqa: F821
+    from .config import load_config
+
+    extra = {"task": "llm"}
+    for flag, field, _, _ in LLM_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is not None:
+            extra[field] = list(value) if field == "llm.data" else value
+    if args.overwrite:
+        extra["output.overwrite"] = True
+    return load_config(args.config, args.set, extra)
+
+
+def task_of(argv: list[str]) -> str:
+    """The task a `train` command line would run (its config's, or the resumed run's): for launch scripts."""
+    args = build_parser().parse_args(["train", *argv])
+    if args.resume:
+        return _resume_target(args)[0].task
+    return _config_from_args(args).task
+
+
+def cmd_llm_train(args) -> int:
+    from .llm.preview import read_answers
+    from .llm.task import LLMTask
+    from .runs import attach_log_file, create_run, relpath
+    from .train import Trainer
+
+    try:
+        if args.resume:
+            cfg, run, state = _resume_target(args)
+            if cfg.task != "llm":
+                raise FileNotFoundError(f"--resume {run.dir}: an SDXL run; resume it with `sdxl-lora train --resume`")
+        else:
+            cfg, state = _llm_config_from_args(args), None
+            run = create_run(cfg)
+        attach_log_file(run)
+        logging.getLogger(__name__).info("run folder: %s", run.dir)
+        trainer = Trainer(cfg, LLMTask(cfg), run, resume=state)
+        trainer.setup()
+        result = trainer.fit()
+    except _llm_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not trainer.accelerator.is_main_process:
+        return 0
+    if result.interrupted:
+        print(f"\nstopped by {result.interrupted} at step {result.steps}; state saved in {relpath(result.state)}")
+        if result.message:
+            print(result.message)
+        print(f"resume with: sdxl-lora llm train --resume {relpath(run.dir)}")
+        return 130
+    print()
+    answers = [p for p in sorted(run.samples_dir.glob("answers-step*.txt"))]
+    if len(answers) >= 2:
+        before, after = read_answers(answers[0]), read_answers(answers[-1])
+        for b, a in zip(before, after):
+            print(f"prompt : {b['prompt']}")
+            print(f"  before: {b['answer'][:200]!r}")
+            print(f"  after : {a['answer'][:200]!r}")
+    print(f"run folder : {relpath(run.dir)}")
+    for kind, path in result.adapter.items():
+        print(f"{'adapter' if kind == 'peft' else kind:11}: {relpath(path)}"
+              + ("  (PEFT folder: PeftModel.from_pretrained loads it)" if kind == "peft" else "  (merged model)"))
+    print(f"eval loss  : {result.eval_before:.4f} before -> {result.eval_after:.4f} after (answer tokens of up to "
+          "8 training examples)")
+    return 0
+
+
+def _adapter_base(adapter: Path, model: str | None) -> tuple[Path, tuple]:
+    """The base model folder (given, or the one the adapter names) and the quantization it trained with."""
+    from safetensors import safe_open
+
+    from .config import ModelConfig
+    from .llm.export import ADAPTER_WEIGHTS, read_adapter_config
+    from .llm.model import resolve_llm_path
+
+    base = model or read_adapter_config(adapter).get("base_model_name_or_path") or "tiny-llm"
+    with safe_open(str(adapter / ADAPTER_WEIGHTS), "pt") as f:
+        q = (f.metadata() or {}).get("sdxl_lora.quantize", "none")
+    return resolve_llm_path(ModelConfig(path=base)), ((None if q == "none" else q), {})
+
+
+def cmd_llm_generate(args) -> int:
+    import torch
+
+    from .config import LLMConfig, ModelConfig
+    from .llm.data import chat_template
+    from .llm.export import adapter_folder, load_with_adapter
+    from .llm.model import check_causal_lm_folder, load_tokenizer, resolve_llm_path
+    from .llm.preview import answer
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    try:
+        if args.adapter:
+            adapter = adapter_folder(args.adapter)
+            base, _ = _adapter_base(adapter, args.model)
+            model, tok = load_with_adapter(base, adapter, dtype, device)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            base = resolve_llm_path(ModelConfig(path=args.model or "tiny-llm"))
+            check_causal_lm_folder(base)
+            tok = load_tokenizer(base)
+            model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype, local_files_only=True,
+                                                         use_safetensors=True).to(device)
+        template = chat_template(LLMConfig(chat_template=args.chat_template), tok)
+        for prompt in args.prompt:
+            print(answer(model, tok, template, [prompt], args.max_new_tokens, args.system)[0])
+    except _llm_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_llm_merge(args) -> int:
+    import torch
+
+    from .llm.export import adapter_folder, merge_adapter
+    from .runs import relpath
+
+    adapter = adapter_folder(args.adapter)
+    try:
+        base, quant = _adapter_base(adapter, args.model)
+        if quant[0]:
+            logging.getLogger(__name__).warning(
+                "%s was trained on a %s-quantized base: merged into the base quantized and dequantized again",
+                adapter, quant[0])
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+        device = "cuda" if quant[0] and torch.cuda.is_available() else "cpu"
+        out = merge_adapter(base, adapter, Path(args.out), dtype=dtype, overwrite=args.overwrite, quantize=quant,
+                            device=device)
+    except _llm_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"merged     : {relpath(adapter)} into {relpath(base)}")
+    print(f"model      : {relpath(out)}  (transformers folder)")
+    return 0
+
+
+def _add_llm_parser(sub) -> None:
+    lp = sub.add_parser("llm", help="LoRA/QLoRA for causal language models (docs/llm.md)")
+    lsub = lp.add_subparsers(dest="llm_command", required=True)
+    t = lsub.add_parser("train", help="train an adapter (no arguments: the embedded tiny Llama on sample_data/llm)")
+    t.add_argument("config", nargs="?", help="TOML config file")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set llm.max_length=1024 (repeatable)")
+    for flag, field, typ, help_ in LLM_FLAGS:
+        kw = {"action": "append"} if field == "llm.data" else {}
+        t.add_argument(flag, type=typ, help=f"{help_} [{field}]", **kw)
+    t.add_argument("--overwrite", action="store_true", help="replace an existing run folder of the same name")
+    t.add_argument("--resume", metavar="RUN_DIR|latest", help="continue a run from its newest complete state")
+    t.set_defaults(func=cmd_llm_train)
+
+    g = lsub.add_parser("generate", help="answer prompts with a base model and (optionally) an adapter")
+    g.add_argument("prompt", nargs="+", help="prompt(s), each answered greedily")
+    g.add_argument("--model", help="base model folder or tiny-llm (default: the one the adapter names)")
+    g.add_argument("--adapter", help="PEFT adapter folder or run folder")
+    g.add_argument("--system", help="system prompt")
+    g.add_argument("--chat-template", help="Jinja template or .jinja file (default: the tokenizer's)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.set_defaults(func=cmd_llm_generate)
+
+    m = lsub.add_parser("merge", help="bake an adapter into its base model (a transformers folder)")
+    m.add_argument("--adapter", required=True, help="PEFT adapter folder or run folder")
+    m.add_argument("--model", help="base model folder or tiny-llm (default: the one the adapter names)")
+    m.add_argument("--out", required=True, help="folder to write")
+    m.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    m.add_argument("--overwrite", action="store_true")
+    m.set_defaults(func=cmd_llm_merge)
+
+
+def cmd_ui(args) -> int:
+    try:
+        from ui.app import serve
+    except ImportError as e:
+        print(f"error: the UI needs gradio ({e}); install it with: pip install -e '.[ui]'", file=sys.stderr)
+        return 2
+    from ui.folders import Folders
+
+    folders = Folders.create(args.datasets, args.models, args.runs)
+    serve(folders, host=args.host, port=args.port, auth=args.auth, share=args.share)
+    return 0
+
+
+def _add_ui_parser(sub) -> None:
+    from .config import Config
+
+    # The folder defaults are the schema's own: the sample data, the model cache, the runs folder.
+    cfg = Config()
+    u = sub.add_parser("ui", help="the Gradio UI in your browser (http://127.0.0.1:7860 by default)")
+    u.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    u.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    u.add_argument("--auth", metavar="USER:PASSWORD", help="ask for this user and password")
+    u.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
+    u.add_argument("--datasets", default=cfg.data.dirs[0], help="folder of datasets the UI may read and caption")
+    u.add_argument("--models", default=cfg.model.cache_dir, help="folder of base models (and loras/)")
+    u.add_argument("--runs", default=cfg.output.runs_dir, help="folder the runs go to")
+    u.set_defaults(func=cmd_ui)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -342,7 +572,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="auto", choices=["auto", "fp16", "bf16", "fp32"],
                    help="weights of the result (auto: as the base stores them)")
     m.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint")
+    m.add_argument("--as-trained", action="store_true",
+                   help="for an adapter trained on a quantized base (QLoRA): merge into the base quantized the "
+                        "same way and dequantized, the weights the adapter saw (docs/qlora.md)")
     m.set_defaults(func=cmd_merge)
+    _add_llm_parser(sub)
+    _add_ui_parser(sub)
     return p
 
 

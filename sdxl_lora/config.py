@@ -34,6 +34,13 @@ class ModelConfig(Section):
     prediction_type: Literal["auto", "epsilon", "v_prediction"] = "auto"
     # Where the embedded tiny SDXL is materialised (once) as a diffusers folder.
     cache_dir: str = str(REPO_ROOT / ".cache" / "models")
+    # QLoRA (docs/qlora.md): the frozen UNet's Linear layers stored quantized while the adapter trains
+    # in full precision. nf4/fp4/int8 need bitsandbytes (the qlora extra); fp8 is torch only.
+    quantize: Literal["none", "nf4", "fp4", "int8", "fp8"] = "none"
+    # nf4/fp4: quantize the block scales too (~0.4 bits a weight less).
+    quant_double: bool = True
+    # The dtype quantized layers compute in; "auto" follows train.mixed_precision (fp32 when "no").
+    quant_compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
 
 
 class DataConfig(Section):
@@ -63,12 +70,24 @@ class DataConfig(Section):
     validation_split: float = Field(0.0, ge=0.0, lt=1.0)
     # Where latents and text embeddings are cached; none means <runs_dir>/.cache.
     cache_dir: str | None = None
+    # Masked loss (docs/training.md): a grey-level mask beside an image (OneTrainer's convention,
+    # `foo.png` + `foo-masklabel.png`) weights its loss per pixel: white learns, black is ignored.
+    # An image without a mask trains everywhere (listed in the dataset report).
+    masked_loss: bool = False
+    mask_suffix: str = "-masklabel"
 
     @field_validator("caption_extension")
     @classmethod
     def _dot(cls, v: str) -> str:
         if not v.startswith("."):
             raise ValueError(f"must start with a dot, e.g. '.{v}'")
+        return v
+
+    @field_validator("mask_suffix")
+    @classmethod
+    def _suffix(cls, v: str) -> str:
+        if not v:
+            raise ValueError("must not be empty (it tells a mask from its image), e.g. '-masklabel' or '.mask'")
         return v
 
     @field_validator("caption_dropout")
@@ -106,6 +125,24 @@ class AdapterConfig(Section):
     rank_budget: int | None = Field(None, ge=1)
     rank_budget_mb: float | None = Field(None, gt=0)
     calibration_batches: int = Field(4, ge=1)
+    # Rank schedule: {step = base rank}: at each step the adapters shrink (never grow) to that base rank,
+    # every slot in proportion to its planned rank, by SVD truncation of its update; e.g. rank = 64 with
+    # {200 = 16} trains wide for 200 steps, then at a quarter of the rank. The export has the final ranks.
+    # The optimizer's moments of a shrunk adapter restart from zero.
+    rank_schedule: dict[int, int] = Field(default_factory=dict)
+
+    @field_validator("rank_schedule")
+    @classmethod
+    def _schedule(cls, v: dict[int, int]) -> dict[int, int]:
+        bad = {k: r for k, r in v.items() if k < 1 or r < 1}
+        if bad:
+            raise ValueError(f"steps and ranks must be at least 1, got {bad}; e.g. {{200 = 16}}")
+        return dict(sorted(v.items()))
+    # LoRA on both text encoders too (their attention q/k/v/out projections), trained with
+    # train.text_encoder_lr; text embeddings are then computed live, not cached.
+    train_text_encoder: bool = False
+    # none means adapter.rank (alpha scales with it as for the UNet).
+    text_encoder_rank: int | None = Field(None, ge=1, le=1024)
 
 
 class TrainConfig(Section):
@@ -113,9 +150,17 @@ class TrainConfig(Section):
     batch_size: int = Field(2, ge=1)
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(1e-3, gt=0)
-    # adamw8bit and lion need bitsandbytes (the qlora extra); prodigy needs prodigyopt and wants lr=1.0
-    # (it finds the step size itself). docs/training.md compares them.
-    optimizer: Literal["adamw", "adamw8bit", "adafactor", "lion", "prodigy"] = "adamw"
+    # Learning rates of the UNet's and the text encoders' adapters; none means train.lr.
+    unet_lr: float | None = Field(None, gt=0)
+    text_encoder_lr: float | None = Field(None, gt=0)
+    # Glob on a UNet slot's module path or kohya block id (as adapter.overrides) -> lr multiplier;
+    # the last matching entry wins. E.g. {"OUT0[0-2]" = 0.5, "*.attn2.*" = 2.0}.
+    lr_multipliers: dict[str, float] = Field(default_factory=dict)
+    # adamw8bit, paged_adamw8bit, paged_adamw and lion need bitsandbytes (the qlora extra); the paged
+    # ones keep their state in memory that can spill to the host under pressure. prodigy needs
+    # prodigyopt and wants lr=1.0 (it finds the step size itself). docs/training.md compares them.
+    optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw", "adafactor", "lion",
+                       "prodigy"] = "adamw"
     weight_decay: float = Field(1e-2, ge=0)
     # Each with warmup_steps of linear warmup first. cosine_with_restarts: scheduler_cycles hard
     # restarts; polynomial: decays to ~0 with power scheduler_power (1 = linear).
@@ -145,6 +190,16 @@ class TrainConfig(Section):
     # "auto": bf16 on a GPU that supports it, fp32 ("no") on CPU.
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
     gradient_checkpointing: bool = False
+    # Speed levers (docs/speed.md): selective checkpointing to fit a memory budget (GiB of activations
+    # and weights; measured per block at setup), NHWC convolutions, compilation of each repeated block,
+    # CUDA graphs of the model's forward and backward per bucket shape (one process, CUDA only).
+    checkpoint_budget_gb: float | None = Field(None, gt=0)
+    channels_last: bool = False
+    compile: Literal["none", "regional"] = "none"
+    cuda_graphs: bool = False
+    # Record N steps with torch's profiler into <run>/profile (a trace Perfetto opens) and log where the
+    # step time goes. 0 is off.
+    profile_steps: int = Field(0, ge=0)
     seed: int = 42
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = Field(10, ge=1)
@@ -153,6 +208,14 @@ class TrainConfig(Section):
     save_every: int = Field(100, ge=0)
     save_every_minutes: float = Field(10.0, ge=0)
     keep_checkpoints: int = Field(3, ge=1)
+    # Exponential moving average of the adapter weights (fp32, on the device), updated after each
+    # optimizer step; the exported adapter and the final previews use it.
+    ema: bool = False
+    ema_decay: float = Field(0.999, gt=0, lt=1)
+    # TensorBoard event files in <run>/tensorboard (needs the tensorboard package).
+    tensorboard: bool = False
+    # The GPU's dense bf16/fp16 peak in TFLOP/s for the MFU figure; none looks the GPU up by name.
+    peak_tflops: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _timestep_range(self) -> "TrainConfig":
@@ -163,17 +226,24 @@ class TrainConfig(Section):
 
 
 class PreviewConfig(Section):
-    # One prompt per line; none means the bundled sample_data/prompts.txt. Empty string: no previews.
+    # One prompt per line, with kohya's per-line options (`a cat --n blurry --w 1024 --h 1024 --s 30
+    # --l 7 --d 42`), or a .toml ([[prompt]] tables) / .jsonl / .json file of entries with fields
+    # (docs/training.md); none means the bundled sample_data/prompts.txt. Empty string: no previews.
     prompts: str | None = str(SAMPLE_DATA / "prompts.txt")
     # Also every N steps during training (0: only before and after). The validation loss (with
     # data.validation_split) is computed at the same steps.
     every: int = Field(0, ge=0)
     steps: int = Field(20, ge=1)
     guidance: float = 5.0
+    # Classifier-free guidance rescale (Lin et al. 2023); none means 0.7 with train.zero_terminal_snr, else 0.
+    guidance_rescale: float | None = Field(None, ge=0, le=1)
     seed: int = 0
     # Render before training (baseline) and at the end.
     before: bool = True
     after: bool = True
+    # Score the previews for a concept with the shapes detector (sdxl/shapes.py: shape and/or colour
+    # words, e.g. "star"): a "concept" event per preview, over the prompts naming it. "" is off.
+    concept: str = ""
 
 
 class OutputConfig(Section):
@@ -183,13 +253,52 @@ class OutputConfig(Section):
     overwrite: bool = False
 
 
+class LLMConfig(Section):
+    """Fields of the causal-LM task only (`task = "llm"`, docs/llm.md); the other sections are shared."""
+    # JSONL files: alpaca-style lines ({"instruction", "input", "output"}) or chat lines ({"messages":
+    # [{"role", "content"}, ...]}); "auto" tells them apart per line. Default: the bundled sample set.
+    data: list[str] = Field(default_factory=lambda: [str(SAMPLE_DATA / "llm" / "alpaca.jsonl"),
+                                                     str(SAMPLE_DATA / "llm" / "chat.jsonl")])
+    format: Literal["auto", "alpaca", "chat"] = "auto"
+    # Tokens per training row; longer examples are cut at the end (and reported).
+    max_length: int = Field(512, ge=8)
+    # Several short examples per row, each attending only to itself (position ids restart per example).
+    packing: bool = True
+    # A Jinja chat template (or a path to a .jinja file); none: the tokenizer's own, else a ChatML-style default.
+    chat_template: str | None = None
+    # Prepended as a system message to examples that have none (and to preview prompts).
+    system_prompt: str | None = None
+    # Fraction of examples held out for the validation loss; 0 = none.
+    validation_split: float = Field(0.0, ge=0.0, lt=1.0)
+    # Answered greedily before and after training (and every preview.every steps).
+    preview_prompts: list[str] = Field(default_factory=lambda: [
+        "What colour is a ripe banana?", "Reverse the word: garden", "Count from one to five."])
+    max_new_tokens: int = Field(48, ge=1)
+    # Tokens per cross-entropy chunk: full fp32 logits (tokens x vocabulary) are never held at once.
+    loss_chunk: int = Field(1024, ge=16)
+    # transformers' attention kernel; "sdpa" masks packed examples apart through the position ids.
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # Also write the base model with the adapter merged in (<run>/merged) at the end.
+    merge: bool = False
+
+
 class Config(Section):
+    # Which task trains: the SDXL UNet, or a causal LM (`sdxl-lora llm train` sets "llm").
+    task: Literal["sdxl", "llm"] = "sdxl"
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     preview: PreviewConfig = Field(default_factory=PreviewConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+    llm: LLMConfig = Field(default_factory=LLMConfig)
+
+    @model_validator(mode="after")
+    def _llm_model(self) -> "Config":
+        # The SDXL default model means "the embedded one": for an LLM run that is the tiny Llama.
+        if self.task == "llm" and self.model.path == "tiny-sdxl":
+            self.model.path = "tiny-llm"
+        return self
 
     def to_toml(self) -> str:
         return tomli_w.dumps(_drop_none(self.model_dump(mode="json")))

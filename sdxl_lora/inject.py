@@ -286,7 +286,9 @@ def apply_plan(model: nn.Module, plan: Plan, dropout: float = 0.0, adapter_name:
     model has it, so diffusers' own save/load helpers understand the result)."""
     model.requires_grad_(False)
     lcfg = plan.lora_config(dropout)
-    if hasattr(model, "add_adapter"):
+    # Only diffusers' integration: transformers' add_adapter pins its own peft versions; peft's
+    # inject_adapter_in_model does the same for a causal LM and leaves model.peft_config for saving.
+    if hasattr(model, "add_adapter") and type(model).__module__.startswith("diffusers"):
         model.add_adapter(lcfg, adapter_name=adapter_name)
     else:
         from peft import inject_adapter_in_model
@@ -296,6 +298,65 @@ def apply_plan(model: nn.Module, plan: Plan, dropout: float = 0.0, adapter_name:
         if "lora_" in n:
             p.data = p.data.float()
             p.requires_grad_(True)
+
+
+def scheduled_ranks(plan: Plan, original: Plan, target_base: int, lo: int) -> dict[str, int]:
+    """Each slot's rank when the base rank shrinks to `target_base`: its rank in the original plan times
+    target_base / original base, rounded, at least `lo`, and never above its current rank."""
+    ratio = target_base / original.base_rank
+    return {n: min(plan.rank[n], max(lo, round(r * ratio))) for n, r in original.rank.items()}
+
+
+@torch.no_grad()
+def shrink_adapters(model: nn.Module, plan: Plan, new_rank: dict[str, int], adapter_name: str = "default",
+                    dropout: float = 0.0) -> Plan:
+    """Truncate each LoRA layer to its new rank by SVD of its product up @ down: the best rank-r
+    approximation of the update it makes. The scale alpha/rank stays the same (alpha shrinks with the
+    rank), so the layer's output changes only by the discarded singular values. The new factors share
+    the singular values evenly (sqrt each). Returns the plan with the new ranks and alphas; peft's config
+    on the model is updated to match, so exports carry the final ranks."""
+    modules = dict(model.named_modules())
+    rank, alpha = dict(plan.rank), dict(plan.alpha)
+    for slot in plan.targets:
+        r_new = new_rank.get(slot.name, plan.rank[slot.name])
+        layer = modules[slot.name]
+        down, up = layer.lora_A[adapter_name], layer.lora_B[adapter_name]
+        r_old = down.weight.shape[0]
+        if r_new >= r_old:
+            continue
+        a = down.weight.float().reshape(r_old, -1)       # [r, in * kh * kw]
+        b = up.weight.float().reshape(up.weight.shape[0], r_old)  # [out, r]
+        u, sv, vh = torch.linalg.svd(b @ a, full_matrices=False)
+        root = sv[:r_new].sqrt()
+        new_up = (u[:, :r_new] * root).reshape(up.weight.shape[0], r_new, *up.weight.shape[2:])
+        new_down = (root[:, None] * vh[:r_new]).reshape(r_new, *down.weight.shape[1:])
+        layer.lora_A[adapter_name] = _resized(down, out_features=r_new, weight=new_down)
+        layer.lora_B[adapter_name] = _resized(up, in_features=r_new, weight=new_up)
+        scale = plan.alpha[slot.name] / plan.rank[slot.name]
+        layer.r[adapter_name] = r_new
+        layer.lora_alpha[adapter_name] = r_new * scale
+        layer.scaling[adapter_name] = scale
+        rank[slot.name], alpha[slot.name] = r_new, float(r_new * scale)
+    shrunk = Plan(plan.targets, rank, alpha, plan.bias, plan.base_rank, plan.resolution)
+    if adapter_name in (getattr(model, "peft_config", None) or {}):
+        model.peft_config[adapter_name] = shrunk.lora_config(dropout)
+    return shrunk
+
+
+def _resized(old: nn.Module, *, weight: torch.Tensor, in_features: int | None = None,
+             out_features: int | None = None) -> nn.Module:
+    """A copy of a LoRA factor (Linear or Conv) with one side resized, holding `weight`, trainable, fp32."""
+    if isinstance(old, nn.Linear):
+        new = nn.Linear(in_features or old.in_features, out_features or old.out_features, bias=old.bias is not None)
+    else:
+        new = type(old)(in_features or old.in_channels, out_features or old.out_channels, old.kernel_size,
+                        stride=old.stride, padding=old.padding, bias=old.bias is not None)
+    new = new.to(device=old.weight.device, dtype=torch.float32)
+    new.weight.copy_(weight)
+    if old.bias is not None:
+        new.bias.copy_(old.bias)
+    new.requires_grad_(old.weight.requires_grad)
+    return new
 
 
 def trainable_parameters(model: nn.Module) -> list[torch.nn.Parameter]:

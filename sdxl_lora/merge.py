@@ -42,7 +42,16 @@ def _module(named: dict[str, torch.nn.Module], path: str) -> torch.nn.Module | N
 @torch.no_grad()
 def merge_adapter(pipe, adapter: Adapter, strength: float = 1.0) -> int:
     """Add `strength` times the adapter's update to the pipeline's weights in place; returns the layer
-    count. Every layer is checked before any weight changes, so a refused adapter leaves the model as it was."""
+    count. Every layer is checked before any weight changes, so a refused adapter leaves the model as it was.
+    A quantized component (model.quantize) is dequantized first: a sum of weights needs them in full precision."""
+    from .quantize import dequantize_model, is_quantized
+
+    for comp in adapter.components():
+        model = getattr(pipe, comp, None)
+        if model is not None and is_quantized(model):
+            log.warning("the %s is quantized: dequantizing it to merge (the result is the dequantized weights plus "
+                        "the adapter, what a QLoRA adapter saw in training)", comp)
+            dequantize_model(model)
     named: dict[str, dict[str, torch.nn.Module]] = {}
     todo = []
     for key, layer in sorted(adapter.layers.items()):
@@ -100,11 +109,49 @@ def _source_dtype(model_path: Path) -> torch.dtype:
     return torch.float32
 
 
+def _quantized_base(pipe, adapters, as_trained: bool) -> None:
+    """Warn about adapters trained on a quantized UNet; with `as_trained`, give the UNet the weights they saw."""
+    methods = {}
+    for path, _, adapter in adapters:
+        method = adapter.metadata.get("sdxl_lora.quantize", "none")
+        if method != "none":
+            methods.setdefault(method, []).append(Path(path).name)
+    if not methods:
+        if as_trained:
+            log.warning("--as-trained: no adapter says it was trained on a quantized base; merging into the "
+                        "full-precision weights")
+        return
+    if len(methods) > 1 and as_trained:
+        raise MergeError(f"--as-trained: the adapters were trained on differently quantized bases ({methods}); "
+                         "merge them one at a time")
+    for method, names in methods.items():
+        if as_trained:
+            log.warning("%s: trained on a %s-quantized UNet; merging into the UNet quantized to %s and dequantized "
+                        "(the weights the adapter saw, quantization error included)", ", ".join(names), method, method)
+        else:
+            log.warning("%s: trained on a %s-quantized UNet, so it learned against the quantized weights; merged "
+                        "into the full-precision ones the result is close to, not the same as, what was trained "
+                        "(--as-trained merges into the dequantized weights instead)", ", ".join(names), method)
+    if as_trained:
+        from .quantize import dequantize_model, quantize_model, unet_skip
+
+        method = next(iter(methods))
+        double = all(a.metadata.get("sdxl_lora.quant_double", "true") == "true" for _, _, a in adapters)
+        quantize_model(pipe.unet, method, compute_dtype=torch.float32, double_quant=double, skip=unet_skip)
+        dequantize_model(pipe.unet)
+
+
 def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]], out: str | Path, *,
-                     tokenizer: str | Path | None = None, dtype: str = "auto", overwrite: bool = False) -> Path:
+                     tokenizer: str | Path | None = None, dtype: str = "auto", overwrite: bool = False,
+                     as_trained: bool = False) -> Path:
     """Load the base model (diffusers folder, single file or "tiny-sdxl"), merge each (adapter, strength)
     in order and write the result: a single original-layout file when `out` ends in .safetensors,
-    otherwise a diffusers folder. dtype "auto" keeps the base's storage dtype."""
+    otherwise a diffusers folder. dtype "auto" keeps the base's storage dtype.
+
+    An adapter trained on a quantized UNet (metadata `sdxl_lora.quantize`) learned against the quantized
+    weights: merged into the full-precision ones (the default) it gives a model close to, not the same
+    as, the one trained, and a warning says so. `as_trained` instead quantizes the UNet the same way and
+    dequantizes it before merging: the weights the adapter saw, quantization error included."""
     from .config import ModelConfig
     from .sdxl.model import load_pipeline, resolve_model_path
     from .sdxl.single_file import save_single_file
@@ -125,11 +172,15 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
     pipe = load_pipeline(mcfg, torch_dtype=torch.float32)
     table = kohya.LayerTable.from_pipeline(pipe)
     merged = []
+    adapters = []
     for path, strength in loras:
         adapter = load_adapter(path, table)
         if adapter.unknown:
             raise MergeError(f"{path}: {adapter.problems[0]}; merging the rest would give a model the adapter's "
                              "author never saw, so nothing was merged")
+        adapters.append((path, strength, adapter))
+    _quantized_base(pipe, adapters, as_trained)
+    for path, strength, adapter in adapters:
         n = merge_adapter(pipe, adapter, strength)
         log.info("merged %s at strength %g: %d layers", Path(path).name, strength, n)
         merged.append({"lora": Path(path).name, "strength": strength, "layers": n})

@@ -2,6 +2,9 @@
 
   adamw       torch's AdamW: the safe default.
   adamw8bit   bitsandbytes' 8-bit AdamW: the same updates with a quarter of the optimizer memory.
+  paged_adamw8bit, paged_adamw
+              bitsandbytes' paged AdamW (8-bit / 32-bit state): the state lives in CUDA unified memory
+              that is paged out to the host when the GPU runs short, instead of failing.
   adafactor   transformers' Adafactor at a fixed learning rate (no relative step): factored second
               moments, the least memory.
   lion        bitsandbytes' Lion: sign updates, one moment; wants a 3-10x smaller lr than AdamW.
@@ -29,9 +32,15 @@ def build_optimizer(cfg: Config, param_groups: list[dict]) -> torch.optim.Optimi
     tc = cfg.train
     name, lr, wd = tc.optimizer, tc.lr, tc.weight_decay
     if name == "adamw":
-        return torch.optim.AdamW(param_groups, lr=lr, weight_decay=wd)
+        # On CUDA the fused kernel: one launch for every parameter instead of several per tensor.
+        fused = all(p.is_cuda for g in param_groups for p in g["params"])
+        return torch.optim.AdamW(param_groups, lr=lr, weight_decay=wd, fused=fused or None)
     if name == "adamw8bit":
         return _bitsandbytes(name).AdamW8bit(param_groups, lr=lr, weight_decay=wd)
+    if name == "paged_adamw8bit":
+        return _bitsandbytes(name).PagedAdamW8bit(param_groups, lr=lr, weight_decay=wd)
+    if name == "paged_adamw":
+        return _bitsandbytes(name).PagedAdamW(param_groups, lr=lr, weight_decay=wd)
     if name == "lion":
         return _bitsandbytes(name).Lion(param_groups, lr=lr, weight_decay=wd)
     if name == "adafactor":
@@ -47,7 +56,8 @@ def build_optimizer(cfg: Config, param_groups: list[dict]) -> torch.optim.Optimi
         from prodigyopt import Prodigy
 
         return Prodigy(param_groups, lr=lr, weight_decay=wd)
-    raise ValueError(f"train.optimizer={name!r} is not one of adamw, adamw8bit, adafactor, lion, prodigy")
+    raise ValueError(f"train.optimizer={name!r} is not one of adamw, adamw8bit, paged_adamw8bit, "
+                     "paged_adamw, adafactor, lion, prodigy")
 
 
 def make_schedule(cfg: Config, optimizer, num_processes: int = 1):

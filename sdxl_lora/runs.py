@@ -81,8 +81,15 @@ def default_run_name() -> str:
 
 
 def create_run(cfg: Config) -> Run:
-    """Make the run folder and write the resolved config; refuse to reuse a folder unless overwrite."""
-    name = cfg.output.name or default_run_name()
+    """Make the run folder and write the resolved config; refuse to reuse a folder unless overwrite.
+    Under `accelerate launch` with several processes the main one makes it (the name is its choice);
+    the others wait for it and use the same folder."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _create_run_shared(cfg)
+    return _make_run(cfg, cfg.output.name or default_run_name())
+
+
+def _make_run(cfg: Config, name: str) -> Run:
     run_dir = Path(cfg.output.runs_dir) / name
     if run_dir.exists() and any(run_dir.iterdir()):
         if not cfg.output.overwrite:
@@ -95,6 +102,29 @@ def create_run(cfg: Config) -> Run:
     run.samples_dir.mkdir(exist_ok=True)
     atomic_write_text(run_dir / "config.toml", cfg.to_toml())
     return run
+
+
+def _create_run_shared(cfg: Config) -> Run:
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    # The process group the Accelerator will use (the same device choice as train.make_accelerator).
+    state = PartialState(cpu=cfg.train.device == "cpu" or not torch.cuda.is_available())
+    name = broadcast_object_list([cfg.output.name or default_run_name()])[0]
+    run_dir = Path(cfg.output.runs_dir) / name
+    error = None
+    if state.is_main_process:
+        try:
+            _make_run(cfg, name)
+        except RunExistsError as e:
+            error = str(e)
+    error = broadcast_object_list([error])[0]  # every process stops, not only the main one
+    if error:
+        raise RunExistsError(error)
+    # A folder local to each machine on multi-node runs; the main process's holds the run's files.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Run(run_dir)
 
 
 def attach_log_file(run: Run) -> logging.Handler:

@@ -8,15 +8,22 @@ What a user gets from `Trainer`:
   - a NaN/Inf guard: a step with a non-finite loss or gradient is skipped (weights unchanged), counted and
     logged; after train.max_nan_steps in a row the state is saved and the run stops, naming likely causes.
     It costs one host sync a step (train.nan_guard=false removes it);
-  - a progress bar, and an events file (step, loss, lr, images/s, eta) that the UI reads;
+  - a progress bar, and an events file (step, loss, lr, grad norm, images/s, MFU on a GPU, eta) that
+    the UI reads; the same figures and the previews in TensorBoard with train.tensorboard;
+  - an exponential moving average of the adapter (train.ema): exported, previewed and evaluated at the end;
   - training states every N steps / M minutes (atomic, checksummed, last K kept), resume to the same
     adapter bit for bit, Ctrl-C/SIGTERM finishing the step and saving before it stops;
-  - the final adapter written (atomically) before anything that can still fail (final previews).
+  - the final adapter written (atomically) before anything that can still fail (final previews);
+  - many processes (`accelerate launch`, docs/multigpu.md): DDP reduces only the adapter's gradients;
+    the task's loader gives each process its share of every global batch (Accelerate does not re-shard
+    it); the main process alone logs, previews, writes events and saves; stopping and saving are
+    agreed by all processes at the same step; a state resumes on any number of processes.
 Set-up reads top to bottom in the order things depend on each other:
 accelerator -> seed -> task (model, data, caches) -> optimizer -> schedule -> prepare.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -30,8 +37,9 @@ from typing import Any, Protocol
 import torch
 from tqdm.auto import tqdm
 
-from . import checkpoint
+from . import checkpoint, tracking
 from .config import Config
+from .ema import EMA
 from .optim import build_optimizer, make_schedule
 from .runs import Run
 
@@ -44,13 +52,25 @@ class Task(Protocol):
     def setup(self, accelerator, run: Run) -> None: ...
     def model(self) -> torch.nn.Module: ...
     def param_groups(self) -> list[dict]: ...
-    def dataloader(self) -> torch.utils.data.DataLoader: ...
+    def dataloader(self) -> torch.utils.data.DataLoader:
+        """Batches for this process. When its batch_sampler has skip_next(n) and num_replicas equal to
+        the process count (sdxl.data.BucketBatchSampler), it shards itself: the loop iterates it as it
+        is, positions count global batches, and batches are moved to the device by the loop. Otherwise
+        Accelerate prepares (shards) it."""
+        ...
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor: ...
     def evaluate(self, model: torch.nn.Module) -> float: ...
     def validate(self, model: torch.nn.Module) -> float | None: ...
     def batch_size(self, batch: Any) -> int: ...
     def save_adapter(self, model: torch.nn.Module, run: Run, step: int) -> dict[str, Path]: ...
     def preview(self, model: torch.nn.Module, run: Run, step: int) -> list[Path]: ...
+
+
+class _Replica(Run):
+    """The run as a process other than the main one sees it: the main process writes the events."""
+
+    def event(self, kind: str, **fields: Any) -> None:
+        pass
 
 
 @dataclass
@@ -84,7 +104,15 @@ def make_accelerator(cfg: Config):
         raise RuntimeError("train.device='cuda' but no CUDA GPU is visible; use --device cpu")
     cpu = dev == "cpu" or (dev == "auto" and not torch.cuda.is_available())
     mp = resolve_mixed_precision(cfg, "cpu" if cpu else "cuda")
-    return Accelerator(cpu=cpu, mixed_precision=mp, gradient_accumulation_steps=cfg.train.grad_accum)
+    handlers = []
+    if cfg.train.cuda_graphs:
+        from accelerate.utils import AutocastKwargs
+
+        # A captured graph cannot use autocast's weight-cast cache; the frozen weights are already in the
+        # compute dtype, so the cache saves nothing here anyway.
+        handlers.append(AutocastKwargs(cache_enabled=False))
+    return Accelerator(cpu=cpu, mixed_precision=mp, gradient_accumulation_steps=cfg.train.grad_accum,
+                       kwargs_handlers=handlers)
 
 
 class Trainer:
@@ -99,18 +127,71 @@ class Trainer:
         from accelerate.utils import set_seed
 
         cfg = self.cfg
-        self.accelerator = make_accelerator(cfg)
+        self.accelerator = acc = make_accelerator(cfg)
+        if not acc.is_main_process:
+            # The main process speaks for the run (log, events, progress); the others keep their warnings.
+            logging.getLogger().setLevel(logging.WARNING)
+            self.run = _Replica(self.run.dir)
         set_seed(cfg.train.seed)
         self.task.setup(self.accelerator, self.run)
         self.optimizer = build_optimizer(cfg, self.task.param_groups())
-        self.schedule = make_schedule(cfg, self.optimizer, self.accelerator.num_processes)
+        # Not prepared: Accelerate's wrapper advances a schedule num_processes times a step, so its saved
+        # state would mean something else on another process count. The loop steps it once per step.
+        self.schedule = make_schedule(cfg, self.optimizer)
         loader = self.task.dataloader()
         self.sampler = loader.batch_sampler
-        self.model, self.optimizer, self.loader, self.schedule = self.accelerator.prepare(
-            self.task.model(), self.optimizer, loader, self.schedule)
+        self._own_shards = (hasattr(self.sampler, "skip_next")
+                            and getattr(self.sampler, "num_replicas", None) == acc.num_processes)
+        self.flops_per_image, self.peak_tflops = self._flops_setup()
+        if self._own_shards:
+            if acc.state.deepspeed_plugin is not None:  # DeepSpeed reads the batch size from a prepared loader
+                acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
+            self.model, self.optimizer = acc.prepare(self.task.model(), self.optimizer)
+            self.loader = loader
+        else:
+            self.model, self.optimizer, self.loader = acc.prepare(self.task.model(), self.optimizer, loader)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        # DDP reduces the gradients of the module it wraps; a trainable weight outside it (a task's
+        # extra module) is averaged by the loop, or the processes' copies would drift apart.
+        wrapped = {id(p) for p in self.model.parameters()}
+        self._unsynced = [p for p in self.params if id(p) not in wrapped] if acc.num_processes > 1 else []
+        # Built from the weights before any resume: _load then restores the saved averages.
+        self.ema = EMA(self._trainable(), cfg.train.ema_decay) if cfg.train.ema else None
+        self.tensorboard = (tracking.TensorBoard(self.run.dir / "tensorboard")
+                            if cfg.train.tensorboard and self.accelerator.is_main_process else None)
         if self.resume is not None:
             self._load(self.resume)
+
+    def _flops_setup(self) -> tuple[float | None, float | None]:
+        """FLOPs per image of a training step and the GPU's peak TFLOP/s, for MFU; (None, None) off a GPU.
+
+        torch's FlopCounterMode counts one forward on one batch (no grad, RNG forked, before training).
+        A step is counted as 2x that: the backward through a frozen base computes input gradients only
+        (about one forward), not weight gradients; the adapter's own are negligible. Recomputation under
+        gradient checkpointing is not counted (it is not model work), as MFU conventionally does."""
+        acc = self.accelerator
+        if acc.device.type != "cuda":
+            return None, None
+        name = torch.cuda.get_device_name(acc.device)
+        peak = tracking.peak_tflops(name, self.cfg.train.peak_tflops)
+        if peak is None:
+            log.info("MFU not shown: %r is not in the peak table; set train.peak_tflops to its dense bf16 TFLOP/s",
+                     name)
+            return None, None
+        from accelerate.utils import send_to_device
+
+        model = self.task.model()
+        # Eager: compiled regions (train.compile) would otherwise compile under the counter, for nothing.
+        with torch.random.fork_rng(devices=[acc.device]), torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            batch = send_to_device(next(iter(self.task.dataloader())), acc.device)
+
+            def forward():
+                with acc.autocast():
+                    self.task.loss(model, batch)
+            per_image = 2 * tracking.count_flops(forward) / self.task.batch_size(batch)
+        log.info("MFU: %.3g GFLOP per image per step (2x a measured forward), peak %g TFLOP/s (%s)",
+                 per_image / 1e9, peak, name)
+        return per_image, peak
 
     # ---- training state ----
     def _trainable(self) -> dict[str, torch.nn.Parameter]:
@@ -119,17 +200,36 @@ class Trainer:
 
     def _save(self) -> Path:
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
+        if self.accelerator.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.accelerator.device)
+        # position counts global batches of global_batch images: a resume on another process count
+        # converts it (_load).
         trainer_state = {"step": self.step, "epoch": self.epoch, "position": self.position,
+                         "global_batch": self._global_batch(),
                          "schedule": self.schedule.state_dict(), "rng": rng}
+        if self.ema is not None:
+            trainer_state["ema"] = self.ema.state_dict()
         path = checkpoint.save_state(self.run.checkpoints_dir, self.step, self._trainable(),
                                      self.optimizer.state_dict(), trainer_state, self.cfg.train.keep_checkpoints)
         self.run.event("checkpoint", step=self.step, path=str(path))
         return path
 
+    def _rebuild_optimizer(self) -> None:
+        """After the task replaced trainable parameters (a rank schedule step): a new optimizer over them,
+        the schedule continuing where it was. Moments of the replaced parameters restart from zero, and
+        the EMA (train.ema) restarts from the new weights."""
+        sched_state = self.schedule.state_dict()
+        self.optimizer = self.accelerator.prepare_optimizer(build_optimizer(self.cfg, self.task.param_groups()))
+        self.schedule = make_schedule(self.cfg, self.optimizer)
+        self.schedule.load_state_dict(sched_state)
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.ema is not None:
+            self.ema = EMA(self._trainable(), self.cfg.train.ema_decay)
+
     def _load(self, state: Path) -> None:
         adapter, opt_state, tr = checkpoint.load_state(state)
+        if hasattr(self.task, "restore_step") and self.task.restore_step(tr["step"], self.accelerator.unwrap_model(self.model)):
+            self._rebuild_optimizer()
         params = self._trainable()
         if adapter.keys() != params.keys():
             raise checkpoint.CheckpointError(
@@ -140,7 +240,21 @@ class Trainer:
                 p.copy_(adapter[name])
         self.optimizer.load_state_dict(opt_state)
         self.schedule.load_state_dict(tr["schedule"])
+        if self.ema is not None:
+            if "ema" not in tr:
+                raise checkpoint.CheckpointError(f"{state} has no EMA weights (it was saved with train.ema off); "
+                                                 "resume with train.ema=false, or start a new run")
+            self.ema.load_state_dict(tr["ema"])
         self.step, self.epoch, self.position = tr["step"], tr["epoch"], tr["position"]
+        saved, now = tr.get("global_batch", self.cfg.train.batch_size), self._global_batch()
+        if saved != now and self.position:
+            # Another global batch cuts the epoch into other batches: continue after about as many
+            # images; the rest of this epoch may repeat or miss a few, and the next epoch is whole again.
+            self.position = round(self.position * saved / now)
+            log.warning("resuming with a global batch of %d images (the state was saved with %d): this epoch "
+                        "continues after about %d images (batch %d of it); the global batch is train.batch_size "
+                        "x processes, so the same global batch resumes exactly", now, saved,
+                        self.position * now, self.position)
         # Restored once the epoch's loader iterator exists (creating one draws from the RNG).
         self._rng_to_restore = tr["rng"]
         log.info("resumed from %s at step %d", state, self.step)
@@ -150,17 +264,39 @@ class Trainer:
         rng, self._rng_to_restore = self._rng_to_restore, None
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        dev = self.accelerator.device
+        if "cuda" in rng and dev.type == "cuda":
+            cuda = rng["cuda"]
+            if isinstance(cuda, list):  # saved by an older version: one state per visible GPU
+                cuda = cuda[dev.index or 0] if (dev.index or 0) < len(cuda) else None
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, dev)
+
+    def _global_batch(self) -> int:
+        return self.cfg.train.batch_size * self.accelerator.num_processes
+
+    def _set_epoch(self, epoch: int) -> None:
+        """A new order each epoch, decided by (seed, epoch) alone: the sampler and dataset are told."""
+        if not self._own_shards:
+            self.loader.set_epoch(epoch)  # Accelerate's loader forwards it
+            return
+        for part in (self.sampler, self.loader.dataset):
+            if hasattr(part, "set_epoch"):
+                part.set_epoch(epoch)
 
     def _batches(self):
         while True:
-            # Accelerate's loader forwards the epoch to our bucket sampler and dataset: a new order
-            # each epoch, decided by (seed, epoch) alone.
-            self.loader.set_epoch(self.epoch)
-            if self.position:
+            from accelerate.utils import send_to_device
+
+            self._set_epoch(self.epoch)
+            loader = self.loader
+            if self.position and self._own_shards:
                 self.sampler.skip_next(self.position)
-            for batch in self.loader:
+            elif self.position:
+                loader = self.accelerator.skip_first_batches(self.loader, self.position)
+            for batch in loader:
+                if self._own_shards:
+                    batch = send_to_device(batch, self.accelerator.device, non_blocking=True)
                 # Starting an epoch's iterator draws from the RNG (the loader's base seed), and it only
                 # starts at the first fetch: restore the saved RNG after that, as the saved run had it.
                 if self._rng_to_restore is not None:
@@ -176,23 +312,55 @@ class Trainer:
         """Whether this optimizer step must be skipped: a non-finite loss (in any micro-batch) or gradient
         norm, on any process. The one host sync of the step. Under fp16, gradient overflow is the grad
         scaler's to handle (it skips the step and lowers its scale), so only the loss counts there."""
-        if self.accelerator.scaler is None:
+        if self.accelerator.scaler is None and grad_norm is not None:  # DeepSpeed may not give the norm
             bad = bad | ~torch.isfinite(grad_norm)
         return bool(self.accelerator.reduce(bad.float(), "sum").item())
+
+    def _average_unsynced(self) -> None:
+        n = self.accelerator.num_processes
+        for p in self._unsynced:
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= n
+
+    def _agree(self, stop: str | None, due: bool) -> tuple[str | None, bool]:
+        """Stop and save at the same step on every process: a signal can reach them a step apart, and a
+        timed save is due by each one's clock. A collective saved by one process and not another would
+        hang the run. One small all-reduce a step, with several processes only."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return stop, due
+        flags = acc.reduce(torch.tensor([float(stop is not None), float(due)], device=acc.device), "sum")
+        any_stop, any_due = (bool(v) for v in (flags > 0).tolist())
+        return (stop or "SIGTERM") if any_stop else None, any_due
 
     def _check_in(self, model, step: int) -> list[Path]:
         """Previews and the validation loss at this step. The RNG is forked so the run goes on exactly
         as without them (resume stays bit-exact)."""
         paths: list[Path] = []
-        with torch.random.fork_rng(devices=[self.accelerator.device] if self.accelerator.device.type == "cuda" else []):
-            val = self.task.validate(model)
-            if self.accelerator.is_main_process:
+        with torch.random.fork_rng(devices=[self.accelerator.device] if self.accelerator.device.type == "cuda" else []), \
+                self._averaged():
+            if self.accelerator.is_main_process:  # the others wait for it at the next step's collective
+                val = self.task.validate(model)
                 if val is not None:
                     self.run.event("validation", step=step, loss=val)
                 paths = self.task.preview(model, self.run, step)
                 if paths:
                     self.run.event("samples", step=step, paths=[str(p) for p in paths])
+                self._track(step, validation=val, samples=paths)
         return paths
+
+    def _averaged(self):
+        """The EMA weights in the model for the block, when train.ema is on."""
+        return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+
+    def _track(self, step: int, *, samples: list[Path] = (), validation: float | None = None, **scalars) -> None:
+        if self.tensorboard is None:
+            return
+        self.tensorboard.scalars(step, **scalars, **{"loss/validation": validation})
+        if samples:
+            self.tensorboard.images(step, list(samples))
+        self.tensorboard.flush()
 
     def _on_signal(self, signum, frame) -> None:
         if self._stop is not None:
@@ -209,12 +377,15 @@ class Trainer:
         if cfg.preview.before and acc.is_main_process and self.step == 0:
             samples += self.task.preview(unwrapped, run, 0)
             run.event("samples", step=0, paths=[str(p) for p in samples])
+            self._track(0, samples=samples)
 
         if self.step == 0:
-            eval_before = self.task.evaluate(unwrapped)
+            # Measured by the main process alone, whose figures the run reports.
+            eval_before = self.task.evaluate(unwrapped) if acc.is_main_process else math.nan
             run.event("eval", step=0, loss=eval_before)
-            if (val := self.task.validate(unwrapped)) is not None:
+            if acc.is_main_process and (val := self.task.validate(unwrapped)) is not None:
                 run.event("validation", step=0, loss=val)
+                self._track(0, validation=val)
         else:  # resumed: the run's own starting figure
             eval_before = next((e["loss"] for e in run.events() if e["event"] == "eval"), math.nan)
         run.event("start", step=self.step, total_steps=total, state="training")
@@ -226,6 +397,8 @@ class Trainer:
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
+            if self.tensorboard is not None:
+                self.tensorboard.close()
 
     def _loop(self, samples: list[Path], eval_before: float) -> Result:
         """The training step, on one screen: batches -> loss -> backward -> clip -> step; log; save."""
@@ -238,6 +411,8 @@ class Trainer:
         # Finite losses summed on the device, and their count; read back only at log time.
         window = torch.zeros((), device=acc.device)
         window_n = torch.zeros((), device=acc.device)
+        norms = torch.zeros((), device=acc.device)  # finite gradient norms (before clipping) summed, and their count
+        norms_n = torch.zeros((), device=acc.device)
         window_images = 0
         t_start = t_window = t_saved = time.perf_counter()
         step0 = step = self.step
@@ -245,32 +420,56 @@ class Trainer:
         guard, clip = cfg.train.nan_guard, cfg.train.max_grad_norm
         bad_in_a_row, nan_stop = 0, None
         batches = self._batches()
+        from .speed import StepProfiler
+
+        # Two warm-up steps first where the run is long enough (the first steps allocate and compile).
+        profiler = StepProfiler(run.dir / "profile" if acc.is_main_process else None, cfg.train.profile_steps,
+                                skip=self.step + min(2, max(0, total - self.step - cfg.train.profile_steps)),
+                                device=acc.device)
         self.model.train()
         while step < total:
             bad = torch.zeros((), dtype=torch.bool, device=acc.device)
             skip = False
+            profiler.before_step(step)
             for _ in range(cfg.train.grad_accum):
-                batch = next(batches)
+                with profiler.phase("data"):
+                    batch = next(batches)
                 with acc.accumulate(self.model):
-                    loss = self.task.loss(self.model, batch)
-                    acc.backward(loss)
+                    with profiler.phase("forward"):
+                        loss = self.task.loss(self.model, batch)
+                    with profiler.phase("backward"):
+                        acc.backward(loss)
+                        if self._unsynced and acc.sync_gradients:
+                            self._average_unsynced()
                     checkpoint.test_fault("step", step + 1)
                     finite = torch.isfinite(loss.detach())
                     bad = bad | ~finite
                     if acc.sync_gradients and (clip > 0 or guard):
                         # With clipping off the guard still needs the norm: clipping at infinity scales by 1.0.
                         norm = acc.clip_grad_norm_(self.params, clip if clip > 0 else math.inf)
+                        if norm is not None:
+                            norm = torch.as_tensor(norm, device=acc.device).float()
+                            norms += torch.where(torch.isfinite(norm), norm, 0.0)
+                            norms_n += torch.isfinite(norm)
                         if guard:
                             skip = self._skip_step(bad, norm)
-                    if not skip:
-                        self.optimizer.step()
-                    self.schedule.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                    with profiler.phase("optimizer"):
+                        if not skip:
+                            self.optimizer.step()
+                            if self.ema is not None and acc.sync_gradients and not acc.optimizer_step_was_skipped:
+                                self.ema.update()
+                        if acc.sync_gradients and not acc.optimizer_step_was_skipped:
+                            self.schedule.step()
+                        self.optimizer.zero_grad(set_to_none=True)
                 window += torch.where(finite, loss.detach(), 0.0)
                 window_n += finite
                 window_images += self.task.batch_size(batch) * acc.num_processes
             step = self.step = step + 1
             bar.update(1)
+            if hasattr(self.task, "on_step") and self.task.on_step(step, unwrapped):
+                self._rebuild_optimizer()
+            if (trace := profiler.after_step(step, last=step == total)) is not None and acc.is_main_process:
+                run.event("profile", step=step, path=str(trace), summary=profiler.summary)
             if skip:
                 bad_in_a_row += 1
                 self.skipped += 1
@@ -295,19 +494,30 @@ class Trainer:
                 elapsed = now - t_start
                 eta = elapsed / (step - step0) * (total - step)
                 lr = self.schedule.get_last_lr()[0]
+                n_norms = norms_n.item()
+                grad_norm = (norms / norms_n).item() if n_norms else None
+                extra = {} if grad_norm is None else {"grad_norm": round(grad_norm, 6)}
+                if self.flops_per_image:
+                    extra["mfu"] = round(tracking.mfu(self.flops_per_image, ips, self.peak_tflops, acc.num_processes), 4)
                 losses.append(mean)
-                bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}", img_s=f"{ips:.1f}")
+                bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}", img_s=f"{ips:.1f}",
+                                **({"mfu": f"{100 * extra['mfu']:.1f}%"} if "mfu" in extra else {}))
                 if acc.is_main_process:
                     run.event("step", step=step, total_steps=total, loss=mean, lr=lr,
-                              images_per_s=round(ips, 3), eta_s=round(eta, 1), state="training")
+                              images_per_s=round(ips, 3), eta_s=round(eta, 1), state="training", **extra)
+                    self._track(step, **{"loss/train": mean, "lr": lr, "grad_norm": grad_norm,
+                                         "images_per_s": ips, "mfu": extra.get("mfu")})
                 window.zero_()
                 window_n.zero_()
+                norms.zero_()
+                norms_n.zero_()
                 window_images, t_window = 0, now
             if cfg.preview.every and step % cfg.preview.every == 0 and step < total:
                 samples += self._check_in(unwrapped, step)
             due = (cfg.train.save_every and step % cfg.train.save_every == 0) or (
                 cfg.train.save_every_minutes and time.perf_counter() - t_saved >= 60 * cfg.train.save_every_minutes)
-            stop = self._stop or ("nan_guard" if nan_stop else None)
+            stop, due = self._agree(self._stop, bool(due))
+            stop = stop or ("nan_guard" if nan_stop else None)
             if stop or (due and step < total):
                 if acc.is_main_process:
                     state = self._save()
@@ -323,19 +533,23 @@ class Trainer:
         bar.close()
 
         acc.wait_for_everyone()
-        eval_after = self.task.evaluate(unwrapped)
-        val_after = self.task.validate(unwrapped)
-        adapter: dict[str, Path] = {}
-        if acc.is_main_process:
-            # The adapter first: previews can still fail (out of memory, a bad prompt) and must not cost the result.
-            adapter = self.task.save_adapter(unwrapped, run, step)
-            run.event("adapter", step=step, paths={k: str(v) for k, v in adapter.items()})
-            run.event("eval", step=step, loss=eval_after)
-            if val_after is not None:
-                run.event("validation", step=step, loss=val_after)
-            if cfg.preview.after:
-                after = self.task.preview(unwrapped, run, step)
-                samples += after
-                run.event("samples", step=step, paths=[str(p) for p in after])
-            run.event("done", step=step, state="finished", final_loss=losses[-1] if losses else math.nan)
+        with self._averaged():  # with train.ema: the averaged weights are what is evaluated, saved, previewed
+            eval_after = self.task.evaluate(unwrapped) if acc.is_main_process else math.nan
+            val_after = self.task.validate(unwrapped) if acc.is_main_process else None
+            adapter: dict[str, Path] = {}
+            if acc.is_main_process:
+                # The adapter first: previews can still fail (out of memory, a bad prompt) and must not cost the result.
+                adapter = self.task.save_adapter(unwrapped, run, step)
+                run.event("adapter", step=step, paths={k: str(v) for k, v in adapter.items()},
+                          **({"ema_decay": cfg.train.ema_decay} if self.ema is not None else {}))
+                run.event("eval", step=step, loss=eval_after)
+                if val_after is not None:
+                    run.event("validation", step=step, loss=val_after)
+                after: list[Path] = []
+                if cfg.preview.after:
+                    after = self.task.preview(unwrapped, run, step)
+                    samples += after
+                    run.event("samples", step=step, paths=[str(p) for p in after])
+                self._track(step, validation=val_after, samples=after, **{"loss/eval": eval_after})
+                run.event("done", step=step, state="finished", final_loss=losses[-1] if losses else math.nan)
         return Result(run, step, adapter, samples, losses, eval_before, eval_after, state=state)

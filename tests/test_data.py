@@ -449,26 +449,36 @@ def test_sampler_is_deterministic_per_seed_and_epoch():
 
 
 @pytest.mark.parametrize("replicas", [2, 5])
-def test_sampler_replicas_get_disjoint_equal_shares_covering_the_epoch(replicas):
+def test_sampler_replicas_split_each_global_batch_and_cover_the_epoch_once(replicas):
     ds = sampler_dataset()
+    expanded = ds.expanded()
     shares = []
     for rank in range(replicas):
         s = BucketBatchSampler(ds, batch_size=2, seed=3, num_replicas=replicas, rank=rank)
         s.set_epoch(4)
         shares.append(list(s))
-        assert len(shares[-1]) == len(s) == 10 // replicas
+        assert len(shares[-1]) == len(s)  # every process takes the same number of steps
+    one = BucketBatchSampler(ds, batch_size=2 * replicas, seed=3)
+    one.set_epoch(4)
+    for step, batch in enumerate(one):
+        together = [p for share in shares for p in share[step]]
+        assert set(together) == set(batch)  # one process with the whole global batch takes the same images
+        assert len({ds.items[expanded[p]].bucket for p in together}) == 1  # one bucket per step
     positions = [p for share in shares for b in share for p in b]
-    assert sorted(positions) == list(range(18))  # disjoint and covering
+    assert set(positions) == set(range(18))
+    if replicas == 2:  # only the 5-image bucket's tail (1 image, 2 processes) repeats its image
+        assert len(positions) == 19
 
 
-def test_sampler_uneven_replicas_still_get_equal_counts_and_see_everything():
-    ds = sampler_dataset()
+def test_sampler_tails_smaller_than_the_process_count_repeat_and_drop_last_drops_them():
+    ds = sampler_dataset()  # buckets of 7, 6 and 5 positions
     shares = [list(BucketBatchSampler(ds, 2, seed=0, num_replicas=3, rank=r)) for r in range(3)]
-    assert [len(s) for s in shares] == [4, 4, 4]  # 10 batches, the first two dealt again
+    assert [len(s) for s in shares] == [4, 4, 4]  # global batches of 6: 7 -> 6+1, 6 -> 6, 5 -> 5
+    assert all(len(b) >= 1 for s in shares for b in s)
     assert {p for share in shares for b in share for p in b} == set(range(18))
     dropped = [list(BucketBatchSampler(ds, 2, seed=0, num_replicas=3, rank=r, drop_last=True)) for r in range(3)]
     flat = [p for share in dropped for b in share for p in b]
-    assert [len(s) for s in dropped] == [2, 2, 2] and len(flat) == len(set(flat))
+    assert [len(s) for s in dropped] == [2, 2, 2] and len(flat) == len(set(flat)) == 12
 
 
 # -------------------------------------------------------------------------------------- cache

@@ -11,11 +11,15 @@ import hashlib
 import json
 import logging
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from tqdm.auto import tqdm
 
 from sdxl_lora.fsutil import atomic_save
 
@@ -98,3 +102,42 @@ class TensorCache:
         clean = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
         meta = {"key": key, "sha256": _tensors_digest(clean)}
         atomic_save(path, lambda tmp: save_file(clean, str(tmp), metadata=meta))
+
+    def fill(self, keys: list[str], compute: Callable[[str], dict[str, torch.Tensor]], *, desc: str,
+             process_index: int = 0, num_processes: int = 1, show: bool = True, poll_s: float = 0.5) -> int:
+        """Make sure every key has an entry, with several processes sharing the work; returns how many
+        entries this process computed (compute(key) makes the entry of key).
+
+        Process p owns unique keys p, p + n, p + 2n... (n = num_processes): balanced shares that need no talk
+        between processes. Each computes the entries it owns and lacks, then waits (polling the
+        folder) until every other entry is readable. Waiting by polling, not by one collective
+        barrier, means no NCCL/gloo timeout however long the others take; if a process dies, the
+        launcher stops the run.
+        """
+        keys = list(dict.fromkeys(keys))  # unique, in order: the same list in every process
+        mine = [i for i in range(process_index, len(keys), num_processes) if self.get(keys[i]) is None]
+        for i in tqdm(mine, desc=desc, unit="entry", disable=not show or not mine):
+            self.put(keys[i], compute(keys[i]))
+        if num_processes > 1:
+            self._wait([k for i, k in enumerate(keys) if i % num_processes != process_index], desc, show, poll_s)
+        return len(mine)
+
+    def _wait(self, keys: list[str], desc: str, show: bool, poll_s: float) -> None:
+        pending = [k for k in keys if k not in self or self.get(k) is None]
+        bar = tqdm(total=len(keys), initial=len(keys) - len(pending), desc=f"{desc} (other processes)",
+                   unit="entry", disable=not show or not pending)
+        last_progress = time.monotonic()
+        while pending:
+            # Entries are renamed into place whole, so one that exists and reads back is final.
+            still = [k for k in pending if k not in self or self.get(k) is None]
+            if len(still) < len(pending):
+                bar.update(len(pending) - len(still))
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > 600:
+                log.warning("%s: still waiting for %d entries from other processes (none new for 10 minutes) "
+                            "in %s; if a process has died, stop the run", desc, len(still), self.root)
+                last_progress = time.monotonic()
+            pending = still
+            if pending:
+                time.sleep(poll_s)
+        bar.close()

@@ -57,6 +57,7 @@ class Item:
     bucket: tuple[int, int]  # (width, height), multiples of bucket_step
     dataset: Path  # the data.dirs entry it came from
     has_caption: bool
+    mask: Path | None = None  # with data.masked_loss: its loss mask (white learns, black is ignored)
 
 
 class DataError(Exception):
@@ -154,6 +155,16 @@ class _Candidate:
     path: Path
     repeats: int
     caption: str | None
+    mask: Path | None = None
+
+
+def _mask_of(stem: str, present: set[str], suffix: str) -> str | None:
+    """The file name of an image's mask (`<stem><suffix>.<image ext>`) when the folder has one."""
+    for name in sorted(present):
+        s, ext = os.path.splitext(name)
+        if s == stem + suffix and ext.lower() in IMAGE_EXTENSIONS:
+            return name
+    return None
 
 
 @dataclass
@@ -292,6 +303,7 @@ def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem]) -> tuple[
     ignored: Counter = Counter()
     seen: set[str] = set()
     duplicates = 0
+    masks_seen = 0
     known = set(CAPTION_EXTENSIONS) | {cfg.caption_extension}
     for root in roots:
         folders = _walk(root)
@@ -308,11 +320,15 @@ def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem]) -> tuple[
         for folder, names in folders:
             present = set(names)
             repeats = _repeats(root, folder)
+            stems = {os.path.splitext(n)[0] for n in names if os.path.splitext(n)[1].lower() in IMAGE_EXTENSIONS}
             for name in names:
                 stem, ext = os.path.splitext(name)
                 if ext.lower() not in IMAGE_EXTENSIONS:
                     if ext.lower() not in known and name not in METADATA_FILES:
                         ignored[ext.lower() or "(no extension)"] += 1
+                    continue
+                if cfg.mask_suffix and stem.endswith(cfg.mask_suffix) and stem[:-len(cfg.mask_suffix)] in stems:
+                    masks_seen += 1  # an image's mask, never a training image itself
                     continue
                 path = folder / name
                 norm = os.path.normpath(path)
@@ -344,7 +360,8 @@ def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem]) -> tuple[
                         if alt != cfg.caption_extension and stem + alt in present:
                             count.other[alt] += 1
                             break
-                candidates.append(_Candidate(root, path, repeats, caption))
+                mask = _mask_of(stem, present, cfg.mask_suffix) if cfg.masked_loss else None
+                candidates.append(_Candidate(root, path, repeats, caption, folder / mask if mask else None))
         for norm, (_, line) in metadata.items():
             if norm not in used:
                 what = "is not a supported image type" if os.path.exists(norm) else "was not found"
@@ -359,6 +376,9 @@ def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem]) -> tuple[
                      f"images must be one of {' '.join(sorted(IMAGE_EXTENSIONS))}")
     if duplicates:
         notes.append(f"{duplicates} image(s) were reached through more than one data.dirs entry and are used once")
+    if masks_seen and not cfg.masked_loss:
+        notes.append(f"{masks_seen} file(s) named '<image>{cfg.mask_suffix}.*' look like loss masks: they are not "
+                     "trained as images, and not used as masks either (set data.masked_loss=true to use them)")
     return candidates, notes
 
 
@@ -427,9 +447,11 @@ def scan(cfg: DataConfig, resolution: int,
             upscaled += 1
         if max(w / h, h / w) > cfg.max_aspect:
             over_aspect += 1
+        if c.mask is not None:
+            _check_mask(c.mask, c.path, (w, h), cfg.max_pixels)
         items.append(Item(path=c.path, caption=c.caption or "", repeats=c.repeats, size=(w, h),
                           bucket=nearest_bucket((w, h), buckets), dataset=c.root,
-                          has_caption=bool(c.caption)))
+                          has_caption=bool(c.caption), mask=c.mask))
     uncaptioned = sum(not it.has_caption for it in items)
     if uncaptioned:
         fallback = fallback_caption(cfg)
@@ -440,6 +462,12 @@ def scan(cfg: DataConfig, resolution: int,
                        "with an empty caption — set data.trigger_word or data.class_token to give them one")
         log.warning(message)
         notes.append(message)
+    if cfg.masked_loss:
+        unmasked = [it for it in items if it.mask is None]
+        if unmasked:
+            notes.append(f"data.masked_loss: {len(unmasked)} of {len(items)} images have no mask "
+                         f"('<image>{cfg.mask_suffix}.png' beside it) and train on every pixel, e.g. "
+                         f"{unmasked[0].path.name}")
     if upscaled:
         notes.append(f"{upscaled} image(s) are smaller than {small_side:.0f}x{small_side:.0f} pixels and "
                      "will be upscaled (data.small_images='skip' leaves them out)")
@@ -506,6 +534,41 @@ def load_pixels(item: Item, crop: str, flip: bool,
     return pixels, (h, w, top, left, bh, bw)
 
 
+def _check_mask(mask: Path, image: Path, size: tuple[int, int], max_pixels: int) -> None:
+    try:
+        msize = probe_image(mask, max_pixels)
+    except ImageProblem as e:
+        raise DataError(f"mask {mask} (of {image.name}) cannot be read: {e} — fix or remove it") from e
+    if msize != size:
+        raise DataError(f"mask {mask} is {msize[0]}x{msize[1]} but its image {image.name} is {size[0]}x{size[1]}; "
+                        "a mask must have its image's size — resize the mask (or remove it to train on every pixel)")
+
+
+def load_mask(item: Item, flip: bool, time_ids) -> torch.Tensor:
+    """The item's loss mask, float32 [1, H/8, W/8] in [0, 1] at latent resolution: resized, mirrored and
+    cropped exactly as its image was (the crop read from the image's time_ids), then box-averaged down
+    by the VAE's factor 8, so a latent pixel's weight is the mean of the pixels it covers. All ones
+    (every pixel learns) when the item has no mask."""
+    bw, bh = item.bucket
+    if item.mask is None:
+        return torch.ones(1, bh // 8, bw // 8)
+    w, h = item.size
+    img = open_image(item.mask, max_pixels=max(w * h, DataConfig.model_fields["max_pixels"].default)).convert("L")
+    if img.size != (w, h):
+        raise DataError(f"mask {item.mask} is now {img.size[0]}x{img.size[1]} but its image is {w}x{h}; "
+                        "a mask must have its image's size")
+    # The same cover-resize as load_pixels (bilinear: a mask's grey levels must stay within [0, 1]).
+    scale = max(bw / w, bh / h)
+    rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
+    if (rw, rh) != (w, h):
+        img = img.resize((rw, rh), Image.Resampling.BILINEAR)
+    if flip:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    top, left = int(time_ids[2]), int(time_ids[3])
+    img = img.crop((left, top, left + bw, top + bh)).resize((bw // 8, bh // 8), Image.Resampling.BOX)
+    return torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)[None].contiguous()
+
+
 def _has_word(text: str, word: str) -> bool:
     return re.search(rf"(?<!\w){re.escape(word)}(?!\w)", text) is not None
 
@@ -539,10 +602,14 @@ class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
     """Batches of positions in `dataset.expanded()`, every batch from one bucket (so they stack).
 
     Each epoch shuffles within buckets and then the order of batches, from (seed, epoch) alone, so
-    a resumed run sees the same batches. With several replicas (DDP) the epoch's batches are dealt
-    out in turn: shares are disjoint and equally long. When the batch count does not divide evenly,
-    drop_last leaves the remainder out; otherwise the first batches are dealt again to even it up.
-    drop_last also drops each bucket's last, partial batch.
+    a resumed run sees the same batches. With several processes (DDP) the epoch is cut into global
+    batches of batch_size x num_replicas, and each global batch is split between the processes: at
+    every step they all train on the same bucket, no image comes twice in an epoch, and the global
+    batch holds exactly the images one process with batch_size x num_replicas would take at that
+    step. A bucket's last, partial global batch is split as evenly as it goes (when it has fewer
+    images than processes, its images are repeated so each process has one); drop_last leaves
+    partial batches out instead. Positions (skip_next, len) count global batches, so they mean the
+    same on any number of processes.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, seed: int, num_replicas: int = 1,
@@ -553,6 +620,7 @@ class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
             raise ValueError(f"rank={rank} must be in 0..{num_replicas - 1}")
         super().__init__()
         self.batch_size = batch_size
+        self.global_batch_size = batch_size * num_replicas
         self.seed = seed
         self.num_replicas = num_replicas
         self.rank = rank
@@ -564,47 +632,50 @@ class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
             groups.setdefault(dataset.items[i].bucket, []).append(pos)
         self._groups = dict(sorted(groups.items()))
         sizes = [len(g) for g in self._groups.values()]
-        self._total = sum(n // batch_size if drop_last else -(-n // batch_size) for n in sizes)
         if not sizes:
             raise DataError("the dataset has no images to draw batches from")
-        if drop_last and self._total < num_replicas:
-            raise DataError(f"batch_size={batch_size} with drop_last leaves {self._total} full batch(es) for "
-                            f"{num_replicas} process(es) (the largest bucket has {max(sizes)} images) — lower "
-                            "train.batch_size or add images")
+        gb = self.global_batch_size
+        self._total = sum(n // gb if drop_last else -(-n // gb) for n in sizes)
+        if self._total < 1:
+            raise DataError(f"batch_size={batch_size} x {num_replicas} process(es) with drop_last leaves no full "
+                            f"batch (the largest bucket has {max(sizes)} images) — lower train.batch_size or add images")
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def skip_next(self, batches: int) -> None:
-        """The next iteration leaves out its first `batches` batches (resuming mid-epoch). Kept apart
-        from set_epoch, which Accelerate's loader calls again on every iteration."""
+        """The next iteration leaves out its first `batches` global batches (resuming mid-epoch). Kept
+        apart from set_epoch, which may be called again on every iteration."""
         self.skip = batches
 
     def __len__(self) -> int:
-        if self.drop_last:
-            return self._total // self.num_replicas
-        return -(-self._total // self.num_replicas)
+        return self._total
 
-    def _batches(self) -> list[list[int]]:
+    def global_batches(self) -> list[list[int]]:
+        """The epoch's global batches, in order: the same whatever this process's rank."""
         # A string seed hashes the same in every process (unlike hash() of a tuple).
         rng = random.Random(f"{self.seed}:{self.epoch}")
         batches = []
         for positions in self._groups.values():
             order = list(positions)
             rng.shuffle(order)
-            for start in range(0, len(order), self.batch_size):
-                batch = order[start:start + self.batch_size]
-                if len(batch) == self.batch_size or not self.drop_last:
+            for start in range(0, len(order), self.global_batch_size):
+                batch = order[start:start + self.global_batch_size]
+                if len(batch) == self.global_batch_size or not self.drop_last:
                     batches.append(batch)
         rng.shuffle(batches)
         return batches
 
+    def share(self, batch: list[int]) -> list[int]:
+        """This process's contiguous slice of a global batch (sizes differ by at most one)."""
+        n = self.num_replicas
+        if len(batch) < n:
+            batch = [batch[i % len(batch)] for i in range(n)]
+        size, extra = divmod(len(batch), n)
+        start = self.rank * size + min(self.rank, extra)
+        return batch[start:start + size + (self.rank < extra)]
+
     def __iter__(self) -> Iterator[list[int]]:
-        batches = self._batches()
-        extra = len(batches) % self.num_replicas
-        if extra and self.drop_last:
-            batches = batches[:len(batches) - extra]
-        elif extra:
-            batches += [batches[i % len(batches)] for i in range(self.num_replicas - extra)]
         skip, self.skip = self.skip, 0
-        yield from batches[self.rank::self.num_replicas][skip:]
+        for batch in self.global_batches()[skip:]:
+            yield self.share(batch)

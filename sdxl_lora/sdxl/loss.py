@@ -1,5 +1,5 @@
 """The diffusion training loss and its options: timestep range, noise offset, L2/Huber, min-SNR-gamma
-weighting, for epsilon and v-prediction. Zero terminal SNR is a property of the noise schedule (its
+weighting, a per-pixel loss mask, for epsilon and v-prediction. Zero terminal SNR is a property of the noise schedule (its
 betas), set where the scheduler is built; everything here reads the schedule's alphas_cumprod.
 
 Random draws happen in one fixed order (latent sample, noise, offset noise when on, timesteps), so a
@@ -50,11 +50,22 @@ def elementwise(pred: torch.Tensor, target: torch.Tensor, kind: str, huber_delta
 
 def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor, alphas_cumprod: torch.Tensor, *,
                    kind: str = "l2", huber_delta: float = 1.0, min_snr_gamma: float = 0.0,
-                   prediction_type: str = "epsilon") -> torch.Tensor:
-    """Mean per-element loss of each image, weighted per image (min-SNR-gamma), averaged over the batch."""
+                   prediction_type: str = "epsilon", mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean per-element loss of each image, weighted per image (min-SNR-gamma), averaged over the batch.
+
+    With a mask ([B, 1, H, W] in [0, 1], at latent resolution) each element's loss is weighted by it and
+    each image's loss divided by its mask's mean: a weighted mean, on the scale of an unmasked loss
+    whatever the masked area. An all-black mask gives that image a loss of 0 (and no gradient)."""
     per = elementwise(pred.float(), target.float(), kind, huber_delta)
-    if not min_snr_gamma:
+    dims = tuple(range(1, per.ndim))
+    if mask is not None:
+        m = mask.to(per.device, per.dtype)
+        per_image = (per * m).mean(dim=dims) / m.mean(dim=dims).clamp_min(1e-8)
+    elif not min_snr_gamma:
         return per.mean()
-    per_image = per.mean(dim=tuple(range(1, per.ndim)))
+    else:
+        per_image = per.mean(dim=dims)
+    if not min_snr_gamma:
+        return per_image.mean()
     w = min_snr_weight(snr(alphas_cumprod, t), min_snr_gamma, prediction_type)
     return (per_image * w).mean()

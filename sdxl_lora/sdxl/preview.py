@@ -1,8 +1,19 @@
 """Preview images: fixed-seed renders of the prompts file with diffusers' SDXL pipeline, with the step
-in the file name and a grid of all prompts, so images at different steps compare like for like."""
+in the file name and a grid of all prompts, so images at different steps compare like for like.
+
+A prompts file is text, one prompt per line with kohya's per-line options (`a cat --n blurry --w 1024
+--h 1024 --s 30 --l 7 --d 42`: negative prompt, width, height, steps, guidance, seed), or structured:
+`.toml` with `[[prompt]]` tables, `.jsonl` with one object per line, `.json` with a list of objects;
+their fields are kohya's (prompt, negative_prompt, width, height, sample_steps, scale, seed) or ours
+(negative, steps, guidance). Unset values come from the preview.* config.
+"""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
+import shlex
+import tomllib
 from pathlib import Path
 
 import torch
@@ -11,21 +22,116 @@ from PIL import Image
 from ..fsutil import atomic_save
 
 
-def read_prompts(path: str | Path | None) -> list[str]:
+@dataclasses.dataclass
+class PreviewPrompt:
+    """One preview: the prompt and its own settings (None: the preview.* config's)."""
+    prompt: str
+    negative: str | None = None
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    seed: int | None = None
+
+
+# kohya's one-letter line options -> (field, type).
+_LINE_OPTIONS = {"n": ("negative", str), "w": ("width", int), "h": ("height", int), "s": ("steps", int),
+                 "l": ("guidance", float), "d": ("seed", int)}
+# Field names of structured entries (kohya's and ours) -> field.
+_ENTRY_FIELDS = {"prompt": "prompt", "negative_prompt": "negative", "negative": "negative", "width": "width",
+                 "height": "height", "sample_steps": "steps", "steps": "steps", "scale": "guidance",
+                 "guidance": "guidance", "seed": "seed"}
+_TYPES = {"negative": str, "width": int, "height": int, "steps": int, "guidance": float, "seed": int, "prompt": str}
+
+
+def parse_prompt_line(line: str, where: str = "") -> PreviewPrompt:
+    """`a cat --n blurry, lowres --w 1024 --h 768 --s 30 --l 7 --d 42` -> PreviewPrompt. Option values run
+    to the next ` --x`; an unknown option is an error naming the line."""
+    head, *parts = (" " + line).split(" --")
+    entry = PreviewPrompt(head.strip())
+    for part in parts:
+        key, _, value = part.partition(" ")
+        if key not in _LINE_OPTIONS:
+            raise ValueError(f"{where}unknown option --{key} in {line!r}; the options are "
+                             + ", ".join(f"--{k} ({f})" for k, (f, _) in _LINE_OPTIONS.items()))
+        field, typ = _LINE_OPTIONS[key]
+        try:
+            setattr(entry, field, typ(value.strip()))
+        except ValueError:
+            raise ValueError(f"{where}--{key} {value.strip()!r} in {line!r}: {field} must be "
+                             f"{'an integer' if typ is int else 'a number'}") from None
+    if not entry.prompt:
+        raise ValueError(f"{where}{line!r} has options but no prompt before them")
+    return entry
+
+
+def _entry(obj, where: str) -> PreviewPrompt:
+    if isinstance(obj, str):
+        return parse_prompt_line(obj, where)
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}expected a table/object with a 'prompt' field, got {obj!r}")
+    unknown = sorted(set(obj) - set(_ENTRY_FIELDS))
+    if unknown or "prompt" not in obj:
+        raise ValueError(f"{where}" + (f"unknown field(s) {', '.join(unknown)}" if unknown else "no 'prompt' field")
+                         + f"; the fields are {', '.join(_ENTRY_FIELDS)}")
+    values = {}
+    for k, v in obj.items():
+        field = _ENTRY_FIELDS[k]
+        try:
+            values[field] = _TYPES[field](v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}{k}={v!r} must be {_TYPES[field].__name__}") from None
+    return PreviewPrompt(**values)
+
+
+def read_prompts(path: str | Path | None) -> list[PreviewPrompt]:
     if not path:
         return []
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"preview.prompts={str(p)!r} does not exist; give a text file with one prompt "
-                                "per line, or preview.prompts='' for no previews")
-    return [line.strip() for line in p.read_text(encoding="utf-8").splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+                                "per line (or a .toml/.jsonl/.json file), or preview.prompts='' for no previews")
+    text = p.read_text(encoding="utf-8")
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".toml":
+            try:
+                data = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"not valid TOML: {e}") from None
+            entries = data.get("prompt", data.get("prompts"))
+            if not isinstance(entries, list):
+                raise ValueError("expected [[prompt]] tables (each with a 'prompt' field)")
+            return [_entry(e, f"[[prompt]] {i + 1}: ") for i, e in enumerate(entries)]
+        if suffix == ".jsonl":
+            out = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"line {n} is not valid JSON ({e.msg})") from None
+                    out.append(_entry(obj, f"line {n}: "))
+            return out
+        if suffix == ".json":
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON ({e.msg} at line {e.lineno})") from None
+            if not isinstance(data, list):
+                raise ValueError("expected a list of objects, each with a 'prompt' field")
+            return [_entry(e, f"entry {i + 1}: ") for i, e in enumerate(data)]
+        return [parse_prompt_line(line.strip(), f"line {n}: ") for n, line in enumerate(text.splitlines(), 1)
+                if line.strip() and not line.lstrip().startswith("#")]
+    except ValueError as e:
+        raise ValueError(f"preview.prompts={str(p)!r}: {e}") from None
 
 
 def grid(images: list[Image.Image], cols: int | None = None) -> Image.Image:
     cols = cols or len(images)
     rows = (len(images) + cols - 1) // cols
-    w, h = images[0].size
+    # Cells as large as the largest image: prompts may set their own width and height.
+    w, h = max(im.size[0] for im in images), max(im.size[1] for im in images)
     out = Image.new("RGB", (cols * w, rows * h), (0, 0, 0))
     for i, im in enumerate(images):
         out.paste(im, ((i % cols) * w, (i // cols) * h))
@@ -36,26 +142,46 @@ def save_png(img: Image.Image, path: Path) -> Path:
     return atomic_save(path, lambda tmp: img.save(tmp, format="PNG"))
 
 
-def render(pipe, prompts: list[str], *, seed: int, steps: int, guidance: float, width: int, height: int,
-           negative: str | None = None, autocast_dtype: torch.dtype | None = None) -> list[Image.Image]:
-    """One image per prompt; prompt i uses seed + i on a CPU generator, so images do not depend on the device."""
+def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, guidance: float, width: int,
+           height: int, negative: str | None = None, autocast_dtype: torch.dtype | None = None,
+           guidance_rescale: float = 0.0) -> list[Image.Image]:
+    """One image per prompt, each with its own settings where it has them; prompt i without its own seed
+    uses seed + i, on a CPU generator, so images do not depend on the device."""
     device = pipe.unet.device
     ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
            else contextlib.nullcontext())
     images = []
     with torch.no_grad(), ctx:
-        for i, prompt in enumerate(prompts):
-            gen = torch.Generator("cpu").manual_seed(seed + i)
-            out = pipe(prompt=prompt, negative_prompt=negative, num_inference_steps=steps, guidance_scale=guidance,
-                       width=width, height=height, generator=gen, output_type="pil")
+        for i, p in enumerate(prompts):
+            p = p if isinstance(p, PreviewPrompt) else PreviewPrompt(p)
+            gen = torch.Generator("cpu").manual_seed(p.seed if p.seed is not None else seed + i)
+            out = pipe(prompt=p.prompt, negative_prompt=p.negative if p.negative is not None else negative,
+                       num_inference_steps=p.steps or steps,
+                       guidance_scale=p.guidance if p.guidance is not None else guidance,
+                       guidance_rescale=guidance_rescale,
+                       width=p.width or width, height=p.height or height, generator=gen, output_type="pil")
             images.append(out.images[0])
     return images
+
+
+def preview_scheduler(base_config, *, zero_terminal_snr: bool, prediction_type: str = "auto"):
+    """The sampler for previews: Euler on the model's schedule, as trained. Under zero terminal SNR the
+    betas are rescaled the same way and the timesteps spaced 'trailing', so sampling starts at the
+    schedule's last (pure noise) step, as Lin et al. 2023 prescribe."""
+    from diffusers import EulerDiscreteScheduler
+
+    overrides = {}
+    if prediction_type != "auto":
+        overrides["prediction_type"] = prediction_type
+    if zero_terminal_snr:
+        overrides.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
+    return EulerDiscreteScheduler.from_config(base_config, **overrides)
 
 
 def render_previews(task, model, run, step: int) -> list[Path]:
     """Render the task's prompts with the model being trained; the VAE and text encoders visit the
     accelerator only for the duration."""
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+    from diffusers import StableDiffusionXLPipeline
 
     cfg = task.cfg
     prompts = read_prompts(cfg.preview.prompts)
@@ -63,10 +189,22 @@ def render_previews(task, model, run, step: int) -> list[Path]:
         return []
     p = task.pipe
     device = task.device
+    # With text encoder LoRA the model holds the UNet and the (adapted) text encoders: p's, in place.
+    unet = getattr(model, "unet", model)
+    ztsnr = cfg.train.zero_terminal_snr
+    scheduler = preview_scheduler(p.scheduler.config, zero_terminal_snr=ztsnr,
+                                  prediction_type=cfg.model.prediction_type)
     pipe = StableDiffusionXLPipeline(
         vae=p.vae, text_encoder=p.text_encoder, text_encoder_2=p.text_encoder_2, tokenizer=p.tokenizer,
-        tokenizer_2=p.tokenizer_2, unet=model, scheduler=EulerDiscreteScheduler.from_config(p.scheduler.config))
+        tokenizer_2=p.tokenizer_2, unet=unet, scheduler=scheduler)
     pipe.set_progress_bar_config(disable=True)
+    rescale = cfg.preview.guidance_rescale if cfg.preview.guidance_rescale is not None else (0.7 if ztsnr else 0.0)
+    # Components training still uses stay on the device afterwards.
+    keep = set()
+    if cfg.adapter.train_text_encoder or cfg.data.shuffle_tags:
+        keep |= {id(p.text_encoder), id(p.text_encoder_2)}
+    if cfg.data.crop == "random":
+        keep.add(id(p.vae))
     aux = (p.vae, p.text_encoder, p.text_encoder_2)
     was_training = model.training
     model.eval()
@@ -76,12 +214,18 @@ def render_previews(task, model, run, step: int) -> list[Path]:
         for m in aux:
             m.to(device)
         images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps, guidance=cfg.preview.guidance,
-                        width=task.resolution, height=task.resolution, autocast_dtype=dtype)
+                        width=task.resolution, height=task.resolution, autocast_dtype=dtype,
+                        guidance_rescale=rescale)
     finally:
         if device.type != "cpu":
             for m in aux:
-                m.to("cpu")
+                if id(m) not in keep:
+                    m.to("cpu")
         model.train(was_training)
     paths = [save_png(im, run.samples_dir / f"step-{step:06d}-{i:02d}.png") for i, im in enumerate(images)]
     paths.append(save_png(grid(images), run.samples_dir / f"step-{step:06d}-grid.png"))
+    if cfg.preview.concept:
+        from .shapes import report_concept
+
+        report_concept(run, step, cfg.preview.concept, [e.prompt for e in prompts], images)
     return paths

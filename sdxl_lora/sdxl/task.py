@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -55,6 +56,31 @@ def _split(items: list, fraction: float) -> tuple[list, list]:
     return [it for it in items if id(it) not in held], [it for it in items if id(it) in held]
 
 
+class SDXLAdapterModel(torch.nn.Module):
+    """The UNet and both text encoders as one module, for training LoRA on the text encoders too
+    (adapter.train_text_encoder): the loop's checkpoints, optimizer and DDP see every adapter weight
+    (named unet.*, text_encoder.*, text_encoder_2.*), and one forward runs text encoding and UNet."""
+
+    def __init__(self, unet, text_encoder, text_encoder_2):
+        super().__init__()
+        self.unet, self.text_encoder, self.text_encoder_2 = unet, text_encoder, text_encoder_2
+
+    def encode(self, input_ids: torch.Tensor, input_ids_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # As diffusers' SDXL encode_prompt: the penultimate hidden states of both encoders, concatenated,
+        # and the second encoder's pooled projection; here with gradients.
+        h1 = self.text_encoder(input_ids, output_hidden_states=True).hidden_states[-2]
+        out2 = self.text_encoder_2(input_ids_2, output_hidden_states=True)
+        return torch.cat([h1, out2.hidden_states[-2]], dim=-1), out2[0]
+
+    def forward(self, sample, timestep, *, input_ids, input_ids_2, time_ids):
+        embeds, pooled = self.encode(input_ids, input_ids_2)
+        return self.unet(sample, timestep, encoder_hidden_states=embeds,
+                         added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids})
+
+
+TE_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+
+
 class CachedSDXLDataset(torch.utils.data.Dataset):
     """Items of the dataset (repeats expanded) as tensors read from the on-disk cache."""
 
@@ -83,10 +109,23 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
                 dist = t.pipe.vae.encode(pixels[None].to(t.device, torch.float32)).latent_dist
             lat = {"mean": dist.mean[0].cpu(), "std": dist.std[0].cpu(),
                    "time_ids": torch.tensor(time_ids, dtype=torch.float32)}
+            if t.cfg.data.masked_loss:
+                lat["mask"] = sdxl_data.load_mask(t.dataset.items[item_idx], flip, time_ids)
         else:
             lat = t.cache.get(t.latent_keys[item_idx][flip])
+            if lat is not None and t.cfg.data.masked_loss:
+                lat["mask"] = t.cache.get(t.mask_keys[item_idx][flip])["mask"]
         if lat is None:
             raise RuntimeError(f"latent cache entry for {t.dataset.items[item_idx].path} vanished during training")
+        extra = {"mask": lat["mask"]} if t.cfg.data.masked_loss else {}
+        # The key of this sample's noise and timestep draws (SDXLTask.loss): the same whichever process
+        # or batch the sample lands in.
+        extra["sample_key"] = torch.tensor(sample_key(t.cfg.train.seed, self.epoch, i))
+        if t.cfg.adapter.train_text_encoder:
+            # The text encoders train: captions go in as tokens, encoded in the forward with gradients.
+            caption = sdxl_data.make_caption(t.dataset.items[item_idx], t.cfg.data, rng)
+            return {"latent_mean": lat["mean"], "latent_std": lat["std"], "time_ids": lat["time_ids"],
+                    **t.tokenize(caption), **extra}
         if t.cfg.data.shuffle_tags:
             # A new tag order each time: encoded now, with the text encoders kept on the device.
             caption = sdxl_data.make_caption(t.dataset.items[item_idx], t.cfg.data, rng)
@@ -97,7 +136,12 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
             if t.cfg.data.caption_dropout and rng.random() < t.cfg.data.caption_dropout:
                 text = t.empty_text
         return {"latent_mean": lat["mean"], "latent_std": lat["std"], "time_ids": lat["time_ids"],
-                "prompt_embeds": text["prompt_embeds"], "pooled": text["pooled"]}
+                "prompt_embeds": text["prompt_embeds"], "pooled": text["pooled"], **extra}
+
+
+def sample_key(seed: int, epoch: int, position: int) -> int:
+    """A 63-bit seed for one sample's random draws, from (seed, epoch, position in the epoch)."""
+    return int(hashlib.sha256(f"{seed}:{epoch}:{position}".encode()).hexdigest()[:15], 16)
 
 
 def _collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -107,11 +151,13 @@ def _collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 class SDXLTask:
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self._graphed = None  # train.cuda_graphs: True until the first training call builds the graphs
 
     # ---- set-up, in dependency order: model -> data -> caches -> adapter ----
     def setup(self, accelerator, run: Run) -> None:
         cfg = self.cfg
         self.accelerator = accelerator
+        self._run = run
         self.device = accelerator.device
         self.model_path = resolve_model_path(cfg.model)
         self.pipe = load_pipeline(cfg.model)
@@ -136,8 +182,14 @@ class SDXLTask:
         cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output.runs_dir) / ".cache"
         self.cache = TensorCache(cache_root)
         computed = self._cache_latents()
+        if cfg.data.masked_loss:
+            self._cache_masks()
         self._cache_text()
-        run.event("cache", latents_computed=computed, latents_total=sum(len(k) for k in self.latent_keys))
+        from accelerate.utils import gather_object
+
+        by_process = gather_object([computed])  # [n] in one process
+        run.event("cache", latents_computed=sum(by_process), latents_by_process=by_process,
+                  latents_total=sum(len(k) for k in self.latent_keys))
         # The VAE and text encoders are done: off the accelerator, the UNet gets the memory. With tag
         # shuffling every caption is new, so the text encoders stay (frozen) for live encoding.
         done = []
@@ -146,7 +198,10 @@ class SDXLTask:
                      "used for evaluation); the VAE stays on %s", self.device)
         else:
             done.append(self.pipe.vae)
-        if cfg.data.shuffle_tags:
+        if cfg.adapter.train_text_encoder:
+            log.info("adapter.train_text_encoder: the text encoders train, so text embeddings are computed live "
+                     "(with gradients) and not cached; the text encoders stay on %s", self.device)
+        elif cfg.data.shuffle_tags:
             log.info("data.shuffle_tags: text embeddings are computed per sample (not cached); "
                      "the text encoders stay on %s", self.device)
         else:
@@ -162,22 +217,51 @@ class SDXLTask:
         self.plan = inject.make_plan(unet, cfg.adapter, resolution=round(largest ** 0.5),
                                      native=native_resolution(self.pipe))
         mp = accelerator.mixed_precision
+        self._memory_estimate(unet, mp, run)
+        if cfg.model.quantize != "none":
+            # QLoRA: the Linears quantized one at a time on the device (docs/qlora.md), before the rest moves.
+            from ..quantize import quantize_unet
+            quantize_unet(unet, cfg.model, mp, self.device, run)
         # Frozen weights in the compute dtype; the adapter stays fp32 (apply_plan does that).
         unet.to(self.device, dtype=_DTYPES.get(mp, torch.float32))
+        self._adapter_model = (SDXLAdapterModel(unet, self.pipe.text_encoder, self.pipe.text_encoder_2)
+                               if cfg.adapter.train_text_encoder else None)
         budget = cfg.adapter.rank_budget or (
             round(cfg.adapter.rank_budget_mb * 2**20 / 4) if cfg.adapter.rank_budget_mb else None)
         if budget:
             sensitivity = self._calibrate(unet)
+            if accelerator.num_processes > 1:
+                from accelerate.utils import broadcast_object_list
+
+                # Every process must apply the same plan (DDP needs identical models): the main one's.
+                sensitivity = broadcast_object_list([sensitivity])[0]
             self.plan = inject.budget_plan(self.plan, sensitivity, budget, cfg.adapter.min_rank, cfg.adapter.max_rank)
             run.event("budget", budget=budget, trainable_params=self.plan.trainable_params,
                       sensitivity={k: round(v, 6) for k, v in sensitivity.items()})
         inject.apply_plan(unet, self.plan, dropout=cfg.adapter.dropout)
+        self.planned = self.plan  # the plan before any rank schedule shrinks it
+        if cfg.adapter.rank_schedule and accelerator.num_processes > 1:
+            raise ConfigError("adapter.rank_schedule runs in one process (shrinking replaces parameters that DDP "
+                              "has registered); train on one process or drop the schedule")
+        if cfg.adapter.train_text_encoder:
+            self._text_encoder_lora(run)
         if cfg.train.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
+        self._speed_setup(unet, run)
         n = self.plan.trainable_params
         log.info("adapter plan:\n%s", inject.format_plan(self.plan))
         run.event("plan", layers=len(self.plan.targets), trainable_params=n, preset=cfg.adapter.preset,
                   base_rank=self.plan.base_rank, groups=self.plan.groups())
+
+    def _memory_estimate(self, unet, mixed_precision: str, run: Run) -> None:
+        """The UNet's peak memory, estimated from the plan before anything moves (sdxl_lora/memory.py)."""
+        from ..memory import estimate_for_config
+
+        largest = round(max(w * h for w, h in self.dataset.bucket_histogram()) ** 0.5)  # square of that area
+        latent_factor = 2 ** (len(self.pipe.vae.config.block_out_channels) - 1)
+        est = estimate_for_config(unet, self.cfg, self.plan.trainable_params, largest, mixed_precision, latent_factor)
+        log.info("%s", est.format())
+        run.event("memory_estimate", **est.as_dict())
 
     def _calibrate(self, unet) -> dict[str, float]:
         """Sensitivity of each planned slot: the norm of its adapter's gradient, summed over the first
@@ -189,12 +273,13 @@ class SDXLTask:
         norms = {s.name: 0.0 for s in self.plan.targets}
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.cfg.train.seed)
-            batches = iter(self.dataloader())
-            for _ in tqdm(range(self.cfg.adapter.calibration_batches), desc="calibrating ranks", unit="batch"):
+            batches = iter(self.dataloader(shard=False))
+            for _ in tqdm(range(self.cfg.adapter.calibration_batches), desc="calibrating ranks", unit="batch",
+                          disable=not self.accelerator.is_main_process):
                 try:
                     batch = next(batches)
                 except StopIteration:
-                    batches = iter(self.dataloader())
+                    batches = iter(self.dataloader(shard=False))
                     batch = next(batches)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 with self.accelerator.autocast():
@@ -205,6 +290,148 @@ class SDXLTask:
         unet.delete_adapters("calibration")
         unet.requires_grad_(False)
         return norms
+
+    def on_step(self, step: int, model) -> bool:
+        """The rank schedule (adapter.rank_schedule): at its steps the UNet's adapters shrink by SVD.
+        Returns True when trainable parameters were replaced (the loop then rebuilds the optimizer)."""
+        target = self.cfg.adapter.rank_schedule.get(step)
+        if target is None:
+            return False
+        return self._shrink_to(target, step)
+
+    def restore_step(self, step: int, model) -> bool:
+        """Before a resume at `step`: the adapters take the shapes the schedule gave them by then (the saved
+        weights are loaded over them). True when any shape changed."""
+        changed = False
+        for at, target in self.cfg.adapter.rank_schedule.items():
+            if at <= step:
+                changed |= self._shrink_to(target, at)
+        return changed
+
+    def _shrink_to(self, target: int, step: int) -> bool:
+        unet = self.pipe.unet
+        ranks = inject.scheduled_ranks(self.plan, self.planned, target, self.cfg.adapter.min_rank)
+        if ranks == self.plan.rank:
+            return False
+        before = self.plan.trainable_params
+        self.plan = inject.shrink_adapters(unet, self.plan, ranks, dropout=self.cfg.adapter.dropout)
+        if self._graphed:
+            self._graphed = True  # the captured graphs hold the old factors: capture again
+        log.info("step %d: adapter ranks shrunk to base rank %d by SVD (%s -> %s trainable parameters)",
+                 step, target, f"{before:,}", f"{self.plan.trainable_params:,}")
+        if self.accelerator.is_main_process:
+            self._run.event("rank_schedule", step=step, base_rank=target, trainable_params=self.plan.trainable_params,
+                            groups=self.plan.groups())
+        return True
+
+    def _speed_setup(self, unet, run: Run) -> None:
+        """The train.* speed levers (sdxl_lora/speed.py, docs/speed.md), after the adapter is in place."""
+        from .. import speed
+
+        tc = self.cfg.train
+        speed.configure_backends(self.device)
+        if tc.checkpoint_budget_gb and not tc.gradient_checkpointing:
+            chosen = self._fit_checkpointing(unet, tc.checkpoint_budget_gb)
+            run.event("checkpointing", budget_gb=tc.checkpoint_budget_gb, blocks=chosen)
+        if tc.channels_last:
+            speed.to_channels_last(unet)
+        if tc.compile == "regional":
+            n = speed.compile_regions(unet)
+            log.info("train.compile='regional': %d blocks compiled (the first steps include compilation)", n)
+        if tc.cuda_graphs:
+            if self.device.type != "cuda":
+                log.warning("train.cuda_graphs needs a CUDA device; running without (device is %s)", self.device)
+            elif self.accelerator.num_processes > 1:
+                log.warning("train.cuda_graphs runs in one process only (DDP's gradient hooks are not captured); "
+                            "running without it on %d processes", self.accelerator.num_processes)
+            else:
+                self._graphed = True  # built on the first training call, on the prepared model
+
+    def _unet(self, model, noisy, t, embeds, pooled, time_ids) -> torch.Tensor:
+        """The UNet's prediction for a training batch; replayed from CUDA graphs with train.cuda_graphs."""
+        def call(noisy, t, embeds, pooled, time_ids):
+            return model(noisy, t, encoder_hidden_states=embeds,
+                         added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
+
+        if self._graphed and torch.is_grad_enabled():
+            from ..speed import GraphedCall
+
+            if not isinstance(self._graphed, GraphedCall) or self._graphed.module is not model:
+                self._graphed = GraphedCall(model, call)
+            return self._graphed(noisy, t, embeds, pooled, time_ids)
+        return call(noisy, t, embeds, pooled, time_ids)
+
+    def _fit_checkpointing(self, unet, budget_gb: float) -> list[str]:
+        """Selective checkpointing: measure what each block saves for backward on one batch, then checkpoint
+        the largest blocks until weights, adapter, optimizer state and activations fit the budget."""
+        from .. import speed
+
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            batch = next(iter(self.dataloader()))
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            with self.accelerator.autocast():
+                saved = speed.measure_block_activations(unet, lambda: self.loss(unet, batch))
+        trainable = sum(p.numel() for p in unet.parameters() if p.requires_grad)
+        # Frozen weights as they are stored, plus fp32 adapter, its gradient and AdamW's two moments.
+        other = sum(p.numel() * p.element_size() for p in unet.parameters()) + trainable * 4 * 3
+        chosen = speed.choose_checkpointed(saved, int(budget_gb * 2**30), other)
+        speed.apply_selective_checkpointing(unet, chosen)
+        left = other + sum(v for k, v in saved.items() if k not in chosen)
+        log.info("train.checkpoint_budget_gb=%g: activations per block (MiB) %s; checkpointing %s; estimated "
+                 "%.2f GiB without the checkpointed blocks' recomputation buffers", budget_gb,
+                 {k: round(v / 2**20, 1) for k, v in saved.items()}, chosen or "nothing", left / 2**30)
+        if left > budget_gb * 2**30:
+            log.warning("train.checkpoint_budget_gb=%g cannot be met even with every block checkpointed "
+                        "(estimated %.2f GiB); lower the batch size or resolution, or quantize the base", budget_gb,
+                        left / 2**30)
+        return chosen
+
+    def _text_encoder_lora(self, run: Run) -> None:
+        """LoRA on both text encoders' attention projections (kohya's lora_te1_/lora_te2_ layers), fp32."""
+        from peft import LoraConfig, inject_adapter_in_model
+
+        a = self.cfg.adapter
+        rank = a.text_encoder_rank or a.rank
+        alpha = rank * (a.alpha / a.rank) if a.alpha is not None else float(rank)  # the UNet's alpha/rank ratio
+        counts = {}
+        for name in ("text_encoder", "text_encoder_2"):
+            te = getattr(self.pipe, name)
+            te.requires_grad_(False)
+            inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=a.dropout,
+                                               target_modules=TE_TARGETS), te)
+            for n, p in te.named_parameters():
+                if "lora_" in n:
+                    p.data = p.data.float()
+                    p.requires_grad_(True)
+            counts[name] = sum(p.numel() for p in te.parameters() if p.requires_grad)
+        log.info("text encoder LoRA: rank %d, alpha %g on %s; trainable parameters %s", rank, alpha,
+                 ", ".join(TE_TARGETS), counts)
+        run.event("text_encoder_lora", rank=rank, alpha=alpha, trainable_params=counts)
+
+    def tokenize(self, caption: str) -> dict[str, torch.Tensor]:
+        """Token ids for both text encoders, padded to their length, as diffusers' encode_prompt makes them."""
+        out = {}
+        for key, tok in (("input_ids", self.pipe.tokenizer), ("input_ids_2", self.pipe.tokenizer_2)):
+            out[key] = tok(caption, padding="max_length", max_length=tok.model_max_length, truncation=True,
+                           return_tensors="pt").input_ids[0]
+        return out
+
+    @torch.no_grad()
+    def _cache_masks(self) -> None:
+        """Each image's loss mask at latent resolution, with the same crop and flip as its cached latent."""
+        self.mask_keys: list[dict[bool, str]] = []
+        todo = []
+        for idx, item in enumerate(self.all_items):
+            digest = file_digest(item.mask) if item.mask is not None else "none"
+            keys = {}
+            for flip, lkey in self.latent_keys[idx].items():
+                keys[flip] = cache_key("mask", digest, lkey)
+                if self.cache.get(keys[flip]) is None:
+                    todo.append((idx, flip, keys[flip]))
+            self.mask_keys.append(keys)
+        for idx, flip, key in tqdm(todo, desc="caching masks", unit="img", disable=not todo):
+            time_ids = self.cache.get(self.latent_keys[idx][flip])["time_ids"].tolist()
+            self.cache.put(key, {"mask": sdxl_data.load_mask(self.all_items[idx], flip, time_ids)})
 
     def validate(self, model) -> float | None:
         """The loss on the held-out images, or None when data.validation_split is 0."""
@@ -243,19 +470,17 @@ class SDXLTask:
         flips = (False, True) if self.cfg.data.flip else (False,)
         self.latent_keys: list[dict[bool, str]] = []
         rng = random.Random(0)  # center crop and fixed flips: the rng is not consulted for the result
-        todo = []
+        source: dict[str, tuple[int, bool]] = {}
         for idx, item in enumerate(self.all_items):
             keys = {}
             digest = file_digest(item.path)
             for flip in flips:
                 keys[flip] = cache_key("latent", digest, item.bucket, "center", flip, vae_id)
-                if self.cache.get(keys[flip]) is None:
-                    todo.append((idx, flip, keys[flip]))
+                source.setdefault(keys[flip], (idx, flip))
             self.latent_keys.append(keys)
-        if not todo:
-            log.info("latent cache: all %d entries reused", sum(len(k) for k in self.latent_keys))
-            return 0
-        for idx, flip, key in tqdm(todo, desc="caching latents", unit="img"):
+
+        def encode(key: str) -> dict[str, torch.Tensor]:
+            idx, flip = source[key]
             item = self.all_items[idx]
             pixels, time_ids = sdxl_data.load_pixels(item, "center", flip, rng)
             dist = vae.encode(pixels[None].to(self.device, torch.float32)).latent_dist
@@ -263,8 +488,20 @@ class SDXLTask:
             if not (torch.isfinite(mean).all() and torch.isfinite(std).all()):
                 raise ValueError(f"the VAE gave non-finite latents for {item.path}; the image may be corrupt "
                                  "or the VAE broken (try another VAE)")
-            self.cache.put(key, {"mean": mean, "std": std, "time_ids": torch.tensor(time_ids, dtype=torch.float32)})
-        return len(todo)
+            return {"mean": mean, "std": std, "time_ids": torch.tensor(time_ids, dtype=torch.float32)}
+
+        computed = self.cache.fill(list(source), encode, desc="caching latents", **self._cache_share())
+        if not computed:
+            log.info("latent cache: every entry this process owns was reused (%d in all)", len(source))
+        return computed
+
+    def _cache_share(self) -> dict:
+        """This process's part in building the caches: processes of one machine split the work (the cache
+        folder may be local to each machine, so machines do not count on each other)."""
+        acc = self.accelerator
+        local_n = int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
+        return {"process_index": acc.local_process_index, "num_processes": local_n,
+                "show": acc.is_local_main_process}
 
     @torch.no_grad()
     def _cache_text(self) -> None:
@@ -276,13 +513,15 @@ class SDXLTask:
         fixed = self.cfg.data.model_copy(update={"caption_dropout": 0.0, "shuffle_tags": False})
         rng = random.Random(0)
         captions = [sdxl_data.make_caption(item, fixed, rng) for item in self.all_items]
+        self.captions = captions
+        if self.cfg.adapter.train_text_encoder:
+            return  # the encoders train: embeddings change every step, so none are cached
         self.text_keys = [cache_key("text", c, te_id) for c in captions]
         unique = {k: c for k, c in zip(self.text_keys, captions)}
         empty_key = cache_key("text", "", te_id)
         unique[empty_key] = ""
-        for key, caption in tqdm(list(unique.items()), desc="caching text", unit="caption"):
-            if self.cache.get(key) is None:
-                self.cache.put(key, self.encode_text(caption))
+        self.cache.fill(list(unique), lambda key: self.encode_text(unique[key]), desc="caching text",
+                        **self._cache_share())
         self.empty_text = self.cache.get(empty_key)
 
     def encode_text(self, caption: str) -> dict[str, torch.Tensor]:
@@ -294,18 +533,62 @@ class SDXLTask:
 
     # ---- what the loop asks for ----
     def model(self) -> torch.nn.Module:
-        return self.pipe.unet
+        # With text encoder LoRA: one module holding the UNet and both encoders, so the loop trains,
+        # checkpoints and (under DDP) synchronises all of their adapters.
+        return self._adapter_model if self._adapter_model is not None else self.pipe.unet
 
     def param_groups(self) -> list[dict]:
-        return [{"params": inject.trainable_parameters(self.pipe.unet)}]
+        """The UNet's adapter at train.unet_lr (times train.lr_multipliers per slot), the text encoders'
+        at train.text_encoder_lr; either none means train.lr."""
+        tc = self.cfg.train
+        unet_lr = tc.unet_lr or tc.lr
+        groups: dict[float, list] = {}
+        if tc.lr_multipliers:
+            modules = dict(self.pipe.unet.named_modules())
+            for s in self.plan.targets:
+                mult = inject._override(s, tc.lr_multipliers)
+                mult = 1.0 if mult is None else float(mult)
+                groups.setdefault(mult, []).extend(p for p in modules[s.name].parameters() if p.requires_grad)
+            log.info("train.lr_multipliers: UNet adapter lr %s", {f"x{m:g}": f"{unet_lr * m:.3g} ({len(ps)} tensors)"
+                                                                  for m, ps in sorted(groups.items())})
+        else:
+            groups[1.0] = inject.trainable_parameters(self.pipe.unet)
+        out = [{"params": ps, "lr": unet_lr * m, "name": "unet" if m == 1.0 else f"unet x{m:g}"}
+               for m, ps in sorted(groups.items(), key=lambda kv: kv[0] != 1.0) if ps]
+        if self._adapter_model is not None:
+            te = [p for m in (self.pipe.text_encoder, self.pipe.text_encoder_2) for p in m.parameters() if p.requires_grad]
+            out.append({"params": te, "lr": tc.text_encoder_lr or tc.lr, "name": "text_encoder"})
+        return out
 
-    def dataloader(self) -> torch.utils.data.DataLoader:
+    def dataloader(self, shard: bool = True) -> torch.utils.data.DataLoader:
+        """This process's share of each global batch (BucketBatchSampler): the loop uses it as it is,
+        without Accelerate re-sharding it. shard=False: every batch whole (calibration)."""
         ds = CachedSDXLDataset(self)
-        sampler = sdxl_data.BucketBatchSampler(self.dataset, self.cfg.train.batch_size, self.cfg.train.seed)
+        acc = self.accelerator
+        n, rank = (acc.num_processes, acc.process_index) if shard else (1, 0)
+        sampler = sdxl_data.BucketBatchSampler(self.dataset, self.cfg.train.batch_size, self.cfg.train.seed,
+                                               num_replicas=n, rank=rank)
         return torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=_collate, num_workers=0)
 
     def batch_size(self, batch) -> int:
         return int(batch["latent_mean"].shape[0])
+
+    def _keyed_draws(self, mean: torch.Tensor, keys: torch.Tensor):
+        """Each sample's latent draw, noise (and offset) and timestep from its own generator, seeded by its
+        sample_key: (seed, epoch, sample) decide them, not a per-process RNG stream, so N processes with
+        batch b draw exactly what one process with batch N x b draws (and a resumed run what the
+        uninterrupted one did). The same order as the unkeyed path. One tiny host read of the keys."""
+        tc, dev = self.cfg.train, mean.device
+        eps, noise, t = [], [], []
+        for key in keys.tolist():
+            g = torch.Generator(dev.type if dev.type == "cpu" else dev).manual_seed(key)
+            eps.append(torch.randn(mean.shape[1:], generator=g, device=dev, dtype=mean.dtype))
+            n = torch.randn(mean.shape[1:], generator=g, device=dev, dtype=mean.dtype)
+            if tc.noise_offset:
+                n = n + tc.noise_offset * torch.randn(mean.shape[1], 1, 1, generator=g, device=dev, dtype=mean.dtype)
+            noise.append(n)
+            t.append(torch.randint(tc.timestep_min, self.timestep_max + 1, (1,), generator=g, device=dev))
+        return torch.stack(eps), torch.stack(noise), torch.cat(t)
 
     def loss(self, model, batch) -> torch.Tensor:
         """The diffusion loss with the train.* options (sdxl/loss.py); draws in a fixed order: latent
@@ -313,17 +596,36 @@ class SDXLTask:
         tc, sched = self.cfg.train, self.noise_scheduler
         scale = self.pipe.vae.config.scaling_factor
         mean, std = batch["latent_mean"], batch["latent_std"]
-        latents = (mean + std * torch.randn_like(mean)) * scale
-        noise = diffusion.draw_noise(latents, tc.noise_offset)
-        t = diffusion.draw_timesteps(latents.shape[0], tc.timestep_min, self.timestep_max, latents.device)
+        if "sample_key" in batch:
+            eps, noise, t = self._keyed_draws(mean, batch["sample_key"])
+            latents = (mean + std * eps) * scale
+        else:  # a batch made elsewhere (tests, benchmarks): the global RNG, in the same order
+            latents = (mean + std * torch.randn_like(mean)) * scale
+            noise = diffusion.draw_noise(latents, tc.noise_offset)
+            t = diffusion.draw_timesteps(latents.shape[0], tc.timestep_min, self.timestep_max, latents.device)
         noisy = sched.add_noise(latents, noise, t)
         prediction_type = sched.config.prediction_type
         target = sched.get_velocity(latents, noise, t) if prediction_type == "v_prediction" else noise
-        pred = model(noisy, t, encoder_hidden_states=batch["prompt_embeds"],
-                     added_cond_kwargs={"text_embeds": batch["pooled"], "time_ids": batch["time_ids"]}).sample
+        if "input_ids" in batch:  # text encoder LoRA: the model encodes the captions itself
+            if model is self.pipe.unet:
+                model = self._adapter_model
+            pred = model(noisy, t, input_ids=batch["input_ids"], input_ids_2=batch["input_ids_2"],
+                         time_ids=batch["time_ids"]).sample
+        else:
+            pred = self._unet(model, noisy, t, batch["prompt_embeds"], batch["pooled"], batch["time_ids"])
         return diffusion.diffusion_loss(pred, target, t, sched.alphas_cumprod, kind=tc.loss,
                                         huber_delta=tc.huber_delta, min_snr_gamma=tc.min_snr_gamma,
-                                        prediction_type=prediction_type)
+                                        prediction_type=prediction_type, mask=batch.get("mask"))
+
+    def _text(self, model, idx: int) -> dict[str, torch.Tensor]:
+        """Item idx's text embeddings: from the cache, or (text encoder LoRA) encoded now by the model's encoders."""
+        if not self.cfg.adapter.train_text_encoder:
+            return self.cache.get(self.text_keys[idx])
+        wrapper = model if isinstance(model, SDXLAdapterModel) else self._adapter_model
+        ids = {k: v[None].to(self.device) for k, v in self.tokenize(self.captions[idx]).items()}
+        with self.accelerator.autocast():
+            embeds, pooled = wrapper.encode(ids["input_ids"], ids["input_ids_2"])
+        return {"prompt_embeds": embeds[0].float(), "pooled": pooled[0].float()}
 
     @torch.no_grad()
     def evaluate(self, model, indices: list[int] | None = None) -> float:
@@ -341,7 +643,7 @@ class SDXLTask:
         try:
             for idx in (indices if indices is not None else range(min(8, len(self.dataset.items)))):
                 lat = self.cache.get(self.latent_keys[idx][False])
-                text = self.cache.get(self.text_keys[idx])
+                text = self._text(model, idx)
                 latents = (lat["mean"] * scale).expand(len(timesteps), -1, -1, -1).to(self.device)
                 noise = torch.randn(latents.shape, generator=gen).to(self.device)
                 batch = {"noisy": sched.add_noise(latents, noise, timesteps),
@@ -349,7 +651,8 @@ class SDXLTask:
                                     if sched.config.prediction_type == "v_prediction" else noise)}
                 k = len(timesteps)
                 with self.accelerator.autocast():
-                    pred = model(batch["noisy"], timesteps,
+                    unet = model.unet if isinstance(model, SDXLAdapterModel) else model
+                    pred = unet(batch["noisy"], timesteps,
                                  encoder_hidden_states=text["prompt_embeds"].expand(k, -1, -1).to(self.device),
                                  added_cond_kwargs={"text_embeds": text["pooled"].expand(k, -1).to(self.device),
                                                     "time_ids": lat["time_ids"].expand(k, -1).to(self.device)}).sample
@@ -375,14 +678,27 @@ class SDXLTask:
                    "ss_network_dropout": str(cfg.adapter.dropout),
                    "ss_mixed_precision": str(self.accelerator.mixed_precision),
                    "sdxl_lora.steps": str(step), "sdxl_lora.resolution": str(self.resolution),
-                   "sdxl_lora.preset": cfg.adapter.preset})
-        adapter = adapter_from_model(model)
+                   "sdxl_lora.preset": cfg.adapter.preset,
+                   # The base the adapter saw: merge warns when it was quantized (docs/qlora.md).
+                   "sdxl_lora.quantize": cfg.model.quantize,
+                   **({"sdxl_lora.quant_double": str(cfg.model.quant_double).lower()}
+                      if cfg.model.quantize in ("nf4", "fp4") else {}),
+                   "ss_unet_lr": str(cfg.train.unet_lr or cfg.train.lr),
+                   "ss_text_encoder_lr": str(cfg.train.text_encoder_lr or cfg.train.lr),
+                   "ss_network_train_unet_only": str(not cfg.adapter.train_text_encoder),
+                   # With train.ema the files hold the moving average of the weights, not the last step's.
+                   **({"sdxl_lora.ema_decay": str(cfg.train.ema_decay)} if cfg.train.ema else {})})
+        unet = model.unet if isinstance(model, SDXLAdapterModel) else model
+        adapter = adapter_from_model(unet)
+        if isinstance(model, SDXLAdapterModel):
+            for comp in ("text_encoder", "text_encoder_2"):
+                adapter.layers.update(adapter_from_model(getattr(model, comp), component=comp).layers)
         main = run.dir / f"{run.name}.safetensors"
         if any(layer.bias is not None for layer in adapter.layers.values()):
             log.warning("adapter.lora_bias: the kohya format has no LoRA bias, so %s is in diffusers format "
                         "(diffusers and peft load it; ComfyUI and AUTOMATIC1111 may not)", main.name)
             return {"diffusers": save_diffusers_lora(adapter, main, extra_metadata=meta)}
-        kohya = save_kohya_lora(adapter, main, unet_config=model.config, metadata=meta)
+        kohya = save_kohya_lora(adapter, main, unet_config=unet.config, metadata=meta)
         diffusers = save_diffusers_lora(adapter, run.dir / f"{run.name}.diffusers.safetensors", extra_metadata=meta)
         return {"kohya": kohya, "diffusers": diffusers}
 

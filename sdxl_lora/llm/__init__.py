@@ -1,0 +1,1 @@
+"""The causal-LM task: model loading, chat/instruction data, packing, masking, loss, previews, adapter export."""

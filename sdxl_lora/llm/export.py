@@ -1,0 +1,128 @@
+"""LLM adapters on disk: the PEFT folder (adapter_config.json + adapter_model.safetensors) that
+`PeftModel.from_pretrained` loads, and a merged model (base + adapter baked in) as a transformers folder.
+
+Folders are written whole under a temporary name and renamed into place, so a crash leaves the old
+folder or the new one, never half of one.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..fsutil import fsync_dir
+
+log = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# PEFT's own key prefix: PeftModel wraps the base model as base_model.model.
+PEFT_PREFIX = "base_model.model."
+
+
+@contextlib.contextmanager
+def atomic_dir(dest: Path, overwrite: bool = True) -> Iterator[Path]:
+    """Yield a temp folder beside `dest`; on success its files are fsynced and it replaces `dest`."""
+    dest = Path(dest)
+    if dest.exists() and not overwrite:
+        raise FileExistsError(f"{dest} exists; choose another --out or pass --overwrite")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        os.chmod(tmp, 0o755)
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+        fsync_dir(dest.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_peft_adapter(model: torch.nn.Module, dest: Path, base_model: str, adapter_name: str = "default",
+                      metadata: dict[str, str] | None = None) -> Path:
+    """Write the model's LoRA as a PEFT adapter folder (fp32 weights, PEFT's key names)."""
+    from peft import get_peft_model_state_dict
+
+    config = model.peft_config[adapter_name]
+    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    tensors = {PEFT_PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
+    cfg = config.to_dict()
+    cfg.update(base_model_name_or_path=base_model, task_type="CAUSAL_LM", inference_mode=True)
+    for k, v in cfg.items():  # sets (target_modules) are not JSON
+        if isinstance(v, set):
+            cfg[k] = sorted(v)
+    with atomic_dir(dest) as tmp:
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str), encoding="utf-8")
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt", **(metadata or {})})
+    return dest
+
+
+def read_adapter_config(adapter: Path) -> dict:
+    f = Path(adapter) / ADAPTER_CONFIG
+    if not f.is_file() or not (Path(adapter) / ADAPTER_WEIGHTS).is_file():
+        raise FileNotFoundError(f"{adapter} is not a PEFT adapter folder ({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} "
+                                "expected); a run folder holds one in <run>/adapter")
+    return json.loads(f.read_text(encoding="utf-8"))
+
+
+def adapter_folder(path: str | Path) -> Path:
+    """A PEFT folder, or a run folder's adapter/."""
+    p = Path(path)
+    return p / "adapter" if (p / "config.toml").is_file() and (p / "adapter").is_dir() else p
+
+
+def load_with_adapter(base: Path, adapter: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                      quantize: tuple[str | None, dict] = (None, {})):
+    """(PeftModel, tokenizer): the base from its folder (offline), quantized and dequantized again when
+    the adapter was trained on a quantized base, with the adapter loaded by PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from .model import check_causal_lm_folder, load_tokenizer
+
+    check_causal_lm_folder(base)
+    read_adapter_config(adapter)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype, local_files_only=True, use_safetensors=True)
+    method, opts = quantize
+    if method:
+        from ..quantize import dequantize_model, quantize_model
+
+        log.warning("the adapter was trained on a %s-quantized base: the base is quantized and dequantized again "
+                    "so the merge uses the weights the adapter saw (not the original ones)", method)
+        model = quantize_model(model, method, device=torch.device(device), skip=["lm_head"],
+                               **{"compute_dtype": dtype, **opts}) or model
+        model = dequantize_model(model) or model
+    model.to(device)
+    return PeftModel.from_pretrained(model, str(adapter)), load_tokenizer(base)
+
+
+def merge_adapter(base: Path, adapter: Path, out: Path, dtype: torch.dtype = torch.float32, overwrite: bool = False,
+                  quantize: tuple[str | None, dict] = (None, {}), device: str = "cpu") -> Path:
+    """Bake the adapter into the base and save the result (with the tokenizer) as a transformers folder."""
+    if Path(out).exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; choose another --out or pass --overwrite")
+    model, tok = load_with_adapter(base, adapter, dtype, device, quantize)
+    merged = model.merge_and_unload()
+    merged.to("cpu")
+    with atomic_dir(out) as tmp:
+        merged.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+    return out

@@ -1,0 +1,98 @@
+"""Load a causal LM and its tokenizer from what the user named: the embedded tiny Llama or a local
+transformers folder. Always offline (local_files_only), safetensors only; errors say what is missing.
+With model.quantize the frozen base is quantized (sdxl_lora.quantize, bitsandbytes) after loading."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from ..config import Config, ModelConfig
+from .tiny import TINY_LLM, materialize_tiny_llm
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"no": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class LLMModelError(ValueError):
+    """The model folder is not usable; the message says why and what to give instead."""
+
+
+def resolve_llm_path(cfg: ModelConfig) -> Path:
+    if cfg.path == TINY_LLM:
+        return materialize_tiny_llm(cfg.cache_dir)
+    return Path(cfg.path).expanduser()
+
+
+def check_causal_lm_folder(path: Path):
+    """The folder's transformers config, if it is a causal LM folder with safetensors weights."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not path.exists():
+        raise LLMModelError(f"model.path={str(path)!r} does not exist; give a local transformers causal-LM "
+                            f"folder (config.json, *.safetensors, tokenizer files) or '{TINY_LLM}'")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise LLMModelError(f"{path} is not a transformers model folder (no config.json); give the folder that "
+                            "holds config.json, the *.safetensors weights and the tokenizer files")
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise LLMModelError(f"{path} holds a {config.model_type!r} model ({', '.join(config.architectures or [])}), "
+                            "not a causal LM; the llm task trains decoder-only text generators (Llama, Mistral, "
+                            "Qwen, Gemma, Phi...)")
+    if not any(path.glob("*.safetensors")):
+        raise LLMModelError(f"{path} has no *.safetensors weights; pickle weights (.bin) can run code when loaded "
+                            "and are refused: convert them to safetensors first")
+    return config
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise LLMModelError(f"{path}: no usable tokenizer files ({e})") from e
+    if tok.pad_token_id is None:
+        # Padding never carries loss or attention here, so any id will do; EOS is the usual choice.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def quantize_settings(cfg: Config) -> tuple[str | None, dict]:
+    """model.quantize and its options, as sdxl_lora.quantize.quantize_model takes them (None: no quantization)."""
+    method = getattr(cfg.model, "quantize", None)
+    if method in (None, "none", "no"):
+        return None, {}
+    compute = getattr(cfg.model, "quant_compute_dtype", None)
+    opts = {"double_quant": getattr(cfg.model, "quant_double", True)}
+    if compute not in (None, "auto"):
+        opts["compute_dtype"] = DTYPES.get(compute, compute)
+    return method, opts
+
+
+def load_llm(cfg: Config, device: torch.device, dtype: torch.dtype):
+    """(model, tokenizer, folder): the causal LM in `dtype` on `device`, frozen base quantized if asked."""
+    from transformers import AutoModelForCausalLM
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = resolve_llm_path(cfg.model)
+    check_causal_lm_folder(path)
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
+        attn_implementation=cfg.llm.attn_implementation)
+    model.config.use_cache = False
+    method, opts = quantize_settings(cfg)
+    if method:
+        from ..quantize import quantize_model
+
+        opts.setdefault("compute_dtype", dtype)
+        # The output head stays in full precision: it is small next to the body, and quantizing it hurts most.
+        model = quantize_model(model, method, device=device, skip=["lm_head"], **opts) or model
+        log.info("base quantized: %s (%s)", method, ", ".join(f"{k}={v}" for k, v in opts.items()))
+    model.to(device)
+    return model, tokenizer, path

@@ -1,0 +1,181 @@
+"""The causal-LM task for the training loop: LoRA (or QLoRA) on a transformers causal LM, trained on
+instruction/chat data with the loss on answers only.
+
+What a user gets from `LLMTask` (the loop, checkpoints, resume and NaN guard are the shared Trainer's):
+  - the model from a local transformers folder or the embedded tiny Llama, offline; with
+    model.quantize the frozen base is quantized (QLoRA), the lm_head kept in full precision;
+  - the same injector as SDXL: presets pick q/k/v/o (attn) or every projection (full, topology),
+    overrides and a rank budget work per layer; no resolution scaling (LMs have none);
+  - data rendered with the chat template, loss on assistant tokens only, packing of short examples
+    with no attention across them, truncation reported;
+  - a loss that never holds the full fp32 logits (loss.py), non-reentrant gradient checkpointing;
+  - a PEFT adapter folder in <run>/adapter, optionally a merged model in <run>/merged;
+  - greedy answers to fixed prompts before and after training, in <run>/samples and the log.
+Set-up order: model -> tokenizer and data -> plan -> adapter.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import inject
+from ..config import Config
+from ..runs import Run
+from . import data as llm_data
+from .export import merge_adapter, save_peft_adapter
+from .loss import response_loss, token_losses
+from .model import DTYPES, load_llm, quantize_settings
+from .preview import answer, write_answers
+
+log = logging.getLogger(__name__)
+
+
+class LLMTask:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def setup(self, accelerator, run: Run) -> None:
+        cfg = self.cfg
+        self.accelerator = accelerator
+        self.device = accelerator.device
+        self.dtype = DTYPES.get(accelerator.mixed_precision, torch.float32)
+        self.lm, self.tokenizer, self.model_path = load_llm(cfg, self.device, self.dtype)
+        self.quantized = quantize_settings(cfg)[0] is not None
+
+        self.template = llm_data.chat_template(cfg.llm, self.tokenizer)
+        examples, report = llm_data.read_examples(cfg.llm, self.tokenizer)
+        train, val = llm_data.split(examples, cfg.llm.validation_split)
+        self.train_rows = llm_data.RowDataset(train, cfg.llm.max_length, cfg.llm.packing)
+        report.rows = len(self.train_rows)
+        self.val_rows = llm_data.RowDataset(val, cfg.llm.max_length, packing=False) if val else None
+        # The fixed evaluation set: up to 8 training examples, one per row.
+        self.eval_rows = llm_data.RowDataset(train[:8], cfg.llm.max_length, packing=False)
+        log.info("dataset:\n%s", report.text())
+        run.event("dataset", examples=report.examples, train_examples=len(train), held_out=[e.source for e in val],
+                  rows=report.rows, tokens=report.tokens, label_tokens=report.label_tokens,
+                  truncated=report.truncated, truncated_tokens=report.truncated_tokens, dropped=report.dropped,
+                  packing=cfg.llm.packing, max_length=cfg.llm.max_length, files=report.files)
+
+        # LMs have no training resolution: the base rank is used as it is.
+        self.plan = inject.make_plan(self.lm, cfg.adapter)
+        budget = cfg.adapter.rank_budget or (
+            round(cfg.adapter.rank_budget_mb * 2**20 / 4) if cfg.adapter.rank_budget_mb else None)
+        if budget:
+            sensitivity = self._calibrate()
+            self.plan = inject.budget_plan(self.plan, sensitivity, budget, cfg.adapter.min_rank, cfg.adapter.max_rank)
+            run.event("budget", budget=budget, trainable_params=self.plan.trainable_params,
+                      sensitivity={k: round(v, 6) for k, v in sensitivity.items()})
+        inject.apply_plan(self.lm, self.plan, dropout=cfg.adapter.dropout)
+        if budget:
+            from peft.functional import set_adapter
+
+            # The probe's layers are reused; its deletion left them with no active adapter.
+            set_adapter(self.lm, "default", inference_mode=False)
+        if cfg.train.gradient_checkpointing:
+            # Non-reentrant: works with a frozen embedding (no input-grad hook) and with LoRA inside the blocks.
+            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        log.info("adapter plan:\n%s", inject.format_plan(self.plan))
+        run.event("plan", layers=len(self.plan.targets), trainable_params=self.plan.trainable_params,
+                  preset=cfg.adapter.preset, base_rank=self.plan.base_rank, groups=self.plan.groups())
+
+    def _calibrate(self) -> dict[str, float]:
+        """Sensitivity of each planned slot: its rank-4 probe adapter's gradient norm summed over the first
+        adapter.calibration_batches batches (as the SDXL task does). The RNG is forked."""
+        probe = inject.Plan(self.plan.targets, {s.name: 4 for s in self.plan.targets},
+                            {s.name: 4.0 for s in self.plan.targets})
+        inject.apply_plan(self.lm, probe, adapter_name="calibration")
+        modules = dict(self.lm.named_modules())
+        weights = [modules[s.name].lora_B["calibration"].weight for s in self.plan.targets]
+        norms = {s.name: 0.0 for s in self.plan.targets}
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            batches = iter(self.dataloader())
+            for _ in tqdm(range(self.cfg.adapter.calibration_batches), desc="calibrating ranks", unit="batch"):
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    batches = iter(self.dataloader())
+                    batch = next(batches)
+                grads = torch.autograd.grad(self.loss(self.lm, batch), weights)
+                for name, g in zip(norms, grads):
+                    norms[name] += g.float().norm().item()
+        from peft.functional import delete_adapter
+
+        delete_adapter(self.lm, "calibration", prefix="lora_")
+        self.lm.requires_grad_(False)
+        return norms
+
+    # ---- what the loop asks for ----
+    def model(self) -> torch.nn.Module:
+        return self.lm
+
+    def param_groups(self) -> list[dict]:
+        return [{"params": inject.trainable_parameters(self.lm)}]
+
+    def dataloader(self) -> torch.utils.data.DataLoader:
+        sampler = llm_data.RowBatchSampler(len(self.train_rows), self.cfg.train.batch_size, self.cfg.train.seed)
+        return torch.utils.data.DataLoader(
+            self.train_rows, batch_sampler=sampler, num_workers=0,
+            collate_fn=functools.partial(llm_data.collate, pad_id=self.tokenizer.pad_token_id))
+
+    def batch_size(self, batch) -> int:
+        return int(batch["input_ids"].shape[0])
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def loss(self, model, batch) -> torch.Tensor:
+        with self.accelerator.autocast():
+            return response_loss(model, self.lm, self._to_device(batch), self.cfg.llm.loss_chunk)
+
+    @torch.no_grad()
+    def _mean_loss(self, model, rows: llm_data.RowDataset) -> float:
+        """Token-mean loss over the rows' answers, one row at a time, in eval mode (no dropout)."""
+        was_training = model.training
+        model.eval()
+        total = count = 0.0
+        try:
+            for r in range(len(rows)):
+                batch = self._to_device(llm_data.collate([rows[r]], self.tokenizer.pad_token_id))
+                with self.accelerator.autocast():
+                    losses = token_losses(model, self.lm, batch, self.cfg.llm.loss_chunk)
+                total += float(losses.sum())
+                count += float((batch["labels"][:, 1:] != llm_data.IGNORE).sum())
+        finally:
+            model.train(was_training)
+        return total / max(count, 1.0)
+
+    def evaluate(self, model) -> float:
+        return self._mean_loss(model, self.eval_rows)
+
+    def validate(self, model) -> float | None:
+        return self._mean_loss(model, self.val_rows) if self.val_rows is not None else None
+
+    def save_adapter(self, model, run: Run, step: int) -> dict[str, Path]:
+        cfg = self.cfg
+        meta = {"sdxl_lora.task": "llm", "sdxl_lora.steps": str(step), "sdxl_lora.preset": cfg.adapter.preset,
+                "sdxl_lora.quantize": str(quantize_settings(cfg)[0] or "none")}
+        out = {"peft": save_peft_adapter(model, run.dir / "adapter", str(self.model_path), metadata=meta)}
+        if cfg.llm.merge:
+            if self.quantized:
+                log.warning("llm.merge: the adapter was trained on a quantized base; it is merged into the base "
+                            "quantized and dequantized again (what it saw), saved in %s",
+                            "fp32" if self.dtype == torch.float32 else str(self.dtype).removeprefix("torch."))
+            out["merged"] = merge_adapter(self.model_path, out["peft"], run.dir / "merged", dtype=self.dtype,
+                                          overwrite=True, quantize=quantize_settings(cfg),
+                                          device=str(self.device))
+        return out
+
+    def preview(self, model, run: Run, step: int) -> list[Path]:
+        prompts = self.cfg.llm.preview_prompts
+        if not prompts:
+            return []
+        with self.accelerator.autocast():
+            answers = answer(model, self.tokenizer, self.template, prompts, self.cfg.llm.max_new_tokens,
+                             self.cfg.llm.system_prompt)
+        for p, a in zip(prompts, answers):
+            log.info("step %d | %s -> %s", step, p, a)
+        return [write_answers(run.samples_dir, step, prompts, answers)]

@@ -1,0 +1,221 @@
+"""Peak accelerator memory of a UNet LoRA/QLoRA run, estimated before it starts: weights by storage dtype,
+adapter, gradients, optimizer state, activations (by resolution, batch and checkpointing) and a workspace.
+
+Weights, adapter, gradients and optimizer state are counted exactly from the model's modules (on the meta
+device too). Activations come from an analytic model of the UNet's config: every resnet and every
+transformer layer saves a number of tensors the size of its feature map for backward; the counts below
+are read off diffusers' blocks and then scaled by one factor fitted to measured peaks (SDXL base on an
+H200, bf16 autocast, SDPA, LoRA rank 16 on the attention projections, 1024x1024, AdamW; see
+docs/qlora.md for the table). With gradient checkpointing only each checkpointed unit's input stays,
+plus the activations of the one unit being recomputed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+GiB = 2**30
+
+# ---- the activation model ------------------------------------------------------------------------
+# Feature-map-sized tensors saved for backward, per element of a unit's output (a priori counts):
+#   resnet: norm1 in, silu, conv1 out, norm2, silu, conv2 in                                      ~6
+#   transformer layer (BasicTransformerBlock): 3 norms, q/k/v, self-attn out (+ logsumexp), to_out
+#   in, cross q and out, GEGLU's 8x projection, gelu and product (4x each), residuals              ~30
+#   Transformer2DModel around its layers: norm, proj_in, proj_out                                  ~4
+K_RESNET, K_LAYER, K_PROJ = 6.0, 30.0, 4.0
+# Fitted: bf16 batch 1 -> 4 adds 7.23 GiB an image (12.5 -> 34.2 GiB measured); the counts above give
+# SDXL 6.71 GiB an image, so the tensors autocast keeps besides (bf16 copies of matmul inputs) add ~8%.
+ACT_SCALE = 1.077
+# With checkpointing each unit keeps its input (and the skip connections) in the compute dtype: fitted to
+# full checkpointing at batch 4 (7.9 GiB measured, 0.66 GiB an image) once the recompute of the largest
+# unit (0.16 GiB an image) is counted.
+K_CKPT_INPUT = 1.61
+# cuBLAS/cuDNN workspaces and allocator slack: what the bf16 batch-1 peak has beyond weights, adapter,
+# gradients, optimizer state and activations (12.5 - 5.13 - 7.23 GiB).
+WORKSPACE = int(0.14 * GiB)
+# Quantized runs: bitsandbytes dequantizes each weight into a compute-dtype buffer for its matmuls
+# (forward and backward) and the allocator keeps those blocks: fitted to nf4 + checkpointing at batch 1
+# (2.99 GiB measured; 2.85 GiB without this term).
+QUANT_OVERHEAD = int(0.14 * GiB)
+
+# Optimizer state in bytes per trainable parameter.
+OPTIMIZER_BYTES = {"adamw": 8.0, "adamw8bit": 2.0, "paged_adamw8bit": 2.0, "paged_adamw": 8.0,
+                   "lion": 4.0, "prodigy": 16.0,
+                   # factored second moments: (rows + columns) per matrix, ~4/rank bytes for LoRA at rank 16
+                   "adafactor": 0.25}
+
+
+def quantized_bytes_per_weight(method: str, double_quant: bool, in_features: int) -> float:
+    """Storage of one weight of a quantized Linear, its scales included."""
+    if method in ("nf4", "fp4"):
+        # 4 bits, one scale per block of 64: fp32, or (double) 8-bit with an fp32 scale per 256 blocks.
+        return 0.5 + ((1 + 4 / 256) / 64 if double_quant else 4 / 64)
+    if method in ("int8", "fp8"):
+        return 1.0 + 4.0 / in_features  # one fp32 scale per output row
+    raise ValueError(f"model.quantize={method!r} is not a quantization method")
+
+
+@dataclass
+class MemoryEstimate:
+    weights: dict[str, int] = field(default_factory=dict)   # storage ("nf4", "bf16", ...) -> bytes
+    adapter: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    workspace: int = 0
+    quant_overhead: int = 0
+    # Context for the reader.
+    resolution: int = 0
+    batch_size: int = 0
+    checkpointing: bool = False
+    quantize: str = "none"
+    optimizer_name: str = "adamw"
+    compute_dtype: str = "bf16"
+
+    @property
+    def weights_total(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def total(self) -> int:
+        return (self.weights_total + self.adapter + self.gradients + self.optimizer + self.activations + self.workspace
+                + self.quant_overhead)
+
+    def as_dict(self) -> dict:
+        g = lambda b: round(b / GiB, 3)  # noqa: E731
+        return {"total_gib": g(self.total), "weights_gib": {k: g(v) for k, v in self.weights.items()},
+                "adapter_gib": g(self.adapter), "gradients_gib": g(self.gradients),
+                "optimizer_gib": g(self.optimizer), "activations_gib": g(self.activations),
+                "workspace_gib": g(self.workspace), "quant_overhead_gib": g(self.quant_overhead),
+                "resolution": self.resolution, "batch_size": self.batch_size,
+                "gradient_checkpointing": self.checkpointing, "quantize": self.quantize,
+                "optimizer": self.optimizer_name, "compute_dtype": self.compute_dtype}
+
+    def format(self) -> str:
+        w = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.weights.items())
+        return "\n".join([
+            f"memory estimate (UNet on the accelerator, {self.resolution}x{self.resolution}, batch {self.batch_size}, "
+            f"{'checkpointing' if self.checkpointing else 'no checkpointing'}, quantize {self.quantize}, "
+            f"{self.optimizer_name}, compute {self.compute_dtype}):",
+            f"  frozen weights {self.weights_total / GiB:7.2f} GiB  ({w})",
+            f"  adapter (fp32) {self.adapter / GiB:7.2f} GiB",
+            f"  gradients      {self.gradients / GiB:7.2f} GiB",
+            f"  optimizer      {self.optimizer / GiB:7.2f} GiB",
+            f"  activations    {self.activations / GiB:7.2f} GiB",
+            f"  workspace      {self.workspace / GiB:7.2f} GiB",
+            *([f"  dequant buffers{self.quant_overhead / GiB:7.2f} GiB"] if self.quant_overhead else []),
+            f"  peak           {self.total / GiB:7.2f} GiB",
+        ])
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def weight_bytes(unet: nn.Module, quantize: str, double_quant: bool, compute_dtype: torch.dtype,
+                 skip=None) -> dict[str, int]:
+    """The frozen model's bytes by storage: quantized Linear weights, everything else in the compute dtype."""
+    elt = torch.empty((), dtype=compute_dtype).element_size()
+    plain_name = _DTYPE_NAMES.get(compute_dtype, str(compute_dtype))
+    out = {quantize: 0} if quantize != "none" else {}
+    out[plain_name] = 0
+    quantized = set()
+    if quantize != "none":
+        for name, mod in unet.named_modules():
+            if isinstance(mod, nn.Linear) and "lora_" not in name and not (skip and skip(name)):
+                out[quantize] += round(mod.weight.numel() * quantized_bytes_per_weight(quantize, double_quant,
+                                                                                      mod.in_features))
+                quantized.add(id(mod.weight))
+    for name, p in unet.named_parameters():
+        if id(p) not in quantized and "lora_" not in name:
+            out[plain_name] += p.numel() * elt
+    return out
+
+
+def _units(config, latent: int) -> list[tuple[str, int, int]]:
+    """(kind, elements of its feature map per image, channels) for every resnet, transformer layer and
+    Transformer2DModel of a diffusers UNet2DConditionModel config, at a square latent of side `latent`."""
+    ch = list(config["block_out_channels"])
+    n = len(ch)
+    lpb = config["layers_per_block"]
+    lpb = [lpb] * n if isinstance(lpb, int) else list(lpb)
+    tl = config.get("transformer_layers_per_block", 1)
+    tl = [tl] * n if isinstance(tl, int) else list(tl)
+    units = []
+    for lvl, kind in enumerate(config["down_block_types"]):
+        p = (latent // 2**lvl) ** 2
+        for _ in range(lpb[lvl]):
+            units.append(("resnet", p * ch[lvl], ch[lvl]))
+            if "CrossAttn" in kind:
+                units.append(("proj", p * ch[lvl], ch[lvl]))
+                units += [("layer", p * ch[lvl], ch[lvl])] * tl[lvl]
+    deep = n - 1
+    pm = (latent // 2**deep) ** 2
+    units += [("resnet", pm * ch[deep], ch[deep])] * 2
+    if config.get("mid_block_type", "UNetMidBlock2DCrossAttn") is not None:
+        units.append(("proj", pm * ch[deep], ch[deep]))
+        units += [("layer", pm * ch[deep], ch[deep])] * tl[deep]
+    rtl = config.get("reverse_transformer_layers_per_block") or list(reversed(tl))
+    for i, kind in enumerate(config["up_block_types"]):
+        lvl = n - 1 - i
+        p = (latent // 2**lvl) ** 2
+        for _ in range(lpb[lvl] + 1):
+            # the input is the upsampled stream and a skip connection, concatenated: ~1.5x the channels
+            units.append(("resnet", int(1.5 * p * ch[lvl]), ch[lvl]))
+            if "CrossAttn" in kind:
+                units.append(("proj", p * ch[lvl], ch[lvl]))
+                units += [("layer", p * ch[lvl], ch[lvl])] * rtl[i]
+    return units
+
+
+_K = {"resnet": K_RESNET, "layer": K_LAYER, "proj": K_PROJ}
+
+
+def activation_bytes(config, resolution: int, batch_size: int, checkpointing: bool, compute_dtype: torch.dtype,
+                     latent_factor: int = 8) -> int:
+    """Activations saved for backward at the peak, for one batch of square images of side `resolution`."""
+    elt = torch.empty((), dtype=compute_dtype).element_size()
+    units = _units(config, max(1, resolution // latent_factor))
+    if not checkpointing:
+        per_image = ACT_SCALE * sum(_K[k] * e for k, e, _ in units)
+    else:
+        # Inputs of every checkpointed unit (resnets and transformer layers), then the one unit being
+        # recomputed in backward.
+        kept = K_CKPT_INPUT * sum(e for k, e, _ in units if k != "proj")
+        per_image = kept + ACT_SCALE * max(_K[k] * e for k, e, _ in units)
+    return int(per_image * batch_size * elt)
+
+
+def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_size: int, checkpointing: bool,
+             quantize: str = "none", double_quant: bool = True, compute_dtype: torch.dtype = torch.bfloat16,
+             optimizer: str = "adamw", latent_factor: int = 8, skip=None) -> MemoryEstimate:
+    """The estimate for a UNet (any device, meta included) and a planned adapter of `trainable_params`."""
+    if skip is None and quantize != "none":
+        from .quantize import unet_skip as skip
+    if optimizer not in OPTIMIZER_BYTES:
+        raise ValueError(f"train.optimizer={optimizer!r}: no memory model for it; known: {', '.join(OPTIMIZER_BYTES)}")
+    cuda_like = compute_dtype != torch.float32
+    return MemoryEstimate(
+        weights=weight_bytes(unet, quantize, double_quant, compute_dtype, skip),
+        adapter=trainable_params * 4, gradients=trainable_params * 4,
+        optimizer=int(trainable_params * OPTIMIZER_BYTES[optimizer]),
+        activations=activation_bytes(unet.config, resolution, batch_size, checkpointing, compute_dtype, latent_factor),
+        workspace=WORKSPACE if cuda_like else 0,
+        quant_overhead=QUANT_OVERHEAD if cuda_like and quantize != "none" else 0,
+        resolution=resolution, batch_size=batch_size, checkpointing=checkpointing, quantize=quantize,
+        optimizer_name=optimizer, compute_dtype=_DTYPE_NAMES.get(compute_dtype, str(compute_dtype)))
+
+
+def estimate_for_config(unet: nn.Module, cfg, trainable_params: int, resolution: int,
+                        mixed_precision: str | None = None, latent_factor: int = 8) -> MemoryEstimate:
+    """The estimate for a run of this config. `mixed_precision` is what the run resolved ("no", "bf16",
+    "fp16"); None reads train.mixed_precision, taking "auto" as bf16 (a GPU run)."""
+    mp = mixed_precision or ("bf16" if cfg.train.mixed_precision == "auto" else cfg.train.mixed_precision)
+    frozen = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp, torch.float32)
+    quant = cfg.model.quantize
+    return estimate(unet, trainable_params=trainable_params, resolution=resolution,
+                    batch_size=cfg.train.batch_size, checkpointing=cfg.train.gradient_checkpointing,
+                    quantize=quant, double_quant=cfg.model.quant_double,
+                    compute_dtype=frozen,  # of everything not quantized (the UNet is moved to it)
+                    optimizer=cfg.train.optimizer, latent_factor=latent_factor)

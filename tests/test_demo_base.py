@@ -1,0 +1,145 @@
+"""The demo base (docs/demo_base.md): the synthetic shapes, the concept detector, the pretraining stages
+on the project's Trainer, the preview hook, and the shipped base drawing its shapes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sdxl_lora.config import Config, ModelConfig, PreviewConfig, TrainConfig
+from sdxl_lora.runs import Run
+from sdxl_lora.sdxl import pretrain, shapes
+from sdxl_lora.train import Trainer
+
+
+def _specs(shape: str, n: int = 6) -> list[shapes.Spec]:
+    """n images of `shape`, colours, backgrounds, sizes and positions varied."""
+    colours, bgs = list(shapes.COLOURS), list(shapes.BACKGROUNDS)
+    return [shapes.Spec(shape, colours[i % len(colours)], bgs[i % len(bgs)], 0.42 + 0.03 * i, 0.58 - 0.03 * i,
+                        0.2 + 0.025 * i) for i in range(n)]
+
+
+@pytest.mark.parametrize("size", [64, 128])
+def test_detector_knows_the_generators_shapes_and_colours(size):
+    chance = 1 / len(shapes.SHAPES)
+    for shape in shapes.SHAPES:
+        specs = _specs(shape)
+        images = shapes.render(specs, size)
+        assert shapes.concept_score(images, shape) > 0.8, shape
+        assert shapes.concept_scores(images[:1], f"{specs[0].colour} {shape}")[0] > 0.7
+        for d, sp in zip(shapes.detect(images), specs):
+            assert d.shape[shape] > 0.7 and d.colour[sp.colour] > 0.8, (sp, d)
+            assert all(d.shape[o] < 0.1 for o in shapes.SHAPES if o != shape), (sp, d)
+            assert all(d.colour[c] < 0.1 for c in shapes.COLOURS if c != sp.colour), (sp, d)
+    # What is no shape scores low for every shape: noise (an untrained model's renders), a blank image.
+    noise = torch.rand(4, 3, size, size, generator=torch.Generator().manual_seed(0))
+    # Blotchy colour noise, like an untrained model's renders.
+    blotches = torch.nn.functional.interpolate(torch.rand(4, 3, size // 8, size // 8,
+                                                          generator=torch.Generator().manual_seed(1)),
+                                               size=(size, size), mode="bilinear")
+    blank = torch.full((1, 3, size, size), 0.5)
+    for shape in shapes.SHAPES:
+        assert shapes.concept_score(noise, shape) < chance / 2
+        assert shapes.concept_score(blotches, shape) < chance / 2
+        assert shapes.concept_score(blank, shape) < chance / 2
+    with pytest.raises(ValueError, match="the detector knows the shapes"):
+        shapes.concept_score(noise, "hexagon")
+
+
+def test_synthetic_set_is_deterministic_and_never_shows_the_new_concept():
+    a = [shapes.spec(0, i) for i in range(2000)]
+    assert a == [shapes.spec(0, i) for i in range(2000)]
+    assert {s.shape for s in a} == set(shapes.BASE_SHAPES)          # the base never sees a star
+    assert len({s.caption for s in a}) == len(shapes.all_captions())  # every caption occurs
+    assert shapes.spec(1, 0) != shapes.spec(0, 0)
+    assert torch.equal(shapes.render(a[:3], 32), shapes.render(a[:3], 32))
+    assert a[0].caption.startswith(("a ", "an ")) and a[0].caption.endswith(" background")
+
+
+def test_demo_concept_set_is_captioned_stars(tmp_path):
+    from sdxl_lora.config import DataConfig
+    from sdxl_lora.sdxl import data
+
+    paths = shapes.write_demo_concept(tmp_path / "images", n=4, size=64)
+    scanned = data.scan(DataConfig(dirs=[str(tmp_path / "images")], trigger_word=shapes.DEMO_TRIGGER), 64)
+    assert len(scanned.items) == 4 and not scanned.problems
+    assert all(it.caption.startswith(f"{shapes.DEMO_TRIGGER}, ") and " star on a " in it.caption
+               for it in scanned.items)
+    from PIL import Image
+    assert shapes.concept_score([Image.open(p) for p in paths], "star") > 0.8
+    prompts = shapes.write_demo_prompts(tmp_path / "prompts.txt").read_text().splitlines()
+    assert all(shapes.DEMO_TRIGGER in p and shapes.DEMO_CONCEPT in p for p in prompts)
+
+
+def test_preview_concept_hook_writes_the_score_event(tmp_path):
+    run = Run(tmp_path)
+    star = shapes.render(_specs("star", 1), 64)
+    circle = shapes.render(_specs("circle", 1), 64)
+    images = shapes.to_pil(torch.cat([star, circle, circle]))
+    out = shapes.report_concept(run, 7, "star", ["sks, a red star", "sks, a blue star", "a circle"], images)
+    # Only the prompts naming the concept count: one star drawn, one missed.
+    assert out["score"] == pytest.approx(0.5, abs=0.05)
+    (event,) = [e for e in run.events() if e["event"] == "concept"]
+    assert event["step"] == 7 and event["concept"] == "star"
+    assert set(event["prompts"]) == {"sks, a red star", "sks, a blue star"}
+    # Prompts that do not name it (a user's own prompts): nothing scored, no event.
+    assert shapes.report_concept(run, 8, "star", ["a circle"], images[:1]) is None
+    assert len([e for e in run.events() if e["event"] == "concept"]) == 1
+
+
+def _stage_config(**train) -> Config:
+    return Config(train=TrainConfig(device="cpu", log_every=1, save_every=0, save_every_minutes=0, **train),
+                  preview=PreviewConfig(prompts="", before=False, after=False))
+
+
+def test_pretraining_stages_train_every_parameter_and_learn(tmp_path):
+    """Both stages on the project's Trainer at a tiny size: finite losses, the fixed evaluation falls,
+    and the base saved in fp16 loads back as a diffusers SDXL folder with the measured latent scale."""
+    from sdxl_lora.sdxl.model import load_pipeline
+
+    torch.manual_seed(0)
+    demo = pretrain.DemoConfig(resolution=32, latent_bank=8, eval_images=4)
+    pipe = pretrain.build_pipeline(tmp_path / "build", seed=0)
+    results = {}
+    for name, task_cls, train in (("vae", pretrain.VAEStage, dict(steps=8, batch_size=4, lr=2e-3)),
+                                  ("unet", pretrain.UNetStage, dict(steps=8, batch_size=4, lr=1e-3))):
+        if name == "unet":
+            scale = pretrain.measure_latent_scale(pipe.vae, 0, 32, "cpu", n=16)
+            pipe.vae.register_to_config(scaling_factor=scale)
+        cfg = _stage_config(**train)
+        (tmp_path / name).mkdir()
+        trainer = Trainer(cfg, task_cls(cfg, demo, pipe), Run(tmp_path / name))
+        trainer.setup()
+        trainable = [p for p in trainer.model.parameters() if p.requires_grad]
+        assert len(trainable) == len(list(trainer.model.parameters()))  # full training, not an adapter
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        result = trainer.fit()
+        results[name] = result
+        assert result.interrupted is None and result.steps == train["steps"]
+        assert all(math.isfinite(x) for x in result.losses)
+        assert result.eval_after < result.eval_before, name
+        changed = sum(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+        assert changed > 0.9 * len(before), name
+        assert all(p.is_file() for p in result.adapter.values())
+    out = pretrain.save_base(pipe, tmp_path / "tiny-sdxl-demo")
+    assert pretrain.weights_size(out) <= 30e6
+    loaded = load_pipeline(ModelConfig(path=str(out)))
+    assert loaded.vae.config.scaling_factor == pytest.approx(scale)
+    assert loaded.unet.dtype == torch.float32  # fp16 on disk, fp32 when loaded for training
+
+
+def test_shipped_demo_base_draws_its_shapes():
+    """The shipped base renders each training shape recognisably (the detector's P(shape) well above chance)."""
+    folder = pretrain.SHIPPED
+    if not (folder / "model_index.json").is_file():
+        pytest.fail(f"the demo base weights are absent: {folder} has no model_index.json. Make them with "
+                    "`python scripts/pretrain_demo.py --out OUT` on a GPU (docs/demo_base.md) and copy "
+                    f"OUT/tiny-sdxl-demo to {folder}")
+    from sdxl_lora.sdxl.model import load_pipeline
+
+    assert pretrain.weights_size(folder) <= 30e6
+    pipe = load_pipeline(ModelConfig(path=str(folder)))
+    scores, _ = pretrain.render_and_score(pipe, per_shape=3, size=128, steps=20, guidance=5.0, device="cpu")
+    for shape, s in scores.items():
+        assert s["shape"] > 2 * pretrain.chance(), (shape, scores)

@@ -1,0 +1,191 @@
+"""The causal-LM path: the tiny Llama trains (loss falls, answers change), its PEFT adapter loads in peft
+and gives the trained model's logits, the loss is on answers only, packing keeps examples apart, and
+truncation is reported."""
+import json
+
+import pytest
+import torch
+
+from sdxl_lora.cli import main
+from sdxl_lora.config import ModelConfig, load_config
+from sdxl_lora.llm import data as llm_data
+from sdxl_lora.llm.loss import example_losses, token_losses
+from sdxl_lora.llm.tiny import materialize_tiny_llm
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return materialize_tiny_llm(ModelConfig().cache_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llm):
+    from sdxl_lora.llm.model import load_tokenizer
+
+    return load_tokenizer(tiny_llm)
+
+
+def _base(tiny_llm, attn="sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llm), local_files_only=True, attn_implementation=attn).eval()
+
+
+IDS = torch.tensor([[3, 89, 482, 203, 339, 305, 283, 275, 358, 450, 35, 4, 203]])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A short training run of the tiny LLM, and the trained model's logits on IDS."""
+    from sdxl_lora.llm.task import LLMTask
+    from sdxl_lora.runs import create_run
+    from sdxl_lora.train import Trainer
+
+    out = tmp_path_factory.mktemp("runs")
+    cfg = load_config(extra={"task": "llm", "output.runs_dir": str(out), "output.name": "tiny", "train.steps": 40,
+                             "train.lr": 3e-3, "train.log_every": 10, "llm.merge": True, "llm.max_length": 40,
+                             "llm.max_new_tokens": 12})
+    run = create_run(cfg)
+    trainer = Trainer(cfg, LLMTask(cfg), run)
+    trainer.setup()
+    trainer.fit()
+    model = trainer.task.lm.eval()
+    with torch.no_grad():
+        logits = model(input_ids=IDS).logits
+    return run.dir, logits
+
+
+def test_tiny_llm_trains_and_reports(trained):
+    run_dir, _ = trained
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    evals = [e["loss"] for e in events if e["event"] == "eval"]
+    assert len(evals) == 2 and evals[1] < evals[0] - 0.3, evals
+    steps = [e["loss"] for e in events if e["event"] == "step"]
+    assert steps[-1] < steps[0]
+    # Previews before and after: greedy answers to the fixed prompts.
+    before = json.loads((run_dir / "samples" / "answers-step000000.json").read_text())
+    after = json.loads((run_dir / "samples" / "answers-step000040.json").read_text())
+    assert [a["prompt"] for a in before] == load_config(extra={"task": "llm"}).llm.preview_prompts
+    assert [a["answer"] for a in before] != [a["answer"] for a in after]
+    # The longest examples do not fit 40 tokens: the run says how many were cut and by how much.
+    ds = next(e for e in events if e["event"] == "dataset")
+    assert ds["truncated"] > 0 and ds["truncated_tokens"] > 0
+    cfg = load_config(run_dir / "config.toml")
+    assert cfg.task == "llm" and cfg.model.path == "tiny-llm"
+
+
+def test_adapter_loads_in_peft_with_the_same_logits(trained, tiny_llm, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_dir, want = trained
+    adapter = run_dir / "adapter"
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+    peft_model = PeftModel.from_pretrained(_base(tiny_llm), str(adapter)).eval()
+    with torch.no_grad():
+        got = peft_model(input_ids=IDS).logits
+        plain = _base(tiny_llm)(input_ids=IDS).logits
+    assert not torch.allclose(plain, want, atol=1e-3)  # the adapter changed the model
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # The merged model (llm.merge=true) is a plain transformers folder with the same logits.
+    merged = AutoModelForCausalLM.from_pretrained(str(run_dir / "merged"), local_files_only=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=IDS).logits, want, atol=1e-4, rtol=1e-4)
+    # `llm merge` and `llm generate` from the command line, on the run folder.
+    assert main(["llm", "merge", "--adapter", str(run_dir), "--out", str(tmp_path / "m"), "--dtype", "fp32"]) == 0
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), local_files_only=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=IDS).logits, want, atol=1e-4, rtol=1e-4)
+    capsys.readouterr()
+    prompt = load_config(extra={"task": "llm"}).llm.preview_prompts[0]
+    assert main(["llm", "generate", "--adapter", str(run_dir), "--max-new-tokens", "12", prompt]) == 0
+    after = json.loads((run_dir / "samples" / "answers-step000040.json").read_text())[0]["answer"]
+    assert capsys.readouterr().out.strip() == after
+
+
+def test_loss_is_on_answers_only(tokenizer):
+    template = llm_data.chat_template(load_config(extra={"task": "llm"}).llm, tokenizer)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Spell cat backwards."},
+            {"role": "assistant", "content": "tac"}, {"role": "user", "content": "And dog?"},
+            {"role": "assistant", "content": "god"}]
+    ids, labels = llm_data.encode(tokenizer, template, msgs, "test")
+    learned = tokenizer.decode([t for t, lab in zip(ids, labels) if lab != llm_data.IGNORE])
+    assert learned == "tac<|im_end|>\ngod<|im_end|>\n"
+    prompt = tokenizer.decode([t for t, lab in zip(ids, labels) if lab == llm_data.IGNORE])
+    assert "Spell cat backwards." in prompt and "And dog?" in prompt and "tac" not in prompt
+
+    # And the loss itself: positions predicting prompt tokens contribute exactly nothing.
+    model = _base(materialize_tiny_llm(ModelConfig().cache_dir))
+    ex = llm_data.Example("t", ids, labels)
+    batch = llm_data.collate([llm_data.RowDataset([ex], 512, False)[0]], tokenizer.pad_token_id)
+    with torch.no_grad():
+        losses = token_losses(model, model, batch)
+    labelled = batch["labels"][:, 1:] != llm_data.IGNORE
+    assert (losses[~labelled] == 0).all() and (losses[labelled] > 0).all()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_rows_keep_examples_apart(tiny_llm, tokenizer, attn):
+    cfg = load_config(extra={"task": "llm"}).llm
+    examples, _ = llm_data.read_examples(cfg, tokenizer)
+    examples = examples[:12]
+    model = _base(tiny_llm, attn)
+    packed = llm_data.RowDataset(examples, 256, packing=True)
+    single = llm_data.RowDataset(examples, 256, packing=False)
+    assert len(packed) < len(single)
+
+    def per_example(rows, batch_rows):
+        out = {}
+        for start in range(0, len(rows), batch_rows):
+            batch = llm_data.collate([rows[r] for r in range(start, min(len(rows), start + batch_rows))],
+                                     tokenizer.pad_token_id)
+            with torch.no_grad():
+                out.update(example_losses(token_losses(model, model, batch, chunk=64), batch))
+        return out
+
+    a, b = per_example(packed, 2), per_example(single, 3)
+    assert sorted(a) == sorted(b) == list(range(len(examples)))
+    for i in a:
+        assert a[i] == pytest.approx(b[i], abs=1e-4), (i, a[i], b[i])
+    # Without the position ids the rows would be one long sequence: examples would see each other.
+    row = packed[0]
+    batch = llm_data.collate([row], tokenizer.pad_token_id)
+    leaky = dict(batch, position_ids=torch.arange(len(row["input_ids"]))[None])
+    with torch.no_grad():
+        leaked = example_losses(token_losses(model, model, leaky), leaky)
+    later = [i for i in leaked if i != int(row["example"][0])]
+    assert any(abs(leaked[i] - b[i]) > 1e-3 for i in later)
+
+
+def test_truncation_is_reported(tokenizer, tmp_path):
+    long = {"instruction": "Say ok many times.", "output": "ok " * 40}
+    short = {"instruction": "Say hi.", "output": "hi"}
+    prompt_only = {"instruction": "x " * 80, "output": "never seen"}
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in (long, short, prompt_only)))
+    cfg = load_config(extra={"task": "llm", "llm.data": [str(f)], "llm.max_length": 48}).llm
+    full_lengths = [len(llm_data.encode(tokenizer, llm_data.chat_template(cfg, tokenizer),
+                                        llm_data.to_messages(r, "auto", "t", None), "t")[0])
+                    for r in (long, short, prompt_only)]
+    examples, report = llm_data.read_examples(cfg, tokenizer)
+    assert report.truncated == 2
+    assert report.truncated_tokens == sum(n - 48 for n in full_lengths if n > 48)
+    assert report.dropped == ["d.jsonl:3"] and len(examples) == 2
+    assert all(len(e.input_ids) <= 48 for e in examples)
+    text = report.text()
+    assert "truncated: 2 example(s)" in text and "dropped: 1 example(s)" in text
+
+
+def test_bad_model_folder_is_refused(tmp_path, capsys):
+    folder = tmp_path / "vit"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
+    rc = main(["llm", "train", "--model", str(folder), "--out", str(tmp_path / "runs"), "--steps", "1"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "not a causal LM" in err and "vit" in err
+    rc = main(["llm", "train", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "runs"), "--name", "b",
+               "--steps", "1"])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err

@@ -1,0 +1,126 @@
+"""Many processes through `accelerate launch` (docs/multigpu.md), proven with two CPU processes over gloo:
+the same launcher, config file and code path as N GPUs over NCCL.
+
+- Two processes with batch b train the adapter one process trains with batch 2b and the same seed: the
+  global batch holds the same images at every step, and each sample's noise and timestep are keyed by
+  (seed, epoch, sample), not drawn from a per-process RNG stream.
+- The two processes build the latent cache together (half each) and the main process alone writes
+  the events and the adapter.
+- A two-process run killed mid-step resumes on one process and ends with that same adapter.
+"""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sdxl_lora import checkpoint
+from sdxl_lora.runs import read_events
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 4
+# 16 sample images at resolution 64 in steps of 16 fall in three buckets of 8, 4 and 4 images: every
+# global batch of 4 is full, so one process with batch 4 and two with batch 2 see the same batches.
+COMMON = ["--steps", str(STEPS), "--seed", "7", "--set", "data.resolution=64", "--set", "data.bucket_step=16",
+          "--set", "preview.prompts=''", "--set", "train.log_every=1", "--set", "train.save_every=2",
+          "--set", "train.save_every_minutes=0"]
+# One thread per process: two processes on two cores, and the same thread count in every run.
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+ENV.pop("SDXL_LORA_TEST_KILL", None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(out: Path, *args: str, processes: int = 1, kill: str | None = None, check: bool = True):
+    """`pipelines/train.py` as a user launches it: plain python for one process, `accelerate launch`
+    with the N-GPU config file for several (on this GPU-less machine: CPU processes over gloo)."""
+    env = dict(ENV, **({"SDXL_LORA_TEST_KILL": kill} if kill else {}))
+    launcher = [sys.executable]
+    if processes > 1:
+        launcher = [sys.executable, "-m", "accelerate.commands.launch",
+                    "--config_file", str(REPO / "pipelines/accelerate/multi-gpu.yaml"),
+                    "--num_processes", str(processes), "--main_process_port", str(free_port())]
+    proc = subprocess.run([*launcher, str(REPO / "pipelines/train.py"), "--out", str(out), *args],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / f"{run_dir.name}.safetensors")
+
+
+def assert_same_training(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """The tolerance: DDP averages two half-batch gradients where one process averages the whole batch,
+    and the UNet runs batches of 2 instead of 4, so sums are taken in another order (~1e-7 relative).
+    Adam divides each update by its gradient's running RMS, which magnifies that for entries whose
+    gradient is near zero, so a single entry may move by ~1e-4 of the weights' scale; each tensor as a
+    whole agrees to better than 1e-2 relative (measured ~1e-3 at worst), all of them to better than 1e-3.
+    Training with another seed or batch changes them by ~100%."""
+    assert a.keys() == b.keys()
+    for k in a:
+        rel = ((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-12)).item()
+        assert rel < 1e-2, (k, rel)
+    up = [k for k in a if "lora_up" in k]
+    da, db = torch.cat([a[k].flatten() for k in up]), torch.cat([b[k].flatten() for k in up])
+    assert da.norm() > 0  # the up weights start at zero: all of their value is training
+    assert ((da - db).norm() / da.norm()).item() < 1e-3
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two processes with batch 2 (building the cache), then one process with batch 4 (reusing it)."""
+    out = tmp_path_factory.mktemp("mp")
+    cache = ["--set", f"data.cache_dir='{out / 'cache'}'"]
+    train(out, "--name", "two", "--batch-size", "2", *COMMON, *cache, processes=2)
+    train(out, "--name", "one", "--batch-size", "4", *COMMON, *cache)
+    return out, cache
+
+
+def test_two_processes_with_batch_b_train_what_one_process_trains_with_batch_2b(runs):
+    out, _ = runs
+    two, one = read_events(out / "two" / "events.jsonl"), read_events(out / "one" / "events.jsonl")
+    # The cache was built half by each process, and the one-process run found it complete and valid.
+    cache_two = next(e for e in two if e["event"] == "cache")
+    assert cache_two["latents_by_process"] == [8, 8] and cache_two["latents_total"] == 16
+    assert next(e for e in one if e["event"] == "cache")["latents_computed"] == 0
+    # The main process alone writes events: each happens once, each step once.
+    kinds = [e["event"] for e in two]
+    for kind in ("dataset", "cache", "plan", "start", "adapter", "done"):
+        assert kinds.count(kind) == 1, kind
+    loss_two = {e["step"]: e["loss"] for e in two if e["event"] == "step"}
+    loss_one = {e["step"]: e["loss"] for e in one if e["event"] == "step"}
+    assert list(loss_two) == list(range(1, STEPS + 1))
+    for step in loss_one:  # the same images and draws at every step: the same loss
+        assert loss_two[step] == pytest.approx(loss_one[step], rel=1e-5)
+    assert_same_training(adapter(out / "two"), adapter(out / "one"))
+    # The run's adapter and its diffusers twin, written once, by the main process.
+    assert sorted(p.name for p in (out / "two").glob("*.safetensors")) == ["two.diffusers.safetensors",
+                                                                            "two.safetensors"]
+
+
+def test_a_two_process_run_killed_mid_step_resumes_on_one_process(runs, tmp_path):
+    out, cache = runs
+    run = tmp_path / "k"
+    # SIGKILL in the middle of step 3 (after the backward, before the optimizer step), in both processes.
+    p = train(tmp_path, "--name", "k", "--batch-size", "2", *COMMON, *cache, processes=2, kill="step:3",
+              check=False)
+    assert p.returncode != 0
+    assert checkpoint.newest_valid(run / "checkpoints").name == "step-00000002"
+    assert not (run / "k.safetensors").exists()
+    # One process takes the same global batch (4 = 2 processes x 2) and continues exactly.
+    p = train(tmp_path, "--resume", str(run), "--set", "train.batch_size=4")
+    events = read_events(run / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "resume"] == [2]
+    assert events[-1]["event"] == "done" and events[-1]["step"] == STEPS
+    assert_same_training(adapter(run), adapter(out / "one"))

@@ -1,0 +1,266 @@
+"""QLoRA: the frozen UNet quantized (nf4/fp4/int8 through bitsandbytes, fp8 in torch), LoRA on top, the
+memory estimate, export and merge of an adapter trained on a quantized base. CPU only."""
+import copy
+import importlib.util
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from sdxl_lora import inject, memory
+from sdxl_lora.cli import main
+from sdxl_lora.config import AdapterConfig, ModelConfig
+from sdxl_lora.quantize import (METHODS, QuantizationError, dequantize_model, is_quantized, quantize_model,
+                                unet_skip)
+from sdxl_lora.runs import read_events
+
+GiB = 2**30
+# The nf4 run's final eval loss may be this much (relative) above the unquantized run's, same seed and steps.
+NF4_LOSS_MARGIN = 0.03
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train(out: Path, name: str, quantize: str) -> Path:
+    # Small and quick: 64 px, a high lr and every attention/ff linear, so 16 steps move the eval loss.
+    assert main(["train", "--out", str(out), "--name", name, "--steps", "16", "--resolution", "64", "--seed", "3",
+                 "--set", f"model.quantize={quantize}", "--set", "train.lr=2e-2", "--set", "adapter.preset=full",
+                 "--set", "preview.prompts=''"]) == 0
+    return out / name
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qlora_runs")
+    return {q: _train(out, q, q) for q in ("none", "nf4")}
+
+
+def _evals(run: Path) -> list[float]:
+    return [e["loss"] for e in read_events(run / "events.jsonl") if e["event"] == "eval"]
+
+
+def test_nf4_run_trains_and_lands_near_the_unquantized_run(runs):
+    events = read_events(runs["nf4"] / "events.jsonl")
+    quant = next(e for e in events if e["event"] == "quantize")
+    assert quant["method"] == "nf4" and quant["layers"] > 100
+    assert quant["kept"] == ["time_embedding.linear_1", "time_embedding.linear_2",
+                             "add_embedding.linear_1", "add_embedding.linear_2"]
+    assert quant["bytes_after"] < quant["bytes_before"] / 6  # fp32 as loaded -> ~0.52 bytes a weight
+    est = next(e for e in events if e["event"] == "memory_estimate")
+    assert est["quantize"] == "nf4" and est["total_gib"] > 0
+    before, after = _evals(runs["nf4"])
+    assert after < 0.95 * before, f"nf4 eval loss went {before:.4f} -> {after:.4f}"
+    ref_before, ref_after = _evals(runs["none"])
+    assert abs(before - ref_before) < 0.01 * ref_before  # the quantized base starts where the real one does
+    assert after < ref_after * (1 + NF4_LOSS_MARGIN), f"nf4 {after:.4f} vs unquantized {ref_after:.4f}"
+
+
+def test_adapter_trained_on_nf4_says_so_and_loads_onto_the_unquantized_base(runs, tiny_dir):
+    from diffusers import StableDiffusionXLPipeline
+
+    main_file = runs["nf4"] / "nf4.safetensors"
+    with safe_open(str(main_file), "pt") as f:
+        assert f.metadata()["sdxl_lora.quantize"] == "nf4"
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_dir), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+
+    def image():
+        return pipe("a red circle", num_inference_steps=2, height=64, width=64, output_type="pt",
+                    generator=torch.Generator().manual_seed(1)).images
+
+    plain = image()
+    pipe.load_lora_weights(str(main_file))
+    assert not is_quantized(pipe.unet)
+    assert (image() - plain).abs().max() > 1e-3
+
+
+def test_merge_warns_that_the_adapter_saw_quantized_weights(runs, tmp_path, caplog):
+    from sdxl_lora.merge import merge_checkpoint
+
+    lora = runs["nf4"] / "nf4.safetensors"
+    with caplog.at_level(logging.WARNING, logger="sdxl_lora.merge"):
+        merge_checkpoint("tiny-sdxl", [(lora, 1.0)], tmp_path / "plain")
+    assert "learned against the quantized weights" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sdxl_lora.merge"):
+        assert main(["merge", "--model", "tiny-sdxl", "--lora", str(lora), "--out", str(tmp_path / "as_trained"),
+                     "--as-trained"]) == 0
+    assert "dequantized" in caplog.text
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "plain" / "unet" / "diffusion_pytorch_model.safetensors"))
+    b = load_file(str(tmp_path / "as_trained" / "unet" / "diffusion_pytorch_model.safetensors"))
+    name = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.weight"
+    assert not torch.equal(a[name], b[name])  # quantization error in one, not the other
+    conv = "conv_in.weight"
+    assert torch.equal(a[conv], b[conv])  # convolutions are never quantized
+
+
+# ---- the library ----------------------------------------------------------------------------------
+
+def _tiny_unet(tiny_dir):
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel.from_pretrained(str(tiny_dir / "unet"), local_files_only=True)
+
+
+def _unet_inputs(unet, batch=2, side=8):
+    c = unet.config
+    g = torch.Generator().manual_seed(0)
+    pooled = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
+    return dict(sample=torch.randn(batch, c.in_channels, side, side, generator=g),
+                timestep=torch.tensor([10, 500][:batch]),
+                encoder_hidden_states=torch.randn(batch, 4, c.cross_attention_dim, generator=g),
+                added_cond_kwargs={"text_embeds": torch.randn(batch, pooled, generator=g),
+                                   "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]] * batch)})
+
+
+def _frozen_state(unet) -> dict[str, torch.Tensor]:
+    return {k.replace(".base_layer", ""): v.detach().clone() for k, v in unet.state_dict().items()
+            if "lora_" not in k}
+
+
+@pytest.mark.parametrize("method", ["nf4", "none"])
+def test_frozen_base_is_bit_identical_after_training(tiny_dir, method):
+    unet = _tiny_unet(tiny_dir)
+    plan = inject.make_plan(unet, AdapterConfig(preset="full", rank=4))
+    if method != "none":
+        quantize_model(unet, method, compute_dtype=torch.float32, skip=unet_skip)
+    before = _frozen_state(unet)
+    if method != "none":
+        assert any(k.endswith("weight.absmax") for k in before)  # the quantization state is compared too
+    inject.apply_plan(unet, plan)
+    params = inject.trainable_parameters(unet)
+    start = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    inputs = _unet_inputs(unet)
+    for _ in range(3):
+        unet(**inputs).sample.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    after = _frozen_state(unet)
+    assert before.keys() == after.keys()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not changed, f"frozen tensors changed in training: {changed[:5]}"
+    assert any(not torch.equal(a, p) for a, p in zip(start, params))  # the adapter did train
+
+
+@pytest.mark.parametrize("method", ["nf4", "fp4", "int8", "fp8"])
+def test_each_method_quantizes_trains_lora_and_dequantizes(method):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32), nn.GELU(), nn.Linear(32, 16))
+    x = torch.randn(8, 64)
+    ref = model(x).detach()
+    report = quantize_model(model, method, compute_dtype=torch.float32, skip=lambda n: n == "4")
+    assert report.layers == 2 and report.skipped == ["4"] and report.params == 64 * 128 + 128 * 32
+    assert report.bytes_after < report.bytes_before / (5 if method in ("nf4", "fp4") else 3)
+    assert method in str(report) and is_quantized(model)
+    assert type(model[4]) is nn.Linear
+    # in/out features still read right (the injector classifies slots from them)
+    assert [(s.in_features, s.out_features) for s in inject.slots(model)] == [(64, 128), (128, 32), (32, 16)]
+    err = (model(x) - ref).norm() / ref.norm()
+    assert err < (0.2 if method in ("nf4", "fp4") else 0.05)
+    # LoRA through peft on the quantized layers: gradients reach the adapter
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model.requires_grad_(False)
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["0", "2"], init_lora_weights="gaussian"), model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.01)
+    model(x).pow(2).mean().backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_A" in n]
+    assert len(grads) == 2 and all(g is not None and g.abs().sum() > 0 for g in grads)
+    before = model(x).detach()
+    dequantize_model(model)
+    assert not is_quantized(model)
+    assert torch.allclose(model(x), before, atol=1e-4)  # the same function, in plain Linears
+
+
+def test_quantized_layers_keep_their_bits_through_dtype_moves():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    quantize_model(model, "fp8", compute_dtype=torch.bfloat16)
+    bits = model[0].weight.detach().clone()
+    model.to(torch.bfloat16)  # what the trainer does with the rest of the UNet
+    assert torch.equal(model[0].weight, bits)
+    assert model(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_clear_errors(monkeypatch):
+    with pytest.raises(QuantizationError, match="must be one of"):
+        quantize_model(nn.Linear(4, 4), "nf3")
+    with pytest.raises(QuantizationError, match="meta device"):
+        quantize_model(nn.Linear(4, 4, device="meta"), "fp8")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    for method in ("nf4", "int8"):
+        with pytest.raises(QuantizationError, match=r"bitsandbytes.*qlora extra"):
+            quantize_model(nn.Linear(4, 4), method)
+    quantize_model(nn.Sequential(nn.Linear(4, 4)), "fp8")  # torch only: no bitsandbytes needed
+    from sdxl_lora.config import load_config
+    from sdxl_lora.optim import build_optimizer
+
+    with pytest.raises(ImportError, match="qlora"):
+        build_optimizer(load_config(overrides=["train.optimizer=paged_adamw8bit"]), [{"params": [nn.Parameter(torch.ones(2))]}])
+    assert set(METHODS) == {"none", "nf4", "fp4", "int8", "fp8"}
+
+
+# ---- the memory estimate ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sdxl_meta():
+    from sdxl_lora.sdxl.model import unet_skeleton
+
+    unet, native = unet_skeleton(ModelConfig(path="arch:sdxl"))
+    plan = inject.make_plan(unet, AdapterConfig(preset="attn", rank=16), resolution=1024, native=1024)
+    return unet, plan.trainable_params
+
+
+@pytest.mark.parametrize("quantize,batch,ckpt,measured", [
+    ("none", 1, False, 12.5), ("none", 4, False, 34.2), ("none", 4, True, 7.9), ("nf4", 1, True, 2.99)])
+def test_estimate_matches_the_measured_sdxl_peaks(sdxl_meta, quantize, batch, ckpt, measured):
+    unet, trainable = sdxl_meta
+    est = memory.estimate(unet, trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=ckpt,
+                          quantize=quantize)
+    assert est.total / GiB == pytest.approx(measured, rel=0.05)
+
+
+def test_estimate_structure(sdxl_meta):
+    unet, trainable = sdxl_meta
+    kw = dict(trainable_params=trainable, resolution=1024, batch_size=2)
+    bf16 = memory.estimate(unet, checkpointing=False, **kw)
+    ckpt = memory.estimate(unet, checkpointing=True, **kw)
+    nf4 = memory.estimate(unet, checkpointing=True, quantize="nf4", **kw)
+    for e in (bf16, ckpt, nf4):
+        assert e.total == (sum(e.weights.values()) + e.adapter + e.gradients + e.optimizer + e.activations
+                           + e.workspace + e.quant_overhead)
+    assert ckpt.activations < bf16.activations / 5 and ckpt.weights == bf16.weights
+    # nf4 shrinks the quantized Linears ~3.9x against bf16; the convolutions stay bf16
+    linear_bf16 = sum(m.weight.numel() * 2 for n, m in unet.named_modules()
+                      if isinstance(m, nn.Linear) and not unet_skip(n))
+    assert 3.7 < linear_bf16 / nf4.weights["nf4"] < 4.0
+    assert nf4.weights["bf16"] == bf16.weights["bf16"] - linear_bf16
+    assert memory.estimate(unet, checkpointing=False, optimizer="adamw8bit", **kw).optimizer == bf16.optimizer // 4
+    big = memory.estimate(unet, checkpointing=False, **{**kw, "resolution": 2048})
+    assert big.activations == pytest.approx(4 * bf16.activations, rel=0.02)
+
+
+def test_plan_shows_the_estimate_on_the_meta_device(capsys):
+    assert main(["plan", "--model", "arch:sdxl", "--set", "model.quantize=nf4", "--set", "data.resolution=1024"]) == 0
+    out = capsys.readouterr().out
+    assert "memory estimate" in out and "quantize nf4" in out and "nf4 1.07" in out
+    assert main(["plan", "--model", "arch:sdxl", "--json", "--set", "train.gradient_checkpointing=true"]) == 0
+    import json
+
+    data = json.loads(capsys.readouterr().out)
+    assert data["memory"]["gradient_checkpointing"] is True and data["memory"]["total_gib"] > 5

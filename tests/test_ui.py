@@ -1,0 +1,306 @@
+"""The Gradio UI, driven as a person would: headless Chromium (Debian's /usr/bin/chromium) through Playwright.
+
+One end-to-end session: scan and caption a dataset, start a tiny run from the form, crash the UI while it
+trains (the run goes on), restart the UI and find the run again, stop and resume it, watch it finish with
+previews, generate with the new adapter beside the base, export it and download the file. Screenshots of
+each tab go to test-artifacts/ui/. A second test checks the server binds 127.0.0.1 and serves nothing
+outside its folders.
+"""
+from __future__ import annotations
+
+import http.cookiejar
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+from safetensors import safe_open
+
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / "test-artifacts" / "ui"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+WAIT = 150_000  # ms: a generous ceiling for work on two busy cores, never a speed assertion
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class UI:
+    """`python -m ui` in its own process, as a user starts it."""
+
+    def __init__(self, folders: dict[str, Path], log: Path, *extra: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        self.log = log
+        self._out = open(log, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ui", "--port", str(self.port), "--datasets", str(folders["datasets"]),
+             "--models", str(folders["models"]), "--runs", str(folders["runs"]), *extra],
+            cwd=folders["root"], env=env, stdout=self._out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + WAIT / 1000
+        while "sdxl-lora UI:" not in log.read_text(errors="replace"):
+            assert self.proc.poll() is None, f"the UI exited:\n{log.read_text(errors='replace')[-3000:]}"
+            assert time.monotonic() < deadline, f"the UI did not start:\n{log.read_text(errors='replace')[-3000:]}"
+            time.sleep(0.2)
+
+    def kill(self, sig=signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._out.close()
+
+
+@pytest.fixture
+def folders(tmp_path, tiny_dir):
+    """A datasets folder with a copy of four sample images (captions are edited), a models folder holding
+    the tiny SDXL (linked, so it is not built again), an empty runs folder."""
+    root = tmp_path
+    ds = root / "datasets" / "shapes"
+    ds.mkdir(parents=True)
+    for img in sorted((REPO / "sample_data" / "images").glob("*.png"))[:4]:
+        shutil.copy(img, ds / img.name)
+        shutil.copy(img.with_suffix(".txt"), ds / img.with_suffix(".txt").name)
+    models = root / "models"
+    models.mkdir()
+    (models / tiny_dir.name).symlink_to(tiny_dir, target_is_directory=True)
+    runs = root / "runs"
+    return {"root": root, "datasets": root / "datasets", "models": models, "runs": runs}
+
+
+def _fill(page, elem_id: str, value) -> None:
+    box = page.locator(f"#{elem_id} input, #{elem_id} textarea").first
+    box.fill(str(value))
+    box.blur()
+
+
+def _pick(page, elem_id: str, option: str) -> None:
+    page.locator(f"#{elem_id} input").first.click()
+    page.get_by_role("option", name=option, exact=True).click()
+
+
+def _shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def _state(page):
+    return page.locator("#run-progress")
+
+
+def test_train_generate_export_in_the_browser(folders, tmp_path):
+    log = tmp_path / "ui.log"
+    ui = UI(folders, log)
+    hosts: set[str] = set()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+            page.on("request", lambda r: hosts.add(urllib.parse.urlsplit(r.url).netloc or r.url.split(":")[0]))
+            page.goto(ui.url)
+
+            # ---- Dataset: the images with their captions; edit one; the report; a folder outside is refused
+            page.locator("#ds-scan").click()
+            expect(page.locator("#ds-status")).to_contain_text("4 usable images", timeout=WAIT)
+            expect(page.locator("#ds-gallery img")).to_have_count(4)
+            expect(page.locator("#ds-report textarea")).to_have_value(
+                __import__("re").compile(r"captions: 4 of 4 images have one[\s\S]*problems: none"))
+            page.locator("#ds-gallery img").first.click()
+            first = sorted((folders["datasets"] / "shapes").glob("*.png"))[0]
+            expect(page.locator("#ds-caption textarea")).to_have_value(first.with_suffix(".txt").read_text().strip())
+            _fill(page, "ds-caption", "sks  red circle,\nwhite background")
+            page.locator("#ds-save").click()
+            expect(page.locator("#ds-saved")).to_contain_text(f"saved {first.with_suffix('.txt').name}")
+            assert first.with_suffix(".txt").read_text(encoding="utf-8") == "sks red circle, white background\n"
+            _shot(page, "1-dataset")
+            _fill(page, "ds-folder", "/etc")
+            page.locator("#ds-scan").click()
+            expect(page.locator("#ds-status")).to_contain_text("is outside the datasets folder")
+
+            # ---- Train: the form, the plan, Start
+            page.get_by_role("tab", name="Train").click()
+            _fill(page, "f-train-steps", 40)
+            _fill(page, "f-data-resolution", 64)
+            _fill(page, "f-train-batch-size", 1)
+            _fill(page, "f-output-name", "ui-run")
+            page.locator("#acc-preview").get_by_text("preview (advanced)").click()
+            _fill(page, "f-preview-steps", 2)
+            page.locator("#acc-train").get_by_text("train (advanced)").click()
+            _fill(page, "f-train-log-every", 1)
+            page.locator("#train-plan").click()
+            expect(page.locator("#train-plan-summary")).to_contain_text("trainable parameters", timeout=WAIT)
+            expect(page.locator("#train-plan-table")).to_contain_text("attn2")
+            page.locator("#train-start").click()
+            expect(page.locator("#train-start-msg")).to_contain_text("ui-run started", timeout=WAIT)
+            run = folders["runs"] / "ui-run"
+
+            # ---- The UI dies; the run goes on; a new UI finds it from its folder
+            ui.kill(signal.SIGKILL)
+            ui = UI(folders, log)
+            page.goto(ui.url)
+            page.get_by_role("tab", name="Train").click()
+            expect(page.locator("#runs-table")).to_contain_text("ui-run", timeout=WAIT)
+            expect(_state(page)).to_have_attribute("data-state", "training", timeout=WAIT)
+
+            # ---- Stop (SIGINT: the state is saved), then Resume to the end
+            page.locator("#run-stop").click()
+            expect(page.locator("#run-action-msg")).to_contain_text("stop requested")
+            expect(_state(page)).to_have_attribute("data-state", "stopped", timeout=WAIT)
+            assert (run / "train.exit").read_text().strip() == "130"
+            page.locator("#run-resume").click()
+            expect(page.locator("#run-action-msg")).to_contain_text("ui-run: resuming")
+            expect(_state(page)).to_have_attribute("data-state", "finished", timeout=WAIT)
+            expect(page.locator("#run-progress-text")).to_contain_text("step 40/40")
+            expect(page.locator("#run-previews img")).to_have_count(2, timeout=WAIT)  # before and after
+            assert (run / "train.exit").read_text().strip() == "0"
+            kinds = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
+            assert "interrupted" in kinds and "resume" in kinds and kinds[-1] == "done"
+            page.locator("#acc-train").get_by_text("train (advanced)").click()  # closed again for the picture
+            _shot(page, "2-train")
+
+            # ---- Generate: the base and the base with the new adapter, same seed, side by side
+            page.reload()
+            page.get_by_role("tab", name="Generate").click()
+            _pick(page, "gen-adapter-0", "runs/ui-run/ui-run.safetensors")
+            _fill(page, "gen-steps", 4)
+            _fill(page, "gen-size", 64)
+            page.locator("#gen-go").click()
+            expect(page.locator("#gen-msg")).to_contain_text("adapters: ui-run.safetensors x 1", timeout=WAIT)
+            base = page.request.get(page.locator("#gen-base img").get_attribute("src")).body()
+            tuned = page.request.get(page.locator("#gen-tuned img").get_attribute("src")).body()
+            assert base[:4] == tuned[:4] == b"\x89PNG" and base != tuned
+            _shot(page, "3-generate")
+
+            # ---- Export: kohya with metadata, downloaded
+            page.get_by_role("tab", name="Export").click()
+            _pick(page, "exp-source", "runs/ui-run")
+            _fill(page, "exp-title", "shapes-v1")
+            _fill(page, "exp-author", "tester")
+            page.locator("#exp-go").click()
+            expect(page.locator("#exp-msg")).to_contain_text("kohya adapter written", timeout=WAIT)
+            with page.expect_download() as dl:
+                page.locator("#exp-file a").first.click()
+            got = tmp_path / dl.value.suggested_filename
+            dl.value.save_as(got)
+            assert got.name == "shapes-v1.safetensors"
+            with safe_open(str(got), "pt") as fh:
+                meta = fh.metadata()
+                assert any(k.startswith("lora_unet_") for k in fh.keys())
+            assert meta["modelspec.title"] == "shapes-v1" and meta["modelspec.author"] == "tester"
+            assert (run / "exports" / "shapes-v1.safetensors").is_file()
+            _shot(page, "4-export")
+        finally:
+            browser.close()
+            ui.kill()
+    # Everything the page loaded came from the UI itself: no CDN, fonts or analytics.
+    assert {h for h in hosts if h not in ("data", "blob")} <= {f"127.0.0.1:{p}" for p in _ports(log)}
+
+
+def _ports(log: Path) -> set[int]:
+    return {int(line.rsplit(":", 1)[1].strip("/ \n")) for line in log.read_text().splitlines()
+            if line.startswith("sdxl-lora UI: ")}
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* write them) of sockets listening on `port`."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                out.append(local.rsplit(":", 1)[0])
+    return out
+
+
+def test_binds_loopback_and_serves_only_its_folders(folders, tmp_path):
+    ui = UI(folders, tmp_path / "ui.log", "--auth", "alice:secret")
+    try:
+        assert _listening(ui.port) == ["0100007F"]  # 127.0.0.1 only, no IPv6 or wildcard socket
+        assert "gradio.live" not in (tmp_path / "ui.log").read_text()
+        image = sorted((folders["datasets"] / "shapes").glob("*.png"))[0]
+
+        def get(opener, path):
+            try:
+                with opener.open(ui.url + "gradio_api/file=" + urllib.parse.quote(str(path))) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        anonymous = urllib.request.build_opener()
+        assert get(anonymous, image) in (401, 403)  # the password is asked first
+        jar = http.cookiejar.CookieJar()
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+        opener.open(ui.url + "login", data=urllib.parse.urlencode({"username": "alice", "password": "secret"}).encode())
+        assert get(opener, image) == 200                      # inside --datasets
+        assert get(opener, REPO / "pyproject.toml") == 403    # the folder it was started from is not served
+        assert get(opener, "/etc/passwd") == 403
+        assert get(opener, folders["datasets"] / ".." / "ui.log") == 403
+    finally:
+        ui.kill()
+
+
+def test_remote_file_urls_are_refused_without_a_request():
+    """Gradio would fetch `/file=http...` for the page; the app answers 403 before anything is fetched."""
+    import asyncio
+
+    from ui.app import _NoRemoteFiles
+
+    called, sent = [], []
+
+    async def inner(scope, receive, send):
+        called.append(scope["path"])
+
+    async def send(msg):
+        sent.append(msg)
+
+    mw = _NoRemoteFiles(inner)
+    asyncio.run(mw({"type": "http", "path": "/gradio_api/file=https://example.org/x.png"}, None, send))
+    asyncio.run(mw({"type": "http", "path": "/gradio_api/file=/data/x.png"}, None, send))
+    assert sent[0]["status"] == 403 and called == ["/gradio_api/file=/data/x.png"]
+
+
+def test_queue_starts_runs_one_after_another(tmp_path):
+    """Two queued runs: the second starts only when the first process has ended."""
+    from sdxl_lora.config import load_config
+    from ui.folders import Folders
+    from ui.jobs import Jobs
+
+    (tmp_path / "datasets").mkdir()
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    fake = tmp_path / "python"
+    # Stands in for the interpreter: lives a moment as a "ui.worker" process, trains nothing.
+    fake.write_text("#!/bin/sh\nsleep 1\n")
+    fake.chmod(0o755)
+    jobs = Jobs(f, python=str(fake))
+    for name in ("first", "second"):
+        jobs.enqueue_train(load_config(None, None, {"output.name": name, "output.runs_dir": str(f.runs)}))
+    assert [q["name"] for q in jobs.queued()] == ["first", "second"]
+    assert jobs.tick() == "first"
+    assert jobs.tick() is None and jobs.busy() == "first"
+    assert [q["name"] for q in jobs.queued()] == ["second"]
+    deadline = time.monotonic() + 30
+    while jobs.busy():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert jobs.tick() == "second"
+    assert jobs.queued() == []

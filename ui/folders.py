@@ -1,0 +1,86 @@
+"""The three folders the UI may touch (datasets, models, runs) and the one check every path goes through.
+
+The page sends paths typed or picked by a person; each is resolved against its folder and refused when
+it lands outside. The check is lexical (``..`` and absolute paths elsewhere are refused), so a symlink a
+user put inside one of the folders is followed, as they meant.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sdxl_lora.images import IMAGE_EXTENSIONS
+
+
+class PathRefused(ValueError):
+    """A path outside the folders the UI was given; the message names both."""
+
+
+@dataclass(frozen=True)
+class Folders:
+    datasets: Path
+    models: Path
+    runs: Path
+
+    @classmethod
+    def create(cls, datasets: str | Path, models: str | Path, runs: str | Path) -> "Folders":
+        f = cls(*(Path(os.path.abspath(os.path.expanduser(str(p)))) for p in (datasets, models, runs)))
+        if not f.datasets.is_dir():
+            raise FileNotFoundError(f"--datasets {f.datasets}: no such folder; give the folder that holds "
+                                    "your datasets (one subfolder each)")
+        f.models.mkdir(parents=True, exist_ok=True)
+        f.runs.mkdir(parents=True, exist_ok=True)
+        return f
+
+    @property
+    def ui(self) -> Path:
+        """The UI's own bookkeeping (queue, launch configs, console logs, gradio's cache), inside runs/."""
+        return self.runs / ".ui"
+
+    def inside(self, path: str | Path, kind: str) -> Path:
+        """`path` (absolute, or relative to the folder of `kind`) as an absolute path inside that folder."""
+        root: Path = getattr(self, kind)
+        raw = str(path).strip()
+        if not raw:
+            raise PathRefused(f"no path given; pick one under the {kind} folder {root}")
+        p = Path(os.path.expanduser(raw))
+        full = Path(os.path.abspath(p if p.is_absolute() else root / p))
+        if full != root and root not in full.parents:
+            raise PathRefused(f"{raw} is outside the {kind} folder {root}; this UI only reads and writes "
+                              f"under the folders it was started with (--{kind})")
+        return full
+
+
+def image_folders(root: Path, limit: int = 500) -> list[str]:
+    """Folders under `root` (itself included) that hold images, relative to root ('.' for root itself)."""
+    out = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        if any(os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS for f in files):
+            rel = os.path.relpath(folder, root)
+            out.append(rel)
+            if len(out) >= limit:
+                break
+    return sorted(out)
+
+
+def model_choices(models: Path) -> list[str]:
+    """What the model field offers: the embedded tiny SDXL, diffusers SDXL folders and single .safetensors
+    checkpoints under the models folder (relative paths). The tiny model's own materialised copy is
+    shown as 'tiny-sdxl'."""
+    from sdxl_lora.sdxl.tiny import TINY_NAME
+
+    out = [TINY_NAME]
+    for folder, dirs, files in os.walk(models):
+        here = Path(folder)
+        if (here / "model_index.json").is_file():
+            dirs[:] = []
+            if not here.name.startswith(f"{TINY_NAME}-v") and here != models:
+                out.append(os.path.relpath(here, models))
+            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "loras")
+        for f in sorted(files):
+            if f.endswith(".safetensors"):
+                out.append(os.path.relpath(here / f, models))
+    return out

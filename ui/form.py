@@ -1,0 +1,160 @@
+"""The Train form, generated from the config schema (sdxl_lora/config.py): one widget per field, the
+schema's defaults, and its comments as help text. Nothing here restates a default or an allowed value.
+
+Literal -> dropdown, bool -> checkbox, int/float -> number, anything else -> text (TOML literal for
+lists and tables). The main fields are shown; every section's others sit in an accordion. Fields that
+name files or folders are not free text: the page picks them inside the UI's folders (see PATH_FIELDS).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from sdxl_lora.config import Config, ConfigError, _parse_value, load_config
+
+# Shown at the top of the form, in this order (those the schema has).
+MAIN_FIELDS = ("model.path", "data.dirs", "data.resolution", "data.trigger_word", "adapter.preset", "adapter.rank",
+               "train.steps", "train.batch_size", "train.lr", "train.optimizer", "train.device", "preview.every",
+               "output.name")
+# Paths: set by the UI from its folders (or picked from them), never typed as free text.
+#   model.path / data.dirs: picked from the models / datasets folder; model.cache_dir: the models folder;
+#   preview.prompts: the prompts box, written to a file under runs/.ui; data.cache_dir, output.runs_dir:
+#   the runs folder; output.overwrite: never from the page (it would delete a run).
+PATH_FIELDS = {"model.path", "data.dirs", "model.cache_dir", "model.tokenizer", "preview.prompts", "data.cache_dir",
+               "output.runs_dir", "output.overwrite"}
+
+
+@dataclass
+class FieldSpec:
+    key: str               # "section.name"
+    annotation: Any
+    default: Any
+    help: str
+
+    @property
+    def label(self) -> str:
+        return self.key.split(".", 1)[1] if "." in self.key else self.key
+
+    @property
+    def base(self) -> Any:
+        """The annotation without `| None`."""
+        args = typing.get_args(self.annotation)
+        if typing.get_origin(self.annotation) in (typing.Union, types.UnionType) and type(None) in args:
+            rest = [a for a in args if a is not type(None)]
+            return rest[0] if len(rest) == 1 else self.annotation
+        return self.annotation
+
+    @property
+    def optional(self) -> bool:
+        return type(None) in typing.get_args(self.annotation)
+
+    @property
+    def kind(self) -> str:
+        b = self.base
+        if typing.get_origin(b) is Literal:
+            return "choice"
+        if b is bool:
+            return "bool"
+        if b is int:
+            return "int"
+        if b is float:
+            return "float"
+        if b is str:
+            return "str"
+        return "toml"
+
+
+def _comments(cls: type) -> dict[str, str]:
+    # The schema documents its fields in comments above each one (not in Field(description=...)), so the
+    # help text is read from the class source; no source (a frozen build) just means no help text.
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    out, pending = {}, []
+    for line in lines:
+        s = line.strip()
+        if s.startswith("#"):
+            pending.append(s.lstrip("#").strip())
+            continue
+        m = re.match(r"^([a-z_][a-z0-9_]*)\s*:", s)
+        if m and pending:
+            out[m.group(1)] = " ".join(pending)
+        pending = []
+    return out
+
+
+def schema_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[FieldSpec]:
+    """Every leaf field of the schema, sections walked in order."""
+    out = []
+    defaults = model()
+    helps = _comments(model)
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        key = f"{prefix}{name}"
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.extend(schema_fields(ann, f"{key}."))
+        else:
+            out.append(FieldSpec(key, ann, getattr(defaults, name), helps.get(name, "")))
+    return out
+
+
+def _toml_literal(value: Any) -> str:
+    """A value as a one-line TOML literal (what `--set` takes): inline tables, arrays, strings, numbers."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)  # strings and numbers: JSON's forms are valid TOML
+
+
+def to_widget_value(spec: FieldSpec, value: Any) -> Any:
+    if spec.kind == "toml":
+        return "" if value is None else _toml_literal(value)
+    if spec.kind == "str" and value is None:
+        return ""
+    return value
+
+
+def from_widget_value(spec: FieldSpec, value: Any) -> Any:
+    """The page's value for a field as the schema takes it; empty means None where the schema allows it."""
+    if value is None or (isinstance(value, str) and not value.strip() and spec.kind != "str"):
+        if spec.optional:
+            return None
+        raise ConfigError(f"{spec.key}: needs a value (default {to_widget_value(spec, spec.default)!r})")
+    if spec.kind == "str" and spec.optional and not str(value).strip():
+        return None
+    if spec.kind in ("int", "float"):
+        try:
+            f = float(value)
+        except ValueError:
+            raise ConfigError(f"{spec.key} = {value!r}: must be a number") from None
+        if spec.kind == "float":
+            return f
+        if not f.is_integer():
+            raise ConfigError(f"{spec.key} = {value}: must be a whole number")
+        return int(f)
+    if spec.kind == "toml":
+        return _parse_value(str(value).strip())
+    return value
+
+
+def build_config(specs: list[FieldSpec], values: list[Any], fixed: dict[str, Any]) -> Config:
+    """A validated Config from the form's values plus the fields the UI sets itself (`fixed`, dotted keys).
+    Raises ConfigError naming the field."""
+    extra: dict[str, Any] = {}
+    for spec, value in zip(specs, values):
+        v = from_widget_value(spec, value)
+        if v is not None:
+            extra[spec.key] = v
+    extra.update(fixed)
+    return load_config(None, None, extra)

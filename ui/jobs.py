@@ -1,0 +1,302 @@
+"""Runs as the UI sees them: a queue of runs that start one after another, each training in its own
+detached process (ui/worker.py), and every run's state read back from its folder.
+
+Nothing here holds a run's state in memory: a reloaded page or a restarted server finds running,
+stopped and finished runs again from runs/*/ (events.jsonl, train.pid, train.exit). The UI's own files
+live in runs/.ui/:
+
+  queue/NNNNNN-NAME.json   a run waiting its turn: {"name", "args"} (the CLI arguments)
+  configs/NAME.toml        the config a new run was started with (the run folder gets its own copy)
+  prompts/NAME.txt         the preview prompts typed in the form
+  logs/NAME.log            the run process's console output (tracebacks land here)
+  launched/NAME.pid        the process the queue started, until it ends (so the queue waits for it)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sdxl_lora.config import Config
+from sdxl_lora.fsutil import atomic_write_text
+from sdxl_lora.runs import default_run_name, read_events
+
+from .folders import Folders
+from .worker import EXIT_FILE, PID_FILE
+
+log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` is a live (not zombie) run process of ours: a reused pid of another program is not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+        return b"ui.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc (not Linux): trust kill(0)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class RunStatus:
+    name: str
+    dir: Path
+    state: str            # queued, starting, training, finished, stopped, failed, died, unknown
+    step: int = 0
+    total: int = 0
+    loss: float = math.nan
+    eta_s: float | None = None
+    images_per_s: float | None = None
+    pid: int | None = None
+    message: str = ""
+    started: float = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ("starting", "training")
+
+    @property
+    def resumable(self) -> bool:
+        ckpts = self.dir / "checkpoints"
+        return (not self.alive and self.state != "finished" and ckpts.is_dir()
+                and any(p.name.startswith("step-") for p in ckpts.iterdir()))
+
+
+def run_status(run_dir: Path, events: list[dict] | None = None) -> RunStatus:
+    """A run's state from its folder alone."""
+    events = read_events(run_dir / "events.jsonl") if events is None else events
+    st = RunStatus(name=run_dir.name, dir=run_dir, state="unknown")
+    cfg = run_dir / "config.toml"
+    st.started = cfg.stat().st_mtime if cfg.exists() else 0.0
+    kinds = [e.get("event") for e in events]
+    for e in events:
+        if e.get("event") == "step":
+            st.step, st.total = e.get("step", 0), e.get("total_steps", 0)
+            st.loss, st.eta_s, st.images_per_s = e.get("loss", math.nan), e.get("eta_s"), e.get("images_per_s")
+        elif e.get("event") in ("start", "resume", "done", "interrupted"):
+            st.step = e.get("step", st.step)
+            st.total = e.get("total_steps", st.total)
+    pid = _read_int(run_dir / PID_FILE)
+    exit_code = _read_int(run_dir / EXIT_FILE)
+    st.pid = pid
+    last = next((k for k in reversed(kinds) if k in ("done", "interrupted", "start", "resume")), None)
+    if pid is not None and exit_code is None and pid_alive(pid):
+        st.state = "training" if "start" in kinds else "starting"
+        return st
+    if last == "done" and exit_code in (None, 0):
+        st.state = "finished"
+    elif last == "interrupted" or exit_code == 130:
+        st.state = "stopped"
+        msg = next((e.get("message") for e in reversed(events) if e.get("event") == "interrupted"), None)
+        st.message = msg or "stopped; resume continues from the last saved state"
+    elif exit_code is not None:
+        st.state, st.message = "failed", f"the run process ended with exit code {exit_code}; see its log"
+    elif pid is not None:
+        st.state, st.message = "died", "the run process is gone without a word (killed?); see its log"
+    return st
+
+
+class Jobs:
+    """The queue and the run processes. All state is on disk; `tick()` starts the next queued run when
+    none is running. A daemon thread calls it every second, so queued runs go on while no page is open."""
+
+    def __init__(self, folders: Folders, python: str = sys.executable):
+        self.f = folders
+        self.python = python
+        self._lock = threading.RLock()
+        self._children: dict[str, subprocess.Popen] = {}
+        for sub in ("queue", "configs", "prompts", "logs", "launched"):
+            (self.f.ui / sub).mkdir(parents=True, exist_ok=True)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ---- the background queue runner
+    def start_background(self, every: float = 1.0) -> None:
+        def loop():
+            while not self._stop.wait(every):
+                try:
+                    self.tick()
+                except Exception:  # keep the queue alive; the error is in the server log
+                    log.exception("queue tick failed")
+        self._thread = threading.Thread(target=loop, name="sdxl-lora-queue", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+
+    # ---- names and listing
+    def run_dir(self, name: str) -> Path:
+        return self.f.inside(name, "runs")
+
+    def queued(self) -> list[dict]:
+        out = []
+        for p in sorted((self.f.ui / "queue").glob("*.json")):
+            try:
+                out.append({**json.loads(p.read_text(encoding="utf-8")), "file": p})
+            except (OSError, json.JSONDecodeError) as e:
+                log.warning("queue entry %s is unreadable (%s); it is skipped", p, e)
+        return out
+
+    def runs(self) -> list[RunStatus]:
+        """Every run folder (newest first), then the queued runs."""
+        out = []
+        for d in self.f.runs.iterdir():
+            if d.is_dir() and not d.name.startswith(".") and (d / "config.toml").is_file():
+                out.append(run_status(d))
+        out.sort(key=lambda s: s.started, reverse=True)
+        for q in self.queued():
+            if not any(s.name == q["name"] for s in out):
+                out.append(RunStatus(name=q["name"], dir=self.f.runs / q["name"], state="queued"))
+        starting = [n for n in self._launched() if not (self.f.runs / n / "config.toml").is_file()]
+        for n in starting:
+            if not any(s.name == n for s in out):
+                out.insert(0, RunStatus(name=n, dir=self.f.runs / n, state="starting"))
+        return out
+
+    def unique_name(self, wanted: str | None) -> str:
+        taken = {q["name"] for q in self.queued()}
+        name = (wanted or "").strip() or default_run_name()
+        base, n = name, 1
+        while name in taken or (self.f.runs / name).exists():
+            if wanted and wanted.strip():
+                raise FileExistsError(f"a run named {name!r} already exists or is queued; choose another name")
+            n += 1
+            name = f"{base}-{n}"
+        self.f.inside(name, "runs")  # a name like '../x' would leave the runs folder
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"run name {name!r}: use letters, digits, '-' and '_' (no '/' or leading '.')")
+        return name
+
+    # ---- queue
+    def enqueue_train(self, cfg: Config) -> str:
+        """Queue a new run of `cfg` (its output.name decides the folder; runs_dir is the runs folder)."""
+        with self._lock:
+            name = cfg.output.name
+            path = self.f.ui / "configs" / f"{name}.toml"
+            atomic_write_text(path, cfg.to_toml())
+            self._enqueue(name, ["train", str(path)])
+            return name
+
+    def enqueue_resume(self, name: str) -> None:
+        with self._lock:
+            st = run_status(self.run_dir(name))
+            if not st.resumable:
+                raise ValueError(f"run {name!r} is {st.state}; only a stopped or died run with a saved state "
+                                 "can be resumed")
+            if any(q["name"] == name for q in self.queued()):
+                raise ValueError(f"run {name!r} is already queued")
+            self._enqueue(name, ["train", "--resume", str(self.run_dir(name))])
+
+    def _enqueue(self, name: str, args: list[str]) -> None:
+        seq = max([int(p.name.split("-", 1)[0]) for p in (self.f.ui / "queue").glob("*.json")] + [0]) + 1
+        atomic_write_text(self.f.ui / "queue" / f"{seq:06d}-{name}.json",
+                          json.dumps({"name": name, "args": args, "queued": time.time()}))
+
+    def dequeue(self, name: str) -> bool:
+        with self._lock:
+            for q in self.queued():
+                if q["name"] == name:
+                    q["file"].unlink(missing_ok=True)
+                    return True
+            return False
+
+    # ---- processes
+    def _launched(self) -> dict[str, int]:
+        out = {}
+        for p in (self.f.ui / "launched").glob("*.pid"):
+            pid = _read_int(p)
+            if pid is not None:
+                out[p.stem] = pid
+        return out
+
+    def _reap(self) -> None:
+        for name, proc in list(self._children.items()):
+            if proc.poll() is not None:
+                del self._children[name]
+        for name, pid in self._launched().items():
+            if name not in self._children and not pid_alive(pid):
+                (self.f.ui / "launched" / f"{name}.pid").unlink(missing_ok=True)
+
+    def busy(self) -> str | None:
+        """The name of the run the queue is waiting for, if any."""
+        self._reap()
+        for name, pid in self._launched().items():
+            if pid_alive(pid):
+                return name
+        return None
+
+    def tick(self) -> str | None:
+        """Start the next queued run if nothing is running; returns its name."""
+        with self._lock:
+            if self.busy():
+                return None
+            queue = self.queued()
+            if not queue:
+                return None
+            entry = queue[0]
+            entry["file"].unlink(missing_ok=True)
+            self._launch(entry["name"], entry["args"])
+            return entry["name"]
+
+    def _launch(self, name: str, args: list[str]) -> None:
+        run_dir = self.run_dir(name)
+        log_path = self.f.ui / "logs" / f"{name}.log"
+        cmd = [self.python, "-m", "ui.worker", str(run_dir), "--", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # The worker imports `ui` from the repository the server runs from, whatever the folder it was started in.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        with open(log_path, "ab") as out:
+            out.write(f"\n$ {' '.join(cmd)}\n".encode())
+            out.flush()
+            # A session of its own: the run survives the UI's end (Ctrl-C in the UI's terminal, a crash).
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    cwd=str(self.f.runs), env=env, start_new_session=True)
+        self._children[name] = proc
+        atomic_write_text(self.f.ui / "launched" / f"{name}.pid", f"{proc.pid}\n")
+        log.info("started run %s (pid %d): %s", name, proc.pid, " ".join(args))
+
+    def stop(self, name: str) -> str:
+        """Ask a running run to stop: SIGINT, as Ctrl-C in a terminal (the state is saved first)."""
+        with self._lock:
+            st = run_status(self.run_dir(name))
+            pid = st.pid if st.alive else self._launched().get(name)
+            if pid is None or not pid_alive(pid):
+                if self.dequeue(name):
+                    return f"{name} removed from the queue"
+                raise ValueError(f"run {name!r} is {st.state}, not running; nothing to stop")
+            os.kill(pid, signal.SIGINT)
+            return f"{name}: stop requested; the current step finishes and the state is saved"
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        parts = []
+        for path in (self.f.ui / "logs" / f"{name}.log", self.run_dir(name) / "train.log"):
+            if path.is_file():
+                with open(path, "rb") as fh:
+                    fh.seek(max(0, path.stat().st_size - 20000))
+                    text = fh.read().decode("utf-8", "replace").replace("\r", "\n")
+                kept = [ln for ln in text.splitlines() if ln.strip()][-lines:]
+                parts.append(f"== {path.name} ==\n" + "\n".join(kept))
+        return "\n\n".join(parts)

@@ -1,0 +1,98 @@
+"""Dataset tab: pick a folder, see its images with their captions, edit a caption (written to the image's
+sidecar file atomically), and the report of `sdxl-lora dataset inspect`: problems and bucket histogram."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gradio as gr
+
+from sdxl_lora.config import DataConfig, ConfigError, load_config
+from sdxl_lora.fsutil import atomic_write_text
+
+from .folders import Folders, PathRefused, image_folders
+
+GALLERY_LIMIT = 500  # a browser shows a few hundred thumbnails well; the report still counts them all
+
+
+def _scan(f: Folders, folder: str, ext: str, resolution, progress):
+    import pandas as pd
+
+    from sdxl_lora.sdxl.data import DataError, scan
+
+    try:
+        root = f.inside(folder or ".", "datasets")
+        data = load_config(None, None, {"data.dirs": [str(root)], "data.caption_extension": ext.strip()}).data
+        res = int(resolution or 1024)
+        ds = scan(data, res, on_progress=lambda done, total: progress((done, total), desc="checking images"))
+    except (PathRefused, ConfigError, DataError, ValueError) as e:
+        return [], [], f"**Error:** {e}", "", None
+    items = [[str(it.path), it.caption if it.has_caption else ""] for it in ds.items[:GALLERY_LIMIT]]
+    shown = "" if len(ds.items) <= GALLERY_LIMIT else f" (showing the first {GALLERY_LIMIT})"
+    status = (f"{len(ds.items)} usable images in `{os.path.relpath(root, f.datasets)}`{shown}; "
+              f"{len(ds.problems)} problem(s). Click an image to edit its caption.")
+    hist = pd.DataFrame([{"bucket": f"{w}x{h}", "images": n} for (w, h), n in ds.bucket_histogram().items()])
+    return items, _gallery(items), status, ds.report(), hist
+
+
+def _gallery(items: list[list[str]]) -> list[tuple[str, str]]:
+    return [(path, caption or "(no caption)") for path, caption in items]
+
+
+def _select(items, evt: gr.SelectData):
+    path, caption = items[evt.index]
+    return evt.index, path, caption
+
+
+def _save(f: Folders, items, index, text: str, ext: str):
+    if index is None or index >= len(items):
+        return items, gr.skip(), "**Error:** click an image first"
+    path = f.inside(items[index][0], "datasets")
+    ext = ext.strip()
+    try:
+        DataConfig(caption_extension=ext)
+    except ValueError as e:
+        return items, gr.skip(), f"**Error:** caption extension {ext!r}: {e}"
+    sidecar = Path(os.path.splitext(path)[0] + ext)
+    caption = " ".join(text.split())
+    atomic_write_text(sidecar, caption + "\n")
+    items = [list(it) for it in items]
+    items[index][1] = caption
+    return items, _gallery(items), f"saved `{sidecar.name}`"
+
+
+def build(f: Folders) -> None:
+    folders = image_folders(f.datasets)
+    with gr.Row():
+        folder = gr.Dropdown(folders, value=folders[0] if folders else None, allow_custom_value=True,
+                             label=f"Dataset folder (under {f.datasets})", elem_id="ds-folder", scale=3)
+        ext = gr.Textbox(DataConfig.model_fields["caption_extension"].default, label="caption extension",
+                         elem_id="ds-ext", scale=1)
+        res = gr.Number(1024, precision=0, label="bucket resolution", elem_id="ds-resolution", scale=1)
+        scan_btn = gr.Button("Scan", variant="primary", elem_id="ds-scan", scale=1)
+    status = gr.Markdown(elem_id="ds-status")
+    items = gr.State([])
+    index = gr.State(None)
+    gallery = gr.Gallery(label="images and captions", columns=8, height=360, allow_preview=False,
+                         elem_id="ds-gallery")
+    with gr.Row():
+        path = gr.Textbox(label="image", interactive=False, scale=2, elem_id="ds-image")
+        caption = gr.Textbox(label="caption", lines=2, scale=4, elem_id="ds-caption")
+        save = gr.Button("Save caption", scale=1, elem_id="ds-save")
+    saved = gr.Markdown(elem_id="ds-saved")
+    with gr.Row():
+        hist = gr.BarPlot(x="bucket", y="images", title="images per bucket", elem_id="ds-hist", scale=1)
+        report = gr.Textbox(label="report (dataset inspect)", lines=14, max_lines=30, elem_id="ds-report", scale=2)
+
+    def do_scan(folder, ext, res, progress=gr.Progress()):
+        return _scan(f, folder, ext, res, progress)
+
+    def do_save(items, index, text, ext):
+        try:
+            return _save(f, items, index, text, ext)
+        except PathRefused as e:
+            return items, gr.skip(), f"**Error:** {e}"
+
+    scan_btn.click(do_scan, [folder, ext, res], [items, gallery, status, report, hist])
+    gallery.select(_select, items, [index, path, caption])
+    save.click(do_save, [items, index, caption, ext], [items, gallery, saved])

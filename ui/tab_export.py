@@ -1,0 +1,115 @@
+"""Export tab: a run's adapter (or an adapter file) written as kohya (ComfyUI/A1111/Forge), diffusers or PEFT,
+with the metadata fields people fill in, into the run's exports/ folder, and offered for download
+(as `sdxl-lora export` does; sdxl_lora/export.py does the work)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import gradio as gr
+
+from .folders import Folders, PathRefused
+from .tab_generate import adapter_choices, adapter_path
+
+FORMATS = ("kohya", "diffusers", "peft")
+
+
+def source_choices(f: Folders) -> list[str]:
+    runs = [f"runs/{p.name}" for p in sorted(f.runs.iterdir())
+            if p.is_dir() and not p.name.startswith(".") and (p / f"{p.name}.safetensors").is_file()]
+    return runs + [c for c in adapter_choices(f) if c not in runs]
+
+
+def _source(f: Folders, choice: str) -> tuple[Path, str | Path | None, Path]:
+    """(adapter file, the model its layer names refer to, the folder exports go to)."""
+    from sdxl_lora.config import ModelConfig, load_config
+    from sdxl_lora.sdxl.model import resolve_model_path
+
+    p = adapter_path(f, choice)
+    run = p if p.is_dir() else None
+    if run is None and p.parent.name == "exports":
+        run = p.parent.parent
+    elif run is None and p.parent.parent == f.runs:
+        run = p.parent
+    model = None
+    if run is not None and (run / "config.toml").is_file():
+        mcfg = load_config(run / "config.toml").model
+        # The tiny model resolves in the UI's models folder (materialised there if needed).
+        model = resolve_model_path(ModelConfig(path=mcfg.path, cache_dir=str(f.models)))
+    if p.is_dir():
+        p = p / f"{p.name}.safetensors"
+        if not p.is_file():
+            raise FileNotFoundError(f"run {run.name} has no adapter yet ({p.name}): has it finished?")
+    out_dir = (run / "exports") if run is not None else (f.models / "loras" / "exports")
+    return p, model, out_dir
+
+
+def export(f: Folders, choice, fmt, title, author, description, trigger, license_, write_meta, names, true_alpha,
+           overwrite):
+    from sdxl_lora.export import AdapterError, export_adapter, layer_table, load_adapter
+
+    if not choice:
+        return None, "**Error:** pick a run or an adapter"
+    if fmt not in FORMATS:
+        return None, f"**Error:** format {fmt!r}: one of {', '.join(FORMATS)}"
+    try:
+        src, model, out_dir = _source(f, choice)
+        table = layer_table(model)
+        adapter = load_adapter(src, table)
+        if adapter.unknown:
+            return None, f"**Error:** {src.name}: {adapter.problems[0]}"
+        stem = (title or "").strip() or src.name.split(".")[0]
+        if "/" in stem or stem.startswith("."):
+            return None, f"**Error:** title {stem!r} names the file: no '/' and no leading '.'"
+        meta: bool | dict = False
+        if write_meta:
+            fields = {"modelspec.title": stem, "ss_output_name": stem, "modelspec.author": author,
+                      "modelspec.description": description, "modelspec.trigger_phrase": trigger,
+                      "modelspec.license": license_}
+            meta = {k: v.strip() for k, v in fields.items() if v and v.strip()}
+        suffix = {"kohya": ".safetensors", "diffusers": ".diffusers.safetensors", "peft": ".peft"}[fmt]
+        out = f.inside(out_dir / f"{stem}{suffix}", "runs" if f.runs in out_dir.parents else "models")
+        written = export_adapter(adapter, out, fmt, metadata=meta, names=names, unet_config=table.unet_config,
+                                 uniform_alpha=not true_alpha, overwrite=bool(overwrite))
+    except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
+        return None, f"**Error:** {e}"
+    download = written
+    if written.is_dir():  # a PEFT adapter is a folder: offer it zipped
+        download = Path(shutil.make_archive(str(written), "zip", root_dir=written))
+    return str(download), (f"{fmt} adapter written: `{written}` ({len(adapter.layers)} layers, read from "
+                           f"`{src.name}`, {adapter.format})")
+
+
+def build(f: Folders):
+    with gr.Row():
+        with gr.Column():
+            source = gr.Dropdown([], allow_custom_value=True, label="run or adapter", elem_id="exp-source")
+            refresh = gr.Button("Refresh list", size="sm", elem_id="exp-refresh")
+            fmt = gr.Radio(list(FORMATS), value="kohya", label="format", elem_id="exp-format",
+                           info="kohya: ComfyUI, AUTOMATIC1111/Forge, kohya; diffusers: load_lora_weights; "
+                                "peft: a PEFT adapter folder (downloaded as .zip)")
+            with gr.Group():
+                title = gr.Textbox(label="title (also the file name; empty: the adapter's name)", elem_id="exp-title")
+                author = gr.Textbox(label="author", elem_id="exp-author")
+                description = gr.Textbox(label="description", lines=2, elem_id="exp-description")
+                trigger = gr.Textbox(label="trigger phrase", elem_id="exp-trigger")
+                license_ = gr.Textbox(label="license", elem_id="exp-license")
+                write_meta = gr.Checkbox(True, label="write metadata (ss_* / modelspec.*)", elem_id="exp-meta")
+            with gr.Accordion("kohya options", open=False):
+                names = gr.Radio(["sgm", "diffusers"], value="sgm", label="layer names", elem_id="exp-names",
+                                 info="sgm: SDXL's original names, what A1111/ComfyUI expect")
+                true_alpha = gr.Checkbox(False, label="keep each layer's training alpha", elem_id="exp-true-alpha")
+            overwrite = gr.Checkbox(False, label="overwrite an existing export", elem_id="exp-overwrite")
+            go = gr.Button("Export", variant="primary", elem_id="exp-go")
+        with gr.Column():
+            msg = gr.Markdown(elem_id="exp-msg")
+            file = gr.File(label="download", interactive=False, elem_id="exp-file")
+
+    def do_refresh():
+        return gr.update(choices=source_choices(f))
+
+    go.click(lambda *a: export(f, *a),
+             [source, fmt, title, author, description, trigger, license_, write_meta, names, true_alpha, overwrite],
+             [file, msg])
+    refresh.click(do_refresh, None, source)
+    return do_refresh, [source]

@@ -1,0 +1,320 @@
+"""Train tab: the schema-generated form, the injector's plan (and memory estimate), Start (queued; each run
+trains in its own process), and the runs: live progress, loss and lr charts, previews, log, Stop, Resume.
+
+The live view polls each run's events.jsonl once a second (a gr.Timer); nothing waits on training."""
+from __future__ import annotations
+
+import html
+import math
+import os
+from pathlib import Path
+
+import gradio as gr
+
+from sdxl_lora.config import Config, ConfigError, SAMPLE_DATA
+from sdxl_lora.fsutil import atomic_write_text
+from sdxl_lora.runs import read_events
+
+from .folders import Folders, PathRefused, image_folders, model_choices
+from .form import MAIN_FIELDS, PATH_FIELDS, FieldSpec, build_config, schema_fields, to_widget_value
+from .jobs import Jobs, run_status
+
+
+# ----------------------------------------------------------------------------------------- the form
+
+def _widget(spec: FieldSpec, elem_prefix: str = "f-"):
+    from typing import get_args
+
+    label, info, value = spec.key, spec.help or None, to_widget_value(spec, spec.default)
+    elem_id = elem_prefix + spec.key.replace(".", "-").replace("_", "-")
+    if spec.kind == "choice":
+        return gr.Dropdown(list(get_args(spec.base)), value=value, label=label, info=info, elem_id=elem_id)
+    if spec.kind == "bool":
+        return gr.Checkbox(value=value, label=label, info=info, elem_id=elem_id)
+    if spec.kind in ("int", "float") and spec.optional:
+        # An empty number box reads as 0 in the page; a text box can say "none" by being empty.
+        return gr.Textbox("" if value is None else str(value), label=label, info=info, elem_id=elem_id,
+                          placeholder="none")
+    if spec.kind in ("int", "float"):
+        return gr.Number(value=value, label=label, info=info, precision=0 if spec.kind == "int" else None,
+                         elem_id=elem_id)
+    return gr.Textbox(value=value, label=label, info=info, elem_id=elem_id)
+
+
+def _default_prompts() -> str:
+    # The schema's default prompts file ships with the package: show its text, the user edits it here.
+    default = Config().preview.prompts
+    p = Path(default) if default else None
+    return p.read_text(encoding="utf-8") if p and p.is_file() else ""
+
+
+def _default_dirs(f: Folders, choices: list[str]) -> list[str]:
+    for d in Config().data.dirs:
+        try:
+            rel = os.path.relpath(f.inside(d, "datasets"), f.datasets)
+        except PathRefused:
+            continue
+        if rel in choices:
+            return [rel]
+    return choices[:1]
+
+
+class Form:
+    """The widgets of the form and the config they make."""
+
+    def __init__(self, f: Folders, task: str = "sdxl"):
+        self.f, self.task = f, task
+        # The task is the tab's; the other task's own section is not shown.
+        other = {"sdxl": ("llm.",), "llm": ("data.", "preview.")}.get(task, ())
+        self.specs = [s for s in schema_fields() if s.key not in PATH_FIELDS and s.key != "task"
+                      and not s.key.startswith(other)]
+        self.widgets: dict[str, gr.components.Component] = {}
+
+    def render(self) -> None:
+        f = self.f
+        models = model_choices(f.models)
+        dsets = image_folders(f.datasets)
+        main = [k for k in MAIN_FIELDS if k in {s.key for s in self.specs} | {"model.path", "data.dirs"}]
+        by_key = {s.key: s for s in self.specs}
+        with gr.Group():
+            for key in main:
+                if key == "model.path":
+                    self.model = gr.Dropdown(models, value=models[0], allow_custom_value=True, elem_id="f-model-path",
+                                             label="model.path", info=f"tiny-sdxl, or a diffusers SDXL folder or "
+                                             f"single .safetensors under {f.models}")
+                elif key == "data.dirs":
+                    self.dirs = gr.Dropdown(dsets, value=_default_dirs(f, dsets), multiselect=True,
+                                            allow_custom_value=True, label="data.dirs", elem_id="f-data-dirs",
+                                            info=f"dataset folders under {f.datasets}")
+                else:
+                    self.widgets[key] = _widget(by_key[key])
+            self.prompts = gr.Textbox(_default_prompts(), lines=3, label="preview prompts (one per line; empty: "
+                                      "no previews)", elem_id="f-prompts")
+        sections: dict[str, list[FieldSpec]] = {}
+        for s in self.specs:
+            if s.key not in self.widgets:
+                sections.setdefault(s.key.split(".", 1)[0] if "." in s.key else "general", []).append(s)
+        for section, specs in sections.items():
+            with gr.Accordion(f"{section} (advanced)", open=False, elem_id=f"acc-{section}"):
+                if section == "model":
+                    self.tokenizer = gr.Textbox("", label="model.tokenizer", elem_id="f-model-tokenizer",
+                                                info=f"folder with tokenizer/ and tokenizer_2/ under {f.models} "
+                                                     "(single-file checkpoints only)")
+                for s in specs:
+                    self.widgets[s.key] = _widget(s)
+        if "model" not in sections:
+            self.tokenizer = gr.Textbox("", visible=False)
+
+    @property
+    def inputs(self) -> list:
+        return [self.model, self.dirs, self.tokenizer, self.prompts, *self.widgets.values()]
+
+    def config(self, values: list, name: str | None, prompts_file: Path | None) -> Config:
+        """The run's config from the form's values: paths resolved inside the UI's folders, runs in its runs
+        folder, the model cache in its models folder."""
+        from sdxl_lora.sdxl.tiny import TINY_NAME
+
+        model, dirs, tokenizer, _prompts, *rest = values
+        if not dirs:
+            raise ConfigError("data.dirs: pick at least one dataset folder")
+        fixed = {
+            "model.path": model if model == TINY_NAME else str(self.f.inside(model, "models")),
+            "model.cache_dir": str(self.f.models),
+            "data.dirs": [str(self.f.inside(d, "datasets")) for d in dirs],
+            "output.runs_dir": str(self.f.runs),
+            "preview.prompts": str(prompts_file) if prompts_file else "",
+        }
+        if "task" in Config.model_fields:
+            fixed["task"] = self.task
+        if tokenizer and tokenizer.strip():
+            fixed["model.tokenizer"] = str(self.f.inside(tokenizer, "models"))
+        if name is not None:
+            fixed["output.name"] = name
+        return build_config(list(self.widgets_specs()), rest, fixed)
+
+    def widgets_specs(self):
+        by_key = {s.key: s for s in self.specs}
+        return (by_key[k] for k in self.widgets)
+
+    def name_value(self, values: list) -> str:
+        keys = list(self.widgets)
+        return (values[4 + keys.index("output.name")] or "") if "output.name" in keys else ""
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+def plan_view(cfg: Config):
+    """The injector's plan for this config as table rows, and a summary line (with the memory estimate)."""
+    import pandas as pd
+
+    from sdxl_lora import inject
+    from sdxl_lora.sdxl.model import unet_skeleton
+
+    unet, native = unet_skeleton(cfg.model)
+    resolution = cfg.data.resolution or native
+    plan = inject.make_plan(unet, cfg.adapter, resolution=resolution, native=native)
+    rows = pd.DataFrame([{**r, "level": "" if r["level"] is None else r["level"],
+                          "MB": round(r["params"] * 4 / 2**20, 3)} for r in plan.groups()])
+    n = plan.trainable_params
+    summary = (f"**{len(plan.targets)} modules, {n:,} trainable parameters, {n * 4 / 2**20:.2f} MB (fp32)**; "
+               f"preset {cfg.adapter.preset}, base rank {plan.base_rank} at resolution {resolution} "
+               f"(native {native})")
+    try:
+        from sdxl_lora import memory
+    except ImportError:
+        memory = None  # the estimate comes with the QLoRA work; without it the plan stands alone
+    if memory is not None:
+        try:
+            est = memory.estimate_for_config(unet, cfg, n, resolution)
+            summary += f"\n\nEstimated peak GPU memory (bf16 unless set): **{est.total / 2**30:.2f} GiB**\n\n```\n{est.format()}\n```"
+        except ValueError as e:
+            summary += f"\n\nno memory estimate: {e}"
+    return rows, summary
+
+
+# ------------------------------------------------------------------------------------------ the runs
+
+def _progress_html(st) -> str:
+    total = st.total or 0
+    pct = 100.0 * st.step / total if total else 0.0
+    bits = [f"<b>{html.escape(st.name)}</b>", html.escape(st.state)]
+    if total:
+        bits.append(f"step {st.step}/{total}")
+    if not math.isnan(st.loss):
+        bits.append(f"loss {st.loss:.4f}")
+    if st.images_per_s:
+        bits.append(f"{st.images_per_s:.2f} img/s")
+    if st.alive and st.eta_s is not None:
+        bits.append(f"eta {st.eta_s:.0f} s")
+    msg = f"<div>{html.escape(st.message)}</div>" if st.message else ""
+    return (f'<div id="run-progress" data-state="{html.escape(st.state)}">'
+            f'<progress max="100" value="{pct:.1f}" style="width:100%;height:1.2em"></progress>'
+            f'<div id="run-progress-text">{" · ".join(bits)}</div>{msg}</div>')
+
+
+def _charts(events: list[dict]):
+    import pandas as pd
+
+    loss = [{"step": e["step"], "loss": e["loss"], "series": "train"} for e in events
+            if e.get("event") == "step" and isinstance(e.get("loss"), (int, float)) and math.isfinite(e["loss"])]
+    loss += [{"step": e["step"], "loss": e["loss"], "series": e["event"]} for e in events
+             if e.get("event") in ("eval", "validation") and isinstance(e.get("loss"), (int, float))]
+    lr = [{"step": e["step"], "lr": e["lr"]} for e in events if e.get("event") == "step" and "lr" in e]
+    return (pd.DataFrame(loss, columns=["step", "loss", "series"]), pd.DataFrame(lr, columns=["step", "lr"]))
+
+
+def _previews(events: list[dict]) -> list[tuple[str, str]]:
+    out = []
+    for e in events:
+        if e.get("event") == "samples":
+            for p in e.get("paths", []):
+                if p.endswith("-grid.png") and Path(p).is_file():
+                    out.append((p, f"step {e.get('step', '?')}"))
+    return out[::-1]
+
+
+def build(f: Folders, jobs: Jobs) -> None:
+    form = Form(f)
+    with gr.Row():
+        with gr.Column(scale=5):
+            gr.Markdown("### New run")
+            form.render()
+            with gr.Row():
+                plan_btn = gr.Button("Show plan", elem_id="train-plan")
+                start_btn = gr.Button("Start", variant="primary", elem_id="train-start")
+            start_msg = gr.Markdown(elem_id="train-start-msg")
+            plan_summary = gr.Markdown(elem_id="train-plan-summary")
+            plan_table = gr.Dataframe(label="plan (slots, ranks, parameters)", interactive=False, max_height=300,
+                                      elem_id="train-plan-table")
+        with gr.Column(scale=6):
+            gr.Markdown("### Runs")
+            runs_table = gr.Dataframe(headers=["run", "state", "step", "loss"], interactive=False, max_height=220,
+                                      elem_id="runs-table")
+            with gr.Row():
+                run_pick = gr.Dropdown([], label="run", allow_custom_value=True, elem_id="run-pick", scale=3)
+                stop_btn = gr.Button("Stop", elem_id="run-stop", scale=1)
+                resume_btn = gr.Button("Resume", elem_id="run-resume", scale=1)
+            action_msg = gr.Markdown(elem_id="run-action-msg")
+            progress = gr.HTML(elem_id="run-progress-box")
+            with gr.Row():
+                loss_plot = gr.LinePlot(x="step", y="loss", color="series", title="loss", height=220,
+                                        elem_id="run-loss")
+                lr_plot = gr.LinePlot(x="step", y="lr", title="learning rate", height=220, elem_id="run-lr")
+            previews = gr.Gallery(label="previews (newest first)", columns=3, height=260, object_fit="contain",
+                                  elem_id="run-previews")
+            with gr.Accordion("log", open=False):
+                log_box = gr.Textbox(lines=12, max_lines=12, show_label=False, elem_id="run-log")
+    seen = gr.State(None)
+    timer = gr.Timer(1.0)
+
+    def make_config(values, name):
+        prompts = values[3]
+        prompts_file = None
+        if name is not None and prompts and prompts.strip():
+            prompts_file = f.ui / "prompts" / f"{name}.txt"
+            atomic_write_text(prompts_file, prompts.strip() + "\n")
+        elif name is None and prompts and prompts.strip():
+            prompts_file = SAMPLE_DATA / "prompts.txt"  # the plan does not read it; any file will do
+        return form.config(values, name, prompts_file)
+
+    def show_plan(*values):
+        try:
+            rows, summary = plan_view(make_config(list(values), None))
+        except (ConfigError, PathRefused, FileNotFoundError, ValueError) as e:
+            return gr.skip(), f"**Error:** {e}"
+        return rows, summary
+
+    def start(*values):
+        values = list(values)
+        try:
+            name = jobs.unique_name(form.name_value(values))
+            cfg = make_config(values, name)
+        except (ConfigError, PathRefused, FileExistsError, ValueError) as e:
+            return f"**Error:** {e}", gr.skip()
+        jobs.enqueue_train(cfg)
+        started = jobs.tick()
+        busy = jobs.busy()
+        where = "started" if started == name else f"queued (after {busy})" if busy else "queued"
+        return f"run **{name}** {where}", gr.update(value=name)
+
+    def refresh(selected, seen_sig):
+        runs = jobs.runs()
+        table = [[s.name, s.state, f"{s.step}/{s.total}" if s.total else "",
+                  "" if math.isnan(s.loss) else f"{s.loss:.4f}"] for s in runs]
+        names = [s.name for s in runs]
+        if not selected or selected not in names:
+            selected = names[0] if names else None
+        st = next((s for s in runs if s.name == selected), None)
+        if st is None:
+            return table, gr.update(choices=names, value=selected), "", gr.skip(), gr.skip(), gr.skip(), "", None
+        ev_path = st.dir / "events.jsonl"
+        sig = (selected, ev_path.stat().st_mtime_ns if ev_path.exists() else 0, st.state, tuple(names))
+        if sig == seen_sig:
+            return (table, gr.skip(), _progress_html(st), gr.skip(), gr.skip(), gr.skip(), gr.skip(), seen_sig)
+        events = read_events(ev_path)
+        st = run_status(st.dir, events) if st.state != "queued" else st
+        loss_df, lr_df = _charts(events)
+        return (table, gr.update(choices=names, value=selected), _progress_html(st), loss_df, lr_df,
+                _previews(events), jobs.log_tail(selected), sig)
+
+    def stop(selected):
+        try:
+            return f"{jobs.stop(selected)}"
+        except (ValueError, PathRefused) as e:
+            return f"**Error:** {e}"
+
+    def resume(selected):
+        try:
+            jobs.enqueue_resume(selected)
+        except (ValueError, PathRefused, FileNotFoundError) as e:
+            return f"**Error:** {e}"
+        started = jobs.tick()
+        return f"{selected}: resuming" if started == selected else f"{selected}: queued to resume"
+
+    plan_btn.click(show_plan, form.inputs, [plan_table, plan_summary])
+    start_btn.click(start, form.inputs, [start_msg, run_pick])
+    outputs = [runs_table, run_pick, progress, loss_plot, lr_plot, previews, log_box, seen]
+    timer.tick(refresh, [run_pick, seen], outputs, show_progress="hidden")
+    run_pick.input(lambda sel: refresh(sel, None), run_pick, outputs)
+    stop_btn.click(stop, run_pick, action_msg)
+    resume_btn.click(resume, run_pick, action_msg)
