@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 import time
 import tomllib
@@ -52,7 +53,9 @@ def load(path: Path, overrides: list[str]) -> pretrain.PretrainConfig:
 def stage(name: str, task_cls, pc: pretrain.PretrainConfig, pipe, out: Path) -> tuple[dict, str]:
     cfg = pc.stage(name)
     run_dir = out / "runs" / name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a previous run's stage: its events must not mix with this one's
+    run_dir.mkdir(parents=True)
     run = Run(run_dir)
     atomic_write_text(run_dir / "config.toml", cfg.to_toml())
     t0 = time.perf_counter()
@@ -69,7 +72,8 @@ def stage(name: str, task_cls, pc: pretrain.PretrainConfig, pipe, out: Path) -> 
            "setup_s": round(t1 - t0, 1), "train_s": round(t2 - t1, 1),
            "steps_per_s": round(result.steps / max(t2 - t1, 1e-9), 2),
            "images_per_s": round(result.steps * cfg.train.batch_size / max(t2 - t1, 1e-9), 1),
-           "mixed_precision": trainer.accelerator.mixed_precision}
+           "mixed_precision": trainer.accelerator.mixed_precision,
+           "losses": [round(x, 5) for x in result.losses]}  # one per train.log_every steps
     print(f"[{name}] {result.steps} steps in {t2 - t1:.1f}s ({fig['steps_per_s']} steps/s, setup {t1 - t0:.1f}s, "
           f"{fig['mixed_precision']}); loss {fig['loss_first']:.4f} -> {fig['loss_last']:.4f}; "
           f"eval {result.eval_before:.4f} -> {result.eval_after:.4f}", flush=True)
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="output folder (created; its files are replaced)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. unet.steps=2000")
     ap.add_argument("--smoke", action="store_true", help="a few CPU steps at tiny sizes (checks the wiring)")
-    ap.add_argument("--per-shape", type=int, default=None, help="renders per shape for the scores [12; smoke 1]")
+    ap.add_argument("--per-shape", type=int, default=None, help="renders per shape for the scores [8; smoke 1]")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from diffusers.utils import logging as dlog
@@ -95,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True  # fixed shapes all run long: let cuDNN pick its kernels
         print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     pipe = pretrain.build_pipeline(out / "_build", pc.demo.model_seed)
     report: dict = {"config": pc.model_dump(mode="json")}
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"weights: {dest} ({size / 2**20:.1f} MiB of safetensors, fp16)", flush=True)
 
     t0 = time.perf_counter()
-    per_shape = args.per_shape or (1 if args.smoke else 12)
+    per_shape = args.per_shape or (1 if args.smoke else 8)
     scores, images = pretrain.render_and_score(pipe, per_shape=per_shape, size=pc.demo.resolution,
                                                steps=4 if args.smoke else 30, guidance=5.0, device=device)
     rows = [im for row in images for im in row]

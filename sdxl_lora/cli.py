@@ -83,6 +83,8 @@ def cmd_train(args) -> int:
     from .sdxl.task import SDXLTask
     from .train import Trainer
 
+    if (_resume_target(args)[0] if args.resume else _config_from_args(args)).task == "llm":
+        return cmd_llm_train(args)  # a config with task = "llm": the LLM command, same flags
     if args.resume:
         cfg, run, state = _resume_target(args)
     else:
@@ -169,7 +171,8 @@ def cmd_plan(args) -> int:
     from .memory import estimate_for_config
 
     # On the meta device: structure only. train.mixed_precision "auto" is taken as bf16 (a GPU run).
-    memory = estimate_for_config(unet, cfg, plan.trainable_params, resolution, latent_factor=native // unet.config.sample_size)
+    memory = estimate_for_config(unet, cfg, plan.trainable_params, resolution,
+                                 latent_factor=native // unet.config.sample_size)
     if args.json:
         print(json.dumps({"model": cfg.model.path, "preset": cfg.adapter.preset, "resolution": resolution,
                           "base_rank": plan.base_rank, "modules": len(plan.targets),
@@ -365,8 +368,10 @@ def _adapter_base(adapter: Path, model: str | None) -> tuple[Path, tuple]:
 
     base = model or read_adapter_config(adapter).get("base_model_name_or_path") or "tiny-llm"
     with safe_open(str(adapter / ADAPTER_WEIGHTS), "pt") as f:
-        q = (f.metadata() or {}).get("sdxl_lora.quantize", "none")
-    return resolve_llm_path(ModelConfig(path=base)), ((None if q == "none" else q), {})
+        meta = f.metadata() or {}
+    q = meta.get("sdxl_lora.quantize", "none")
+    opts = {"double_quant": meta.get("sdxl_lora.quant_double", "True") == "True"}
+    return resolve_llm_path(ModelConfig(path=base)), ((None if q == "none" else q), opts if q != "none" else {})
 
 
 def cmd_llm_generate(args) -> int:
@@ -469,7 +474,11 @@ def cmd_ui(args) -> int:
     from ui.folders import Folders
 
     folders = Folders.create(args.datasets, args.models, args.runs)
-    serve(folders, host=args.host, port=args.port, auth=args.auth, share=args.share)
+    try:
+        serve(folders, host=args.host, port=args.port, auth=args.auth, share=args.share)
+    except ValueError as e:  # a malformed --auth
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

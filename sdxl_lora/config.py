@@ -191,11 +191,12 @@ class TrainConfig(Section):
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
     gradient_checkpointing: bool = False
     # Speed levers (docs/speed.md): selective checkpointing to fit a memory budget (GiB of activations
-    # and weights; measured per block at setup), NHWC convolutions, compilation of each repeated block,
+    # and weights; measured per block at setup), NHWC convolutions, compilation of each repeated block
+    # ("regional": transformer and ResNet blocks; "transformer": the transformer blocks only),
     # CUDA graphs of the model's forward and backward per bucket shape (one process, CUDA only).
     checkpoint_budget_gb: float | None = Field(None, gt=0)
     channels_last: bool = False
-    compile: Literal["none", "regional"] = "none"
+    compile: Literal["none", "regional", "transformer"] = "none"
     cuda_graphs: bool = False
     # Record N steps with torch's profiler into <run>/profile (a trace Perfetto opens) and log where the
     # step time goes. 0 is off.

@@ -136,15 +136,18 @@ class Float8Linear(nn.Linear):
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.compute_dtype
         scale = self.weight_scale.view(torch.float32)[:, None]
-        return (self.weight.view(torch.float8_e4m3fn).to(torch.float32) * scale).to(dtype)
+        # e4m3 values are exact in bf16/fp16, so the product in the target dtype rounds once, like a
+        # 16-bit weight would; no full-size fp32 temporary on the device.
+        return self.weight.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else self.compute_dtype
+        autocast = torch.is_autocast_enabled(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else self.compute_dtype
         with torch.autocast(x.device.type, enabled=False):
             out = _Fp8Matmul.apply(x.to(dtype), self)
             if self.bias is not None:
                 out = out + self.bias.to(dtype)
-        return out if torch.is_autocast_enabled(x.device.type) else out.to(x.dtype)
+        return out if autocast else out.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3fn"

@@ -30,8 +30,11 @@ import torch
 log = logging.getLogger(__name__)
 
 # Blocks repeated through the SDXL UNet (and causal LMs' decoder layers): compiled one by one.
-REGION_CLASSES = ("BasicTransformerBlock", "ResnetBlock2D", "LlamaDecoderLayer", "MistralDecoderLayer",
-                  "Qwen2DecoderLayer", "GemmaDecoderLayer")
+# train.compile="regional" compiles all of them; "transformer" only the attention blocks and decoder layers
+# (the ResNets come in many widths, each its own compilation, for a smaller share of the step).
+TRANSFORMER_CLASSES = ("BasicTransformerBlock", "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
+                       "GemmaDecoderLayer")
+REGION_CLASSES = TRANSFORMER_CLASSES + ("ResnetBlock2D",)
 # The compile backend; tests use "aot_eager" (same graph capture and autograd split, no C++ build).
 COMPILE_BACKEND = "inductor"
 
@@ -47,7 +50,8 @@ def to_channels_last(model: torch.nn.Module) -> None:
     model.to(memory_format=torch.channels_last)
 
 
-def compile_regions(model: torch.nn.Module, backend: str | None = None) -> int:
+def compile_regions(model: torch.nn.Module, backend: str | None = None,
+                    classes: tuple[str, ...] = REGION_CLASSES) -> int:
     """Compile every repeated block in place; returns how many. ResNet blocks come in several widths, so
     the recompile limit is raised to hold one graph per shape."""
     import torch._dynamo
@@ -60,12 +64,12 @@ def compile_regions(model: torch.nn.Module, backend: str | None = None) -> int:
         dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 1024)
     n = 0
     for module in model.modules():
-        if type(module).__name__ in REGION_CLASSES:
+        if type(module).__name__ in classes:
             module.compile(backend=backend or COMPILE_BACKEND, dynamic=False)
             n += 1
     if n == 0:
-        log.warning("train.compile='regional': no repeated blocks (%s) found in %s; nothing compiled",
-                    ", ".join(REGION_CLASSES), type(model).__name__)
+        log.warning("train.compile: no repeated blocks (%s) found in %s; nothing compiled",
+                    ", ".join(classes), type(model).__name__)
     return n
 
 
@@ -170,9 +174,23 @@ def choose_checkpointed(saved: dict[str, int], budget_bytes: int, other_bytes: i
     return chosen
 
 
-def apply_selective_checkpointing(unet: torch.nn.Module, names: list[str]) -> None:
+def enable_checkpointing(model: torch.nn.Module, graph_safe: bool = False) -> None:
+    """diffusers' gradient checkpointing. graph_safe: without saving and restoring the RNG state around
+    each block (a host sync, which a CUDA graph capture cannot hold); only right when nothing random runs
+    inside the blocks (no LoRA dropout)."""
+    if not graph_safe:
+        model.enable_gradient_checkpointing()
+        return
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    model.enable_gradient_checkpointing(partial(checkpoint, use_reentrant=False, preserve_rng_state=False))
+
+
+def apply_selective_checkpointing(unet: torch.nn.Module, names: list[str], graph_safe: bool = False) -> None:
     """diffusers' checkpointing on the named blocks only."""
-    unet.enable_gradient_checkpointing()
+    enable_checkpointing(unet, graph_safe)
     wanted = set(names)
     for name, block in checkpointable_blocks(unet):
         on = name in wanted

@@ -53,10 +53,10 @@ class Task(Protocol):
     def model(self) -> torch.nn.Module: ...
     def param_groups(self) -> list[dict]: ...
     def dataloader(self) -> torch.utils.data.DataLoader:
-        """Batches for this process. When its batch_sampler has skip_next(n) and num_replicas equal to
-        the process count (sdxl.data.BucketBatchSampler), it shards itself: the loop iterates it as it
-        is, positions count global batches, and batches are moved to the device by the loop. Otherwise
-        Accelerate prepares (shards) it."""
+        """Batches for this process. When its batch_sampler has skip_next(n) and num_replicas (1 if
+        absent) equal to the process count (sdxl.data.BucketBatchSampler), it shards itself: the loop
+        iterates it as it is, positions count global batches, and the loop moves batches to the device.
+        Otherwise Accelerate prepares (shards) it, dealing whole batches to the processes in turn."""
         ...
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor: ...
     def evaluate(self, model: torch.nn.Module) -> float: ...
@@ -141,7 +141,7 @@ class Trainer:
         loader = self.task.dataloader()
         self.sampler = loader.batch_sampler
         self._own_shards = (hasattr(self.sampler, "skip_next")
-                            and getattr(self.sampler, "num_replicas", None) == acc.num_processes)
+                            and getattr(self.sampler, "num_replicas", 1) == acc.num_processes)
         self.flops_per_image, self.peak_tflops = self._flops_setup()
         if self._own_shards:
             if acc.state.deepspeed_plugin is not None:  # DeepSpeed reads the batch size from a prepared loader
@@ -278,9 +278,9 @@ class Trainer:
     def _set_epoch(self, epoch: int) -> None:
         """A new order each epoch, decided by (seed, epoch) alone: the sampler and dataset are told."""
         if not self._own_shards:
-            self.loader.set_epoch(epoch)  # Accelerate's loader forwards it
-            return
-        for part in (self.sampler, self.loader.dataset):
+            self.loader.set_epoch(epoch)  # Accelerate's loader: its own count, and what it forwards
+        # Told directly as well: a batch sampler that Accelerate wrapped for several processes is not reached.
+        for part in (self.sampler, getattr(self.loader, "dataset", None)):
             if hasattr(part, "set_epoch"):
                 part.set_epoch(epoch)
 

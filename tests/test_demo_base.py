@@ -143,3 +143,30 @@ def test_shipped_demo_base_draws_its_shapes():
     scores, _ = pretrain.render_and_score(pipe, per_shape=3, size=128, steps=20, guidance=5.0, device="cpu")
     for shape, s in scores.items():
         assert s["shape"] > 2 * pretrain.chance(), (shape, scores)
+
+
+def test_pretraining_encodes_prompts_as_the_sdxl_pipeline_does(tmp_path):
+    """What the UNet learns from in pretraining is what diffusers' pipeline feeds it when rendering:
+    the same prompt embeddings and pooled embedding, and zeros for the unconditional half."""
+    pipe = pretrain.build_pipeline(tmp_path, seed=0)
+    caption = shapes.spec(0, 3).caption
+    embeds, neg, pooled, neg_pooled = pipe.encode_prompt(prompt=caption, device="cpu", num_images_per_prompt=1,
+                                                         do_classifier_free_guidance=True)
+    seen = {}
+    unet_forward = pipe.unet.forward
+
+    def spy(sample, t, encoder_hidden_states, added_cond_kwargs, **kw):
+        seen["embeds"], seen["pooled"] = encoder_hidden_states, added_cond_kwargs["text_embeds"]
+        return unet_forward(sample, t, encoder_hidden_states=encoder_hidden_states,
+                            added_cond_kwargs=added_cond_kwargs, **kw)
+
+    pipe.unet.forward = spy
+    net = pretrain.Denoiser(pipe).eval()
+    ids1, ids2 = pretrain.tokenize(pipe.tokenizer, [caption] * 2), pretrain.tokenize(pipe.tokenizer_2, [caption] * 2)
+    with torch.no_grad():
+        net(torch.zeros(2, 4, 4, 4), torch.tensor([10, 10]), ids1, ids2, torch.tensor([1.0, 0.0]),
+            torch.full((2, 6), 32.0))
+    torch.testing.assert_close(seen["embeds"][0], embeds[0])
+    torch.testing.assert_close(seen["pooled"][0], pooled[0])
+    assert not neg.any() and not neg_pooled.any()  # force_zeros_for_empty_prompt: the dropped captions
+    assert not seen["embeds"][1].any() and not seen["pooled"][1].any()

@@ -189,3 +189,85 @@ def test_bad_model_folder_is_refused(tmp_path, capsys):
     rc = main(["llm", "train", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "runs"), "--name", "b",
                "--steps", "1"])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_qlora_trains_and_merges_into_the_dequantized_base(tmp_path, tiny_llm):
+    """model.quantize=nf4: the frozen base is 4-bit (lm_head kept), the loss falls, and the merged model
+    (base quantized and dequantized again, adapter baked in) answers as the trained model does."""
+    from transformers import AutoModelForCausalLM
+
+    from sdxl_lora.llm.task import LLMTask
+    from sdxl_lora.quantize import is_quantized
+    from sdxl_lora.runs import create_run
+    from sdxl_lora.train import Trainer
+
+    cfg = load_config(extra={"task": "llm", "model.quantize": "nf4", "output.runs_dir": str(tmp_path),
+                             "output.name": "q", "train.steps": 15, "train.lr": 3e-3, "llm.merge": True,
+                             "preview.before": False, "llm.max_new_tokens": 4})
+    trainer = Trainer(cfg, LLMTask(cfg), create_run(cfg))
+    trainer.setup()
+    model = trainer.task.lm
+    assert is_quantized(model) and type(model.lm_head) is torch.nn.Linear
+    result = trainer.fit()
+    assert result.eval_after < result.eval_before - 0.3
+    with torch.no_grad():
+        want = model.eval()(input_ids=IDS).logits
+    merged = AutoModelForCausalLM.from_pretrained(str(result.adapter["merged"]), local_files_only=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=IDS).logits, want, atol=2e-3, rtol=2e-3)
+
+
+def test_resumed_run_gives_the_same_adapter(tmp_path):
+    """Killed after its step-4 state, a run resumed from it ends with the adapter of the run that went on."""
+    from safetensors.torch import load_file
+
+    from sdxl_lora.checkpoint import newest_valid
+    from sdxl_lora.llm.task import LLMTask
+    from sdxl_lora.runs import create_run
+    from sdxl_lora.train import Trainer
+
+    cfg = load_config(extra={"task": "llm", "output.runs_dir": str(tmp_path), "output.name": "r", "train.steps": 8,
+                             "train.save_every": 4, "train.lr": 3e-3, "llm.max_length": 64, "llm.packing": False,
+                             "preview.before": False, "preview.after": False})
+    run = create_run(cfg)
+    trainer = Trainer(cfg, LLMTask(cfg), run)
+    trainer.setup()
+    straight = load_file(str(trainer.fit().adapter["peft"] / "adapter_model.safetensors"))
+    state = newest_valid(run.checkpoints_dir)
+    assert state.name == "step-00000004"
+    trainer = Trainer(cfg, LLMTask(cfg), run, resume=state)
+    trainer.setup()
+    resumed = load_file(str(trainer.fit().adapter["peft"] / "adapter_model.safetensors"))
+    assert straight.keys() == resumed.keys()
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+
+
+def test_presets_and_rank_budget_on_a_causal_lm(tiny_llm, tmp_path):
+    from sdxl_lora import inject
+    from sdxl_lora.config import AdapterConfig
+    from sdxl_lora.llm.task import LLMTask
+    from sdxl_lora.runs import create_run
+    from sdxl_lora.train import Trainer
+
+    model = _base(tiny_llm)
+    attn = inject.make_plan(model, AdapterConfig(preset="attn", rank=8))
+    assert sorted({s.proj for s in attn.targets}) == ["k", "o", "q", "v"]
+    full = inject.make_plan(model, AdapterConfig(preset="full", rank=8))
+    assert len(full.targets) == 7 * model.config.num_hidden_layers and set(full.rank.values()) == {8}
+    assert all(s.name != "lm_head" for s in full.targets)
+
+    # A budget: ranks redistributed by measured sensitivity, the adapter trains at that size.
+    budget = 30_000
+    cfg = load_config(extra={"task": "llm", "output.runs_dir": str(tmp_path), "adapter.rank_budget": budget,
+                             "adapter.calibration_batches": 2, "train.steps": 2, "preview.before": False,
+                             "preview.after": False})
+    trainer = Trainer(cfg, LLMTask(cfg), create_run(cfg))
+    trainer.setup()
+    plan = trainer.task.plan
+    assert plan.trainable_params <= budget and len(set(plan.rank.values())) > 1
+    trainable = [(n, p) for n, p in trainer.task.lm.named_parameters() if p.requires_grad]
+    assert sum(p.numel() for _, p in trainable) == plan.trainable_params
+    assert all(".default." in n for n, _ in trainable)
+    result = trainer.fit()
+    assert result.adapter["peft"].is_dir()

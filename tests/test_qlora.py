@@ -1,6 +1,5 @@
 """QLoRA: the frozen UNet quantized (nf4/fp4/int8 through bitsandbytes, fp8 in torch), LoRA on top, the
 memory estimate, export and merge of an adapter trained on a quantized base. CPU only."""
-import copy
 import importlib.util
 import logging
 from pathlib import Path
@@ -18,7 +17,8 @@ from sdxl_lora.quantize import (METHODS, QuantizationError, dequantize_model, is
 from sdxl_lora.runs import read_events
 
 GiB = 2**30
-# The nf4 run's final eval loss may be this much (relative) above the unquantized run's, same seed and steps.
+# The nf4 run's final eval loss may be this far (relative) from the unquantized run's, same seed and steps
+# (measured: 1.052 vs 1.046, 0.6%).
 NF4_LOSS_MARGIN = 0.03
 
 
@@ -61,7 +61,7 @@ def test_nf4_run_trains_and_lands_near_the_unquantized_run(runs):
     assert after < 0.95 * before, f"nf4 eval loss went {before:.4f} -> {after:.4f}"
     ref_before, ref_after = _evals(runs["none"])
     assert abs(before - ref_before) < 0.01 * ref_before  # the quantized base starts where the real one does
-    assert after < ref_after * (1 + NF4_LOSS_MARGIN), f"nf4 {after:.4f} vs unquantized {ref_after:.4f}"
+    assert abs(after - ref_after) < NF4_LOSS_MARGIN * ref_after, f"nf4 {after:.4f} vs unquantized {ref_after:.4f}"
 
 
 def test_adapter_trained_on_nf4_says_so_and_loads_onto_the_unquantized_base(runs, tiny_dir):
@@ -199,10 +199,13 @@ def test_quantized_layers_keep_their_bits_through_dtype_moves():
 def test_clear_errors(monkeypatch):
     with pytest.raises(QuantizationError, match="must be one of"):
         quantize_model(nn.Linear(4, 4), "nf3")
+    with pytest.raises(QuantizationError, match="runs on CPU and CUDA, not on mps"):
+        quantize_model(nn.Sequential(nn.Linear(4, 4)), "nf4", device="mps")
     with pytest.raises(QuantizationError, match="meta device"):
         quantize_model(nn.Linear(4, 4, device="meta"), "fp8")
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     for method in ("nf4", "int8"):
         with pytest.raises(QuantizationError, match=r"bitsandbytes.*qlora extra"):
             quantize_model(nn.Linear(4, 4), method)
@@ -211,7 +214,8 @@ def test_clear_errors(monkeypatch):
     from sdxl_lora.optim import build_optimizer
 
     with pytest.raises(ImportError, match="qlora"):
-        build_optimizer(load_config(overrides=["train.optimizer=paged_adamw8bit"]), [{"params": [nn.Parameter(torch.ones(2))]}])
+        build_optimizer(load_config(overrides=["train.optimizer=paged_adamw8bit"]),
+                        [{"params": [nn.Parameter(torch.ones(2))]}])
     assert set(METHODS) == {"none", "nf4", "fp4", "int8", "fp8"}
 
 

@@ -1,10 +1,10 @@
 """The Gradio UI, driven as a person would: headless Chromium (Debian's /usr/bin/chromium) through Playwright.
 
-One end-to-end session: scan and caption a dataset, start a tiny run from the form, crash the UI while it
-trains (the run goes on), restart the UI and find the run again, stop and resume it, watch it finish with
+One end-to-end session: log in, scan and caption a dataset, start a tiny run from the form, stop it and
+resume it, crash the UI while it trains (the run goes on), restart the UI and find the run again with its
 previews, generate with the new adapter beside the base, export it and download the file. Screenshots of
-each tab go to test-artifacts/ui/. A second test checks the server binds 127.0.0.1 and serves nothing
-outside its folders.
+each tab go to test-artifacts/ui/. Other tests: the server binds 127.0.0.1, asks the password, and serves
+nothing outside its folders; the queue starts runs one after another.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class UI:
              "--models", str(folders["models"]), "--runs", str(folders["runs"]), *extra],
             cwd=folders["root"], env=env, stdout=self._out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + WAIT / 1000
-        while "sdxl-lora UI:" not in log.read_text(errors="replace"):
+        while f"sdxl-lora UI: {self.url}" not in log.read_text(errors="replace"):
             assert self.proc.poll() is None, f"the UI exited:\n{log.read_text(errors='replace')[-3000:]}"
             assert time.monotonic() < deadline, f"the UI did not start:\n{log.read_text(errors='replace')[-3000:]}"
             time.sleep(0.2)
@@ -71,11 +71,14 @@ class UI:
         self._out.close()
 
 
-@pytest.fixture
-def folders(tmp_path, tiny_dir):
+USER, PASSWORD = "alice", "secret"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tiny_dir):
     """A datasets folder with a copy of four sample images (captions are edited), a models folder holding
     the tiny SDXL (linked, so it is not built again), an empty runs folder."""
-    root = tmp_path
+    root = tmp_path_factory.mktemp("ui")
     ds = root / "datasets" / "shapes"
     ds.mkdir(parents=True)
     for img in sorted((REPO / "sample_data" / "images").glob("*.png"))[:4]:
@@ -86,6 +89,23 @@ def folders(tmp_path, tiny_dir):
     (models / tiny_dir.name).symlink_to(tiny_dir, target_is_directory=True)
     runs = root / "runs"
     return {"root": root, "datasets": root / "datasets", "models": models, "runs": runs}
+
+
+@pytest.fixture(scope="module")
+def server(folders):
+    """One UI for the module, started as a user would with a password; a test may replace it (holder["ui"])."""
+    holder = {"log": folders["root"] / "ui.log"}
+    holder["ui"] = UI(folders, holder["log"], "--auth", f"{USER}:{PASSWORD}")
+    yield holder
+    holder["ui"].kill()
+
+
+def _login(page, url: str) -> None:
+    page.goto(url)
+    page.locator("input[type=text]").fill(USER)
+    page.locator("input[type=password]").fill(PASSWORD)
+    page.get_by_role("button", name="Login").click()
+    expect(page.get_by_role("tab", name="Dataset")).to_be_visible(timeout=WAIT)
 
 
 def _fill(page, elem_id: str, value) -> None:
@@ -108,16 +128,16 @@ def _state(page):
     return page.locator("#run-progress")
 
 
-def test_train_generate_export_in_the_browser(folders, tmp_path):
-    log = tmp_path / "ui.log"
-    ui = UI(folders, log)
+def test_train_generate_export_in_the_browser(folders, server, tmp_path):
+    log, ui = server["log"], server["ui"]
+    expect.set_options(timeout=WAIT)  # every wait has the same generous ceiling; none is a speed assertion
     hosts: set[str] = set()
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
             page.on("request", lambda r: hosts.add(urllib.parse.urlsplit(r.url).netloc or r.url.split(":")[0]))
-            page.goto(ui.url)
+            _login(page, ui.url)
 
             # ---- Dataset: the images with their captions; edit one; the report; a folder outside is refused
             page.locator("#ds-scan").click()
@@ -139,13 +159,13 @@ def test_train_generate_export_in_the_browser(folders, tmp_path):
 
             # ---- Train: the form, the plan, Start
             page.get_by_role("tab", name="Train").click()
-            _fill(page, "f-train-steps", 40)
+            _fill(page, "f-train-steps", 60)
             _fill(page, "f-data-resolution", 64)
             _fill(page, "f-train-batch-size", 1)
             _fill(page, "f-output-name", "ui-run")
-            page.locator("#acc-preview").get_by_text("preview (advanced)").click()
+            page.locator("#f-acc-preview").get_by_text("preview (advanced)").click()
             _fill(page, "f-preview-steps", 2)
-            page.locator("#acc-train").get_by_text("train (advanced)").click()
+            page.locator("#f-acc-train").get_by_text("train (advanced)").click()
             _fill(page, "f-train-log-every", 1)
             page.locator("#train-plan").click()
             expect(page.locator("#train-plan-summary")).to_contain_text("trainable parameters", timeout=WAIT)
@@ -154,28 +174,27 @@ def test_train_generate_export_in_the_browser(folders, tmp_path):
             expect(page.locator("#train-start-msg")).to_contain_text("ui-run started", timeout=WAIT)
             run = folders["runs"] / "ui-run"
 
-            # ---- The UI dies; the run goes on; a new UI finds it from its folder
-            ui.kill(signal.SIGKILL)
-            ui = UI(folders, log)
-            page.goto(ui.url)
-            page.get_by_role("tab", name="Train").click()
-            expect(page.locator("#runs-table")).to_contain_text("ui-run", timeout=WAIT)
+            # ---- Stop (SIGINT: the state is saved), then Resume
             expect(_state(page)).to_have_attribute("data-state", "training", timeout=WAIT)
-
-            # ---- Stop (SIGINT: the state is saved), then Resume to the end
             page.locator("#run-stop").click()
             expect(page.locator("#run-action-msg")).to_contain_text("stop requested")
             expect(_state(page)).to_have_attribute("data-state", "stopped", timeout=WAIT)
             assert (run / "train.exit").read_text().strip() == "130"
             page.locator("#run-resume").click()
             expect(page.locator("#run-action-msg")).to_contain_text("ui-run: resuming")
+
+            # ---- The UI dies; the run goes on; a new UI finds it again from its folder
+            ui.kill(signal.SIGKILL)
+            ui = server["ui"] = UI(folders, log, "--auth", f"{USER}:{PASSWORD}")
+            _login(page, ui.url)
+            page.get_by_role("tab", name="Train").click()
+            expect(page.locator("#runs-table")).to_contain_text("ui-run", timeout=WAIT)
             expect(_state(page)).to_have_attribute("data-state", "finished", timeout=WAIT)
-            expect(page.locator("#run-progress-text")).to_contain_text("step 40/40")
+            expect(page.locator("#run-progress-text")).to_contain_text("step 60/60")
             expect(page.locator("#run-previews img")).to_have_count(2, timeout=WAIT)  # before and after
             assert (run / "train.exit").read_text().strip() == "0"
             kinds = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
             assert "interrupted" in kinds and "resume" in kinds and kinds[-1] == "done"
-            page.locator("#acc-train").get_by_text("train (advanced)").click()  # closed again for the picture
             _shot(page, "2-train")
 
             # ---- Generate: the base and the base with the new adapter, same seed, side by side
@@ -209,9 +228,14 @@ def test_train_generate_export_in_the_browser(folders, tmp_path):
             assert meta["modelspec.title"] == "shapes-v1" and meta["modelspec.author"] == "tester"
             assert (run / "exports" / "shapes-v1.safetensors").is_file()
             _shot(page, "4-export")
+
+            # ---- LLM: the same schema-made form for the causal-LM task
+            page.get_by_role("tab", name="LLM").click()
+            expect(page.locator("#llm-model-path input")).to_have_value("tiny-llm")
+            expect(page.locator("#llm-acc-llm")).to_be_visible()
+            _shot(page, "5-llm")
         finally:
             browser.close()
-            ui.kill()
     # Everything the page loaded came from the UI itself: no CDN, fonts or analytics.
     assert {h for h in hosts if h not in ("data", "blob")} <= {f"127.0.0.1:{p}" for p in _ports(log)}
 
@@ -232,31 +256,27 @@ def _listening(port: int) -> list[str]:
     return out
 
 
-def test_binds_loopback_and_serves_only_its_folders(folders, tmp_path):
-    ui = UI(folders, tmp_path / "ui.log", "--auth", "alice:secret")
-    try:
-        assert _listening(ui.port) == ["0100007F"]  # 127.0.0.1 only, no IPv6 or wildcard socket
-        assert "gradio.live" not in (tmp_path / "ui.log").read_text()
-        image = sorted((folders["datasets"] / "shapes").glob("*.png"))[0]
+def test_binds_loopback_asks_the_password_and_serves_only_its_folders(folders, server):
+    ui = server["ui"]
+    assert _listening(ui.port) == ["0100007F"]  # 127.0.0.1 only (the default), no IPv6 or wildcard socket
+    assert "gradio.live" not in server["log"].read_text()  # no share link unless --share
+    image = sorted((folders["datasets"] / "shapes").glob("*.png"))[0]
 
-        def get(opener, path):
-            try:
-                with opener.open(ui.url + "gradio_api/file=" + urllib.parse.quote(str(path))) as r:
-                    return r.status
-            except urllib.error.HTTPError as e:
-                return e.code
+    def get(opener, path):
+        try:
+            with opener.open(ui.url + "gradio_api/file=" + urllib.parse.quote(str(path))) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
 
-        anonymous = urllib.request.build_opener()
-        assert get(anonymous, image) in (401, 403)  # the password is asked first
-        jar = http.cookiejar.CookieJar()
-        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
-        opener.open(ui.url + "login", data=urllib.parse.urlencode({"username": "alice", "password": "secret"}).encode())
-        assert get(opener, image) == 200                      # inside --datasets
-        assert get(opener, REPO / "pyproject.toml") == 403    # the folder it was started from is not served
-        assert get(opener, "/etc/passwd") == 403
-        assert get(opener, folders["datasets"] / ".." / "ui.log") == 403
-    finally:
-        ui.kill()
+    anonymous = urllib.request.build_opener()
+    assert get(anonymous, image) in (401, 403)  # the password first
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+    opener.open(ui.url + "login", data=urllib.parse.urlencode({"username": USER, "password": PASSWORD}).encode())
+    assert get(opener, image) == 200                        # inside --datasets
+    assert get(opener, REPO / "pyproject.toml") == 403      # not the folder it was started from
+    assert get(opener, "/etc/passwd") == 403
+    assert get(opener, folders["datasets"] / ".." / "ui.log") == 403
 
 
 def test_remote_file_urls_are_refused_without_a_request():

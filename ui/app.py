@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
+import threading
 
 from .folders import Folders
 
@@ -28,6 +28,12 @@ def _quiet_gradio(folders: Folders) -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _has_llm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sdxl_lora.llm") is not None
+
+
 def build_app(folders: Folders, jobs):
     """The page. `jobs` runs the queue (ui.jobs.Jobs)."""
     _quiet_gradio(folders)
@@ -45,7 +51,12 @@ def build_app(folders: Folders, jobs):
             with gr.Tab("Dataset", id="dataset", elem_id="tab-dataset"):
                 tab_dataset.build(folders)
             with gr.Tab("Train", id="train", elem_id="tab-train"):
-                tab_train.build(folders, jobs)
+                run_pick = tab_train.build(folders, jobs)
+            if _has_llm():
+                from . import tab_llm
+
+                with gr.Tab("LLM", id="llm", elem_id="tab-llm"):
+                    tab_llm.build(folders, jobs, run_pick)
             with gr.Tab("Generate", id="generate", elem_id="tab-generate"):
                 loaders.append(tab_generate.build(folders))
             with gr.Tab("Export", id="export", elem_id="tab-export"):
@@ -75,6 +86,18 @@ class _NoRemoteFiles:
         await self.app(scope, receive, send)
 
 
+def _warm_up() -> None:
+    # torch, diffusers and peft take many seconds to import; the page is served without them and they
+    # load here in the background, so the first Plan, Generate or Export click does not wait for them.
+    try:
+        from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel  # noqa: F401
+
+        from sdxl_lora import export, inject  # noqa: F401
+        from sdxl_lora.sdxl import data, model, preview  # noqa: F401
+    except ImportError:
+        log.exception("warm-up import failed; the first click that needs it will show the error")
+
+
 def serve(folders: Folders, host: str = "127.0.0.1", port: int | None = None, auth: str | None = None,
           share: bool = False, block: bool = True):
     """Start the server; returns (app, local_url) when block=False."""
@@ -82,17 +105,17 @@ def serve(folders: Folders, host: str = "127.0.0.1", port: int | None = None, au
 
     from .jobs import Jobs
 
-    # gradio's own HTTP client logs every request it makes to itself at INFO.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    jobs = Jobs(folders)
-    jobs.start_background()
-    demo = build_app(folders, jobs)
     credentials = None
     if auth:
         user, sep, password = auth.partition(":")
         if not sep or not user or not password:
             raise ValueError("--auth takes user:password")
         credentials = (user, password)
+    # gradio's own HTTP client logs every request it makes to itself at INFO.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    jobs = Jobs(folders)
+    jobs.start_background()
+    demo = build_app(folders, jobs)
     demo.queue(default_concurrency_limit=1)
     app, local_url, share_url = demo.launch(
         server_name=host, server_port=port, auth=credentials, share=share, inbrowser=False,
@@ -100,6 +123,7 @@ def serve(folders: Folders, host: str = "127.0.0.1", port: int | None = None, au
         footer_links=["settings"], run_history=False, mcp_server=False, ssr_mode=False, pwa=False,
         enable_monitoring=False, quiet=True, css=CSS,
         app_kwargs={"middleware": [Middleware(_NoRemoteFiles)]})
+    threading.Thread(target=_warm_up, name="sdxl-lora-warm-up", daemon=True).start()
     print(f"sdxl-lora UI: {local_url}" + (f"  (share link: {share_url})" if share_url else ""), flush=True)
     print(f"  datasets {folders.datasets}\n  models   {folders.models}\n  runs     {folders.runs}", flush=True)
     if not block:

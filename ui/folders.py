@@ -10,7 +10,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from sdxl_lora.config import ModelConfig
 from sdxl_lora.images import IMAGE_EXTENSIONS
+
+
+# The embedded tiny SDXL's name is the schema's default model (importing sdxl.tiny would pull in torch,
+# which the page does not need until it trains, renders or plans).
+TINY = ModelConfig.model_fields["path"].default
+TINY_LLM = "tiny-llm"  # the embedded tiny causal LM (sdxl_lora/llm/tiny.py)
 
 
 class PathRefused(ValueError):
@@ -69,18 +76,45 @@ def model_choices(models: Path) -> list[str]:
     """What the model field offers: the embedded tiny SDXL, diffusers SDXL folders and single .safetensors
     checkpoints under the models folder (relative paths). The tiny model's own materialised copy is
     shown as 'tiny-sdxl'."""
-    from sdxl_lora.sdxl.tiny import TINY_NAME
 
-    out = [TINY_NAME]
+    out = [TINY]
     for folder, dirs, files in os.walk(models):
         here = Path(folder)
         if (here / "model_index.json").is_file():
             dirs[:] = []
-            if not here.name.startswith(f"{TINY_NAME}-v") and here != models:
+            if not here.name.startswith(f"{TINY}-v") and here != models:
                 out.append(os.path.relpath(here, models))
+            continue
+        if "config.json" in files and here != models:  # a transformers model (an LLM), not an SDXL one
+            dirs[:] = []
             continue
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "loras")
         for f in sorted(files):
             if f.endswith(".safetensors"):
                 out.append(os.path.relpath(here / f, models))
+    return out
+
+
+def jsonl_files(root: Path, limit: int = 500) -> list[str]:
+    """Instruction/chat data files (.jsonl) under root, relative to it."""
+    out = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        out += [os.path.relpath(os.path.join(folder, f), root) for f in sorted(files) if f.endswith(".jsonl")]
+        if len(out) >= limit:
+            break
+    return sorted(out)
+
+
+def llm_model_choices(models: Path) -> list[str]:
+    """The embedded tiny LM and transformers model folders (config.json, no model_index.json) under models."""
+    out = [TINY_LLM]
+    for folder, dirs, files in os.walk(models):
+        here = Path(folder)
+        if "config.json" in files and not (here / "model_index.json").exists() and here != models:
+            dirs[:] = []
+            if not here.name.startswith(f"{TINY_LLM}-v"):
+                out.append(os.path.relpath(here, models))
+            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "loras")
     return out

@@ -23,6 +23,8 @@ from sdxl_lora.config import Config, ConfigError, _parse_value, load_config
 MAIN_FIELDS = ("model.path", "data.dirs", "data.resolution", "data.trigger_word", "adapter.preset", "adapter.rank",
                "train.steps", "train.batch_size", "train.lr", "train.optimizer", "train.device", "preview.every",
                "output.name")
+LLM_MAIN_FIELDS = ("model.path", "llm.data", "llm.format", "llm.max_length", "adapter.rank", "train.steps",
+                   "train.batch_size", "train.lr", "train.device", "output.name")
 # Paths: set by the UI from its folders (or picked from them), never typed as free text.
 #   model.path / data.dirs: picked from the models / datasets folder; model.cache_dir: the models folder;
 #   preview.prompts: the prompts box, written to a file under runs/.ui; data.cache_dir, output.runs_dir:

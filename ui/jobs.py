@@ -103,7 +103,8 @@ def run_status(run_dir: Path, events: list[dict] | None = None) -> RunStatus:
     exit_code = _read_int(run_dir / EXIT_FILE)
     st.pid = pid
     last = next((k for k in reversed(kinds) if k in ("done", "interrupted", "start", "resume")), None)
-    if pid is not None and exit_code is None and pid_alive(pid):
+    # Alive until the process is gone: its exit file is written just before it ends.
+    if pid is not None and pid_alive(pid):
         st.state = "training" if "start" in kinds else "starting"
         return st
     if last == "done" and exit_code in (None, 0):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from .folders import Folders, PathRefused, model_choices
+from .folders import TINY, Folders, PathRefused, model_choices
 
 N_ADAPTERS = 3
 
@@ -46,9 +46,8 @@ class Pipelines:
 
         from sdxl_lora.config import ModelConfig
         from sdxl_lora.sdxl.model import load_pipeline
-        from sdxl_lora.sdxl.tiny import TINY_NAME
 
-        path = model if model == TINY_NAME else str(self.f.inside(model, "models"))
+        path = model if model == TINY else str(self.f.inside(model, "models"))
         if self.key != path:
             self.pipe = None
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,12 +92,11 @@ def generate(f: Folders, pipes: Pipelines, model, prompt, negative, seed, steps,
 
 
 def build(f: Folders):
-    from sdxl_lora.sdxl.tiny import TINY_NAME
 
     pipes = Pipelines(f)
     with gr.Row():
         with gr.Column(scale=2):
-            model = gr.Dropdown(model_choices(f.models), value=TINY_NAME, allow_custom_value=True, label="base model",
+            model = gr.Dropdown(model_choices(f.models), value=TINY, allow_custom_value=True, label="base model",
                                 elem_id="gen-model")
             rows = []
             for i in range(N_ADAPTERS):

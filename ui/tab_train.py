@@ -15,8 +15,8 @@ from sdxl_lora.config import Config, ConfigError, SAMPLE_DATA
 from sdxl_lora.fsutil import atomic_write_text
 from sdxl_lora.runs import read_events
 
-from .folders import Folders, PathRefused, image_folders, model_choices
-from .form import MAIN_FIELDS, PATH_FIELDS, FieldSpec, build_config, schema_fields, to_widget_value
+from .folders import TINY, TINY_LLM, Folders, PathRefused, image_folders, jsonl_files, llm_model_choices, model_choices
+from .form import LLM_MAIN_FIELDS, MAIN_FIELDS, PATH_FIELDS, FieldSpec, build_config, schema_fields, to_widget_value
 from .jobs import Jobs, run_status
 
 
@@ -60,49 +60,60 @@ def _default_dirs(f: Folders, choices: list[str]) -> list[str]:
 
 
 class Form:
-    """The widgets of the form and the config they make."""
+    """The widgets of the form and the config they make, for a task ("sdxl" or "llm")."""
 
-    def __init__(self, f: Folders, task: str = "sdxl"):
-        self.f, self.task = f, task
-        # The task is the tab's; the other task's own section is not shown.
+    def __init__(self, f: Folders, task: str = "sdxl", prefix: str = "f-"):
+        self.f, self.task, self.prefix = f, task, prefix
+        self.data_key = "data.dirs" if task == "sdxl" else "llm.data"
+        # The task is the tab's; the other task's own sections are not shown.
         other = {"sdxl": ("llm.",), "llm": ("data.", "preview.")}.get(task, ())
         self.specs = [s for s in schema_fields() if s.key not in PATH_FIELDS and s.key != "task"
-                      and not s.key.startswith(other)]
+                      and s.key != self.data_key and not s.key.startswith(other)]
         self.widgets: dict[str, gr.components.Component] = {}
 
     def render(self) -> None:
-        f = self.f
-        models = model_choices(f.models)
-        dsets = image_folders(f.datasets)
-        main = [k for k in MAIN_FIELDS if k in {s.key for s in self.specs} | {"model.path", "data.dirs"}]
+        f, p = self.f, self.prefix
+        if self.task == "sdxl":
+            models, data = model_choices(f.models), image_folders(f.datasets)
+            data_value = _default_dirs(f, data)
+            main_keys = MAIN_FIELDS
+            model_info = f"tiny-sdxl, or a diffusers SDXL folder or single .safetensors under {f.models}"
+            data_info = f"dataset folders under {f.datasets}"
+        else:
+            models, data = llm_model_choices(f.models), jsonl_files(f.datasets)
+            data_value = data[:2]
+            main_keys = LLM_MAIN_FIELDS
+            model_info = f"tiny-llm, or a transformers causal-LM folder under {f.models}"
+            data_info = f"JSONL files (alpaca or chat lines) under {f.datasets}"
+        known = {s.key for s in self.specs} | {"model.path", self.data_key}
         by_key = {s.key: s for s in self.specs}
         with gr.Group():
-            for key in main:
+            for key in (k for k in main_keys if k in known):
                 if key == "model.path":
-                    self.model = gr.Dropdown(models, value=models[0], allow_custom_value=True, elem_id="f-model-path",
-                                             label="model.path", info=f"tiny-sdxl, or a diffusers SDXL folder or "
-                                             f"single .safetensors under {f.models}")
-                elif key == "data.dirs":
-                    self.dirs = gr.Dropdown(dsets, value=_default_dirs(f, dsets), multiselect=True,
-                                            allow_custom_value=True, label="data.dirs", elem_id="f-data-dirs",
-                                            info=f"dataset folders under {f.datasets}")
+                    self.model = gr.Dropdown(models, value=models[0], allow_custom_value=True,
+                                             elem_id=f"{p}model-path", label="model.path", info=model_info)
+                elif key == self.data_key:
+                    self.dirs = gr.Dropdown(data, value=data_value, multiselect=True, allow_custom_value=True,
+                                            label=key, elem_id=f"{p}data", info=data_info)
                 else:
-                    self.widgets[key] = _widget(by_key[key])
-            self.prompts = gr.Textbox(_default_prompts(), lines=3, label="preview prompts (one per line; empty: "
-                                      "no previews)", elem_id="f-prompts")
+                    self.widgets[key] = _widget(by_key[key], p)
+            self.prompts = gr.Textbox(_default_prompts() if self.task == "sdxl" else "", lines=3,
+                                      label="preview prompts (one per line; empty: no previews)",
+                                      elem_id=f"{p}prompts", visible=self.task == "sdxl")
         sections: dict[str, list[FieldSpec]] = {}
         for s in self.specs:
             if s.key not in self.widgets:
                 sections.setdefault(s.key.split(".", 1)[0] if "." in s.key else "general", []).append(s)
+        self.tokenizer = None
         for section, specs in sections.items():
-            with gr.Accordion(f"{section} (advanced)", open=False, elem_id=f"acc-{section}"):
-                if section == "model":
-                    self.tokenizer = gr.Textbox("", label="model.tokenizer", elem_id="f-model-tokenizer",
+            with gr.Accordion(f"{section} (advanced)", open=False, elem_id=f"{p}acc-{section}"):
+                if section == "model" and self.task == "sdxl":
+                    self.tokenizer = gr.Textbox("", label="model.tokenizer", elem_id=f"{p}model-tokenizer",
                                                 info=f"folder with tokenizer/ and tokenizer_2/ under {f.models} "
                                                      "(single-file checkpoints only)")
                 for s in specs:
-                    self.widgets[s.key] = _widget(s)
-        if "model" not in sections:
+                    self.widgets[s.key] = _widget(s, p)
+        if self.tokenizer is None:
             self.tokenizer = gr.Textbox("", visible=False)
 
     @property
@@ -112,15 +123,14 @@ class Form:
     def config(self, values: list, name: str | None, prompts_file: Path | None) -> Config:
         """The run's config from the form's values: paths resolved inside the UI's folders, runs in its runs
         folder, the model cache in its models folder."""
-        from sdxl_lora.sdxl.tiny import TINY_NAME
-
         model, dirs, tokenizer, _prompts, *rest = values
         if not dirs:
-            raise ConfigError("data.dirs: pick at least one dataset folder")
+            raise ConfigError(f"{self.data_key}: pick at least one under the datasets folder")
+        embedded = TINY if self.task == "sdxl" else TINY_LLM
         fixed = {
-            "model.path": model if model == TINY_NAME else str(self.f.inside(model, "models")),
+            "model.path": model if model == embedded else str(self.f.inside(model, "models")),
             "model.cache_dir": str(self.f.models),
-            "data.dirs": [str(self.f.inside(d, "datasets")) for d in dirs],
+            self.data_key: [str(self.f.inside(d, "datasets")) for d in dirs],
             "output.runs_dir": str(self.f.runs),
             "preview.prompts": str(prompts_file) if prompts_file else "",
         }
@@ -213,7 +223,33 @@ def _previews(events: list[dict]) -> list[tuple[str, str]]:
     return out[::-1]
 
 
-def build(f: Folders, jobs: Jobs) -> None:
+def form_config(form: Form, values: list, name: str | None) -> Config:
+    """The form's config; for a run (a name), its preview prompts saved under runs/.ui/prompts/."""
+    prompts = values[3]
+    prompts_file = None
+    if name is not None and prompts and prompts.strip():
+        prompts_file = form.f.ui / "prompts" / f"{name}.txt"
+        atomic_write_text(prompts_file, prompts.strip() + "\n")
+    elif name is None and prompts and prompts.strip():
+        prompts_file = SAMPLE_DATA / "prompts.txt"  # the plan does not read it; any file will do
+    return form.config(values, name, prompts_file)
+
+
+def start_run(form: Form, jobs: Jobs, values: list):
+    """Start (or queue) a run of the form's config: (message, the runs dropdown's update)."""
+    try:
+        name = jobs.unique_name(form.name_value(values))
+        cfg = form_config(form, values, name)
+    except (ConfigError, PathRefused, FileExistsError, ValueError) as e:
+        return f"**Error:** {e}", gr.skip()
+    jobs.enqueue_train(cfg)
+    started = jobs.tick()
+    busy = jobs.busy()
+    where = "started" if started == name else f"queued (after {busy})" if busy else "queued"
+    return f"run **{name}** {where}", gr.update(value=name)
+
+
+def build(f: Folders, jobs: Jobs):
     form = Form(f)
     with gr.Row():
         with gr.Column(scale=5):
@@ -224,8 +260,9 @@ def build(f: Folders, jobs: Jobs) -> None:
                 start_btn = gr.Button("Start", variant="primary", elem_id="train-start")
             start_msg = gr.Markdown(elem_id="train-start-msg")
             plan_summary = gr.Markdown(elem_id="train-plan-summary")
-            plan_table = gr.Dataframe(label="plan (slots, ranks, parameters)", interactive=False, max_height=300,
-                                      elem_id="train-plan-table")
+            plan_table = gr.Dataframe(headers=["part", "level", "block", "kind", "proj", "rank", "alpha", "modules",
+                                               "params", "MB"], label="plan (slots, ranks, parameters)",
+                                      interactive=False, max_height=300, elem_id="train-plan-table")
         with gr.Column(scale=6):
             gr.Markdown("### Runs")
             runs_table = gr.Dataframe(headers=["run", "state", "step", "loss"], interactive=False, max_height=220,
@@ -248,14 +285,7 @@ def build(f: Folders, jobs: Jobs) -> None:
     timer = gr.Timer(1.0)
 
     def make_config(values, name):
-        prompts = values[3]
-        prompts_file = None
-        if name is not None and prompts and prompts.strip():
-            prompts_file = f.ui / "prompts" / f"{name}.txt"
-            atomic_write_text(prompts_file, prompts.strip() + "\n")
-        elif name is None and prompts and prompts.strip():
-            prompts_file = SAMPLE_DATA / "prompts.txt"  # the plan does not read it; any file will do
-        return form.config(values, name, prompts_file)
+        return form_config(form, values, name)
 
     def show_plan(*values):
         try:
@@ -265,17 +295,7 @@ def build(f: Folders, jobs: Jobs) -> None:
         return rows, summary
 
     def start(*values):
-        values = list(values)
-        try:
-            name = jobs.unique_name(form.name_value(values))
-            cfg = make_config(values, name)
-        except (ConfigError, PathRefused, FileExistsError, ValueError) as e:
-            return f"**Error:** {e}", gr.skip()
-        jobs.enqueue_train(cfg)
-        started = jobs.tick()
-        busy = jobs.busy()
-        where = "started" if started == name else f"queued (after {busy})" if busy else "queued"
-        return f"run **{name}** {where}", gr.update(value=name)
+        return start_run(form, jobs, list(values))
 
     def refresh(selected, seen_sig):
         runs = jobs.runs()
@@ -318,3 +338,4 @@ def build(f: Folders, jobs: Jobs) -> None:
     run_pick.input(lambda sel: refresh(sel, None), run_pick, outputs)
     stop_btn.click(stop, run_pick, action_msg)
     resume_btn.click(resume, run_pick, action_msg)
+    return run_pick

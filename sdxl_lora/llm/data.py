@@ -248,10 +248,10 @@ class RowDataset(torch.utils.data.Dataset):
                 "position_ids": torch.tensor(pos), "example": torch.tensor(ex)}
 
 
-def collate(items: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Pad rows to the longest in the batch. Padding restarts the position ids, so it is a segment of its
-    own that no real token attends to, and carries no loss."""
-    width = max(len(it["input_ids"]) for it in items)
+def collate(items: list[dict[str, torch.Tensor]], pad_id: int, width: int | None = None) -> dict[str, torch.Tensor]:
+    """Pad rows to the longest in the batch (or to `width`: one shape for compiled layers). Padding restarts
+    the position ids, so it is a segment of its own that no real token attends to, and carries no loss."""
+    width = max([len(it["input_ids"]) for it in items] + [width or 0])
     out = {k: torch.full((len(items), width), v, dtype=torch.long)
            for k, v in (("input_ids", pad_id), ("labels", IGNORE), ("example", -1))}
     out["position_ids"] = torch.arange(width).repeat(len(items), 1)

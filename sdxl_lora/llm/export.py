@@ -107,9 +107,10 @@ def load_with_adapter(base: Path, adapter: Path, dtype: torch.dtype = torch.floa
 
         log.warning("the adapter was trained on a %s-quantized base: the base is quantized and dequantized again "
                     "so the merge uses the weights the adapter saw (not the original ones)", method)
-        model = quantize_model(model, method, device=torch.device(device), skip=["lm_head"],
-                               **{"compute_dtype": dtype, **opts}) or model
-        model = dequantize_model(model) or model
+        from .model import keep_head
+
+        quantize_model(model, method, device=torch.device(device), skip=keep_head, **{"compute_dtype": dtype, **opts})
+        dequantize_model(model)
     model.to(device)
     return PeftModel.from_pretrained(model, str(adapter)), load_tokenizer(base)
 

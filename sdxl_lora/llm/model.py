@@ -62,37 +62,42 @@ def load_tokenizer(path: Path):
     return tok
 
 
-def quantize_settings(cfg: Config) -> tuple[str | None, dict]:
-    """model.quantize and its options, as sdxl_lora.quantize.quantize_model takes them (None: no quantization)."""
-    method = getattr(cfg.model, "quantize", None)
-    if method in (None, "none", "no"):
+def quantize_settings(cfg: Config, mixed_precision: str | None = None) -> tuple[str | None, dict]:
+    """model.quantize and the keyword arguments sdxl_lora.quantize.quantize_model takes for it
+    (None: no quantization)."""
+    method = getattr(cfg.model, "quantize", "none")
+    if method in (None, "none"):
         return None, {}
-    compute = getattr(cfg.model, "quant_compute_dtype", None)
-    opts = {"double_quant": getattr(cfg.model, "quant_double", True)}
-    if compute not in (None, "auto"):
-        opts["compute_dtype"] = DTYPES.get(compute, compute)
-    return method, opts
+    from ..quantize import resolve_compute_dtype
+
+    return method, {"double_quant": cfg.model.quant_double,
+                    "compute_dtype": resolve_compute_dtype(cfg.model.quant_compute_dtype, mixed_precision)}
 
 
-def load_llm(cfg: Config, device: torch.device, dtype: torch.dtype):
-    """(model, tokenizer, folder): the causal LM in `dtype` on `device`, frozen base quantized if asked."""
+def keep_head(name: str) -> bool:
+    # The output head stays in full precision: small next to the body, and its error reaches every logit.
+    return name.rsplit(".", 1)[-1] == "lm_head"
+
+
+def load_llm(cfg: Config, device: torch.device, mixed_precision: str):
+    """(model, tokenizer, folder): the causal LM on `device` in the training precision's dtype, its frozen
+    base quantized (model.quantize) one layer at a time if asked."""
     from transformers import AutoModelForCausalLM
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = resolve_llm_path(cfg.model)
     check_causal_lm_folder(path)
     tokenizer = load_tokenizer(path)
+    method, opts = quantize_settings(cfg, mixed_precision)
+    dtype = opts["compute_dtype"] if method else DTYPES.get(mixed_precision, torch.float32)
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
         attn_implementation=cfg.llm.attn_implementation)
     model.config.use_cache = False
-    method, opts = quantize_settings(cfg)
     if method:
         from ..quantize import quantize_model
 
-        opts.setdefault("compute_dtype", dtype)
-        # The output head stays in full precision: it is small next to the body, and quantizing it hurts most.
-        model = quantize_model(model, method, device=device, skip=["lm_head"], **opts) or model
-        log.info("base quantized: %s (%s)", method, ", ".join(f"{k}={v}" for k, v in opts.items()))
+        report = quantize_model(model, method, device=device, skip=keep_head, **opts)
+        log.info("QLoRA base: %s", report)
     model.to(device)
     return model, tokenizer, path

@@ -15,6 +15,10 @@ def answer(model, tokenizer, template: str, prompts: list[str], max_new_tokens: 
            system_prompt: str | None = None) -> list[str]:
     """Greedy answers, one prompt at a time (no padding to get wrong), special tokens dropped."""
     device = next(p for p in model.parameters()).device
+    # The model's generation config knows its stop tokens (chat models often have several); the
+    # tokenizer's EOS only where it names none.
+    eos = {} if getattr(model.generation_config, "eos_token_id", None) is not None else {
+        "eos_token_id": tokenizer.eos_token_id}
     was_training = model.training
     model.eval()
     out = []
@@ -25,8 +29,7 @@ def answer(model, tokenizer, template: str, prompts: list[str], max_new_tokens: 
             text = tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=True)
             ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
             gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, use_cache=True, pad_token_id=tokenizer.pad_token_id,
-                                 eos_token_id=tokenizer.eos_token_id)
+                                 do_sample=False, use_cache=True, pad_token_id=tokenizer.pad_token_id, **eos)
             out.append(tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).strip())
     finally:
         model.train(was_training)

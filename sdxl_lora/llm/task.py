@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -43,8 +44,8 @@ class LLMTask:
         self.accelerator = accelerator
         self.device = accelerator.device
         self.dtype = DTYPES.get(accelerator.mixed_precision, torch.float32)
-        self.lm, self.tokenizer, self.model_path = load_llm(cfg, self.device, self.dtype)
-        self.quantized = quantize_settings(cfg)[0] is not None
+        self.lm, self.tokenizer, self.model_path = load_llm(cfg, self.device, accelerator.mixed_precision)
+        self.quant = quantize_settings(cfg, accelerator.mixed_precision)
 
         self.template = llm_data.chat_template(cfg.llm, self.tokenizer)
         examples, report = llm_data.read_examples(cfg.llm, self.tokenizer)
@@ -78,6 +79,14 @@ class LLMTask:
         if cfg.train.gradient_checkpointing:
             # Non-reentrant: works with a frozen embedding (no input-grad hook) and with LoRA inside the blocks.
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.train.compile != "none":
+            from .. import speed
+
+            # The repeated decoder layers, compiled one graph for all (rows are padded to llm.max_length).
+            layer = next(m for n, m in self.lm.named_modules() if re.search(r"(^|\.)layers\.0$", n))
+            n = speed.compile_regions(self.lm, classes=(type(layer).__name__,))
+            log.info("train.compile=%r: %d decoder layers compiled (the first steps include compilation)",
+                     cfg.train.compile, n)
         log.info("adapter plan:\n%s", inject.format_plan(self.plan))
         run.event("plan", layers=len(self.plan.targets), trainable_params=self.plan.trainable_params,
                   preset=cfg.adapter.preset, base_rank=self.plan.base_rank, groups=self.plan.groups())
@@ -105,6 +114,7 @@ class LLMTask:
         from peft.functional import delete_adapter
 
         delete_adapter(self.lm, "calibration", prefix="lora_")
+        del self.lm.peft_config  # the probe's only; the real adapter brings its own
         self.lm.requires_grad_(False)
         return norms
 
@@ -119,7 +129,8 @@ class LLMTask:
         sampler = llm_data.RowBatchSampler(len(self.train_rows), self.cfg.train.batch_size, self.cfg.train.seed)
         return torch.utils.data.DataLoader(
             self.train_rows, batch_sampler=sampler, num_workers=0,
-            collate_fn=functools.partial(llm_data.collate, pad_id=self.tokenizer.pad_token_id))
+            collate_fn=functools.partial(llm_data.collate, pad_id=self.tokenizer.pad_token_id,
+                                         width=self.cfg.llm.max_length if self.cfg.train.compile != "none" else None))
 
     def batch_size(self, batch) -> int:
         return int(batch["input_ids"].shape[0])
@@ -156,16 +167,17 @@ class LLMTask:
 
     def save_adapter(self, model, run: Run, step: int) -> dict[str, Path]:
         cfg = self.cfg
+        method, opts = self.quant
         meta = {"sdxl_lora.task": "llm", "sdxl_lora.steps": str(step), "sdxl_lora.preset": cfg.adapter.preset,
-                "sdxl_lora.quantize": str(quantize_settings(cfg)[0] or "none")}
+                "sdxl_lora.quantize": method or "none", "sdxl_lora.quant_double": str(opts.get("double_quant", ""))}
         out = {"peft": save_peft_adapter(model, run.dir / "adapter", str(self.model_path), metadata=meta)}
         if cfg.llm.merge:
-            if self.quantized:
+            if method:
                 log.warning("llm.merge: the adapter was trained on a quantized base; it is merged into the base "
                             "quantized and dequantized again (what it saw), saved in %s",
                             "fp32" if self.dtype == torch.float32 else str(self.dtype).removeprefix("torch."))
             out["merged"] = merge_adapter(self.model_path, out["peft"], run.dir / "merged", dtype=self.dtype,
-                                          overwrite=True, quantize=quantize_settings(cfg),
+                                          overwrite=True, quantize=self.quant,
                                           device=str(self.device))
         return out
 

@@ -15,7 +15,6 @@ scripts/pretrain_demo.py wires the stages, renders the prompts and scores them (
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 
 import torch
@@ -52,7 +51,7 @@ class PretrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     demo: DemoConfig = Field(default_factory=DemoConfig)
     vae: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=1500, batch_size=64, lr=1e-3))
-    unet: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=4000, batch_size=256, lr=5e-4))
+    unet: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=3000, batch_size=384, lr=8e-4))
 
     def stage(self, name: str) -> Config:
         """A full Config for one stage: its train section, no adapter previews (the script renders)."""
@@ -114,8 +113,23 @@ def _pixels(seed: int, indices, size: int, device) -> torch.Tensor:
     return shapes.render(specs, size, device) * 2 - 1
 
 
+def _maybe_compile(module: torch.nn.Module, cfg: Config) -> None:
+    """train.compile, as the SDXL task applies it (speed.py): repeated blocks compiled in place, so the
+    parameter names (and the saved files) stay the same. Off by default: the first steps compile."""
+    tc = cfg.train
+    if tc.compile == "none":
+        return
+    from .. import speed
+
+    classes = speed.REGION_CLASSES if tc.compile == "regional" else speed.TRANSFORMER_CLASSES
+    n = speed.compile_regions(module, classes=classes)
+    log.info("train.compile=%r: %d blocks compiled", tc.compile, n)
+
+
 def _save_module(module: torch.nn.Module, path: Path) -> Path:
-    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    """A stage's result in fp16, as it ships (the full pipeline folder is written by save_base)."""
+    state = {k: v.detach().to("cpu", torch.float16 if v.is_floating_point() else v.dtype).contiguous()
+             for k, v in module.state_dict().items()}
     return atomic_save(path, lambda tmp: save_file(state, str(tmp)))
 
 
@@ -142,6 +156,7 @@ class VAEStage:
     def setup(self, accelerator, run: Run) -> None:
         self.accelerator, self.device = accelerator, accelerator.device
         self.net = _VAEForward(self.pipe.vae).to(self.device, torch.float32).requires_grad_(True)
+        _maybe_compile(self.net, self.cfg)
         # Held-out images for the figure: another seed than training draws from.
         self.eval_pixels = _pixels(self.demo.data_seed + 1, range(self.demo.eval_images), self.demo.resolution,
                                    self.device)
@@ -262,6 +277,7 @@ class UNetStage:
         if not demo.train_text_encoders:
             self.net.text_encoder.requires_grad_(False)
             self.net.text_encoder_2.requires_grad_(False)
+        _maybe_compile(self.net.unet, self.cfg)
         # Fixed evaluation: the first bank images at four timesteps, fixed noise.
         gen = torch.Generator("cpu").manual_seed(0)
         k = min(demo.eval_images, demo.latent_bank)
@@ -401,7 +417,3 @@ def chance() -> float:
 
 def fmt_scores(scores: dict) -> str:
     return "\n".join(f"  {s:<9} P(shape) {v['shape']:.2f}   P(colour) {v['colour']:.2f}" for s, v in scores.items())
-
-
-def finite(x: float) -> bool:
-    return not (math.isnan(x) or math.isinf(x))

@@ -66,10 +66,9 @@ def all_captions(shapes: tuple[str, ...] = BASE_SHAPES) -> list[str]:
     return [Spec(s, c, b, 0.5, 0.5, 0.3).caption for s in shapes for c in COLOURS for b in BACKGROUNDS]
 
 
-def _vertices(shape: str, n: int) -> np.ndarray:
+def _vertices(shape: str) -> np.ndarray:
     """Unit polygon (radius 1, centre 0, y down) of a shape drawn as a polygon."""
     if shape == "square":
-        # Same area as the circle would be too small to tell apart; the square spans the full radius.
         return np.array([[-1, -1], [1, -1], [1, 1], [-1, 1]], dtype=np.float32)
     if shape == "triangle":
         return np.array([[0, -1], [1, 1], [-1, 1]], dtype=np.float32)
@@ -110,7 +109,7 @@ def render(specs: list[Spec], size: int, device: torch.device | str = "cpu", sup
         if shape == "circle":
             m = (px - cx) ** 2 + (py - cy) ** 2 < r ** 2
         else:
-            unit = torch.as_tensor(_vertices(shape, 0), device=device)
+            unit = torch.as_tensor(_vertices(shape), device=device)
             verts = unit[None] * r[:, :, None] + torch.stack([cx, cy], dim=-1)
             m = _inside_polygon(px, py, verts)
         mask[idx] = m

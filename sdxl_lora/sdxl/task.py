@@ -245,8 +245,6 @@ class SDXLTask:
                               "has registered); train on one process or drop the schedule")
         if cfg.adapter.train_text_encoder:
             self._text_encoder_lora(run)
-        if cfg.train.gradient_checkpointing:
-            unet.enable_gradient_checkpointing()
         self._speed_setup(unet, run)
         n = self.plan.trainable_params
         log.info("adapter plan:\n%s", inject.format_plan(self.plan))
@@ -330,14 +328,21 @@ class SDXLTask:
 
         tc = self.cfg.train
         speed.configure_backends(self.device)
-        if tc.checkpoint_budget_gb and not tc.gradient_checkpointing:
-            chosen = self._fit_checkpointing(unet, tc.checkpoint_budget_gb)
+        graphs = tc.cuda_graphs and self.device.type == "cuda"
+        if graphs and self.cfg.adapter.dropout and (tc.gradient_checkpointing or tc.checkpoint_budget_gb):
+            raise ConfigError("train.cuda_graphs with gradient checkpointing needs adapter.dropout=0 (a checkpointed "
+                              "block that draws random numbers must save the RNG state, which a graph cannot)")
+        if tc.gradient_checkpointing:
+            speed.enable_checkpointing(unet, graph_safe=graphs)
+        elif tc.checkpoint_budget_gb:
+            chosen = self._fit_checkpointing(unet, tc.checkpoint_budget_gb, graph_safe=graphs)
             run.event("checkpointing", budget_gb=tc.checkpoint_budget_gb, blocks=chosen)
         if tc.channels_last:
             speed.to_channels_last(unet)
-        if tc.compile == "regional":
-            n = speed.compile_regions(unet)
-            log.info("train.compile='regional': %d blocks compiled (the first steps include compilation)", n)
+        if tc.compile != "none":
+            classes = speed.REGION_CLASSES if tc.compile == "regional" else speed.TRANSFORMER_CLASSES
+            n = speed.compile_regions(unet, classes=classes)
+            log.info("train.compile=%r: %d blocks compiled (the first steps include compilation)", tc.compile, n)
         if tc.cuda_graphs:
             if self.device.type != "cuda":
                 log.warning("train.cuda_graphs needs a CUDA device; running without (device is %s)", self.device)
@@ -361,7 +366,7 @@ class SDXLTask:
             return self._graphed(noisy, t, embeds, pooled, time_ids)
         return call(noisy, t, embeds, pooled, time_ids)
 
-    def _fit_checkpointing(self, unet, budget_gb: float) -> list[str]:
+    def _fit_checkpointing(self, unet, budget_gb: float, graph_safe: bool = False) -> list[str]:
         """Selective checkpointing: measure what each block saves for backward on one batch, then checkpoint
         the largest blocks until weights, adapter, optimizer state and activations fit the budget."""
         from .. import speed
@@ -375,7 +380,7 @@ class SDXLTask:
         # Frozen weights as they are stored, plus fp32 adapter, its gradient and AdamW's two moments.
         other = sum(p.numel() * p.element_size() for p in unet.parameters()) + trainable * 4 * 3
         chosen = speed.choose_checkpointed(saved, int(budget_gb * 2**30), other)
-        speed.apply_selective_checkpointing(unet, chosen)
+        speed.apply_selective_checkpointing(unet, chosen, graph_safe)
         left = other + sum(v for k, v in saved.items() if k not in chosen)
         log.info("train.checkpoint_budget_gb=%g: activations per block (MiB) %s; checkpointing %s; estimated "
                  "%.2f GiB without the checkpointed blocks' recomputation buffers", budget_gb,
