@@ -16,7 +16,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 # Each flag is a shortcut for one config field; the default lives in the schema, not here.
 TRAIN_FLAGS = [
-    ("--model", "model.path", str, "diffusers SDXL folder, single-file .safetensors, or tiny-sdxl"),
+    ("--model", "model.path", str, "diffusers SDXL folder, single-file .safetensors, tiny-sdxl-demo (the shipped "
+                                   "demo base) or tiny-sdxl (random weights)"),
     ("--data", "data.dirs", str, "dataset folder (repeat for several)"),
     ("--steps", "train.steps", int, "optimizer steps"),
     ("--resolution", "data.resolution", int, "training resolution (side of the square of equal area)"),
@@ -112,7 +113,30 @@ def cmd_train(args) -> int:
         print(f"previews   : {relpath(g)}")
     print(f"eval loss  : {result.eval_before:.4f} before -> {result.eval_after:.4f} after "
           "(training images, fixed timesteps and noise)")
+    _print_concept(run)
     return 0
+
+
+def _print_concept(run) -> None:
+    """preview.concept's figures (sdxl/shapes.py: report_concept), first preview -> last: the detector's
+    score on the prompts naming the concept, and how the other prompts fared (their own shape's score,
+    their mean pixel change from the base's render at the same seed)."""
+    events = [e for e in run.events() if e["event"] == "concept"]
+    if not events:
+        return
+    first, last = events[0], events[-1]
+    steps = f"step {first['step']} -> {last['step']}" if len(events) > 1 else f"step {last['step']}"
+    before = f"{first['score']:.2f} -> " if len(events) > 1 else ""
+    print(f"concept    : {last['concept']!r} {before}{last['score']:.2f} ({steps}; detector's P on the "
+          f"{len(last['prompts'])} prompt(s) naming it, chance {last.get('chance', 0.25):.2f})")
+    if "others_score" in last or "others_change" in last:
+        parts = []
+        if "others_score" in last:
+            parts.append(f"own shape {first['others_score']:.2f} -> {last['others_score']:.2f}"
+                         if len(events) > 1 and "others_score" in first else f"own shape {last['others_score']:.2f}")
+        if "others_change" in last:
+            parts.append(f"mean pixel change from the base {last['others_change']:.3f}")
+        print(f"others     : {'; '.join(parts)} ({len(last['others'])} prompt(s) without it)")
 
 
 def cmd_generate(args) -> int:
@@ -503,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train an adapter (no arguments: the embedded tiny SDXL on sample_data/)")
+    t = sub.add_parser("train", help="train an adapter (no arguments: the demo base, tiny-sdxl-demo, on sample_data/)")
     t.add_argument("config", nargs="?", help="TOML config file")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set train.lr=1e-4 (repeatable)")
@@ -516,7 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="render images with a base model and LoRA adapters")
-    g.add_argument("--model", default="tiny-sdxl")
+    g.add_argument("--model", default="tiny-sdxl-demo",
+                   help="tiny-sdxl-demo (default), tiny-sdxl, a diffusers SDXL folder or single .safetensors file")
     g.add_argument("--tokenizer", help="folder with tokenizer/ and tokenizer_2/ (for single-file models)")
     g.add_argument("--lora", action="append", help="adapter .safetensors (repeatable)")
     g.add_argument("--scale", type=float, action="append", help="adapter strength (one, or one per --lora)")
@@ -535,7 +560,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="print the adapter plan: slots, ranks, alphas, parameters, size")
     pl.add_argument("config", nargs="?", help="TOML config file")
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    pl.add_argument("--model", help="tiny-sdxl, arch:sdxl (SDXL base's structure, no weights), a folder or file")
+    pl.add_argument("--model", help="tiny-sdxl-demo, tiny-sdxl, arch:sdxl (SDXL base's structure, no weights), "
+                                    "a folder or file")
     pl.add_argument("--preset", help="attn, cross-attn, topology or full [adapter.preset]")
     pl.add_argument("--rank", type=int, help="base rank [adapter.rank]")
     pl.add_argument("--resolution", type=int, help="training resolution [data.resolution]")
@@ -573,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     m = sub.add_parser("merge", help="bake adapters into a full SDXL checkpoint (diffusers folder or single file)")
-    m.add_argument("--model", required=True, help="base: diffusers SDXL folder, single-file .safetensors or tiny-sdxl")
+    m.add_argument("--model", required=True, help="base: diffusers SDXL folder, single-file .safetensors, tiny-sdxl-demo or tiny-sdxl")
     m.add_argument("--lora", action="append", required=True, metavar="FILE[:STRENGTH]",
                    help="adapter and its strength (default 1.0); repeatable, merged in order")
     m.add_argument("--out", required=True, help="a .safetensors path (single file) or a folder (diffusers)")

@@ -25,9 +25,10 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    # "tiny-sdxl" is the embedded model built in-process; otherwise a diffusers SDXL folder or a
-    # single-file .safetensors checkpoint.
-    path: str = "tiny-sdxl"
+    # "tiny-sdxl-demo" is the shipped demo base (the tiny SDXL pretrained on shapes, docs/demo_base.md);
+    # "tiny-sdxl" the same model with random weights, built in-process; otherwise a diffusers SDXL
+    # folder or a single-file .safetensors checkpoint.
+    path: str = "tiny-sdxl-demo"
     # Folder holding tokenizer/ and tokenizer_2/ (for single-file checkpoints, which carry none).
     tokenizer: str | None = None
     # "auto" reads the scheduler config of the model.
@@ -243,8 +244,9 @@ class PreviewConfig(Section):
     before: bool = True
     after: bool = True
     # Score the previews for a concept with the shapes detector (sdxl/shapes.py: shape and/or colour
-    # words, e.g. "star"): a "concept" event per preview, over the prompts naming it. "" is off.
-    concept: str = ""
+    # words, e.g. "star"): a "concept" event per preview, over the prompts naming it (prompts naming
+    # none of its words are not scored, so it is harmless for other prompts). "" is off.
+    concept: str = "star"
 
 
 class OutputConfig(Section):
@@ -297,7 +299,7 @@ class Config(Section):
     @model_validator(mode="after")
     def _llm_model(self) -> "Config":
         # The SDXL default model means "the embedded one": for an LLM run that is the tiny Llama.
-        if self.task == "llm" and self.model.path == "tiny-sdxl":
+        if self.task == "llm" and self.model.path in ("tiny-sdxl-demo", "tiny-sdxl"):
             self.model.path = "tiny-llm"
         return self
 

@@ -40,6 +40,14 @@ WORKSPACE = int(0.14 * GiB)
 # (2.99 GiB measured; 2.85 GiB without this term).
 QUANT_OVERHEAD = int(0.14 * GiB)
 
+# bitsandbytes' 4-bit and 8-bit matmuls save each quantized Linear's input for backward even when the
+# weight is frozen (torch's plain linear then keeps only what the input gradient needs), and LLM.int8
+# keeps fp16 copies and outlier columns besides. As a fraction of the activation model, fitted to the
+# H200 run of benchmarks/qlora_memory.py (2026-11-29): nf4 adds 2.20 GiB at batch 1 and 9.24 GiB at
+# batch 4 without checkpointing, 0.85 GiB at batch 4 with it; int8 adds 10.6 and 39.5 GiB. fp8 (our own
+# Float8Linear) saves nothing extra.
+QUANT_SAVED_INPUTS = {"nf4": 0.32, "fp4": 0.32, "int8": 1.40, "fp8": 0.0}
+
 # Optimizer state in bytes per trainable parameter.
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw8bit": 2.0, "paged_adamw8bit": 2.0, "paged_adamw": 8.0,
                    "lion": 4.0, "prodigy": 16.0,
@@ -66,6 +74,7 @@ class MemoryEstimate:
     activations: int = 0
     workspace: int = 0
     quant_overhead: int = 0
+    quant_activations: int = 0   # inputs that bitsandbytes' matmuls save besides (QUANT_SAVED_INPUTS)
     # Context for the reader.
     resolution: int = 0
     batch_size: int = 0
@@ -81,7 +90,7 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         return (self.weights_total + self.adapter + self.gradients + self.optimizer + self.activations + self.workspace
-                + self.quant_overhead)
+                + self.quant_overhead + self.quant_activations)
 
     def as_dict(self) -> dict:
         g = lambda b: round(b / GiB, 3)  # noqa: E731
@@ -89,6 +98,7 @@ class MemoryEstimate:
                 "adapter_gib": g(self.adapter), "gradients_gib": g(self.gradients),
                 "optimizer_gib": g(self.optimizer), "activations_gib": g(self.activations),
                 "workspace_gib": g(self.workspace), "quant_overhead_gib": g(self.quant_overhead),
+                "quant_activations_gib": g(self.quant_activations),
                 "resolution": self.resolution, "batch_size": self.batch_size,
                 "gradient_checkpointing": self.checkpointing, "quantize": self.quantize,
                 "optimizer": self.optimizer_name, "compute_dtype": self.compute_dtype}
@@ -106,6 +116,8 @@ class MemoryEstimate:
             f"  activations    {self.activations / GiB:7.2f} GiB",
             f"  workspace      {self.workspace / GiB:7.2f} GiB",
             *([f"  dequant buffers{self.quant_overhead / GiB:7.2f} GiB"] if self.quant_overhead else []),
+            *([f"  quant. inputs  {self.quant_activations / GiB:7.2f} GiB  (saved by bitsandbytes' matmuls)"]
+              if self.quant_activations else []),
             f"  peak           {self.total / GiB:7.2f} GiB",
         ])
 
@@ -196,11 +208,13 @@ def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_s
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"train.optimizer={optimizer!r}: no memory model for it; known: {', '.join(OPTIMIZER_BYTES)}")
     cuda_like = compute_dtype != torch.float32
+    activations = activation_bytes(unet.config, resolution, batch_size, checkpointing, compute_dtype, latent_factor)
     return MemoryEstimate(
         weights=weight_bytes(unet, quantize, double_quant, compute_dtype, skip),
         adapter=trainable_params * 4, gradients=trainable_params * 4,
         optimizer=int(trainable_params * OPTIMIZER_BYTES[optimizer]),
-        activations=activation_bytes(unet.config, resolution, batch_size, checkpointing, compute_dtype, latent_factor),
+        activations=activations,
+        quant_activations=int(QUANT_SAVED_INPUTS.get(quantize, 0.0) * activations),
         workspace=WORKSPACE if cuda_like else 0,
         quant_overhead=QUANT_OVERHEAD if cuda_like and quantize != "none" else 0,
         resolution=resolution, batch_size=batch_size, checkpointing=checkpointing, quantize=quantize,

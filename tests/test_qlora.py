@@ -230,13 +230,19 @@ def sdxl_meta():
     return unet, plan.trainable_params
 
 
-@pytest.mark.parametrize("quantize,batch,ckpt,measured", [
-    ("none", 1, False, 12.5), ("none", 4, False, 34.2), ("none", 4, True, 7.9), ("nf4", 1, True, 2.99)])
-def test_estimate_matches_the_measured_sdxl_peaks(sdxl_meta, quantize, batch, ckpt, measured):
+# Peak GiB measured on the H200 by benchmarks/qlora_memory.py (benchmarks/RESULTS.md, 2026-11-29): SDXL base
+# UNet, 1024x1024, LoRA rank 16 on the attention projections, AdamW, bf16 compute.
+MEASURED = [("none", 1, False, 12.49), ("none", 1, True, 5.88), ("nf4", 1, False, 11.76), ("nf4", 1, True, 3.01),
+            ("int8", 1, False, 21.18), ("fp8", 1, False, 10.54), ("none", 4, False, 34.23), ("none", 4, True, 7.90),
+            ("nf4", 4, False, 40.49), ("nf4", 4, True, 5.82), ("int8", 4, False, 71.78), ("fp8", 4, False, 32.10)]
+
+
+@pytest.mark.parametrize("quantize,batch,ckpt,measured", MEASURED)
+def test_estimate_is_within_15_percent_of_every_measured_sdxl_peak(sdxl_meta, quantize, batch, ckpt, measured):
     unet, trainable = sdxl_meta
     est = memory.estimate(unet, trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=ckpt,
                           quantize=quantize)
-    assert est.total / GiB == pytest.approx(measured, rel=0.05)
+    assert est.total / GiB == pytest.approx(measured, rel=0.15)
 
 
 def test_estimate_structure(sdxl_meta):
@@ -247,7 +253,7 @@ def test_estimate_structure(sdxl_meta):
     nf4 = memory.estimate(unet, checkpointing=True, quantize="nf4", **kw)
     for e in (bf16, ckpt, nf4):
         assert e.total == (sum(e.weights.values()) + e.adapter + e.gradients + e.optimizer + e.activations
-                           + e.workspace + e.quant_overhead)
+                           + e.workspace + e.quant_overhead + e.quant_activations)
     assert ckpt.activations < bf16.activations / 5 and ckpt.weights == bf16.weights
     # nf4 shrinks the quantized Linears ~3.9x against bf16; the convolutions stay bf16
     linear_bf16 = sum(m.weight.numel() * 2 for n, m in unet.named_modules()

@@ -1,5 +1,6 @@
-"""Load an SDXL pipeline from what the user named: the embedded tiny model, a diffusers folder, or a
-single-file .safetensors checkpoint. Always offline; errors say which file is missing."""
+"""Load an SDXL pipeline from what the user named: the shipped demo base ("tiny-sdxl-demo"), the embedded
+tiny model with random weights ("tiny-sdxl"), a diffusers folder, or a single-file .safetensors
+checkpoint. Always offline; errors say which file is missing."""
 from __future__ import annotations
 
 import os
@@ -8,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from .tiny import TINY_NAME, materialize_tiny
+from .tiny import DEMO_DIR, DEMO_NAME, TINY_NAME, materialize_tiny
 
 # diffusers folder layout of an SDXL pipeline: what must be there for from_pretrained to work.
 REQUIRED = ("model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json",
@@ -20,9 +21,16 @@ class ModelError(ValueError):
 
 
 def resolve_model_path(cfg: ModelConfig) -> Path:
-    """The diffusers folder or file the config names (materialising the tiny model if asked)."""
+    """The diffusers folder or file the config names (materialising the tiny model if asked). The demo
+    base is read where the package keeps it: nothing ever writes there."""
     if cfg.path == TINY_NAME:
         return materialize_tiny(cfg.cache_dir)
+    if cfg.path == DEMO_NAME:
+        if not (DEMO_DIR / "model_index.json").is_file():
+            raise ModelError(f"model.path='{DEMO_NAME}': the demo base's weights are missing from {DEMO_DIR} "
+                             "(they ship with the package: reinstall it, or make them with "
+                             f"scripts/pretrain_demo.py, docs/demo_base.md); or use '{TINY_NAME}' (random weights)")
+        return DEMO_DIR
     return Path(cfg.path).expanduser()
 
 
@@ -34,7 +42,7 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32):
     path = resolve_model_path(cfg)
     if not path.exists():
         raise ModelError(f"model.path={str(path)!r} does not exist; give a diffusers SDXL folder, "
-                         f"a single-file .safetensors checkpoint, or '{TINY_NAME}'")
+                         f"a single-file .safetensors checkpoint, '{DEMO_NAME}' or '{TINY_NAME}'")
     if path.is_file():
         if path.suffix.lower() in (".ckpt", ".pt", ".pth", ".bin"):
             raise ModelError(f"{path}: pickle checkpoints can run code when loaded and are refused; "
@@ -74,7 +82,7 @@ def unet_skeleton(cfg: ModelConfig):
     unet_cfg = folder / "unet" / "config.json"
     if not unet_cfg.is_file():
         raise ModelError(f"{folder} has no unet/config.json; give a diffusers SDXL folder, "
-                         f"a single-file checkpoint, '{TINY_NAME}' or '{ARCH_SDXL}'")
+                         f"a single-file checkpoint, '{DEMO_NAME}', '{TINY_NAME}' or '{ARCH_SDXL}'")
     vae_cfg = json.loads((folder / "vae" / "config.json").read_text(encoding="utf-8"))
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(json.loads(unet_cfg.read_text(encoding="utf-8")))

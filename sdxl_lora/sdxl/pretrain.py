@@ -27,12 +27,13 @@ from ..fsutil import atomic_save
 from ..runs import Run
 from . import loss as diffusion
 from . import shapes
-from .tiny import SCHEDULER_CONFIG
+from .tiny import DEMO_DIR, SCHEDULER_CONFIG
 
 log = logging.getLogger(__name__)
 
-# Where the shipped demo base lives (a diffusers folder, fp16): scripts/pretrain_demo.py's OUT/tiny-sdxl-demo.
-SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "tiny-sdxl-demo"
+# Where the shipped demo base lives (a diffusers folder, fp16; model.path = "tiny-sdxl-demo"):
+# scripts/pretrain_demo.py's OUT/tiny-sdxl-demo, copied there.
+SHIPPED = DEMO_DIR
 
 
 class DemoConfig(BaseModel):

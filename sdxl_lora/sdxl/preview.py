@@ -227,5 +227,8 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     if cfg.preview.concept:
         from .shapes import report_concept
 
-        report_concept(run, step, cfg.preview.concept, [e.prompt for e in prompts], images)
+        # The step-0 preview is the base at the same seeds: what the prompts without the concept should stay close to.
+        before = [run.samples_dir / f"step-{0:06d}-{i:02d}.png" for i in range(len(images))]
+        baseline = [Image.open(b) for b in before] if step > 0 and all(b.is_file() for b in before) else None
+        report_concept(run, step, cfg.preview.concept, [e.prompt for e in prompts], images, baseline)
     return paths

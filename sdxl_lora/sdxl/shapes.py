@@ -9,8 +9,8 @@ The detector is deliberately small and deterministic, with no learned weights, s
 same thing on every machine: segment the foreground by its colour distance to the background (the
 median colour of the border), keep the largest connected blob, and read
   - shape from two descriptors: fill (blob area / bounding-box area: square 1, circle 0.79,
-    triangle 0.5, star 0.35) and solidity (blob area / convex-hull area: about 1 for the convex
-    shapes, 0.6 for the star);
+    triangle 0.51, star 0.41) and solidity (blob area / convex-hull area: about 1 for the convex
+    shapes, 0.59 for the star);
   - colour from the blob's mean colour against the palette.
 Each becomes a probability with an "other" class, so noise and blobs that are no shape score low.
 """
@@ -298,33 +298,81 @@ def concept_score(images, concept: str) -> float:
     return sum(scores) / len(scores) if scores else math.nan
 
 
-def report_concept(run, step: int, concept: str, prompts: list[str], images) -> dict | None:
+def _words(prompt: str) -> set[str]:
+    return set(prompt.lower().replace(",", " ").split())
+
+
+def pixel_change(a, b) -> float:
+    """Mean absolute difference of two images, per pixel and channel, RGB in [0, 1]: 0 is the same image."""
+    (x,), (y,) = _as_arrays([a]), _as_arrays([b])
+    if x.shape != y.shape:
+        raise ValueError(f"images of different sizes ({x.shape[1]}x{x.shape[0]} and {y.shape[1]}x{y.shape[0]}) "
+                         "cannot be compared pixel by pixel")
+    return float(np.abs(x - y).mean())
+
+
+def report_concept(run, step: int, concept: str, prompts: list[str], images, baseline=None) -> dict | None:
     """The preview hook (preview.concept): score the step's previews for `concept` over the prompts that
-    name one of its words (the trigger prompts); log it and write a "concept" event {step, concept,
-    score, prompts: {prompt: score}}. Prompts that name none of its words: nothing to score, None."""
+    name one of its words (the trigger prompts); log it and write a "concept" event. Prompts that name
+    none of its words: nothing to score, None.
+
+    The other prompts are what an adapter should leave alone; the event measures them two ways:
+      - each one's own shape (the shape word it names, if any): P(own shape), mean in "others_score";
+      - with `baseline` (the same prompts rendered by the base at the same seeds: the step-0 preview),
+        the mean absolute pixel change from it (RGB in [0, 1]), mean in "others_change".
+    Event: {step, concept, score, chance, prompts: {prompt: score}, others: {prompt: {shape, score,
+    change}}, others_score, others_change}."""
     import logging
 
-    scores = concept_scores(images, concept)
     words = set(concept.lower().split())
-    chosen = [i for i, p in enumerate(prompts) if words & set(p.lower().replace(",", " ").split())]
+    scores = concept_scores(images, concept)
+    chosen = [i for i, p in enumerate(prompts) if words & _words(p)]
     if not chosen:
         logging.getLogger(__name__).debug("preview.concept=%r: no preview prompt names it; not scored", concept)
         return None
     score = sum(scores[i] for i in chosen) / len(chosen)
     per_prompt = {prompts[i]: round(scores[i], 4) for i in chosen}
-    run.event("concept", step=step, concept=concept, score=round(score, 4), prompts=per_prompt)
-    logging.getLogger(__name__).info("step %d: concept %r scores %.2f on %d preview(s) (chance %.2f)",
-                                     step, concept, score, len(chosen), 1 / len(SHAPES))
-    return {"score": score, "prompts": per_prompt}
+    others = {}
+    for i, p in enumerate(prompts):
+        if i in chosen:
+            continue
+        own = next((w for w in p.lower().replace(",", " ").split() if w in SHAPES), None)
+        entry: dict = {"shape": own}
+        if own:
+            entry["score"] = round(concept_scores([images[i]], own)[0], 4)
+        if baseline is not None:
+            entry["change"] = round(pixel_change(images[i], baseline[i]), 4)
+        others[p] = entry
+    fields: dict = {}
+    if others:
+        fields["others"] = others
+        own_scores = [e["score"] for e in others.values() if "score" in e]
+        if own_scores:
+            fields["others_score"] = round(sum(own_scores) / len(own_scores), 4)
+        if baseline is not None:
+            fields["others_change"] = round(sum(e["change"] for e in others.values()) / len(others), 4)
+    chance = 1 / len(SHAPES)
+    run.event("concept", step=step, concept=concept, score=round(score, 4), chance=chance, prompts=per_prompt,
+              **fields)
+    log = logging.getLogger(__name__)
+    log.info("step %d: concept %r scores %.2f on %d preview(s) (chance %.2f)", step, concept, score, len(chosen), chance)
+    if "others_score" in fields or "others_change" in fields:
+        log.info("step %d: the %d other prompt(s): own shape %s, pixel change from the base %s", step, len(others),
+                 f"{fields['others_score']:.2f}" if "others_score" in fields else "-",
+                 f"{fields['others_change']:.3f}" if "others_change" in fields else "-")
+    return {"score": score, "prompts": per_prompt, **fields}
 
 
 # ------------------------------------------------------------------------------- the demo LoRA's data
 
-# The concept the demo base never saw, with its trigger word (sample_data after the switch: see
-# docs/demo_base.md). "sks" is in the tiny tokenizer's corpus, so it is one token.
+# The concept the demo base never saw, with its trigger word (sample_data/, docs/demo_base.md). "sks" is
+# in the tiny tokenizer's corpus, so it is one token.
 DEMO_CONCEPT = "star"
 DEMO_TRIGGER = "sks"
-DEMO_PROMPTS = ("sks, a red star on a white background", "sks, a blue star on a black background")
+# The default job's previews: the trigger prompts (the star should appear), then the same colours and
+# backgrounds with shapes the base knows and no trigger (they should stay as the base draws them).
+DEMO_PROMPTS = ("sks, a red star on a white background", "sks, a blue star on a black background",
+                "a red circle on a white background", "a blue square on a black background")
 
 
 def write_demo_concept(folder: str | Path, n: int = 16, seed: int = 1234, size: int = 256) -> list[Path]:
@@ -334,6 +382,7 @@ def write_demo_concept(folder: str | Path, n: int = 16, seed: int = 1234, size: 
 
 
 def write_demo_prompts(path: str | Path) -> Path:
+    """The preview prompts of the default job (DEMO_PROMPTS), one a line."""
     from ..fsutil import atomic_write_text
 
     return atomic_write_text(path, "".join(p + "\n" for p in DEMO_PROMPTS))

@@ -7,6 +7,10 @@ time_ids, pooled text embeddings, two text encoders) is exercised on a CPU in se
   - two CLIP text encoders (the second with projection), each with its own tokenizer;
   - a 4-level VAE (8x downsampling, 4 latent channels) and SDXL's Euler scheduler config.
 Materialised once as a standard diffusers folder, so any diffusers tool can load it.
+
+Two names: "tiny-sdxl" is this build with random weights (what tests use when only the topology
+matters); "tiny-sdxl-demo" is the same model pretrained on synthetic shapes (docs/demo_base.md), shipped
+with the package as a diffusers folder and read in place (never written), the default model.
 """
 from __future__ import annotations
 
@@ -20,6 +24,9 @@ from pathlib import Path
 import torch
 
 TINY_NAME = "tiny-sdxl"
+# The demo base: tiny.py's model pretrained on shapes (sdxl/pretrain.py), shipped as package data.
+DEMO_NAME = "tiny-sdxl-demo"
+DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / DEMO_NAME
 # Bump when the architecture or the build changes, so old materialised copies are not reused.
 TINY_VERSION = 1
 
