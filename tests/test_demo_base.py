@@ -69,7 +69,31 @@ def test_demo_concept_set_is_captioned_stars(tmp_path):
     from PIL import Image
     assert shapes.concept_score([Image.open(p) for p in paths], "star") > 0.8
     prompts = shapes.write_demo_prompts(tmp_path / "prompts.txt").read_text().splitlines()
-    assert all(shapes.DEMO_TRIGGER in p and shapes.DEMO_CONCEPT in p for p in prompts)
+    trigger = [p for p in prompts if p.startswith(f"{shapes.DEMO_TRIGGER}, ")]
+    others = [p for p in prompts if p not in trigger]
+    # Prompts with the trigger ask for the star; the others, without it, for shapes the base knows.
+    assert trigger and all(f" {shapes.DEMO_CONCEPT} " in p for p in trigger)
+    assert others and all(shapes.DEMO_TRIGGER not in p and shapes.DEMO_CONCEPT not in p for p in others)
+    assert all(any(s in p.split() for s in shapes.BASE_SHAPES) for p in others)
+
+
+def test_sample_data_is_the_generators_demo_concept(tmp_path):
+    """sample_data/ is exactly what its script makes: the demo concept and prompts, nothing else."""
+    from sdxl_lora.config import SAMPLE_DATA
+
+    shapes.write_demo_concept(tmp_path / "images")
+    shapes.write_demo_prompts(tmp_path / "prompts.txt")
+    made = sorted(p.name for p in (tmp_path / "images").iterdir())
+    assert sorted(p.name for p in (SAMPLE_DATA / "images").iterdir()) == made
+    from PIL import Image
+
+    for name in made:
+        a, b = SAMPLE_DATA / "images" / name, tmp_path / "images" / name
+        if name.endswith(".png"):
+            assert Image.open(a).tobytes() == Image.open(b).tobytes(), name
+        else:
+            assert a.read_text() == b.read_text(), name
+    assert (SAMPLE_DATA / "prompts.txt").read_text() == (tmp_path / "prompts.txt").read_text()
 
 
 def test_preview_concept_hook_writes_the_score_event(tmp_path):
@@ -86,6 +110,30 @@ def test_preview_concept_hook_writes_the_score_event(tmp_path):
     # Prompts that do not name it (a user's own prompts): nothing scored, no event.
     assert shapes.report_concept(run, 8, "star", ["a circle"], images[:1]) is None
     assert len([e for e in run.events() if e["event"] == "concept"]) == 1
+
+
+def test_concept_event_measures_the_prompts_without_the_concept(tmp_path):
+    """The prompts without the trigger: each one's own shape scored, and how far it moved from the base's
+    render (the baseline), pixel by pixel."""
+    run = Run(tmp_path)
+    star, circle, square = (shapes.render(_specs(s, 1), 64) for s in ("star", "circle", "square"))
+    prompts = ["sks, a red star", "a red circle", "a blue square"]
+    base = shapes.to_pil(torch.cat([circle, circle, square]))
+    # After training: the star appears with the trigger; the circle prompt kept its circle, the square one
+    # turned into a star (what a drifting adapter does).
+    after = shapes.to_pil(torch.cat([star, circle, star]))
+    out = shapes.report_concept(run, 5, "star", prompts, after, baseline=base)
+    (event,) = [e for e in run.events() if e["event"] == "concept"]
+    assert event["score"] > 0.8 and set(event["prompts"]) == {"sks, a red star"}
+    assert event["others"]["a red circle"]["shape"] == "circle" and event["others"]["a red circle"]["score"] > 0.8
+    assert event["others"]["a blue square"]["score"] < 0.1
+    assert event["others"]["a red circle"]["change"] == 0.0 and event["others"]["a blue square"]["change"] > 0.02
+    assert event["others_score"] == pytest.approx(out["others_score"]) and 0.4 < event["others_score"] < 0.6
+    assert event["others_change"] == pytest.approx(event["others"]["a blue square"]["change"] / 2, abs=1e-4)
+    # Without a baseline (the step-0 preview itself, or previews.before off): no pixel change.
+    shapes.report_concept(run, 0, "star", prompts, base)
+    first = [e for e in run.events() if e["event"] == "concept"][-1]
+    assert "others_change" not in first and "change" not in first["others"]["a red circle"]
 
 
 def _stage_config(**train) -> Config:
@@ -130,7 +178,9 @@ def test_pretraining_stages_train_every_parameter_and_learn(tmp_path):
 
 
 def test_shipped_demo_base_draws_its_shapes():
-    """The shipped base renders each training shape recognisably (the detector's P(shape) well above chance)."""
+    """The shipped base draws the shape and the colour a prompt asks for: for each training shape, the
+    detector's P(asked shape) is above chance and above every other shape's, the clearest shape scores
+    well above chance, and the asked colour wins (chance 1/6)."""
     folder = pretrain.SHIPPED
     if not (folder / "model_index.json").is_file():
         pytest.fail(f"the demo base weights are absent: {folder} has no model_index.json. Make them with "
@@ -140,9 +190,14 @@ def test_shipped_demo_base_draws_its_shapes():
 
     assert pretrain.weights_size(folder) <= 30e6
     pipe = load_pipeline(ModelConfig(path=str(folder)))
-    scores, _ = pretrain.render_and_score(pipe, per_shape=3, size=128, steps=20, guidance=5.0, device="cpu")
-    for shape, s in scores.items():
-        assert s["shape"] > 2 * pretrain.chance(), (shape, scores)
+    scores, images = pretrain.render_and_score(pipe, per_shape=3, size=128, steps=20, guidance=5.0, device="cpu")
+    for shape, imgs in zip(shapes.BASE_SHAPES, images):
+        found = shapes.detect(imgs)
+        mean = {s: sum(d.shape[s] for d in found) / len(found) for s in shapes.SHAPES}
+        assert mean[shape] > pretrain.chance(), (shape, mean)
+        assert all(mean[shape] > mean[o] for o in shapes.SHAPES if o != shape), (shape, mean)
+        assert scores[shape]["colour"] > 0.5, (shape, scores)
+    assert max(s["shape"] for s in scores.values()) > 2 * pretrain.chance(), scores
 
 
 def test_pretraining_encodes_prompts_as_the_sdxl_pipeline_does(tmp_path):
@@ -170,3 +225,31 @@ def test_pretraining_encodes_prompts_as_the_sdxl_pipeline_does(tmp_path):
     torch.testing.assert_close(seen["pooled"][0], pooled[0])
     assert not neg.any() and not neg_pooled.any()  # force_zeros_for_empty_prompt: the dropped captions
     assert not seen["embeds"][1].any() and not seen["pooled"][1].any()
+
+
+def _digest(folder):
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+
+
+def test_default_job_trains_on_the_demo_base_and_reports_the_concept(tmp_path, capsys):
+    """`sdxl-lora train` with only a short length: the demo base is the model (read where it ships,
+    never written), the previews are scored for the star before and after, and the summary says so."""
+    from sdxl_lora.cli import main
+    from sdxl_lora.config import load_config
+
+    shipped = _digest(pretrain.SHIPPED)
+    assert main(["train", "--out", str(tmp_path), "--name", "d", "--steps", "2", "--set", "preview.steps=2"]) == 0
+    assert _digest(pretrain.SHIPPED) == shipped
+    assert load_config(tmp_path / "d" / "config.toml").model.path == "tiny-sdxl-demo"
+    events = Run(tmp_path / "d").events()
+    concept = [e for e in events if e["event"] == "concept"]
+    assert [e["step"] for e in concept] == [0, 2] and all(e["concept"] == "star" for e in concept)
+    trigger = [p for p in shapes.DEMO_PROMPTS if p.startswith(shapes.DEMO_TRIGGER)]
+    others = [p for p in shapes.DEMO_PROMPTS if p not in trigger]
+    for e in concept:
+        assert sorted(e["prompts"]) == sorted(trigger) and sorted(e["others"]) == sorted(others)
+        assert 0 <= e["score"] <= 1 and 0 <= e["others_score"] <= 1
+    assert "others_change" not in concept[0] and 0 <= concept[1]["others_change"] < 1
+    out = capsys.readouterr().out
+    assert "concept    : 'star' " in out and "(step 0 -> 2;" in out
+    assert "others     : own shape " in out and "mean pixel change from the base" in out

@@ -25,8 +25,9 @@ def unet_inputs(unet):
 
 
 def train(tmp_path, name, steps, **settings):
+    # The random-weights tiny SDXL: the outputs are compared with tiny_dir's (the same model).
     cfg = load_config(extra={"output.runs_dir": str(tmp_path), "output.name": name, "train.steps": steps,
-                             "preview.prompts": "", "train.lr": 3e-3, **settings})
+                             "preview.prompts": "", "train.lr": 3e-3, "model.path": "tiny-sdxl", **settings})
     run = create_run(cfg) if not (tmp_path / name).exists() else None
     task = SDXLTask(cfg)
     trainer = Trainer(cfg, task, run)

@@ -1,4 +1,4 @@
-"""The main job end to end: `sdxl-lora train` on the embedded tiny SDXL and sample_data/."""
+"""The main job end to end: `sdxl-lora train` on the demo base (tiny-sdxl-demo) and sample_data/."""
 import json
 import subprocess
 import sys
@@ -43,20 +43,23 @@ def test_training_loss_falls_clearly(default_run):
     assert last < first, f"loss went {first:.4f} -> {last:.4f}"
     evals = [e["loss"] for e in read_events(default_run / "events.jsonl") if e["event"] == "eval"]
     assert len(evals) == 2
-    # Fixed timesteps and noise: a deterministic measure. The tiny base has random weights, so what the
-    # adapter can learn is bounded; the default run takes it from about 1.15 to 1.02.
-    assert evals[1] < 0.93 * evals[0], f"eval loss went {evals[0]:.4f} -> {evals[1]:.4f}"
+    # Fixed timesteps and noise: a deterministic measure. On the demo base, which has never seen a star,
+    # the default run takes it from about 0.19 to 0.05.
+    assert evals[1] < 0.8 * evals[0], f"eval loss went {evals[0]:.4f} -> {evals[1]:.4f}"
 
 
-def test_adapter_loads_in_diffusers_in_another_process_and_changes_the_image(default_run, tiny_dir, tmp_path):
+def test_adapter_loads_in_diffusers_in_another_process_and_changes_the_image(default_run, tmp_path):
+    from sdxl_lora.sdxl.pretrain import SHIPPED  # the demo base the default job trains on
+
     script = textwrap.dedent(f"""
         import json, torch
         from diffusers import StableDiffusionXLPipeline
-        pipe = StableDiffusionXLPipeline.from_pretrained({str(tiny_dir)!r}, local_files_only=True)
+        pipe = StableDiffusionXLPipeline.from_pretrained({str(SHIPPED)!r}, local_files_only=True,
+                                                         torch_dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
         def img():
             g = torch.Generator().manual_seed(7)
-            return pipe("a red circle on a white background", num_inference_steps=4, generator=g,
+            return pipe("sks, a red star on a white background", num_inference_steps=4, generator=g,
                         output_type="pt").images
         base = img()
         pipe.load_lora_weights({str(default_run / "default.safetensors")!r})
@@ -76,7 +79,9 @@ def test_adapter_loads_in_diffusers_in_another_process_and_changes_the_image(def
     assert all(k.startswith("lora_unet_") for k in sd)
     assert res["n_lora"] == sum(1 for k in sd if k.endswith(".lora_down.weight")) > 0
     assert res["diff"] > 1e-3
-    assert res["formats"] < 1e-5  # the kohya file and the diffusers file beside it give the same image
+    # The kohya file and the diffusers file beside it give the same image (to float rounding: the kohya
+    # file holds alpha folded into the weights).
+    assert res["formats"] < 1e-4
 
 
 def _short_run(out, name, seed=1):

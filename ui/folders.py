@@ -14,8 +14,8 @@ from sdxl_lora.config import ModelConfig
 from sdxl_lora.images import IMAGE_EXTENSIONS
 
 
-# The embedded tiny SDXL's name is the schema's default model (importing sdxl.tiny would pull in torch,
-# which the page does not need until it trains, renders or plans).
+# The default model's name (the shipped demo base, "tiny-sdxl-demo") is the schema's default (importing
+# sdxl.tiny would pull in torch, which the page does not need until it trains, renders or plans).
 TINY = ModelConfig.model_fields["path"].default
 TINY_LLM = "tiny-llm"  # the embedded tiny causal LM (sdxl_lora/llm/tiny.py)
 
@@ -73,16 +73,17 @@ def image_folders(root: Path, limit: int = 500) -> list[str]:
 
 
 def model_choices(models: Path) -> list[str]:
-    """What the model field offers: the embedded tiny SDXL, diffusers SDXL folders and single .safetensors
-    checkpoints under the models folder (relative paths). The tiny model's own materialised copy is
-    shown as 'tiny-sdxl'."""
+    """What the model field offers: the shipped demo base ('tiny-sdxl-demo'), diffusers SDXL folders and
+    single .safetensors checkpoints under the models folder (relative paths). A materialised copy of the
+    random-weights tiny SDXL is not offered."""
 
     out = [TINY]
     for folder, dirs, files in os.walk(models):
         here = Path(folder)
         if (here / "model_index.json").is_file():
             dirs[:] = []
-            if not here.name.startswith(f"{TINY}-v") and here != models:
+            # "tiny-sdxl-v1-seed0": a materialised copy of the random-weights tiny SDXL (sdxl/tiny.py).
+            if not here.name.startswith("tiny-sdxl-v") and here != models:
                 out.append(os.path.relpath(here, models))
             continue
         if "config.json" in files and here != models:  # a transformers model (an LLM), not an SDXL one

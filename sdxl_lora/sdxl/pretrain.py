@@ -51,8 +51,9 @@ class DemoConfig(BaseModel):
 class PretrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     demo: DemoConfig = Field(default_factory=DemoConfig)
-    vae: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=1500, batch_size=64, lr=1e-3))
-    unet: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=3000, batch_size=384, lr=8e-4))
+    # The shipped base's sizes (scripts/pretrain_demo.toml states them all; these are its fallbacks).
+    vae: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=1000, batch_size=96, lr=1e-3))
+    unet: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=1400, batch_size=1024, lr=8e-4))
 
     def stage(self, name: str) -> Config:
         """A full Config for one stage: its train section, no adapter previews (the script renders)."""

@@ -125,17 +125,16 @@ def to_pil(images: torch.Tensor) -> list[Image.Image]:
     return [Image.fromarray(a) for a in arr]
 
 
-def write_set(folder: str | Path, n: int, shapes: tuple[str, ...], seed: int = 0, size: int = 256,
-              prefix: str = "", trigger: str = "") -> list[Path]:
-    """Write n images with .txt captions (a captioned folder the SDXL task reads), the trigger word
+def write_set(folder: str | Path, specs: list[Spec], size: int = 256, prefix: str = "",
+              trigger: str = "") -> list[Path]:
+    """Write the images with .txt captions (a captioned folder the SDXL task reads), the trigger word
     first when given ("sks, a red star on a white background"); returns the image paths."""
     from ..fsutil import atomic_save, atomic_write_text
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for i in range(n):
-        s = spec(seed, i, shapes)
+    for i, s in enumerate(specs):
         img = to_pil(render([s], size))[0]
         stem = f"{prefix}{i:02d}_{s.colour}_{s.shape}"
         paths.append(atomic_save(folder / f"{stem}.png", lambda tmp, img=img: img.save(tmp, format="PNG")))
@@ -371,14 +370,29 @@ DEMO_CONCEPT = "star"
 DEMO_TRIGGER = "sks"
 # The default job's previews: the trigger prompts (the star should appear), then the same colours and
 # backgrounds with shapes the base knows and no trigger (they should stay as the base draws them).
-DEMO_PROMPTS = ("sks, a red star on a white background", "sks, a blue star on a black background",
-                "a red circle on a white background", "a blue square on a black background")
+DEMO_PROMPTS = ("sks, a red star on a white background", "sks, a yellow star on a black background",
+                "a red circle on a white background", "a green triangle on a white background")
 
 
-def write_demo_concept(folder: str | Path, n: int = 16, seed: int = 1234, size: int = 256) -> list[Path]:
-    """The demo LoRA's images: n stars of various colours on the base's backgrounds, captioned like
-    the base's set with the trigger word first ("sks, a red star on a grey background")."""
-    return write_set(folder, n, NEW_SHAPES, seed=seed, size=size, trigger=DEMO_TRIGGER)
+def demo_spec(seed: int, index: int) -> Spec:
+    """The index-th image of the demo concept: a large star (radius 0.30-0.34 of the side) of any colour
+    on a white or black background. Large, and not on grey: the demo base's VAE, which never saw a star,
+    gives such stars back with their points (P(star) 0.67-0.95 after encoding and decoding), while
+    stars of radius 0.22 (0.08-0.16) or on grey (0.03-0.48) come back as blobs (docs/demo_base.md)."""
+    rng = random.Random(f"demo:{seed}:{index}")
+    colours = list(COLOURS)
+    # Every colour on both backgrounds within 12 images; positions and sizes drawn.
+    return Spec(shape=DEMO_CONCEPT, colour=colours[index % len(colours)],
+                background=("white", "black")[(index // len(colours)) % 2],
+                cx=0.5 + rng.uniform(-0.06, 0.06), cy=0.5 + rng.uniform(-0.06, 0.06), r=rng.uniform(0.30, 0.34))
+
+
+def write_demo_concept(folder: str | Path, n: int = 16, seed: int = 1234, size: int = 128) -> list[Path]:
+    """The demo LoRA's images: n stars (demo_spec) captioned like the base's set with the trigger word
+    first ("sks, a red star on a white background"). 128 px: the base's native size, the size it was
+    pretrained at (SDXL's size conditioning then says 128 x 128 in training as in the previews; larger
+    images would train the adapter under an original size the base never saw)."""
+    return write_set(folder, [demo_spec(seed, i) for i in range(n)], size=size, trigger=DEMO_TRIGGER)
 
 
 def write_demo_prompts(path: str | Path) -> Path:
