@@ -38,15 +38,17 @@ def _setup_logging(verbose: bool) -> None:
     dlog.disable_progress_bar()
 
 
-def _config_from_args(args) -> "Config":  # noqa: F821
+def _config_from_args(args, flags=None, **fixed) -> "Config":  # noqa: F821
+    """The config of a train command line: the CONFIG file, then --set, then the flags (`flags`, default
+    TRAIN_FLAGS) and `fixed` top-level fields (the LLM command's task="llm")."""
     from .config import load_config
 
-    extra = {}
-    for flag, field, _, _ in TRAIN_FLAGS:
+    extra = dict(fixed)
+    for flag, field, _, _ in flags or TRAIN_FLAGS:
         value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if value is None:
             continue
-        extra[field] = value if field != "data.dirs" else list(value)
+        extra[field] = list(value) if field in ("data.dirs", "llm.data") else value
     if getattr(args, "overwrite", False):
         extra["output.overwrite"] = True
     return load_config(args.config, args.set, extra)
@@ -79,31 +81,44 @@ def _resume_target(args) -> tuple["Config", "Run", Path]:  # noqa: F821
     return cfg, Run(run_dir), state
 
 
-def cmd_train(args) -> int:
-    from .runs import attach_log_file, create_run, relpath
-    from .sdxl.task import SDXLTask
+def _fit(cfg, run, state, task):
+    """Train `task` in `run` (resuming from `state` when given): the trainer and its result."""
+    from .runs import attach_log_file
     from .train import Trainer
 
-    if (_resume_target(args)[0] if args.resume else _config_from_args(args)).task == "llm":
-        return cmd_llm_train(args)  # a config with task = "llm": the LLM command, same flags
-    if args.resume:
-        cfg, run, state = _resume_target(args)
-    else:
-        cfg, state = _config_from_args(args), None
-        run = create_run(cfg)
     attach_log_file(run)
     logging.getLogger(__name__).info("run folder: %s", run.dir)
-    trainer = Trainer(cfg, SDXLTask(cfg), run, resume=state)
+    trainer = Trainer(cfg, task, run, resume=state)
     trainer.setup()
-    result = trainer.fit()
+    return trainer, trainer.fit()
+
+
+def _stopped(result, run, command: str) -> int:
+    """What a user needs after Ctrl-C, SIGTERM or the NaN guard: where the state is, how to go on."""
+    from .runs import relpath
+
+    print(f"\nstopped by {result.interrupted} at step {result.steps}; state saved in {relpath(result.state)}")
+    if result.message:
+        print(result.message)
+    print(f"resume with: {command} --resume {relpath(run.dir)}")
+    return 130
+
+
+def cmd_train(args) -> int:
+    from .runs import create_run, relpath
+    from .sdxl.task import SDXLTask
+
+    # The resumed run (its config and newest state, read and verified once) or the new run's config.
+    target = _resume_target(args) if args.resume else (_config_from_args(args), None, None)
+    if target[0].task == "llm":
+        return cmd_llm_train(args, target if args.resume else None)  # the LLM command, same flags
+    cfg, run, state = target
+    run = run or create_run(cfg)
+    trainer, result = _fit(cfg, run, state, SDXLTask(cfg))
     if not trainer.accelerator.is_main_process:
         return 0
     if result.interrupted:
-        print(f"\nstopped by {result.interrupted} at step {result.steps}; state saved in {relpath(result.state)}")
-        if result.message:
-            print(result.message)
-        print(f"resume with: sdxl-lora train --resume {relpath(run.dir)}")
-        return 130
+        return _stopped(result, run, "sdxl-lora train")
     print()
     print(f"run folder : {relpath(run.dir)}")
     for kind, path in result.adapter.items():
@@ -315,16 +330,7 @@ def _llm_errors():
 
 
 def _llm_config_from_args(args) -> "Config":  # noqa: F821
-    from .config import load_config
-
-    extra = {"task": "llm"}
-    for flag, field, _, _ in LLM_FLAGS:
-        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
-        if value is not None:
-            extra[field] = list(value) if field == "llm.data" else value
-    if args.overwrite:
-        extra["output.overwrite"] = True
-    return load_config(args.config, args.set, extra)
+    return _config_from_args(args, LLM_FLAGS, task="llm")
 
 
 def task_of(argv: list[str]) -> str:
@@ -335,36 +341,28 @@ def task_of(argv: list[str]) -> str:
     return _config_from_args(args).task
 
 
-def cmd_llm_train(args) -> int:
+def cmd_llm_train(args, resumed=None) -> int:
+    """`resumed`: the run, config and state cmd_train already found for --resume."""
     from .llm.preview import read_answers
     from .llm.task import LLMTask
-    from .runs import attach_log_file, create_run, relpath
-    from .train import Trainer
+    from .runs import create_run, relpath
 
     try:
         if args.resume:
-            cfg, run, state = _resume_target(args)
+            cfg, run, state = resumed or _resume_target(args)
             if cfg.task != "llm":
                 raise FileNotFoundError(f"--resume {run.dir}: an SDXL run; resume it with `sdxl-lora train --resume`")
         else:
             cfg, state = _llm_config_from_args(args), None
             run = create_run(cfg)
-        attach_log_file(run)
-        logging.getLogger(__name__).info("run folder: %s", run.dir)
-        trainer = Trainer(cfg, LLMTask(cfg), run, resume=state)
-        trainer.setup()
-        result = trainer.fit()
+        trainer, result = _fit(cfg, run, state, LLMTask(cfg))
     except _llm_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not trainer.accelerator.is_main_process:
         return 0
     if result.interrupted:
-        print(f"\nstopped by {result.interrupted} at step {result.steps}; state saved in {relpath(result.state)}")
-        if result.message:
-            print(result.message)
-        print(f"resume with: sdxl-lora llm train --resume {relpath(run.dir)}")
-        return 130
+        return _stopped(result, run, "sdxl-lora llm train")
     print()
     answers = [p for p in sorted(run.samples_dir.glob("answers-step*.txt"))]
     if len(answers) >= 2:
