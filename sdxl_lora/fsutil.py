@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -56,3 +57,25 @@ def atomic_save(dest: str | Path, writer: Callable[[Path], None]) -> Path:
     with atomic_path(dest) as tmp:
         writer(tmp)
     return Path(dest)
+
+
+def build_folder_once(dest: Path, build: Callable[[Path, Path], None], marker: str) -> Path:
+    """`dest`, built once: `build(scratch, out)` writes the folder `out` inside a temp folder beside `dest`
+    (with `scratch` for anything else it needs), then `out` is renamed into place, so a crash leaves no
+    half-built folder. `dest/marker` existing means it is built. A process that loses a race to another
+    one building the same folder keeps the winner's."""
+    dest = Path(dest)
+    if (dest / marker).is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        build(tmp / "_scratch", tmp / "out")
+        try:
+            os.replace(tmp / "out", dest)
+        except OSError:
+            if not (dest / marker).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest

@@ -10,14 +10,12 @@ peft tool can load it.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ..config import SAMPLE_DATA
+from ..fsutil import build_folder_once
 
 TINY_LLM = "tiny-llm"
 # Bump when the architecture, the tokenizer or the build changes, so old copies are not reused.
@@ -89,21 +87,8 @@ def build_tiny_llm(tokenizer, seed: int = 0):
 
 def materialize_tiny_llm(cache_dir: str | Path, seed: int = 0) -> Path:
     """Return the tiny LLM's transformers folder, building it once (temp folder, then rename)."""
-    cache_dir = Path(cache_dir)
-    dest = cache_dir / f"{TINY_LLM}-v{TINY_VERSION}-seed{seed}"
-    if (dest / "config.json").is_file() and (dest / "tokenizer_config.json").is_file():
-        return dest
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=cache_dir))
-    try:
-        tokenizer = build_tokenizer(tmp / "model")
-        build_tiny_llm(tokenizer, seed).save_pretrained(str(tmp / "model"), safe_serialization=True)
-        try:
-            os.replace(tmp / "model", dest)
-        except OSError:
-            # Another process materialised it first; theirs is identical (same seed, same build).
-            if not (dest / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    def build(scratch: Path, out: Path) -> None:
+        tokenizer = build_tokenizer(out)
+        build_tiny_llm(tokenizer, seed).save_pretrained(str(out), safe_serialization=True)
+
+    return build_folder_once(Path(cache_dir) / f"{TINY_LLM}-v{TINY_VERSION}-seed{seed}", build, "config.json")

@@ -15,13 +15,12 @@ with the package as a diffusers folder and read in place (never written), the de
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 import torch
+
+from ..fsutil import build_folder_once
 
 TINY_NAME = "tiny-sdxl"
 # The demo base: tiny.py's model pretrained on shapes (sdxl/pretrain.py), shipped as package data.
@@ -157,22 +156,8 @@ def build_tiny_pipeline(tokenizer_dir: Path, seed: int = 0):
 
 def materialize_tiny(cache_dir: str | Path, seed: int = 0) -> Path:
     """Return the tiny SDXL diffusers folder, building it once (atomically: temp folder, then rename)."""
-    cache_dir = Path(cache_dir)
-    dest = cache_dir / f"{TINY_NAME}-v{TINY_VERSION}-seed{seed}"
-    if (dest / "model_index.json").is_file():
-        return dest
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=cache_dir))
-    try:
-        build_tokenizer_files(tmp / "_tok")
-        pipe = build_tiny_pipeline(tmp / "_tok", seed=seed)
-        pipe.save_pretrained(tmp / "model", safe_serialization=True)
-        try:
-            os.replace(tmp / "model", dest)
-        except OSError:
-            # Another process materialised it first; theirs is identical (same seed, same build).
-            if not (dest / "model_index.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    def build(scratch: Path, out: Path) -> None:
+        build_tokenizer_files(scratch / "tok")
+        build_tiny_pipeline(scratch / "tok", seed=seed).save_pretrained(out, safe_serialization=True)
+
+    return build_folder_once(Path(cache_dir) / f"{TINY_NAME}-v{TINY_VERSION}-seed{seed}", build, "model_index.json")
