@@ -220,8 +220,9 @@ class Plan:
         return list(rows.values())
 
 
-def _override(s: Slot, overrides: dict[str, int]) -> int | None:
-    """The last glob that matches the module path or its kohya block id wins."""
+def slot_override(s: Slot, overrides: dict[str, float]) -> float | None:
+    """The value of the last glob that matches the slot's module path or its kohya block id (rank
+    overrides, and train.lr_multipliers); None when none matches."""
     hit = None
     for pattern, rank in overrides.items():
         if fnmatch.fnmatchcase(s.name, pattern) or (s.block and fnmatch.fnmatchcase(s.block, pattern)):
@@ -238,7 +239,7 @@ def make_plan(model: nn.Module, cfg: AdapterConfig, resolution: int | None = Non
     for s in all_slots:
         w = _weight(s, cfg.preset, deepest)
         r = max(cfg.min_rank, round(base * w)) if w > 0 else 0
-        o = _override(s, cfg.overrides)
+        o = slot_override(s, cfg.overrides)
         if o is not None:
             r = o
         if r <= 0:

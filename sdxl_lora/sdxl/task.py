@@ -551,7 +551,7 @@ class SDXLTask:
         if tc.lr_multipliers:
             modules = dict(self.pipe.unet.named_modules())
             for s in self.plan.targets:
-                mult = inject._override(s, tc.lr_multipliers)
+                mult = inject.slot_override(s, tc.lr_multipliers)
                 mult = 1.0 if mult is None else float(mult)
                 groups.setdefault(mult, []).extend(p for p in modules[s.name].parameters() if p.requires_grad)
             log.info("train.lr_multipliers: UNet adapter lr %s", {f"x{m:g}": f"{unet_lr * m:.3g} ({len(ps)} tensors)"
