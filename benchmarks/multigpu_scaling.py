@@ -33,98 +33,85 @@ TINY_UNET = {"block_out_channels": [32, 64, 128], "transformer_layers_per_block"
              "projection_class_embeddings_input_dim": 32 + 6 * 8, "sample_size": 16}
 
 
-class SyntheticSDXL:
-    """The Task protocol (sdxl_lora/train.py) over a random-weight UNet and random cached data."""
+def synthetic_task(cfg, unet_config: dict, latent_side: int, samples: int = 16):
+    """The SDXL task (sdxl_lora/sdxl/task.py) with its own loss, adapter, speed levers and data sharding,
+    over a random-weight UNet and random cached latents and text embeddings: no VAE, text encoders or
+    files, so the timed steps hold nothing but the product's training step."""
+    from types import SimpleNamespace
 
-    def __init__(self, cfg, unet_config: dict, latent_side: int, samples: int = 16):
-        self.cfg, self.unet_config, self.side, self.samples = cfg, unet_config, latent_side, samples
+    from sdxl_lora.sdxl.task import SDXLTask
 
-    def setup(self, accelerator, run) -> None:
-        import torch
-        from diffusers import DDPMScheduler, UNet2DConditionModel
+    class SyntheticSDXL(SDXLTask):
+        def setup(self, accelerator, run) -> None:
+            import torch
+            from diffusers import DDPMScheduler, UNet2DConditionModel
 
-        from sdxl_lora import inject
-        from sdxl_lora.sdxl.data import Dataset, Item
+            from sdxl_lora import inject
+            from sdxl_lora.sdxl.data import Dataset, Item
 
-        self.accelerator, dev = accelerator, accelerator.device
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
-        torch.manual_seed(0)
-        with torch.device(dev):
-            unet = UNet2DConditionModel.from_config(self.unet_config)
-        unet.requires_grad_(False)
-        unet.to(dtype=dtype)
-        px = self.side * 8
-        plan = inject.make_plan(unet, self.cfg.adapter, resolution=px, native=px)
-        inject.apply_plan(unet, plan)
-        if self.cfg.train.gradient_checkpointing:
-            unet.enable_gradient_checkpointing()
-        self.unet, self.trainable = unet, plan.trainable_params
-        self.noise_scheduler = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
-        # A pool of distinct samples, indexed modulo its size: no generation or I/O inside the timed steps.
-        c = self.unet_config
-        pooled = c["projection_class_embeddings_input_dim"] - 6 * c["addition_time_embed_dim"]
-        g = torch.Generator().manual_seed(1)
-        self.pool = [{"latents": torch.randn(4, self.side, self.side, generator=g),
-                      "embeds": torch.randn(77, c["cross_attention_dim"], generator=g),
-                      "pooled": torch.randn(pooled, generator=g),
-                      "time_ids": torch.tensor([px, px, 0, 0, px, px], dtype=torch.float32)}
-                     for _ in range(self.samples)]
-        # One bucket of 1024 positions: BucketBatchSampler shards it exactly as it shards a real dataset.
-        items = [Item(Path(f"{i}.png"), "", 1, (px, px), (px, px), Path("."), False) for i in range(1024)]
-        self.dataset = Dataset(items, [], px, 64)
+            self.accelerator, self._run, self.device = accelerator, run, accelerator.device
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+            torch.manual_seed(0)
+            with torch.device(self.device):
+                unet = UNet2DConditionModel.from_config(unet_config)
+            unet.requires_grad_(False)
+            unet.to(dtype=dtype)
+            px = latent_side * 8
+            scheduler = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+            self.pipe = SimpleNamespace(unet=unet, scheduler=scheduler,
+                                        vae=SimpleNamespace(config=SimpleNamespace(scaling_factor=0.13025)))
+            self.noise_scheduler = self._noise_scheduler()
+            self.plan = self.planned = inject.make_plan(unet, self.cfg.adapter, resolution=px, native=px)
+            inject.apply_plan(unet, self.plan)
+            self._adapter_model = None
+            self._speed_setup(unet, run)  # checkpointing, channels_last, compile, CUDA graphs: as configured
+            # A pool of distinct samples, indexed modulo its size: no generation or I/O in the timed steps.
+            c = unet_config
+            pooled = c["projection_class_embeddings_input_dim"] - 6 * c["addition_time_embed_dim"]
+            g = torch.Generator().manual_seed(1)
+            self.pool = [{"latent_mean": torch.randn(4, latent_side, latent_side, generator=g),
+                          "latent_std": 0.05 * torch.rand(4, latent_side, latent_side, generator=g),
+                          "prompt_embeds": torch.randn(77, c["cross_attention_dim"], generator=g),
+                          "pooled": torch.randn(pooled, generator=g),
+                          "time_ids": torch.tensor([px, px, 0, 0, px, px], dtype=torch.float32)}
+                         for _ in range(samples)]
+            # One bucket of 1024 positions: BucketBatchSampler shards it exactly as it shards a real dataset.
+            items = [Item(Path(f"{i}.png"), "", 1, (px, px), (px, px), Path("."), False) for i in range(1024)]
+            self.dataset = Dataset(items, [], px, 64)
 
-    def model(self):
-        return self.unet
+        def dataloader(self, shard: bool = True):
+            import torch
 
-    def param_groups(self) -> list[dict]:
-        from sdxl_lora import inject
+            from sdxl_lora.sdxl.data import BucketBatchSampler
+            from sdxl_lora.sdxl.task import sample_key
 
-        return [{"params": inject.trainable_parameters(self.unet)}]
+            acc, pool, seed = self.accelerator, self.pool, self.cfg.train.seed
 
-    def dataloader(self):
-        import torch
+            class Samples(torch.utils.data.Dataset):
+                def __len__(self):
+                    return 1024
 
-        from sdxl_lora.sdxl.data import BucketBatchSampler
+                def __getitem__(self, i):  # the real loader's per-sample key for noise and timestep draws
+                    return {**pool[i % len(pool)], "sample_key": torch.tensor(sample_key(seed, 0, i))}
 
-        acc, pool = self.accelerator, self.pool
+            sampler = BucketBatchSampler(self.dataset, self.cfg.train.batch_size, self.cfg.train.seed,
+                                         num_replicas=acc.num_processes if shard else 1,
+                                         rank=acc.process_index if shard else 0)
+            return torch.utils.data.DataLoader(Samples(), batch_sampler=sampler, num_workers=0)
 
-        class Samples(torch.utils.data.Dataset):
-            def __len__(self):
-                return 1024
+        def evaluate(self, model, indices=None) -> float:
+            return float("nan")
 
-            def __getitem__(self, i):
-                return pool[i % len(pool)]
+        def validate(self, model):
+            return None
 
-        sampler = BucketBatchSampler(self.dataset, self.cfg.train.batch_size, self.cfg.train.seed,
-                                     num_replicas=acc.num_processes, rank=acc.process_index)
-        return torch.utils.data.DataLoader(Samples(), batch_sampler=sampler, num_workers=0)
+        def save_adapter(self, model, run, step):
+            return {}
 
-    def loss(self, model, batch):
-        import torch
-        import torch.nn.functional as F
+        def preview(self, model, run, step):
+            return []
 
-        lat = batch["latents"] * 0.13025
-        noise = torch.randn_like(lat)
-        t = torch.randint(0, 1000, (lat.shape[0],), device=lat.device)
-        noisy = self.noise_scheduler.add_noise(lat, noise, t)
-        pred = model(noisy, t, encoder_hidden_states=batch["embeds"],
-                     added_cond_kwargs={"text_embeds": batch["pooled"], "time_ids": batch["time_ids"]}).sample
-        return F.mse_loss(pred.float(), noise.float())
-
-    def evaluate(self, model) -> float:
-        return float("nan")
-
-    def validate(self, model):
-        return None
-
-    def batch_size(self, batch) -> int:
-        return int(batch["latents"].shape[0])
-
-    def save_adapter(self, model, run, step):
-        return {}
-
-    def preview(self, model, run, step):
-        return []
+    return SyntheticSDXL(cfg)
 
 
 def worker(args) -> None:
@@ -142,12 +129,14 @@ def worker(args) -> None:
         "train.steps": args.steps, "train.batch_size": args.batch, "train.log_every": 1,
         "train.save_every": 0, "train.save_every_minutes": 0, "train.seed": 0,
         "train.mixed_precision": "no" if args.tiny else "bf16", "train.device": "cpu" if args.tiny else "cuda",
-        "train.gradient_checkpointing": args.checkpointing,
+        "train.gradient_checkpointing": args.checkpointing, "train.cuda_graphs": args.graphs,
+        "train.compile": args.compile, "train.channels_last": args.channels_last,
+        "train.gradient_sync": args.gradient_sync,
         "adapter.preset": args.preset, "adapter.rank": args.rank, "adapter.scale_rank_with_resolution": False,
         "preview.prompts": "", "output.runs_dir": args.out, "output.name": f"scale-{n}"})
     config = {**unet_config(), **TINY_UNET} if args.tiny else unet_config()
     side = 8 if args.tiny else 128
-    task = SyntheticSDXL(cfg, config, side)
+    task = synthetic_task(cfg, config, side)
     trainer = Trainer(cfg, task, create_run(cfg))
     trainer.setup()
     acc = trainer.accelerator
@@ -155,7 +144,10 @@ def worker(args) -> None:
         torch.cuda.reset_peak_memory_stats(acc.device)
     trainer.fit()
     peak = torch.cuda.max_memory_allocated(acc.device) / 2**30 if acc.device.type == "cuda" else None
+    # A replayed CUDA graph allocates nothing (its activations live in the graph's pool): reserved shows it.
+    reserved = torch.cuda.max_memory_reserved(acc.device) / 2**30 if acc.device.type == "cuda" else None
     peaks = gather_object([peak])
+    reserveds = gather_object([reserved])
     if not acc.is_main_process:
         return
     steps = [e for e in trainer.run.events() if e["event"] == "step" and e["step"] >= args.warmup]
@@ -166,7 +158,12 @@ def worker(args) -> None:
            "steps_timed": timed, "ms_per_step": round(1000 * seconds / timed, 1),
            "images_per_s": round(timed * args.batch * acc.num_processes / seconds, 3),
            "peak_gib_per_gpu": [None if p is None else round(p, 2) for p in peaks],
-           "trainable_params": task.trainable, "preset": args.preset, "rank": args.rank,
+           "reserved_gib_per_gpu": [None if p is None else round(p, 2) for p in reserveds],
+           "trainable_params": task.plan.trainable_params, "preset": args.preset, "rank": args.rank,
+           "compile": args.compile, "channels_last": args.channels_last, "cuda_graphs": args.graphs,
+           "gradient_sync": next(e for e in trainer.run.events() if e["event"] == "start").get("gradient_sync"),
+           "first_step_s": round(steps[0]["time"] - next(e for e in trainer.run.events()
+                                                          if e["event"] == "start")["time"], 1),
            "resolution": side * 8, "torch": torch.__version__}
     Path(args.result).write_text(json.dumps(row), encoding="utf-8")
 
@@ -186,6 +183,12 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--preset", default="attn")
     ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
+    ap.add_argument("--graphs", action="store_true", help="train.cuda_graphs (flat all-reduce on several GPUs)")
+    ap.add_argument("--compile", default="none", choices=["none", "regional", "transformer"], help="train.compile")
+    ap.add_argument("--channels-last", action="store_true", help="train.channels_last")
+    ap.add_argument("--fastest", action="store_true", help="--graphs --compile regional --channels-last")
+    ap.add_argument("--gradient-sync", default="auto", choices=["auto", "ddp", "allreduce"],
+                    help="train.gradient_sync")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny UNet, 8x8 latents, gloo")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -193,6 +196,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.tiny and args.steps == ap.get_default("steps"):
         args.steps, args.warmup, args.batch = 6, 2, 2
+    if args.fastest:
+        args.graphs, args.compile, args.channels_last = True, "regional", True
     if args.worker:
         worker(args)
         return
@@ -207,7 +212,9 @@ def main() -> None:
                    "--main_process_port", str(free_port()), __file__, "--worker", "--result", str(result),
                    "--out", tmp, "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--rank", str(args.rank), "--preset", args.preset,
-                   *(["--tiny"] if args.tiny else []), *(["--checkpointing"] if args.checkpointing else [])]
+                   "--compile", args.compile, "--gradient-sync", args.gradient_sync,
+                   *(["--tiny"] if args.tiny else []), *(["--checkpointing"] if args.checkpointing else []),
+                   *(["--graphs"] if args.graphs else []), *(["--channels-last"] if args.channels_last else [])]
             env = {**os.environ, "HF_HUB_OFFLINE": "1"}
             if args.tiny:
                 env["OMP_NUM_THREADS"] = "1"

@@ -199,6 +199,11 @@ class TrainConfig(Section):
     channels_last: bool = False
     compile: Literal["none", "regional", "transformer"] = "none"
     cuda_graphs: bool = False
+    # Several processes: how the adapter's gradients are averaged. "ddp": DistributedDataParallel's
+    # bucketed all-reduce, overlapped with the backward; "allreduce": the model is not wrapped and the
+    # loop averages all adapter gradients in one flat all-reduce after the backward (what a CUDA-graphed
+    # step needs: DDP's hooks cannot be captured); "auto": allreduce with cuda_graphs, ddp otherwise.
+    gradient_sync: Literal["auto", "ddp", "allreduce"] = "auto"
     # Record N steps with torch's profiler into <run>/profile (a trace Perfetto opens) and log where the
     # step time goes. 0 is off.
     profile_steps: int = Field(0, ge=0)

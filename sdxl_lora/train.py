@@ -14,7 +14,8 @@ What a user gets from `Trainer`:
   - training states every N steps / M minutes (atomic, checksummed, last K kept), resume to the same
     adapter bit for bit, Ctrl-C/SIGTERM finishing the step and saving before it stops;
   - the final adapter written (atomically) before anything that can still fail (final previews);
-  - many processes (`accelerate launch`, docs/multigpu.md): DDP reduces only the adapter's gradients;
+  - many processes (`accelerate launch`, docs/multigpu.md): only the adapter's gradients are averaged,
+    by DDP or (train.gradient_sync, needed by CUDA graphs) by one flat all-reduce after the backward;
     the task's loader gives each process its share of every global batch (Accelerate does not re-shard
     it); the main process alone logs, previews, writes events and saves; stopping and saving are
     agreed by all processes at the same step; a state resumes on any number of processes.
@@ -96,6 +97,16 @@ def resolve_mixed_precision(cfg: Config, device_type: str) -> str:
     return "no"
 
 
+def gradient_sync(cfg: Config, num_processes: int, device_type: str) -> str | None:
+    """How several processes average gradients: "ddp" or "allreduce" (train.gradient_sync); None for one."""
+    if num_processes == 1:
+        return None
+    mode = cfg.train.gradient_sync
+    if mode == "auto":
+        return "allreduce" if cfg.train.cuda_graphs and device_type == "cuda" else "ddp"
+    return mode
+
+
 def make_accelerator(cfg: Config):
     from accelerate import Accelerator
 
@@ -143,24 +154,66 @@ class Trainer:
         self._own_shards = (hasattr(self.sampler, "skip_next")
                             and getattr(self.sampler, "num_replicas", 1) == acc.num_processes)
         self.flops_per_image, self.peak_tflops = self._flops_setup()
+        self.flat_sync = self._flat_sync()
+        # With train.gradient_sync="allreduce" the model is not prepared (no DDP wrapper, no autocast
+        # patched into its forward): the loop runs its forward under acc.autocast() and averages the
+        # gradients itself. Everything else is prepared as usual.
+        model = [] if self.flat_sync else [self.task.model()]
         if self._own_shards:
             if acc.state.deepspeed_plugin is not None:  # DeepSpeed reads the batch size from a prepared loader
                 acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
-            self.model, self.optimizer = acc.prepare(self.task.model(), self.optimizer)
+            *model, self.optimizer = self._prepare(*model, self.optimizer)
             self.loader = loader
         else:
-            self.model, self.optimizer, self.loader = acc.prepare(self.task.model(), self.optimizer, loader)
+            *model, self.optimizer, self.loader = self._prepare(*model, self.optimizer, loader)
+        self.model = model[0] if model else self.task.model()
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         # DDP reduces the gradients of the module it wraps; a trainable weight outside it (a task's
-        # extra module) is averaged by the loop, or the processes' copies would drift apart.
-        wrapped = {id(p) for p in self.model.parameters()}
+        # extra module), or every weight with the flat sync, is averaged by the loop, or the processes'
+        # copies would drift apart.
+        wrapped = set() if self.flat_sync else {id(p) for p in self.model.parameters()}
         self._unsynced = [p for p in self.params if id(p) not in wrapped] if acc.num_processes > 1 else []
+        if self.flat_sync:
+            self._flat_collective(self.params, "broadcast")  # DDP does this at wrapping: one start for all
         # Built from the weights before any resume: _load then restores the saved averages.
         self.ema = EMA(self._trainable(), cfg.train.ema_decay) if cfg.train.ema else None
         self.tensorboard = (tracking.TensorBoard(self.run.dir / "tensorboard")
                             if cfg.train.tensorboard and self.accelerator.is_main_process else None)
         if self.resume is not None:
             self._load(self.resume)
+
+    def _prepare(self, *objects) -> tuple:
+        out = self.accelerator.prepare(*objects)
+        return out if len(objects) > 1 else (out,)  # Accelerate returns one object bare
+
+    def _flat_sync(self) -> bool:
+        """Whether the loop averages the gradients itself (train.gradient_sync) instead of DDP."""
+        from accelerate.utils import DistributedType
+
+        acc = self.accelerator
+        mode = gradient_sync(self.cfg, acc.num_processes, acc.device.type)
+        if mode == "allreduce" and acc.distributed_type not in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
+            raise ValueError(f"train.gradient_sync='allreduce' works with plain multi-process launches (DDP "
+                             f"configs), not {acc.distributed_type.value}; set train.gradient_sync='ddp' or "
+                             f"use pipelines/accelerate/multi-gpu.yaml")
+        return mode == "allreduce"
+
+    def _flat_collective(self, tensors: list[torch.Tensor], op: str) -> None:
+        """One collective over many tensors: packed into one flat buffer per dtype, reduced ("average") or
+        sent from the main process ("broadcast"), unpacked. One NCCL call instead of one per tensor (a
+        LoRA has ~1000 small tensors, and each call costs tens of microseconds of host time)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            if op == "average":
+                torch.distributed.all_reduce(flat)
+                flat /= self.accelerator.num_processes
+            else:
+                torch.distributed.broadcast(flat, src=0)
+            with torch.no_grad():
+                torch._foreach_copy_(group, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in group]), group)])
 
     def _flops_setup(self) -> tuple[float | None, float | None]:
         """FLOPs per image of a training step and the GPU's peak TFLOP/s, for MFU; (None, None) off a GPU.
@@ -317,11 +370,10 @@ class Trainer:
         return bool(self.accelerator.reduce(bad.float(), "sum").item())
 
     def _average_unsynced(self) -> None:
-        n = self.accelerator.num_processes
         for p in self._unsynced:
-            if p.grad is not None:
-                torch.distributed.all_reduce(p.grad)
-                p.grad /= n
+            if p.grad is None:  # unused in this process's batch: a zero contribution, so all sizes agree
+                p.grad = torch.zeros_like(p)
+        self._flat_collective([p.grad for p in self._unsynced], "average")
 
     def _agree(self, stop: str | None, due: bool) -> tuple[str | None, bool]:
         """Stop and save at the same step on every process: a signal can reach them a step apart, and a
@@ -388,7 +440,9 @@ class Trainer:
                 self._track(0, validation=val)
         else:  # resumed: the run's own starting figure
             eval_before = next((e["loss"] for e in run.events() if e["event"] == "eval"), math.nan)
-        run.event("start", step=self.step, total_steps=total, state="training")
+        sync = gradient_sync(cfg, acc.num_processes, acc.device.type)
+        run.event("start", step=self.step, total_steps=total, state="training", processes=acc.num_processes,
+                  **({"gradient_sync": sync} if sync else {}))
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -435,7 +489,7 @@ class Trainer:
                 with profiler.phase("data"):
                     batch = next(batches)
                 with acc.accumulate(self.model):
-                    with profiler.phase("forward"):
+                    with profiler.phase("forward"), (acc.autocast() if self.flat_sync else contextlib.nullcontext()):
                         loss = self.task.loss(self.model, batch)
                     with profiler.phase("backward"):
                         acc.backward(loss)

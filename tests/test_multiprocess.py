@@ -6,6 +6,7 @@ the same launcher, config file and code path as N GPUs over NCCL.
   (seed, epoch, sample), not drawn from a per-process RNG stream.
 - The two processes build the latent cache together (half each) and the main process alone writes
   the events and the adapter.
+- The same with the loop's own flat all-reduce instead of DDP (train.gradient_sync="allreduce").
 - A two-process run killed mid-step resumes on one process and ends with that same adapter.
 """
 import os
@@ -107,6 +108,22 @@ def test_two_processes_with_batch_b_train_what_one_process_trains_with_batch_2b(
     # The run's adapter and its diffusers twin, written once, by the main process.
     assert sorted(p.name for p in (out / "two").glob("*.safetensors")) == ["two.diffusers.safetensors",
                                                                             "two.safetensors"]
+
+
+def test_the_loops_flat_all_reduce_trains_what_ddp_trains(runs, tmp_path):
+    # train.gradient_sync="allreduce" (what CUDA graphs use on several GPUs): no DDP wrapper; the loop
+    # averages every adapter gradient in one flat all-reduce after the backward.
+    out, cache = runs
+    train(tmp_path, "--name", "flat", "--batch-size", "2", *COMMON, *cache, "--set", "train.gradient_sync='allreduce'",
+          processes=2)
+    flat, one = read_events(tmp_path / "flat" / "events.jsonl"), read_events(out / "one" / "events.jsonl")
+    start = next(e for e in flat if e["event"] == "start")
+    assert start["processes"] == 2 and start["gradient_sync"] == "allreduce"
+    assert next(e for e in read_events(out / "two" / "events.jsonl") if e["event"] == "start")["gradient_sync"] == "ddp"
+    loss_flat = {e["step"]: e["loss"] for e in flat if e["event"] == "step"}
+    for step, loss in ((e["step"], e["loss"]) for e in one if e["event"] == "step"):
+        assert loss_flat[step] == pytest.approx(loss, rel=1e-5)
+    assert_same_training(adapter(tmp_path / "flat"), adapter(out / "one"))
 
 
 def test_a_two_process_run_killed_mid_step_resumes_on_one_process(runs, tmp_path):

@@ -325,6 +325,7 @@ class SDXLTask:
     def _speed_setup(self, unet, run: Run) -> None:
         """The train.* speed levers (sdxl_lora/speed.py, docs/speed.md), after the adapter is in place."""
         from .. import speed
+        from ..train import gradient_sync
 
         tc = self.cfg.train
         speed.configure_backends(self.device)
@@ -346,9 +347,10 @@ class SDXLTask:
         if tc.cuda_graphs:
             if self.device.type != "cuda":
                 log.warning("train.cuda_graphs needs a CUDA device; running without (device is %s)", self.device)
-            elif self.accelerator.num_processes > 1:
-                log.warning("train.cuda_graphs runs in one process only (DDP's gradient hooks are not captured); "
-                            "running without it on %d processes", self.accelerator.num_processes)
+            elif gradient_sync(self.cfg, self.accelerator.num_processes, self.device.type) == "ddp":
+                log.warning("train.cuda_graphs does not combine with train.gradient_sync='ddp' (DDP's gradient "
+                            "hooks cannot be captured); running without graphs on %d processes",
+                            self.accelerator.num_processes)
             else:
                 self._graphed = True  # built on the first training call, on the prepared model
 
