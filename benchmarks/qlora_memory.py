@@ -1,15 +1,17 @@
 """QLoRA memory and speed: SDXL UNet LoRA training steps with the frozen base in bf16, nf4, int8 or fp8, with
-and without gradient checkpointing, at batch 1 and 4, in one run; the memory estimate (sdxl_lora/memory.py)
-beside each measured peak.
+and without gradient checkpointing and fp8 convolutions (model.quantize_convs), at batch 1 and 4, in one run;
+the memory estimate (sdxl_lora/memory.py) beside each measured peak.
 
 The UNet is SDXL base's real config with random weights (the same FLOPs and memory as the real one),
 1024x1024 (128x128 latents), LoRA rank 16 on the attention projections (preset attn, fp32), text
 embeddings precomputed (random tensors of the real shapes), bf16 autocast, SDPA, AdamW. Quantized
-settings go through the product's path: the bf16 model sits on the host and its Linears are quantized one
-at a time on the GPU (sdxl_lora.quantize), the rest moved after.
+settings go through the product's path: the bf16 model sits on the host and its Linears (and, for the
+"fp8conv" settings, its convolutions) are quantized one at a time on the GPU (sdxl_lora.quantize.quantize_unet,
+as a training run does), the rest moved after.
 
     python benchmarks/qlora_memory.py                 # CUDA, real size (~4-6 minutes on an H200)
     python benchmarks/qlora_memory.py --tiny          # CPU smoke test: the embedded tiny SDXL, 2 steps
+    python benchmarks/qlora_memory.py --batches 1 --only nf4+ckpt nf4+ckpt+fp8conv   # a subset
 
 Prints a JSON line per setting and a markdown table at the end. Peak is torch.cuda.max_memory_allocated
 over the timed steps (after warm-up); on CPU there is no per-setting peak, so only the estimate shows.
@@ -27,9 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SETTINGS = [  # (name, quantize, gradient checkpointing)
-    ("bf16", "none", False), ("bf16+ckpt", "none", True), ("nf4", "nf4", False), ("nf4+ckpt", "nf4", True),
-    ("int8", "int8", False), ("fp8", "fp8", False),
+SETTINGS = [  # (name, model.quantize, gradient checkpointing, model.quantize_convs)
+    ("bf16", "none", False, "none"), ("bf16+ckpt", "none", True, "none"), ("nf4", "nf4", False, "none"),
+    ("nf4+ckpt", "nf4", True, "none"), ("int8", "int8", False, "none"), ("fp8", "fp8", False, "none"),
+    # fp8 convolutions: with nf4 + checkpointing (the smallest setting), alone (bf16 Linears, so the
+    # convolutions' own effect on weights and saved activations shows against "bf16"), and with fp8 Linears.
+    ("nf4+ckpt+fp8conv", "nf4", True, "fp8"), ("fp8conv", "none", False, "fp8"), ("fp8+fp8conv", "fp8", False, "fp8"),
 ]
 
 
@@ -57,17 +62,20 @@ def host_unet(tiny: bool):
     return unet
 
 
-def prepare(base, quantize: str, checkpointing: bool, rank: int, device, dtype):
+def prepare(base, quantize: str, checkpointing: bool, convs: str, rank: int, device, dtype):
     from sdxl_lora import inject
-    from sdxl_lora.config import AdapterConfig
-    from sdxl_lora.quantize import quantize_model, unet_skip
+    from sdxl_lora.config import AdapterConfig, ModelConfig
+    from sdxl_lora.quantize import quantize_unet
 
     unet = copy.deepcopy(base)
     native = None  # rank as given, whatever the resolution
     plan = inject.make_plan(unet, AdapterConfig(preset="attn", rank=rank), resolution=native, native=native)
-    report = None
-    if quantize != "none":
-        report = quantize_model(unet, quantize, compute_dtype=dtype, device=device, skip=unet_skip)
+    report = ""
+    if quantize != "none" or convs != "none":
+        model_cfg = ModelConfig(quantize=quantize, quantize_convs=convs,
+                                quant_compute_dtype="bf16" if dtype == torch.bfloat16 else "fp32")
+        reports = quantize_unet(unet, model_cfg, None, device)
+        report = "; ".join(str(r) for r in reports if r.method != "none")
     unet.to(device, dtype=dtype)
     inject.apply_plan(unet, plan)
     if checkpointing:
@@ -157,17 +165,17 @@ def main():
     settings = [s for s in SETTINGS if not args.only or s[0] in args.only]
     rows = []
     for batch in args.batches:
-        for name, quantize, ckpt in settings:
+        for name, quantize, ckpt, convs in settings:
             t0 = time.perf_counter()
-            unet, plan, report = prepare(base, quantize, ckpt, args.rank, device, dtype)
+            unet, plan, report = prepare(base, quantize, ckpt, convs, args.rank, device, dtype)
             setup_s = time.perf_counter() - t0
             est = memory.estimate(base, trainable_params=plan.trainable_params, resolution=resolution,
                                   batch_size=batch, checkpointing=ckpt, quantize=quantize, compute_dtype=dtype,
-                                  optimizer=args.optimizer)
+                                  optimizer=args.optimizer, quantize_convs=convs)
             row = {"setting": name, "batch": batch, **bench(unet, batch, side, steps, warmup, device, dtype,
                                                               args.optimizer),
                    "estimate_gib": round(est.total / 2**30, 2), "setup_s": round(setup_s, 1),
-                   "estimate": est.as_dict(), "quantized": str(report) if report else ""}
+                   "estimate": est.as_dict(), "quantized": report}
             rows.append(row)
             print(json.dumps(row), flush=True)
             del unet

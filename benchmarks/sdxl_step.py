@@ -212,6 +212,7 @@ SETTINGS = {
     "ours+compile-tf+graphs": ("ours", [1, 8], {"compile": "transformer", "channels_last": True, "cuda_graphs": True}),
     "ours+compile+graphs": ("ours", [1, 8], {"compile": "regional", "channels_last": True, "cuda_graphs": True}),
     "ours+ckpt": ("ours", [4], {"gradient_checkpointing": True}),
+    "ours+ckpt+graphs": ("ours", [1, 4], {"gradient_checkpointing": True, "cuda_graphs": True}),
     "ours+nf4+ckpt": ("ours", [4], {"quantize": "nf4", "gradient_checkpointing": True}),
     "ours+nf4+ckpt+graphs": ("ours", [1, 4], {"quantize": "nf4", "gradient_checkpointing": True, "cuda_graphs": True}),
     "ours+budget16": ("ours", [4], {"checkpoint_budget_gb": 16.0}),

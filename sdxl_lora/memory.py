@@ -25,6 +25,11 @@ GiB = 2**30
 #   in, cross q and out, GEGLU's 8x projection, gelu and product (4x each), residuals              ~30
 #   Transformer2DModel around its layers: norm, proj_in, proj_out                                  ~4
 K_RESNET, K_LAYER, K_PROJ = 6.0, 30.0, 4.0
+# With model.quantize_convs="fp8" the two convolutions' inputs are not saved (Float8Conv2d's backward needs
+# only the weight, dequantized again): 4 a resnet. Counted on CPU with saved_tensors_hooks on a diffusers
+# ResnetBlock2D under bf16 autocast (2 feature maps fewer than with bf16 convs); not yet fitted to a GPU
+# peak (benchmarks/qlora_memory.py's fp8conv rows measure it).
+K_RESNET_FP8CONV = 4.0
 # Fitted: bf16 batch 1 -> 4 adds 7.23 GiB an image (12.5 -> 34.2 GiB measured); the counts above give
 # SDXL 6.71 GiB an image, so the tensors autocast keeps besides (bf16 copies of matmul inputs) add ~8%.
 ACT_SCALE = 1.077
@@ -40,19 +45,23 @@ WORKSPACE = int(0.14 * GiB)
 # (2.99 GiB measured; 2.85 GiB without this term).
 QUANT_OVERHEAD = int(0.14 * GiB)
 
-# bitsandbytes' 4-bit and 8-bit matmuls save each quantized Linear's input for backward even when the
-# weight is frozen (torch's plain linear then keeps only what the input gradient needs), and LLM.int8
-# keeps fp16 copies and outlier columns besides. As a fraction of the activation model, fitted to the
-# H200 run of benchmarks/qlora_memory.py (2026-11-29): nf4 adds 2.20 GiB at batch 1 and 9.24 GiB at
-# batch 4 without checkpointing, 0.85 GiB at batch 4 with it; int8 adds 10.6 and 39.5 GiB. fp8 (our own
-# Float8Linear) saves nothing extra.
-QUANT_SAVED_INPUTS = {"nf4": 0.32, "fp4": 0.32, "int8": 1.40, "fp8": 0.0}
+# What quantized layers keep for backward beyond the activation model, as a fraction of it. The 4-bit
+# layers return the autocast dtype (quantize._AutocastOutput), so they keep nothing extra (before that fix
+# they returned fp32 after every norm and cost +2.2 GiB an image). LLM.int8 still keeps fp16 copies and
+# outlier columns: fitted to the H200 run of benchmarks/qlora_memory.py after the fix (2026-11-29), int8
+# adds 3.5 GiB at batch 1 and 15.9 GiB at batch 4 without checkpointing. fp8 (Float8Linear) keeps nothing.
+QUANT_SAVED_INPUTS = {"nf4": 0.0, "fp4": 0.0, "int8": 0.50, "fp8": 0.0}
 
 # Optimizer state in bytes per trainable parameter.
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw8bit": 2.0, "paged_adamw8bit": 2.0, "paged_adamw": 8.0,
                    "lion": 4.0, "prodigy": 16.0,
                    # factored second moments: (rows + columns) per matrix, ~4/rank bytes for LoRA at rank 16
                    "adafactor": 0.25}
+
+
+def fp8_conv_bytes(conv: nn.Conv2d) -> int:
+    """Storage of a Float8Conv2d: 1 byte a weight and one fp32 scale per output channel."""
+    return conv.weight.numel() + 4 * conv.out_channels
 
 
 def quantized_bytes_per_weight(method: str, double_quant: bool, in_features: int) -> float:
@@ -80,6 +89,7 @@ class MemoryEstimate:
     batch_size: int = 0
     checkpointing: bool = False
     quantize: str = "none"
+    quantize_convs: str = "none"
     optimizer_name: str = "adamw"
     compute_dtype: str = "bf16"
 
@@ -101,13 +111,15 @@ class MemoryEstimate:
                 "quant_activations_gib": g(self.quant_activations),
                 "resolution": self.resolution, "batch_size": self.batch_size,
                 "gradient_checkpointing": self.checkpointing, "quantize": self.quantize,
+                "quantize_convs": self.quantize_convs,
                 "optimizer": self.optimizer_name, "compute_dtype": self.compute_dtype}
 
     def format(self) -> str:
         w = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.weights.items())
         return "\n".join([
             f"memory estimate (UNet on the accelerator, {self.resolution}x{self.resolution}, batch {self.batch_size}, "
-            f"{'checkpointing' if self.checkpointing else 'no checkpointing'}, quantize {self.quantize}, "
+            f"{'checkpointing' if self.checkpointing else 'no checkpointing'}, quantize {self.quantize}"
+            f"{', fp8 convs' if self.quantize_convs == 'fp8' else ''}, "
             f"{self.optimizer_name}, compute {self.compute_dtype}):",
             f"  frozen weights {self.weights_total / GiB:7.2f} GiB  ({w})",
             f"  adapter (fp32) {self.adapter / GiB:7.2f} GiB",
@@ -126,8 +138,9 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 
 def weight_bytes(unet: nn.Module, quantize: str, double_quant: bool, compute_dtype: torch.dtype,
-                 skip=None) -> dict[str, int]:
-    """The frozen model's bytes by storage: quantized Linear weights, everything else in the compute dtype."""
+                 skip=None, quantize_convs: str = "none", conv_skip=None) -> dict[str, int]:
+    """The frozen model's bytes by storage: quantized Linear weights, with quantize_convs="fp8" the
+    convolutions (key "fp8 conv"), everything else in the compute dtype."""
     elt = torch.empty((), dtype=compute_dtype).element_size()
     plain_name = _DTYPE_NAMES.get(compute_dtype, str(compute_dtype))
     out = {quantize: 0} if quantize != "none" else {}
@@ -139,6 +152,13 @@ def weight_bytes(unet: nn.Module, quantize: str, double_quant: bool, compute_dty
                 out[quantize] += round(mod.weight.numel() * quantized_bytes_per_weight(quantize, double_quant,
                                                                                       mod.in_features))
                 quantized.add(id(mod.weight))
+    if quantize_convs == "fp8":
+        out["fp8 conv"] = 0
+        for name, mod in unet.named_modules():
+            if isinstance(mod, nn.Conv2d) and "lora_" not in name and not (conv_skip and conv_skip(name)):
+                out["fp8 conv"] += fp8_conv_bytes(mod)
+                quantized.add(id(mod.weight))
+    out[plain_name] = out.pop(plain_name)  # listed last
     for name, p in unet.named_parameters():
         if id(p) not in quantized and "lora_" not in name:
             out[plain_name] += p.numel() * elt
@@ -185,39 +205,52 @@ _K = {"resnet": K_RESNET, "layer": K_LAYER, "proj": K_PROJ}
 
 
 def activation_bytes(config, resolution: int, batch_size: int, checkpointing: bool, compute_dtype: torch.dtype,
-                     latent_factor: int = 8) -> int:
+                     latent_factor: int = 8, quantize_convs: str = "none") -> int:
     """Activations saved for backward at the peak, for one batch of square images of side `resolution`."""
     elt = torch.empty((), dtype=compute_dtype).element_size()
     units = _units(config, max(1, resolution // latent_factor))
+    counts = {**_K, "resnet": K_RESNET_FP8CONV} if quantize_convs == "fp8" else _K
     if not checkpointing:
-        per_image = ACT_SCALE * sum(_K[k] * e for k, e, _ in units)
+        per_image = ACT_SCALE * sum(counts[kind] * e for kind, e, _ in units)
     else:
         # Inputs of every checkpointed unit (resnets and transformer layers), then the one unit being
         # recomputed in backward.
         kept = K_CKPT_INPUT * sum(e for k, e, _ in units if k != "proj")
-        per_image = kept + ACT_SCALE * max(_K[k] * e for k, e, _ in units)
+        per_image = kept + ACT_SCALE * max(counts[kind] * e for kind, e, _ in units)
     return int(per_image * batch_size * elt)
 
 
 def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_size: int, checkpointing: bool,
              quantize: str = "none", double_quant: bool = True, compute_dtype: torch.dtype = torch.bfloat16,
-             optimizer: str = "adamw", latent_factor: int = 8, skip=None) -> MemoryEstimate:
+             optimizer: str = "adamw", latent_factor: int = 8, skip=None,
+             quantize_convs: str = "none") -> MemoryEstimate:
     """The estimate for a UNet (any device, meta included) and a planned adapter of `trainable_params`."""
+    from .quantize import unet_conv_skip
+
     if skip is None and quantize != "none":
         from .quantize import unet_skip as skip
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"train.optimizer={optimizer!r}: no memory model for it; known: {', '.join(OPTIMIZER_BYTES)}")
     cuda_like = compute_dtype != torch.float32
-    activations = activation_bytes(unet.config, resolution, batch_size, checkpointing, compute_dtype, latent_factor)
+    activations = activation_bytes(unet.config, resolution, batch_size, checkpointing, compute_dtype, latent_factor,
+                                   quantize_convs)
+    overhead = 0
+    if cuda_like and quantize != "none":
+        overhead = QUANT_OVERHEAD
+    elif cuda_like and quantize_convs == "fp8":
+        # Only the convolutions dequantize: one weight at a time, the largest in the compute dtype.
+        elt = torch.empty((), dtype=compute_dtype).element_size()
+        overhead = max((m.weight.numel() * elt for m in unet.modules() if isinstance(m, nn.Conv2d)), default=0)
     return MemoryEstimate(
-        weights=weight_bytes(unet, quantize, double_quant, compute_dtype, skip),
+        weights=weight_bytes(unet, quantize, double_quant, compute_dtype, skip, quantize_convs, unet_conv_skip),
         adapter=trainable_params * 4, gradients=trainable_params * 4,
         optimizer=int(trainable_params * OPTIMIZER_BYTES[optimizer]),
         activations=activations,
         quant_activations=int(QUANT_SAVED_INPUTS.get(quantize, 0.0) * activations),
         workspace=WORKSPACE if cuda_like else 0,
-        quant_overhead=QUANT_OVERHEAD if cuda_like and quantize != "none" else 0,
+        quant_overhead=overhead,
         resolution=resolution, batch_size=batch_size, checkpointing=checkpointing, quantize=quantize,
+        quantize_convs=quantize_convs,
         optimizer_name=optimizer, compute_dtype=_DTYPE_NAMES.get(compute_dtype, str(compute_dtype)))
 
 
@@ -232,4 +265,5 @@ def estimate_for_config(unet: nn.Module, cfg, trainable_params: int, resolution:
                     batch_size=cfg.train.batch_size, checkpointing=cfg.train.gradient_checkpointing,
                     quantize=quant, double_quant=cfg.model.quant_double,
                     compute_dtype=frozen,  # of everything not quantized (the UNet is moved to it)
-                    optimizer=cfg.train.optimizer, latent_factor=latent_factor)
+                    optimizer=cfg.train.optimizer, latent_factor=latent_factor,
+                    quantize_convs=cfg.model.quantize_convs)

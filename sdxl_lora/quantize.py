@@ -8,11 +8,13 @@ LoRA adapters on top kept in full precision.
              dtype in each forward and again in backward: ~1 byte. bitsandbytes has no fp8 Linear, so
              this one is ours (Float8Linear below).
 
-Only nn.Linear is quantized (bitsandbytes has no quantized convolution): SDXL's convolutions (13% of
-its weights) stay in the compute dtype. Layers are quantized one at a time on the target device, so the
-full-precision model never sits there whole. peft puts LoRA on bitsandbytes layers with its own bnb
-classes (it looks for the `is_loaded_in_4bit` / `is_loaded_in_8bit` flags set here), and on Float8Linear
-with its plain Linear (it is an nn.Linear with in_features/out_features).
+quantize_model quantizes nn.Linear only (bitsandbytes has no quantized convolution); quantize_convs
+(model.quantize_convs="fp8") stores the frozen nn.Conv2d layers in fp8 the same way (Float8Conv2d below),
+else SDXL's convolutions (13% of its weights) stay in the compute dtype. Layers are quantized one at a
+time on the target device, so the full-precision model never sits there whole. peft puts LoRA on
+bitsandbytes layers with its own bnb classes (it looks for the `is_loaded_in_4bit` / `is_loaded_in_8bit`
+flags set here), on Float8Linear with its plain Linear (it is an nn.Linear with in_features/out_features)
+and on Float8Conv2d with its plain Conv2d.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 METHODS = ("none", "nf4", "fp4", "int8", "fp8")
+CONV_METHODS = ("none", "fp8")  # model.quantize_convs
 _BNB_METHODS = ("nf4", "fp4", "int8")
 # Outlier threshold of LLM.int8 (transformers' default): activations above it go through a 16-bit path.
 INT8_THRESHOLD = 6.0
@@ -40,12 +43,13 @@ class QuantizationError(RuntimeError):
 @dataclass
 class QuantReport:
     method: str
-    layers: int = 0                 # Linear layers quantized
-    skipped: list[str] = field(default_factory=list)   # Linear layers left as they were (skip(name) was True)
+    layers: int = 0                 # layers quantized
+    skipped: list[str] = field(default_factory=list)   # layers left as they were (skip(name) was True)
     params: int = 0                 # weights in the quantized layers
     bytes_before: int = 0           # those weights as they were stored before
     bytes_after: int = 0            # their quantized storage, scales and quantization state included
     compute_dtype: torch.dtype = torch.bfloat16
+    kind: str = "Linear"            # what was quantized: "Linear" (quantize_model) or "Conv2d" (quantize_convs)
 
     @property
     def bytes_compute(self) -> int:
@@ -55,7 +59,7 @@ class QuantReport:
     def __str__(self) -> str:
         gib = 2**30
         ratio = self.bytes_compute / self.bytes_after if self.bytes_after else 0.0
-        return (f"{self.method}: {self.layers} Linear layers quantized ({len(self.skipped)} kept), "
+        return (f"{self.method}: {self.layers} {self.kind} layers quantized ({len(self.skipped)} kept), "
                 f"{self.params / 1e6:.1f}M weights: {self.bytes_before / gib:.3f} GiB as loaded, "
                 f"{self.bytes_compute / gib:.3f} GiB in {str(self.compute_dtype).removeprefix('torch.')}, "
                 f"{self.bytes_after / gib:.3f} GiB {self.method} ({ratio:.1f}x smaller)")
@@ -82,10 +86,10 @@ def resolve_compute_dtype(name: str, mixed_precision: str | None) -> torch.dtype
     return table[name]
 
 
-def _check_device(method: str, device: torch.device) -> None:
+def _check_device(method: str, device: torch.device, field_name: str = "model.quantize") -> None:
     if method == "fp8":
         if not hasattr(torch, "float8_e4m3fn"):
-            raise QuantizationError(f"model.quantize='fp8' needs torch.float8_e4m3fn (torch >= 2.1); "
+            raise QuantizationError(f"{field_name}='fp8' needs torch.float8_e4m3fn (torch >= 2.1); "
                                     f"this torch is {torch.__version__}")
         return
     if device.type not in ("cpu", "cuda"):
@@ -99,6 +103,35 @@ def _check_device(method: str, device: torch.device) -> None:
 
 
 # ---- fp8 ----------------------------------------------------------------------------------------
+# torch has float8 tensors but no fp8 layers that train on every device, and bitsandbytes has no fp8 at all
+# (nor any quantized convolution), so these layers are ours. Shared by Float8Linear and Float8Conv2d: one
+# fp32 scale per output channel (dim 0), the bits as uint8 and the scales as int32 views of fp32, because
+# `model.to(torch.bfloat16)` and peft's adapter placement cast every floating-point tensor of a module,
+# which would silently turn fp8 weights back into 16-bit ones; integer tensors they leave alone.
+
+def _fp8_store(layer: nn.Module, weight: torch.Tensor, device: torch.device | str) -> None:
+    """Set layer.weight (float8_e4m3fn bits as uint8) and layer.weight_scale (fp32 bits as int32) from `weight`."""
+    w = weight.detach().to(device, torch.float32)
+    scale = (w.abs().flatten(1).amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (w / scale.view(-1, *[1] * (w.dim() - 1))).to(torch.float8_e4m3fn)
+    layer.weight = nn.Parameter(q.view(torch.uint8), requires_grad=False)
+    layer.register_buffer("weight_scale", scale.contiguous().view(torch.int32))
+
+
+def _fp8_dequantized(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    scale = layer.weight_scale.view(torch.float32).view(-1, *[1] * (layer.weight.dim() - 1))
+    # e4m3 values are exact in bf16/fp16, so the product in the target dtype rounds once, like a
+    # 16-bit weight would; no full-size fp32 temporary on the device.
+    return layer.weight.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype)
+
+
+def _fp8_forward_dtype(layer: nn.Module, x: torch.Tensor) -> tuple[bool, torch.dtype]:
+    """(autocast on?, the dtype to compute in): under autocast its dtype, which the layer also returns (as
+    torch's own Linear and Conv2d do); otherwise the layer's compute dtype, and the output in the input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return True, torch.get_autocast_dtype(x.device.type)
+    return False, layer.compute_dtype
+
 
 class _Fp8Matmul(torch.autograd.Function):
     """x @ W^T with W dequantized from fp8 on the fly. Saving only the fp8 weight for backward (not the
@@ -115,34 +148,22 @@ class _Fp8Matmul(torch.autograd.Function):
 
 
 class Float8Linear(nn.Linear):
-    """A frozen Linear with float8_e4m3fn weights and one fp32 scale per output channel.
-
-    The bits are stored as uint8 and the scales as int32 views of fp32: `model.to(torch.bfloat16)` and
-    peft's adapter placement cast every floating-point tensor of a module, which would silently turn
-    fp8 weights back into 16-bit ones; integer tensors they leave alone."""
+    """A frozen Linear with float8_e4m3fn weights and one fp32 scale per output channel (stored as
+    uint8/int32, see _fp8_store)."""
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device | str):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype = compute_dtype
-        w = linear.weight.detach().to(device, torch.float32)
-        scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-        q = (w / scale).to(torch.float8_e4m3fn)
-        self.weight = nn.Parameter(q.view(torch.uint8), requires_grad=False)
-        self.register_buffer("weight_scale", scale.reshape(-1).contiguous().view(torch.int32))
+        _fp8_store(self, linear.weight, device)
         self.bias = (None if linear.bias is None else
                      nn.Parameter(linear.bias.detach().to(device, compute_dtype), requires_grad=False))
 
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = dtype or self.compute_dtype
-        scale = self.weight_scale.view(torch.float32)[:, None]
-        # e4m3 values are exact in bf16/fp16, so the product in the target dtype rounds once, like a
-        # 16-bit weight would; no full-size fp32 temporary on the device.
-        return self.weight.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype)
+        return _fp8_dequantized(self, dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        autocast = torch.is_autocast_enabled(x.device.type)
-        dtype = torch.get_autocast_dtype(x.device.type) if autocast else self.compute_dtype
+        autocast, dtype = _fp8_forward_dtype(self, x)
         with torch.autocast(x.device.type, enabled=False):
             out = _Fp8Matmul.apply(x.to(dtype), self)
             if self.bias is not None:
@@ -153,19 +174,110 @@ class Float8Linear(nn.Linear):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3fn"
 
 
+class _Fp8Conv(torch.autograd.Function):
+    """conv2d(x, W) with W dequantized from fp8 on the fly; padding already applied, no bias. Backward
+    needs only the input's shape and the layer (for a freshly dequantized W): F.conv2d would save the
+    input and the dequantized weight, a compute-dtype copy of every frozen convolution."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer, ctx.input_shape = layer, x.shape
+        return F.conv2d(x, layer.dequantized(x.dtype), None, layer.stride, 0, layer.dilation, layer.groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:  # e.g. conv_in: the noisy latents need no gradient
+            return None, None
+        layer = ctx.layer
+        return torch.nn.grad.conv2d_input(ctx.input_shape, layer.dequantized(grad.dtype), grad, layer.stride, 0,
+                                          layer.dilation, layer.groups), None
+
+
+class Float8Conv2d(nn.Conv2d):
+    """A frozen Conv2d with float8_e4m3fn weights and one fp32 scale per output channel (stored as
+    uint8/int32, see _fp8_store); the bias stays in the compute dtype. Any padding (numbers, "same",
+    "valid") and padding_mode are applied with F.pad before the convolution, which then pads nothing."""
+
+    def __new__(cls, *args, **kwargs):
+        # peft builds a Conv2d LoRA's A and B as `type(base_layer)(in_channels, r, kernel_size, ...)`: with
+        # nn.Conv2d's arguments this gives a plain (trainable) nn.Conv2d, not an fp8 one.
+        if args and not isinstance(args[0], nn.Conv2d):
+            return nn.Conv2d(*args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, conv: nn.Conv2d, compute_dtype: torch.dtype, device: torch.device | str):
+        nn.Module.__init__(self)
+        for attr in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "transposed",
+                     "output_padding", "groups", "padding_mode", "_reversed_padding_repeated_twice"):
+            setattr(self, attr, getattr(conv, attr))
+        self.compute_dtype = compute_dtype
+        _fp8_store(self, conv.weight, device)
+        self.bias = (None if conv.bias is None else
+                     nn.Parameter(conv.bias.detach().to(device, compute_dtype), requires_grad=False))
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return _fp8_dequantized(self, dtype or self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        autocast, dtype = _fp8_forward_dtype(self, x)
+        unbatched = x.dim() == 3
+        with torch.autocast(x.device.type, enabled=False):
+            h = x.to(dtype)
+            h = h.unsqueeze(0) if unbatched else h
+            if any(self._reversed_padding_repeated_twice):
+                mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
+                h = F.pad(h, self._reversed_padding_repeated_twice, mode=mode)
+            out = _Fp8Conv.apply(h, self)
+            if self.bias is not None:
+                out = out + self.bias.to(dtype)[:, None, None]
+            out = out.squeeze(0) if unbatched else out
+        return out if autocast else out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", fp8_e4m3fn"
+
+
 # ---- bitsandbytes -------------------------------------------------------------------------------
+
+class _AutocastOutput:
+    """Mixed into bitsandbytes' Linear4bit/Linear8bitLt: under autocast the layer computes in the autocast
+    dtype and returns it, as torch's own Linear does.
+
+    Why: bitsandbytes casts its output back to the input's dtype, and under autocast the input is often
+    fp32 (LayerNorm and GroupNorm run in fp32 there). So every quantized projection after a norm (SDXL's
+    to_q/k/v, the feed-forward's input projection, proj_in/proj_out) gave fp32 activations, which the next
+    ops then saved for backward at twice the size and computed on in fp32: measured on the H200, +2.3 GiB
+    an image and 0.65x the speed of bf16 for nf4 (benchmarks/RESULTS.md)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            with torch.autocast(device, enabled=False):
+                return super().forward(x.to(torch.get_autocast_dtype(device)))
+        return super().forward(x)
+
+
+_AUTOCAST_CLASSES: dict[type, type] = {}
+
+
+def _autocast_class(base: type) -> type:
+    """`base` with _AutocastOutput mixed in (a subclass: peft and isinstance checks still see `base`)."""
+    if base not in _AUTOCAST_CLASSES:
+        _AUTOCAST_CLASSES[base] = type(base.__name__, (_AutocastOutput, base), {"__module__": __name__})
+    return _AUTOCAST_CLASSES[base]
+
 
 def _bnb_layer(bnb, linear: nn.Linear, method: str, compute_dtype: torch.dtype, double_quant: bool,
                device: torch.device) -> nn.Module:
     w = linear.weight.detach().to(compute_dtype)
     if method in ("nf4", "fp4"):
-        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+        q = _autocast_class(bnb.nn.Linear4bit)(linear.in_features, linear.out_features, bias=linear.bias is not None,
                               compute_dtype=compute_dtype, compress_statistics=double_quant, quant_type=method,
                               device="meta")
         q.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=double_quant, quant_type=method,
                                      module=q)
     else:
-        q = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
+        q = _autocast_class(bnb.nn.Linear8bitLt)(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                 has_fp16_weights=False, threshold=INT8_THRESHOLD, device="meta")
         q.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
         q.compute_dtype = compute_dtype  # Linear8bitLt has none of its own; dequantize_model reads it
@@ -194,7 +306,7 @@ def _quantized_bytes(mod: nn.Module) -> int:
 
 
 def _quantized_classes() -> tuple[type, ...]:
-    classes: list[type] = [Float8Linear]
+    classes: list[type] = [Float8Linear, Float8Conv2d]
     bnb = sys.modules.get("bitsandbytes")  # loaded if anything was quantized with it
     if bnb is not None:
         classes += [bnb.nn.Linear4bit, bnb.nn.Linear8bitLt]
@@ -204,6 +316,32 @@ def _quantized_classes() -> tuple[type, ...]:
 def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def _replace_layers(model: nn.Module, cls: type, make: Callable[[nn.Module, str], nn.Module], report: QuantReport,
+                    skip: Callable[[str], bool] | None) -> None:
+    """Replace every `cls` layer of the model (not already quantized, not a LoRA layer, not skipped) by
+    make(layer, name), one at a time, filling in the report."""
+    done = _quantized_classes()
+    todo = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, cls) or isinstance(mod, done) or "lora_" in name:
+            continue
+        if mod.weight.device.type == "meta":
+            raise QuantizationError(f"{name}: the model is on the meta device (no weights); load it first")
+        if skip is not None and skip(name):
+            report.skipped.append(name)
+        else:
+            todo.append(name)
+    for name in tqdm(todo, desc=f"quantizing {report.kind} ({report.method})", unit="layer", disable=len(todo) < 50):
+        layer = model.get_submodule(name)
+        report.params += layer.weight.numel()
+        report.bytes_before += layer.weight.numel() * layer.weight.element_size()
+        q = make(layer, name)
+        q.train(layer.training)
+        _set_child(model, name, q)
+        report.bytes_after += _quantized_bytes(q)
+        report.layers += 1
 
 
 def quantize_model(model: nn.Module, method: str, *, compute_dtype: torch.dtype = torch.bfloat16,
@@ -220,32 +358,17 @@ def quantize_model(model: nn.Module, method: str, *, compute_dtype: torch.dtype 
     device = torch.device(device)
     _check_device(method, device)
     bnb = require_bitsandbytes(method) if method in _BNB_METHODS else None
-    done = _quantized_classes()
-    todo = []
-    for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear) or isinstance(mod, done) or "lora_" in name:
-            continue
-        if mod.weight.device.type == "meta":
-            raise QuantizationError(f"{name}: the model is on the meta device (no weights); load it first")
-        if skip is not None and skip(name):
-            report.skipped.append(name)
-        else:
-            todo.append(name)
-    for name in tqdm(todo, desc=f"quantizing ({method})", unit="layer", disable=len(todo) < 50):
-        linear = model.get_submodule(name)
-        report.params += linear.weight.numel()
-        report.bytes_before += linear.weight.numel() * linear.weight.element_size()
+
+    def make(linear: nn.Linear, name: str) -> nn.Module:
         try:
-            q = (Float8Linear(linear, compute_dtype, device) if bnb is None
-                 else _bnb_layer(bnb, linear, method, compute_dtype, double_quant, device))
+            return (Float8Linear(linear, compute_dtype, device) if bnb is None
+                    else _bnb_layer(bnb, linear, method, compute_dtype, double_quant, device))
         except (RuntimeError, NotImplementedError) as e:
             raise QuantizationError(f"model.quantize={method!r} failed on {name} ({device}): {e}. bitsandbytes "
                                     f"{getattr(bnb, '__version__', '')} may not support {method} on this device; "
                                     "try another model.quantize or model.quant_compute_dtype") from e
-        q.train(linear.training)
-        _set_child(model, name, q)
-        report.bytes_after += _quantized_bytes(q)
-        report.layers += 1
+
+    _replace_layers(model, nn.Linear, make, report, skip)
     # peft picks its bitsandbytes LoRA layers by these flags (as transformers sets them).
     if method in ("nf4", "fp4"):
         model.is_loaded_in_4bit = True
@@ -255,9 +378,26 @@ def quantize_model(model: nn.Module, method: str, *, compute_dtype: torch.dtype 
     return report
 
 
+def quantize_convs(model: nn.Module, method: str = "fp8", *, compute_dtype: torch.dtype = torch.bfloat16,
+                   device: torch.device | str = "cpu", skip: Callable[[str], bool] | None = None) -> QuantReport:
+    """Replace the model's frozen nn.Conv2d layers in place by Float8Conv2d on `device`, one at a time, as
+    quantize_model does for Linears (the two combine: any model.quantize with model.quantize_convs="fp8").
+    Their weights become frozen, as quantize_model's Linears do. Convolutions inside LoRA layers (module paths
+    with "lora_") are left alone; a Float8Conv2d can itself get a LoRA from peft."""
+    if method not in CONV_METHODS:
+        raise QuantizationError(f"model.quantize_convs={method!r}: must be one of {', '.join(CONV_METHODS)}")
+    report = QuantReport(method, compute_dtype=compute_dtype, kind="Conv2d")
+    if method == "none":
+        return report
+    device = torch.device(device)
+    _check_device(method, device, "model.quantize_convs")
+    _replace_layers(model, nn.Conv2d, lambda conv, name: Float8Conv2d(conv, compute_dtype, device), report, skip)
+    return report
+
+
 def dequantize_weight(mod: nn.Module) -> torch.Tensor:
     """A quantized layer's weight in full precision (fp32), as its forward sees it."""
-    if isinstance(mod, Float8Linear):
+    if isinstance(mod, (Float8Linear, Float8Conv2d)):
         return mod.dequantized(torch.float32)
     bnb = sys.modules["bitsandbytes"]
     w = mod.weight
@@ -272,19 +412,25 @@ def dequantize_weight(mod: nn.Module) -> torch.Tensor:
 
 @torch.no_grad()
 def dequantize_model(model: nn.Module) -> None:
-    """Turn every quantized layer back into a plain nn.Linear in its compute dtype (for merging, or to
-    compare against). peft LoRA layers keep their adapters; only their base layers change."""
+    """Turn every quantized layer back into a plain nn.Linear (or nn.Conv2d) in its compute dtype (for
+    merging, or to compare against). peft LoRA layers keep their adapters; only their base layers change."""
     classes = _quantized_classes()
     for name, mod in list(model.named_modules()):
         if not isinstance(mod, classes):
             continue
         dtype = getattr(mod, "compute_dtype", None) or torch.float32
         w = dequantize_weight(mod)
-        lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
-        lin.weight = nn.Parameter(w.to(dtype), requires_grad=False)
+        if isinstance(mod, Float8Conv2d):
+            plain = nn.Conv2d(mod.in_channels, mod.out_channels, mod.kernel_size, mod.stride, mod.padding,
+                              mod.dilation, mod.groups, bias=mod.bias is not None, padding_mode=mod.padding_mode,
+                              device="meta")
+        else:
+            plain = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
+        plain.weight = nn.Parameter(w.to(dtype), requires_grad=False)
         if mod.bias is not None:
-            lin.bias = nn.Parameter(mod.bias.detach().to(dtype), requires_grad=False)
-        _set_child(model, name, lin)
+            plain.bias = nn.Parameter(mod.bias.detach().to(dtype), requires_grad=False)
+        plain.train(mod.training)
+        _set_child(model, name, plain)
     for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit", "sdxl_lora_quantize"):
         if flag in model.__dict__:
             delattr(model, flag)
@@ -301,17 +447,31 @@ def unet_skip(name: str) -> bool:
     return name.startswith(("time_embedding.", "add_embedding."))
 
 
-def quantize_unet(unet: nn.Module, model_cfg, mixed_precision: str | None, device, run=None) -> QuantReport:
-    """model.quantize for a training run's UNet: its Linears quantized on `device` (embeddings kept),
-    the report logged and, with a run, recorded as a "quantize" event."""
+def unet_conv_skip(name: str) -> bool:
+    """Convolutions of an SDXL UNet kept in the compute dtype with model.quantize_convs: conv_in sees the
+    latents and conv_out makes the prediction, so their error reaches everything (23k weights, 46 KB)."""
+    return name in ("conv_in", "conv_out")
+
+
+def quantize_unet(unet: nn.Module, model_cfg, mixed_precision: str | None, device,
+                  run=None) -> tuple[QuantReport, QuantReport]:
+    """model.quantize and model.quantize_convs for a training run's UNet: its Linears (embeddings kept) and,
+    when asked, its convolutions (conv_in/conv_out kept) quantized on `device`, the reports logged and, with
+    a run, recorded as a "quantize" event. Returns (Linear report, Conv2d report)."""
     import logging
 
     compute = resolve_compute_dtype(model_cfg.quant_compute_dtype, mixed_precision)
     report = quantize_model(unet, model_cfg.quantize, compute_dtype=compute, double_quant=model_cfg.quant_double,
                             device=device, skip=unet_skip)
-    logging.getLogger(__name__).info("quantized the UNet: %s", report)
+    convs = quantize_convs(unet, model_cfg.quantize_convs, compute_dtype=compute, device=device, skip=unet_conv_skip)
+    log = logging.getLogger(__name__)
+    for r in (report, convs):
+        if r.method != "none":
+            log.info("quantized the UNet: %s", r)
     if run is not None:
         run.event("quantize", method=report.method, layers=report.layers, kept=report.skipped, params=report.params,
                   bytes_before=report.bytes_before, bytes_after=report.bytes_after,
-                  compute_dtype=str(compute).removeprefix("torch."), double_quant=model_cfg.quant_double)
-    return report
+                  compute_dtype=str(compute).removeprefix("torch."), double_quant=model_cfg.quant_double,
+                  convs=convs.method, conv_layers=convs.layers, conv_kept=convs.skipped, conv_params=convs.params,
+                  conv_bytes_before=convs.bytes_before, conv_bytes_after=convs.bytes_after)
+    return report, convs

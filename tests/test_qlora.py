@@ -188,6 +188,44 @@ def test_each_method_quantizes_trains_lora_and_dequantizes(method):
     assert torch.allclose(model(x), before, atol=1e-4)  # the same function, in plain Linears
 
 
+@pytest.mark.parametrize("method", ["nf4", "int8", "fp8"])
+def test_quantized_layers_under_autocast_save_no_more_for_backward_than_16_bit_ones(method):
+    # A projection after a LayerNorm (fp32 under autocast), as in every SDXL transformer block. A plain
+    # bf16 Linear returns bf16 there; a quantized one must too, or everything after it runs and is saved
+    # for backward in fp32 (bitsandbytes' own layers did: +2.3 GiB an image on SDXL at 1024 px).
+    from peft import LoraConfig, inject_adapter_in_model
+
+    def saved(quantize: str) -> tuple[int, torch.dtype]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        model.requires_grad_(False)
+        if quantize == "none":
+            model[1].to(torch.bfloat16), model[3].to(torch.bfloat16)
+        else:
+            quantize_model(model, quantize, compute_dtype=torch.bfloat16)
+        inject_adapter_in_model(LoraConfig(r=4, target_modules=["1", "3"]), model)
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.data = p.data.float()
+                p.requires_grad_(True)
+        weights = {p.data_ptr() for p in model.parameters()}
+        total = [0]
+
+        def pack(t):
+            if t.data_ptr() not in weights:  # the frozen weights are referenced, not copied
+                total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(32, 64))
+        out.float().sum().backward()
+        return total[0], out.dtype
+
+    plain, quant = saved("none"), saved(method)
+    assert quant[1] == plain[1] == torch.bfloat16
+    assert quant[0] <= plain[0]
+
+
 def test_quantized_layers_keep_their_bits_through_dtype_moves():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     quantize_model(model, "fp8", compute_dtype=torch.bfloat16)
@@ -231,11 +269,12 @@ def sdxl_meta():
     return unet, plan.trainable_params
 
 
-# Peak GiB measured on the H200 by benchmarks/qlora_memory.py (benchmarks/RESULTS.md, 2026-11-29): SDXL base
-# UNet, 1024x1024, LoRA rank 16 on the attention projections, AdamW, bf16 compute.
-MEASURED = [("none", 1, False, 12.49), ("none", 1, True, 5.88), ("nf4", 1, False, 11.76), ("nf4", 1, True, 3.01),
-            ("int8", 1, False, 21.18), ("fp8", 1, False, 10.54), ("none", 4, False, 34.23), ("none", 4, True, 7.90),
-            ("nf4", 4, False, 40.49), ("nf4", 4, True, 5.82), ("int8", 4, False, 71.78), ("fp8", 4, False, 32.10)]
+# Peak GiB measured on the H200 by benchmarks/qlora_memory.py (benchmarks/RESULTS.md, 2026-11-29, the run
+# after the 4-bit layers' autocast fix): SDXL base UNet, 1024x1024, LoRA rank 16 on the attention
+# projections, AdamW, bf16 compute.
+MEASURED = [("none", 1, False, 12.49), ("none", 1, True, 5.88), ("nf4", 1, False, 9.06), ("nf4", 1, True, 2.75),
+            ("int8", 1, False, 14.07), ("fp8", 1, False, 10.54), ("none", 4, False, 34.23), ("none", 4, True, 7.90),
+            ("nf4", 4, False, 29.52), ("nf4", 4, True, 4.77), ("int8", 4, False, 47.80), ("fp8", 4, False, 32.10)]
 
 
 @pytest.mark.parametrize("quantize,batch,ckpt,measured", MEASURED)
@@ -275,3 +314,173 @@ def test_plan_shows_the_estimate_on_the_meta_device(capsys):
 
     data = json.loads(capsys.readouterr().out)
     assert data["memory"]["gradient_checkpointing"] is True and data["memory"]["total_gib"] > 5
+
+
+# ---- fp8 convolutions (model.quantize_convs) ------------------------------------------------------
+
+def test_float8_conv_matches_the_conv_and_keeps_its_bits():
+    import copy
+
+    from sdxl_lora.quantize import Float8Conv2d, quantize_convs
+
+    torch.manual_seed(0)
+    # SDXL's kinds (3x3 padded, strided downsample, 1x1 shortcut) and the rest of Conv2d's options.
+    convs = [nn.Conv2d(16, 32, 3, padding=1), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.Conv2d(16, 32, 1),
+             nn.Conv2d(16, 32, 3, padding="same", dilation=2, groups=4, bias=False),
+             nn.Conv2d(16, 32, 3, padding=2, padding_mode="reflect")]
+    for conv in convs:
+        model, ref = nn.Sequential(conv), copy.deepcopy(conv)
+        report = quantize_convs(model, compute_dtype=torch.float32)
+        assert report.layers == 1 and report.kind == "Conv2d" and "Conv2d" in str(report) and is_quantized(model)
+        q = model[0]
+        assert isinstance(q, Float8Conv2d) and q.weight.dtype == torch.uint8 and q.weight.shape == conv.weight.shape
+        assert report.bytes_after == q.weight.numel() + 4 * 32  # 1 byte a weight, an fp32 scale per channel
+        x = torch.randn(2, 16, 12, 12, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_(True)
+        out, expected = q(x), ref(x_ref)
+        grad = torch.randn_like(expected)
+        out.backward(grad)
+        expected.backward(grad)
+        # fp8 e4m3 keeps 3 mantissa bits: ~2.5% relative error measured on random weights
+        assert (out - expected).norm() / expected.norm() < 0.05
+        assert (x.grad - x_ref.grad).norm() / x_ref.grad.norm() < 0.05
+        # exactly the conv of the dequantized weight, forward and input gradient
+        plain = copy.deepcopy(ref)
+        with torch.no_grad():
+            plain.weight.copy_(q.dequantized(torch.float32))
+        x_plain = x.detach().clone().requires_grad_(True)
+        out_plain = plain(x_plain)
+        out_plain.backward(grad)
+        assert torch.allclose(out, out_plain, atol=1e-5) and torch.allclose(x.grad, x_plain.grad, atol=1e-5)
+        assert q(x[0]).shape == expected.shape[1:]  # unbatched input, as nn.Conv2d takes
+        dequantize_model(model)
+        assert type(model[0]) is nn.Conv2d and not is_quantized(model)
+        assert torch.allclose(model(x), out, atol=1e-5)  # the same function, as a plain Conv2d
+    # bits survive model.to(bf16) (what the trainer does with the rest of the UNet); bf16 in, bf16 out
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1))
+    quantize_convs(model, compute_dtype=torch.bfloat16)
+    bits, scale = model[0].weight.detach().clone(), model[0].weight_scale.clone()
+    model.to(torch.bfloat16)
+    assert torch.equal(model[0].weight, bits) and torch.equal(model[0].weight_scale, scale)
+    assert model(torch.randn(1, 8, 4, 4, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    with pytest.raises(QuantizationError, match="quantize_convs='int8'"):
+        quantize_convs(model, "int8")
+
+
+def test_float8_conv_under_autocast_saves_no_weight_and_takes_a_lora():
+    # A resnet's pattern: GroupNorm (fp32 under autocast), SiLU, conv. The fp8 conv saves neither its
+    # weight nor its input for backward; a bf16 conv saves its input. Under autocast both return bf16.
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from sdxl_lora.quantize import Float8Conv2d, quantize_convs
+
+    def saved(fp8: bool) -> tuple[list[torch.Size], torch.dtype, nn.Module]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.GroupNorm(4, 32), nn.SiLU(), nn.Conv2d(32, 64, 3, padding=1), nn.SiLU(),
+                              nn.Conv2d(64, 32, 3, padding=1))
+        model.requires_grad_(False)
+        if fp8:
+            quantize_convs(model, compute_dtype=torch.bfloat16)
+        else:
+            model[2].to(torch.bfloat16), model[4].to(torch.bfloat16)
+        inject_adapter_in_model(LoraConfig(r=4, target_modules=["4"]), model)  # peft's Conv2d LoRA
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.data = p.data.float()
+                p.requires_grad_(True)
+        weights = {p.data_ptr() for p in model.parameters()}
+        shapes = []
+
+        def pack(t):
+            if t.data_ptr() not in weights:
+                shapes.append(t.shape)
+            return t
+
+        x = torch.randn(2, 32, 8, 8, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().sum().backward()
+        assert x.grad is not None and all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+        return shapes, out.dtype, model
+
+    plain, quant = saved(False), saved(True)
+    assert quant[1] == plain[1] == torch.bfloat16
+    assert isinstance(quant[2][4].base_layer, Float8Conv2d)
+    # nothing the size of a frozen conv weight (64x32x3x3 or 32x64x3x3), and fewer feature maps than bf16
+    assert not [s for s in quant[0] if s.numel() == 64 * 32 * 9]
+    assert len(quant[0]) < len(plain[0])
+    dequantize_model(quant[2])
+    assert type(quant[2][4].base_layer) is nn.Conv2d and not is_quantized(quant[2])
+
+
+def test_frozen_base_with_fp8_convs_is_bit_identical_after_training_a_conv_lora(tiny_dir):
+    from sdxl_lora.quantize import Float8Conv2d, quantize_convs, unet_conv_skip
+
+    unet = _tiny_unet(tiny_dir)
+    # LoRA on the attention and on one resnet convolution, which is fp8 underneath
+    plan = inject.make_plan(unet, AdapterConfig(preset="attn", rank=4, overrides={"*resnets.0.conv1": 4}))
+    assert any(s.conv for s in plan.targets)
+    report = quantize_convs(unet, compute_dtype=torch.float32, skip=unet_conv_skip)
+    assert report.skipped == ["conv_in", "conv_out"] and report.layers > 20
+    assert type(unet.conv_in) is nn.Conv2d and isinstance(unet.down_blocks[0].resnets[0].conv1, Float8Conv2d)
+    before = _frozen_state(unet)
+    inject.apply_plan(unet, plan)
+    assert isinstance(unet.down_blocks[0].resnets[0].conv1.base_layer, Float8Conv2d)
+    start = {n: p.detach().clone() for n, p in unet.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(inject.trainable_parameters(unet), lr=1e-2)
+    inputs = _unet_inputs(unet)
+    for _ in range(2):
+        unet(**inputs).sample.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    after = _frozen_state(unet)
+    assert before.keys() == after.keys()
+    assert not [k for k in before if not torch.equal(before[k], after[k])]
+    conv_lora = [n for n in start if "conv1.lora_" in n]
+    assert conv_lora and all(not torch.equal(start[n], unet.get_parameter(n)) for n in conv_lora)  # it trained
+    dequantize_model(unet)
+    assert not is_quantized(unet) and type(unet.down_blocks[0].resnets[0].conv1.base_layer) is nn.Conv2d
+
+
+def test_run_with_fp8_convs_trains_and_records_them(runs, tmp_path):
+    # _train's run (same seed, steps and lr) with fp8 convolutions under the nf4 Linears; measured final eval
+    # loss 1.032 (unquantized 1.046, nf4 alone 1.052), so NF4_LOSS_MARGIN holds it too.
+    assert main(["train", "--model", "tiny-sdxl", "--out", str(tmp_path), "--name", "c", "--steps", "16",
+                 "--resolution", "64", "--seed", "3", "--set", "model.quantize=nf4",
+                 "--set", "model.quantize_convs=fp8", "--set", "train.lr=2e-2", "--set", "adapter.preset=full",
+                 "--set", "preview.prompts=''"]) == 0
+    events = read_events(tmp_path / "c" / "events.jsonl")
+    quant = next(e for e in events if e["event"] == "quantize")
+    assert quant["method"] == "nf4" and quant["convs"] == "fp8" and quant["conv_layers"] > 20
+    assert quant["conv_kept"] == ["conv_in", "conv_out"]
+    assert quant["conv_bytes_after"] < quant["conv_bytes_before"] / 3.5  # fp32 as loaded -> ~1 byte a weight
+    est = next(e for e in events if e["event"] == "memory_estimate")
+    assert est["quantize_convs"] == "fp8" and "fp8 conv" in est["weights_gib"]
+    before, after = _evals(tmp_path / "c")
+    assert after < 0.95 * before, f"nf4 + fp8 convs eval loss went {before:.4f} -> {after:.4f}"
+    ref_before, ref_after = _evals(runs["none"])
+    assert abs(before - ref_before) < 0.01 * ref_before
+    assert abs(after - ref_after) < NF4_LOSS_MARGIN * ref_after, f"{after:.4f} vs unquantized {ref_after:.4f}"
+    with safe_open(str(tmp_path / "c" / "c.safetensors"), "pt") as f:
+        assert f.metadata()["sdxl_lora.quantize_convs"] == "fp8"
+
+
+def test_estimate_with_fp8_convs(sdxl_meta, capsys):
+    from sdxl_lora.quantize import unet_conv_skip
+
+    unet, trainable = sdxl_meta
+    kw = dict(trainable_params=trainable, resolution=1024, batch_size=1, checkpointing=True, quantize="nf4")
+    nf4, conv = memory.estimate(unet, **kw), memory.estimate(unet, quantize_convs="fp8", **kw)
+    convs = [m for n, m in unet.named_modules() if isinstance(m, nn.Conv2d) and not unet_conv_skip(n)]
+    conv_bf16 = sum(m.weight.numel() * 2 for m in convs)
+    assert conv.weights["fp8 conv"] == sum(m.weight.numel() + 4 * m.out_channels for m in convs)
+    assert conv.weights["nf4"] == nf4.weights["nf4"]
+    assert conv.weights["bf16"] == nf4.weights["bf16"] - conv_bf16  # 0.62 GiB of convs -> 0.31
+    assert 0.25 * GiB < nf4.total - conv.total < 0.35 * GiB
+    # without checkpointing the fp8 convolutions save their inputs no more: fewer activations
+    assert memory.estimate(unet, **{**kw, "checkpointing": False}, quantize_convs="fp8").activations < \
+        memory.estimate(unet, **{**kw, "checkpointing": False}).activations
+    assert main(["plan", "--model", "arch:sdxl", "--set", "model.quantize=nf4", "--set", "model.quantize_convs=fp8",
+                 "--set", "data.resolution=1024"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8 convs" in out and "fp8 conv 0.31" in out

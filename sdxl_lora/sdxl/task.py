@@ -218,8 +218,9 @@ class SDXLTask:
                                      native=native_resolution(self.pipe))
         mp = accelerator.mixed_precision
         self._memory_estimate(unet, mp, run)
-        if cfg.model.quantize != "none":
-            # QLoRA: the Linears quantized one at a time on the device (docs/qlora.md), before the rest moves.
+        if cfg.model.quantize != "none" or cfg.model.quantize_convs != "none":
+            # QLoRA: the Linears (and convolutions) quantized one at a time on the device (docs/qlora.md),
+            # before the rest moves.
             from ..quantize import quantize_unet
             quantize_unet(unet, cfg.model, mp, self.device, run)
         # Frozen weights in the compute dtype; the adapter stays fp32 (apply_plan does that).
@@ -690,6 +691,8 @@ class SDXLTask:
                    "sdxl_lora.quantize": cfg.model.quantize,
                    **({"sdxl_lora.quant_double": str(cfg.model.quant_double).lower()}
                       if cfg.model.quantize in ("nf4", "fp4") else {}),
+                   **({"sdxl_lora.quantize_convs": cfg.model.quantize_convs}
+                      if cfg.model.quantize_convs != "none" else {}),
                    "ss_unet_lr": str(cfg.train.unet_lr or cfg.train.lr),
                    "ss_text_encoder_lr": str(cfg.train.text_encoder_lr or cfg.train.lr),
                    "ss_network_train_unet_only": str(not cfg.adapter.train_text_encoder),
