@@ -189,6 +189,7 @@ def main() -> None:
     ap.add_argument("--fastest", action="store_true", help="--graphs --compile regional --channels-last")
     ap.add_argument("--gradient-sync", default="auto", choices=["auto", "ddp", "allreduce"],
                     help="train.gradient_sync")
+    ap.add_argument("--launch-timeout", type=float, default=None, help="seconds one launch may take (default: none)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny UNet, 8x8 latents, gloo")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -219,7 +220,13 @@ def main() -> None:
             if args.tiny:
                 env["OMP_NUM_THREADS"] = "1"
             print(f"# {n} process(es): {' '.join(cmd[2:])}", flush=True)
-            proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+            try:
+                proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                                      timeout=args.launch_timeout)
+            except subprocess.TimeoutExpired as e:  # say where it was, not only that it ran out of time
+                tail = (e.stderr or b"")[-6000:]
+                sys.stderr.write(tail.decode(errors="replace") if isinstance(tail, bytes) else tail)
+                raise SystemExit(f"the {n}-process run did not finish in {args.launch_timeout} s; its log is above")
             if proc.returncode != 0 or not result.is_file():
                 sys.stderr.write(proc.stderr[-6000:])
                 raise SystemExit(f"the {n}-process run failed (exit {proc.returncode}); its log is above")
