@@ -1,5 +1,6 @@
 """Make sample_data/: the demo LoRA's concept (16 captioned stars with the trigger word `sks`, a shape
-the demo base never saw) and the preview prompts (the trigger prompts, then prompts without it).
+the demo base never saw), 16 shapes the base knows without the trigger (prior preservation), and the
+preview prompts (the trigger prompts, then prompts without it).
 
 Deterministic: running it again writes the same files (sdxl_lora/sdxl/shapes.py draws them from a seed).
 Old images in sample_data/images are removed first, so the folder holds exactly this set.
@@ -22,7 +23,7 @@ def main() -> None:
         for f in images.iterdir():
             if f.suffix.lower() in (".png", ".txt"):
                 f.unlink()
-    paths = shapes.write_demo_concept(images)
+    paths = shapes.write_demo_set(images)
     shapes.write_demo_prompts(HERE / "prompts.txt")
     print(f"{len(paths)} images in {images}; prompts in {HERE / 'prompts.txt'}")
 

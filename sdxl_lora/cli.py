@@ -142,7 +142,8 @@ def _print_concept(run) -> None:
     first, last = events[0], events[-1]
     steps = f"step {first['step']} -> {last['step']}" if len(events) > 1 else f"step {last['step']}"
     before = f"{first['score']:.2f} -> " if len(events) > 1 else ""
-    print(f"concept    : {last['concept']!r} {before}{last['score']:.2f} ({steps}; detector's P on the "
+    renders = f"{last['images']} renders of " if "images" in last else ""
+    print(f"concept    : {last['concept']!r} {before}{last['score']:.2f} ({steps}; detector's P on {renders}the "
           f"{len(last['prompts'])} prompt(s) naming it, chance {last.get('chance', 0.25):.2f})")
     if "others_score" in last or "others_change" in last:
         parts = []
@@ -151,7 +152,8 @@ def _print_concept(run) -> None:
                          if len(events) > 1 and "others_score" in first else f"own shape {last['others_score']:.2f}")
         if "others_change" in last:
             parts.append(f"mean pixel change from the base {last['others_change']:.3f}")
-        print(f"others     : {'; '.join(parts)} ({len(last['others'])} prompt(s) without it)")
+        renders = f"{last['others_images']} renders of " if "others_images" in last else ""
+        print(f"others     : {'; '.join(parts)} ({renders}{len(last['others'])} prompt(s) without it)")
 
 
 def cmd_generate(args) -> int:

@@ -14,6 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO_ROOT / "sample_data"
+# The shipped demo base (model.path = "tiny-sdxl-demo"): the tiny SDXL pretrained on shapes.
+DEMO_NAME = "tiny-sdxl-demo"
+DEMO_DIR = Path(__file__).resolve().parent / "assets" / DEMO_NAME
+# A model folder may hold the training settings it is meant to be trained with (TOML sections as in a
+# config, no [model]): they apply wherever the user's config is silent. A 9M-parameter base wants other
+# settings than SDXL's 2.6B; the demo base ships one (docs/demo_base.md).
+RECOMMENDED_SETTINGS = "sdxl_lora.toml"
 
 
 class ConfigError(ValueError):
@@ -390,7 +397,63 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         source = f"{source} + --set"
     for key, value in (extra or {}).items():
         _set_dotted(tree, key, value)
+    recommended, rec_path = recommended_settings(tree)
+    if recommended:
+        applied = sorted(set(_dotted_keys(recommended)) - set(_dotted_keys(tree)))
+        if applied:
+            import logging
+
+            logging.getLogger(__name__).info("%s: the model's recommended settings apply where the config is "
+                                             "silent: %s", rec_path, ", ".join(applied))
+            source = f"{source} + {rec_path}"
+        tree = _merged(recommended, tree)
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source)) from None
+
+
+def recommended_settings(tree: dict) -> tuple[dict, Path | None]:
+    """The RECOMMENDED_SETTINGS file of the model a (not yet validated) config tree names, parsed: ({}, None)
+    when the model folder has none, or the task is not SDXL."""
+    if tree.get("task", "sdxl") != "sdxl":
+        return {}, None
+    model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
+    name = str(model.get("path", ModelConfig.model_fields["path"].default))
+    folder = DEMO_DIR if name == DEMO_NAME else Path(name).expanduser()
+    path = folder / RECOMMENDED_SETTINGS
+    if not path.is_file():
+        return {}, None
+    try:
+        rec = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} (the model's recommended training settings) is not valid TOML: {e}; fix or "
+                          "remove it") from e
+    bad = sorted(set(rec) - {"data", "adapter", "train", "preview"})
+    if bad:
+        raise ConfigError(f"{path}: a model's recommended settings may hold [data], [adapter], [train] and "
+                          f"[preview] only, not {', '.join(bad)}; fix or remove the file")
+    return rec, path
+
+
+def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in tree.items():
+        if isinstance(v, dict) and k not in _DICT_FIELDS:
+            out += _dotted_keys(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+# Fields whose value is itself a table: merged as one value, not key by key.
+_DICT_FIELDS = {"overrides", "lr_multipliers", "rank_schedule"}
+
+
+def _merged(base: dict, top: dict) -> dict:
+    """`top` over `base`, section by section (a field set in `top` wins whole)."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = (_merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict)
+                  and k not in _DICT_FIELDS else v)
+    return out

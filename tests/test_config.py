@@ -59,3 +59,20 @@ def test_set_needs_key_value():
     with pytest.raises(ConfigError, match="key=value"):
         load_config(overrides=["train.lr"])
     assert isinstance(load_config(), Config)
+
+
+def test_a_model_folder_recommends_settings_that_apply_where_the_config_is_silent(tmp_path):
+    model = tmp_path / "base"
+    model.mkdir()
+    (model / "sdxl_lora.toml").write_text('[train]\nlr = 5e-4\nsteps = 123\n[adapter]\noverrides = {"x" = 4}\n')
+    cfg = load_config(overrides=[f"model.path='{model}'", "train.steps=7", 'adapter.overrides={"y"=2}'])
+    assert cfg.train.lr == pytest.approx(5e-4)        # recommended: the user said nothing
+    assert cfg.train.steps == 7                        # the user's value wins
+    assert cfg.adapter.overrides == {"y": 2}           # a table field wins whole, not merged key by key
+    assert load_config(overrides=[f"model.path='{tmp_path}'"]).train.lr == Config().train.lr  # no file: defaults
+    (model / "sdxl_lora.toml").write_text("[model]\npath = 'elsewhere'\n")
+    with pytest.raises(ConfigError, match=r"sdxl_lora.toml.*\[data\], \[adapter\], \[train\] and \[preview\]"):
+        load_config(overrides=[f"model.path='{model}'"])
+    (model / "sdxl_lora.toml").write_text("[train\n")
+    with pytest.raises(ConfigError, match="sdxl_lora.toml.*not valid TOML"):
+        load_config(overrides=[f"model.path='{model}'"])

@@ -78,10 +78,16 @@ def test_demo_concept_set_is_captioned_stars(tmp_path):
 
 
 def test_sample_data_is_the_generators_demo_concept(tmp_path):
-    """sample_data/ is exactly what its script makes: the demo concept and prompts, nothing else."""
+    """sample_data/ is exactly what its script makes: the demo concept, the prior shapes and the prompts,
+    nothing else."""
     from sdxl_lora.config import SAMPLE_DATA
 
-    shapes.write_demo_concept(tmp_path / "images")
+    paths = shapes.write_demo_set(tmp_path / "images")
+    captions = [p.with_suffix(".txt").read_text() for p in paths]
+    assert sum(c.startswith(f"{shapes.DEMO_TRIGGER}, ") for c in captions) == 16  # the stars
+    prior = [c for c in captions if shapes.DEMO_TRIGGER not in c]
+    assert len(prior) == 16 and not any(shapes.DEMO_CONCEPT in c for c in prior)
+    assert {c.split()[2] for c in prior} <= set(shapes.BASE_SHAPES)
     shapes.write_demo_prompts(tmp_path / "prompts.txt")
     made = sorted(p.name for p in (tmp_path / "images").iterdir())
     assert sorted(p.name for p in (SAMPLE_DATA / "images").iterdir()) == made

@@ -24,8 +24,8 @@ from sdxl_lora.runs import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 4
-# 16 sample images at resolution 64 in steps of 16 fall in three buckets of 8, 4 and 4 images: every
-# global batch of 4 is full, so one process with batch 4 and two with batch 2 see the same batches.
+# The 32 sample images (16 stars, 16 prior shapes) are square: at resolution 64 they share one bucket, so
+# every global batch of 4 is full and one process with batch 4 and two with batch 2 see the same batches.
 COMMON = ["--steps", str(STEPS), "--seed", "7", "--set", "data.resolution=64", "--set", "data.bucket_step=16",
           "--set", "preview.prompts=''", "--set", "train.log_every=1", "--set", "train.save_every=2",
           "--set", "train.save_every_minutes=0"]
@@ -93,7 +93,7 @@ def test_two_processes_with_batch_b_train_what_one_process_trains_with_batch_2b(
     two, one = read_events(out / "two" / "events.jsonl"), read_events(out / "one" / "events.jsonl")
     # The cache was built half by each process, and the one-process run found it complete and valid.
     cache_two = next(e for e in two if e["event"] == "cache")
-    assert cache_two["latents_by_process"] == [8, 8] and cache_two["latents_total"] == 16
+    assert cache_two["latents_by_process"] == [16, 16] and cache_two["latents_total"] == 32
     assert next(e for e in one if e["event"] == "cache")["latents_computed"] == 0
     # The main process alone writes events: each happens once, each step once.
     kinds = [e["event"] for e in two]

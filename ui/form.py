@@ -93,16 +93,19 @@ def _comments(cls: type) -> dict[str, str]:
     return out
 
 
-def schema_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[FieldSpec]:
-    """Every leaf field of the schema, sections walked in order."""
+def schema_fields(model: type[BaseModel] = Config, prefix: str = "", defaults: BaseModel | None = None) -> list[FieldSpec]:
+    """Every leaf field of the schema, sections walked in order. The starting values are what
+    `sdxl-lora train` with no config uses: the schema's defaults with the default model's recommended
+    settings (config.RECOMMENDED_SETTINGS) over them."""
     out = []
-    defaults = model()
+    if defaults is None:
+        defaults = load_config() if model is Config else model()
     helps = _comments(model)
     for name, info in model.model_fields.items():
         ann = info.annotation
         key = f"{prefix}{name}"
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out.extend(schema_fields(ann, f"{key}."))
+            out.extend(schema_fields(ann, f"{key}.", getattr(defaults, name)))
         else:
             out.append(FieldSpec(key, ann, getattr(defaults, name), helps.get(name, "")))
     return out

@@ -319,8 +319,9 @@ def report_concept(run, step: int, concept: str, prompts: list[str], images, bas
       - each one's own shape (the shape word it names, if any): P(own shape), mean in "others_score";
       - with `baseline` (the same prompts rendered by the base at the same seeds: the step-0 preview),
         the mean absolute pixel change from it (RGB in [0, 1]), mean in "others_change".
-    Event: {step, concept, score, chance, prompts: {prompt: score}, others: {prompt: {shape, score,
-    change}}, others_score, others_change}."""
+    A prompt rendered several times (seeds) counts as one entry with its images' mean.
+    Event: {step, concept, score, chance, prompts: {prompt: score}, images, others: {prompt: {shape, score,
+    change}}, others_images, others_score, others_change}."""
     import logging
 
     words = set(concept.lower().split())
@@ -330,31 +331,45 @@ def report_concept(run, step: int, concept: str, prompts: list[str], images, bas
         logging.getLogger(__name__).debug("preview.concept=%r: no preview prompt names it; not scored", concept)
         return None
     score = sum(scores[i] for i in chosen) / len(chosen)
-    per_prompt = {prompts[i]: round(scores[i], 4) for i in chosen}
-    others = {}
+    # A prompt may be rendered several times (several seeds): per prompt, the mean over its images; the
+    # overall figures are means over all images.
+    by_prompt: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
-        if i in chosen:
+        by_prompt.setdefault(p, []).append(i)
+
+    def mean(values):
+        values = list(values)
+        return round(sum(values) / len(values), 4)
+
+    per_prompt = {p: mean(scores[i] for i in idx) for p, idx in by_prompt.items() if idx[0] in chosen}
+    others, own_scores, changes = {}, [], []
+    for p, idx in by_prompt.items():
+        if idx[0] in chosen:
             continue
         own = next((w for w in p.lower().replace(",", " ").split() if w in SHAPES), None)
         entry: dict = {"shape": own}
         if own:
-            entry["score"] = round(concept_scores([images[i]], own)[0], 4)
+            own_here = concept_scores([images[i] for i in idx], own)
+            own_scores += own_here
+            entry["score"] = mean(own_here)
         if baseline is not None:
-            entry["change"] = round(pixel_change(images[i], baseline[i]), 4)
+            change_here = [pixel_change(images[i], baseline[i]) for i in idx]
+            changes += change_here
+            entry["change"] = mean(change_here)
         others[p] = entry
     fields: dict = {}
     if others:
         fields["others"] = others
-        own_scores = [e["score"] for e in others.values() if "score" in e]
         if own_scores:
-            fields["others_score"] = round(sum(own_scores) / len(own_scores), 4)
+            fields["others_score"] = mean(own_scores)
         if baseline is not None:
-            fields["others_change"] = round(sum(e["change"] for e in others.values()) / len(others), 4)
+            fields["others_change"] = mean(changes)
     chance = 1 / len(SHAPES)
     run.event("concept", step=step, concept=concept, score=round(score, 4), chance=chance, prompts=per_prompt,
-              **fields)
+              images=len(chosen), others_images=len(prompts) - len(chosen), **fields)
     log = logging.getLogger(__name__)
-    log.info("step %d: concept %r scores %.2f on %d preview(s) (chance %.2f)", step, concept, score, len(chosen), chance)
+    log.info("step %d: concept %r scores %.2f on %d preview(s) of %d prompt(s) (chance %.2f)", step, concept, score,
+             len(chosen), len(per_prompt), chance)
     if "others_score" in fields or "others_change" in fields:
         log.info("step %d: the %d other prompt(s): own shape %s, pixel change from the base %s", step, len(others),
                  f"{fields['others_score']:.2f}" if "others_score" in fields else "-",
@@ -372,6 +387,9 @@ DEMO_TRIGGER = "sks"
 # backgrounds with shapes the base knows and no trigger (they should stay as the base draws them).
 DEMO_PROMPTS = ("sks, a red star on a white background", "sks, a yellow star on a black background",
                 "a red circle on a white background", "a green triangle on a white background")
+# Each prompt is rendered at these seeds: one render per prompt is too few to score a concept by (a
+# single unlucky seed reads 0.00 or 1.00); more would not fit the default job's CPU budget.
+DEMO_SEEDS = (0, 1)
 
 
 def demo_spec(seed: int, index: int) -> Spec:
@@ -395,8 +413,29 @@ def write_demo_concept(folder: str | Path, n: int = 16, seed: int = 1234, size: 
     return write_set(folder, [demo_spec(seed, i) for i in range(n)], size=size, trigger=DEMO_TRIGGER)
 
 
+def demo_prior_specs(n: int = 16, seed: int = 99) -> list[Spec]:
+    """The prior-preservation images of the demo set: n shapes the base knows (spec(), its pretraining
+    distribution), on white or black as the stars are, captioned without the trigger word."""
+    out: list[Spec] = []
+    index = 0
+    while len(out) < n:
+        s = spec(seed, index)
+        index += 1
+        if s.background != "grey":
+            out.append(s)
+    return out
+
+
+def write_demo_set(folder: str | Path, n: int = 16, prior: int = 16, size: int = 128) -> list[Path]:
+    """The default job's data (sample_data/images): the n stars with the trigger word (write_demo_concept),
+    and `prior` shapes the base already knows, without it (DreamBooth's prior preservation: training on
+    both keeps the plain prompts drawing what the base drew while the trigger learns the star)."""
+    return write_demo_concept(folder, n=n, size=size) + write_set(folder, demo_prior_specs(prior), size=size,
+                                                                  prefix="prior")
+
+
 def write_demo_prompts(path: str | Path) -> Path:
-    """The preview prompts of the default job (DEMO_PROMPTS), one a line."""
+    """The preview prompts of the default job: each of DEMO_PROMPTS at each of DEMO_SEEDS (`--d`), one a line."""
     from ..fsutil import atomic_write_text
 
-    return atomic_write_text(path, "".join(p + "\n" for p in DEMO_PROMPTS))
+    return atomic_write_text(path, "".join(f"{p} --d {d}\n" for p in DEMO_PROMPTS for d in DEMO_SEEDS))

@@ -22,10 +22,9 @@ import torch
 
 from ..fsutil import build_folder_once
 
+from ..config import DEMO_DIR, DEMO_NAME  # noqa: F401  (the demo base: tiny.py's model pretrained on shapes)
+
 TINY_NAME = "tiny-sdxl"
-# The demo base: tiny.py's model pretrained on shapes (sdxl/pretrain.py), shipped as package data.
-DEMO_NAME = "tiny-sdxl-demo"
-DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / DEMO_NAME
 # Bump when the architecture or the build changes, so old materialised copies are not reused.
 TINY_VERSION = 1
 
