@@ -343,6 +343,53 @@ def task_of(argv: list[str]) -> str:
     return _config_from_args(args).task
 
 
+def cmd_llm_plan(args) -> int:
+    """The adapter plan for a causal LM, from its config.json alone (the model is built on the meta device:
+    no weights read), and the frozen weights, adapter, gradients and optimizer state it implies."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from . import inject
+    from .llm.model import check_causal_lm_folder, keep_head, quantize_settings, resolve_llm_path
+    from .memory import GiB, OPTIMIZER_BYTES, weight_bytes
+
+    try:
+        cfg = _llm_config_from_args(args)
+        config = check_causal_lm_folder(resolve_llm_path(cfg.model))
+    except _llm_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    plan = inject.make_plan(model, cfg.adapter)
+    # As a GPU run holds them: bf16 weights (train.mixed_precision "auto"), or quantized per model.quantize.
+    method, opts = quantize_settings(cfg, "bf16" if cfg.train.mixed_precision == "auto" else cfg.train.mixed_precision)
+    dtype = opts.get("compute_dtype", {"fp16": torch.float16, "no": torch.float32}.get(cfg.train.mixed_precision,
+                                                                                        torch.bfloat16))
+    weights = weight_bytes(model, method or "none", cfg.model.quant_double, dtype, skip=keep_head)
+    n = plan.trainable_params
+    state = {"frozen weights": sum(weights.values()), "adapter (fp32)": 4 * n, "gradients": 4 * n,
+             "optimizer": int(n * OPTIMIZER_BYTES[cfg.train.optimizer])}
+    if args.json:
+        print(json.dumps({"model": cfg.model.path, "model_type": config.model_type, "base_rank": plan.base_rank,
+                          "modules": len(plan.targets), "trainable_params": n, "adapter_mb": round(n * 4 / 2**20, 3),
+                          "groups": plan.groups(), "weights_gib": {k: round(v / GiB, 3) for k, v in weights.items()},
+                          "memory_gib": {k: round(v / GiB, 3) for k, v in state.items()}}, indent=1))
+        return 0
+    print(f"model {cfg.model.path} ({config.model_type}), preset {cfg.adapter.preset}")
+    print(inject.format_plan(plan))
+    print(f"memory without activations ({method or 'unquantized'} base, {cfg.train.optimizer}):")
+    print(f"  frozen weights {state['frozen weights'] / GiB:8.2f} GiB  ("
+          + ", ".join(f"{k} {v / GiB:.2f}" for k, v in weights.items()) + ")")
+    for k in ("adapter (fp32)", "gradients", "optimizer"):
+        print(f"  {k:14s} {state[k] / GiB:8.2f} GiB")
+    print(f"  total          {sum(state.values()) / GiB:8.2f} GiB, plus activations (they grow with batch x "
+          "llm.max_length; benchmarks/RESULTS.md has measured peaks)")
+    return 0
+
+
 def cmd_llm_train(args, resumed=None) -> int:
     """`resumed`: the run, config and state cmd_train already found for --resume."""
     from .llm.preview import read_answers
@@ -469,6 +516,14 @@ def _add_llm_parser(sub) -> None:
     t.add_argument("--overwrite", action="store_true", help="replace an existing run folder of the same name")
     t.add_argument("--resume", metavar="RUN_DIR|latest", help="continue a run from its newest complete state")
     t.set_defaults(func=cmd_llm_train)
+
+    pl = lsub.add_parser("plan", help="print the adapter plan and weight memory of a causal LM (no weights read)")
+    pl.add_argument("config", nargs="?", help="TOML config file")
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    pl.add_argument("--model", help="local transformers causal-LM folder, or tiny-llm [model.path]")
+    pl.add_argument("--rank", type=int, help="LoRA rank [adapter.rank]")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(func=cmd_llm_plan)
 
     g = lsub.add_parser("generate", help="answer prompts with a base model and (optionally) an adapter")
     g.add_argument("prompt", nargs="+", help="prompt(s), each answered greedily")
