@@ -133,6 +133,20 @@ def _fp8_forward_dtype(layer: nn.Module, x: torch.Tensor) -> tuple[bool, torch.d
     return False, layer.compute_dtype
 
 
+class _Fp8Weights:
+    """Mixed into Float8Linear and Float8Conv2d: fp8 storage of a frozen layer's weight (_fp8_store), its
+    bias in the compute dtype, and the weight dequantized on demand."""
+
+    def _store_fp8(self, source: nn.Module, compute_dtype: torch.dtype, device: torch.device | str) -> None:
+        self.compute_dtype = compute_dtype
+        _fp8_store(self, source.weight, device)
+        self.bias = (None if source.bias is None else
+                     nn.Parameter(source.bias.detach().to(device, compute_dtype), requires_grad=False))
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return _fp8_dequantized(self, dtype or self.compute_dtype)
+
+
 class _Fp8Matmul(torch.autograd.Function):
     """x @ W^T with W dequantized from fp8 on the fly. Saving only the fp8 weight for backward (not the
     dequantized one, as F.linear would) keeps a compute-dtype copy of every weight off the device."""
@@ -147,20 +161,14 @@ class _Fp8Matmul(torch.autograd.Function):
         return grad @ ctx.layer.dequantized(grad.dtype), None
 
 
-class Float8Linear(nn.Linear):
+class Float8Linear(_Fp8Weights, nn.Linear):
     """A frozen Linear with float8_e4m3fn weights and one fp32 scale per output channel (stored as
     uint8/int32, see _fp8_store)."""
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device | str):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.compute_dtype = compute_dtype
-        _fp8_store(self, linear.weight, device)
-        self.bias = (None if linear.bias is None else
-                     nn.Parameter(linear.bias.detach().to(device, compute_dtype), requires_grad=False))
-
-    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return _fp8_dequantized(self, dtype or self.compute_dtype)
+        self._store_fp8(linear, compute_dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         autocast, dtype = _fp8_forward_dtype(self, x)
@@ -193,7 +201,7 @@ class _Fp8Conv(torch.autograd.Function):
                                           layer.dilation, layer.groups), None
 
 
-class Float8Conv2d(nn.Conv2d):
+class Float8Conv2d(_Fp8Weights, nn.Conv2d):
     """A frozen Conv2d with float8_e4m3fn weights and one fp32 scale per output channel (stored as
     uint8/int32, see _fp8_store); the bias stays in the compute dtype. Any padding (numbers, "same",
     "valid") and padding_mode are applied with F.pad before the convolution, which then pads nothing."""
@@ -210,13 +218,7 @@ class Float8Conv2d(nn.Conv2d):
         for attr in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "transposed",
                      "output_padding", "groups", "padding_mode", "_reversed_padding_repeated_twice"):
             setattr(self, attr, getattr(conv, attr))
-        self.compute_dtype = compute_dtype
-        _fp8_store(self, conv.weight, device)
-        self.bias = (None if conv.bias is None else
-                     nn.Parameter(conv.bias.detach().to(device, compute_dtype), requires_grad=False))
-
-    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return _fp8_dequantized(self, dtype or self.compute_dtype)
+        self._store_fp8(conv, compute_dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         autocast, dtype = _fp8_forward_dtype(self, x)

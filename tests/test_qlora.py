@@ -114,6 +114,16 @@ def _tiny_unet(tiny_dir):
     return UNet2DConditionModel.from_pretrained(str(tiny_dir / "unet"), local_files_only=True)
 
 
+def _adam_steps(unet, params, steps: int) -> None:
+    """A few AdamW steps of the UNet's adapter on fixed inputs."""
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    inputs = _unet_inputs(unet)
+    for _ in range(steps):
+        unet(**inputs).sample.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _unet_inputs(unet, batch=2, side=8):
     c = unet.config
     g = torch.Generator().manual_seed(0)
@@ -142,12 +152,7 @@ def test_frozen_base_is_bit_identical_after_training(tiny_dir, method):
     inject.apply_plan(unet, plan)
     params = inject.trainable_parameters(unet)
     start = [p.detach().clone() for p in params]
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    inputs = _unet_inputs(unet)
-    for _ in range(3):
-        unet(**inputs).sample.pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+    _adam_steps(unet, params, steps=3)
     after = _frozen_state(unet)
     assert before.keys() == after.keys()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
@@ -427,12 +432,7 @@ def test_frozen_base_with_fp8_convs_is_bit_identical_after_training_a_conv_lora(
     inject.apply_plan(unet, plan)
     assert isinstance(unet.down_blocks[0].resnets[0].conv1.base_layer, Float8Conv2d)
     start = {n: p.detach().clone() for n, p in unet.named_parameters() if p.requires_grad}
-    opt = torch.optim.AdamW(inject.trainable_parameters(unet), lr=1e-2)
-    inputs = _unet_inputs(unet)
-    for _ in range(2):
-        unet(**inputs).sample.pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+    _adam_steps(unet, inject.trainable_parameters(unet), steps=2)
     after = _frozen_state(unet)
     assert before.keys() == after.keys()
     assert not [k for k in before if not torch.equal(before[k], after[k])]
