@@ -352,7 +352,7 @@ def cmd_llm_plan(args) -> int:
     from transformers import AutoModelForCausalLM
 
     from . import inject
-    from .llm.model import check_causal_lm_folder, keep_head, quantize_settings, resolve_llm_path
+    from .llm.model import check_causal_lm_folder, keep_head, resolve_llm_path, weight_dtype
     from .memory import GiB, OPTIMIZER_BYTES, weight_bytes
 
     try:
@@ -364,11 +364,10 @@ def cmd_llm_plan(args) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     plan = inject.make_plan(model, cfg.adapter)
-    # As a GPU run holds them: bf16 weights (train.mixed_precision "auto"), or quantized per model.quantize.
-    method, opts = quantize_settings(cfg, "bf16" if cfg.train.mixed_precision == "auto" else cfg.train.mixed_precision)
-    dtype = opts.get("compute_dtype", {"fp16": torch.float16, "no": torch.float32}.get(cfg.train.mixed_precision,
-                                                                                        torch.bfloat16))
-    weights = weight_bytes(model, method or "none", cfg.model.quant_double, dtype, skip=keep_head)
+    # As a GPU run holds them: bf16 (train.mixed_precision "auto"), or quantized per model.quantize.
+    mp = "bf16" if cfg.train.mixed_precision == "auto" else cfg.train.mixed_precision
+    method = cfg.model.quantize if cfg.model.quantize != "none" else None
+    weights = weight_bytes(model, cfg.model.quantize, cfg.model.quant_double, weight_dtype(cfg, mp), skip=keep_head)
     n = plan.trainable_params
     state = {"frozen weights": sum(weights.values()), "adapter (fp32)": 4 * n, "gradients": 4 * n,
              "optimizer": int(n * OPTIMIZER_BYTES[cfg.train.optimizer])}

@@ -439,15 +439,22 @@ def recommended_settings(tree: dict) -> tuple[dict, Path | None]:
 def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:
     out = []
     for k, v in tree.items():
-        if isinstance(v, dict) and k not in _DICT_FIELDS:
+        if isinstance(v, dict) and k not in _table_fields():
             out += _dotted_keys(v, f"{prefix}{k}.")
         else:
             out.append(f"{prefix}{k}")
     return out
 
 
-# Fields whose value is itself a table: merged as one value, not key by key.
-_DICT_FIELDS = {"overrides", "lr_multipliers", "rank_schedule"}
+
+
+def _table_fields() -> set[str]:
+    """Fields whose value is itself a table (adapter.overrides, train.lr_multipliers, ...): a config sets
+    them whole, so they merge as one value, not key by key."""
+    from typing import get_origin
+
+    return {name for section in (DataConfig, AdapterConfig, TrainConfig, PreviewConfig)
+            for name, f in section.model_fields.items() if get_origin(f.annotation) is dict}
 
 
 def _merged(base: dict, top: dict) -> dict:
@@ -455,5 +462,5 @@ def _merged(base: dict, top: dict) -> dict:
     out = dict(base)
     for k, v in top.items():
         out[k] = (_merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict)
-                  and k not in _DICT_FIELDS else v)
+                  and k not in _table_fields() else v)
     return out

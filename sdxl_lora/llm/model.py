@@ -79,6 +79,12 @@ def keep_head(name: str) -> bool:
     return name.rsplit(".", 1)[-1] == "lm_head"
 
 
+def weight_dtype(cfg: Config, mixed_precision: str) -> torch.dtype:
+    """The dtype the frozen base is loaded in: the quantized layers' compute dtype, or the training precision's."""
+    method, opts = quantize_settings(cfg, mixed_precision)
+    return opts["compute_dtype"] if method else DTYPES.get(mixed_precision, torch.float32)
+
+
 def load_llm(cfg: Config, device: torch.device, mixed_precision: str):
     """(model, tokenizer, folder): the causal LM on `device` in the training precision's dtype, its frozen
     base quantized (model.quantize) one layer at a time if asked."""
@@ -89,7 +95,7 @@ def load_llm(cfg: Config, device: torch.device, mixed_precision: str):
     check_causal_lm_folder(path)
     tokenizer = load_tokenizer(path)
     method, opts = quantize_settings(cfg, mixed_precision)
-    dtype = opts["compute_dtype"] if method else DTYPES.get(mixed_precision, torch.float32)
+    dtype = weight_dtype(cfg, mixed_precision)
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
         attn_implementation=cfg.llm.attn_implementation)

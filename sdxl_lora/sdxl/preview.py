@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import shlex
 import tomllib
@@ -223,11 +224,10 @@ def render_previews(task, model, run, step: int) -> list[Path]:
                     m.to("cpu")
         model.train(was_training)
     paths = [save_png(im, run.samples_dir / f"step-{step:06d}-{i:02d}.png") for i, im in enumerate(images)]
-    # A prompt rendered at several seeds (consecutive lines): one row per prompt.
-    repeats = len(images) // len({e.prompt for e in prompts})
-    rows = [e.prompt for e in prompts][::repeats] if repeats > 1 else []
-    same = bool(rows) and [e.prompt for e in prompts] == [p for p in rows for _ in range(repeats)]
-    paths.append(save_png(grid(images, cols=repeats if same else None), run.samples_dir / f"step-{step:06d}-grid.png"))
+    # Each prompt on consecutive lines the same number of times (several seeds): one row per prompt.
+    runs = {len(list(g)) for _, g in itertools.groupby(e.prompt for e in prompts)}
+    cols = runs.pop() if len(runs) == 1 else None
+    paths.append(save_png(grid(images, cols=cols), run.samples_dir / f"step-{step:06d}-grid.png"))
     if cfg.preview.concept:
         from .shapes import report_concept
 
