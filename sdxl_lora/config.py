@@ -208,7 +208,15 @@ class TrainConfig(Section):
     checkpoint_budget_gb: float | None = Field(None, gt=0)
     channels_last: bool = False
     compile: Literal["none", "regional", "transformer"] = "none"
+    # With compile: the fraction (0-1] of the compiled blocks' activations kept for backward; torch's
+    # partitioner recomputes the cheapest of the rest (torch._functorch.config.activation_memory_budget).
+    # None keeps what the compiler keeps by default.
+    compile_activation_budget: float | None = Field(None, gt=0, le=1)
     cuda_graphs: bool = False
+    # The attention kernels of the training forward (docs/speed.md): "auto" prefers cuDNN's (1.6x the flash
+    # kernel's speed on an H200) and falls back to flash, memory-efficient, math; a named backend alone
+    # ("cudnn", "efficient": CUDA only); "default": PyTorch's own choice.
+    sdpa_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "default"] = "auto"
     # Several processes: how the adapter's gradients are averaged. "ddp": DistributedDataParallel's
     # bucketed all-reduce, overlapped with the backward; "allreduce": the model is not wrapped and the
     # loop averages all adapter gradients in one flat all-reduce after the backward (what a CUDA-graphed

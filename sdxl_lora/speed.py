@@ -4,7 +4,9 @@
   compile=regional  torch.compile on each repeated block (transformer and ResNet blocks), not the whole
                     model: the same kernels fused, a fraction of the compile time, and one compiled
                     graph reused by every block of the same shape. Inductor's on-disk cache makes the
-                    second launch faster still.
+                    second launch faster still. compile_activation_budget lets the compiler recompute
+                    the cheap part of the blocks' activations in backward (a memory budget inside
+                    each compiled block, finer than checkpointing whole units).
   cuda_graphs       the model's forward and backward captured as CUDA graphs, one pair per input shape
                     (bucket): at small batch the step is host-bound (kernel launches, Python), and a
                     graph replay launches the whole pass at once.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -46,15 +49,42 @@ def configure_backends(device: torch.device) -> None:
         torch.backends.cudnn.benchmark = True
 
 
+# train.sdpa_backend: the attention kernels of torch's scaled_dot_product_attention. "auto" tries cuDNN's
+# first: on the H200 it runs SDXL's attention (forward + backward, batch 8, 1024x1024) in 69.8 ms a step
+# against 110.9 for the flash kernel torch picks by default (benchmarks/attention_backends.py); the others
+# follow as fallbacks for shapes or devices cuDNN does not take (the CPU has flash and math only).
+SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+
+
+def sdpa_context(choice: str):
+    """A context in which scaled_dot_product_attention uses the chosen backends: "auto" cuDNN first with the
+    others as fallbacks, a named backend alone (torch raises if it cannot take a call), "default" torch's own
+    order. Entered around the training forward, so compilation and CUDA-graph capture see it too."""
+    if choice == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kinds = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    if choice == "auto":
+        return sdpa_kernel([kinds[k] for k in SDPA_BACKENDS], set_priority=True)
+    return sdpa_kernel([kinds[choice]])
+
+
 def to_channels_last(model: torch.nn.Module) -> None:
     model.to(memory_format=torch.channels_last)
 
 
 def compile_regions(model: torch.nn.Module, backend: str | None = None,
-                    classes: tuple[str, ...] = REGION_CLASSES) -> int:
+                    classes: tuple[str, ...] = REGION_CLASSES, activation_budget: float | None = None) -> int:
     """Compile every repeated block in place; returns how many. ResNet blocks come in several widths, so
-    the recompile limit is raised to hold one graph per shape."""
+    the recompile limit is raised to hold one graph per shape. activation_budget: the fraction of each
+    compiled block's activations kept for backward (torch's partitioner chooses what to recompute by its
+    cost; process-wide, read when the blocks compile at their first call); None: torch's default (1.0)."""
     import torch._dynamo
+    import torch._functorch.config
+
+    torch._functorch.config.activation_memory_budget = 1.0 if activation_budget is None else activation_budget
 
     dyn = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
@@ -108,70 +138,121 @@ class _Positional(torch.nn.Module):
 
 
 # ---- selective activation checkpointing ----
+#
+# diffusers checkpoints a UNet in units, each behind a `gradient_checkpointing` switch: a block's switch
+# checkpoints its ResNets one by one, a Transformer2DModel's switch its transformer layers. diffusers only
+# turns them all on or all off (2.1x the step time); here each unit is switched on its own, the units that
+# free the most memory per FLOP of recomputation first, until a measured step fits the budget.
 
-def checkpointable_blocks(unet: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The UNet's blocks that diffusers can checkpoint one by one (each has `gradient_checkpointing`)."""
-    out = []
-    for prefix in ("down_blocks", "up_blocks"):
-        for i, block in enumerate(getattr(unet, prefix, [])):
-            if hasattr(block, "gradient_checkpointing"):
-                out.append((f"{prefix}.{i}", block))
-    mid = getattr(unet, "mid_block", None)
-    if mid is not None and hasattr(mid, "gradient_checkpointing"):
-        out.append(("mid_block", mid))
-    return out
+@dataclass
+class CheckpointUnit:
+    name: str                 # "down_blocks.1.resnets", "mid_block.attentions.0"
+    switch: torch.nn.Module   # the module whose gradient_checkpointing flag checkpoints the unit
+    members: list[str]        # names (in the UNet) of the modules that run checkpointed
+    saved: int = 0            # bytes the members save for backward, at the measured batch
+    flops: int = 0            # forward FLOPs of the members, at the measured batch
+
+    @property
+    def bytes_per_flop(self) -> float:
+        return self.saved / max(self.flops, 1)
 
 
-def measure_block_activations(unet: torch.nn.Module, call: Callable[[], torch.Tensor]) -> dict[str, int]:
-    """Bytes each block saves for backward in one forward of `call()` (saved-tensor hooks; the frozen
-    weights, which are not copies, are not counted twice: only tensors created during the block count)."""
-    blocks = checkpointable_blocks(unet)
-    current: list[str] = []
-    saved: dict[str, int] = {name: 0 for name, _ in blocks}
+def checkpoint_units(unet: torch.nn.Module) -> list[CheckpointUnit]:
+    """Every unit of the UNet that diffusers can checkpoint on its own, in forward order."""
+    blocks = [(f"down_blocks.{i}", b) for i, b in enumerate(getattr(unet, "down_blocks", []))]
+    if getattr(unet, "mid_block", None) is not None:
+        blocks.append(("mid_block", unet.mid_block))
+    blocks += [(f"up_blocks.{i}", b) for i, b in enumerate(getattr(unet, "up_blocks", []))]
+    units = []
+    for name, block in blocks:
+        resnets = getattr(block, "resnets", None) or []
+        if hasattr(block, "gradient_checkpointing") and len(resnets):
+            units.append(CheckpointUnit(f"{name}.resnets", block, [f"{name}.resnets.{j}" for j in range(len(resnets))]))
+        for j, attn in enumerate(getattr(block, "attentions", None) or []):
+            if hasattr(attn, "gradient_checkpointing"):
+                units.append(CheckpointUnit(f"{name}.attentions.{j}", attn, [f"{name}.attentions.{j}"]))
+    return units
+
+
+def measure_units(unet: torch.nn.Module, units: list[CheckpointUnit], call: Callable[[], torch.Tensor]) -> None:
+    """Fill each unit's `saved` (bytes its modules save for backward: saved-tensor hooks; the frozen weights,
+    which are not copies, and tensors already counted are left out) and `flops` (torch's FlopCounterMode)
+    from one forward of `call()`."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    modules = dict(unet.named_modules())
+    current: list[CheckpointUnit] = []
     seen: set[int] = set()
     params = {p.data_ptr() for p in unet.parameters()}
 
     def pack(t: torch.Tensor):
         if current and t.data_ptr() not in params and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
-            saved[current[-1]] += t.numel() * t.element_size()
+            current[-1].saved += t.numel() * t.element_size()
         return t
 
-    def enter(name):
-        def hook(module, args):
-            current.append(name)
-        return hook
+    def enter(unit):
+        return lambda module, args: current.append(unit)
 
     def leave(module, args, output):
         current.pop()
 
     handles = []
-    for name, block in blocks:
-        handles.append(block.register_forward_pre_hook(enter(name)))
-        handles.append(block.register_forward_hook(leave))
+    for unit in units:
+        unit.saved = unit.flops = 0
+        for member in unit.members:
+            handles.append(modules[member].register_forward_pre_hook(enter(unit)))
+            handles.append(modules[member].register_forward_hook(leave))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as fc:
             out = call()
         del out
     finally:
         for h in handles:
             h.remove()
-    return saved
+    counts = fc.get_flop_counts()
+    root = type(unet).__name__
+    for unit in units:
+        unit.flops = sum(sum(counts.get(f"{root}.{m}", {}).values()) for m in unit.members)
 
 
-def choose_checkpointed(saved: dict[str, int], budget_bytes: int, other_bytes: int) -> list[str]:
-    """Blocks to checkpoint so that other_bytes + the activations left fit the budget: the largest first
-    (each checkpointed block keeps only its input, so the saving is nearly its whole activation). The
-    fewest blocks, hence the least recomputation; blocks that save nothing (no adapter in or before them)
-    are never checkpointed. Deterministic: ties by name."""
+def checkpoint_order(units: list[CheckpointUnit]) -> list[CheckpointUnit]:
+    """The order in which units are checkpointed: most bytes freed per FLOP recomputed first (ties by
+    name); units that save nothing (no adapter in or before them) never."""
+    return sorted((u for u in units if u.saved > 0), key=lambda u: (-u.bytes_per_flop, u.name))
+
+
+def choose_checkpointed(units: list[CheckpointUnit], budget_bytes: int, other_bytes: int,
+                        scale: float = 1.0) -> list[str]:
+    """Units to checkpoint so that other_bytes + scale x the activations left fit the budget (each
+    checkpointed unit keeps only its input, so the saving is nearly its whole activation), taken in
+    checkpoint_order. Deterministic."""
     chosen: list[str] = []
-    total = other_bytes + sum(saved.values())
-    for name, size in sorted(saved.items(), key=lambda kv: (-kv[1], kv[0])):
-        if total <= budget_bytes or size == 0:
+    total = other_bytes + scale * sum(u.saved for u in units)
+    for unit in checkpoint_order(units):
+        if total <= budget_bytes:
             break
-        chosen.append(name)
-        total -= size
+        chosen.append(unit.name)
+        total -= scale * unit.saved
     return chosen
+
+
+@contextlib.contextmanager
+def fork_rng(device: torch.device):
+    """torch.random.fork_rng for the CPU and `device`, restoring a CUDA generator with graphsafe_set_state.
+    Why not fork_rng itself: its set_rng_state on the CUDA generator, run before a CUDA graph capture
+    (selective checkpointing's fit, then train.cuda_graphs), was followed by a failed capture on the H200
+    ("operation failed due to a previous error during capture"); the graph-safe swap keeps the generator's
+    state object that captures register."""
+    cpu = torch.get_rng_state()
+    gen = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else None
+    saved = gen.clone_state() if gen is not None else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if gen is not None:
+            gen.graphsafe_set_state(saved)
 
 
 def enable_checkpointing(model: torch.nn.Module, graph_safe: bool = False) -> None:
@@ -189,14 +270,17 @@ def enable_checkpointing(model: torch.nn.Module, graph_safe: bool = False) -> No
 
 
 def apply_selective_checkpointing(unet: torch.nn.Module, names: list[str], graph_safe: bool = False) -> None:
-    """diffusers' checkpointing on the named blocks only."""
+    """diffusers' checkpointing on the named units (checkpoint_units) only."""
+    units = checkpoint_units(unet)
+    unknown = set(names) - {u.name for u in units}
+    if unknown:
+        raise ValueError(f"no checkpointable unit named {sorted(unknown)} in {type(unet).__name__}")
     enable_checkpointing(unet, graph_safe)
-    wanted = set(names)
-    for name, block in checkpointable_blocks(unet):
-        on = name in wanted
-        for m in block.modules():
-            if hasattr(m, "gradient_checkpointing"):
-                m.gradient_checkpointing = on
+    for m in unet.modules():
+        if hasattr(m, "gradient_checkpointing"):
+            m.gradient_checkpointing = False
+    for unit in units:
+        unit.switch.gradient_checkpointing = unit.name in names
 
 
 # ---- profiling ----

@@ -57,7 +57,8 @@ class Task(Protocol):
         """Batches for this process. When its batch_sampler has skip_next(n) and num_replicas (1 if
         absent) equal to the process count (sdxl.data.BucketBatchSampler), it shards itself: the loop
         iterates it as it is, positions count global batches, and the loop moves batches to the device.
-        Otherwise Accelerate prepares (shards) it, dealing whole batches to the processes in turn."""
+        Otherwise Accelerate prepares (shards) it, dealing whole batches to the processes in turn.
+        Batch keys named in the task's optional `host_keys` attribute stay on the CPU."""
         ...
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor: ...
     def evaluate(self, model: torch.nn.Module) -> float: ...
@@ -349,7 +350,10 @@ class Trainer:
                 loader = self.accelerator.skip_first_batches(self.loader, self.position)
             for batch in loader:
                 if self._own_shards:
-                    batch = send_to_device(batch, self.accelerator.device, non_blocking=True)
+                    # A task's host_keys stay on the CPU (the SDXL task's per-sample RNG keys: reading them
+                    # from the GPU would be a host sync every step).
+                    batch = send_to_device(batch, self.accelerator.device, non_blocking=True,
+                                           skip_keys=list(getattr(self.task, "host_keys", ())) or None)
                 # Starting an epoch's iterator draws from the RNG (the loader's base seed), and it only
                 # starts at the first fetch: restore the saved RNG after that, as the saved run had it.
                 if self._rng_to_restore is not None:

@@ -77,33 +77,103 @@ def test_regional_compile_same_loss_and_gradients(tiny_dir, monkeypatch):
     torch._dynamo.reset()
 
 
+def saved_bytes(unet, batch):
+    """Bytes saved for backward by one forward (compiled blocks save through autograd too)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        unet(**batch).sample
+    return total
+
+
+def test_compile_activation_budget_keeps_less_and_the_same_gradients(tiny_dir, monkeypatch):
+    # aot_eager_decomp_partition: AOTAutograd with inductor's partitioner (the one that honours the
+    # budget), without inductor's code generation.
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager_decomp_partition")
+    results = {}
+    for budget in (None, 0.1):
+        torch.manual_seed(0)  # the same adapter initialisation for both
+        unet = tiny_unet_with_lora(tiny_dir)
+        batch = batch_for(unet)
+        ref = loss_and_grads(unet, batch)
+        speed.compile_regions(unet, classes=("BasicTransformerBlock",), activation_budget=budget)
+        got = loss_and_grads(unet, batch)
+        assert_same(ref, got, rtol=1e-3, atol=1e-5)
+        results[budget] = saved_bytes(unet, batch)
+        torch._dynamo.reset()
+    assert results[0.1] < 0.9 * results[None]
+    speed.compile_regions(torch.nn.Sequential(), activation_budget=None)  # back to torch's default
+
+
+def test_sdpa_backend_choice_orders_the_kernels_and_keeps_the_training_signal(tiny_dir):
+    from torch.nn.attention import SDPBackend
+
+    unet = tiny_unet_with_lora(tiny_dir)
+    batch = batch_for(unet)
+    ref = loss_and_grads(unet, batch)
+    # "auto" puts cuDNN's kernels first (torch's default order puts them after flash, efficient and math).
+    with speed.sdpa_context("auto"):
+        assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.CUDNN_ATTENTION)
+        assert_same(ref, loss_and_grads(unet, batch))
+    assert torch._C._get_sdp_priority_order()[0] != int(SDPBackend.CUDNN_ATTENTION)
+    # A named backend alone: "math" is the reference kernel, the same numbers as the CPU's default.
+    with speed.sdpa_context("math"):
+        assert not torch.backends.cuda.flash_sdp_enabled()
+        assert_same(ref, loss_and_grads(unet, batch))
+
+
+def test_a_cuda_only_attention_backend_on_the_cpu_is_a_clear_error(tmp_path, capsys):
+    from sdxl_lora.cli import main
+
+    rc = main(["train", "--out", str(tmp_path), "--name", "a", "--steps", "1", "--resolution", "64",
+               "--device", "cpu", "--set", "preview.prompts=''", "--set", "train.sdpa_backend=cudnn"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "train.sdpa_backend='cudnn' needs a CUDA GPU" in err and "'auto'" in err
+
+
 def test_selective_checkpointing_measures_chooses_and_keeps_gradients(tiny_dir):
     unet = tiny_unet_with_lora(tiny_dir)
     batch = batch_for(unet)
     ref = loss_and_grads(unet, batch)
-    saved = speed.measure_block_activations(unet, lambda: unet(**batch).sample)
-    names = [n for n, _ in speed.checkpointable_blocks(unet)]
-    assert set(saved) == set(names)
+    units = speed.checkpoint_units(unet)
+    speed.measure_units(unet, units, lambda: unet(**batch).sample)
+    by_name = {u.name: u for u in units}
+    # diffusers' switches: a block's checkpoints its ResNets, a Transformer2DModel's its layers.
+    assert {"down_blocks.1.resnets", "down_blocks.1.attentions.0", "mid_block.attentions.0",
+            "up_blocks.2.resnets"} <= set(by_name)
     # The first down block has no adapter and nothing before it trains: it saves nothing for backward,
-    # so checkpointing it would buy nothing. Every block after the first adapter saves activations.
-    assert saved["down_blocks.0"] == 0
-    assert all(v > 0 for k, v in saved.items() if k != "down_blocks.0")
+    # so checkpointing it would buy nothing. Every unit after the first adapter saves activations, and
+    # every unit costs FLOPs to recompute.
+    assert by_name["down_blocks.0.resnets"].saved == 0
+    assert all(u.saved > 0 for u in units if u.name != "down_blocks.0.resnets")
+    assert all(u.flops > 0 for u in units)
+    # The order frees the most memory per recomputed FLOP first: it differs from "largest first".
+    order = speed.checkpoint_order(units)
+    ratios = [u.bytes_per_flop for u in order]
+    assert ratios == sorted(ratios, reverse=True) and len(order) == len(units) - 1
+    assert order[0].name != max(units, key=lambda u: u.saved).name
 
-    total = sum(saved.values())
-    largest = max(saved, key=saved.get)
-    # A budget that fits everything checkpoints nothing; one just under the total takes the largest block.
-    assert speed.choose_checkpointed(saved, total + 10, 10) == []
-    assert speed.choose_checkpointed(saved, total - 1, 0) == [largest]
-    # An impossible budget takes every block, largest first.
-    every = speed.choose_checkpointed(saved, 0, 0)
-    assert sorted(every) == sorted(set(names) - {"down_blocks.0"}) and every[0] == largest
+    total = sum(u.saved for u in units)
+    # A budget that fits everything checkpoints nothing; one just under the total takes the first unit.
+    assert speed.choose_checkpointed(units, total + 10, 10) == []
+    assert speed.choose_checkpointed(units, total - 1, 0) == [order[0].name]
+    # An impossible budget takes every unit that saves something, in that order.
+    assert speed.choose_checkpointed(units, 0, 0) == [u.name for u in order]
 
-    chosen = speed.choose_checkpointed(saved, total // 2, 0)
+    chosen = speed.choose_checkpointed(units, total // 2, 0)
     speed.apply_selective_checkpointing(unet, chosen)
-    on = {n for n, b in speed.checkpointable_blocks(unet) if b.gradient_checkpointing}
-    assert on == set(chosen) and 0 < len(on) < len(names)
+    on = {u.name for u in speed.checkpoint_units(unet) if u.switch.gradient_checkpointing}
+    assert on == set(chosen) and 0 < len(on) < len(units)
     unet.train()
     assert_same(ref, loss_and_grads(unet, batch))
+    with pytest.raises(ValueError, match="no checkpointable unit named"):
+        speed.apply_selective_checkpointing(unet, ["down_blocks.9.resnets"])
 
 
 def test_budgeted_run_and_profile_land_in_the_run_folder(tmp_path):
@@ -122,8 +192,9 @@ def test_budgeted_run_and_profile_land_in_the_run_folder(tmp_path):
     for phase in ("data", "forward", "backward", "optimizer"):
         assert phase in prof[0]["summary"]
     ck = [e for e in events if e["event"] == "checkpointing"]
-    # A budget below the frozen weights alone: every block that saves activations is checkpointed (with
-    # the demo base's recommended LoRA on the ResNet convolutions, all seven), and the run still trains.
-    assert ck and sorted(ck[0]["blocks"]) == sorted(["down_blocks.0", "down_blocks.1", "down_blocks.2", "mid_block",
-                                                      "up_blocks.0", "up_blocks.1", "up_blocks.2"])
+    # A budget below the frozen weights alone: every unit that saves activations is checkpointed (with
+    # the demo base's recommended LoRA on the ResNet convolutions, every ResNet and transformer unit), the
+    # event says how much of the forward is recomputed, and the run still trains.
+    assert ck and len(ck[0]["blocks"]) == 18 and ck[0]["recomputed_flops"] > 0.9
+    assert {"down_blocks.0.resnets", "mid_block.attentions.0", "up_blocks.2.resnets"} <= set(ck[0]["blocks"])
     assert (run / "p.safetensors").is_file()

@@ -84,7 +84,8 @@ class LLMTask:
 
             # The repeated decoder layers, compiled one graph for all (rows are padded to llm.max_length).
             layer = next(m for n, m in self.lm.named_modules() if re.search(r"(^|\.)layers\.0$", n))
-            n = speed.compile_regions(self.lm, classes=(type(layer).__name__,))
+            n = speed.compile_regions(self.lm, classes=(type(layer).__name__,),
+                                     activation_budget=cfg.train.compile_activation_budget)
             log.info("train.compile=%r: %d decoder layers compiled (the first steps include compilation)",
                      cfg.train.compile, n)
         log.info("adapter plan:\n%s", inject.format_plan(self.plan))

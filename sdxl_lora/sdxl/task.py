@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .. import inject
+from .. import inject, speed
 from ..config import Config, ConfigError
 from ..export import save_diffusers_lora
 from ..runs import Run
@@ -149,6 +149,9 @@ def _collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 
 class SDXLTask:
+    # The per-sample RNG keys stay on the host: _keyed_draws reads them without waiting for the GPU.
+    host_keys = ("sample_key",)
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self._graphed = None  # train.cuda_graphs: True until the first training call builds the graphs
@@ -330,6 +333,12 @@ class SDXLTask:
 
         tc = self.cfg.train
         speed.configure_backends(self.device)
+        if tc.sdpa_backend in ("cudnn", "efficient") and self.device.type != "cuda":
+            raise ConfigError(f"train.sdpa_backend={tc.sdpa_backend!r} needs a CUDA GPU (the device is "
+                              f"{self.device}); use 'auto'")
+        if tc.compile_activation_budget is not None and tc.compile == "none":
+            log.warning("train.compile_activation_budget=%g has no effect without train.compile",
+                        tc.compile_activation_budget)
         graphs = tc.cuda_graphs and self.device.type == "cuda"
         if graphs and self.cfg.adapter.dropout and (tc.gradient_checkpointing or tc.checkpoint_budget_gb):
             raise ConfigError("train.cuda_graphs with gradient checkpointing needs adapter.dropout=0 (a checkpointed "
@@ -337,13 +346,13 @@ class SDXLTask:
         if tc.gradient_checkpointing:
             speed.enable_checkpointing(unet, graph_safe=graphs)
         elif tc.checkpoint_budget_gb:
-            chosen = self._fit_checkpointing(unet, tc.checkpoint_budget_gb, graph_safe=graphs)
-            run.event("checkpointing", budget_gb=tc.checkpoint_budget_gb, blocks=chosen)
+            fit = self._fit_checkpointing(unet, tc.checkpoint_budget_gb, graph_safe=graphs)
+            run.event("checkpointing", budget_gb=tc.checkpoint_budget_gb, **fit)
         if tc.channels_last:
             speed.to_channels_last(unet)
         if tc.compile != "none":
             classes = speed.REGION_CLASSES if tc.compile == "regional" else speed.TRANSFORMER_CLASSES
-            n = speed.compile_regions(unet, classes=classes)
+            n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget)
             log.info("train.compile=%r: %d blocks compiled (the first steps include compilation)", tc.compile, n)
         if tc.cuda_graphs:
             if self.device.type != "cuda":
@@ -369,30 +378,82 @@ class SDXLTask:
             return self._graphed(noisy, t, embeds, pooled, time_ids)
         return call(noisy, t, embeds, pooled, time_ids)
 
-    def _fit_checkpointing(self, unet, budget_gb: float, graph_safe: bool = False) -> list[str]:
-        """Selective checkpointing: measure what each block saves for backward on one batch, then checkpoint
-        the largest blocks until weights, adapter, optimizer state and activations fit the budget."""
+    def _fit_checkpointing(self, unet, budget_gb: float, graph_safe: bool = False) -> dict:
+        """Selective checkpointing (speed.py): measure what each checkpointable unit saves for backward and
+        costs to recompute on one sample of a real batch, checkpoint the units that free the most memory per
+        FLOP until the estimate fits the budget, then (on CUDA) run real forward + backward passes and
+        checkpoint more until the measured peak, plus the optimizer state still to come, fits too: the
+        estimate cannot see the backward pass's transients (activation gradients, attention and cuDNN
+        workspaces). Returns what was chosen and measured."""
         from .. import speed
+        from ..memory import OPTIMIZER_BYTES
 
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        budget = int(budget_gb * 2**30)
+        units = speed.checkpoint_units(unet)
+        with speed.fork_rng(self.device):
             batch = next(iter(self.dataloader()))
-            batch = {k: v.to(self.device) for k, v in batch.items()}
+            batch = {k: v if k in self.host_keys else v.to(self.device) for k, v in batch.items()}
+            n = self.batch_size(batch)
+            # One sample: the measuring pass keeps every activation, so at the full batch it could need more
+            # memory than the budget is meant to save. Activations and FLOPs scale with the batch.
+            one = {k: v[:1] for k, v in batch.items()}
             with self.accelerator.autocast():
-                saved = speed.measure_block_activations(unet, lambda: self.loss(unet, batch))
-        trainable = sum(p.numel() for p in unet.parameters() if p.requires_grad)
-        # Frozen weights as they are stored, plus fp32 adapter, its gradient and AdamW's two moments.
-        other = sum(p.numel() * p.element_size() for p in unet.parameters()) + trainable * 4 * 3
-        chosen = speed.choose_checkpointed(saved, int(budget_gb * 2**30), other)
+                speed.measure_units(unet, units, lambda: self.loss(unet, one))
+            for u in units:
+                u.saved, u.flops = u.saved * n, u.flops * n
+            trainable = sum(p.numel() for p in unet.parameters() if p.requires_grad)
+            optimizer = int(trainable * OPTIMIZER_BYTES.get(self.cfg.train.optimizer, 8.0))
+            # Frozen weights as they are stored, plus the fp32 adapter's gradient and the optimizer state.
+            other = sum(p.numel() * p.element_size() for p in unet.parameters()) + trainable * 4 + optimizer
+            chosen = speed.choose_checkpointed(units, budget, other)
+            estimate = other + sum(u.saved for u in units if u.name not in chosen)
+            trials = []
+            if self.device.type == "cuda":
+                order = speed.checkpoint_order(units)
+                while True:
+                    speed.apply_selective_checkpointing(unet, chosen, graph_safe)
+                    peak = self._trial_peak(unet, batch, warm=not trials) + optimizer
+                    trials.append({"units": len(chosen), "peak_gib": round(peak / 2**30, 2)})
+                    log.info("train.checkpoint_budget_gb=%g: %d of %d units checkpointed, measured peak %.2f GiB "
+                             "(optimizer state included)", budget_gb, len(chosen), len(order), peak / 2**30)
+                    left = [u for u in order if u.name not in chosen]
+                    if peak <= budget or not left:
+                        break
+                    over = peak - budget
+                    for u in left:  # at least one more, as many as the estimate says cover the excess
+                        chosen.append(u.name)
+                        over -= u.saved
+                        if over <= 0:
+                            break
         speed.apply_selective_checkpointing(unet, chosen, graph_safe)
-        left = other + sum(v for k, v in saved.items() if k not in chosen)
-        log.info("train.checkpoint_budget_gb=%g: activations per block (MiB) %s; checkpointing %s; estimated "
-                 "%.2f GiB without the checkpointed blocks' recomputation buffers", budget_gb,
-                 {k: round(v / 2**20, 1) for k, v in saved.items()}, chosen or "nothing", left / 2**30)
-        if left > budget_gb * 2**30:
-            log.warning("train.checkpoint_budget_gb=%g cannot be met even with every block checkpointed "
-                        "(estimated %.2f GiB); lower the batch size or resolution, or quantize the base", budget_gb,
-                        left / 2**30)
-        return chosen
+        flops = sum(u.flops for u in units)
+        recompute = sum(u.flops for u in units if u.name in chosen) / max(flops, 1)
+        log.info("train.checkpoint_budget_gb=%g: checkpointing %s (%.0f%% of the forward FLOPs recomputed); "
+                 "activations per unit (MiB) %s", budget_gb, chosen or "nothing", 100 * recompute,
+                 {u.name: round(u.saved / 2**20, 1) for u in units})
+        final = trials[-1]["peak_gib"] * 2**30 if trials else estimate
+        if final > budget:
+            log.warning("train.checkpoint_budget_gb=%g cannot be met even with every unit checkpointed (%s %.2f "
+                        "GiB); lower the batch size or resolution, or quantize the base", budget_gb,
+                        "measured" if trials else "estimated", final / 2**30)
+        return {"blocks": chosen, "recomputed_flops": round(recompute, 3), "trials": trials,
+                "estimate_gib": round(estimate / 2**30, 2)}
+
+    def _trial_peak(self, unet, batch, warm: bool) -> int:
+        """Peak allocated bytes of one forward + backward on `batch` (gradients dropped after). warm: run it
+        once before measuring, so cuDNN's algorithm search (train.* sets cudnn.benchmark) is not counted."""
+        for _ in range(2 if warm else 1):
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            with self.accelerator.autocast():
+                loss = self.loss(unet, batch)
+            loss.backward()
+            del loss
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            for p in unet.parameters():
+                p.grad = None
+        return peak
 
     def _text_encoder_lora(self, run: Run) -> None:
         """LoRA on both text encoders' attention projections (kohya's lora_te1_/lora_te2_ layers), fp32."""
@@ -585,7 +646,8 @@ class SDXLTask:
         """Each sample's latent draw, noise (and offset) and timestep from its own generator, seeded by its
         sample_key: (seed, epoch, sample) decide them, not a per-process RNG stream, so N processes with
         batch b draw exactly what one process with batch N x b draws (and a resumed run what the
-        uninterrupted one did). The same order as the unkeyed path. One tiny host read of the keys."""
+        uninterrupted one did). The same order as the unkeyed path. The keys stay on the host (host_keys), so
+        reading them waits for nothing."""
         tc, dev = self.cfg.train, mean.device
         eps, noise, t = [], [], []
         for key in keys.tolist():
@@ -614,13 +676,14 @@ class SDXLTask:
         noisy = sched.add_noise(latents, noise, t)
         prediction_type = sched.config.prediction_type
         target = sched.get_velocity(latents, noise, t) if prediction_type == "v_prediction" else noise
-        if "input_ids" in batch:  # text encoder LoRA: the model encodes the captions itself
-            if model is self.pipe.unet:
-                model = self._adapter_model
-            pred = model(noisy, t, input_ids=batch["input_ids"], input_ids_2=batch["input_ids_2"],
-                         time_ids=batch["time_ids"]).sample
-        else:
-            pred = self._unet(model, noisy, t, batch["prompt_embeds"], batch["pooled"], batch["time_ids"])
+        with speed.sdpa_context(tc.sdpa_backend):
+            if "input_ids" in batch:  # text encoder LoRA: the model encodes the captions itself
+                if model is self.pipe.unet:
+                    model = self._adapter_model
+                pred = model(noisy, t, input_ids=batch["input_ids"], input_ids_2=batch["input_ids_2"],
+                             time_ids=batch["time_ids"]).sample
+            else:
+                pred = self._unet(model, noisy, t, batch["prompt_embeds"], batch["pooled"], batch["time_ids"])
         return diffusion.diffusion_loss(pred, target, t, sched.alphas_cumprod, kind=tc.loss,
                                         huber_delta=tc.huber_delta, min_snr_gamma=tc.min_snr_gamma,
                                         prediction_type=prediction_type, mask=batch.get("mask"))

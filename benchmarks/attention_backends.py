@@ -1,0 +1,80 @@
+"""PyTorch SDPA backends on the SDXL UNet's attention shapes at 1024x1024: forward + backward time per
+backend (flash, cuDNN, memory-efficient), bf16, so the trainer's attention choice rests on a measurement.
+
+    python benchmarks/attention_backends.py [--batch 8] [--iters 20]
+
+Shapes (batch, heads, query tokens, key tokens, head dim 64): self-attention at the 64x64 level (640
+channels, 10 heads, 4096 tokens) and at the 32x32 level (1280 channels, 20 heads, 1024 tokens), and the
+cross-attention to the 77 text tokens at both. Prints one JSON row per shape and backend (ms for
+forward + backward), and the per-image total over SDXL's layers (10 transformer layers at 64x64, 60 at
+32x32) for each backend. --tiny runs small shapes on the CPU (a smoke test of the script).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# name: (heads, query tokens, key tokens, layers of it in the SDXL UNet)
+SHAPES = {"self 64x64": (10, 4096, 4096, 10), "cross 64x64": (10, 4096, 77, 10),
+          "self 32x32": (20, 1024, 1024, 60), "cross 32x32": (20, 1024, 77, 60)}
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def time_backend(backend, b, h, q, k, d, iters, device, dtype):
+    g = torch.Generator(device).manual_seed(0)
+    qt, kt, vt = (torch.randn(b, h, n, d, device=device, dtype=dtype, generator=g).requires_grad_()
+                  for n in (q, k, k))
+    grad = torch.randn(b, h, q, d, device=device, dtype=dtype, generator=g)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def once():
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(qt, kt, vt)
+        out.backward(grad)
+        qt.grad = kt.grad = vt.grad = None
+
+    for _ in range(3):
+        once()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        once()
+    sync()
+    return (time.perf_counter() - t0) / iters * 1000
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+    device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
+    shapes = {k: (h, q // 16, min(kv, 77) if kv == 77 else kv // 16, n) for k, (h, q, kv, n) in SHAPES.items()} \
+        if args.tiny else SHAPES
+    backends = {"math": BACKENDS["math"]} if args.tiny else {k: v for k, v in BACKENDS.items() if k != "math"}
+    if device == "cuda":
+        print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} batch {args.batch}", flush=True)
+    totals: dict[str, float] = {}
+    for name, (h, q, kv, layers) in shapes.items():
+        for bname, backend in backends.items():
+            try:
+                ms = time_backend(backend, args.batch, h, q, kv, 64, args.iters, device, dtype)
+            except RuntimeError as e:  # a backend that does not take this shape/device: say so, time the rest
+                print(json.dumps({"shape": name, "backend": bname, "error": str(e).splitlines()[0][:200]}), flush=True)
+                totals[bname] = float("nan")
+                continue
+            totals[bname] = totals.get(bname, 0.0) + ms * layers
+            print(json.dumps({"shape": name, "backend": bname, "ms_fwd_bwd": round(ms, 3), "layers": layers}), flush=True)
+    print(json.dumps({"sdxl_attention_ms_per_step": {k: round(v, 1) for k, v in totals.items()},
+                      "batch": args.batch}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
