@@ -49,25 +49,24 @@ def configure_backends(device: torch.device) -> None:
         torch.backends.cudnn.benchmark = True
 
 
-# train.sdpa_backend: the attention kernels of torch's scaled_dot_product_attention. "auto" tries cuDNN's
-# first: on the H200 it runs SDXL's attention (forward + backward, batch 8, 1024x1024) in 69.8 ms a step
-# against 110.9 for the flash kernel torch picks by default (benchmarks/attention_backends.py); the others
-# follow as fallbacks for shapes or devices cuDNN does not take (the CPU has flash and math only).
+# train.sdpa_backend: the kernels torch's scaled_dot_product_attention may use in the training forward.
+# "default" leaves torch's own choice (flash first on the H200). A named backend restricts it to that one:
+# cuDNN's ran SDXL's attention shapes 1.59x faster than flash in isolation (benchmarks/attention_backends.py,
+# 69.8 vs 110.9 ms a batch-8 step), but preferring it changed the trainer's step by nothing measurable
+# (464.3 vs 464.9 ms at batch 8 with CUDA graphs), so the default stays torch's.
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 
 
 def sdpa_context(choice: str):
-    """A context in which scaled_dot_product_attention uses the chosen backends: "auto" cuDNN first with the
-    others as fallbacks, a named backend alone (torch raises if it cannot take a call), "default" torch's own
-    order. Entered around the training forward, so compilation and CUDA-graph capture see it too."""
+    """A context in which scaled_dot_product_attention uses only the named backend ("default": torch's own
+    choice; torch raises if the named one cannot take a call). Entered around the training forward, so
+    compilation and CUDA-graph capture see it too, and around checkpointed blocks' recomputation."""
     if choice == "default":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kinds = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-    if choice == "auto":
-        return sdpa_kernel([kinds[k] for k in SDPA_BACKENDS], set_priority=True)
     return sdpa_kernel([kinds[choice]])
 
 
@@ -255,27 +254,33 @@ def fork_rng(device: torch.device):
             gen.graphsafe_set_state(saved)
 
 
-def enable_checkpointing(model: torch.nn.Module, graph_safe: bool = False) -> None:
-    """diffusers' gradient checkpointing. graph_safe: without saving and restoring the RNG state around
-    each block (a host sync, which a CUDA graph capture cannot hold); only right when nothing random runs
-    inside the blocks (no LoRA dropout)."""
-    if not graph_safe:
-        model.enable_gradient_checkpointing()
-        return
+def enable_checkpointing(model: torch.nn.Module, graph_safe: bool = False, sdpa_backend: str = "default") -> None:
+    """diffusers' gradient checkpointing, non-reentrant. graph_safe: without saving and restoring the RNG
+    state around each block (a host sync, which a CUDA graph capture cannot hold); only right when nothing
+    random runs inside the blocks (no LoRA dropout). sdpa_backend: the attention kernels (sdpa_context) of
+    the forward, entered again for the recomputation in backward: a block recomputed with another kernel
+    saves other tensors (cuDNN keeps its softmax statistics as [b, h, n, 1], flash as [b, h, n]), which
+    torch's checkpoint rejects."""
     from functools import partial
 
     from torch.utils.checkpoint import checkpoint
 
-    model.enable_gradient_checkpointing(partial(checkpoint, use_reentrant=False, preserve_rng_state=False))
+    kwargs: dict = {"use_reentrant": False}
+    if graph_safe:
+        kwargs["preserve_rng_state"] = False
+    if sdpa_backend != "default":
+        kwargs["context_fn"] = lambda: (sdpa_context(sdpa_backend), sdpa_context(sdpa_backend))
+    model.enable_gradient_checkpointing(partial(checkpoint, **kwargs))
 
 
-def apply_selective_checkpointing(unet: torch.nn.Module, names: list[str], graph_safe: bool = False) -> None:
+def apply_selective_checkpointing(unet: torch.nn.Module, names: list[str], graph_safe: bool = False,
+                                  sdpa_backend: str = "default") -> None:
     """diffusers' checkpointing on the named units (checkpoint_units) only."""
     units = checkpoint_units(unet)
     unknown = set(names) - {u.name for u in units}
     if unknown:
         raise ValueError(f"no checkpointable unit named {sorted(unknown)} in {type(unet).__name__}")
-    enable_checkpointing(unet, graph_safe)
+    enable_checkpointing(unet, graph_safe, sdpa_backend)
     for m in unet.modules():
         if hasattr(m, "gradient_checkpointing"):
             m.gradient_checkpointing = False

@@ -110,21 +110,41 @@ def test_compile_activation_budget_keeps_less_and_the_same_gradients(tiny_dir, m
     speed.compile_regions(torch.nn.Sequential(), activation_budget=None)  # back to torch's default
 
 
-def test_sdpa_backend_choice_orders_the_kernels_and_keeps_the_training_signal(tiny_dir):
-    from torch.nn.attention import SDPBackend
-
+def test_sdpa_backend_choice_picks_the_kernel_and_keeps_the_training_signal(tiny_dir):
     unet = tiny_unet_with_lora(tiny_dir)
     batch = batch_for(unet)
     ref = loss_and_grads(unet, batch)
-    # "auto" puts cuDNN's kernels first (torch's default order puts them after flash, efficient and math).
-    with speed.sdpa_context("auto"):
-        assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.CUDNN_ATTENTION)
+    # A named backend alone: only cuDNN's kernels inside, torch's choice again after.
+    with speed.sdpa_context("cudnn"):
+        assert torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled()
+    with speed.sdpa_context("default"):
         assert_same(ref, loss_and_grads(unet, batch))
-    assert torch._C._get_sdp_priority_order()[0] != int(SDPBackend.CUDNN_ATTENTION)
-    # A named backend alone: "math" is the reference kernel, the same numbers as the CPU's default.
+    # "math" is the reference kernel: the same numbers as the CPU's default (flash) kernel.
     with speed.sdpa_context("math"):
         assert not torch.backends.cuda.flash_sdp_enabled()
         assert_same(ref, loss_and_grads(unet, batch))
+
+
+def test_checkpointed_blocks_recompute_with_the_forwards_attention_kernel(tiny_dir):
+    # The training forward runs inside the sdpa_backend context, the backward (where checkpointed blocks
+    # are recomputed) after it: the recomputation must use the same kernel, or torch's checkpoint finds
+    # other saved tensors than the forward's and refuses. On the CPU "math" against the default flash
+    # kernel shows it, as cuDNN against flash does on a GPU.
+    unet = tiny_unet_with_lora(tiny_dir)
+    batch = batch_for(unet)
+    with speed.sdpa_context("math"):
+        unet.zero_grad(set_to_none=True)
+        ref_loss = (unet(**batch).sample.float() ** 2).mean()
+    ref_loss.backward()
+    ref = ref_loss.item(), {n: p.grad.clone() for n, p in unet.named_parameters() if p.requires_grad}
+    speed.enable_checkpointing(unet, sdpa_backend="math")
+    unet.train()
+    unet.zero_grad(set_to_none=True)
+    with speed.sdpa_context("math"):
+        loss = (unet(**batch).sample.float() ** 2).mean()
+    loss.backward()
+    assert_same(ref, (loss.item(), {n: p.grad.clone() for n, p in unet.named_parameters() if p.requires_grad}))
 
 
 def test_a_cuda_only_attention_backend_on_the_cpu_is_a_clear_error(tmp_path, capsys):
@@ -134,7 +154,7 @@ def test_a_cuda_only_attention_backend_on_the_cpu_is_a_clear_error(tmp_path, cap
                "--device", "cpu", "--set", "preview.prompts=''", "--set", "train.sdpa_backend=cudnn"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "train.sdpa_backend='cudnn' needs a CUDA GPU" in err and "'auto'" in err
+    assert "train.sdpa_backend='cudnn' needs a CUDA GPU" in err and "'default'" in err
 
 
 def test_selective_checkpointing_measures_chooses_and_keeps_gradients(tiny_dir):

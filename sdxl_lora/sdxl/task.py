@@ -335,7 +335,7 @@ class SDXLTask:
         speed.configure_backends(self.device)
         if tc.sdpa_backend in ("cudnn", "efficient") and self.device.type != "cuda":
             raise ConfigError(f"train.sdpa_backend={tc.sdpa_backend!r} needs a CUDA GPU (the device is "
-                              f"{self.device}); use 'auto'")
+                              f"{self.device}); use 'default'")
         if tc.compile_activation_budget is not None and tc.compile == "none":
             log.warning("train.compile_activation_budget=%g has no effect without train.compile",
                         tc.compile_activation_budget)
@@ -344,7 +344,7 @@ class SDXLTask:
             raise ConfigError("train.cuda_graphs with gradient checkpointing needs adapter.dropout=0 (a checkpointed "
                               "block that draws random numbers must save the RNG state, which a graph cannot)")
         if tc.gradient_checkpointing:
-            speed.enable_checkpointing(unet, graph_safe=graphs)
+            speed.enable_checkpointing(unet, graph_safe=graphs, sdpa_backend=tc.sdpa_backend)
         elif tc.checkpoint_budget_gb:
             fit = self._fit_checkpointing(unet, tc.checkpoint_budget_gb, graph_safe=graphs)
             run.event("checkpointing", budget_gb=tc.checkpoint_budget_gb, **fit)
@@ -411,7 +411,7 @@ class SDXLTask:
             if self.device.type == "cuda":
                 order = speed.checkpoint_order(units)
                 while True:
-                    speed.apply_selective_checkpointing(unet, chosen, graph_safe)
+                    speed.apply_selective_checkpointing(unet, chosen, graph_safe, self.cfg.train.sdpa_backend)
                     peak = self._trial_peak(unet, batch, warm=not trials) + optimizer
                     trials.append({"units": len(chosen), "peak_gib": round(peak / 2**30, 2)})
                     log.info("train.checkpoint_budget_gb=%g: %d of %d units checkpointed, measured peak %.2f GiB "
@@ -425,7 +425,7 @@ class SDXLTask:
                         over -= u.saved
                         if over <= 0:
                             break
-        speed.apply_selective_checkpointing(unet, chosen, graph_safe)
+        speed.apply_selective_checkpointing(unet, chosen, graph_safe, self.cfg.train.sdpa_backend)
         flops = sum(u.flops for u in units)
         recompute = sum(u.flops for u in units if u.name in chosen) / max(flops, 1)
         log.info("train.checkpoint_budget_gb=%g: checkpointing %s (%.0f%% of the forward FLOPs recomputed); "
