@@ -236,24 +236,6 @@ def choose_checkpointed(units: list[CheckpointUnit], budget_bytes: int, other_by
     return chosen
 
 
-@contextlib.contextmanager
-def fork_rng(device: torch.device):
-    """torch.random.fork_rng for the CPU and `device`, restoring a CUDA generator with graphsafe_set_state.
-    Why not fork_rng itself: its set_rng_state on the CUDA generator, run before a CUDA graph capture
-    (selective checkpointing's fit, then train.cuda_graphs), was followed by a failed capture on the H200
-    ("operation failed due to a previous error during capture"); the graph-safe swap keeps the generator's
-    state object that captures register."""
-    cpu = torch.get_rng_state()
-    gen = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else None
-    saved = gen.clone_state() if gen is not None else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if gen is not None:
-            gen.graphsafe_set_state(saved)
-
-
 def enable_checkpointing(model: torch.nn.Module, graph_safe: bool = False, sdpa_backend: str = "default") -> None:
     """diffusers' gradient checkpointing, non-reentrant. graph_safe: without saving and restoring the RNG
     state around each block (a host sync, which a CUDA graph capture cannot hold); only right when nothing

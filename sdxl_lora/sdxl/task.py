@@ -328,7 +328,6 @@ class SDXLTask:
 
     def _speed_setup(self, unet, run: Run) -> None:
         """The train.* speed levers (sdxl_lora/speed.py, docs/speed.md), after the adapter is in place."""
-        from .. import speed
         from ..train import gradient_sync
 
         tc = self.cfg.train
@@ -371,10 +370,8 @@ class SDXLTask:
                          added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
 
         if self._graphed and torch.is_grad_enabled():
-            from ..speed import GraphedCall
-
-            if not isinstance(self._graphed, GraphedCall) or self._graphed.module is not model:
-                self._graphed = GraphedCall(model, call)
+            if not isinstance(self._graphed, speed.GraphedCall) or self._graphed.module is not model:
+                self._graphed = speed.GraphedCall(model, call)
             return self._graphed(noisy, t, embeds, pooled, time_ids)
         return call(noisy, t, embeds, pooled, time_ids)
 
@@ -385,12 +382,11 @@ class SDXLTask:
         checkpoint more until the measured peak, plus the optimizer state still to come, fits too: the
         estimate cannot see the backward pass's transients (activation gradients, attention and cuDNN
         workspaces). Returns what was chosen and measured."""
-        from .. import speed
         from ..memory import OPTIMIZER_BYTES
 
         budget = int(budget_gb * 2**30)
         units = speed.checkpoint_units(unet)
-        with speed.fork_rng(self.device):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             batch = next(iter(self.dataloader()))
             batch = {k: v if k in self.host_keys else v.to(self.device) for k, v in batch.items()}
             n = self.batch_size(batch)
