@@ -1,7 +1,7 @@
 """PyTorch SDPA backends on the SDXL UNet's attention shapes at 1024x1024: forward + backward time per
 backend (flash, cuDNN, memory-efficient), bf16, so the trainer's attention choice rests on a measurement.
 
-    python benchmarks/attention_backends.py [--batch 8] [--iters 20]
+    python benchmarks/attention_backends.py [--batch 8] [--iters 20] [--layout bhsd|bshd]
 
 Shapes (batch, heads, query tokens, key tokens, head dim 64): self-attention at the 64x64 level (640
 channels, 10 heads, 4096 tokens) and at the 32x32 level (1280 channels, 20 heads, 1024 tokens), and the
@@ -26,10 +26,16 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTEN
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
-def time_backend(backend, b, h, q, k, d, iters, device, dtype):
+def time_backend(backend, b, h, q, k, d, iters, device, dtype, layout="bhsd"):
+    """ms for forward + backward. layout "bhsd": contiguous (batch, heads, tokens, dim) tensors; "bshd": the
+    (batch, tokens, heads, dim) tensors diffusers' attention processor makes, viewed with transpose(1, 2)."""
     g = torch.Generator(device).manual_seed(0)
-    qt, kt, vt = (torch.randn(b, h, n, d, device=device, dtype=dtype, generator=g).requires_grad_()
-                  for n in (q, k, k))
+    if layout == "bhsd":
+        leaves = [torch.randn(b, h, n, d, device=device, dtype=dtype, generator=g).requires_grad_() for n in (q, k, k)]
+        qt, kt, vt = leaves
+    else:
+        leaves = [torch.randn(b, n, h, d, device=device, dtype=dtype, generator=g).requires_grad_() for n in (q, k, k)]
+        qt, kt, vt = (x.transpose(1, 2) for x in leaves)
     grad = torch.randn(b, h, q, d, device=device, dtype=dtype, generator=g)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -37,7 +43,8 @@ def time_backend(backend, b, h, q, k, d, iters, device, dtype):
         with sdpa_kernel([backend]):
             out = F.scaled_dot_product_attention(qt, kt, vt)
         out.backward(grad)
-        qt.grad = kt.grad = vt.grad = None
+        for x in leaves:
+            x.grad = None
 
     for _ in range(3):
         once()
@@ -53,6 +60,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--layout", choices=["bhsd", "bshd"], default="bhsd",
+                    help="bshd: the transposed views diffusers' attention processor passes (see time_backend)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
@@ -65,7 +74,7 @@ def main():
     for name, (h, q, kv, layers) in shapes.items():
         for bname, backend in backends.items():
             try:
-                ms = time_backend(backend, args.batch, h, q, kv, 64, args.iters, device, dtype)
+                ms = time_backend(backend, args.batch, h, q, kv, 64, args.iters, device, dtype, args.layout)
             except RuntimeError as e:  # a backend that does not take this shape/device: say so, time the rest
                 print(json.dumps({"shape": name, "backend": bname, "error": str(e).splitlines()[0][:200]}), flush=True)
                 totals[bname] = float("nan")
@@ -73,7 +82,7 @@ def main():
             totals[bname] = totals.get(bname, 0.0) + ms * layers
             print(json.dumps({"shape": name, "backend": bname, "ms_fwd_bwd": round(ms, 3), "layers": layers}), flush=True)
     print(json.dumps({"sdxl_attention_ms_per_step": {k: round(v, 1) for k, v in totals.items()},
-                      "batch": args.batch}), flush=True)
+                      "batch": args.batch, "layout": args.layout}), flush=True)
 
 
 if __name__ == "__main__":
