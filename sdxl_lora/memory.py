@@ -52,6 +52,16 @@ QUANT_OVERHEAD = int(0.14 * GiB)
 # adds 3.5 GiB at batch 1 and 15.9 GiB at batch 4 without checkpointing. fp8 (Float8Linear) keeps nothing.
 QUANT_SAVED_INPUTS = {"nf4": 0.0, "fp4": 0.0, "int8": 0.50, "fp8": 0.0}
 
+# train.compile: what a compiled unit keeps of its eager activations (torch's partitioner recomputes cheap
+# element-wise work instead of saving it). Fitted to the H200 (benchmarks/RESULTS.md, session 4, SDXL base,
+# 1024x1024, compile + CUDA graphs): "regional" adds 4.85 GiB an image against eager's 7.23 (0.670), and
+# "transformer" 5.48 (0.758); the transformer layers hold 87% of the modelled activations, which gives the
+# compiled layers 0.723 and the compiled ResNets 0.154. proj_in/proj_out are never inside a compiled block.
+# train.compile_activation_budget F scales the compiled units' share again (measured: F = 0.4 at batch 4
+# left 0.38 of the compiled activations).
+COMPILED_KEEP = {"layer": 0.723, "resnet": 0.154, "proj": 1.0}
+COMPILED_KINDS = {"regional": ("layer", "resnet"), "transformer": ("layer",)}
+
 # Optimizer state in bytes per trainable parameter.
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw8bit": 2.0, "paged_adamw8bit": 2.0, "paged_adamw": 8.0,
                    "lion": 4.0, "prodigy": 16.0,
@@ -88,6 +98,8 @@ class MemoryEstimate:
     resolution: int = 0
     batch_size: int = 0
     checkpointing: bool = False
+    compile: str = "none"
+    compile_activation_budget: float | None = None
     quantize: str = "none"
     quantize_convs: str = "none"
     optimizer_name: str = "adamw"
@@ -110,7 +122,8 @@ class MemoryEstimate:
                 "workspace_gib": g(self.workspace), "quant_overhead_gib": g(self.quant_overhead),
                 "quant_activations_gib": g(self.quant_activations),
                 "resolution": self.resolution, "batch_size": self.batch_size,
-                "gradient_checkpointing": self.checkpointing, "quantize": self.quantize,
+                "gradient_checkpointing": self.checkpointing, "compile": self.compile,
+                "compile_activation_budget": self.compile_activation_budget, "quantize": self.quantize,
                 "quantize_convs": self.quantize_convs,
                 "optimizer": self.optimizer_name, "compute_dtype": self.compute_dtype}
 
@@ -118,7 +131,10 @@ class MemoryEstimate:
         w = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.weights.items())
         return "\n".join([
             f"memory estimate (UNet on the accelerator, {self.resolution}x{self.resolution}, batch {self.batch_size}, "
-            f"{'checkpointing' if self.checkpointing else 'no checkpointing'}, quantize {self.quantize}"
+            f"{'checkpointing' if self.checkpointing else 'no checkpointing'}, "
+            f"{'' if self.compile == 'none' else f'compile {self.compile}, '}"
+            f"{'' if self.compile_activation_budget is None else f'activation budget {self.compile_activation_budget:g}, '}"
+            f"quantize {self.quantize}"
             f"{', fp8 convs' if self.quantize_convs == 'fp8' else ''}, "
             f"{self.optimizer_name}, compute {self.compute_dtype}):",
             f"  frozen weights {self.weights_total / GiB:7.2f} GiB  ({w})",
@@ -205,13 +221,18 @@ _K = {"resnet": K_RESNET, "layer": K_LAYER, "proj": K_PROJ}
 
 
 def activation_bytes(config, resolution: int, batch_size: int, checkpointing: bool, compute_dtype: torch.dtype,
-                     latent_factor: int = 8, quantize_convs: str = "none") -> int:
-    """Activations saved for backward at the peak, for one batch of square images of side `resolution`."""
+                     latent_factor: int = 8, quantize_convs: str = "none", compile: str = "none",
+                     compile_activation_budget: float | None = None) -> int:
+    """Activations saved for backward at the peak, for one batch of square images of side `resolution`.
+    With compile (and its activation budget) the compiled units keep less (COMPILED_KEEP); compile together
+    with checkpointing is counted as checkpointing alone (not measured)."""
     elt = torch.empty((), dtype=compute_dtype).element_size()
     units = _units(config, max(1, resolution // latent_factor))
     counts = {**_K, "resnet": K_RESNET_FP8CONV} if quantize_convs == "fp8" else _K
     if not checkpointing:
-        per_image = ACT_SCALE * sum(counts[kind] * e for kind, e, _ in units)
+        compiled = COMPILED_KINDS.get(compile, ())
+        keep = {k: (COMPILED_KEEP[k] * (compile_activation_budget or 1.0) if k in compiled else 1.0) for k in _K}
+        per_image = ACT_SCALE * sum(counts[kind] * e * keep[kind] for kind, e, _ in units)
     else:
         # Inputs of every checkpointed unit (resnets and transformer layers), then the one unit being
         # recomputed in backward.
@@ -223,7 +244,8 @@ def activation_bytes(config, resolution: int, batch_size: int, checkpointing: bo
 def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_size: int, checkpointing: bool,
              quantize: str = "none", double_quant: bool = True, compute_dtype: torch.dtype = torch.bfloat16,
              optimizer: str = "adamw", latent_factor: int = 8, skip=None,
-             quantize_convs: str = "none") -> MemoryEstimate:
+             quantize_convs: str = "none", compile: str = "none",
+             compile_activation_budget: float | None = None) -> MemoryEstimate:
     """The estimate for a UNet (any device, meta included) and a planned adapter of `trainable_params`."""
     from .quantize import unet_conv_skip
 
@@ -233,7 +255,7 @@ def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_s
         raise ValueError(f"train.optimizer={optimizer!r}: no memory model for it; known: {', '.join(OPTIMIZER_BYTES)}")
     cuda_like = compute_dtype != torch.float32
     activations = activation_bytes(unet.config, resolution, batch_size, checkpointing, compute_dtype, latent_factor,
-                                   quantize_convs)
+                                   quantize_convs, compile, compile_activation_budget)
     overhead = 0
     if cuda_like and quantize != "none":
         overhead = QUANT_OVERHEAD
@@ -249,7 +271,8 @@ def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_s
         quant_activations=int(QUANT_SAVED_INPUTS.get(quantize, 0.0) * activations),
         workspace=WORKSPACE if cuda_like else 0,
         quant_overhead=overhead,
-        resolution=resolution, batch_size=batch_size, checkpointing=checkpointing, quantize=quantize,
+        resolution=resolution, batch_size=batch_size, checkpointing=checkpointing, compile=compile,
+        compile_activation_budget=compile_activation_budget if compile != "none" else None, quantize=quantize,
         quantize_convs=quantize_convs,
         optimizer_name=optimizer, compute_dtype=_DTYPE_NAMES.get(compute_dtype, str(compute_dtype)))
 
@@ -266,4 +289,5 @@ def estimate_for_config(unet: nn.Module, cfg, trainable_params: int, resolution:
                     quantize=quant, double_quant=cfg.model.quant_double,
                     compute_dtype=frozen,  # of everything not quantized (the UNet is moved to it)
                     optimizer=cfg.train.optimizer, latent_factor=latent_factor,
-                    quantize_convs=cfg.model.quantize_convs)
+                    quantize_convs=cfg.model.quantize_convs, compile=cfg.train.compile,
+                    compile_activation_budget=cfg.train.compile_activation_budget)

@@ -290,6 +290,24 @@ def test_estimate_is_within_15_percent_of_every_measured_sdxl_peak(sdxl_meta, qu
     assert est.total / GiB == pytest.approx(measured, rel=0.15)
 
 
+# Peak GiB of the trainer's step with train.compile and CUDA graphs, measured on the H200 by
+# benchmarks/sdxl_step.py (benchmarks/RESULTS.md, session 4): bf16, 1024x1024, LoRA rank 16 on the attention.
+MEASURED_COMPILED = [("regional", None, 1, 10.18), ("regional", None, 4, 24.71), ("regional", None, 8, 44.09),
+                     ("regional", None, 16, 82.85), ("regional", 0.4, 4, 12.74), ("transformer", None, 1, 10.81),
+                     ("transformer", None, 8, 49.17)]
+
+
+@pytest.mark.parametrize("compile,budget,batch,measured", MEASURED_COMPILED)
+def test_estimate_follows_compilation_and_its_activation_budget(sdxl_meta, compile, budget, batch, measured):
+    unet, trainable = sdxl_meta
+    est = memory.estimate(unet, trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=False,
+                          compile=compile, compile_activation_budget=budget)
+    assert est.total / GiB == pytest.approx(measured, rel=0.10)
+    eager = memory.estimate(unet, trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=False)
+    assert est.activations < eager.activations
+    assert f"compile {compile}" in est.format()
+
+
 def test_estimate_structure(sdxl_meta):
     unet, trainable = sdxl_meta
     kw = dict(trainable_params=trainable, resolution=1024, batch_size=2)
