@@ -188,7 +188,10 @@ def measure_units(unet: torch.nn.Module, units: list[CheckpointUnit], call: Call
         if current and t.data_ptr() not in params and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             current[-1].saved += t.numel() * t.element_size()
-        return t
+        # Detached: a pack hook that returns the tensor itself ties saved outputs to their own graph nodes,
+        # and the whole measured graph (every activation, and the adapter's gradient accumulators) then
+        # outlives the pass, even a gc.collect(). Nothing is unpacked here: there is no backward.
+        return t.detach()
 
     def enter(unit):
         return lambda module, args: current.append(unit)

@@ -84,7 +84,7 @@ def saved_bytes(unet, batch):
     def pack(t):
         nonlocal total
         total += t.numel() * t.element_size()
-        return t
+        return t.detach()  # no backward here; the tensor itself would keep the graph alive
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         unet(**batch).sample
@@ -194,6 +194,31 @@ def test_selective_checkpointing_measures_chooses_and_keeps_gradients(tiny_dir):
     assert_same(ref, loss_and_grads(unet, batch))
     with pytest.raises(ValueError, match="no checkpointable unit named"):
         speed.apply_selective_checkpointing(unet, ["down_blocks.9.resnets"])
+
+
+def test_measuring_the_units_leaves_no_activation_alive(tiny_dir):
+    # The measuring pass runs once at set-up; its activations must be freed when it ends, or they sit in
+    # memory beside the training steps (a forward's worth of activations) and keep stale gradient
+    # accumulators that broke a later CUDA-graph capture on the GPU.
+    import gc
+    import weakref
+
+    unet = tiny_unet_with_lora(tiny_dir)
+    batch = batch_for(unet)
+    outputs = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: outputs.append(weakref.ref(out)))
+             for n, m in unet.named_modules() if n.endswith("attn1.to_q")]
+    units = speed.checkpoint_units(unet)
+    gc.collect()
+    gc.disable()  # freed by reference counting, not by a later garbage collection
+    try:
+        speed.measure_units(unet, units, lambda: unet(**batch).sample)
+        assert outputs and all(ref() is None for ref in outputs)
+    finally:
+        gc.enable()
+        for h in hooks:
+            h.remove()
+    assert sum(u.saved for u in units) > 0
 
 
 def test_budgeted_run_and_profile_land_in_the_run_folder(tmp_path):
