@@ -5,6 +5,7 @@ overrides. Errors name the field, the bad value and what is allowed.
 """
 from __future__ import annotations
 
+import functools
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -465,15 +466,14 @@ def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:
     return out
 
 
-
-
-def _table_fields() -> set[str]:
+@functools.cache
+def _table_fields() -> frozenset[str]:
     """Fields whose value is itself a table (adapter.overrides, train.lr_multipliers, ...): a config sets
     them whole, so they merge as one value, not key by key."""
     from typing import get_origin
 
-    return {name for section in (DataConfig, AdapterConfig, TrainConfig, PreviewConfig)
-            for name, f in section.model_fields.items() if get_origin(f.annotation) is dict}
+    return frozenset(name for section in (DataConfig, AdapterConfig, TrainConfig, PreviewConfig)
+                     for name, f in section.model_fields.items() if get_origin(f.annotation) is dict)
 
 
 def _merged(base: dict, top: dict) -> dict:

@@ -54,9 +54,6 @@ def configure_backends(device: torch.device) -> None:
 # cuDNN's ran SDXL's attention shapes 1.59x faster than flash in isolation (benchmarks/attention_backends.py,
 # 69.8 vs 110.9 ms a batch-8 step), but preferring it changed the trainer's step by nothing measurable
 # (464.3 vs 464.9 ms at batch 8 with CUDA graphs), so the default stays torch's.
-SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
-
-
 def sdpa_context(choice: str):
     """A context in which scaled_dot_product_attention uses only the named backend ("default": torch's own
     choice; torch raises if the named one cannot take a call). Entered around the training forward, so

@@ -94,7 +94,11 @@ def saved_bytes(unet, batch):
 def test_compile_activation_budget_keeps_less_and_the_same_gradients(tiny_dir, monkeypatch):
     # aot_eager_decomp_partition: AOTAutograd with inductor's partitioner (the one that honours the
     # budget), without inductor's code generation.
+    import torch._functorch.config
+
     monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager_decomp_partition")
+    # compile_regions sets torch's process-wide budget: put torch's default back after the test.
+    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 1.0)
     results = {}
     for budget in (None, 0.1):
         torch.manual_seed(0)  # the same adapter initialisation for both
@@ -107,7 +111,6 @@ def test_compile_activation_budget_keeps_less_and_the_same_gradients(tiny_dir, m
         results[budget] = saved_bytes(unet, batch)
         torch._dynamo.reset()
     assert results[0.1] < 0.9 * results[None]
-    speed.compile_regions(torch.nn.Sequential(), activation_budget=None)  # back to torch's default
 
 
 def test_sdpa_backend_choice_picks_the_kernel_and_keeps_the_training_signal(tiny_dir):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
-from .tiny import DEMO_DIR, DEMO_NAME, TINY_NAME, materialize_tiny
+from ..config import DEMO_DIR, DEMO_NAME, ModelConfig
+from .tiny import TINY_NAME, materialize_tiny
 
 # diffusers folder layout of an SDXL pipeline: what must be there for from_pretrained to work.
 REQUIRED = ("model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json",

@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save_file
 
-from ..config import Config, PreviewConfig, TrainConfig
+from ..config import DEMO_DIR, Config, PreviewConfig, TrainConfig
 from ..fsutil import atomic_save
 from ..runs import Run
 from . import loss as diffusion
 from . import shapes
-from .tiny import DEMO_DIR, SCHEDULER_CONFIG
+from .tiny import SCHEDULER_CONFIG
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,6 @@ import torch
 
 from ..fsutil import build_folder_once
 
-from ..config import DEMO_DIR, DEMO_NAME  # noqa: F401  (the demo base: tiny.py's model pretrained on shapes)
-
 TINY_NAME = "tiny-sdxl"
 # Bump when the architecture or the build changes, so old materialised copies are not reused.
 TINY_VERSION = 1
