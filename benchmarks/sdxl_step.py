@@ -91,14 +91,15 @@ def our_task(unet, device, train: dict):
     sched = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
     task.pipe = SimpleNamespace(vae=SimpleNamespace(config=SimpleNamespace(scaling_factor=0.13025)), scheduler=sched)
     task.noise_scheduler = task._noise_scheduler()
-    task.accelerator = SimpleNamespace(num_processes=1, autocast=lambda: torch.autocast(
+    task.accelerator = SimpleNamespace(num_processes=1, mixed_precision="bf16" if device == "cuda" else "no",
+                                       autocast=lambda: torch.autocast(
         device, dtype=torch.bfloat16, enabled=device == "cuda", cache_enabled=False))
     run = SimpleNamespace(event=lambda *a, **k: print(json.dumps({"event": a[0], **k}), flush=True))
     task.dataloader = lambda: [task._bench_batch]
     return task, run
 
 
-def bench(unet, batch, steps, warmup, device, mode, train=None):
+def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0):
     from diffusers import DDPMScheduler
 
     unet.train()
@@ -150,7 +151,7 @@ def bench(unet, batch, steps, warmup, device, mode, train=None):
         loss = loss_fn()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-        if mode != "recipe":
+        if mode != "recipe" and (train or {}).get("nan_guard", True):
             # The NaN guard's one host check per step (train.nan_guard, on by default).
             bool((~torch.isfinite(loss.detach()) | ~torch.isfinite(norm)).item())
         opt.step()
@@ -181,7 +182,30 @@ def bench(unet, batch, steps, warmup, device, mode, train=None):
            "loss": round(loss.item(), 4), "trainable": sum(p.numel() for p in params)}
     if check:
         row.update(check)
+    if profile and device == "cuda":
+        row.update(profile_steps(step, profile, ms))
     return row
+
+
+def profile_steps(step, n, ms_per_step):
+    """n more steps under torch's profiler: GPU time by kind of kernel and the kernels that take the most."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from sdxl_lora.speed import kernel_kind, kernel_kinds
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kinds = kernel_kinds(events, n)
+    kernels = sorted((e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: -e.self_device_time_total)[:15]
+    return {"gpu_busy_ms": round(sum(kinds.values()), 2), "gpu_busy_share": round(sum(kinds.values()) / ms_per_step, 3),
+            "kinds_ms": {k: round(v, 2) for k, v in kinds.items()},
+            "top_kernels": [{"ms": round(e.self_device_time_total / 1000 / n, 3), "calls": e.count // n,
+                             "kind": kernel_kind(e.key), "name": e.key[:90]} for e in kernels]}
 
 
 def graph_check(task, unet, data, params):
@@ -219,9 +243,14 @@ SETTINGS = {
     "ours+graphs": ("ours", [1, 4, 8], {"cuda_graphs": True}),
     "ours+compile": ("ours", [1], {"compile": "regional", "channels_last": True}),
     "ours+compile-again": ("ours", [1], {"compile": "regional", "channels_last": True}),
+    "ours+compile16": ("ours", [16], {"compile": "regional", "channels_last": True}),
     "ours+compile-tf": ("ours", [1], {"compile": "transformer", "channels_last": True}),
     "ours+compile-tf+graphs": ("ours", [1, 8], {"compile": "transformer", "channels_last": True, "cuda_graphs": True}),
     "ours+compile+graphs": ("ours", [1, 4, 8, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True}),
+    "ours+compile+graphs+fp8": ("ours", [1, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
+                                                  "fp8_matmul": True}),
+    "ours+compile+graphs-guard": ("ours", [1], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
+                                                "nan_guard": False}),
     "ours+compile+graphs+keep40": ("ours", [4, 8, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
                                                         "compile_activation_budget": 0.4}),
     "ours+ckpt": ("ours", [4], {"gradient_checkpointing": True}),
@@ -229,6 +258,7 @@ SETTINGS = {
     "ours+nf4+ckpt": ("ours", [4], {"quantize": "nf4", "gradient_checkpointing": True}),
     "ours+nf4+ckpt+graphs": ("ours", [1, 4], {"quantize": "nf4", "gradient_checkpointing": True, "cuda_graphs": True}),
     "ours+budget16": ("ours", [4], {"checkpoint_budget_gb": 16.0}),
+    "ours+budget16+graphs": ("ours", [4], {"checkpoint_budget_gb": 16.0, "cuda_graphs": True}),
     # The units checkpoint_budget_gb=16 chose at batch 4 on the H200, set directly: checkpoint_budget_gb itself
     # is refused with cuda_graphs (the capture after its measuring passes failed).
     "ours+sel+graphs": ("ours", [4], {"cuda_graphs": True, "select_units": [
@@ -248,6 +278,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, N more steps under torch's profiler: GPU time by kind of kernel")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny UNet on the CPU: a smoke test")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
@@ -278,7 +310,7 @@ def main():
                 project_lora(unet, "attn", args.rank)
             try:
                 row = {"setting": name, "batch": batch,
-                       **bench(unet, batch, args.steps, args.warmup, device, mode, train)}
+                       **bench(unet, batch, args.steps, args.warmup, device, mode, train, args.profile)}
             except torch.OutOfMemoryError as e:
                 row = {"setting": name, "batch": batch, "error": f"out of memory: {str(e)[:120]}"}
             except Exception as e:  # one failing setting must not cost the others' figures

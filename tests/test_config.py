@@ -76,11 +76,3 @@ def test_a_model_folder_recommends_settings_that_apply_where_the_config_is_silen
     (model / "sdxl_lora.toml").write_text("[train\n")
     with pytest.raises(ConfigError, match="sdxl_lora.toml.*not valid TOML"):
         load_config(overrides=[f"model.path='{model}'"])
-
-
-def test_a_checkpoint_budget_with_cuda_graphs_is_refused_with_the_alternatives():
-    with pytest.raises(ConfigError) as e:
-        load_config(extra={"train.cuda_graphs": True, "train.checkpoint_budget_gb": 16})
-    msg = str(e.value)
-    assert "checkpoint_budget_gb" in msg and "compile_activation_budget" in msg and "gradient_checkpointing" in msg
-    assert load_config(extra={"train.cuda_graphs": True, "train.gradient_checkpointing": True}).train.cuda_graphs

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from .. import inject, speed
 from ..config import Config, ConfigError
 from ..export import save_diffusers_lora
+from ..quantize import SDXL_FP8_MATMUL_WITHIN
 from ..runs import Run
 from . import data as sdxl_data
 from . import loss as diffusion
@@ -339,14 +340,16 @@ class SDXLTask:
             log.warning("train.compile_activation_budget=%g has no effect without train.compile",
                         tc.compile_activation_budget)
         graphs = tc.cuda_graphs and self.device.type == "cuda"
-        if graphs and self.cfg.adapter.dropout and tc.gradient_checkpointing:
+        if graphs and self.cfg.adapter.dropout and (tc.gradient_checkpointing or tc.checkpoint_budget_gb):
             raise ConfigError("train.cuda_graphs with gradient checkpointing needs adapter.dropout=0 (a checkpointed "
                               "block that draws random numbers must save the RNG state, which a graph cannot)")
+        if tc.fp8_matmul:
+            speed.apply_fp8_matmul(unet, SDXL_FP8_MATMUL_WITHIN, self.device, self.accelerator.mixed_precision,
+                                   self.cfg.model.quantize, run)
         if tc.gradient_checkpointing:
             speed.enable_checkpointing(unet, graph_safe=graphs, sdpa_backend=tc.sdpa_backend)
         elif tc.checkpoint_budget_gb:
-            # Not with cuda_graphs: the config refuses the pair (TrainConfig._budget_without_graphs).
-            fit = self._fit_checkpointing(unet, tc.checkpoint_budget_gb)
+            fit = self._fit_checkpointing(unet, tc.checkpoint_budget_gb, graph_safe=graphs)
             run.event("checkpointing", budget_gb=tc.checkpoint_budget_gb, **fit)
         if tc.channels_last:
             speed.to_channels_last(unet)
@@ -376,7 +379,7 @@ class SDXLTask:
             return self._graphed(noisy, t, embeds, pooled, time_ids)
         return call(noisy, t, embeds, pooled, time_ids)
 
-    def _fit_checkpointing(self, unet, budget_gb: float) -> dict:
+    def _fit_checkpointing(self, unet, budget_gb: float, graph_safe: bool = False) -> dict:
         """Selective checkpointing (speed.py): measure what each checkpointable unit saves for backward and
         costs to recompute on one sample of a real batch, checkpoint the units that free the most memory per
         FLOP until the estimate fits the budget, then (on CUDA) run real forward + backward passes and
@@ -408,7 +411,7 @@ class SDXLTask:
             if self.device.type == "cuda":
                 order = speed.checkpoint_order(units)
                 while True:
-                    speed.apply_selective_checkpointing(unet, chosen, sdpa_backend=self.cfg.train.sdpa_backend)
+                    speed.apply_selective_checkpointing(unet, chosen, graph_safe, self.cfg.train.sdpa_backend)
                     peak = self._trial_peak(unet, batch, warm=not trials) + optimizer
                     trials.append({"units": len(chosen), "peak_gib": round(peak / 2**30, 2)})
                     log.info("train.checkpoint_budget_gb=%g: %d of %d units checkpointed, measured peak %.2f GiB "
@@ -422,7 +425,7 @@ class SDXLTask:
                         over -= u.saved
                         if over <= 0:
                             break
-        speed.apply_selective_checkpointing(unet, chosen, sdpa_backend=self.cfg.train.sdpa_backend)
+        speed.apply_selective_checkpointing(unet, chosen, graph_safe, self.cfg.train.sdpa_backend)
         flops = sum(u.flops for u in units)
         recompute = sum(u.flops for u in units if u.name in chosen) / max(flops, 1)
         log.info("train.checkpoint_budget_gb=%g: checkpointing %s (%.0f%% of the forward FLOPs recomputed); "
