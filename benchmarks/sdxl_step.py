@@ -247,8 +247,6 @@ SETTINGS = {
     "ours+compile-tf": ("ours", [1], {"compile": "transformer", "channels_last": True}),
     "ours+compile-tf+graphs": ("ours", [1, 8], {"compile": "transformer", "channels_last": True, "cuda_graphs": True}),
     "ours+compile+graphs": ("ours", [1, 4, 8, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True}),
-    "ours+compile+graphs+fp8": ("ours", [1, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
-                                                  "fp8_matmul": True}),
     "ours+compile+graphs-guard": ("ours", [1], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
                                                 "nan_guard": False}),
     "ours+compile+graphs+keep40": ("ours", [4, 8, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True,

@@ -214,11 +214,6 @@ class TrainConfig(Section):
     # None keeps what the compiler keeps by default.
     compile_activation_budget: float | None = Field(None, gt=0, le=1)
     cuda_graphs: bool = False
-    # The frozen base's Linear layers inside the transformer blocks multiply in fp8 on GPUs with fp8
-    # tensor cores (compute capability 8.9+): weights quantized once per channel, activations and
-    # gradients per token at each step; about 3.5% error per product against bf16, so the adapter trains
-    # on the base as fp8 sees it. bf16 only (docs/speed.md).
-    fp8_matmul: bool = False
     # The attention kernel of the training forward (docs/speed.md): "default" is PyTorch's own choice; a
     # named one is used alone ("cudnn" and "efficient" need CUDA). cuDNN's is 1.6x flash's on SDXL's
     # attention shapes on an H200 in isolation, but the whole step measured the same with it.

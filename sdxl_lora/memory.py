@@ -154,31 +154,17 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 
 def weight_bytes(unet: nn.Module, quantize: str, double_quant: bool, compute_dtype: torch.dtype,
-                 skip=None, quantize_convs: str = "none", conv_skip=None, fp8_matmul: bool = False) -> dict[str, int]:
-    """The frozen model's bytes by storage: with train.fp8_matmul the transformer blocks' Linears (key "fp8
-    matmul": two fp8 copies and their scales), quantized Linear weights, with quantize_convs="fp8" the
+                 skip=None, quantize_convs: str = "none", conv_skip=None) -> dict[str, int]:
+    """The frozen model's bytes by storage: quantized Linear weights, with quantize_convs="fp8" the
     convolutions (key "fp8 conv"), everything else in the compute dtype."""
-    from .quantize import SDXL_FP8_MATMUL_WITHIN
-
     elt = torch.empty((), dtype=compute_dtype).element_size()
     plain_name = _DTYPE_NAMES.get(compute_dtype, str(compute_dtype))
     out = {quantize: 0} if quantize != "none" else {}
     out[plain_name] = 0
     quantized = set()
-    if fp8_matmul:
-        out["fp8 matmul"] = 0
-        for block in unet.modules():
-            if type(block).__name__ not in SDXL_FP8_MATMUL_WITHIN:
-                continue
-            for name, mod in block.named_modules():
-                if (type(mod) is nn.Linear and "lora_" not in name and id(mod.weight) not in quantized
-                        and mod.in_features % 16 == 0 and mod.out_features % 16 == 0):
-                    out["fp8 matmul"] += 2 * mod.weight.numel() + 4 * (mod.in_features + mod.out_features)
-                    quantized.add(id(mod.weight))
     if quantize != "none":
         for name, mod in unet.named_modules():
-            if (isinstance(mod, nn.Linear) and "lora_" not in name and not (skip and skip(name))
-                    and id(mod.weight) not in quantized):
+            if isinstance(mod, nn.Linear) and "lora_" not in name and not (skip and skip(name)):
                 out[quantize] += round(mod.weight.numel() * quantized_bytes_per_weight(quantize, double_quant,
                                                                                       mod.in_features))
                 quantized.add(id(mod.weight))
@@ -259,7 +245,7 @@ def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_s
              quantize: str = "none", double_quant: bool = True, compute_dtype: torch.dtype = torch.bfloat16,
              optimizer: str = "adamw", latent_factor: int = 8, skip=None,
              quantize_convs: str = "none", compile: str = "none",
-             compile_activation_budget: float | None = None, fp8_matmul: bool = False) -> MemoryEstimate:
+             compile_activation_budget: float | None = None) -> MemoryEstimate:
     """The estimate for a UNet (any device, meta included) and a planned adapter of `trainable_params`."""
     from .quantize import unet_conv_skip
 
@@ -278,8 +264,7 @@ def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_s
         elt = torch.empty((), dtype=compute_dtype).element_size()
         overhead = max((m.weight.numel() * elt for m in unet.modules() if isinstance(m, nn.Conv2d)), default=0)
     return MemoryEstimate(
-        weights=weight_bytes(unet, quantize, double_quant, compute_dtype, skip, quantize_convs, unet_conv_skip,
-                             fp8_matmul),
+        weights=weight_bytes(unet, quantize, double_quant, compute_dtype, skip, quantize_convs, unet_conv_skip),
         adapter=trainable_params * 4, gradients=trainable_params * 4,
         optimizer=int(trainable_params * OPTIMIZER_BYTES[optimizer]),
         activations=activations,
@@ -305,5 +290,4 @@ def estimate_for_config(unet: nn.Module, cfg, trainable_params: int, resolution:
                     compute_dtype=frozen,  # of everything not quantized (the UNet is moved to it)
                     optimizer=cfg.train.optimizer, latent_factor=latent_factor,
                     quantize_convs=cfg.model.quantize_convs, compile=cfg.train.compile,
-                    compile_activation_budget=cfg.train.compile_activation_budget,
-                    fp8_matmul=cfg.train.fp8_matmul)
+                    compile_activation_budget=cfg.train.compile_activation_budget)

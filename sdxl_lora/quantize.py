@@ -109,17 +109,11 @@ def _check_device(method: str, device: torch.device, field_name: str = "model.qu
 # `model.to(torch.bfloat16)` and peft's adapter placement cast every floating-point tensor of a module,
 # which would silently turn fp8 weights back into 16-bit ones; integer tensors they leave alone.
 
-def _fp8_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8_e4m3fn values of `w` with one fp32 scale per row (dim 0): (values, scales of shape [rows])."""
-    w = w.float()
-    scale = (w.abs().flatten(1).amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    q = (w / scale.view(-1, *[1] * (w.dim() - 1))).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
-
-
 def _fp8_store(layer: nn.Module, weight: torch.Tensor, device: torch.device | str) -> None:
     """Set layer.weight (float8_e4m3fn bits as uint8) and layer.weight_scale (fp32 bits as int32) from `weight`."""
-    q, scale = _fp8_per_row(weight.detach().to(device))
+    w = weight.detach().to(device, torch.float32)
+    scale = (w.abs().flatten(1).amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (w / scale.view(-1, *[1] * (w.dim() - 1))).to(torch.float8_e4m3fn)
     layer.weight = nn.Parameter(q.view(torch.uint8), requires_grad=False)
     layer.register_buffer("weight_scale", scale.contiguous().view(torch.int32))
 
@@ -186,109 +180,6 @@ class Float8Linear(_Fp8Weights, nn.Linear):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3fn"
-
-
-# ---- fp8 matmuls (train.fp8_matmul) -------------------------------------------------------------
-# Float8Linear above only stores in fp8 and multiplies in 16 bits. GPUs with fp8 tensor cores (compute
-# capability 8.9+: Ada, Hopper, Blackwell) multiply fp8 at twice the bf16 rate, which torch exposes as
-# torch._scaled_mm but not as a layer (torchao has one; it is not in this project's stack). Fp8MatmulLinear
-# is ours: the frozen weight is quantized once, per output channel for the forward (x @ W^T) and, as a
-# transposed copy, per input channel for the backward (grad @ W): _scaled_mm takes one scale per row of its
-# first operand and per column of its second, so each product gets the weight's scales along its output
-# dimension. Activations and gradients are quantized per row (token) at each call; products come out in bf16.
-# The weight has no gradient (it is frozen), so nothing else is computed or saved.
-
-def _fp8_rows_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] in fp8 with one fp32 scale per row ([M, 1]), as _scaled_mm takes them."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = (amax / FP8_MAX).clamp(min=1e-12)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
-class _Fp8ScaledMatmul(torch.autograd.Function):
-    """x @ W^T on fp8 tensor cores; backward grad @ W the same way. w: fp8 [N, K] with [1, N] scales;
-    w_t: fp8 [K, N] (W transposed, quantized per input channel) with [1, K] scales."""
-
-    @staticmethod
-    def forward(ctx, x, w, w_scale, w_t, w_t_scale):
-        ctx.save_for_backward(w_t, w_t_scale)
-        q, s = _fp8_rows_dynamic(x.reshape(-1, x.shape[-1]))
-        out = torch._scaled_mm(q, w.t(), scale_a=s, scale_b=w_scale, out_dtype=x.dtype)
-        return out.view(*x.shape[:-1], w.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad):
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        w_t, w_t_scale = ctx.saved_tensors
-        q, s = _fp8_rows_dynamic(grad.reshape(-1, grad.shape[-1]))
-        gx = torch._scaled_mm(q, w_t.t(), scale_a=s, scale_b=w_t_scale, out_dtype=grad.dtype)
-        return gx.view(*grad.shape[:-1], w_t.shape[0]), None, None, None, None
-
-
-class Fp8MatmulLinear(Float8Linear):
-    """A frozen Linear that multiplies in fp8 (train.fp8_matmul): Float8Linear's fp8 weight with one scale
-    per output channel, plus its transpose with one scale per input channel for the backward. 2 bytes a
-    weight, as bf16. Computes and returns bf16 (the fp8 kernels' output dtype)."""
-
-    def __init__(self, linear: nn.Linear, device: torch.device | str):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = dequantize_weight(linear) if isinstance(linear, Float8Linear) else linear.weight.detach()
-        w = w.to(device)
-        self.compute_dtype = torch.bfloat16
-        _fp8_store(self, w, device)
-        q, scale = _fp8_per_row(w.t().contiguous())
-        self.register_buffer("weight_t", q.view(torch.uint8))
-        self.register_buffer("weight_t_scale", scale.contiguous().view(torch.int32))
-        self.bias = (None if linear.bias is None else
-                     nn.Parameter(linear.bias.detach().to(device, torch.bfloat16), requires_grad=False))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        autocast = torch.is_autocast_enabled(x.device.type)
-        with torch.autocast(x.device.type, enabled=False):
-            out = _Fp8ScaledMatmul.apply(
-                x.to(torch.bfloat16), self.weight.view(torch.float8_e4m3fn),
-                self.weight_scale.view(torch.float32).view(1, -1), self.weight_t.view(torch.float8_e4m3fn),
-                self.weight_t_scale.view(torch.float32).view(1, -1))
-            if self.bias is not None:
-                out = out + self.bias
-        return out if autocast else out.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 matmuls"
-
-
-# The SDXL UNet's blocks whose Linears train.fp8_matmul converts: attention, feed-forward, proj_in/proj_out.
-SDXL_FP8_MATMUL_WITHIN = ("Transformer2DModel",)
-
-
-def fp8_matmuls(model: nn.Module, within: tuple[str, ...], device: torch.device | str) -> QuantReport:
-    """train.fp8_matmul: replace the frozen Linear layers (plain or Float8Linear; not bitsandbytes', not LoRA
-    factors) inside the modules whose class name is in `within` (the transformer blocks) by Fp8MatmulLinear,
-    in place, one at a time. Layers whose sizes are not multiples of 16 (what the fp8 kernels need) stay."""
-    device = torch.device(device)
-    report = QuantReport("fp8 matmul", compute_dtype=torch.bfloat16)
-    todo: dict[str, nn.Module] = {}
-    for outer, block in model.named_modules():
-        if type(block).__name__ not in within:
-            continue
-        for name, mod in block.named_modules(prefix=outer):
-            if (type(mod) in (nn.Linear, Float8Linear) and "lora_" not in name and not mod.weight.requires_grad
-                    and mod.in_features % 16 == 0 and mod.out_features % 16 == 0):
-                todo[name] = mod
-            elif type(mod) in (nn.Linear, Float8Linear) and "lora_" not in name:
-                report.skipped.append(name)
-    for name, mod in tqdm(todo.items(), desc="fp8 matmul layers", unit="layer", disable=len(todo) < 50):
-        report.params += mod.weight.numel()
-        report.bytes_before += mod.weight.numel() * mod.weight.element_size()
-        q = Fp8MatmulLinear(mod, device)
-        q.train(mod.training)
-        _set_child(model, name, q)
-        report.bytes_after += _quantized_bytes(q) + q.weight_t.numel() + q.weight_t_scale.numel() * 4
-        report.layers += 1
-    report.skipped = sorted(set(report.skipped) - set(todo))
-    return report
 
 
 class _Fp8Conv(torch.autograd.Function):

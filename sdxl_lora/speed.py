@@ -274,35 +274,6 @@ def apply_selective_checkpointing(unet: torch.nn.Module, names: list[str], graph
         unit.switch.gradient_checkpointing = unit.name in names
 
 
-# ---- fp8 matmuls ----
-
-def apply_fp8_matmul(model: torch.nn.Module, within: tuple[str, ...], device: torch.device, mixed_precision: str,
-                     quantize: str, run) -> None:
-    """train.fp8_matmul: the frozen Linear layers inside the `within` blocks multiply in fp8
-    (quantize.Fp8MatmulLinear); checks what it cannot combine with, logs and records what changed."""
-    from .config import ConfigError
-    from .quantize import fp8_matmuls
-
-    if mixed_precision == "fp16":
-        raise ConfigError("train.fp8_matmul computes in bf16 (the fp8 kernels' output) and does not mix with "
-                          "train.mixed_precision='fp16': set it to 'bf16' (or 'auto')")
-    if quantize in ("nf4", "fp4", "int8"):
-        raise ConfigError(f"train.fp8_matmul multiplies Linear layers kept in bf16 or fp8; model.quantize="
-                          f"{quantize!r} makes them bitsandbytes layers it cannot use: set model.quantize to "
-                          "'fp8' or 'none', or train.fp8_matmul=false")
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        raise ConfigError(f"train.fp8_matmul needs a GPU with fp8 tensor cores (compute capability 8.9 or newer: "
-                          f"Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} has {cap}: set it to false")
-    report = fp8_matmuls(model, within, device)
-    if not report.layers:
-        log.warning("train.fp8_matmul: no frozen Linear layer inside %s blocks; nothing multiplies in fp8",
-                    "/".join(within))
-    log.info("train.fp8_matmul: %d Linear layers (%.0fM weights) multiply in fp8%s", report.layers,
-             report.params / 1e6, f"; {len(report.skipped)} left in 16 bits" if report.skipped else "")
-    run.event("fp8_matmul", layers=report.layers, params=report.params, skipped=report.skipped)
-
-
 # ---- profiling ----
 
 class StepProfiler:
@@ -377,7 +348,7 @@ class StepProfiler:
 
 # Kernel names (cuBLAS, cuDNN, flash/cuDNN attention, inductor's Triton) to what they do; first match wins, so
 # cuDNN's implicit-GEMM convolutions are counted as convolutions before the GEMM patterns see them.
-KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa")),
+KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "dot_do_o")),
                 ("convolution", ("conv", "fprop", "dgrad", "wgrad", "cudnn")),
                 ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv", "scaled_mm", "f8f8")),
                 ("optimizer", ("multi_tensor", "adam")),

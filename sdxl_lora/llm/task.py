@@ -76,12 +76,6 @@ class LLMTask:
 
             # The probe's layers are reused; its deletion left them with no active adapter.
             set_adapter(self.lm, "default", inference_mode=False)
-        if cfg.train.fp8_matmul:
-            from .. import speed
-
-            layer = next(m for n, m in self.lm.named_modules() if re.search(r"(^|\.)layers\.0$", n))
-            speed.apply_fp8_matmul(self.lm, (type(layer).__name__,), self.device, accelerator.mixed_precision,
-                                   cfg.model.quantize, run)
         if cfg.train.gradient_checkpointing:
             # Non-reentrant: works with a frozen embedding (no input-grad hook) and with LoRA inside the blocks.
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 from .. import inject, speed
 from ..config import Config, ConfigError
 from ..export import save_diffusers_lora
-from ..quantize import SDXL_FP8_MATMUL_WITHIN
 from ..runs import Run
 from . import data as sdxl_data
 from . import loss as diffusion
@@ -343,9 +342,6 @@ class SDXLTask:
         if graphs and self.cfg.adapter.dropout and (tc.gradient_checkpointing or tc.checkpoint_budget_gb):
             raise ConfigError("train.cuda_graphs with gradient checkpointing needs adapter.dropout=0 (a checkpointed "
                               "block that draws random numbers must save the RNG state, which a graph cannot)")
-        if tc.fp8_matmul:
-            speed.apply_fp8_matmul(unet, SDXL_FP8_MATMUL_WITHIN, self.device, self.accelerator.mixed_precision,
-                                   self.cfg.model.quantize, run)
         if tc.gradient_checkpointing:
             speed.enable_checkpointing(unet, graph_safe=graphs, sdpa_backend=tc.sdpa_backend)
         elif tc.checkpoint_budget_gb:
