@@ -7,7 +7,8 @@ to_q/to_k/to_v/to_out.0, SDPA, AdamW.
     python benchmarks/sdxl_step.py [--only NAME ...] [--steps 20] [--warmup 5]
 
 "ours" is the trainer's step: SDXLTask.loss (latent sampling from cached mean/std, noise, timesteps, the
-UNet, the loss), backward, gradient clipping, the NaN guard's host check, fused AdamW, the schedule.
+UNet, the loss), backward, gradient clipping, the NaN guard (its verdict read a step later, as the
+trainer does with fused AdamW), fused AdamW, the schedule. --profile N adds GPU time by kind of kernel.
 Prints one JSON row per setting: ms/step, images/s, peak GiB, MFU (3 x 6.76 TFLOPs per image for
 forward + backward against 790 TFLOP/s dense bf16 measured on the H200), time to the first step, and
 for CUDA graphs the largest difference of loss and gradients from the eager step on the same batch.
@@ -107,10 +108,12 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     params = [p for p in unet.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     sync = (lambda: torch.cuda.synchronize()) if device == "cuda" else (lambda: None)
     data = inputs(unet, batch, device)
     check = None
+    guard = {"pending": None, "sync": bool((train or {}).get("nan_guard_sync"))}
+    train = {k: v for k, v in (train or {}).items() if k != "nan_guard_sync"}
     if mode == "recipe":
         if (train or {}).get("gradient_checkpointing"):
             unet.enable_gradient_checkpointing()
@@ -147,13 +150,25 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0):
             with task.accelerator.autocast():
                 return task.loss(unet, data)
 
+
     def step():
         loss = loss_fn()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         if mode != "recipe" and (train or {}).get("nan_guard", True):
-            # The NaN guard's one host check per step (train.nan_guard, on by default).
-            bool((~torch.isfinite(loss.detach()) | ~torch.isfinite(norm)).item())
+            # The NaN guard (train.nan_guard, on by default), as the trainer runs it with fused AdamW: the
+            # optimizer skips a flagged step on the device and the host reads the verdict a step later.
+            # nan_guard_sync: the host waits for each step's verdict instead (the trainer before session 5).
+            from sdxl_lora.train import _PendingFlag
+
+            flag = (~torch.isfinite(loss.detach()) | ~torch.isfinite(norm)).float()
+            if guard["sync"]:
+                bool(flag.item())
+            else:
+                opt.found_inf = flag
+                if guard["pending"] is not None:
+                    guard["pending"].bad()
+                guard["pending"] = _PendingFlag(flag, 0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -249,6 +264,8 @@ SETTINGS = {
     "ours+compile+graphs": ("ours", [1, 4, 8, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True}),
     "ours+compile+graphs-guard": ("ours", [1], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
                                                 "nan_guard": False}),
+    "ours+compile+graphs+syncguard": ("ours", [1], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
+                                                    "nan_guard_sync": True}),
     "ours+compile+graphs+keep40": ("ours", [4, 8, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
                                                         "compile_activation_budget": 0.4}),
     "ours+ckpt": ("ours", [4], {"gradient_checkpointing": True}),

@@ -32,8 +32,9 @@ def build_optimizer(cfg: Config, param_groups: list[dict]) -> torch.optim.Optimi
     tc = cfg.train
     name, lr, wd = tc.optimizer, tc.lr, tc.weight_decay
     if name == "adamw":
-        # On CUDA the fused kernel: one launch for every parameter instead of several per tensor.
-        fused = all(p.is_cuda for g in param_groups for p in g["params"])
+        # The fused kernel (CUDA and CPU): one launch for every parameter instead of several per tensor, and it
+        # skips a step on the device when told to (found_inf), which the NaN guard uses to avoid a host sync.
+        fused = all(p.device.type in ("cuda", "cpu") for g in param_groups for p in g["params"])
         return torch.optim.AdamW(param_groups, lr=lr, weight_decay=wd, fused=fused or None)
     if name == "adamw8bit":
         return _bitsandbytes(name).AdamW8bit(param_groups, lr=lr, weight_decay=wd)

@@ -127,6 +127,23 @@ def make_accelerator(cfg: Config):
                        kwargs_handlers=handlers)
 
 
+class _PendingFlag:
+    """A flag on the device, copied to the host without waiting; bad() waits for the copy only when read."""
+
+    def __init__(self, flag: torch.Tensor, step: int):
+        self.step = step
+        self.host = flag.to("cpu", non_blocking=True)
+        self.event = None
+        if flag.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def bad(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.host > 0)
+
+
 class Trainer:
     def __init__(self, cfg: Config, task: Task, run: Run, resume: Path | None = None):
         self.cfg, self.task, self.run, self.resume = cfg, task, run, resume
@@ -365,13 +382,47 @@ class Trainer:
             self.epoch += 1
             self.position = 0
 
-    def _skip_step(self, bad: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """Whether this optimizer step must be skipped: a non-finite loss (in any micro-batch) or gradient
-        norm, on any process. The one host sync of the step. Under fp16, gradient overflow is the grad
-        scaler's to handle (it skips the step and lowers its scale), so only the loss counts there."""
+    def _bad_flag(self, bad: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """On the device, > 0 if this optimizer step must be skipped: a non-finite loss (in any micro-batch)
+        or gradient norm, on any process. Under fp16, gradient overflow is the grad scaler's to handle (it
+        skips the step and lowers its scale), so only the loss counts there."""
         if self.accelerator.scaler is None and grad_norm is not None:  # DeepSpeed may not give the norm
             bad = bad | ~torch.isfinite(grad_norm)
-        return bool(self.accelerator.reduce(bad.float(), "sum").item())
+        return self.accelerator.reduce(bad.float(), "sum")
+
+    def _inner_optimizer(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate wraps it
+
+    def _deferred_guard(self) -> bool:
+        """Whether the optimizer can skip a step on the device, so the guard needs no host sync per step:
+        torch's fused Adam/AdamW take a `found_inf` tensor (as from a grad scaler). Not with fp16's grad
+        scaler (it sets found_inf itself) nor with train.ema (its update would still run)."""
+        opt = self._inner_optimizer()
+        return (isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and bool(opt.defaults.get("fused"))
+                and self.accelerator.scaler is None and self.ema is None)
+
+    def _guard_verdict(self, step: int, bad: bool) -> str | None:
+        """Record the guard's verdict on `step`: a skipped step is logged and counted; max_nan_steps in a row
+        give the message the run stops with."""
+        if not bad:
+            self._bad_in_a_row = 0
+            return None
+        self._bad_in_a_row += 1
+        self.skipped += 1
+        n, acc, cfg = self._bad_in_a_row, self.accelerator, self.cfg
+        log.warning("step %d: non-finite loss or gradient; step skipped, weights unchanged (%d in a row, "
+                    "%d in all)", step, n, self.skipped)
+        if acc.is_main_process:
+            self.run.event("nonfinite", step=step, in_a_row=n, skipped=self.skipped)
+        if n < cfg.train.max_nan_steps:
+            return None
+        msg = (f"{n} steps in a row (up to step {step}) had a non-finite loss or gradient, "
+               f"so the run stopped. Likely causes: fp16 overflow (mixed_precision="
+               f"{acc.mixed_precision!r}; try train.mixed_precision='bf16', or 'no'), or a learning rate "
+               f"too high (train.lr={cfg.train.lr:g}; try a smaller one, or more warmup_steps, or "
+               f"max_grad_norm). The state is saved: fix the cause and resume.")
+        log.error(msg)
+        return msg
 
     def _average_unsynced(self) -> None:
         for p in self._unsynced:
@@ -476,7 +527,12 @@ class Trainer:
         step0 = step = self.step
         state: Path | None = None
         guard, clip = cfg.train.nan_guard, cfg.train.max_grad_norm
-        bad_in_a_row, nan_stop = 0, None
+        nan_stop = None
+        self._bad_in_a_row = 0
+        # The guard's verdict on a step is read on the host one step later where the optimizer can skip a
+        # step on the device (_deferred_guard): the host queues step k+1 while the GPU still runs step k.
+        deferred = guard and self._deferred_guard()
+        pending: _PendingFlag | None = None
         batches = self._batches()
         from .speed import StepProfiler
 
@@ -509,8 +565,13 @@ class Trainer:
                             norm = torch.as_tensor(norm, device=acc.device).float()
                             norms += torch.where(torch.isfinite(norm), norm, 0.0)
                             norms_n += torch.isfinite(norm)
-                        if guard:
-                            skip = self._skip_step(bad, norm)
+                        if deferred:
+                            # Fused AdamW skips the update (weights, moments, step count) when found_inf != 0.
+                            flag = self._bad_flag(bad, norm)
+                            self._inner_optimizer().found_inf = flag
+                            pending_now = _PendingFlag(flag, step + 1)
+                        elif guard:
+                            skip = self._bad_flag(bad, norm).item() > 0  # the host waits for the step here
                     with profiler.phase("optimizer"):
                         if not skip:
                             self.optimizer.step()
@@ -528,24 +589,21 @@ class Trainer:
                 self._rebuild_optimizer()
             if (trace := profiler.after_step(step, last=step == total)) is not None and acc.is_main_process:
                 run.event("profile", step=step, path=str(trace), summary=profiler.summary)
-            if skip:
-                bad_in_a_row += 1
-                self.skipped += 1
-                log.warning("step %d: non-finite loss or gradient; step skipped, weights unchanged (%d in a row, "
-                            "%d in all)", step, bad_in_a_row, self.skipped)
-                if acc.is_main_process:
-                    run.event("nonfinite", step=step, in_a_row=bad_in_a_row, skipped=self.skipped)
-                if bad_in_a_row >= cfg.train.max_nan_steps:
-                    nan_stop = (
-                        f"{bad_in_a_row} steps in a row (up to step {step}) had a non-finite loss or gradient, "
-                        f"so the run stopped. Likely causes: fp16 overflow (mixed_precision="
-                        f"{acc.mixed_precision!r}; try train.mixed_precision='bf16', or 'no'), or a learning rate "
-                        f"too high (train.lr={cfg.train.lr:g}; try a smaller one, or more warmup_steps, or "
-                        f"max_grad_norm). The state is saved: fix the cause and resume.")
-                    log.error(nan_stop)
-            else:
-                bad_in_a_row = 0
-            if step % cfg.train.log_every == 0 or step == total:
+            if deferred:
+                # The previous step's verdict: by now this step's work is queued behind it.
+                if pending is not None:
+                    nan_stop = self._guard_verdict(pending.step, pending.bad()) or nan_stop
+                pending = pending_now
+            elif guard:
+                nan_stop = self._guard_verdict(step, skip) or nan_stop
+            logged = step % cfg.train.log_every == 0 or step == total
+            due = (cfg.train.save_every and step % cfg.train.save_every == 0) or (
+                cfg.train.save_every_minutes and time.perf_counter() - t_saved >= 60 * cfg.train.save_every_minutes)
+            if pending is not None and (logged or due or nan_stop or self._stop):
+                # The host reads the device here anyway (logging, saving, stopping): this step's verdict too.
+                nan_stop = self._guard_verdict(pending.step, pending.bad()) or nan_stop
+                pending = None
+            if logged:
                 mean = (acc.reduce(window, "sum") / acc.reduce(window_n, "sum")).item()
                 now = time.perf_counter()
                 ips = window_images / max(now - t_window, 1e-9)
@@ -572,8 +630,6 @@ class Trainer:
                 window_images, t_window = 0, now
             if cfg.preview.every and step % cfg.preview.every == 0 and step < total:
                 samples += self._check_in(unwrapped, step)
-            due = (cfg.train.save_every and step % cfg.train.save_every == 0) or (
-                cfg.train.save_every_minutes and time.perf_counter() - t_saved >= 60 * cfg.train.save_every_minutes)
             stop, due = self._agree(self._stop, bool(due))
             stop = stop or ("nan_guard" if nan_stop else None)
             if stop or (due and step < total):

@@ -312,3 +312,51 @@ def test_nans_in_a_row_stop_the_run_with_a_state_it_resumes_from(tmp_path, monke
     events = read_events(run / "events.jsonl")
     assert [e["step"] for e in events if e["event"] == "resume"] == [4]
     assert events[-1]["event"] == "done" and (run / "s.safetensors").is_file()
+
+
+def test_the_guard_reads_each_steps_verdict_a_step_later_and_the_optimizer_skips_on_the_device(
+        tmp_path, monkeypatch, shared_cache):
+    # Fused AdamW skips a step itself (found_inf), so the host need not wait for a step before queueing the
+    # next one: the verdict on step k is read once step k+1 is queued (and at log, save and stop points).
+    from sdxl_lora import train
+
+    inject_nan(monkeypatch, lambda n: n == 3)
+    reads, steps_seen = [], {}
+    real_bad = train._PendingFlag.bad
+    real_verdict = train.Trainer._guard_verdict
+
+    def bad(self):
+        reads.append(self.step)
+        return real_bad(self)
+
+    def verdict(self, step, was_bad):
+        steps_seen[step] = self.step  # the step counter when the verdict on `step` is known
+        return real_verdict(self, step, was_bad)
+
+    monkeypatch.setattr(train._PendingFlag, "bad", bad)
+    monkeypatch.setattr(train.Trainer, "_guard_verdict", verdict)
+    assert main(["train", "--out", str(tmp_path), "--name", "d", "--steps", "7", "--set", "preview.prompts=''",
+                 "--set", f"data.cache_dir='{shared_cache}'", "--set", "train.log_every=5",
+                 "--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]) == 0
+    events = read_events(tmp_path / "d" / "events.jsonl")
+    assert [(e["step"], e["in_a_row"]) for e in events if e["event"] == "nonfinite"] == [(3, 1)]
+    assert sorted(reads) == list(range(1, 8))  # every step's verdict read once
+    # Read a step late, except at the log points (step 5 and the last), where the host waits anyway.
+    assert steps_seen == {1: 2, 2: 3, 3: 4, 4: 5, 5: 5, 6: 7, 7: 7}
+    assert events[-1]["event"] == "done"
+    final = load_file(tmp_path / "d" / "d.diffusers.safetensors")
+    assert all(torch.isfinite(v).all() for v in final.values())  # the NaN step changed nothing
+
+
+def test_the_optimizer_skips_a_flagged_step_entirely_on_the_device():
+    cfg = load_config()
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = build_optimizer(cfg, [{"params": [p]}])
+    p.grad = torch.ones(4)
+    opt.step()
+    before = (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+    p.grad = torch.full((4,), float("nan"))
+    opt.found_inf = torch.tensor(1.0)  # what the NaN guard sets
+    opt.step()
+    assert torch.equal(p.detach(), before[0])
+    assert all(torch.equal(opt.state[p][k], v) for k, v in before[1].items())  # moments and step count too
