@@ -215,7 +215,8 @@ def profile_steps(step, n, ms_per_step):
         torch.cuda.synchronize()
     events = prof.key_averages()
     kinds = kernel_kinds(events, n)
-    kernels = sorted((e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA),
+    kernels = sorted((e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+                      and not getattr(e, "is_user_annotation", False)),
                      key=lambda e: -e.self_device_time_total)[:15]
     return {"gpu_busy_ms": round(sum(kinds.values()), 2), "gpu_busy_share": round(sum(kinds.values()) / ms_per_step, 3),
             "kinds_ms": {k: round(v, 2) for k, v in kinds.items()},

@@ -365,10 +365,11 @@ def kernel_kind(name: str) -> str:
 
 
 def kernel_kinds(events, steps: int) -> dict[str, float]:
-    """GPU milliseconds per step by kind of kernel, largest first, from a profiler's key_averages()."""
+    """GPU milliseconds per step by kind of kernel, largest first, from a profiler's key_averages(). Ranges
+    named on the GPU's timeline (record_function, the optimizer's step) span kernels counted already: left out."""
     kinds: dict[str, float] = {}
     for e in events:
-        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", False):
             continue
         us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
         kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + us / 1000 / max(steps, 1)

@@ -264,6 +264,9 @@ def test_gpu_time_is_split_by_kind_of_kernel_with_the_h200s_kernel_names():
     }
     events = [SimpleNamespace(key=n, device_type=cuda, self_device_time_total=us) for n, (_, us) in names.items()]
     events.append(SimpleNamespace(key="aten::mm", device_type=torch.autograd.DeviceType.CPU, self_device_time_total=9e9))
+    # A named range on the GPU's timeline spans kernels already counted.
+    events.append(SimpleNamespace(key="Optimizer.step#AdamW.step", device_type=cuda, self_device_time_total=2385.0,
+                                  is_user_annotation=True))
     for name, (kind, _) in names.items():
         assert speed.kernel_kind(name) == kind, name
     kinds = speed.kernel_kinds(events, steps=2)
