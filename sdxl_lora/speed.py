@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,114 @@ class _Positional(torch.nn.Module):
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         return self.fn(*args)
+
+
+# ---- fused q/k/v projections ----
+#
+# Each attention of the UNet projects its input three times (to_q, to_k, to_v; cross-attention: to_k and
+# to_v on the text tokens), each with its own LoRA: six small matmuls and three reads of the same input
+# per projection set, which at small batch cost more in launches than in FLOPs. diffusers can fuse the base
+# projections (Attention.fuse_projections) but its fused processor then skips peft's LoRA layers, so this
+# is ours: one matmul for the frozen weights (the three base weights become views of one buffer: no extra
+# memory), one for the LoRA A factors side by side and one for the B factors as a block-diagonal matrix
+# (scaling folded in). The trainable parameters stay peft's own, so saving and export are unchanged.
+
+class _FusedWeight(torch.nn.Module):
+    # A module, so model.to() moves the buffer with the rest; not persistent, so state_dict is unchanged.
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+
+
+def _base_linear(layer: torch.nn.Module) -> torch.nn.Module:
+    return getattr(layer, "base_layer", layer)
+
+
+def _lora_factors(layer: torch.nn.Module) -> list | None:
+    """The active plain-LoRA factors of a projection as [(A, B, scaling)] (empty without LoRA), or None
+    where fusing would not reproduce its forward: dropout, DoRA or another variant, several adapters, a
+    merged or disabled adapter."""
+    if not hasattr(layer, "lora_A"):
+        return [] if type(layer) is torch.nn.Linear else None
+    if layer.merged or layer.disable_adapters:
+        return None
+    names = [a for a in layer.active_adapters if a in layer.lora_A]
+    if len(names) > 1 or any(a in layer.lora_variant or not isinstance(layer.lora_dropout[a], torch.nn.Identity)
+                             or layer.lora_bias.get(a, False) for a in names):
+        return None
+    return [(layer.lora_A[a].weight, layer.lora_B[a].weight, layer.scaling[a]) for a in names]
+
+
+def _fused_projections(x: torch.Tensor, fused: torch.Tensor, layers: tuple) -> list[torch.Tensor]:
+    factors = [_lora_factors(layer) for layer in layers]
+    if any(f is None for f in factors):
+        return [layer(x) for layer in layers]
+    out = F.linear(x, fused)
+    if any(factors):
+        a = torch.cat([f[0][0] for f in factors if f])
+        bs = [f[0][1] * f[0][2] if f else a.new_zeros(_base_linear(layer).out_features, 0)
+              for f, layer in zip(factors, layers)]
+        out = out + F.linear(F.linear(x, a), torch.block_diag(*bs))
+    return list(out.split([_base_linear(layer).out_features for layer in layers], dim=-1))
+
+
+class FusedProjectionsProcessor:
+    """diffusers' AttnProcessor2_0 with the projections of one input made by one matmul (_fused_projections).
+    Anything SDXL's attention does not use (masks, spatial or group norms, 4-D input) goes to the stock one."""
+
+    def __init__(self):
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        self.stock = AttnProcessor2_0()
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
+                 *args, **kwargs):
+        self_attention = encoder_hidden_states is None
+        fused = getattr(attn, "fused_qkv" if self_attention else "fused_kv", None)
+        if (fused is None or attention_mask is not None or attn.spatial_norm is not None or attn.group_norm is not None
+                or attn.norm_cross or attn.norm_q is not None or attn.norm_k is not None or hidden_states.ndim != 3
+                or args or kwargs):
+            return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
+        if self_attention:
+            q, k, v = _fused_projections(hidden_states, fused.weight, (attn.to_q, attn.to_k, attn.to_v))
+        else:
+            q = attn.to_q(hidden_states)
+            k, v = _fused_projections(encoder_hidden_states, fused.weight, (attn.to_k, attn.to_v))
+        b, heads = hidden_states.shape[0], attn.heads
+        d = k.shape[-1] // heads
+        q, k, v = (t.reshape(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))
+        h = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+        h = attn.to_out[1](attn.to_out[0](h.transpose(1, 2).reshape(b, -1, heads * d).to(q.dtype)))
+        if attn.residual_connection:
+            h = h + hidden_states
+        return h / attn.rescale_output_factor
+
+
+def fuse_projections(model: torch.nn.Module) -> int:
+    """train.fuse_qkv: every diffusers Attention on the stock SDPA processor gets FusedProjectionsProcessor,
+    its base q/k/v (self-attention) or k/v (cross-attention) weights moved into one buffer they are views
+    of. Projections with a bias or of another kind are left alone. Returns the number of attentions fused."""
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
+    n = 0
+    for attn in model.modules():
+        if not isinstance(attn, Attention) or type(attn.processor) is not AttnProcessor2_0:
+            continue
+        names = ("to_k", "to_v") if attn.is_cross_attention else ("to_q", "to_k", "to_v")
+        bases = [_base_linear(getattr(attn, name)) for name in names]
+        if any(type(b) is not torch.nn.Linear or b.bias is not None or b.weight.requires_grad for b in bases) or len(
+                {(b.in_features, b.weight.dtype, b.weight.device) for b in bases}) != 1:
+            continue
+        with torch.no_grad():
+            fused = torch.cat([b.weight for b in bases])
+        offset = 0
+        for b in bases:
+            b.weight = torch.nn.Parameter(fused[offset:offset + b.out_features], requires_grad=False)
+            offset += b.out_features
+        attn.add_module("fused_kv" if attn.is_cross_attention else "fused_qkv", _FusedWeight(fused))
+        attn.set_processor(FusedProjectionsProcessor())
+        n += 1
+    return n
 
 
 # ---- selective activation checkpointing ----

@@ -273,3 +273,39 @@ def test_gpu_time_is_split_by_kind_of_kernel_with_the_h200s_kernel_names():
     # Milliseconds per step, largest first; host-side operators are not counted as GPU time.
     assert list(kinds) == [kind for kind, _ in names.values()]
     assert kinds["matmul"] == pytest.approx(1.5) and sum(kinds.values()) == pytest.approx(4.05)
+
+
+def test_fused_qkv_projections_give_the_same_loss_and_gradients(tiny_dir, monkeypatch):
+    from diffusers.models.attention_processor import Attention
+
+    unet = tiny_unet_with_lora(tiny_dir)
+    # Some projections without LoRA (their block in the fused B factor is empty) and one with dropout
+    # (left to peft's own forward): the fused path must handle both.
+    attn = next(m for m in unet.modules() if isinstance(m, Attention) and not m.is_cross_attention)
+    attn.to_k = attn.to_k.base_layer
+    cross = next(m for m in unet.modules() if isinstance(m, Attention) and m.is_cross_attention)
+    cross.to_v.lora_dropout["default"] = torch.nn.Dropout(0.5).eval()  # eval: dropout off, but not an Identity
+    for m in unet.modules():  # a LoRA scaling other than 1 (alpha != rank), different per projection
+        if isinstance(m, Attention):
+            for i, name in enumerate(("to_q", "to_k", "to_v")):
+                if hasattr(getattr(m, name), "scaling"):
+                    getattr(m, name).scaling["default"] = 0.5 + i
+    batch = batch_for(unet)
+    ref = loss_and_grads(unet, batch)
+    n = speed.fuse_projections(unet)
+    assert n == sum(isinstance(m, Attention) for m in unet.modules()) > 0
+    # The base weights are views of the one fused buffer: no extra memory.
+    assert attn.to_q.base_layer.weight.data_ptr() == attn.fused_qkv.weight.data_ptr()
+    assert attn.to_k.weight.untyped_storage().data_ptr() == attn.fused_qkv.weight.untyped_storage().data_ptr()
+    assert "fused_qkv.weight" not in unet.state_dict()
+    calls = []
+    real = speed._fused_projections
+    monkeypatch.setattr(speed, "_fused_projections", lambda *a: calls.append(len(a[2])) or real(*a))
+    assert_same(ref, loss_and_grads(unet, batch))
+    assert len(calls) == n and 2 in calls and 3 in calls  # every attention took the fused path
+    monkeypatch.setattr(speed, "_fused_projections", real)
+    # Compiled as train.compile does (dynamo + AOTAutograd), still the same.
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
+    speed.compile_regions(unet)
+    assert_same(ref, loss_and_grads(unet, batch))
+    torch._dynamo.reset()

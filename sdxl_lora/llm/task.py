@@ -76,6 +76,9 @@ class LLMTask:
 
             # The probe's layers are reused; its deletion left them with no active adapter.
             set_adapter(self.lm, "default", inference_mode=False)
+        if cfg.train.fuse_qkv:
+            log.warning("train.fuse_qkv applies to the SDXL UNet's attention (diffusers' Attention); the causal "
+                        "LM's projections stay as they are")
         if cfg.train.gradient_checkpointing:
             # Non-reentrant: works with a frozen embedding (no input-grad hook) and with LoRA inside the blocks.
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -342,6 +342,9 @@ class SDXLTask:
         if graphs and self.cfg.adapter.dropout and (tc.gradient_checkpointing or tc.checkpoint_budget_gb):
             raise ConfigError("train.cuda_graphs with gradient checkpointing needs adapter.dropout=0 (a checkpointed "
                               "block that draws random numbers must save the RNG state, which a graph cannot)")
+        if tc.fuse_qkv:
+            n = speed.fuse_projections(unet)
+            log.info("train.fuse_qkv: %d attention layers project q/k/v (or k/v) with one matmul", n)
         if tc.gradient_checkpointing:
             speed.enable_checkpointing(unet, graph_safe=graphs, sdpa_backend=tc.sdpa_backend)
         elif tc.checkpoint_budget_gb:
