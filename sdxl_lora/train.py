@@ -543,7 +543,7 @@ class Trainer:
         self.model.train()
         while step < total:
             bad = torch.zeros((), dtype=torch.bool, device=acc.device)
-            skip = False
+            skip, pending_now = False, None
             profiler.before_step(step)
             for _ in range(cfg.train.grad_accum):
                 with profiler.phase("data"):
