@@ -220,7 +220,7 @@ class TrainConfig(Section):
     fuse_qkv: bool = True
     # The attention kernel of the training forward (docs/speed.md): "default" is PyTorch's own choice; a
     # named one is used alone ("cudnn" and "efficient" need CUDA). cuDNN's is 1.6x flash's on SDXL's
-    # attention shapes on an H200 in isolation, but the whole step measured the same with it.
+    # attention shapes on an H200 in isolation, and torch's own choice already runs it there (profiled).
     sdpa_backend: Literal["default", "cudnn", "flash", "efficient", "math"] = "default"
     # Several processes: how the adapter's gradients are averaged. "ddp": DistributedDataParallel's
     # bucketed all-reduce, overlapped with the backward; "allreduce": the model is not wrapped and the
