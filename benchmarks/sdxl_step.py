@@ -17,6 +17,7 @@ With --tiny it runs the embedded tiny UNet on the CPU (a smoke test of the scrip
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from types import SimpleNamespace
@@ -336,9 +337,13 @@ def main():
                 row = {"setting": name, "batch": batch, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(json.dumps(row), flush=True)
             del unet
+            # The graphed callables sit in reference cycles with their autograd functions: collect them, so
+            # their memory pools are released before the next setting (round 5: a setting after a graphed one
+            # ran out of memory without this; not yet re-run on a GPU).
+            torch._dynamo.reset()
+            gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
-            torch._dynamo.reset()
 
 
 if __name__ == "__main__":
