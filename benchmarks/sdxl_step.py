@@ -337,7 +337,7 @@ def main():
                 row = {"setting": name, "batch": batch, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(json.dumps(row), flush=True)
             del unet
-            # The graphed callables sit in reference cycles with their autograd functions: collect them, so
+            # The graphed callables can sit in reference cycles with their autograd functions: collect them, so
             # their memory pools are released before the next setting (round 5: a setting after a graphed one
             # ran out of memory without this; not yet re-run on a GPU).
             torch._dynamo.reset()
