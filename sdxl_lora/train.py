@@ -599,10 +599,6 @@ class Trainer:
             logged = step % cfg.train.log_every == 0 or step == total
             due = (cfg.train.save_every and step % cfg.train.save_every == 0) or (
                 cfg.train.save_every_minutes and time.perf_counter() - t_saved >= 60 * cfg.train.save_every_minutes)
-            if pending is not None and (logged or due or nan_stop or self._stop):
-                # The host reads the device here anyway (logging, saving, stopping): this step's verdict too.
-                nan_stop = self._guard_verdict(pending.step, pending.bad()) or nan_stop
-                pending = None
             if logged:
                 mean = (acc.reduce(window, "sum") / acc.reduce(window_n, "sum")).item()
                 now = time.perf_counter()
@@ -631,6 +627,11 @@ class Trainer:
             if cfg.preview.every and step % cfg.preview.every == 0 and step < total:
                 samples += self._check_in(unwrapped, step)
             stop, due = self._agree(self._stop, bool(due))
+            if pending is not None and (logged or due or stop or nan_stop):
+                # The host reads the device here anyway (logging, saving, stopping): this step's verdict too.
+                # Decided from what every process agrees on, so all of them stop at the same step.
+                nan_stop = self._guard_verdict(pending.step, pending.bad()) or nan_stop
+                pending = None
             stop = stop or ("nan_guard" if nan_stop else None)
             if stop or (due and step < total):
                 if acc.is_main_process:
