@@ -51,10 +51,10 @@ def configure_backends(device: torch.device) -> None:
 
 
 # train.sdpa_backend: the kernels torch's scaled_dot_product_attention may use in the training forward.
-# "default" leaves torch's own choice (flash first on the H200). A named backend restricts it to that one:
-# cuDNN's ran SDXL's attention shapes 1.59x faster than flash in isolation (benchmarks/attention_backends.py,
-# 69.8 vs 110.9 ms a batch-8 step), but preferring it changed the trainer's step by nothing measurable
-# (464.3 vs 464.9 ms at batch 8 with CUDA graphs), so the default stays torch's.
+# "default" leaves torch's own choice. A named backend restricts it to that one: cuDNN's ran SDXL's attention
+# shapes 1.59x faster than flash in isolation (benchmarks/attention_backends.py, 69.8 vs 110.9 ms a batch-8
+# step), but preferring it changed the trainer's step by nothing measurable (464.3 vs 464.9 ms at batch 8
+# with CUDA graphs): the profiled step shows torch's own choice already runs cuDNN's there (H200, torch 2.11).
 def sdpa_context(choice: str):
     """A context in which scaled_dot_product_attention uses only the named backend ("default": torch's own
     choice; torch raises if the named one cannot take a call). Entered around the training forward, so
@@ -120,8 +120,9 @@ class GraphedCall:
             graphed = torch.cuda.make_graphed_callables(wrapper, tuple(a.detach().clone() for a in args),
                                                         num_warmup_iters=self.warmup, allow_unused_input=True)
             # The warm-up iterations ran in the ordinary pool and the captured ones live in the graph's own:
-            # give the warm-up's (and any earlier eager pass's) cached blocks back, or the device holds the
-            # activations twice (measured: 29.1 GiB reserved for a 15.5 GiB step).
+            # give the warm-up's (and any earlier eager pass's) cached blocks back to the device. (The peak
+            # reserved is reached during the capture itself: 29.1 GiB before this, 28.4 after, for a 15.5
+            # GiB step; what stays reserved afterwards was not measured.)
             torch.cuda.empty_cache()
             self.graphs[key] = graphed
         return graphed(*args)
@@ -159,32 +160,38 @@ def _base_linear(layer: torch.nn.Module) -> torch.nn.Module:
     return getattr(layer, "base_layer", layer)
 
 
-def _lora_factors(layer: torch.nn.Module) -> list | None:
-    """The active plain-LoRA factors of a projection as [(A, B, scaling)] (empty without LoRA), or None
-    where fusing would not reproduce its forward: dropout, DoRA or another variant, several adapters, a
-    merged or disabled adapter."""
+_NO_LORA = ()
+
+
+def _lora_factors(layer: torch.nn.Module) -> tuple | None:
+    """The active plain-LoRA factors of a projection as (A, B, scaling), _NO_LORA without LoRA, or None where
+    fusing would not reproduce its forward: dropout, DoRA or another variant, several adapters, a merged or
+    disabled adapter."""
     if not hasattr(layer, "lora_A"):
-        return [] if type(layer) is torch.nn.Linear else None
+        return _NO_LORA if type(layer) is torch.nn.Linear else None
     if layer.merged or layer.disable_adapters:
         return None
     names = [a for a in layer.active_adapters if a in layer.lora_A]
-    if len(names) > 1 or any(a in layer.lora_variant or not isinstance(layer.lora_dropout[a], torch.nn.Identity)
-                             or layer.lora_bias.get(a, False) for a in names):
+    if not names:
+        return _NO_LORA
+    a = names[0]
+    if len(names) > 1 or a in layer.lora_variant or not isinstance(layer.lora_dropout[a], torch.nn.Identity) \
+            or layer.lora_bias.get(a, False):
         return None
-    return [(layer.lora_A[a].weight, layer.lora_B[a].weight, layer.scaling[a]) for a in names]
+    return layer.lora_A[a].weight, layer.lora_B[a].weight, layer.scaling[a]
 
 
 def _fused_projections(x: torch.Tensor, fused: torch.Tensor, layers: tuple) -> list[torch.Tensor]:
     factors = [_lora_factors(layer) for layer in layers]
     if any(f is None for f in factors):
         return [layer(x) for layer in layers]
+    widths = [_base_linear(layer).out_features for layer in layers]
     out = F.linear(x, fused)
     if any(factors):
-        a = torch.cat([f[0][0] for f in factors if f])
-        bs = [f[0][1] * f[0][2] if f else a.new_zeros(_base_linear(layer).out_features, 0)
-              for f, layer in zip(factors, layers)]
+        a = torch.cat([f[0] for f in factors if f])
+        bs = [f[1] * f[2] if f else a.new_zeros(n, 0) for f, n in zip(factors, widths)]
         out = out + F.linear(F.linear(x, a), torch.block_diag(*bs))
-    return list(out.split([_base_linear(layer).out_features for layer in layers], dim=-1))
+    return list(out.split(widths, dim=-1))
 
 
 class FusedProjectionsProcessor:
@@ -459,7 +466,7 @@ class StepProfiler:
 # cuDNN's implicit-GEMM convolutions are counted as convolutions before the GEMM patterns see them.
 KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "dot_do_o")),
                 ("convolution", ("conv", "fprop", "dgrad", "wgrad", "cudnn")),
-                ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv", "scaled_mm", "f8f8")),
+                ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv")),
                 ("optimizer", ("multi_tensor", "adam")),
                 ("fused (compiled)", ("triton",)),
                 ("communication", ("nccl",)))
@@ -481,5 +488,6 @@ def kernel_kinds(events, steps: int) -> dict[str, float]:
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", False):
             continue
         us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + us / 1000 / max(steps, 1)
+        kind = kernel_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1000 / max(steps, 1)
     return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
