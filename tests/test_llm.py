@@ -243,7 +243,7 @@ def test_resumed_run_gives_the_same_adapter(tmp_path):
         assert torch.equal(straight[k], resumed[k]), k
 
 
-def test_presets_and_rank_budget_on_a_causal_lm(tiny_llm, tmp_path):
+def test_presets_and_rank_budget_on_a_causal_lm(tiny_llm, tmp_path, caplog):
     from sdxl_lora import inject
     from sdxl_lora.config import AdapterConfig
     from sdxl_lora.llm.task import LLMTask
@@ -264,6 +264,8 @@ def test_presets_and_rank_budget_on_a_causal_lm(tiny_llm, tmp_path):
                              "preview.after": False})
     trainer = Trainer(cfg, LLMTask(cfg), create_run(cfg))
     trainer.setup()
+    # SDXL-only speed switches that are on by default say nothing on the LLM path unless the user set them.
+    assert "fuse_qkv" not in caplog.text
     plan = trainer.task.plan
     assert plan.trainable_params <= budget and len(set(plan.rank.values())) > 1
     trainable = [(n, p) for n, p in trainer.task.lm.named_parameters() if p.requires_grad]

@@ -76,7 +76,7 @@ class LLMTask:
 
             # The probe's layers are reused; its deletion left them with no active adapter.
             set_adapter(self.lm, "default", inference_mode=False)
-        if cfg.train.fuse_qkv:
+        if cfg.train.fuse_qkv and "fuse_qkv" in cfg.train.model_fields_set:  # on by default: say so only if asked
             log.warning("train.fuse_qkv applies to the SDXL UNet's attention (diffusers' Attention); the causal "
                         "LM's projections stay as they are")
         if cfg.train.gradient_checkpointing:
