@@ -87,8 +87,10 @@ def our_task(unet, device, train: dict):
     from sdxl_lora.config import load_config
     from sdxl_lora.sdxl.task import SDXLTask
 
-    # Settings without "+fuse" run without train.fuse_qkv (on by default since round 5), as they were measured.
-    cfg = load_config(extra={"train.fuse_qkv": False, **{f"train.{k}": v for k, v in train.items()}})
+    # Settings without "+fuse" run without train.fuse_qkv (on by default since round 5) and without "+geglu"
+    # train.fused_geglu (since round 6), as they were measured.
+    cfg = load_config(extra={"train.fuse_qkv": False, "train.fused_geglu": False,
+                             **{f"train.{k}": v for k, v in train.items()}})
     task = SDXLTask(cfg)
     task.device = torch.device(device)
     sched = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
@@ -102,7 +104,7 @@ def our_task(unet, device, train: dict):
     return task, run
 
 
-def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0):
+def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=15):
     from diffusers import DDPMScheduler
 
     unet.train()
@@ -133,12 +135,23 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0):
     else:
         train = dict(train or {})
         select = train.pop("select_units", None)
+        with_io = train.pop("transformer_io", False)
+        extra_regions = tuple(train.pop("extra_regions", ()))  # more classes compiled with compile="regional"
         task, run = our_task(unet, device, train)
         task._bench_batch = data
         t_setup = time.perf_counter()
-        task._speed_setup(unet, run)
+        from sdxl_lora import speed
+        io, regions = speed.transformer_io, speed.REGION_CLASSES
+        speed.REGION_CLASSES = regions + extra_regions
+        if not with_io:
+            # Settings without "+io" keep diffusers' own ways in and out of the transformer stages under
+            # channels_last (the trainer's since round 6), as they were measured.
+            speed.transformer_io = lambda *a, **k: 0
+        try:
+            task._speed_setup(unet, run)
+        finally:
+            speed.transformer_io, speed.REGION_CLASSES = io, regions
         if select:  # a fixed set of checkpointed units, without checkpoint_budget_gb's fit
-            from sdxl_lora import speed
             speed.apply_selective_checkpointing(unet, select, graph_safe=bool(train.get("cuda_graphs")),
                                                 sdpa_backend=task.cfg.train.sdpa_backend)
         setup_s = time.perf_counter() - t_setup
@@ -200,11 +213,11 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0):
     if check:
         row.update(check)
     if profile and device == "cuda":
-        row.update(profile_steps(step, profile, ms))
+        row.update(profile_steps(step, profile, ms, top))
     return row
 
 
-def profile_steps(step, n, ms_per_step):
+def profile_steps(step, n, ms_per_step, top=15):
     """n more steps under torch's profiler: GPU time by kind of kernel and the kernels that take the most."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -219,11 +232,43 @@ def profile_steps(step, n, ms_per_step):
     kinds = kernel_kinds(events, n)
     kernels = sorted((e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
                       and not getattr(e, "is_user_annotation", False)),
-                     key=lambda e: -e.self_device_time_total)[:15]
+                     key=lambda e: -e.self_device_time_total)[:top]
     return {"gpu_busy_ms": round(sum(kinds.values()), 2), "gpu_busy_share": round(sum(kinds.values()) / ms_per_step, 3),
             "kinds_ms": {k: round(v, 2) for k, v in kinds.items()},
             "top_kernels": [{"ms": round(e.self_device_time_total / 1000 / n, 3), "calls": e.count // n,
-                             "kind": kernel_kind(e.key), "name": e.key[:90]} for e in kernels]}
+                             "kind": kernel_kind(e.key), "name": e.key[:160]} for e in kernels]}
+
+
+def geglu_kernel_check(rows=16 * 1024, n=5120):
+    """train.fused_geglu's Triton backward against autograd's (eager and compiled) on SDXL's batch-16 feed-forward
+    shape: the largest difference of the gradient, and the time of each backward alone."""
+    from sdxl_lora.kernels import geglu
+
+    def plain(x):
+        h, g = x.chunk(2, dim=-1)
+        return h * torch.nn.functional.gelu(g)
+
+    x = torch.randn(rows, 2 * n, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    row = {}
+    for name, fn in (("eager", plain), ("compiled", torch.compile(plain)), ("kernel", geglu)):
+        xi = x.clone().requires_grad_()
+        fn(xi).backward(grad)
+        row[f"{name}_grad"] = xi.grad
+        out = fn(xi)
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.autograd.grad(out, xi, grad, retain_graph=True)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        row[f"{name}_backward_ms"] = round(sorted(times)[len(times) // 2], 3)
+    ref = row.pop("eager_grad").float()
+    for name in ("compiled", "kernel"):
+        row[f"{name}_max_diff"] = (row.pop(f"{name}_grad").float() - ref).abs().max().item()
+    return row
 
 
 def graph_check(task, unet, data, params):
@@ -267,6 +312,15 @@ SETTINGS = {
     "ours+compile+graphs": ("ours", [1, 4, 8, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True}),
     "ours+compile+graphs+fuse": ("ours", [1, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
                                                    "fuse_qkv": True}),
+    "ours+compile+graphs+fuse+io": ("ours", [1, 16], {"compile": "regional", "channels_last": True,
+                                                      "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True}),
+    "ours+compile+graphs+fuse+io+geglu": ("ours", [1, 16], {"compile": "regional", "channels_last": True,
+                                                            "cuda_graphs": True, "fuse_qkv": True,
+                                                            "transformer_io": True, "fused_geglu": True}),
+    "ours+compile+graphs+fuse+io+geglu+up": ("ours", [1, 16], {"compile": "regional", "channels_last": True,
+                                                               "cuda_graphs": True, "fuse_qkv": True,
+                                                               "transformer_io": True, "fused_geglu": True,
+                                                               "extra_regions": ["Upsample2D"]}),
     "ours+compile+graphs-guard": ("ours", [1], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
                                                 "nan_guard": False}),
     "ours+compile+graphs+syncguard": ("ours", [1], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
@@ -300,15 +354,38 @@ def main():
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, N more steps under torch's profiler: GPU time by kind of kernel")
+    ap.add_argument("--top", type=int, default=15, help="with --profile: how many of the longest kernels to list")
+    ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="set torch._inductor.config options for every compiled setting (an experiment's switch), "
+                         "e.g. combo_kernels=True max_pointwise_cat_inputs=0")
+    ap.add_argument("--check-geglu", action="store_true",
+                    help="first compare train.fused_geglu's kernel with autograd's backward (gradient, time)")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny UNet on the CPU: a smoke test")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
+    if args.inductor:
+        import ast
+
+        import torch._inductor.config as inductor_config
+
+        for item in args.inductor:
+            key, _, value = item.partition("=")
+            *parents, name = key.split(".")  # "triton.multi_kernel": a sub-config's option
+            section = inductor_config
+            for parent in parents:
+                section = getattr(section, parent, None)
+            if section is None or not hasattr(section, name):
+                ap.error(f"--inductor {item}: torch._inductor.config has no option {key!r}")
+            setattr(section, name, ast.literal_eval(value))
+        print(f"# inductor options: {' '.join(args.inductor)}", flush=True)
     if args.tiny:
         from sdxl_lora import speed
         speed.COMPILE_BACKEND = "aot_eager"  # no C++ build per graph on the CPU smoke test
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+        if args.check_geglu:
+            print(f"# GEGLU backward, {16 * 1024} x 2 x 5120: {json.dumps(geglu_kernel_check())}", flush=True)
     for name in args.only:
         mode, batches, train = SETTINGS[name]
         if device == "cpu":
@@ -330,7 +407,8 @@ def main():
                 project_lora(unet, "attn", args.rank)
             try:
                 row = {"setting": name, "batch": batch,
-                       **bench(unet, batch, args.steps, args.warmup, device, mode, train, args.profile)}
+                       **bench(unet, batch, args.steps, args.warmup, device, mode, train, args.profile,
+                                args.top)}
             except torch.OutOfMemoryError as e:
                 row = {"setting": name, "batch": batch, "error": f"out of memory: {str(e)[:120]}"}
             except Exception as e:  # one failing setting must not cost the others' figures
