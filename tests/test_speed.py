@@ -63,6 +63,25 @@ def test_channels_last_same_loss_and_gradients(tiny_dir):
     assert_same(ref, loss_and_grads(unet, batch))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_transformer_stages_keep_channels_last_and_the_training_signal(tiny_dir, monkeypatch, compiled):
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
+    unet = tiny_unet_with_lora(tiny_dir)
+    batch = batch_for(unet)
+    ref = loss_and_grads(unet, batch)
+    speed.to_channels_last(unet)
+    stages = [m for m in unet.modules() if type(m).__name__ == "Transformer2DModel"]
+    outs = []
+    stages[0].register_forward_hook(lambda m, args, out: outs.append(out[0]))
+    unet(**batch)
+    assert not outs[-1].is_contiguous(memory_format=torch.channels_last)  # diffusers' own: NCHW, a copy
+    assert speed.transformer_io(unet, compile=compiled) == len(stages) > 0
+    got = loss_and_grads(unet, batch)
+    assert outs[-1].is_contiguous(memory_format=torch.channels_last)
+    assert_same(ref, got)
+    torch._dynamo.reset()
+
+
 def test_regional_compile_same_loss_and_gradients(tiny_dir, monkeypatch):
     # aot_eager: dynamo's graph capture and AOTAutograd's forward/backward split, as with inductor,
     # without a C++ build per graph (minutes on 2 CPU cores).
@@ -309,3 +328,37 @@ def test_fused_qkv_projections_give_the_same_loss_and_gradients(tiny_dir, monkey
     speed.compile_regions(unet)
     assert_same(ref, loss_and_grads(unet, batch))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fused_geglu_gives_the_same_loss_and_gradients(tiny_dir, monkeypatch, compiled):
+    from sdxl_lora import kernels
+
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
+    unet = tiny_unet_with_lora(tiny_dir)  # the "full" preset: the feed-forward projections have LoRA too
+    batch = batch_for(unet)
+    ref = loss_and_grads(unet, batch)
+    n = kernels.use_fused_geglu(unet)
+    assert n == sum(type(m).__name__ == "GEGLU" for m in unet.modules()) > 0
+    if compiled:
+        speed.compile_regions(unet, classes=("BasicTransformerBlock",))
+    assert_same(ref, loss_and_grads(unet, batch))
+    torch._dynamo.reset()
+
+
+def test_geglu_backward_matches_autograd_in_bf16():
+    from sdxl_lora.kernels import geglu
+
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(4, 6, 2 * 40, generator=g)).to(torch.bfloat16)
+    grad = torch.randn(4, 6, 40, generator=g).to(torch.bfloat16)
+    ref_x = x.float().requires_grad_()
+    h, gate = ref_x.chunk(2, dim=-1)
+    (h * torch.nn.functional.gelu(gate)).backward(grad.float())
+    got_x = x.clone().requires_grad_()
+    out = geglu(got_x)
+    out.backward(grad)
+    assert out.dtype == got_x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(got_x.grad.float(), ref_x.grad, rtol=1e-2, atol=1e-2)
+    # The gradient reaches both halves: a backward that dropped the gate's part would fail here.
+    assert got_x.grad[..., 40:].abs().sum() > 0 and got_x.grad[..., :40].abs().sum() > 0

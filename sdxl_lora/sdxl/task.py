@@ -345,6 +345,10 @@ class SDXLTask:
         if tc.fuse_qkv:
             n = speed.fuse_projections(unet)
             log.info("train.fuse_qkv: %d attention layers project q/k/v (or k/v) with one matmul", n)
+        if tc.fused_geglu:
+            from .. import kernels
+
+            kernels.use_fused_geglu(unet)
         if tc.gradient_checkpointing:
             speed.enable_checkpointing(unet, graph_safe=graphs, sdpa_backend=tc.sdpa_backend)
         elif tc.checkpoint_budget_gb:
@@ -352,6 +356,7 @@ class SDXLTask:
             run.event("checkpointing", budget_gb=tc.checkpoint_budget_gb, **fit)
         if tc.channels_last:
             speed.to_channels_last(unet)
+            speed.transformer_io(unet, compile=tc.compile != "none")
         if tc.compile != "none":
             classes = speed.REGION_CLASSES if tc.compile == "regional" else speed.TRANSFORMER_CLASSES
             n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget)
