@@ -1,6 +1,7 @@
 """Speed levers for the training step, each behind a config switch (docs/speed.md has the measurements).
 
-  channels_last     NHWC memory format for the convolutional model: cuDNN's fast conv kernels.
+  channels_last     NHWC memory format for the convolutional model: cuDNN's fast conv kernels; the
+                    transformer stages keep it instead of copying to NCHW (transformer_io).
   compile=regional  torch.compile on each repeated block (transformer and ResNet blocks), not the whole
                     model: the same kernels fused, a fraction of the compile time, and one compiled
                     graph reused by every block of the same shape. Inductor's on-disk cache makes the
@@ -13,6 +14,7 @@
   checkpoint_budget selective activation checkpointing: the blocks whose saved activations are largest
                     for the compute they cost to redo are checkpointed, just enough to fit a budget,
                     instead of diffusers' all-or-nothing switch (2.1x the step time).
+  fused_geglu       the feed-forward's GEGLU backward as one Triton kernel (sdxl_lora/kernels.py).
   profile_steps     torch's profiler over N steps, a Chrome/Perfetto trace in the run folder and a table
                     of where the step time goes in the log.
 
@@ -523,7 +525,7 @@ KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "dot_do_o")
                 ("convolution", ("conv", "fprop", "dgrad", "wgrad", "cudnn")),
                 ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv")),
                 ("optimizer", ("multi_tensor", "adam")),
-                ("fused (compiled)", ("triton",)),
+                ("fused (compiled)", ("triton", "geglu")),  # inductor's kernels and ours (sdxl_lora/kernels.py)
                 ("communication", ("nccl",)))
 
 

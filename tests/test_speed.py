@@ -288,6 +288,7 @@ def test_gpu_time_is_split_by_kind_of_kernel_with_the_h200s_kernel_names():
                                   is_user_annotation=True))
     for name, (kind, _) in names.items():
         assert speed.kernel_kind(name) == kind, name
+    assert speed.kernel_kind("_geglu_backward_kernel") == "fused (compiled)"  # train.fused_geglu's own Triton kernel
     kinds = speed.kernel_kinds(events, steps=2)
     # Milliseconds per step, largest first; host-side operators are not counted as GPU time.
     assert list(kinds) == [kind for kind, _ in names.values()]
