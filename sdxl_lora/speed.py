@@ -74,24 +74,28 @@ def to_channels_last(model: torch.nn.Module) -> None:
     model.to(memory_format=torch.channels_last)
 
 
-# Inductor options for every compiled region. combo_kernels: independent small kernels of a graph launched as
-# one (H200, compile + graphs: batch 1 61.0 -> 59.0 ms; batch 16 634.7 vs 636.1 ms, compile time the same).
-INDUCTOR_OPTIONS = {"combo_kernels": True}
+# Inductor options for the SDXL UNet's compiled regions. combo_kernels: independent small kernels of a graph
+# launched as one (H200, compile + graphs: batch 1 61.0 -> 59.0 ms; batch 16 634.7 vs 636.1 ms, compile time
+# the same). Not measured on the causal-LM path, which compiles without it.
+UNET_INDUCTOR_OPTIONS = {"combo_kernels": True}
 
 
-def compile_options(backend: str | None = None) -> dict:
-    """torch.compile's arguments for a region: static shapes, and INDUCTOR_OPTIONS with inductor (the only
-    backend that takes options)."""
+def compile_options(backend: str | None = None, options: dict | None = None) -> dict:
+    """torch.compile's arguments for a region: static shapes, and inductor `options` (the only backend that
+    takes options)."""
     backend = backend or COMPILE_BACKEND
-    return {"backend": backend, "dynamic": False, **({"options": INDUCTOR_OPTIONS} if backend == "inductor" else {})}
+    return {"backend": backend, "dynamic": False,
+            **({"options": options} if options and backend == "inductor" else {})}
 
 
 def compile_regions(model: torch.nn.Module, backend: str | None = None,
-                    classes: tuple[str, ...] = REGION_CLASSES, activation_budget: float | None = None) -> int:
+                    classes: tuple[str, ...] = REGION_CLASSES, activation_budget: float | None = None,
+                    options: dict | None = None) -> int:
     """Compile every repeated block in place; returns how many. ResNet blocks come in several widths, so
     the recompile limit is raised to hold one graph per shape. activation_budget: the fraction of each
     compiled block's activations kept for backward (torch's partitioner chooses what to recompute by its
-    cost; process-wide, read when the blocks compile at their first call); None: torch's default (1.0)."""
+    cost; process-wide, read when the blocks compile at their first call); None: torch's default (1.0).
+    options: inductor's (UNET_INDUCTOR_OPTIONS for the UNet)."""
     import torch._dynamo
     import torch._functorch.config
 
@@ -106,7 +110,7 @@ def compile_regions(model: torch.nn.Module, backend: str | None = None,
     n = 0
     for module in model.modules():
         if type(module).__name__ in classes:
-            module.compile(**compile_options(backend))
+            module.compile(**compile_options(backend, options))
             n += 1
     if n == 0:
         log.warning("train.compile: no repeated blocks (%s) found in %s; nothing compiled",
@@ -299,7 +303,8 @@ def transformer_io(model: torch.nn.Module, compile: bool, backend: str | None = 
     if compile:
         backend = backend or COMPILE_BACKEND
         if backend not in _COMPILED_IO:
-            _COMPILED_IO[backend] = tuple(torch.compile(fn, **compile_options(backend)) for fn in fns)
+            _COMPILED_IO[backend] = tuple(torch.compile(fn, **compile_options(backend, UNET_INDUCTOR_OPTIONS))
+                                          for fn in fns)
         fns = _COMPILED_IO[backend]
     n = 0
     for m in model.modules():

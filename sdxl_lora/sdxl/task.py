@@ -359,7 +359,8 @@ class SDXLTask:
             speed.transformer_io(unet, compile=tc.compile != "none")
         if tc.compile != "none":
             classes = speed.REGION_CLASSES if tc.compile == "regional" else speed.TRANSFORMER_CLASSES
-            n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget)
+            n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget,
+                                      options=speed.UNET_INDUCTOR_OPTIONS)
             log.info("train.compile=%r: %d blocks compiled (the first steps include compilation)", tc.compile, n)
         if tc.cuda_graphs:
             if self.device.type != "cuda":
