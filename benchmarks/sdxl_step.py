@@ -104,7 +104,7 @@ def our_task(unet, device, train: dict):
     return task, run
 
 
-def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=15):
+def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=15, shapes=False):
     from diffusers import DDPMScheduler
 
     unet.train()
@@ -213,22 +213,34 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
     if check:
         row.update(check)
     if profile and device == "cuda":
-        row.update(profile_steps(step, profile, ms, top))
+        row.update(profile_steps(step, profile, ms, top, shapes))
     return row
 
 
-def profile_steps(step, n, ms_per_step, top=15):
-    """n more steps under torch's profiler: GPU time by kind of kernel and the kernels that take the most."""
+COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat", "aten::add")
+
+
+def profile_steps(step, n, ms_per_step, top=15, shapes=False):
+    """n more steps under torch's profiler: GPU time by kind of kernel and the kernels that take the most.
+    shapes: also the copies, casts, concatenations and adds launched from Python (outside compiled code) by
+    input shape, with their GPU time; a graphed step's replay hides which operator launched a kernel, so
+    this is for settings without CUDA graphs."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from sdxl_lora.speed import kernel_kind, kernel_kinds
 
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
         for _ in range(n):
             step()
         torch.cuda.synchronize()
     events = prof.key_averages()
+    copies = {}
+    if shapes:
+        ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in COPY_OPS and e.device_time_total]
+        ops.sort(key=lambda e: -e.device_time_total)
+        copies = {"eager_copies": [{"op": e.key, "shapes": str(e.input_shapes)[:120], "calls": e.count // n,
+                                    "ms": round(e.device_time_total / 1000 / n, 3)} for e in ops[:top]]}
     kinds = kernel_kinds(events, n)
     kernels = sorted((e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
                       and not getattr(e, "is_user_annotation", False)),
@@ -236,7 +248,7 @@ def profile_steps(step, n, ms_per_step, top=15):
     return {"gpu_busy_ms": round(sum(kinds.values()), 2), "gpu_busy_share": round(sum(kinds.values()) / ms_per_step, 3),
             "kinds_ms": {k: round(v, 2) for k, v in kinds.items()},
             "top_kernels": [{"ms": round(e.self_device_time_total / 1000 / n, 3), "calls": e.count // n,
-                             "kind": kernel_kind(e.key), "name": e.key[:160]} for e in kernels]}
+                             "kind": kernel_kind(e.key), "name": e.key[:160]} for e in kernels], **copies}
 
 
 def geglu_kernel_check(rows=16 * 1024, n=5120):
@@ -307,6 +319,9 @@ SETTINGS = {
     "ours+compile": ("ours", [1], {"compile": "regional", "channels_last": True}),
     "ours+compile-again": ("ours", [1], {"compile": "regional", "channels_last": True}),
     "ours+compile16": ("ours", [16], {"compile": "regional", "channels_last": True}),
+    # This round's defaults without graphs: for --profile --shapes (which operator launched which kernel).
+    "ours+compile+fuse+io+geglu": ("ours", [1, 16], {"compile": "regional", "channels_last": True, "fuse_qkv": True,
+                                                     "transformer_io": True, "fused_geglu": True}),
     "ours+compile-tf": ("ours", [1], {"compile": "transformer", "channels_last": True}),
     "ours+compile-tf+graphs": ("ours", [1, 8], {"compile": "transformer", "channels_last": True, "cuda_graphs": True}),
     "ours+compile+graphs": ("ours", [1, 4, 8, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True}),
@@ -355,6 +370,8 @@ def main():
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, N more steps under torch's profiler: GPU time by kind of kernel")
     ap.add_argument("--top", type=int, default=15, help="with --profile: how many of the longest kernels to list")
+    ap.add_argument("--shapes", action="store_true",
+                    help="with --profile: the eager copies, casts and adds by input shape (settings without graphs)")
     ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                     help="set torch._inductor.config options for every compiled setting (an experiment's switch), "
                          "e.g. combo_kernels=True max_pointwise_cat_inputs=0")
@@ -408,7 +425,7 @@ def main():
             try:
                 row = {"setting": name, "batch": batch,
                        **bench(unet, batch, args.steps, args.warmup, device, mode, train, args.profile,
-                                args.top)}
+                                args.top, args.shapes)}
             except torch.OutOfMemoryError as e:
                 row = {"setting": name, "batch": batch, "error": f"out of memory: {str(e)[:120]}"}
             except Exception as e:  # one failing setting must not cost the others' figures
