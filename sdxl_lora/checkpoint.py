@@ -61,6 +61,18 @@ def test_fault(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# SDXL_LORA_TEST_NAN="1:3": from step 3 on, process 1's loss is NaN (the NaN guard's several-process test).
+_NAN_AT = os.environ.get("SDXL_LORA_TEST_NAN")
+
+
+def nan_fault(loss: torch.Tensor, step: int, process: int) -> torch.Tensor:
+    if _NAN_AT is not None:
+        rank, first = (int(x) for x in _NAN_AT.split(":"))
+        if process == rank and step >= first:
+            return loss * float("nan")
+    return loss
+
+
 def save_state(root: Path, step: int, adapter: dict[str, torch.Tensor], optimizer_state: dict,
                trainer_state: dict[str, Any], keep: int) -> Path:
     """Write the state of `step` atomically; then drop older states beyond `keep`, but only after the

@@ -383,12 +383,14 @@ class Trainer:
             self.position = 0
 
     def _bad_flag(self, bad: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """On the device, > 0 if this optimizer step must be skipped: a non-finite loss (in any micro-batch)
-        or gradient norm, on any process. Under fp16, gradient overflow is the grad scaler's to handle (it
-        skips the step and lowers its scale), so only the loss counts there."""
+        """On the device, 1.0 if this optimizer step must be skipped (0.0 if not): a non-finite loss (in any
+        micro-batch) or gradient norm, on any process. Under fp16, gradient overflow is the grad scaler's to
+        handle (it skips the step and lowers its scale), so only the loss counts there."""
         if self.accelerator.scaler is None and grad_norm is not None:  # DeepSpeed may not give the norm
             bad = bad | ~torch.isfinite(grad_norm)
-        return self.accelerator.reduce(bad.float(), "sum")
+        # Exactly 1.0, not the sum over processes: fused Adam skips only when found_inf == 1 (with a sum of 2 on
+        # two processes it stepped into NaN weights while the log said "skipped").
+        return (self.accelerator.reduce(bad.float(), "sum") > 0).float()
 
     def _inner_optimizer(self) -> torch.optim.Optimizer:
         return getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate wraps it
@@ -550,7 +552,7 @@ class Trainer:
                     batch = next(batches)
                 with acc.accumulate(self.model):
                     with profiler.phase("forward"), (acc.autocast() if self.flat_sync else contextlib.nullcontext()):
-                        loss = self.task.loss(self.model, batch)
+                        loss = checkpoint.nan_fault(self.task.loss(self.model, batch), step + 1, acc.process_index)
                     with profiler.phase("backward"):
                         acc.backward(loss)
                         if self._unsynced and acc.sync_gradients:

@@ -8,6 +8,8 @@ the same launcher, config file and code path as N GPUs over NCCL.
   the events and the adapter.
 - The same with the loop's own flat all-reduce instead of DDP (train.gradient_sync="allreduce").
 - A two-process run killed mid-step resumes on one process and ends with that same adapter.
+- NaNs in one process's loss stop both processes at the same step (the NaN guard's deferred verdict is
+  read where the processes agree), with a state one process resumes from.
 """
 import os
 import socket
@@ -33,6 +35,7 @@ COMMON = ["--steps", str(STEPS), "--seed", "7", "--set", "data.resolution=64", "
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 ENV.pop("SDXL_LORA_TEST_KILL", None)
+ENV.pop("SDXL_LORA_TEST_NAN", None)
 
 
 def free_port() -> int:
@@ -41,17 +44,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(out: Path, *args: str, processes: int = 1, kill: str | None = None, check: bool = True):
+def train(out: Path, *args: str, processes: int = 1, kill: str | None = None, check: bool = True,
+          nan: str | None = None, timeout: int = 600):
     """`pipelines/train.py` as a user launches it: plain python for one process, `accelerate launch`
     with the N-GPU config file for several (on this GPU-less machine: CPU processes over gloo)."""
-    env = dict(ENV, **({"SDXL_LORA_TEST_KILL": kill} if kill else {}))
+    env = dict(ENV, **({"SDXL_LORA_TEST_KILL": kill} if kill else {}), **({"SDXL_LORA_TEST_NAN": nan} if nan else {}))
     launcher = [sys.executable]
     if processes > 1:
         launcher = [sys.executable, "-m", "accelerate.commands.launch",
                     "--config_file", str(REPO / "pipelines/accelerate/multi-gpu.yaml"),
                     "--num_processes", str(processes), "--main_process_port", str(free_port())]
     proc = subprocess.run([*launcher, str(REPO / "pipelines/train.py"), "--out", str(out), *args],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -141,3 +145,27 @@ def test_a_two_process_run_killed_mid_step_resumes_on_one_process(runs, tmp_path
     assert [e["step"] for e in events if e["event"] == "resume"] == [2]
     assert events[-1]["event"] == "done" and events[-1]["step"] == STEPS
     assert_same_training(adapter(run), adapter(out / "one"))
+
+
+def test_nans_in_one_process_stop_both_at_the_same_step_with_a_state_to_resume(runs, tmp_path):
+    out, cache = runs
+    run = tmp_path / "nan"
+    # From step 3 on process 1's loss is NaN; the all-reduced gradients make every process's step bad.
+    # A process that stopped alone would leave the other waiting in a collective until the timeout.
+    p = train(tmp_path, "--name", "nan", "--batch-size", "2", *COMMON, *cache, "--steps", "6",
+              "--set", "train.max_nan_steps=2", "--set", "train.log_every=3", processes=2, nan="1:3", check=False, timeout=300)
+    assert p.returncode != 0, p.stderr[-3000:]
+    events = read_events(run / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "nonfinite"] == [3, 4]
+    stop = events[-1]
+    assert stop["event"] == "interrupted" and stop["signal"] == "nan_guard" and stop["step"] == 4, stop
+    assert not (run / "nan.safetensors").exists()
+    # The state at the stop holds step 2's weights; one process (the cause gone) resumes and finishes.
+    state = checkpoint.newest_valid(run / "checkpoints")
+    assert state.name == "step-00000004"
+    s2, s4 = (load_file(run / "checkpoints" / f"step-0000000{k}" / "adapter.safetensors") for k in (2, 4))
+    assert s2.keys() == s4.keys() and all(torch.equal(s2[k], s4[k]) for k in s2)
+    train(tmp_path, "--resume", str(run), "--set", "train.batch_size=4")
+    events = read_events(run / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "resume"] == [4]
+    assert events[-1]["event"] == "done" and events[-1]["step"] == 6
