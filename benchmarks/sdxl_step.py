@@ -137,6 +137,7 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
         select = train.pop("select_units", None)
         with_io = train.pop("transformer_io", False)
         extra_regions = tuple(train.pop("extra_regions", ()))  # more classes compiled with compile="regional"
+        skip_concat = train.pop("skip_concat", False)  # speed.fuse_skip_concat: not in the trainer until measured
         task, run = our_task(unet, device, train)
         task._bench_batch = data
         t_setup = time.perf_counter()
@@ -151,6 +152,8 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
             task._speed_setup(unet, run)
         finally:
             speed.transformer_io, speed.REGION_CLASSES = io, regions
+        if skip_concat:
+            speed.fuse_skip_concat(unet)
         if select:  # a fixed set of checkpointed units, without checkpoint_budget_gb's fit
             speed.apply_selective_checkpointing(unet, select, graph_safe=bool(train.get("cuda_graphs")),
                                                 sdpa_backend=task.cfg.train.sdpa_backend)
@@ -336,6 +339,10 @@ SETTINGS = {
                                                                "cuda_graphs": True, "fuse_qkv": True,
                                                                "transformer_io": True, "fused_geglu": True,
                                                                "extra_regions": ["Upsample2D"]}),
+    "ours+compile+graphs+fuse+io+geglu+cat": ("ours", [1, 16], {"compile": "regional", "channels_last": True,
+                                                                "cuda_graphs": True, "fuse_qkv": True,
+                                                                "transformer_io": True, "fused_geglu": True,
+                                                                "skip_concat": True}),
     "ours+compile+graphs-guard": ("ours", [1], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
                                                 "nan_guard": False}),
     "ours+compile+graphs+syncguard": ("ours", [1], {"compile": "regional", "channels_last": True, "cuda_graphs": True,

@@ -316,6 +316,77 @@ def transformer_io(model: torch.nn.Module, compile: bool, backend: str | None = 
     return n
 
 
+# ---- the up blocks' skip concatenation ----
+#
+# Each ResNet of the UNet's up blocks takes torch.cat([hidden_states, skip], dim=1). Under channels_last the
+# gradient of each part is a channel slice of the concatenation's gradient, which is not channels_last in
+# memory; the compiled block that made that part expects its output's gradient in its own layout, and
+# AOTAutograd copies every such gradient into it before the block's backward (on the tiny UNet: 7 of a
+# step's 53 incoming gradients; on SDXL these and the mixed-layout adds they cause are the likely source of
+# the 57 eager copies a batch-16 step still makes, not yet measured). Here the concatenation runs inside the
+# ResNet's compiled graph and hands back each part's gradient channels_last-contiguous, which the compiler can
+# write directly from the kernel that computes it. With compile only; checkpointed blocks and FreeU keep
+# diffusers' own forward.
+
+class _SkipConcat(torch.autograd.Function):
+    @staticmethod
+    def forward(hidden_states, skip):
+        return torch.cat([hidden_states, skip], dim=1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.split = inputs[0].shape[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout = torch.channels_last
+        return (grad[:, :ctx.split].contiguous(memory_format=layout),
+                grad[:, ctx.split:].contiguous(memory_format=layout))
+
+
+def _cat_resnet(resnet, hidden_states, skip, temb):
+    return resnet(_SkipConcat.apply(hidden_states, skip), temb)
+
+
+_COMPILED_CAT: dict[str, Callable] = {}
+
+
+def _up_block_forward(self, hidden_states, res_hidden_states_tuple, temb=None, upsample_size=None, **kwargs):
+    attentions = getattr(self, "attentions", None)
+    freeu = all(getattr(self, k, None) for k in ("s1", "s2", "b1", "b2"))
+    if freeu or (torch.is_grad_enabled() and self.gradient_checkpointing) or (attentions is None and kwargs):
+        return type(self).forward(self, hidden_states=hidden_states, res_hidden_states_tuple=res_hidden_states_tuple,
+                                  temb=temb, upsample_size=upsample_size, **kwargs)
+    for i, resnet in enumerate(self.resnets):
+        skip, res_hidden_states_tuple = res_hidden_states_tuple[-1], res_hidden_states_tuple[:-1]
+        hidden_states = self._cat_resnet(resnet, hidden_states, skip, temb)
+        if attentions is not None:
+            hidden_states = attentions[i](
+                hidden_states, encoder_hidden_states=kwargs.get("encoder_hidden_states"),
+                cross_attention_kwargs=kwargs.get("cross_attention_kwargs"), attention_mask=kwargs.get("attention_mask"),
+                encoder_attention_mask=kwargs.get("encoder_attention_mask"), return_dict=False)[0]
+    for upsampler in self.upsamplers or ():
+        hidden_states = upsampler(hidden_states, upsample_size)
+    return hidden_states
+
+
+def fuse_skip_concat(model: torch.nn.Module, backend: str | None = None) -> int:
+    """With channels_last and compile: every diffusers up block (CrossAttnUpBlock2D, UpBlock2D) concatenates
+    its skip connections inside its ResNets' compiled graphs (above). Returns how many blocks."""
+    import types
+
+    backend = backend or COMPILE_BACKEND
+    if backend not in _COMPILED_CAT:
+        _COMPILED_CAT[backend] = torch.compile(_cat_resnet, **compile_options(backend, UNET_INDUCTOR_OPTIONS))
+    n = 0
+    for m in model.modules():
+        if type(m).__name__ in ("CrossAttnUpBlock2D", "UpBlock2D"):
+            m._cat_resnet = _COMPILED_CAT[backend]
+            m.forward = types.MethodType(_up_block_forward, m)
+            n += 1
+    return n
+
+
 # ---- selective activation checkpointing ----
 #
 # diffusers checkpoints a UNet in units, each behind a `gradient_checkpointing` switch: a block's switch

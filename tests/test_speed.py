@@ -363,3 +363,34 @@ def test_geglu_backward_matches_autograd_in_bf16():
     torch.testing.assert_close(got_x.grad.float(), ref_x.grad, rtol=1e-2, atol=1e-2)
     # The gradient reaches both halves: a backward that dropped the gate's part would fail here.
     assert got_x.grad[..., 40:].abs().sum() > 0 and got_x.grad[..., :40].abs().sum() > 0
+
+
+def test_up_blocks_concatenate_skips_inside_the_compiled_resnets_with_the_same_training_signal(tiny_dir,
+                                                                                                monkeypatch):
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
+    unet = tiny_unet_with_lora(tiny_dir)
+    batch = batch_for(unet)
+    ref = loss_and_grads(unet, batch)
+    speed.to_channels_last(unet)
+    speed.transformer_io(unet, compile=False)
+    # The gradients that reach the outputs of the stages feeding an up block's concatenation (outside the
+    # fused ResNets): each one not channels_last in memory is a copy before that stage's compiled backward.
+    layouts = []
+
+    def watch(module, args, out):
+        t = out[0] if isinstance(out, tuple) else out
+        if t.requires_grad:
+            t.register_hook(lambda g: layouts.append(g.is_contiguous(memory_format=torch.channels_last)))
+
+    for name, m in unet.named_modules():
+        if type(m).__name__ in ("Transformer2DModel", "Upsample2D") or name.startswith("mid_block.resnets."):
+            m.register_forward_hook(watch)
+    loss_and_grads(unet, batch)
+    assert not all(layouts)  # diffusers' concatenation: channel slices of its gradient
+    blocks = sum(type(m).__name__ in ("CrossAttnUpBlock2D", "UpBlock2D") for m in unet.modules())
+    assert speed.fuse_skip_concat(unet) == blocks > 0
+    layouts.clear()
+    got = loss_and_grads(unet, batch)
+    assert layouts and all(layouts)
+    assert_same(ref, got)
+    torch._dynamo.reset()
