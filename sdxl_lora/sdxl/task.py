@@ -348,7 +348,10 @@ class SDXLTask:
         if tc.fused_geglu and self.device.type == "cuda":  # the kernel is Triton's; the CPU keeps torch's ops
             from .. import kernels
 
-            kernels.use_fused_geglu(unet)
+            if kernels.triton is None:  # e.g. Windows builds of torch: autograd's own backward
+                log.info("train.fused_geglu: Triton is not installed; the GEGLU backward stays torch's")
+            else:
+                kernels.use_fused_geglu(unet)
         if tc.gradient_checkpointing:
             speed.enable_checkpointing(unet, graph_safe=graphs, sdpa_backend=tc.sdpa_backend)
         elif tc.checkpoint_budget_gb:
