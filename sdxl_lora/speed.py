@@ -88,6 +88,19 @@ def compile_options(backend: str | None = None, options: dict | None = None) -> 
             **({"options": options} if options and backend == "inductor" else {})}
 
 
+def _raise_recompile_limits() -> None:
+    # One compiled function serves many blocks of several shapes (and with and without grad, for previews):
+    # torch's default of 8 graphs per function would send the rest back to eager, silently.
+    import torch._dynamo
+
+    dyn = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dyn, name):
+            setattr(dyn, name, max(getattr(dyn, name), 64))
+    if hasattr(dyn, "accumulated_recompile_limit"):
+        dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 1024)
+
+
 def compile_regions(model: torch.nn.Module, backend: str | None = None,
                     classes: tuple[str, ...] = REGION_CLASSES, activation_budget: float | None = None,
                     options: dict | None = None) -> int:
@@ -96,17 +109,10 @@ def compile_regions(model: torch.nn.Module, backend: str | None = None,
     compiled block's activations kept for backward (torch's partitioner chooses what to recompute by its
     cost; process-wide, read when the blocks compile at their first call); None: torch's default (1.0).
     options: inductor's (UNET_INDUCTOR_OPTIONS for the UNet)."""
-    import torch._dynamo
     import torch._functorch.config
 
     torch._functorch.config.activation_memory_budget = 1.0 if activation_budget is None else activation_budget
-
-    dyn = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dyn, name):
-            setattr(dyn, name, max(getattr(dyn, name), 64))
-    if hasattr(dyn, "accumulated_recompile_limit"):
-        dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 1024)
+    _raise_recompile_limits()
     n = 0
     for module in model.modules():
         if type(module).__name__ in classes:
@@ -302,6 +308,7 @@ def transformer_io(model: torch.nn.Module, compile: bool, backend: str | None = 
 
     fns = (_transformer_in, _transformer_out)
     if compile:
+        _raise_recompile_limits()
         backend = backend or COMPILE_BACKEND
         if backend not in _COMPILED_IO:
             _COMPILED_IO[backend] = tuple(torch.compile(fn, **compile_options(backend, UNET_INDUCTOR_OPTIONS))
@@ -375,6 +382,7 @@ def fuse_skip_concat(model: torch.nn.Module, backend: str | None = None) -> int:
     its skip connections inside its ResNets' compiled graphs (above). Returns how many blocks."""
     import types
 
+    _raise_recompile_limits()
     backend = backend or COMPILE_BACKEND
     if backend not in _COMPILED_CAT:
         _COMPILED_CAT[backend] = torch.compile(_cat_resnet, **compile_options(backend, UNET_INDUCTOR_OPTIONS))
