@@ -370,7 +370,8 @@ def _up_block_forward(self, hidden_states, res_hidden_states_tuple, temb=None, u
         if attentions is not None:
             hidden_states = attentions[i](
                 hidden_states, encoder_hidden_states=kwargs.get("encoder_hidden_states"),
-                cross_attention_kwargs=kwargs.get("cross_attention_kwargs"), attention_mask=kwargs.get("attention_mask"),
+                cross_attention_kwargs=kwargs.get("cross_attention_kwargs"),
+                attention_mask=kwargs.get("attention_mask"),
                 encoder_attention_mask=kwargs.get("encoder_attention_mask"), return_dict=False)[0]
     for upsampler in self.upsamplers or ():
         hidden_states = upsampler(hidden_states, upsample_size)

@@ -153,7 +153,8 @@ def test_nans_in_one_process_stop_both_at_the_same_step_with_a_state_to_resume(r
     # From step 3 on process 1's loss is NaN; the all-reduced gradients make every process's step bad.
     # A process that stopped alone would leave the other waiting in a collective until the timeout.
     p = train(tmp_path, "--name", "nan", "--batch-size", "2", *COMMON, *cache, "--steps", "6",
-              "--set", "train.max_nan_steps=2", "--set", "train.log_every=3", processes=2, nan="1:3", check=False, timeout=300)
+              "--set", "train.max_nan_steps=2", "--set", "train.log_every=3", processes=2, nan="1:3", check=False,
+              timeout=300)
     assert p.returncode != 0, p.stderr[-3000:]
     events = read_events(run / "events.jsonl")
     assert [e["step"] for e in events if e["event"] == "nonfinite"] == [3, 4]

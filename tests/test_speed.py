@@ -89,7 +89,10 @@ def test_regional_compile_same_loss_and_gradients(tiny_dir, monkeypatch):
     unet = tiny_unet_with_lora(tiny_dir)
     batch = batch_for(unet)
     ref = loss_and_grads(unet, batch)
-    n = speed.compile_regions(unet, options=speed.UNET_INDUCTOR_OPTIONS)  # inductor's options skip aot_eager
+    # Inductor's options go to inductor only.
+    assert speed.compile_options("inductor", speed.UNET_INDUCTOR_OPTIONS)["options"] == speed.UNET_INDUCTOR_OPTIONS
+    assert "options" not in speed.compile_options("aot_eager", speed.UNET_INDUCTOR_OPTIONS)
+    n = speed.compile_regions(unet, options=speed.UNET_INDUCTOR_OPTIONS)
     n_expected = sum(type(m).__name__ in ("BasicTransformerBlock", "ResnetBlock2D") for m in unet.modules())
     assert n == n_expected > 0
     assert_same(ref, loss_and_grads(unet, batch))
