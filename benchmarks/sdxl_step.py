@@ -382,11 +382,16 @@ def main():
     ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                     help="set torch._inductor.config options for every compiled setting (an experiment's switch), "
                          "e.g. combo_kernels=True max_pointwise_cat_inputs=0")
+    ap.add_argument("--no-unet-options", action="store_true",
+                    help="compile without speed.UNET_INDUCTOR_OPTIONS (combo kernels), as the rounds before 6 did")
     ap.add_argument("--check-geglu", action="store_true",
                     help="first compare train.fused_geglu's kernel with autograd's backward (gradient, time)")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny UNet on the CPU: a smoke test")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
+    if args.no_unet_options:
+        from sdxl_lora import speed
+        speed.UNET_INDUCTOR_OPTIONS = {}
     if args.inductor:
         import ast
 
