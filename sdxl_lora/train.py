@@ -568,7 +568,7 @@ class Trainer:
                             norms += torch.where(torch.isfinite(norm), norm, 0.0)
                             norms_n += torch.isfinite(norm)
                         if deferred:
-                            # Fused AdamW skips the update (weights, moments, step count) when found_inf != 0.
+                            # Fused AdamW skips the update (weights, moments, step count) when found_inf == 1.
                             flag = self._bad_flag(bad, norm)
                             self._inner_optimizer().found_inf = flag
                             pending_now = _PendingFlag(flag, step + 1)
