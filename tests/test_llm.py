@@ -265,7 +265,7 @@ def test_presets_and_rank_budget_on_a_causal_lm(tiny_llm, tmp_path, caplog):
     trainer = Trainer(cfg, LLMTask(cfg), create_run(cfg))
     trainer.setup()
     # SDXL-only speed switches that are on by default say nothing on the LLM path unless the user set them.
-    assert "fuse_qkv" not in caplog.text
+    assert "fuse_qkv" not in caplog.text and "fused_geglu" not in caplog.text
     plan = trainer.task.plan
     assert plan.trainable_params <= budget and len(set(plan.rank.values())) > 1
     trainable = [(n, p) for n, p in trainer.task.lm.named_parameters() if p.requires_grad]

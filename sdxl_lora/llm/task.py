@@ -79,6 +79,9 @@ class LLMTask:
         if cfg.train.fuse_qkv and "fuse_qkv" in cfg.train.model_fields_set:  # on by default: say so only if asked
             log.warning("train.fuse_qkv applies to the SDXL UNet's attention (diffusers' Attention); the causal "
                         "LM's projections stay as they are")
+        if cfg.train.fused_geglu and "fused_geglu" in cfg.train.model_fields_set:
+            log.warning("train.fused_geglu applies to the SDXL UNet's feed-forward (diffusers' GEGLU); the causal "
+                        "LM's MLP stays as it is")
         if cfg.train.gradient_checkpointing:
             # Non-reentrant: works with a frozen embedding (no input-grad hook) and with LoRA inside the blocks.
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
