@@ -25,6 +25,7 @@ compile (`dynamo_backend`) compiles the whole model (minutes before the first st
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,13 @@ def compile_options(backend: str | None = None, options: dict | None = None) -> 
     backend = backend or COMPILE_BACKEND
     return {"backend": backend, "dynamic": False,
             **({"options": options} if options and backend == "inductor" else {})}
+
+
+@functools.cache
+def _compiled_for_unet(fn: Callable, backend: str) -> Callable:
+    """`fn` compiled once per backend for the UNet's regions (shared by every block it serves)."""
+    _raise_recompile_limits()
+    return torch.compile(fn, **compile_options(backend, UNET_INDUCTOR_OPTIONS))
 
 
 def _raise_recompile_limits() -> None:
@@ -298,9 +306,6 @@ def _transformer_out(self, hidden_states, residual, batch_size, height, width, i
     return hidden_states.permute(0, 3, 1, 2) + residual
 
 
-_COMPILED_IO: dict[str, tuple[Callable, Callable]] = {}
-
-
 def transformer_io(model: torch.nn.Module, compile: bool, backend: str | None = None) -> int:
     """With channels_last: every Transformer2DModel with continuous input and linear projections (SDXL's) gets
     the ways in and out above, compiled with `compile`. Returns how many."""
@@ -308,12 +313,7 @@ def transformer_io(model: torch.nn.Module, compile: bool, backend: str | None = 
 
     fns = (_transformer_in, _transformer_out)
     if compile:
-        _raise_recompile_limits()
-        backend = backend or COMPILE_BACKEND
-        if backend not in _COMPILED_IO:
-            _COMPILED_IO[backend] = tuple(torch.compile(fn, **compile_options(backend, UNET_INDUCTOR_OPTIONS))
-                                          for fn in fns)
-        fns = _COMPILED_IO[backend]
+        fns = tuple(_compiled_for_unet(fn, backend or COMPILE_BACKEND) for fn in fns)
     n = 0
     for m in model.modules():
         if type(m).__name__ == "Transformer2DModel" and m.is_input_continuous and m.use_linear_projection:
@@ -355,9 +355,6 @@ def _cat_resnet(resnet, hidden_states, skip, temb):
     return resnet(_SkipConcat.apply(hidden_states, skip), temb)
 
 
-_COMPILED_CAT: dict[str, Callable] = {}
-
-
 def _up_block_forward(self, hidden_states, res_hidden_states_tuple, temb=None, upsample_size=None, **kwargs):
     attentions = getattr(self, "attentions", None)
     freeu = all(getattr(self, k, None) for k in ("s1", "s2", "b1", "b2"))
@@ -383,14 +380,11 @@ def fuse_skip_concat(model: torch.nn.Module, backend: str | None = None) -> int:
     its skip connections inside its ResNets' compiled graphs (above). Returns how many blocks."""
     import types
 
-    _raise_recompile_limits()
-    backend = backend or COMPILE_BACKEND
-    if backend not in _COMPILED_CAT:
-        _COMPILED_CAT[backend] = torch.compile(_cat_resnet, **compile_options(backend, UNET_INDUCTOR_OPTIONS))
+    cat_resnet = _compiled_for_unet(_cat_resnet, backend or COMPILE_BACKEND)
     n = 0
     for m in model.modules():
         if type(m).__name__ in ("CrossAttnUpBlock2D", "UpBlock2D"):
-            m._cat_resnet = _COMPILED_CAT[backend]
+            m._cat_resnet = cat_resnet
             m.forward = types.MethodType(_up_block_forward, m)
             n += 1
     return n
