@@ -1,14 +1,14 @@
 """What a LoRA'd Linear costs beside its frozen base at SDXL's batch-16 shapes, forward and backward, in
-the ways it can be written, so a change to the trainer's projections rests on a measurement:
+the ways it can be written, so a change to the trainer's projections rests on a measurement (round 7 of
+issue 9: neither rewrite beat peft's in the compiled step, so the trainer keeps peft's; they live here):
 
     python benchmarks/lora_linear.py [--batch 16] [--iters 20] [--compile]
 
 Variants (x: tokens x K, W: N x K frozen, A: r x K, B: N x r trainable, s the scaling):
   base     F.linear(x, W) alone (the floor: a frozen layer without LoRA)
   peft     F.linear(x, W) + F.linear(F.linear(x, A), B) * s, as peft's Linear does
-  addmm    sdxl_lora.speed's LoRA function: the B product accumulated into the base product by the GEMM
-           (addmm), and in the backward the A product into the input's gradient, instead of separate
-           tensors and adds
+  addmm    the B product accumulated into the base product by the GEMM (addmm, beta = 1), and in the
+           backward the A product into the input's gradient, instead of separate tensors and adds
   merged   x @ (W + s B A)^T: one GEMM each way with the delta folded into the weight (bf16)
 Prints one JSON row per shape and variant: ms for forward + backward, the largest difference of the
 output and of the gradients from peft's in fp32. --tiny runs small shapes on the CPU (a smoke test).
@@ -22,7 +22,41 @@ import time
 import torch
 import torch.nn.functional as F
 
-from sdxl_lora.speed import lora_linear
+
+class _LoRALinear(torch.autograd.Function):
+    """F.linear(x, w, bias) + F.linear(F.linear(x, a), b) * scale with the gradients of x, a and b written out
+    (the frozen w and bias get none): `merged` multiplies by w + scale b a instead (one GEMM each way, the
+    delta rounded into the bf16 weight), otherwise the GEMMs accumulate (addmm)."""
+
+    @staticmethod
+    def forward(ctx, x, w, a, b, scale, merged):
+        x2 = x.reshape(-1, x.shape[-1])
+        h = x2 @ a.t()
+        if merged:
+            y = x2 @ torch.addmm(w, b, a, alpha=scale).t()
+        else:
+            y = torch.addmm(x2 @ w.t(), h, b.t(), alpha=scale)
+        ctx.save_for_backward(x2, w, a, b, h)
+        ctx.scale, ctx.merged, ctx.x_shape = scale, merged, x.shape
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w, a, b, h = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        g = (dy2 @ b) * ctx.scale
+        if ctx.merged:
+            dx = dy2 @ torch.addmm(w, b, a, alpha=ctx.scale)
+        else:
+            dx = torch.addmm(dy2 @ w, g, a)
+        return dx.reshape(ctx.x_shape), None, g.t() @ x2, (dy2.t() @ h) * ctx.scale, None, None
+
+
+def lora_linear(x, w, a, b, scale, merged=False):
+    """Everything in autocast's dtype, as F.linear would run; the factors' gradients reach them through the casts."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        return _LoRALinear.apply(x.to(dtype), w.to(dtype), a.to(dtype), b.to(dtype), scale, merged)
 
 # name: (tokens per image, K, N, factors side by side): the fused q/k/v (N = 3K, the three A factors side by
 # side and B block-diagonal, as train.fuse_qkv multiplies them) and a single projection, at both levels
@@ -39,7 +73,7 @@ def peft(x, w, a, b, s):
 
 
 def merged(x, w, a, b, s):
-    return lora_linear(x, w, None, a, b, s, merged=True)
+    return lora_linear(x, w, a, b, s, merged=True)
 
 
 def base(x, w, a, b, s):
@@ -47,7 +81,7 @@ def base(x, w, a, b, s):
 
 
 def addmm(x, w, a, b, s):
-    return lora_linear(x, w, None, a, b, s)
+    return lora_linear(x, w, a, b, s)
 
 
 VARIANTS = {"base": base, "peft": peft, "addmm": addmm, "merged": merged}

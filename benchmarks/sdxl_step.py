@@ -218,12 +218,40 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
            "loss": round(loss.item(), 4), "trainable": sum(p.numel() for p in params)}
     if check:
         row.update(check)
-    if profile and device == "cuda":
+    if profile:  # on the CPU (--tiny): a smoke test of the profile's tables, without GPU kernels
         row.update(profile_steps(step, profile, ms, top, shapes))
     return row
 
 
 COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat", "aten::add")
+
+
+def copy_sources(events, n, top):
+    """Where the eager copies, concatenations and adds come from: each innermost one (copy_, cat, add) grouped
+    by its first input's shape and the four nearest operators or Python functions it ran under (copy operators
+    and torch's own Python plumbing left out; AOTAutograd's runtime kept: its copies of incoming gradients
+    show there), e.g. an autograd node of the backward, the eager GroupNorm, a diffusers forward."""
+    def shown(name):
+        if name in COPY_OPS or name.startswith("<built-in method") or "pybind11" in name:
+            return False
+        return "/torch/" not in name and not name.startswith("torch/") or "_aot_autograd" in name
+
+    groups = {}
+    for e in events:
+        time = e.device_time_total or (0 if torch.cuda.is_available() else e.cpu_time_total)
+        if e.name not in ("aten::copy_", "aten::cat", "aten::add", "aten::add_") or not time:
+            continue
+        chain, p = [], e.cpu_parent
+        while p is not None and len(chain) < 4:
+            if shown(p.name):
+                chain.append(p.name[-80:])
+            p = p.cpu_parent
+        key = (e.name, str(e.input_shapes[:1])[:40], " < ".join(chain))
+        calls, total = groups.get(key, (0, 0.0))
+        groups[key] = (calls + 1, total + time)
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"op": k[0], "shape": k[1], "under": k[2], "calls": c // n, "ms": round(t / 1000 / n, 3)}
+            for k, (c, t) in rows]
 
 
 def profile_steps(step, n, ms_per_step, top=15, shapes=False):
@@ -236,17 +264,21 @@ def profile_steps(step, n, ms_per_step, top=15, shapes=False):
 
     from sdxl_lora.speed import kernel_kind, kernel_kinds
 
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
+    cuda = torch.cuda.is_available()
+    with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, record_shapes=shapes,
+                       with_stack=shapes) as prof:
         for _ in range(n):
             step()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     events = prof.key_averages()
     copies = {}
     if shapes:
         ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in COPY_OPS and e.device_time_total]
         ops.sort(key=lambda e: -e.device_time_total)
         copies = {"eager_copies": [{"op": e.key, "shapes": str(e.input_shapes)[:120], "calls": e.count // n,
-                                    "ms": round(e.device_time_total / 1000 / n, 3)} for e in ops[:top]]}
+                                    "ms": round(e.device_time_total / 1000 / n, 3)} for e in ops[:top]],
+                  "copy_sources": copy_sources(prof.events(), n, top)}
     kinds = kernel_kinds(events, n)
     kernels = sorted((e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
                       and not getattr(e, "is_user_annotation", False)),
@@ -346,13 +378,11 @@ SETTINGS = {
                                                                 "cuda_graphs": True, "fuse_qkv": True,
                                                                 "transformer_io": True, "fused_geglu": True,
                                                                 "skip_concat": True}),
-    # Round 7: the up blocks' concatenation and the UNet's edges compiled, peft's LoRA Linears as one function.
-    "ours+compile+fuse+io+geglu+cat+edges+lora": ("ours", [16], {
+    # Round 7: the up blocks' concatenation and the UNet's edges compiled ("+lora", train.fused_lora, ran at
+    # commit 05f8d8d and was removed in the next: benchmarks/lora_linear.py keeps its function).
+    "ours+compile+fuse+io+geglu+cat+edges": ("ours", [16], {
         "compile": "regional", "channels_last": True, "fuse_qkv": True, "transformer_io": True, "fused_geglu": True,
-        "skip_concat": True, "edges": True, "fused_lora": True}),
-    "ours+compile+graphs+fuse+io+geglu+cat+edges+lora": ("ours", [1, 16], {
-        "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
-        "fused_geglu": True, "skip_concat": True, "edges": True, "fused_lora": True}),
+        "skip_concat": True, "edges": True}),
     "ours+compile+graphs+fuse+io+geglu+cat+edges": ("ours", [1, 16], {
         "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
         "fused_geglu": True, "skip_concat": True, "edges": True}),

@@ -221,10 +221,6 @@ class TrainConfig(Section):
     # CUDA: the feed-forward's GEGLU backward as one Triton kernel that reads each input once
     # (sdxl_lora/kernels.py): the same gradients; H200, batch 16: 47.8 -> 17.3 ms of the step.
     fused_geglu: bool = True
-    # peft's LoRA Linears (and the fused q/k/v) with the B product accumulated into the frozen layer's GEMM
-    # and the A product into the input's gradient (speed.lora_linear) instead of separate tensors and adds.
-    # Being measured (benchmarks/lora_linear.py); the same loss and gradients.
-    fused_lora: bool = False
     # The attention kernel of the training forward (docs/speed.md): "default" is PyTorch's own choice; a
     # named one is used alone ("cudnn" and "efficient" need CUDA). cuDNN's is 1.6x flash's on SDXL's
     # attention shapes on an H200 in isolation, and torch's own choice already runs it there (profiled).

@@ -213,103 +213,16 @@ def _lora_factors(layer: torch.nn.Module) -> tuple | None:
     return layer.lora_A[a].weight, layer.lora_B[a].weight, layer.scaling[a]
 
 
-# ---- a LoRA'd Linear as one function ----
-#
-# peft's Linear computes base(x) + B(A(x)) * s: at SDXL's batch-16 shapes the LoRA path writes a full-size
-# output and adds it (forward), and autograd writes the input's LoRA gradient and adds it to the base's
-# (backward): tokens x features tensors written and read again for a rank-16 update. Here the B product is
-# accumulated into the base product by the GEMM itself (addmm, beta = 1), and in the backward the A product
-# into the input's gradient the same way; the trainable factors' gradients are the same products as
-# autograd's. `merged` multiplies by W + s B A instead (one GEMM each way, the delta rounded into the bf16
-# weight: benchmarks/lora_linear.py measures both).
-
-class _LoRALinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, bias, a, b, scale, merged):
-        x2 = x.reshape(-1, x.shape[-1])
-        h = x2 @ a.t()
-        if merged:
-            y = F.linear(x2, torch.addmm(w, b, a, alpha=scale), bias)
-        else:
-            y = torch.addmm(F.linear(x2, w, bias), h, b.t(), alpha=scale)
-        ctx.save_for_backward(x2, w, a, b, h)
-        ctx.scale, ctx.merged, ctx.x_shape = scale, merged, x.shape
-        return y.reshape(*x.shape[:-1], w.shape[0])
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, w, a, b, h = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        g = (dy2 @ b) * ctx.scale
-        dx = dw = dbias = da = db = None
-        if ctx.needs_input_grad[0]:
-            if ctx.merged:
-                dx = dy2 @ torch.addmm(w, b, a, alpha=ctx.scale)
-            else:
-                dx = torch.addmm(dy2 @ w, g, a)
-            dx = dx.reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            dw = dy2.t() @ x2
-        if ctx.needs_input_grad[2]:
-            dbias = dy2.sum(0)
-        if ctx.needs_input_grad[3]:
-            da = g.t() @ x2
-        if ctx.needs_input_grad[4]:
-            db = (dy2.t() @ h) * ctx.scale
-        return dx, dw, dbias, da, db, None, None
-
-
-def lora_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
-                scale: float, merged: bool = False) -> torch.Tensor:
-    """F.linear(x, w, bias) + F.linear(F.linear(x, a), b) * scale, computed as above. Under autocast everything
-    runs in its dtype (as F.linear would); the factors' gradients reach them through the casts."""
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    with torch.autocast(x.device.type, enabled=False):
-        return _LoRALinear.apply(x.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype), a.to(dtype),
-                                 b.to(dtype), scale, merged)
-
-
-def _lora_forward(self, x, *args, **kwargs):
-    factors = _lora_factors(self)
-    if args or kwargs or not factors:
-        return type(self).forward(self, x, *args, **kwargs)
-    base = self.base_layer
-    return lora_linear(x, base.weight, base.bias, *factors)
-
-
-def fuse_lora(model: torch.nn.Module) -> int:
-    """train.fused_lora: peft's plain LoRA Linears over a torch Linear compute with lora_linear, and the fused
-    q/k/v projections (fuse_projections) theirs too. Anything else (dropout, DoRA, several adapters, a merged
-    or disabled adapter, 4-bit bases) keeps peft's forward, checked at each call. Returns how many Linears."""
-    import types
-
-    from peft.tuners.lora import Linear as LoraLinear
-
-    n = 0
-    for m in model.modules():
-        if type(m) is LoraLinear and type(m.base_layer) is torch.nn.Linear:
-            m.forward = types.MethodType(_lora_forward, m)
-            n += 1
-        if isinstance(getattr(m, "processor", None), FusedProjectionsProcessor):
-            m.processor.fused_lora = True
-    return n
-
-
-def _fused_projections(x: torch.Tensor, fused: torch.Tensor, layers: tuple, fused_lora: bool = False
-                       ) -> list[torch.Tensor]:
+def _fused_projections(x: torch.Tensor, fused: torch.Tensor, layers: tuple) -> list[torch.Tensor]:
     factors = [_lora_factors(layer) for layer in layers]
     if any(f is None for f in factors):
         return [layer(x) for layer in layers]
     widths = [_base_linear(layer).out_features for layer in layers]
+    out = F.linear(x, fused)
     if any(factors):
         a = torch.cat([f[0] for f in factors if f])
         bs = [f[1] * f[2] if f else a.new_zeros(n, 0) for f, n in zip(factors, widths)]
-        if fused_lora:
-            out = lora_linear(x, fused, None, a, torch.block_diag(*bs), 1.0)
-        else:
-            out = F.linear(x, fused) + F.linear(F.linear(x, a), torch.block_diag(*bs))
-    else:
-        out = F.linear(x, fused)
+        out = out + F.linear(F.linear(x, a), torch.block_diag(*bs))
     return list(out.split(widths, dim=-1))
 
 
@@ -321,7 +234,6 @@ class FusedProjectionsProcessor:
         from diffusers.models.attention_processor import AttnProcessor2_0
 
         self.stock = AttnProcessor2_0()
-        self.fused_lora = False  # set by fuse_lora
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
                  *args, **kwargs):
@@ -332,11 +244,10 @@ class FusedProjectionsProcessor:
                 or args or kwargs):
             return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
         if self_attention:
-            q, k, v = _fused_projections(hidden_states, fused.weight, (attn.to_q, attn.to_k, attn.to_v),
-                                         self.fused_lora)
+            q, k, v = _fused_projections(hidden_states, fused.weight, (attn.to_q, attn.to_k, attn.to_v))
         else:
             q = attn.to_q(hidden_states)
-            k, v = _fused_projections(encoder_hidden_states, fused.weight, (attn.to_k, attn.to_v), self.fused_lora)
+            k, v = _fused_projections(encoder_hidden_states, fused.weight, (attn.to_k, attn.to_v))
         b, heads = hidden_states.shape[0], attn.heads
         d = k.shape[-1] // heads
         q, k, v = (t.reshape(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))

@@ -345,9 +345,6 @@ class SDXLTask:
         if tc.fuse_qkv:
             n = speed.fuse_projections(unet)
             log.info("train.fuse_qkv: %d attention layers project q/k/v (or k/v) with one matmul", n)
-        if tc.fused_lora:
-            n = speed.fuse_lora(unet)
-            log.info("train.fused_lora: %d LoRA Linears accumulate their update in the frozen layer's matmul", n)
         if tc.fused_geglu and self.device.type == "cuda":  # the kernel is Triton's; the CPU keeps torch's ops
             from .. import kernels
 
