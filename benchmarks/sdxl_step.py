@@ -139,6 +139,7 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
         extra_regions = tuple(train.pop("extra_regions", ()))  # more classes compiled with compile="regional"
         skip_concat = train.pop("skip_concat", False)  # speed.fuse_skip_concat: not in the trainer until measured
         edges = train.pop("edges", False)  # speed.compile_edges: likewise
+        conv_grad = train.pop("conv_grad", False)  # speed.conv_input_grad: likewise
         task, run = our_task(unet, device, train)
         task._bench_batch = data
         t_setup = time.perf_counter()
@@ -157,6 +158,8 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
             speed.fuse_skip_concat(unet)
         if edges:
             speed.compile_edges(unet)
+        if conv_grad:
+            speed.conv_input_grad(unet)
         if select:  # a fixed set of checkpointed units, without checkpoint_budget_gb's fit
             speed.apply_selective_checkpointing(unet, select, graph_safe=bool(train.get("cuda_graphs")),
                                                 sdpa_backend=task.cfg.train.sdpa_backend)
@@ -386,6 +389,12 @@ SETTINGS = {
     "ours+compile+graphs+fuse+io+geglu+cat+edges": ("ours", [1, 16], {
         "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
         "fused_geglu": True, "skip_concat": True, "edges": True}),
+    "ours+compile+fuse+io+geglu+cat+edges+convgrad": ("ours", [16], {
+        "compile": "regional", "channels_last": True, "fuse_qkv": True, "transformer_io": True, "fused_geglu": True,
+        "skip_concat": True, "edges": True, "conv_grad": True}),
+    "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad": ("ours", [1, 16], {
+        "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
+        "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True}),
     "ours+compile+graphs-guard": ("ours", [1], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
                                                 "nan_guard": False}),
     "ours+compile+graphs+syncguard": ("ours", [1], {"compile": "regional", "channels_last": True, "cuda_graphs": True,

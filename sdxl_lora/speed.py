@@ -403,6 +403,69 @@ def compile_edges(model: torch.nn.Module, backend: str | None = None) -> int:
     return n
 
 
+# ---- the convolutions' input gradient, channels_last in compiled backward graphs ----
+#
+# Inductor lays out a graph's tensors channels_last around its convolutions only when the graph holds an
+# aten.convolution (GraphLowering.decide_layout_opt); a compiled ResNet's backward graph holds
+# aten.convolution_backward instead, so the gradient it hands to each convolution's backward is written
+# NCHW and cuDNN copies it (and the saved input) to channels_last first: on SDXL at batch 16, 13.7 ms of
+# copies a step (H200, `sdxl_step.py --shapes`). Here the input's gradient is the transposed convolution of
+# the output's gradient with the same weight (the same cuDNN dgrad kernel): an aten.convolution in the
+# backward graph, so inductor keeps its chain channels_last. The weight's gradient, where one is needed
+# (a trained base convolution), stays convolution_backward's.
+
+class _Conv2dGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(x, weight, bias, stride, padding, dilation, groups):
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, stride, padding, dilation, groups = inputs
+        ctx.save_for_backward(x if weight.requires_grad else None, weight)
+        ctx.conv = (stride, padding, dilation, groups)
+        ctx.x_size = x.shape[2:]
+        ctx.bias = bias is not None
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.conv
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            # output_padding: what a strided convolution's output size leaves out of the input's
+            extra = [n - ((g - 1) * s - 2 * p + d * (k - 1) + 1) for n, g, s, p, d, k in zip(
+                ctx.x_size, grad.shape[2:], stride, padding, dilation, weight.shape[2:])]
+            dx = F.conv_transpose2d(grad, weight, None, stride, padding, extra, groups, dilation)
+        if ctx.needs_input_grad[1]:
+            dw = torch.ops.aten.convolution_backward(grad, x, weight, None, stride, padding, dilation, False,
+                                                     [0, 0], groups, [False, True, False])[1]
+        if ctx.bias and ctx.needs_input_grad[2]:
+            db = grad.sum((0, 2, 3))
+        return dx, dw, db, None, None, None, None
+
+
+def _conv_forward(self, x):
+    return _Conv2dGrad.apply(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+def conv_input_grad(model: torch.nn.Module) -> int:
+    """With channels_last and compile: the Conv2d layers inside ResNet blocks and upsamplers (what
+    compile="regional" and compile_edges compile) compute their input's gradient as above. Plain zero-padded
+    2-D convolutions only (SDXL's); others keep torch's. Returns how many."""
+    import types
+
+    n = 0
+    for block in model.modules():
+        if type(block).__name__ not in ("ResnetBlock2D", "Upsample2D"):
+            continue
+        for m in block.modules():
+            if type(m) is torch.nn.Conv2d and m.padding_mode == "zeros" and not isinstance(m.padding, str):
+                m.forward = types.MethodType(_conv_forward, m)
+                n += 1
+    return n
+
+
 # ---- selective activation checkpointing ----
 #
 # diffusers checkpoints a UNet in units, each behind a `gradient_checkpointing` switch: a block's switch

@@ -397,3 +397,32 @@ def test_up_blocks_concatenate_skips_inside_the_compiled_resnets_with_the_same_t
     assert layouts and all(layouts)
     assert_same(ref, got)
     torch._dynamo.reset()
+
+
+def test_compiled_resnets_take_the_input_gradient_from_a_transposed_convolution_with_the_same_training_signal(
+        tiny_dir):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    unet = tiny_unet_with_lora(tiny_dir)  # "full": LoRA convolutions inside the ResNets too
+    batch = batch_for(unet)
+    ref = loss_and_grads(unet, batch)
+    speed.to_channels_last(unet)
+    convs = sum(type(m) is torch.nn.Conv2d for b in unet.modules() if type(b).__name__ in ("ResnetBlock2D", "Upsample2D")
+                for m in b.modules())
+    assert speed.conv_input_grad(unet) == convs > 0
+    assert_same(ref, loss_and_grads(unet, batch))
+    # Compiled (AOTAutograd, as inductor receives them): the backward graphs compute the input gradients as
+    # convolutions (which inductor keeps channels_last), none with convolution_backward.
+    backward_graphs = []
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                           bw_compiler=lambda gm, _: backward_graphs.append(gm) or make_boxed_func(gm.forward))
+    speed._raise_recompile_limits()  # one compiled forward serves every ResNet, as compile_regions arranges
+    for m in unet.modules():
+        if type(m).__name__ == "ResnetBlock2D":
+            m.compile(backend=backend, dynamic=False)
+    assert_same(ref, loss_and_grads(unet, batch))
+    calls = [n for g in backward_graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert backward_graphs and any(n.target is torch.ops.aten.convolution.default and n.args[6] for n in calls)
+    assert not [n for n in calls if n.target is torch.ops.aten.convolution_backward.default and n.args[10][0]]
+    torch._dynamo.reset()
