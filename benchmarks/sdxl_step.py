@@ -137,29 +137,28 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
         select = train.pop("select_units", None)
         with_io = train.pop("transformer_io", False)
         extra_regions = tuple(train.pop("extra_regions", ()))  # more classes compiled with compile="regional"
-        skip_concat = train.pop("skip_concat", False)  # speed.fuse_skip_concat: not in the trainer until measured
-        edges = train.pop("edges", False)  # speed.compile_edges: likewise
-        conv_grad = train.pop("conv_grad", False)  # speed.conv_input_grad: likewise
+        # The ResNets' surroundings (the trainer's with compile="regional" and channels_last since round 7):
+        # only in the settings that name them, so the earlier settings run as they were measured.
+        around = {"fuse_skip_concat": train.pop("skip_concat", False), "compile_edges": train.pop("edges", False),
+                  "conv_input_grad": train.pop("conv_grad", False)}
         task, run = our_task(unet, device, train)
         task._bench_batch = data
         t_setup = time.perf_counter()
         from sdxl_lora import speed
-        io, regions = speed.transformer_io, speed.REGION_CLASSES
-        speed.REGION_CLASSES = regions + extra_regions
+        saved = {name: getattr(speed, name) for name in ("transformer_io", "REGION_CLASSES", *around)}
+        speed.REGION_CLASSES = saved["REGION_CLASSES"] + extra_regions
         if not with_io:
             # Settings without "+io" keep diffusers' own ways in and out of the transformer stages under
             # channels_last (the trainer's since round 6), as they were measured.
             speed.transformer_io = lambda *a, **k: 0
+        for name, wanted in around.items():
+            if not wanted:
+                setattr(speed, name, lambda *a, **k: 0)
         try:
             task._speed_setup(unet, run)
         finally:
-            speed.transformer_io, speed.REGION_CLASSES = io, regions
-        if skip_concat:
-            speed.fuse_skip_concat(unet)
-        if edges:
-            speed.compile_edges(unet)
-        if conv_grad:
-            speed.conv_input_grad(unet)
+            for name, value in saved.items():
+                setattr(speed, name, value)
         if select:  # a fixed set of checkpointed units, without checkpoint_budget_gb's fit
             speed.apply_selective_checkpointing(unet, select, graph_safe=bool(train.get("cuda_graphs")),
                                                 sdpa_backend=task.cfg.train.sdpa_backend)

@@ -426,3 +426,29 @@ def test_compiled_resnets_take_the_input_gradient_from_a_transposed_convolution_
     assert backward_graphs and any(n.target is torch.ops.aten.convolution.default and n.args[6] for n in calls)
     assert not [n for n in calls if n.target is torch.ops.aten.convolution_backward.default and n.args[10][0]]
     torch._dynamo.reset()
+
+
+def test_regional_compile_with_channels_last_keeps_the_resnets_surroundings_in_layout(tiny_dir, monkeypatch):
+    """The trainer's set-up (SDXLTask._speed_setup) with train.compile="regional" and channels_last: the up
+    blocks' concatenation, the last GroupNorm, the upsamplers and the convolutions' input gradients all go the
+    compiled, channels_last way, and the training signal is the same."""
+    import types
+
+    from sdxl_lora.config import load_config
+    from sdxl_lora.sdxl.task import SDXLTask
+
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
+    unet = tiny_unet_with_lora(tiny_dir)
+    batch = batch_for(unet)
+    ref = loss_and_grads(unet, batch)
+    task = SDXLTask(load_config(extra={"train.compile": "regional", "train.channels_last": True}))
+    task.device = torch.device("cpu")
+    task._speed_setup(unet, types.SimpleNamespace(event=lambda *a, **k: None))
+    ups = [m for m in unet.modules() if type(m).__name__ in ("CrossAttnUpBlock2D", "UpBlock2D")]
+    assert ups and all(m.forward.__func__ is speed._up_block_forward for m in ups)
+    assert unet.conv_norm_out.forward.__func__ is speed._compiled_group_norm
+    convs = [m for b in unet.modules() if type(b).__name__ == "ResnetBlock2D" for m in b.modules()
+             if type(m) is torch.nn.Conv2d]
+    assert convs and all(m.forward.__func__ is speed._conv_forward for m in convs)
+    assert_same(ref, loss_and_grads(unet, batch))
+    torch._dynamo.reset()

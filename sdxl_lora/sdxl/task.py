@@ -365,6 +365,13 @@ class SDXLTask:
             n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget,
                                       options=speed.UNET_INDUCTOR_OPTIONS)
             log.info("train.compile=%r: %d blocks compiled (the first steps include compilation)", tc.compile, n)
+            if tc.compile == "regional" and tc.channels_last:
+                # The compiled ResNets' surroundings in their layout (docs/speed.md): the up blocks' skip
+                # concatenation inside their graphs, the last GroupNorm and the upsamplers compiled, the
+                # convolutions' input gradients as convolutions (channels_last backward graphs).
+                speed.fuse_skip_concat(unet)
+                speed.compile_edges(unet)
+                speed.conv_input_grad(unet)
         if tc.cuda_graphs:
             if self.device.type != "cuda":
                 log.warning("train.cuda_graphs needs a CUDA device; running without (device is %s)", self.device)
