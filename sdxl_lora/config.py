@@ -206,6 +206,7 @@ class TrainConfig(Section):
     # and weights; measured per block at setup), NHWC convolutions, compilation of each repeated block
     # ("regional": transformer and ResNet blocks; "transformer": the transformer blocks only),
     # CUDA graphs of the model's forward and backward per bucket shape (one process, CUDA only).
+    # channels_last with compile="regional" also keeps the ResNets' surroundings and backward in that layout.
     checkpoint_budget_gb: float | None = Field(None, gt=0)
     channels_last: bool = False
     compile: Literal["none", "regional", "transformer"] = "none"

@@ -1,7 +1,9 @@
 """Speed levers for the training step, each behind a config switch (docs/speed.md has the measurements).
 
   channels_last     NHWC memory format for the convolutional model: cuDNN's fast conv kernels; the
-                    transformer stages keep it instead of copying to NCHW (transformer_io).
+                    transformer stages keep it instead of copying to NCHW (transformer_io); with
+                    compile=regional the up blocks' concatenation, the last GroupNorm, the upsamplers
+                    and the backward graphs too (fuse_skip_concat, compile_edges, conv_input_grad).
   compile=regional  torch.compile on each repeated block (transformer and ResNet blocks), not the whole
                     model: the same kernels fused, a fraction of the compile time, and one compiled
                     graph reused by every block of the same shape. Inductor's on-disk cache makes the
@@ -331,8 +333,8 @@ def transformer_io(model: torch.nn.Module, compile: bool, backend: str | None = 
 # gradient of each part is a channel slice of the concatenation's gradient, which is not channels_last in
 # memory; the compiled block that made that part expects its output's gradient in its own layout, and
 # AOTAutograd copies every such gradient into it before the block's backward (on the tiny UNet: 7 of a
-# step's 53 incoming gradients; on SDXL these and the mixed-layout adds they cause are the likely source of
-# the 57 eager copies a batch-16 step still makes, not yet measured). Here the concatenation runs inside the
+# step's 53 incoming gradients; on SDXL at batch 16, 55 -> 48 eager copies, 593.9 against ~596 ms: most of
+# the copies were inside the compiled backward graphs, see conv_input_grad). Here the concatenation runs inside the
 # ResNet's compiled graph and hands back each part's gradient channels_last-contiguous, which the compiler can
 # write directly from the kernel that computes it. With compile only; checkpointed blocks and FreeU keep
 # diffusers' own forward.
