@@ -334,9 +334,9 @@ def transformer_io(model: torch.nn.Module, compile: bool, backend: str | None = 
 # memory; the compiled block that made that part expects its output's gradient in its own layout, and
 # AOTAutograd copies every such gradient into it before the block's backward (on the tiny UNet: 7 of a
 # step's 53 incoming gradients; on SDXL at batch 16, 55 -> 48 eager copies, 593.9 against ~596 ms: most of
-# the copies were inside the compiled backward graphs, see conv_input_grad). Here the concatenation runs inside the
-# ResNet's compiled graph and hands back each part's gradient channels_last-contiguous, which the compiler can
-# write directly from the kernel that computes it. With compile only; checkpointed blocks and FreeU keep
+# the copies were inside the compiled backward graphs, see conv_input_grad). Here the concatenation runs
+# inside the ResNet's compiled graph and hands back each part's gradient channels_last-contiguous, which the
+# compiler can write directly from the kernel that computes it. With compile only; checkpointed blocks and FreeU keep
 # diffusers' own forward.
 
 class _SkipConcat(torch.autograd.Function):

@@ -408,8 +408,8 @@ def test_compiled_resnets_take_the_input_gradient_from_a_transposed_convolution_
     batch = batch_for(unet)
     ref = loss_and_grads(unet, batch)
     speed.to_channels_last(unet)
-    convs = sum(type(m) is torch.nn.Conv2d for b in unet.modules() if type(b).__name__ in ("ResnetBlock2D", "Upsample2D")
-                for m in b.modules())
+    convs = sum(type(m) is torch.nn.Conv2d for b in unet.modules()
+                if type(b).__name__ in ("ResnetBlock2D", "Upsample2D") for m in b.modules())
     assert speed.conv_input_grad(unet) == convs > 0
     assert_same(ref, loss_and_grads(unet, batch))
     # Compiled (AOTAutograd, as inductor receives them): the backward graphs compute the input gradients as
