@@ -697,11 +697,13 @@ class StepProfiler:
 
 # Kernel names (cuBLAS, cuDNN, flash/cuDNN attention, inductor's Triton) to what they do; first match wins, so
 # cuDNN's implicit-GEMM convolutions are counted as convolutions before the GEMM patterns see them.
-KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "dot_do_o")),
+# First match wins: cuDNN's attention helpers (dO.O, the dQ conversion) before the convolutions' "conv"/"cudnn",
+# and inductor's kernels (whose names can hold "convolution") before both.
+KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "dot_do_o", "convert_dq")),
+                ("fused (compiled)", ("triton", "geglu")),  # inductor's kernels and ours (sdxl_lora/kernels.py)
                 ("convolution", ("conv", "fprop", "dgrad", "wgrad", "cudnn")),
                 ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv")),
                 ("optimizer", ("multi_tensor", "adam")),
-                ("fused (compiled)", ("triton", "geglu")),  # inductor's kernels and ours (sdxl_lora/kernels.py)
                 ("communication", ("nccl",)))
 
 
