@@ -451,6 +451,10 @@ class _Conv2dGrad(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.conv
+        # Under autocast the forward ran in the autocast dtype (the gradient's) while the saved tensors are the
+        # originals (an fp32 LoRA factor's weight, say): the backward computes in the gradient's dtype, and
+        # autograd casts each result to its input's dtype.
+        weight = weight.to(grad.dtype)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             # output_padding: what a strided convolution's output size leaves out of the input's
@@ -458,8 +462,8 @@ class _Conv2dGrad(torch.autograd.Function):
                 ctx.x_size, grad.shape[2:], stride, padding, dilation, weight.shape[2:])]
             dx = F.conv_transpose2d(grad, weight, None, stride, padding, extra, groups, dilation)
         if ctx.needs_input_grad[1]:
-            dw = torch.ops.aten.convolution_backward(grad, x, weight, None, stride, padding, dilation, False,
-                                                     [0, 0], groups, [False, True, False])[1]
+            dw = torch.ops.aten.convolution_backward(grad, x.to(grad.dtype), weight, None, stride, padding, dilation,
+                                                     False, [0, 0], groups, [False, True, False])[1]
         if ctx.bias and ctx.needs_input_grad[2]:
             db = grad.sum((0, 2, 3))
         return dx, dw, db, None, None, None, None
@@ -695,10 +699,10 @@ class StepProfiler:
         return "\n".join(lines)
 
 
-# Kernel names (cuBLAS, cuDNN, flash/cuDNN attention, inductor's Triton) to what they do; first match wins, so
-# cuDNN's implicit-GEMM convolutions are counted as convolutions before the GEMM patterns see them.
-# First match wins: cuDNN's attention helpers (dO.O, the dQ conversion) before the convolutions' "conv"/"cudnn",
-# and inductor's kernels (whose names can hold "convolution") before both.
+# Kernel names (cuBLAS, cuDNN, flash/cuDNN attention, inductor's Triton) to what they do; first match wins:
+# cuDNN's attention helpers (dO.O, the dQ conversion) before the convolutions' "conv"/"cudnn", inductor's
+# kernels (whose names can hold "convolution") before both, cuDNN's implicit-GEMM convolutions before the GEMM
+# patterns.
 KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "dot_do_o", "convert_dq")),
                 ("fused (compiled)", ("triton", "geglu")),  # inductor's kernels and ours (sdxl_lora/kernels.py)
                 ("convolution", ("conv", "fprop", "dgrad", "wgrad", "cudnn")),

@@ -455,3 +455,28 @@ def test_regional_compile_with_channels_last_keeps_the_resnets_surroundings_in_l
     assert convs and all(m.forward.__func__ is speed._conv_forward for m in convs)
     assert_same(ref, loss_and_grads(unet, batch))
     torch._dynamo.reset()
+
+
+def test_transposed_convolution_gradient_under_autocast_with_trained_fp32_weights():
+    # A LoRA factor's convolution keeps fp32 weights while autocast runs it in bf16 (as on the GPU): the
+    # gradients of the input, the weight and the bias are torch's own, in each tensor's dtype.
+    import types
+
+    g = torch.Generator().manual_seed(0)
+    ref_conv = torch.nn.Conv2d(8, 6, 3, padding=1, stride=2)
+    x = torch.randn(2, 8, 9, 9, generator=g, requires_grad=True)
+
+    def run(patched):
+        conv = torch.nn.Conv2d(8, 6, 3, padding=1, stride=2)
+        conv.load_state_dict(ref_conv.state_dict())
+        if patched:
+            conv.forward = types.MethodType(speed._conv_forward, conv)
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = conv(x)
+        y.float().pow(2).sum().backward()
+        return [y, x.grad, conv.weight.grad, conv.bias.grad]
+
+    for got, ref in zip(run(True), run(False)):
+        assert got.dtype == ref.dtype
+        torch.testing.assert_close(got, ref)
