@@ -399,7 +399,7 @@ def _group_norm(norm, x):
 
 
 def _compiled_group_norm(self, x):
-    return self._compiled_group_norm(self, x)
+    return self._group_norm_fn(self, x)
 
 
 def compile_edges(model: torch.nn.Module, backend: str | None = None) -> int:
@@ -414,7 +414,7 @@ def compile_edges(model: torch.nn.Module, backend: str | None = None) -> int:
     n = 0
     for name, m in model.named_modules():
         if name == "conv_norm_out" and type(m) is torch.nn.GroupNorm:
-            m._compiled_group_norm = _compiled_for_unet(_group_norm, backend or COMPILE_BACKEND)
+            m._group_norm_fn = _compiled_for_unet(_group_norm, backend or COMPILE_BACKEND)
             m.forward = types.MethodType(_compiled_group_norm, m)
             n += 1
         elif type(m).__name__ == "Upsample2D":
