@@ -391,7 +391,7 @@ SETTINGS = {
     "ours+compile+fuse+io+geglu+cat+edges+convgrad": ("ours", [16], {
         "compile": "regional", "channels_last": True, "fuse_qkv": True, "transformer_io": True, "fused_geglu": True,
         "skip_concat": True, "edges": True, "conv_grad": True}),
-    "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad": ("ours", [1, 16], {
+    "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad": ("ours", [1, 4, 16], {
         "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
         "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True}),
     # The trainer's defaults of round 7 (the setting above) with compile_activation_budget = 0.4: issue 9's
