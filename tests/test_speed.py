@@ -402,46 +402,24 @@ def test_up_blocks_concatenate_skips_inside_the_compiled_resnets_with_the_same_t
     torch._dynamo.reset()
 
 
-def test_compiled_resnets_take_the_input_gradient_from_a_transposed_convolution_with_the_same_training_signal(
-        tiny_dir):
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    unet = tiny_unet_with_lora(tiny_dir)  # "full": LoRA convolutions inside the ResNets too
-    batch = batch_for(unet)
-    ref = loss_and_grads(unet, batch)
-    speed.to_channels_last(unet)
-    convs = sum(type(m) is torch.nn.Conv2d for b in unet.modules()
-                if type(b).__name__ in ("ResnetBlock2D", "Upsample2D") for m in b.modules())
-    assert speed.conv_input_grad(unet) == convs > 0
-    assert_same(ref, loss_and_grads(unet, batch))
-    # Compiled (AOTAutograd, as inductor receives them): the backward graphs compute the input gradients as
-    # convolutions (which inductor keeps channels_last), none with convolution_backward.
-    backward_graphs = []
-    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
-                           bw_compiler=lambda gm, _: backward_graphs.append(gm) or make_boxed_func(gm.forward))
-    speed._raise_recompile_limits()  # one compiled forward serves every ResNet, as compile_regions arranges
-    for m in unet.modules():
-        if type(m).__name__ == "ResnetBlock2D":
-            m.compile(backend=backend, dynamic=False)
-    assert_same(ref, loss_and_grads(unet, batch))
-    calls = [n for g in backward_graphs for n in g.graph.nodes if n.op == "call_function"]
-    assert backward_graphs and any(n.target is torch.ops.aten.convolution.default and n.args[6] for n in calls)
-    assert not [n for n in calls if n.target is torch.ops.aten.convolution_backward.default and n.args[10][0]]
-    torch._dynamo.reset()
-
-
 def test_regional_compile_with_channels_last_keeps_the_resnets_surroundings_in_layout(tiny_dir, monkeypatch):
     """The trainer's set-up (SDXLTask._speed_setup) with train.compile="regional" and channels_last: the up
     blocks' concatenation, the last GroupNorm, the upsamplers and the convolutions' input gradients all go the
     compiled, channels_last way, and the training signal is the same."""
     import types
 
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
     from sdxl_lora.config import load_config
     from sdxl_lora.sdxl.task import SDXLTask
 
-    monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
-    unet = tiny_unet_with_lora(tiny_dir)
+    # AOTAutograd's forward/backward split as inductor receives it, the backward graphs kept for a look.
+    backward_graphs = []
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                           bw_compiler=lambda gm, _: backward_graphs.append(gm) or make_boxed_func(gm.forward))
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", backend)
+    unet = tiny_unet_with_lora(tiny_dir)  # "full": LoRA convolutions inside the ResNets too
     batch = batch_for(unet)
     ref = loss_and_grads(unet, batch)
     task = SDXLTask(load_config(extra={"train.compile": "regional", "train.channels_last": True}))
@@ -450,10 +428,15 @@ def test_regional_compile_with_channels_last_keeps_the_resnets_surroundings_in_l
     ups = [m for m in unet.modules() if type(m).__name__ in ("CrossAttnUpBlock2D", "UpBlock2D")]
     assert ups and all(m.forward.__func__ is speed._up_block_forward for m in ups)
     assert unet.conv_norm_out.forward.__func__ is speed._compiled_group_norm
-    convs = [m for b in unet.modules() if type(b).__name__ == "ResnetBlock2D" for m in b.modules()
+    convs = [m for b in unet.modules() if type(b).__name__ in ("ResnetBlock2D", "Upsample2D") for m in b.modules()
              if type(m) is torch.nn.Conv2d]
     assert convs and all(m.forward.__func__ is speed._conv_forward for m in convs)
     assert_same(ref, loss_and_grads(unet, batch))
+    # The compiled ResNets' backward graphs compute the input gradients as (transposed) convolutions, which
+    # inductor keeps channels_last, none with convolution_backward (each one of those a copy on the GPU).
+    calls = [n for g in backward_graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert any(n.target is torch.ops.aten.convolution.default and n.args[6] for n in calls)
+    assert not [n for n in calls if n.target is torch.ops.aten.convolution_backward.default and n.args[10][0]]
     torch._dynamo.reset()
 
 
