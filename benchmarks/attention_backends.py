@@ -1,5 +1,6 @@
 """PyTorch SDPA backends on the SDXL UNet's attention shapes at 1024x1024: forward + backward time per
-backend (flash, cuDNN, memory-efficient), bf16, so the trainer's attention choice rests on a measurement.
+backend (flash, cuDNN, memory-efficient; and FlexAttention, torch's Triton-generated attention, compiled),
+bf16, so the trainer's attention choice rests on a measurement.
 
     python benchmarks/attention_backends.py [--batch 8] [--iters 20] [--layout bhsd|bshd]
 
@@ -23,7 +24,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 SHAPES = {"self 64x64": (10, 4096, 4096, 10), "cross 64x64": (10, 4096, 77, 10),
           "self 32x32": (20, 1024, 1024, 60), "cross 32x32": (20, 1024, 77, 60)}
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH, "flex": "flex"}
+
+
+def _flex():
+    """torch's FlexAttention, compiled (it is a template for inductor; uncompiled it runs the math path)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def time_backend(backend, b, h, q, k, d, iters, device, dtype, layout="bhsd"):
@@ -39,9 +47,14 @@ def time_backend(backend, b, h, q, k, d, iters, device, dtype, layout="bhsd"):
     grad = torch.randn(b, h, q, d, device=device, dtype=dtype, generator=g)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
+    flex = _flex() if backend == "flex" else None
+
     def once():
-        with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(qt, kt, vt)
+        if flex is not None:
+            out = flex(qt, kt, vt)
+        else:
+            with sdpa_kernel([backend]):
+                out = F.scaled_dot_product_attention(qt, kt, vt)
         out.backward(grad)
         for x in leaves:
             x.grad = None
@@ -62,12 +75,14 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--layout", choices=["bhsd", "bshd"], default="bhsd",
                     help="bshd: the transposed views diffusers' attention processor passes (see time_backend)")
+    ap.add_argument("--only", nargs="+", choices=list(BACKENDS), help="these backends (default: all but math)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
     shapes = {k: (h, q // 16, min(kv, 77) if kv == 77 else kv // 16, n) for k, (h, q, kv, n) in SHAPES.items()} \
         if args.tiny else SHAPES
-    backends = {"math": BACKENDS["math"]} if args.tiny else {k: v for k, v in BACKENDS.items() if k != "math"}
+    backends = {k: BACKENDS[k] for k in (args.only or ([] if args.tiny else [k for k in BACKENDS if k != "math"]))} \
+        or {"math": BACKENDS["math"]}
     if device == "cuda":
         print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} batch {args.batch}", flush=True)
     totals: dict[str, float] = {}
