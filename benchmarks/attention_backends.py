@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from timing import timed  # benchmarks/timing.py (this script's folder is on the path)
 
 # name: (heads, query tokens, key tokens, layers of it in the SDXL UNet)
 SHAPES = {"self 64x64": (10, 4096, 4096, 10), "cross 64x64": (10, 4096, 77, 10),
@@ -59,14 +60,7 @@ def time_backend(backend, b, h, q, k, d, iters, device, dtype, layout="bhsd"):
         for x in leaves:
             x.grad = None
 
-    for _ in range(3):
-        once()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        once()
-    sync()
-    return (time.perf_counter() - t0) / iters * 1000
+    return timed(once, iters, sync)
 
 
 def main():

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
+
+from timing import timed  # benchmarks/timing.py (this script's folder is on the path)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -50,17 +51,6 @@ def quant_rows(x):
 def quant_tensor(x):
     scale = (x.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def timed(fn, iters, sync):
-    for _ in range(3):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / iters * 1000
 
 
 def main():

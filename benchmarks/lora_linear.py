@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
+
+from timing import timed  # benchmarks/timing.py (this script's folder is on the path)
 
 
 class _LoRALinear(torch.autograd.Function):
@@ -85,17 +86,6 @@ def addmm(x, w, a, b, s):
 
 
 VARIANTS = {"base": base, "peft": peft, "addmm": addmm, "merged": merged}
-
-
-def timed(fn, iters, sync):
-    for _ in range(3):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / iters * 1000
 
 
 def main(argv=None) -> None:
