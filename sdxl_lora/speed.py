@@ -431,8 +431,9 @@ def compile_edges(model: torch.nn.Module, backend: str | None = None) -> int:
 # NCHW and cuDNN copies it (and the saved input) to channels_last first: on SDXL at batch 16, 13.7 ms of
 # copies a step (H200, `sdxl_step.py --shapes`). Here the input's gradient is the transposed convolution of
 # the output's gradient with the same weight (the same cuDNN dgrad kernel): an aten.convolution in the
-# backward graph, so inductor keeps its chain channels_last. The weight's gradient, where one is needed
-# (a trained base convolution), stays convolution_backward's.
+# backward graph, so inductor keeps its chain channels_last (torch.nn.grad.conv2d_input would not do: it calls
+# convolution_backward). The weight's gradient, where one is needed (a LoRA factor's convolution), is torch's
+# (torch.nn.grad.conv2d_weight).
 
 class _Conv2dGrad(torch.autograd.Function):
     @staticmethod
@@ -462,8 +463,7 @@ class _Conv2dGrad(torch.autograd.Function):
                 ctx.x_size, grad.shape[2:], stride, padding, dilation, weight.shape[2:])]
             dx = F.conv_transpose2d(grad, weight, None, stride, padding, extra, groups, dilation)
         if ctx.needs_input_grad[1]:
-            dw = torch.ops.aten.convolution_backward(grad, x.to(grad.dtype), weight, None, stride, padding, dilation,
-                                                     False, [0, 0], groups, [False, True, False])[1]
+            dw = torch.nn.grad.conv2d_weight(x.to(grad.dtype), weight.shape, grad, stride, padding, dilation, groups)
         if ctx.bias and ctx.needs_input_grad[2]:
             db = grad.sum((0, 2, 3))
         return dx, dw, db, None, None, None, None
