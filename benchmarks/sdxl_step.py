@@ -135,22 +135,19 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
     else:
         train = dict(train or {})
         select = train.pop("select_units", None)
-        with_io = train.pop("transformer_io", False)
         extra_regions = tuple(train.pop("extra_regions", ()))  # more classes compiled with compile="regional"
-        # The ResNets' surroundings (the trainer's with compile="regional" and channels_last since round 7):
-        # only in the settings that name them, so the earlier settings run as they were measured.
-        around = {"fuse_skip_concat": train.pop("skip_concat", False), "compile_edges": train.pop("edges", False),
+        # The layout levers of channels_last (the stages' ways in and out since round 6, the ResNets'
+        # surroundings with compile="regional" since round 7): only in the settings that name them, so the
+        # earlier settings run as they were measured.
+        around = {"transformer_io": train.pop("transformer_io", False),
+                  "fuse_skip_concat": train.pop("skip_concat", False), "compile_edges": train.pop("edges", False),
                   "conv_input_grad": train.pop("conv_grad", False)}
         task, run = our_task(unet, device, train)
         task._bench_batch = data
         t_setup = time.perf_counter()
         from sdxl_lora import speed
-        saved = {name: getattr(speed, name) for name in ("transformer_io", "REGION_CLASSES", *around)}
+        saved = {name: getattr(speed, name) for name in ("REGION_CLASSES", *around)}
         speed.REGION_CLASSES = saved["REGION_CLASSES"] + extra_regions
-        if not with_io:
-            # Settings without "+io" keep diffusers' own ways in and out of the transformer stages under
-            # channels_last (the trainer's since round 6), as they were measured.
-            speed.transformer_io = lambda *a, **k: 0
         for name, wanted in around.items():
             if not wanted:
                 setattr(speed, name, lambda *a, **k: 0)
