@@ -237,8 +237,8 @@ def copy_sources(events, n, top):
 
     groups = {}
     for e in events:
-        time = e.device_time_total or (0 if torch.cuda.is_available() else e.cpu_time_total)
-        if e.name not in ("aten::copy_", "aten::cat", "aten::add", "aten::add_") or not time:
+        us = e.device_time_total or (0 if torch.cuda.is_available() else e.cpu_time_total)
+        if e.name not in ("aten::copy_", "aten::cat", "aten::add", "aten::add_") or not us:
             continue
         chain, p = [], e.cpu_parent
         while p is not None and len(chain) < 4:
@@ -247,7 +247,7 @@ def copy_sources(events, n, top):
             p = p.cpu_parent
         key = (e.name, str(e.input_shapes[:1])[:40], " < ".join(chain))
         calls, total = groups.get(key, (0, 0.0))
-        groups[key] = (calls + 1, total + time)
+        groups[key] = (calls + 1, total + us)
     rows = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
     return [{"op": k[0], "shape": k[1], "under": k[2], "calls": c // n, "ms": round(t / 1000 / n, 3)}
             for k, (c, t) in rows]
