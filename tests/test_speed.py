@@ -463,3 +463,51 @@ def test_transposed_convolution_gradient_under_autocast_with_trained_fp32_weight
     for got, ref in zip(run(True), run(False)):
         assert got.dtype == ref.dtype
         torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_attention_matches_sdpa_with_its_gradients(dtype):
+    # The formulas the GPU kernels compute (here the CPU path of the same custom ops): out, and the
+    # gradients of q, k and v from the saved softmax statistics, on the transposed views the attention
+    # processor passes, with key tokens that are not a power of two (SDXL's 77).
+    from sdxl_lora.kernels import short_attention
+
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(2, n, 3, 16, generator=g).to(dtype).requires_grad_() for n in (40, 77, 77)]
+    grad = torch.randn(2, 3, 40, 16, generator=g).to(dtype)
+    out = short_attention(*(x.transpose(1, 2) for x in leaves))
+    got = [out, *torch.autograd.grad(out, leaves, grad)]
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    ref = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in ref_leaves))
+    want = [ref, *torch.autograd.grad(ref, ref_leaves, grad.double())]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype, name
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=name)
+    # The output is laid out (batch, tokens, heads, dim) in memory: the processor's reshape to (batch,
+    # tokens, channels) after it is free.
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_short_attention_in_the_fused_processor_keeps_the_training_signal_compiled(tiny_dir, monkeypatch):
+    # train.short_attention routes each cross-attention (not the self-attention) through the custom ops,
+    # eager and compiled as train.compile does; the loss and every adapter gradient stay the same. On the
+    # CPU the kernels are not supported, so the check is opened for the test: the ops' CPU path runs.
+    from sdxl_lora import kernels
+
+    unet = tiny_unet_with_lora(tiny_dir)
+    batch = batch_for(unet)
+    ref = loss_and_grads(unet, batch)
+    speed.fuse_projections(unet, short_attention=True)
+    monkeypatch.setattr(kernels, "short_attention_supported", lambda q, k: k.shape[-2] <= 128)
+    calls = []
+    real = kernels.short_attention
+    monkeypatch.setattr(kernels, "short_attention", lambda q, k, v: calls.append(k.shape[-2]) or real(q, k, v))
+    assert_same(ref, loss_and_grads(unet, batch))
+    cross = [m for m in unet.modules() if getattr(m, "is_cross_attention", False)]
+    assert calls == [77] * len(cross) and cross  # each cross-attention once, no self-attention
+    monkeypatch.setattr(kernels, "short_attention", real)
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
+    speed.compile_regions(unet)
+    assert_same(ref, loss_and_grads(unet, batch))
+    torch._dynamo.reset()
