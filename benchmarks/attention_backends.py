@@ -2,8 +2,8 @@
 backend (flash, cuDNN, memory-efficient; FlexAttention, torch's Triton-generated attention, compiled; the math
 path compiled, "math-compiled"; and FlashAttention 4, "fa4", flash_attn.cute's kernels where that package is
 installed, called directly or, "fa4-sdpa", as torch's flash backend through
-torch.nn.attention.activate_flash_attention_impl; "short", this project's kernel for a few keys,
-sdxl_lora.kernels.short_attention, on the cross-attention shapes), bf16, so the trainer's attention choice rests on a measurement.
+torch.nn.attention.activate_flash_attention_impl; "short", the Triton kernel for a few keys in
+benchmarks/short_attention.py, on the cross-attention shapes), bf16, so the trainer's attention choice rests on a measurement.
 
     python benchmarks/attention_backends.py [--batch 8] [--iters 20] [--layout bhsd|bshd]
 
@@ -50,8 +50,8 @@ def _math_compiled():
 
 
 def _short(q, k):
-    """sdxl_lora.kernels.short_attention, where it takes the shapes (at most 128 keys, CUDA)."""
-    from sdxl_lora.kernels import short_attention, short_attention_supported
+    """short_attention.short_attention (this folder), where it takes the shapes (at most 128 keys, CUDA)."""
+    from short_attention import short_attention, short_attention_supported
 
     if not short_attention_supported(q, k):
         raise RuntimeError(f"short_attention does not take {k.shape[-2]} keys on {q.device.type}")
@@ -61,7 +61,7 @@ def _short(q, k):
 def check_short(b, h, q, k, d, device, dtype):
     """The largest difference of short_attention's output and gradients from fp32 math attention on the
     same inputs, relative to the largest reference value."""
-    from sdxl_lora.kernels import short_attention
+    from short_attention import short_attention
 
     g = torch.Generator(device).manual_seed(1)
     leaves = [torch.randn(b, n, h, d, device=device, dtype=dtype, generator=g).requires_grad_() for n in (q, k, k)]
@@ -151,9 +151,9 @@ SWEEP = [dict(fwd_block_m=fm, fwd_warps=fw, bwd_block_m=bm, bwd_warps=bw, bwd_pe
 
 
 def sweep_short(args, device, dtype):
-    """GPU time of kernels.short_attention's launch settings (SWEEP) on the cross-attention shapes, beside
-    cuDNN's, summed over SDXL's layers: which setting, and whether it beats cuDNN's in kernel time."""
-    from sdxl_lora import kernels
+    """GPU time of short_attention's launch settings (SWEEP) on the cross-attention shapes, beside cuDNN's,
+    summed over SDXL's layers: which setting, and whether it beats cuDNN's in kernel time."""
+    import short_attention as kernels
 
     cross = {k: v for k, v in SHAPES.items() if v[2] == 77}
     rows = {"cudnn": sum(time_backend(SDPBackend.CUDNN_ATTENTION, args.batch, h, q, kv, 64, args.iters, device,
@@ -183,7 +183,7 @@ def main():
     ap.add_argument("--kernel-time", action="store_true",
                     help="GPU time of the kernels (torch's profiler) instead of wall time per call")
     ap.add_argument("--sweep", action="store_true",
-                    help="kernels.short_attention's launch settings against cuDNN on the cross-attention shapes, "
+                    help="short_attention.py's launch settings against cuDNN on the cross-attention shapes, "
                          "GPU time")
     args = ap.parse_args()
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)

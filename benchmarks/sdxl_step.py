@@ -391,10 +391,6 @@ SETTINGS = {
     "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad": ("ours", [1, 4, 16, 20, 24], {
         "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
         "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True}),
-    # Round 8: the cross-attention by sdxl_lora.kernels.short_attention (train.short_attention).
-    "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad+short": ("ours", [1, 16], {
-        "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
-        "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True, "short_attention": True}),
     # The trainer's defaults of round 7 (the setting above) with compile_activation_budget = 0.4: issue 9's
     # batch 4 under 16 GiB, to re-measure with this code (1.12x in round 4).
     "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad+keep40": ("ours", [4], {
@@ -446,19 +442,8 @@ def main():
                          'e.g. \'{"combo_kernels": true}\'')
     ap.add_argument("--check-geglu", action="store_true",
                     help="first compare train.fused_geglu's kernel with autograd's backward (gradient, time)")
-    ap.add_argument("--short-config", type=json.loads, metavar="JSON",
-                    help="launch settings for train.short_attention's kernels (kernels.SHORT_ATTENTION_CONFIG keys), "
-                         "e.g. one that benchmarks/attention_backends.py --sweep found")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny UNet on the CPU: a smoke test")
     args = ap.parse_args()
-    if args.short_config:
-        from sdxl_lora import kernels
-
-        unknown = set(args.short_config) - set(kernels.SHORT_ATTENTION_CONFIG)
-        if unknown:
-            ap.error(f"--short-config: no setting {sorted(unknown)}; known: {sorted(kernels.SHORT_ATTENTION_CONFIG)}")
-        kernels.SHORT_ATTENTION_CONFIG.update(args.short_config)
-        print(f"# short_attention launch settings: {json.dumps(kernels.SHORT_ATTENTION_CONFIG)}", flush=True)
     device = "cpu" if args.tiny else "cuda"
     if args.no_unet_options or args.unet_options is not None:
         from sdxl_lora import speed

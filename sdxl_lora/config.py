@@ -222,10 +222,6 @@ class TrainConfig(Section):
     # CUDA: the feed-forward's GEGLU backward as one Triton kernel that reads each input once
     # (sdxl_lora/kernels.py): the same gradients; H200, batch 16: 47.8 -> 17.3 ms of the step.
     fused_geglu: bool = True
-    # CUDA, with fuse_qkv: the cross-attention to the text tokens (at most 128 keys) by Triton kernels that
-    # hold all keys in one tile (sdxl_lora/kernels.py) instead of torch's SDPA; the same values within
-    # bf16 rounding. Measured in benchmarks/RESULTS.md (round 8).
-    short_attention: bool = False
     # The attention kernel of the training forward (docs/speed.md): "default" is PyTorch's own choice; a
     # named one is used alone ("cudnn" and "efficient" need CUDA). cuDNN's is 1.6x flash's on SDXL's
     # attention shapes on an H200 in isolation, and torch's own choice already runs it there (profiled).

@@ -17,8 +17,6 @@
                     for the compute they cost to redo are checkpointed, just enough to fit a budget,
                     instead of diffusers' all-or-nothing switch (2.1x the step time).
   fused_geglu       the feed-forward's GEGLU backward as one Triton kernel (sdxl_lora/kernels.py).
-  short_attention   the cross-attention to the 77 text tokens by Triton kernels that hold all keys in one
-                    tile (sdxl_lora/kernels.py), with fuse_qkv's processor.
   profile_steps     torch's profiler over N steps, a Chrome/Perfetto trace in the run folder and a table
                     of where the step time goes in the log.
 
@@ -37,8 +35,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
-from . import kernels
 
 log = logging.getLogger(__name__)
 
@@ -238,11 +234,10 @@ class FusedProjectionsProcessor:
     """diffusers' AttnProcessor2_0 with the projections of one input made by one matmul (_fused_projections).
     Anything SDXL's attention does not use (masks, spatial or group norms, 4-D input) goes to the stock one."""
 
-    def __init__(self, short_attention: bool = False):
+    def __init__(self):
         from diffusers.models.attention_processor import AttnProcessor2_0
 
         self.stock = AttnProcessor2_0()
-        self.short_attention = short_attention  # train.short_attention: cross-attention by kernels.short_attention
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
                  *args, **kwargs):
@@ -260,22 +255,17 @@ class FusedProjectionsProcessor:
         b, heads = hidden_states.shape[0], attn.heads
         d = k.shape[-1] // heads
         q, k, v = (t.reshape(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))
-        if self.short_attention and not self_attention and kernels.short_attention_supported(q, k):
-            h = kernels.short_attention(q, k, v)
-        else:
-            h = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+        h = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
         h = attn.to_out[1](attn.to_out[0](h.transpose(1, 2).reshape(b, -1, heads * d).to(q.dtype)))
         if attn.residual_connection:
             h = h + hidden_states
         return h / attn.rescale_output_factor
 
 
-def fuse_projections(model: torch.nn.Module, short_attention: bool = False) -> int:
+def fuse_projections(model: torch.nn.Module) -> int:
     """train.fuse_qkv: every diffusers Attention on the stock SDPA processor gets FusedProjectionsProcessor,
     its base q/k/v (self-attention) or k/v (cross-attention) weights moved into one buffer they are views
-    of. Projections with a bias or of another kind are left alone. Returns the number of attentions fused.
-    short_attention (train.short_attention): their cross-attention by kernels.short_attention where it
-    takes the shapes (CUDA, at most 128 text tokens), instead of torch's SDPA."""
+    of. Projections with a bias or of another kind are left alone. Returns the number of attentions fused."""
     from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
     n = 0
@@ -294,7 +284,7 @@ def fuse_projections(model: torch.nn.Module, short_attention: bool = False) -> i
             b.weight = torch.nn.Parameter(fused[offset:offset + b.out_features], requires_grad=False)
             offset += b.out_features
         attn.add_module("fused_kv" if attn.is_cross_attention else "fused_qkv", _FusedWeight(fused))
-        attn.set_processor(FusedProjectionsProcessor(short_attention))
+        attn.set_processor(FusedProjectionsProcessor())
         n += 1
     return n
 

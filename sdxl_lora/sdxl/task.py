@@ -343,10 +343,8 @@ class SDXLTask:
             raise ConfigError("train.cuda_graphs with gradient checkpointing needs adapter.dropout=0 (a checkpointed "
                               "block that draws random numbers must save the RNG state, which a graph cannot)")
         if tc.fuse_qkv:
-            n = speed.fuse_projections(unet, short_attention=tc.short_attention)
+            n = speed.fuse_projections(unet)
             log.info("train.fuse_qkv: %d attention layers project q/k/v (or k/v) with one matmul", n)
-        elif tc.short_attention:
-            log.warning("train.short_attention has no effect without train.fuse_qkv (its attention processor)")
         if tc.fused_geglu and self.device.type == "cuda":  # the kernel is Triton's; the CPU keeps torch's ops
             from .. import kernels
 
