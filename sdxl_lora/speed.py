@@ -79,10 +79,14 @@ def to_channels_last(model: torch.nn.Module) -> None:
 
 # Inductor options for the SDXL UNet's compiled regions. combo_kernels: independent small kernels of a graph
 # launched as one (H200, compile + graphs: batch 1 61.0 -> 59.0 ms; batch 16 634.7 vs 636.1 ms, compile time
-# the same). triton.multi_kernel: each reduction (the LayerNorms) built both as a looped and as a single-pass
-# kernel, the faster one chosen at its first run (batch 16: 605.2 -> 594.1 ms, first step no longer). Not
-# measured on the causal-LM path, which compiles without them.
-UNET_INDUCTOR_OPTIONS = {"combo_kernels": True, "triton.multi_kernel": 1}
+# the same). Not triton.multi_kernel (each reduction built looped and single-pass, the faster chosen at its
+# first run; round 7: ~4 ms of batch 16's 566.8 ms): with it, a second compilation on a machine whose
+# inductor cache was warm failed in the backend ("'NoneType' object does not support the context manager
+# protocol", H200, torch 2.11, round 8: twice, and once more with FlashAttention 4 registered), so a user's
+# second run could fail. Its cause is suspected, not proven: every failing compilation had it, the cold ones
+# with it worked, and so did the warm ones without it in rounds 6 and 7 (benchmarks/RESULTS.md, round 8).
+# Not measured on the causal-LM path, which compiles without them.
+UNET_INDUCTOR_OPTIONS = {"combo_kernels": True}
 
 
 def compile_options(backend: str | None = None, options: dict | None = None) -> dict:

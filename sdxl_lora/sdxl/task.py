@@ -362,11 +362,8 @@ class SDXLTask:
             speed.transformer_io(unet, compile=tc.compile != "none")
         if tc.compile != "none":
             classes = speed.REGION_CLASSES if tc.compile == "regional" else speed.TRANSFORMER_CLASSES
-            options = speed.UNET_INDUCTOR_OPTIONS
-            if tc.compile == "transformer":  # the fast start: without multi_kernel's second kernel per reduction
-                options = {k: v for k, v in options.items() if k != "triton.multi_kernel"}
             n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget,
-                                      options=options)
+                                      options=speed.UNET_INDUCTOR_OPTIONS)
             log.info("train.compile=%r: %d blocks compiled (the first steps include compilation)", tc.compile, n)
             if tc.compile == "regional" and tc.channels_last:
                 # The compiled ResNets' surroundings in their layout (docs/speed.md): the up blocks' skip
