@@ -60,6 +60,12 @@ QUANT_SAVED_INPUTS = {"nf4": 0.0, "fp4": 0.0, "int8": 0.50, "fp8": 0.0}
 # train.compile_activation_budget F scales the compiled units' share again (measured: F = 0.4 at batch 4
 # left 0.38 of the compiled activations).
 COMPILED_KEEP = {"layer": 0.723, "resnet": 0.154, "proj": 1.0}
+# compile="regional" with channels_last: the trainer lays the ResNets' surroundings out too (docs/speed.md;
+# the frozen convolutions then keep no input for backward), and the compiled units keep this fraction of the
+# above. Fitted to the H200 (benchmarks/RESULTS.md, rounds 7 and 8, compile + graphs + channels_last): 4.52
+# GiB an image (batch 4, 16, 24: 23.42, 77.60, 113.77 GiB) against the 4.85 above, 0.168 of them in the
+# uncompiled proj_in/proj_out.
+REGIONAL_LAYOUT_KEEP = 0.930
 COMPILED_KINDS = {"regional": ("layer", "resnet"), "transformer": ("layer",)}
 
 # Optimizer state in bytes per trainable parameter.
@@ -100,6 +106,7 @@ class MemoryEstimate:
     checkpointing: bool = False
     compile: str = "none"
     compile_activation_budget: float | None = None
+    channels_last: bool = False
     quantize: str = "none"
     quantize_convs: str = "none"
     optimizer_name: str = "adamw"
@@ -123,7 +130,8 @@ class MemoryEstimate:
                 "quant_activations_gib": g(self.quant_activations),
                 "resolution": self.resolution, "batch_size": self.batch_size,
                 "gradient_checkpointing": self.checkpointing, "compile": self.compile,
-                "compile_activation_budget": self.compile_activation_budget, "quantize": self.quantize,
+                "compile_activation_budget": self.compile_activation_budget, "channels_last": self.channels_last,
+                "quantize": self.quantize,
                 "quantize_convs": self.quantize_convs,
                 "optimizer": self.optimizer_name, "compute_dtype": self.compute_dtype}
 
@@ -133,6 +141,7 @@ class MemoryEstimate:
             f"memory estimate (UNet on the accelerator, {self.resolution}x{self.resolution}, batch {self.batch_size}, "
             f"{'checkpointing' if self.checkpointing else 'no checkpointing'}, "
             f"{'' if self.compile == 'none' else f'compile {self.compile}, '}"
+            f"{'channels_last, ' if self.channels_last else ''}"
             f"{'' if self.compile_activation_budget is None else f'activation budget {self.compile_activation_budget:g}, '}"
             f"quantize {self.quantize}"
             f"{', fp8 convs' if self.quantize_convs == 'fp8' else ''}, "
@@ -222,16 +231,19 @@ _K = {"resnet": K_RESNET, "layer": K_LAYER, "proj": K_PROJ}
 
 def activation_bytes(config, resolution: int, batch_size: int, checkpointing: bool, compute_dtype: torch.dtype,
                      latent_factor: int = 8, quantize_convs: str = "none", compile: str = "none",
-                     compile_activation_budget: float | None = None) -> int:
+                     compile_activation_budget: float | None = None, channels_last: bool = False) -> int:
     """Activations saved for backward at the peak, for one batch of square images of side `resolution`.
-    With compile (and its activation budget) the compiled units keep less (COMPILED_KEEP); compile together
-    with checkpointing is counted as checkpointing alone (not measured)."""
+    With compile (and its activation budget) the compiled units keep less (COMPILED_KEEP; "regional" with
+    channels_last less again, REGIONAL_LAYOUT_KEEP); compile together with checkpointing is counted as
+    checkpointing alone (not measured)."""
     elt = torch.empty((), dtype=compute_dtype).element_size()
     units = _units(config, max(1, resolution // latent_factor))
     counts = {**_K, "resnet": K_RESNET_FP8CONV} if quantize_convs == "fp8" else _K
     if not checkpointing:
         compiled = COMPILED_KINDS.get(compile, ())
-        keep = {k: (COMPILED_KEEP[k] * (compile_activation_budget or 1.0) if k in compiled else 1.0) for k in _K}
+        layout = REGIONAL_LAYOUT_KEEP if compile == "regional" and channels_last else 1.0
+        keep = {k: (COMPILED_KEEP[k] * layout * (compile_activation_budget or 1.0) if k in compiled else 1.0)
+                for k in _K}
         per_image = ACT_SCALE * sum(counts[kind] * e * keep[kind] for kind, e, _ in units)
     else:
         # Inputs of every checkpointed unit (resnets and transformer layers), then the one unit being
@@ -245,7 +257,7 @@ def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_s
              quantize: str = "none", double_quant: bool = True, compute_dtype: torch.dtype = torch.bfloat16,
              optimizer: str = "adamw", latent_factor: int = 8, skip=None,
              quantize_convs: str = "none", compile: str = "none",
-             compile_activation_budget: float | None = None) -> MemoryEstimate:
+             compile_activation_budget: float | None = None, channels_last: bool = False) -> MemoryEstimate:
     """The estimate for a UNet (any device, meta included) and a planned adapter of `trainable_params`."""
     from .quantize import unet_conv_skip
 
@@ -255,7 +267,7 @@ def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_s
         raise ValueError(f"train.optimizer={optimizer!r}: no memory model for it; known: {', '.join(OPTIMIZER_BYTES)}")
     cuda_like = compute_dtype != torch.float32
     activations = activation_bytes(unet.config, resolution, batch_size, checkpointing, compute_dtype, latent_factor,
-                                   quantize_convs, compile, compile_activation_budget)
+                                   quantize_convs, compile, compile_activation_budget, channels_last)
     overhead = 0
     if cuda_like and quantize != "none":
         overhead = QUANT_OVERHEAD
@@ -272,7 +284,8 @@ def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_s
         workspace=WORKSPACE if cuda_like else 0,
         quant_overhead=overhead,
         resolution=resolution, batch_size=batch_size, checkpointing=checkpointing, compile=compile,
-        compile_activation_budget=compile_activation_budget if compile != "none" else None, quantize=quantize,
+        compile_activation_budget=compile_activation_budget if compile != "none" else None,
+        channels_last=channels_last and compile == "regional" and not checkpointing, quantize=quantize,
         quantize_convs=quantize_convs,
         optimizer_name=optimizer, compute_dtype=_DTYPE_NAMES.get(compute_dtype, str(compute_dtype)))
 
@@ -290,4 +303,5 @@ def estimate_for_config(unet: nn.Module, cfg, trainable_params: int, resolution:
                     compute_dtype=frozen,  # of everything not quantized (the UNet is moved to it)
                     optimizer=cfg.train.optimizer, latent_factor=latent_factor,
                     quantize_convs=cfg.model.quantize_convs, compile=cfg.train.compile,
-                    compile_activation_budget=cfg.train.compile_activation_budget)
+                    compile_activation_budget=cfg.train.compile_activation_budget,
+                    channels_last=cfg.train.channels_last)

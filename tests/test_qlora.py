@@ -308,6 +308,26 @@ def test_estimate_follows_compilation_and_its_activation_budget(sdxl_meta, compi
     assert f"compile {compile}" in est.format()
 
 
+# The same with channels_last, which with compile="regional" lays the ResNets' surroundings out too (their
+# frozen convolutions keep no input): benchmarks/sdxl_step.py on the H200, benchmarks/RESULTS.md rounds 7 and 8.
+MEASURED_REGIONAL_LAYOUT = [(None, 4, 23.42), (None, 16, 77.60), (None, 24, 113.77), (0.4, 4, 12.16)]
+
+
+@pytest.mark.parametrize("budget,batch,measured", MEASURED_REGIONAL_LAYOUT)
+def test_estimate_follows_the_regional_layout_levers(sdxl_meta, budget, batch, measured):
+    unet, trainable = sdxl_meta
+    kw = dict(trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=False, compile="regional",
+              compile_activation_budget=budget)
+    est = memory.estimate(unet, channels_last=True, **kw)
+    assert est.total / GiB == pytest.approx(measured, rel=0.07 if budget else 0.02)
+    without = memory.estimate(unet, **kw)  # the same compilation without the layout keeps more
+    assert est.activations < without.activations
+    assert "channels_last" in est.format() and est.as_dict()["channels_last"] is True
+    # With compile="transformer" the ResNets are not compiled: channels_last changes nothing there.
+    tf = dict(kw, compile="transformer")
+    assert memory.estimate(unet, channels_last=True, **tf).total == memory.estimate(unet, **tf).total
+
+
 def test_estimate_structure(sdxl_meta):
     unet, trainable = sdxl_meta
     kw = dict(trainable_params=trainable, resolution=1024, batch_size=2)
