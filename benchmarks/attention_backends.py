@@ -1,11 +1,14 @@
 """PyTorch SDPA backends on the SDXL UNet's attention shapes at 1024x1024: forward + backward time per
-backend (flash, cuDNN, memory-efficient; FlexAttention, torch's Triton-generated attention, compiled; the math
-path compiled, "math-compiled"; and FlashAttention 4, "fa4", flash_attn.cute's kernels where that package is
-installed, called directly or, "fa4-sdpa", as torch's flash backend through
+backend (flash, cuDNN, memory-efficient; FlexAttention, torch's Triton-generated attention, compiled; the
+math path compiled, "math-compiled"; FlashAttention 4, "fa4", flash_attn.cute's kernels where that package
+is installed, called directly or, "fa4-sdpa", as torch's flash backend through
 torch.nn.attention.activate_flash_attention_impl; "short", the Triton kernel for a few keys in
-benchmarks/short_attention.py, on the cross-attention shapes), bf16, so the trainer's attention choice rests on a measurement.
+benchmarks/short_attention.py, on the cross-attention shapes), bf16, so the trainer's attention choice rests
+on a measurement.
 
-    python benchmarks/attention_backends.py [--batch 8] [--iters 20] [--layout bhsd|bshd]
+    python benchmarks/attention_backends.py [--batch 8] [--iters 20] [--layout bhsd|bshd] [--only NAME ...]
+        [--kernel-time]    GPU time of the kernels (torch's profiler) instead of wall time per call
+        [--sweep]          short_attention.py's launch settings against cuDNN on the cross-attention shapes
 
 Shapes (batch, heads, query tokens, key tokens, head dim 64): self-attention at the 64x64 level (640
 channels, 10 heads, 4096 tokens) and at the 32x32 level (1280 channels, 20 heads, 1024 tokens), and the
