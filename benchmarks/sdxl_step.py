@@ -253,6 +253,32 @@ def copy_sources(events, n, top):
             for k, (c, t) in rows]
 
 
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def matmul_flops(op: str, shapes: list) -> int:
+    """2 * M * K * N (times the batch for bmm) from a matmul operator's recorded input shapes."""
+    a, b = (shapes[1], shapes[2]) if op in ("aten::addmm", "aten::baddbmm") else (shapes[0], shapes[1])
+    batch = a[0] if len(a) == 3 else 1
+    return 2 * batch * a[-2] * a[-1] * b[-1]
+
+
+def matmul_shapes(events, n, top):
+    """The matmuls launched as operators (eager, and inductor's calls of aten's mm outside its generated
+    kernels), grouped by input shapes: calls and time a step and the TFLOP/s each shape reaches, slowest
+    rate first among the costliest: which GEMMs fall short of the hardware."""
+    rows = []
+    for e in events:
+        us = e.device_time_total or (0 if torch.cuda.is_available() else e.cpu_time_total)
+        if e.key not in MATMUL_OPS or not us or not e.input_shapes:
+            continue
+        flops = matmul_flops(e.key, e.input_shapes) * e.count
+        rows.append({"op": e.key, "shapes": str([s for s in e.input_shapes if s])[:90], "calls": e.count // n,
+                     "ms": round(us / 1000 / n, 3), "tflops": round(flops / us / 1e6, 1)})
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:top]
+
+
 def profile_steps(step, n, ms_per_step, top=15, shapes=False):
     """n more steps under torch's profiler: GPU time by kind of kernel and the kernels that take the most.
     shapes: also the copies, casts, concatenations and adds launched from Python (outside compiled code) by
@@ -275,9 +301,11 @@ def profile_steps(step, n, ms_per_step, top=15, shapes=False):
     if shapes:
         ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in COPY_OPS and e.device_time_total]
         ops.sort(key=lambda e: -e.device_time_total)
+        by_shape = prof.key_averages(group_by_input_shape=True)
         copies = {"eager_copies": [{"op": e.key, "shapes": str(e.input_shapes)[:120], "calls": e.count // n,
                                     "ms": round(e.device_time_total / 1000 / n, 3)} for e in ops[:top]],
-                  "copy_sources": copy_sources(prof.events(), n, top)}
+                  "copy_sources": copy_sources(prof.events(), n, top),
+                  "matmul_shapes": matmul_shapes(by_shape, n, top)}
     kinds = kernel_kinds(events, n)
     kernels = sorted((e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
                       and not getattr(e, "is_user_annotation", False)),
@@ -431,7 +459,8 @@ def main():
                     help="after timing, N more steps under torch's profiler: GPU time by kind of kernel")
     ap.add_argument("--top", type=int, default=15, help="with --profile: how many of the longest kernels to list")
     ap.add_argument("--shapes", action="store_true",
-                    help="with --profile: the eager copies, casts and adds by input shape (settings without graphs)")
+                    help="with --profile: the eager copies, casts and adds by input shape, and the matmuls by shape "
+                         "with the TFLOP/s each reaches (settings without graphs)")
     ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                     help="set torch._inductor.config options for every compiled setting (an experiment's switch), "
                          "e.g. combo_kernels=True max_pointwise_cat_inputs=0")
