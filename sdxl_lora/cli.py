@@ -697,6 +697,33 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if _compiler_failed(e):  # not bad input: the traceback follows, after what to do about it
+            print(_compiler_advice(e), file=sys.stderr)
+        raise
+
+
+def _compiler_failed(e: BaseException) -> bool:
+    """Whether torch.compile's backend failed (train.compile): torch._dynamo is loaded where it did."""
+    exc = sys.modules.get("torch._dynamo.exc")
+    return exc is not None and isinstance(e, exc.BackendCompilerFailed)
+
+
+def _compiler_advice(e: BaseException) -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        where = cache_dir()
+    except ImportError:  # another torch layout: name the variable only
+        where = "its default folder"
+    cause = str(e).strip().splitlines()[-1][:200]
+    # H200, torch 2.11 (benchmarks/RESULTS.md, round 8): compilations on a machine whose inductor cache was
+    # warm failed so, while cold ones of the same settings worked.
+    return (f"error: torch's compiler failed while compiling the model (train.compile): {cause}\n"
+            f"  Saved training states are intact: `sdxl-lora train --resume RUN` continues from the last one. "
+            f"To go on, train without compiling (--set train.compile=none), or move inductor's cache away "
+            f"(TORCHINDUCTOR_CACHE_DIR; now {where}) and run again: compilations over a warm cache have "
+            f"failed this way (docs/speed.md).")
 
 
 if __name__ == "__main__":

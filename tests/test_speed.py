@@ -463,3 +463,24 @@ def test_transposed_convolution_gradient_under_autocast_with_trained_fp32_weight
     for got, ref in zip(run(True), run(False)):
         assert got.dtype == ref.dtype
         torch.testing.assert_close(got, ref)
+
+
+def test_a_compiler_failure_says_what_to_do_and_keeps_its_traceback(tmp_path, capsys, monkeypatch):
+    # torch.compile's backend failing in the first step (as inductor did over a warm cache on the H200, round
+    # 8): the CLI says what to do first, then the error propagates with its traceback (not bad input).
+    import torch._dynamo.exc
+
+    from sdxl_lora.cli import main
+    from sdxl_lora.sdxl.task import SDXLTask
+
+    def failing_loss(self, model, batch):
+        raise torch._dynamo.exc.BackendCompilerFailed(
+            lambda: None, TypeError("'NoneType' object does not support the context manager protocol"), None)
+
+    monkeypatch.setattr(SDXLTask, "loss", failing_loss)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+        main(["train", "--out", str(tmp_path), "--name", "a", "--steps", "2", "--resolution", "64",
+              "--device", "cpu", "--set", "preview.prompts=''", "--set", "preview.before=false"])
+    err = capsys.readouterr().err
+    assert "torch's compiler failed" in err and "context manager protocol" in err
+    assert "train.compile=none" in err and "TORCHINDUCTOR_CACHE_DIR" in err and "--resume" in err
