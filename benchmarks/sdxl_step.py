@@ -225,6 +225,11 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
 COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat", "aten::add")
 
 
+def _op_us(e) -> float:
+    """An operator's time in microseconds: on the GPU, its kernels'; on the CPU smoke test, its own."""
+    return e.device_time_total or (0 if torch.cuda.is_available() else e.cpu_time_total)
+
+
 def copy_sources(events, n, top):
     """Where the eager copies, concatenations and adds come from: each innermost one (copy_, cat, add) grouped
     by its first input's shape and the four nearest operators or Python functions it ran under (copy operators
@@ -237,7 +242,7 @@ def copy_sources(events, n, top):
 
     groups = {}
     for e in events:
-        us = e.device_time_total or (0 if torch.cuda.is_available() else e.cpu_time_total)
+        us = _op_us(e)
         if e.name not in ("aten::copy_", "aten::cat", "aten::add", "aten::add_") or not us:
             continue
         chain, p = [], e.cpu_parent
@@ -265,11 +270,11 @@ def matmul_flops(op: str, shapes: list) -> int:
 
 def matmul_shapes(events, n, top):
     """The matmuls launched as operators (eager, and inductor's calls of aten's mm outside its generated
-    kernels), grouped by input shapes: calls and time a step and the TFLOP/s each shape reaches, slowest
-    rate first among the costliest: which GEMMs fall short of the hardware."""
+    kernels), grouped by input shapes: calls and time a step and the TFLOP/s each shape reaches, the
+    costliest first: which GEMMs fall short of the hardware."""
     rows = []
     for e in events:
-        us = e.device_time_total or (0 if torch.cuda.is_available() else e.cpu_time_total)
+        us = _op_us(e)
         if e.key not in MATMUL_OPS or not us or not e.input_shapes:
             continue
         flops = matmul_flops(e.key, e.input_shapes) * e.count
@@ -299,9 +304,9 @@ def profile_steps(step, n, ms_per_step, top=15, shapes=False):
     events = prof.key_averages()
     copies = {}
     if shapes:
-        ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in COPY_OPS and e.device_time_total]
-        ops.sort(key=lambda e: -e.device_time_total)
         by_shape = prof.key_averages(group_by_input_shape=True)
+        ops = [e for e in by_shape if e.key in COPY_OPS and e.device_time_total]
+        ops.sort(key=lambda e: -e.device_time_total)
         copies = {"eager_copies": [{"op": e.key, "shapes": str(e.input_shapes)[:120], "calls": e.count // n,
                                     "ms": round(e.device_time_total / 1000 / n, 3)} for e in ops[:top]],
                   "copy_sources": copy_sources(prof.events(), n, top),
