@@ -80,10 +80,15 @@ def check_short(b, h, q, k, d, device, dtype):
 
 
 def _fa4():
-    """FlashAttention 4's function (flash_attn.cute; tensors (batch, tokens, heads, dim)), where installed."""
+    """FlashAttention 4's function (flash_attn.cute), where installed, on the (batch, heads, tokens, dim) views
+    the other backends take: FA4's own layout is the (batch, tokens, heads, dim) memory under them."""
     from flash_attn.cute import flash_attn_func
 
-    return flash_attn_func
+    def attention(q, k, v):
+        out = flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)))
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)  # (out, lse) in the 4.0 betas
+
+    return attention
 
 
 def gpu_ms(fn, iters):
@@ -105,22 +110,6 @@ def gpu_ms(fn, iters):
 def time_backend(backend, b, h, q, k, d, iters, device, dtype, layout="bhsd", kernel_time=False):
     """ms for forward + backward. layout "bhsd": contiguous (batch, heads, tokens, dim) tensors; "bshd": the
     (batch, tokens, heads, dim) tensors diffusers' attention processor makes, viewed with transpose(1, 2)."""
-    g = torch.Generator(device).manual_seed(0)
-    if layout == "bhsd":
-        leaves = [torch.randn(b, h, n, d, device=device, dtype=dtype, generator=g).requires_grad_() for n in (q, k, k)]
-        qt, kt, vt = leaves
-    else:
-        leaves = [torch.randn(b, n, h, d, device=device, dtype=dtype, generator=g).requires_grad_() for n in (q, k, k)]
-        qt, kt, vt = (x.transpose(1, 2) for x in leaves)
-    grad = torch.randn(b, h, q, d, device=device, dtype=dtype, generator=g)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    function = {"flex": _flex, "math-compiled": _math_compiled}.get(backend) if isinstance(backend, str) else None
-    function = function() if function else None
-    fa4 = _fa4() if backend == "fa4" else None
-    if backend == "short":
-        function = _short(qt, kt)
-
     if backend == "fa4-sdpa":  # FA4 registered as SDPA's flash kernels for this backend's timing only
         from torch.nn.attention import activate_flash_attention_impl, restore_flash_attention_impl
 
@@ -130,12 +119,20 @@ def time_backend(backend, b, h, q, k, d, iters, device, dtype, layout="bhsd", ke
             return time_backend(SDPBackend.FLASH_ATTENTION, b, h, q, k, d, iters, device, dtype, layout, kernel_time)
         finally:
             restore_flash_attention_impl()
+    g = torch.Generator(device).manual_seed(0)
+    if layout == "bhsd":
+        leaves = [torch.randn(b, h, n, d, device=device, dtype=dtype, generator=g).requires_grad_() for n in (q, k, k)]
+        qt, kt, vt = leaves
+    else:
+        leaves = [torch.randn(b, n, h, d, device=device, dtype=dtype, generator=g).requires_grad_() for n in (q, k, k)]
+        qt, kt, vt = (x.transpose(1, 2) for x in leaves)
+    grad = torch.randn(b, h, q, d, device=device, dtype=dtype, generator=g)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    makers = {"flex": _flex, "math-compiled": _math_compiled, "fa4": _fa4, "short": lambda: _short(qt, kt)}
+    function = makers[backend]() if isinstance(backend, str) else None  # else an SDPA backend
 
     def once():
-        if fa4 is not None:  # its own layout: the (batch, tokens, heads, dim) tensors under the transposed views
-            out = fa4(*(x.transpose(1, 2) for x in (qt, kt, vt)))
-            out = (out[0] if isinstance(out, tuple) else out).transpose(1, 2)  # (out, lse) in 4.0 betas
-        elif function is not None:
+        if function is not None:
             out = function(qt, kt, vt)
         else:
             with sdpa_kernel([backend]):
