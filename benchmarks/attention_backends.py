@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from timing import timed  # benchmarks/timing.py (this script's folder is on the path)
+from timing import gpu_ms, timed  # benchmarks/timing.py (this script's folder is on the path)
 
 # name: (heads, query tokens, key tokens, layers of it in the SDXL UNet)
 SHAPES = {"self 64x64": (10, 4096, 4096, 10), "cross 64x64": (10, 4096, 77, 10),
@@ -89,22 +89,6 @@ def _fa4():
         return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)  # (out, lse) in the 4.0 betas
 
     return attention
-
-
-def gpu_ms(fn, iters):
-    """GPU time per call of fn() (every kernel it launches, summed; host time left out), from torch's
-    profiler over `iters` calls after 3 warm-up calls: what a call costs inside a CUDA-graphed step, where
-    a small kernel's launch is not paid per call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / iters
 
 
 def time_backend(backend, b, h, q, k, d, iters, device, dtype, layout="bhsd", kernel_time=False):

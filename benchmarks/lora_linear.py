@@ -10,8 +10,14 @@ Variants (x: tokens x K, W: N x K frozen, A: r x K, B: N x r trainable, s the sc
   addmm    the B product accumulated into the base product by the GEMM (addmm, beta = 1), and in the
            backward the A product into the input's gradient, instead of separate tensors and adds
   merged   x @ (W + s B A)^T: one GEMM each way with the delta folded into the weight (bf16)
-Prints one JSON row per shape and variant: ms for forward + backward, the largest difference of the
-output and of the gradients from peft's in fp32. --tiny runs small shapes on the CPU (a smoke test).
+  concat   [x, xA^T] @ [W, sB]^T: the B product inside the base GEMM (K grows by r), no separate LoRA output
+           or add; backward: dy @ [W, sB] gives the input's gradient and dy B s in one GEMM, then + (dy B s) A
+           (the trainer's train.lora_in_gemm, sdxl_lora.speed.lora_in_gemm)
+  concat_fold  the same forward (exact); backward: dy @ [W + sBA, sB], the A product folded into the weight
+           (rounded to bf16) for the input's gradient alone: one GEMM, no (dy B s) A product and no add
+Prints one JSON row per shape and variant: ms for forward + backward (wall time; --kernel-time: the GPU time
+of its kernels, what a CUDA-graphed step pays), the largest difference of the output and of the gradients
+from peft's in fp32. --tiny runs small shapes on the CPU (a smoke test).
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-from timing import timed  # benchmarks/timing.py (this script's folder is on the path)
+from sdxl_lora.speed import _LoRAInGemm, lora_in_gemm
+from timing import gpu_ms, timed  # benchmarks/timing.py (this script's folder is on the path)
 
 
 class _LoRALinear(torch.autograd.Function):
@@ -53,9 +60,36 @@ class _LoRALinear(torch.autograd.Function):
         return dx.reshape(ctx.x_shape), None, g.t() @ x2, (dy2.t() @ h) * ctx.scale, None, None
 
 
+class _ConcatFold(_LoRAInGemm):
+    """The trainer's LoRA-in-GEMM forward (sdxl_lora.speed.lora_in_gemm); backward: the input's gradient through
+    w + b a (rounded to the compute dtype) and dy b in one GEMM, no (dy b) a product and no add."""
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, w, a, b = ctx.saved_tensors
+        k = w.shape[1]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dxc = dy2 @ torch.cat([torch.addmm(w, b, a), b], dim=1)
+        return dxc[:, :k].reshape(ctx.x_shape), None, None, dxc[:, k:].t() @ xc[:, :k], dy2.t() @ xc[:, k:]
+
+
+def _compute_dtype(x):
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def concat(x, w, a, b, s):
+    return lora_in_gemm(x, w, None, a, b * s)
+
+
+def concat_fold(x, w, a, b, s):
+    dtype = _compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return _ConcatFold.apply(x.to(dtype), w.to(dtype), None, a.to(dtype), (b * s).to(dtype))
+
+
 def lora_linear(x, w, a, b, scale, merged=False):
     """Everything in autocast's dtype, as F.linear would run; the factors' gradients reach them through the casts."""
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    dtype = _compute_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         return _LoRALinear.apply(x.to(dtype), w.to(dtype), a.to(dtype), b.to(dtype), scale, merged)
 
@@ -85,7 +119,7 @@ def addmm(x, w, a, b, s):
     return lora_linear(x, w, a, b, s)
 
 
-VARIANTS = {"base": base, "peft": peft, "addmm": addmm, "merged": merged}
+VARIANTS = {"base": base, "peft": peft, "addmm": addmm, "merged": merged, "concat": concat, "concat_fold": concat_fold}
 
 
 def main(argv=None) -> None:
@@ -95,6 +129,9 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--compile", action="store_true", help="torch.compile each variant's forward")
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU")
+    p.add_argument("--kernel-time", action="store_true",
+                   help="GPU time of the kernels (torch's profiler) instead of wall time per call")
+    p.add_argument("--only", nargs="+", choices=list(VARIANTS), help="these variants (peft always runs first)")
     args = p.parse_args(argv)
     dev = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -112,6 +149,8 @@ def main(argv=None) -> None:
         s = 1.0
         ref = None
         for vname, fn in VARIANTS.items():
+            if args.only and vname not in args.only and vname != "peft":
+                continue
             f = torch.compile(fn) if args.compile else fn
 
             def step():
@@ -130,7 +169,9 @@ def main(argv=None) -> None:
             elif ref is not None and vname != "base":
                 row["max_diff"] = [round((u - v).abs().max().item(), 5) for u, v in zip(got, ref)]
                 row["ref_max"] = [round(v.abs().max().item(), 3) for v in ref]
-            row["ms_fwd_bwd"] = round(timed(step, args.iters, sync), 4)
+            kernel_time = args.kernel_time and dev.type == "cuda"
+            row["gpu_ms_fwd_bwd" if kernel_time else "ms_fwd_bwd"] = round(
+                gpu_ms(step, args.iters) if kernel_time else timed(step, args.iters, sync), 4)
             print(json.dumps(row), flush=True)
 
 

@@ -1,4 +1,5 @@
-"""The benchmarks' shared timer: a few warm-up calls, then the mean wall time of `iters` calls, synchronised."""
+"""The benchmarks' shared timers: after a few warm-up calls, the mean wall time of `iters` calls (synchronised)
+or the GPU time of their kernels (torch's profiler)."""
 from __future__ import annotations
 
 import time
@@ -14,3 +15,20 @@ def timed(fn, iters, sync):
         fn()
     sync()
     return (time.perf_counter() - t0) / iters * 1000
+
+
+def gpu_ms(fn, iters):
+    """GPU time per call of fn() (every kernel it launches, summed; host time left out), from torch's
+    profiler over `iters` calls after 3 warm-up calls: what a call costs inside a CUDA-graphed step, where
+    a small kernel's launch is not paid per call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / iters

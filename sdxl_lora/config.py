@@ -222,6 +222,9 @@ class TrainConfig(Section):
     # CUDA: the feed-forward's GEGLU backward as one Triton kernel that reads each input once
     # (sdxl_lora/kernels.py): the same gradients; H200, batch 16: 47.8 -> 17.3 ms of the step.
     fused_geglu: bool = True
+    # With fuse_qkv: each attention projection's LoRA computed inside its frozen GEMM ([x, xA^T] @ [W, sB]^T)
+    # instead of peft's separate rank-r product and add (docs/speed.md); the same loss and gradients.
+    lora_in_gemm: bool = False
     # The attention kernel of the training forward (docs/speed.md): "default" is PyTorch's own choice; a
     # named one is used alone ("cudnn" and "efficient" need CUDA). cuDNN's is 1.6x flash's on SDXL's
     # attention shapes on an H200 in isolation, and torch's own choice already runs it there (profiled).
@@ -256,6 +259,13 @@ class TrainConfig(Section):
         if self.timestep_max is not None and self.timestep_max < self.timestep_min:
             raise ValueError(f"timestep_max={self.timestep_max} is below timestep_min={self.timestep_min}; "
                              "the range is [timestep_min, timestep_max]")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_in_gemm_needs_fused_projections(self) -> "TrainConfig":
+        if self.lora_in_gemm and not self.fuse_qkv:
+            raise ValueError("lora_in_gemm works through the fused attention projections: set train.fuse_qkv=true "
+                             "too, or train.lora_in_gemm=false")
         return self
 
 

@@ -338,6 +338,47 @@ def test_fused_qkv_projections_give_the_same_loss_and_gradients(tiny_dir, monkey
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_lora_inside_the_frozen_gemm_gives_the_same_loss_and_gradients(tiny_dir, monkeypatch, compiled):
+    from diffusers.models.attention_processor import Attention
+
+    from sdxl_lora.config import ConfigError, load_config
+
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
+    unet = tiny_unet_with_lora(tiny_dir)
+    attns = [m for m in unet.modules() if isinstance(m, Attention)]
+    # A projection without LoRA, one with dropout (peft's own forward), scalings other than 1 (alpha != rank).
+    attns[0].to_k = attns[0].to_k.base_layer
+    cross = next(m for m in attns if m.is_cross_attention)
+    cross.to_out[0].lora_dropout["default"] = torch.nn.Dropout(0.5).eval()
+    for m in attns:
+        for i, name in enumerate(("to_q", "to_k", "to_v")):
+            if hasattr(getattr(m, name), "scaling"):
+                getattr(m, name).scaling["default"] = 0.5 + i
+        m.to_out[0].scaling["default"] = 3.0
+    batch = batch_for(unet)
+    ref = loss_and_grads(unet, batch)
+    # peft's own LoRA forward runs only where the in-GEMM path cannot take the projection.
+    peft_calls = []
+    for m in attns:
+        for layer in (m.to_q, m.to_k, m.to_v, m.to_out[0]):
+            if hasattr(layer, "lora_B"):
+                layer.lora_B["default"].register_forward_hook(lambda *a, layer=layer: peft_calls.append(layer))
+    assert speed.fuse_projections(unet, lora_in_gemm=True) == len(attns) > 0
+    if compiled:
+        speed.compile_regions(unet, classes=("BasicTransformerBlock",))
+    got = loss_and_grads(unet, batch)
+    assert_same(ref, got)
+    assert peft_calls == [cross.to_out[0]]
+    # A base weight or bias being trained has no gradient on this path: refused, not silently frozen.
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(ValueError, match="frozen"):
+        speed.lora_in_gemm(torch.randn(2, 4), w, None, torch.randn(2, 4), torch.randn(6, 2))
+    with pytest.raises(ConfigError, match="train.fuse_qkv=true"):
+        load_config(extra={"train.lora_in_gemm": True, "train.fuse_qkv": False})
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fused_geglu_gives_the_same_loss_and_gradients(tiny_dir, monkeypatch, compiled):
     from sdxl_lora import kernels
 
