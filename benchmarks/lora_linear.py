@@ -1,6 +1,6 @@
 """What a LoRA'd Linear costs beside its frozen base at SDXL's batch-16 shapes, forward and backward, in
 the ways it can be written, so a change to the trainer's projections rests on a measurement (round 7 of
-issue 9: neither rewrite beat peft's in the compiled step, so the trainer keeps peft's; they live here):
+issue 9 measured addmm, slower in the compiled step; round 9 the trainer's train.lora_matmul ways):
 
     python benchmarks/lora_linear.py [--batch 16] [--iters 20] [--compile]
 
@@ -10,9 +10,10 @@ Variants (x: tokens x K, W: N x K frozen, A: r x K, B: N x r trainable, s the sc
   addmm    the B product accumulated into the base product by the GEMM (addmm, beta = 1), and in the
            backward the A product into the input's gradient, instead of separate tensors and adds
   merged   x @ (W + s B A)^T: one GEMM each way with the delta folded into the weight (bf16)
+           (the trainer's train.lora_matmul = "merged")
   concat   [x, xA^T] @ [W, sB]^T: the B product inside the base GEMM (K grows by r), no separate LoRA output
            or add; backward: dy @ [W, sB] gives the input's gradient and dy B s in one GEMM, then + (dy B s) A
-           (the trainer's train.lora_in_gemm, sdxl_lora.speed.lora_in_gemm)
+           (the trainer's train.lora_matmul = "concat", sdxl_lora.speed.lora_linear)
   concat_fold  the same forward (exact); backward: dy @ [W + sBA, sB], the A product folded into the weight
            (rounded to bf16) for the input's gradient alone: one GEMM, no (dy B s) A product and no add
 Prints one JSON row per shape and variant: ms for forward + backward (wall time; --kernel-time: the GPU time
@@ -27,41 +28,34 @@ import json
 import torch
 import torch.nn.functional as F
 
-from sdxl_lora.speed import _LoRAInGemm, lora_in_gemm
+from sdxl_lora.speed import _LoRAConcat, lora_linear as trainer_lora_linear
 from timing import gpu_ms, timed  # benchmarks/timing.py (this script's folder is on the path)
 
 
-class _LoRALinear(torch.autograd.Function):
-    """F.linear(x, w, bias) + F.linear(F.linear(x, a), b) * scale with the gradients of x, a and b written out
-    (the frozen w and bias get none): `merged` multiplies by w + scale b a instead (one GEMM each way, the
-    delta rounded into the bf16 weight), otherwise the GEMMs accumulate (addmm)."""
+class _AddmmLoRA(torch.autograd.Function):
+    """F.linear(x, w) + F.linear(F.linear(x, a), b) with the B product accumulated into the base product by
+    the GEMM (addmm, beta = 1), and in the backward the A product into the input's gradient (b scaled)."""
 
     @staticmethod
-    def forward(ctx, x, w, a, b, scale, merged):
+    def forward(ctx, x, w, bias, a, b):
         x2 = x.reshape(-1, x.shape[-1])
         h = x2 @ a.t()
-        if merged:
-            y = x2 @ torch.addmm(w, b, a, alpha=scale).t()
-        else:
-            y = torch.addmm(x2 @ w.t(), h, b.t(), alpha=scale)
+        y = torch.addmm(x2 @ w.t(), h, b.t())
         ctx.save_for_backward(x2, w, a, b, h)
-        ctx.scale, ctx.merged, ctx.x_shape = scale, merged, x.shape
+        ctx.x_shape = x.shape
         return y.reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         x2, w, a, b, h = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        g = (dy2 @ b) * ctx.scale
-        if ctx.merged:
-            dx = dy2 @ torch.addmm(w, b, a, alpha=ctx.scale)
-        else:
-            dx = torch.addmm(dy2 @ w, g, a)
-        return dx.reshape(ctx.x_shape), None, g.t() @ x2, (dy2.t() @ h) * ctx.scale, None, None
+        g = dy2 @ b
+        dx = torch.addmm(dy2 @ w, g, a)
+        return dx.reshape(ctx.x_shape), None, None, g.t() @ x2, dy2.t() @ h
 
 
-class _ConcatFold(_LoRAInGemm):
-    """The trainer's LoRA-in-GEMM forward (sdxl_lora.speed.lora_in_gemm); backward: the input's gradient through
+class _ConcatFold(_LoRAConcat):
+    """The trainer's "concat" forward (sdxl_lora.speed.lora_linear); backward: the input's gradient through
     w + b a (rounded to the compute dtype) and dy b in one GEMM, no (dy b) a product and no add."""
 
     @staticmethod
@@ -73,25 +67,29 @@ class _ConcatFold(_LoRAInGemm):
         return dxc[:, :k].reshape(ctx.x_shape), None, None, dxc[:, k:].t() @ xc[:, :k], dy2.t() @ xc[:, k:]
 
 
-def _compute_dtype(x):
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+def _own(fn, x, w, a, b, s):
+    """One of this script's functions in autocast's dtype, as F.linear would run (the factors' gradients
+    reach them through the casts)."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        return fn.apply(x.to(dtype), w.to(dtype), None, a.to(dtype), (b * s).to(dtype))
 
 
 def concat(x, w, a, b, s):
-    return lora_in_gemm(x, w, None, a, b * s)
+    return trainer_lora_linear(x, w, None, a, b * s, "concat")
 
 
 def concat_fold(x, w, a, b, s):
-    dtype = _compute_dtype(x)
-    with torch.autocast(x.device.type, enabled=False):
-        return _ConcatFold.apply(x.to(dtype), w.to(dtype), None, a.to(dtype), (b * s).to(dtype))
+    return _own(_ConcatFold, x, w, a, b, s)
 
 
-def lora_linear(x, w, a, b, scale, merged=False):
-    """Everything in autocast's dtype, as F.linear would run; the factors' gradients reach them through the casts."""
-    dtype = _compute_dtype(x)
-    with torch.autocast(x.device.type, enabled=False):
-        return _LoRALinear.apply(x.to(dtype), w.to(dtype), a.to(dtype), b.to(dtype), scale, merged)
+def addmm(x, w, a, b, s):
+    return _own(_AddmmLoRA, x, w, a, b, s)
+
+
+def merged(x, w, a, b, s):
+    return trainer_lora_linear(x, w, None, a, b * s, "merged")
+
 
 # name: (tokens per image, K, N, factors side by side): the fused q/k/v (N = 3K, the three A factors side by
 # side and B block-diagonal, as train.fuse_qkv multiplies them) and a single projection, at both levels
@@ -107,16 +105,8 @@ def peft(x, w, a, b, s):
     return F.linear(x, w) + F.linear(F.linear(x, a), b) * s
 
 
-def merged(x, w, a, b, s):
-    return lora_linear(x, w, a, b, s, merged=True)
-
-
 def base(x, w, a, b, s):
     return F.linear(x, w)
-
-
-def addmm(x, w, a, b, s):
-    return lora_linear(x, w, a, b, s)
 
 
 VARIANTS = {"base": base, "peft": peft, "addmm": addmm, "merged": merged, "concat": concat, "concat_fold": concat_fold}

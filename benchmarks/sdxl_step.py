@@ -424,13 +424,11 @@ SETTINGS = {
     "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad": ("ours", [1, 4, 16, 20, 24], {
         "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
         "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True}),
-    # Round 9: each attention projection's LoRA inside its frozen GEMM (train.lora_in_gemm).
-    "ours+compile+fuse+io+geglu+cat+edges+convgrad+ingemm": ("ours", [16], {
-        "compile": "regional", "channels_last": True, "fuse_qkv": True, "transformer_io": True, "fused_geglu": True,
-        "skip_concat": True, "edges": True, "conv_grad": True, "lora_in_gemm": True}),
-    "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad+ingemm": ("ours", [1, 4, 16], {
-        "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
-        "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True, "lora_in_gemm": True}),
+    # Round 9: the attention projections' LoRA products (train.lora_matmul "concat" and "merged").
+    **{f"ours+compile{g}+fuse+io+geglu+cat+edges+convgrad+{m}": ("ours", [1, 4, 16], {
+        "compile": "regional", "channels_last": True, "cuda_graphs": bool(g), "fuse_qkv": True,
+        "transformer_io": True, "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True,
+        "lora_matmul": m}) for g in ("", "+graphs") for m in ("concat", "merged")},
     # The trainer's defaults of round 7 (the setting above) with compile_activation_budget = 0.4: issue 9's
     # batch 4 under 16 GiB, to re-measure with this code (1.12x in round 4).
     "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad+keep40": ("ours", [4], {

@@ -222,9 +222,10 @@ class TrainConfig(Section):
     # CUDA: the feed-forward's GEGLU backward as one Triton kernel that reads each input once
     # (sdxl_lora/kernels.py): the same gradients; H200, batch 16: 47.8 -> 17.3 ms of the step.
     fused_geglu: bool = True
-    # With fuse_qkv: each attention projection's LoRA computed inside its frozen GEMM ([x, xA^T] @ [W, sB]^T)
-    # instead of peft's separate rank-r product and add (docs/speed.md); the same loss and gradients.
-    lora_in_gemm: bool = False
+    # With fuse_qkv: how each attention projection's LoRA is computed (docs/speed.md). "peft": peft's own
+    # rank-r products and add; "concat": inside the frozen GEMM, [x, xA^T] @ [W, sB]^T (exact); "merged":
+    # x @ (W + sBA)^T, the delta rounded into a bf16 copy of the weight (A's and B's gradients exact).
+    lora_matmul: Literal["peft", "concat", "merged"] = "peft"
     # The attention kernel of the training forward (docs/speed.md): "default" is PyTorch's own choice; a
     # named one is used alone ("cudnn" and "efficient" need CUDA). cuDNN's is 1.6x flash's on SDXL's
     # attention shapes on an H200 in isolation, and torch's own choice already runs it there (profiled).
@@ -262,10 +263,10 @@ class TrainConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _lora_in_gemm_needs_fused_projections(self) -> "TrainConfig":
-        if self.lora_in_gemm and not self.fuse_qkv:
-            raise ValueError("lora_in_gemm works through the fused attention projections: set train.fuse_qkv=true "
-                             "too, or train.lora_in_gemm=false")
+    def _lora_matmul_needs_fused_projections(self) -> "TrainConfig":
+        if self.lora_matmul != "peft" and not self.fuse_qkv:
+            raise ValueError(f"lora_matmul={self.lora_matmul!r} works through the fused attention projections: set "
+                             "train.fuse_qkv=true too, or train.lora_matmul='peft'")
         return self
 
 

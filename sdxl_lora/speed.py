@@ -221,7 +221,7 @@ def _lora_factors(layer: torch.nn.Module) -> tuple | None:
     return layer.lora_A[a].weight, layer.lora_B[a].weight, layer.scaling[a]
 
 
-def _fused_projections(x: torch.Tensor, fused: torch.Tensor, layers: tuple, in_gemm: bool = False
+def _fused_projections(x: torch.Tensor, fused: torch.Tensor, layers: tuple, matmul: str = "peft"
                        ) -> list[torch.Tensor]:
     factors = [_lora_factors(layer) for layer in layers]
     if any(f is None for f in factors):
@@ -232,33 +232,39 @@ def _fused_projections(x: torch.Tensor, fused: torch.Tensor, layers: tuple, in_g
     else:
         a = torch.cat([f[0] for f in factors if f])
         b = torch.block_diag(*[f[1] * f[2] if f else a.new_zeros(n, 0) for f, n in zip(factors, widths)])
-        out = lora_in_gemm(x, fused, None, a, b) if in_gemm else F.linear(x, fused) + F.linear(F.linear(x, a), b)
+        out = F.linear(x, fused) + F.linear(F.linear(x, a), b) if matmul == "peft" else lora_linear(x, fused, None, a, b,
+                                                                                                     matmul)
     return list(out.split(widths, dim=-1))
 
 
-def _projection(layer: torch.nn.Module, x: torch.Tensor, in_gemm: bool) -> torch.Tensor:
-    """A single projection of the fused processor (the cross-attention's to_q, to_out.0): peft's forward,
-    or with train.lora_in_gemm its LoRA inside the frozen GEMM where the layer is a plain LoRA'd Linear."""
-    factors = _lora_factors(layer) if in_gemm else None
+def _projection(layer: torch.nn.Module, x: torch.Tensor, matmul: str) -> torch.Tensor:
+    """A single projection of the fused processor (the cross-attention's to_q, to_out.0): peft's forward, or
+    train.lora_matmul's where the layer is a plain LoRA'd Linear with a frozen base."""
+    factors = _lora_factors(layer) if matmul != "peft" else None
     base = _base_linear(layer)
     if not factors or type(base) is not torch.nn.Linear or base.weight.requires_grad:
         return layer(x)
-    return lora_in_gemm(x, base.weight, base.bias, factors[0], factors[1] * factors[2])
+    return lora_linear(x, base.weight, base.bias, factors[0], factors[1] * factors[2], matmul)
 
 
-# ---- LoRA inside the frozen GEMM (train.lora_in_gemm) ----
+# ---- LoRA's products (train.lora_matmul) ----
 #
 # peft computes a LoRA'd projection as base(x) + B(A(x)) * s: besides the frozen GEMM, a rank-r product
 # that writes a whole output-sized tensor, an add that reads it and the base output again, and in the
-# backward a rank-r product that reads the output's gradient once more for the input's gradient. Those are
-# memory-bound matmuls (N or K = r) far below the GPU's rate. Here the B product joins the frozen GEMM along
-# its reduction: y = [x, x A^T] @ [W, s B]^T (K grows by r: 1-4% more FLOPs at SDXL's widths), and in the
-# backward dy @ [W, s B] gives the input's gradient through W and dy s B in one GEMM. What is left of the
-# rank-r work is the least LoRA needs: x A^T, its gradient's product with A, and A's and B's gradients.
-# The values are peft's (the same products, summed in another order). Neither peft nor diffusers offers
-# this (peft's Linear always adds its LoRA output to the base layer's).
+# backward a rank-r product that reads the output's gradient once more. These are memory-bound matmuls
+# (N or K = r: ~40-50 TFLOP/s at batch 16's shapes on an H200, at the memory's bandwidth), ~36 ms of batch
+# 16's step. Two ways with fewer of them (neither peft nor diffusers has one: peft's Linear always adds
+# its LoRA output to the base layer's):
+#   "concat"  the B product joins the frozen GEMM along its reduction: y = [x, x A^T] @ [W, s B]^T (K grows
+#             by r), and in the backward dy @ [W, s B] gives the input's gradient through W and dy s B in
+#             one GEMM. Exact (peft's products summed in another order), but [x, x A^T] is a copy of x.
+#   "merged"  y = x @ (W + s B A)^T: the delta added to the frozen weight (one small GEMM over the weight,
+#             rounded once to the compute dtype) and one GEMM each way; A's and B's gradients are exact
+#             products of the output's gradient, as peft's. The forward sees the delta at the weight's
+#             precision (bf16: 2^-9 of each weight), not at its own: a delta below half a unit of the
+#             weight it is added to is not seen by the forward (docs/speed.md).
 
-class _LoRAInGemm(torch.autograd.Function):
+class _LoRAConcat(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bias, a, b):
         x2 = x.reshape(-1, x.shape[-1])
@@ -279,29 +285,51 @@ class _LoRAInGemm(torch.autograd.Function):
         return dx, None, None, dh.t() @ xc[:, :k], dy2.t() @ xc[:, k:]
 
 
-def lora_in_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
-                 b: torch.Tensor) -> torch.Tensor:
+class _LoRAMerged(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, a, b):
+        x2 = x.reshape(-1, x.shape[-1])
+        h = x2 @ a.t()
+        y = F.linear(x2, torch.addmm(w, b, a), bias)
+        ctx.save_for_backward(x2, h, w, a, b)  # what peft's keeps; W + s B A is made again in the backward
+        ctx.x_shape = x.shape
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, h, w, a, b = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dh = dy2 @ b
+        dx = (dy2 @ torch.addmm(w, b, a)).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        return dx, None, None, dh.t() @ x2, dy2.t() @ h
+
+
+_LORA_MATMULS = {"concat": _LoRAConcat, "merged": _LoRAMerged}
+
+
+def lora_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
+                matmul: str = "concat") -> torch.Tensor:
     """F.linear(x, w, bias) + F.linear(F.linear(x, a), b) (b with the LoRA scaling in it) for a frozen w and
-    bias, as one GEMM each way (above); in autocast's dtype as F.linear would run, the factors' gradients
-    reaching them through the casts."""
+    bias, computed the `matmul` way (above: "concat" or "merged"); in autocast's dtype as F.linear would
+    run, the factors' gradients reaching them through the casts."""
     if w.requires_grad or (bias is not None and bias.requires_grad):
-        raise ValueError("lora_in_gemm computes no gradient for the base weight or bias: they must be frozen")
+        raise ValueError("lora_linear computes no gradient for the base weight or bias: they must be frozen")
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     with torch.autocast(device, enabled=False):
-        return _LoRAInGemm.apply(x.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype), a.to(dtype),
-                                 b.to(dtype))
+        return _LORA_MATMULS[matmul].apply(x.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype),
+                                           a.to(dtype), b.to(dtype))
 
 
 class FusedProjectionsProcessor:
     """diffusers' AttnProcessor2_0 with the projections of one input made by one matmul (_fused_projections).
     Anything SDXL's attention does not use (masks, spatial or group norms, 4-D input) goes to the stock one."""
 
-    def __init__(self, lora_in_gemm: bool = False):
+    def __init__(self, lora_matmul: str = "peft"):
         from diffusers.models.attention_processor import AttnProcessor2_0
 
         self.stock = AttnProcessor2_0()
-        self.in_gemm = lora_in_gemm
+        self.matmul = lora_matmul
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
                  *args, **kwargs):
@@ -312,27 +340,27 @@ class FusedProjectionsProcessor:
                 or args or kwargs):
             return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
         if self_attention:
-            q, k, v = _fused_projections(hidden_states, fused.weight, (attn.to_q, attn.to_k, attn.to_v), self.in_gemm)
+            q, k, v = _fused_projections(hidden_states, fused.weight, (attn.to_q, attn.to_k, attn.to_v), self.matmul)
         else:
-            q = _projection(attn.to_q, hidden_states, self.in_gemm)
-            k, v = _fused_projections(encoder_hidden_states, fused.weight, (attn.to_k, attn.to_v), self.in_gemm)
+            q = _projection(attn.to_q, hidden_states, self.matmul)
+            k, v = _fused_projections(encoder_hidden_states, fused.weight, (attn.to_k, attn.to_v), self.matmul)
         b, heads = hidden_states.shape[0], attn.heads
         d = k.shape[-1] // heads
         q, k, v = (t.reshape(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))
         h = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
         h = h.transpose(1, 2).reshape(b, -1, heads * d).to(q.dtype)
-        h = attn.to_out[1](_projection(attn.to_out[0], h, self.in_gemm))
+        h = attn.to_out[1](_projection(attn.to_out[0], h, self.matmul))
         if attn.residual_connection:
             h = h + hidden_states
         return h / attn.rescale_output_factor
 
 
-def fuse_projections(model: torch.nn.Module, lora_in_gemm: bool = False) -> int:
+def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
     """train.fuse_qkv: every diffusers Attention on the stock SDPA processor gets FusedProjectionsProcessor,
     its base q/k/v (self-attention) or k/v (cross-attention) weights moved into one buffer they are views
-    of. Projections with a bias or of another kind are left alone. With `lora_in_gemm` (train.lora_in_gemm)
-    the processor computes the LoRA of its projections inside their frozen GEMMs. Returns the number of
-    attentions fused."""
+    of. Projections with a bias or of another kind are left alone. `lora_matmul` (train.lora_matmul) is how
+    the processor computes its projections' LoRA: "peft" (peft's products), "concat" or "merged" (above).
+    Returns the number of attentions fused."""
     from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
     n = 0
@@ -351,7 +379,7 @@ def fuse_projections(model: torch.nn.Module, lora_in_gemm: bool = False) -> int:
             b.weight = torch.nn.Parameter(fused[offset:offset + b.out_features], requires_grad=False)
             offset += b.out_features
         attn.add_module("fused_kv" if attn.is_cross_attention else "fused_qkv", _FusedWeight(fused))
-        attn.set_processor(FusedProjectionsProcessor(lora_in_gemm))
+        attn.set_processor(FusedProjectionsProcessor(lora_matmul))
         n += 1
     return n
 

@@ -337,8 +337,9 @@ def test_fused_qkv_projections_give_the_same_loss_and_gradients(tiny_dir, monkey
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_lora_inside_the_frozen_gemm_gives_the_same_loss_and_gradients(tiny_dir, monkeypatch, compiled):
+@pytest.mark.parametrize("matmul,compiled", [("concat", False), ("concat", True), ("merged", True)],
+                         ids=["concat-eager", "concat-compiled", "merged-compiled"])
+def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, monkeypatch, matmul, compiled):
     from diffusers.models.attention_processor import Attention
 
     from sdxl_lora.config import ConfigError, load_config
@@ -357,13 +358,13 @@ def test_lora_inside_the_frozen_gemm_gives_the_same_loss_and_gradients(tiny_dir,
         m.to_out[0].scaling["default"] = 3.0
     batch = batch_for(unet)
     ref = loss_and_grads(unet, batch)
-    # peft's own LoRA forward runs only where the in-GEMM path cannot take the projection.
+    # peft's own LoRA forward runs only where train.lora_matmul's way cannot take the projection.
     peft_calls = []
     for m in attns:
         for layer in (m.to_q, m.to_k, m.to_v, m.to_out[0]):
             if hasattr(layer, "lora_B"):
                 layer.lora_B["default"].register_forward_hook(lambda *a, layer=layer: peft_calls.append(layer))
-    assert speed.fuse_projections(unet, lora_in_gemm=True) == len(attns) > 0
+    assert speed.fuse_projections(unet, lora_matmul=matmul) == len(attns) > 0
     if compiled:
         speed.compile_regions(unet, classes=("BasicTransformerBlock",))
     got = loss_and_grads(unet, batch)
@@ -372,9 +373,9 @@ def test_lora_inside_the_frozen_gemm_gives_the_same_loss_and_gradients(tiny_dir,
     # A base weight or bias being trained has no gradient on this path: refused, not silently frozen.
     w = torch.nn.Parameter(torch.randn(6, 4))
     with pytest.raises(ValueError, match="frozen"):
-        speed.lora_in_gemm(torch.randn(2, 4), w, None, torch.randn(2, 4), torch.randn(6, 2))
+        speed.lora_linear(torch.randn(2, 4), w, None, torch.randn(2, 4), torch.randn(6, 2), matmul)
     with pytest.raises(ConfigError, match="train.fuse_qkv=true"):
-        load_config(extra={"train.lora_in_gemm": True, "train.fuse_qkv": False})
+        load_config(extra={"train.lora_matmul": matmul, "train.fuse_qkv": False})
     torch._dynamo.reset()
 
 

@@ -343,7 +343,7 @@ class SDXLTask:
             raise ConfigError("train.cuda_graphs with gradient checkpointing needs adapter.dropout=0 (a checkpointed "
                               "block that draws random numbers must save the RNG state, which a graph cannot)")
         if tc.fuse_qkv:
-            n = speed.fuse_projections(unet, lora_in_gemm=tc.lora_in_gemm)
+            n = speed.fuse_projections(unet, lora_matmul=tc.lora_matmul)
             log.info("train.fuse_qkv: %d attention layers project q/k/v (or k/v) with one matmul", n)
         if tc.fused_geglu and self.device.type == "cuda":  # the kernel is Triton's; the CPU keeps torch's ops
             from .. import kernels
