@@ -87,9 +87,10 @@ def our_task(unet, device, train: dict):
     from sdxl_lora.config import load_config
     from sdxl_lora.sdxl.task import SDXLTask
 
-    # Settings without "+fuse" run without train.fuse_qkv (on by default since round 5) and without "+geglu"
-    # train.fused_geglu (since round 6), as they were measured.
-    cfg = load_config(extra={"train.fuse_qkv": False, "train.fused_geglu": False,
+    # Settings without "+fuse" run without train.fuse_qkv (on by default since round 5), without "+geglu"
+    # train.fused_geglu (since round 6) and without "+merged" train.lora_matmul="merged" (since round 9), as
+    # they were measured.
+    cfg = load_config(extra={"train.fuse_qkv": False, "train.fused_geglu": False, "train.lora_matmul": "peft",
                              **{f"train.{k}": v for k, v in train.items()}})
     task = SDXLTask(cfg)
     task.device = torch.device(device)
@@ -429,6 +430,10 @@ SETTINGS = {
         "compile": "regional", "channels_last": True, "cuda_graphs": bool(g), "fuse_qkv": True,
         "transformer_io": True, "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True,
         "lora_matmul": m}) for g in ("", "+graphs") for m in ("concat", "merged")},
+    "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad+merged+keep40": ("ours", [4], {
+        "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
+        "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True, "lora_matmul": "merged",
+        "compile_activation_budget": 0.4}),
     # The trainer's defaults of round 7 (the setting above) with compile_activation_budget = 0.4: issue 9's
     # batch 4 under 16 GiB, to re-measure with this code (1.12x in round 4).
     "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad+keep40": ("ours", [4], {

@@ -222,10 +222,12 @@ class TrainConfig(Section):
     # CUDA: the feed-forward's GEGLU backward as one Triton kernel that reads each input once
     # (sdxl_lora/kernels.py): the same gradients; H200, batch 16: 47.8 -> 17.3 ms of the step.
     fused_geglu: bool = True
-    # With fuse_qkv: how each attention projection's LoRA is computed (docs/speed.md). "peft": peft's own
-    # rank-r products and add; "concat": inside the frozen GEMM, [x, xA^T] @ [W, sB]^T (exact); "merged":
-    # x @ (W + sBA)^T, the delta rounded into a bf16 copy of the weight (A's and B's gradients exact).
-    lora_matmul: Literal["peft", "concat", "merged"] = "peft"
+    # With fuse_qkv: how each attention projection's LoRA is computed (docs/speed.md). "merged": x @ (W + sBA)^T,
+    # the delta added to a copy of the frozen weight each call (rounded once to bf16: as close to fp32 as
+    # peft's products, tested), A's and B's gradients as peft's; H200, batch 16: 574.9 -> 545.9 ms. "peft":
+    # peft's own rank-r products and add; "concat": [x, xA^T] @ [W, sB]^T (exact; 570.6 ms). Projections
+    # with fewer tokens than the weight's input width keep peft's products (the weight would cost more).
+    lora_matmul: Literal["peft", "concat", "merged"] = "merged"
     # The attention kernel of the training forward (docs/speed.md): "default" is PyTorch's own choice; a
     # named one is used alone ("cudnn" and "efficient" need CUDA). cuDNN's is 1.6x flash's on SDXL's
     # attention shapes on an H200 in isolation, and torch's own choice already runs it there (profiled).

@@ -232,6 +232,7 @@ def _fused_projections(x: torch.Tensor, fused: torch.Tensor, layers: tuple, matm
     else:
         a = torch.cat([f[0] for f in factors if f])
         b = torch.block_diag(*[f[1] * f[2] if f else a.new_zeros(n, 0) for f, n in zip(factors, widths)])
+        matmul = _lora_way(matmul, x, fused)
         out = F.linear(x, fused) + F.linear(F.linear(x, a), b) if matmul == "peft" else lora_linear(x, fused, None, a, b,
                                                                                                      matmul)
     return list(out.split(widths, dim=-1))
@@ -240,11 +241,24 @@ def _fused_projections(x: torch.Tensor, fused: torch.Tensor, layers: tuple, matm
 def _projection(layer: torch.nn.Module, x: torch.Tensor, matmul: str) -> torch.Tensor:
     """A single projection of the fused processor (the cross-attention's to_q, to_out.0): peft's forward, or
     train.lora_matmul's where the layer is a plain LoRA'd Linear with a frozen base."""
-    factors = _lora_factors(layer) if matmul != "peft" else None
     base = _base_linear(layer)
+    factors = _lora_factors(layer) if _lora_way(matmul, x, base.weight) != "peft" else None
     if not factors or type(base) is not torch.nn.Linear or base.weight.requires_grad:
         return layer(x)
     return lora_linear(x, base.weight, base.bias, factors[0], factors[1] * factors[2], matmul)
+
+
+# train.lora_matmul's other ways read and write a weight-sized tensor per call: they pay only where the
+# activation has at least this many rows (tokens) per column of the weight.
+LORA_WAY_MIN_ROWS_PER_COLUMN = 1.0
+
+
+def _lora_way(matmul: str, x: torch.Tensor, w: torch.Tensor) -> str:
+    """train.lora_matmul's way for one product, or "peft" where it would cost more than it saves (SDXL: the
+    cross-attention's k/v over 77 text tokens, the 32x32 stages at batch 1). Shapes are fixed per compiled
+    graph, so is the choice."""
+    rows = x.numel() // x.shape[-1]
+    return matmul if rows >= LORA_WAY_MIN_ROWS_PER_COLUMN * w.shape[1] else "peft"
 
 
 # ---- LoRA's products (train.lora_matmul) ----
@@ -497,11 +511,29 @@ def _compiled_group_norm(self, x):
     return self._group_norm_fn(self, x)
 
 
+def _nearest2x(x: torch.Tensor) -> torch.Tensor:
+    """F.interpolate(x, scale_factor=2, mode="nearest") for a channels_last x, as a broadcast: its gradient is
+    a sum over each 2x2 block, where inductor builds upsample_nearest2d's backward as a scatter-add with
+    atomics (H200, batch 16: 3.1 ms for SDXL's two upsamplers, ~0.2 ms read once)."""
+    b, c, h, w = x.shape
+    nhwc = x.permute(0, 2, 3, 1)
+    return nhwc[:, :, None, :, None, :].expand(b, h, 2, w, 2, c).reshape(b, 2 * h, 2 * w, c).permute(0, 3, 1, 2)
+
+
+def _upsample(self, hidden_states, output_size=None, *args, **kwargs):
+    """diffusers' Upsample2D with the plain case (interpolate 2x, then the convolution) through _nearest2x."""
+    if (args or kwargs or output_size is not None or self.norm is not None or self.use_conv_transpose
+            or not self.interpolate or not self.use_conv or self.name != "conv"):
+        return type(self).forward(self, hidden_states, output_size, *args, **kwargs)
+    return self.conv(_nearest2x(hidden_states))
+
+
 def compile_edges(model: torch.nn.Module, backend: str | None = None) -> int:
     """With channels_last and compile: the UNet's last GroupNorm (conv_norm_out) and its upsamplers compiled as
     regions too. On CUDA, torch's eager GroupNorm copies a channels_last input to NCHW and hands back an NCHW
     gradient (which the compiled ResNet before it copies again), and diffusers' Upsample2D interpolates bf16 in
-    fp32 (two casts around it); compiled, each is one channels_last kernel. The GroupNorm goes through a
+    fp32 (two casts around it); compiled, each is one channels_last kernel (the upsampling as a broadcast,
+    _nearest2x). The GroupNorm goes through a
     function of ours: torch.compile does not trace a torch.nn module's own forward as its top frame (it ran
     eager when compiled with Module.compile). Returns how many modules."""
     import types
@@ -513,6 +545,7 @@ def compile_edges(model: torch.nn.Module, backend: str | None = None) -> int:
             m.forward = types.MethodType(_compiled_group_norm, m)
             n += 1
         elif type(m).__name__ == "Upsample2D":
+            m.forward = types.MethodType(_upsample, m)
             m.compile(**compile_options(backend, UNET_INDUCTOR_OPTIONS))
             n += 1
     return n

@@ -364,12 +364,18 @@ def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, monkeypatch
         for layer in (m.to_q, m.to_k, m.to_v, m.to_out[0]):
             if hasattr(layer, "lora_B"):
                 layer.lora_B["default"].register_forward_hook(lambda *a, layer=layer: peft_calls.append(layer))
+    monkeypatch.setattr(speed, "LORA_WAY_MIN_ROWS_PER_COLUMN", 0.0)  # the tiny model's few tokens: every product
     assert speed.fuse_projections(unet, lora_matmul=matmul) == len(attns) > 0
     if compiled:
         speed.compile_regions(unet, classes=("BasicTransformerBlock",))
     got = loss_and_grads(unet, batch)
     assert_same(ref, got)
     assert peft_calls == [cross.to_out[0]]
+    # At SDXL's sizes: peft's products where the weight would cost more than the activations (77 text tokens).
+    monkeypatch.undo()
+    text, image, w_kv = torch.empty(2, 77, 2048), torch.empty(16, 1024, 1280), torch.empty(1280, 2048)
+    assert speed._lora_way(matmul, text, w_kv) == "peft"
+    assert speed._lora_way(matmul, image, torch.empty(3840, 1280)) == matmul
     # A base weight or bias being trained has no gradient on this path: refused, not silently frozen.
     w = torch.nn.Parameter(torch.randn(6, 4))
     with pytest.raises(ValueError, match="frozen"):
@@ -377,6 +383,42 @@ def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, monkeypatch
     with pytest.raises(ConfigError, match="train.fuse_qkv=true"):
         load_config(extra={"train.lora_matmul": matmul, "train.fuse_qkv": False})
     torch._dynamo.reset()
+
+
+def test_merged_lora_is_as_close_to_fp32_as_peft_in_bf16():
+    """train.lora_matmul="merged" rounds W + sBA to bf16 once per call: its output and gradients stay as close
+    to the fp32 result as peft's separate bf16 products, for LoRA deltas from 10% to 0.1% of the weight."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    m, k, n, r = 512, 256, 384, 8
+    x = torch.randn(m, k, generator=g)
+    w = (0.02 * torch.randn(n, k, generator=g)).bfloat16()
+    a = torch.randn(r, k, generator=g) / k ** 0.5
+    dy = torch.randn(m, n, generator=g)
+
+    def peft(x, w, a, b):
+        return F.linear(x, w) + F.linear(F.linear(x, a), b)
+
+    def merged(x, w, a, b):
+        return speed.lora_linear(x, w, None, a, b, "merged")
+
+    def run(fn, b, bf16):
+        xs, a_, b_ = x.detach().requires_grad_(), a.clone().requires_grad_(), b.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y = fn(xs, w if bf16 else w.float(), a_, b_)
+        y.backward(dy.to(y.dtype))
+        return [t.float() for t in (y, xs.grad, a_.grad, b_.grad)]
+
+    for size in (1e-1, 1e-2, 1e-3):
+        b = torch.randn(n, r, generator=g)
+        b *= size * w.float().norm() / (b @ a).norm()
+        exact = run(peft, b, bf16=False)
+        err = {fn.__name__: [((u - v).norm() / v.norm()).item() for u, v in zip(run(fn, b, bf16=True), exact)]
+               for fn in (peft, merged)}
+        assert all(e < 1e-2 for e in err["peft"])  # bf16's own rounding
+        for name, got, ref in zip(("output", "x.grad", "A.grad", "B.grad"), err["merged"], err["peft"]):
+            assert got <= 1.05 * ref, (size, name, got, ref)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -473,12 +515,25 @@ def test_regional_compile_with_channels_last_keeps_the_resnets_surroundings_in_l
     convs = [m for b in unet.modules() if type(b).__name__ in ("ResnetBlock2D", "Upsample2D") for m in b.modules()
              if type(m) is torch.nn.Conv2d]
     assert convs and all(m.forward.__func__ is speed._conv_forward for m in convs)
+    samplers = [m for m in unet.modules() if type(m).__name__ == "Upsample2D"]
+    assert samplers and all(m.forward.__func__ is speed._upsample for m in samplers)
     assert_same(ref, loss_and_grads(unet, batch))
     # The compiled ResNets' backward graphs compute the input gradients as (transposed) convolutions, which
     # inductor keeps channels_last, none with convolution_backward (each one of those a copy on the GPU).
     calls = [n for g in backward_graphs for n in g.graph.nodes if n.op == "call_function"]
     assert any(n.target is torch.ops.aten.convolution.default and n.args[6] for n in calls)
     assert not [n for n in calls if n.target is torch.ops.aten.convolution_backward.default and n.args[10][0]]
+    # The upsamplers' gradient is a sum over each 2x2 block, not a scatter-add (atomics on the GPU).
+    aten = torch.ops.aten
+    assert not [n for n in calls if n.target in (aten.upsample_nearest2d_backward.default, aten.index_put.default,
+                                                 aten._unsafe_index_put.default)]
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last).requires_grad_()
+    up = speed._nearest2x(x)
+    assert up.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(up, torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest"), rtol=0, atol=0)
+    grad = torch.randn_like(up)
+    torch.testing.assert_close(torch.autograd.grad(up, x, grad)[0],
+                               torch.autograd.grad(torch.nn.functional.interpolate(x, scale_factor=2.0), x, grad)[0])
     torch._dynamo.reset()
 
 
