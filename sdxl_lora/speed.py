@@ -17,6 +17,9 @@
                     for the compute they cost to redo are checkpointed, just enough to fit a budget,
                     instead of diffusers' all-or-nothing switch (2.1x the step time).
   fused_geglu       the feed-forward's GEGLU backward as one Triton kernel (sdxl_lora/kernels.py).
+  fuse_qkv,         each attention's q/k/v (or k/v) projections as one matmul, and their LoRA (lora_matmul
+  lora_matmul       "merged") as one GEMM each way over the weight plus its delta instead of peft's
+                    memory-bound rank-r products and adds.
   profile_steps     torch's profiler over N steps, a Chrome/Perfetto trace in the run folder and a table
                     of where the step time goes in the log.
 
