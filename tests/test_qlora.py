@@ -328,6 +328,20 @@ def test_estimate_follows_the_regional_layout_levers(sdxl_meta, budget, batch, m
     assert memory.estimate(unet, channels_last=True, **tf).total == memory.estimate(unet, **tf).total
 
 
+# The trainer's default since round 9, train.lora_matmul="merged" (benchmarks/RESULTS.md, round 9): its peaks do
+# not follow one factor of the above (batch 16 5.4 GiB lower, batch 4 0.5 lower, the budgeted batch 4 0.5
+# higher), so the estimate is not refitted; it must stay above them, and close.
+MEASURED_MERGED = [(None, 4, 22.95), (None, 16, 72.19), (0.4, 4, 12.61)]
+
+
+@pytest.mark.parametrize("budget,batch,measured", MEASURED_MERGED)
+def test_estimate_stays_just_above_the_merged_lora_peaks(sdxl_meta, budget, batch, measured):
+    unet, trainable = sdxl_meta
+    est = memory.estimate(unet, trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=False,
+                          compile="regional", compile_activation_budget=budget, channels_last=True)
+    assert measured < est.total / GiB < 1.08 * measured
+
+
 def test_estimate_structure(sdxl_meta):
     unet, trainable = sdxl_meta
     kw = dict(trainable_params=trainable, resolution=1024, batch_size=2)
