@@ -16,6 +16,8 @@ Variants (x: tokens x K, W: N x K frozen, A: r x K, B: N x r trainable, s the sc
            (the trainer's train.lora_matmul = "concat", sdxl_lora.speed.lora_linear)
   concat_fold  the same forward (exact); backward: dy @ [W + sBA, sB], the A product folded into the weight
            (rounded to bf16) for the input's gradient alone: one GEMM, no (dy B s) A product and no add
+  merged_fusedgrad  merged, with dy B and B's gradient from one Triton kernel that reads dy once
+           (benchmarks/lora_grad.py; round 9, not yet measured on a GPU)
 Prints one JSON row per shape and variant: ms for forward + backward (wall time; --kernel-time: the GPU time
 of its kernels, what a CUDA-graphed step pays), the largest difference of the output and of the gradients
 from peft's in fp32. --tiny runs small shapes on the CPU (a smoke test).
@@ -28,7 +30,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-from sdxl_lora.speed import _LoRAConcat, lora_linear as trainer_lora_linear
+from lora_grad import lora_dy_products  # benchmarks/lora_grad.py
+from sdxl_lora.speed import _LoRAConcat, _LoRAMerged, lora_linear as trainer_lora_linear
 from timing import gpu_ms, timed  # benchmarks/timing.py (this script's folder is on the path)
 
 
@@ -67,6 +70,18 @@ class _ConcatFold(_LoRAConcat):
         return dxc[:, :k].reshape(ctx.x_shape), None, None, dxc[:, k:].t() @ xc[:, :k], dy2.t() @ xc[:, k:]
 
 
+class _MergedFusedGrad(_LoRAMerged):
+    """The trainer's "merged" forward; backward: dy B and B's gradient by one kernel reading dy once
+    (benchmarks/lora_grad.py)."""
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, h, w, a, b = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dh, db = lora_dy_products(dy2, b, h)
+        return (dy2 @ torch.addmm(w, b, a)).reshape(ctx.x_shape), None, None, dh.t() @ x2, db
+
+
 def _own(fn, x, w, a, b, s):
     """One of this script's functions in autocast's dtype, as F.linear would run (the factors' gradients
     reach them through the casts)."""
@@ -91,6 +106,10 @@ def merged(x, w, a, b, s):
     return trainer_lora_linear(x, w, None, a, b * s, "merged")
 
 
+def merged_fusedgrad(x, w, a, b, s):
+    return _own(_MergedFusedGrad, x, w, a, b, s)
+
+
 # name: (tokens per image, K, N, factors side by side): the fused q/k/v (N = 3K, the three A factors side by
 # side and B block-diagonal, as train.fuse_qkv multiplies them) and a single projection, at both levels
 SHAPES = {
@@ -109,7 +128,8 @@ def base(x, w, a, b, s):
     return F.linear(x, w)
 
 
-VARIANTS = {"base": base, "peft": peft, "addmm": addmm, "merged": merged, "concat": concat, "concat_fold": concat_fold}
+VARIANTS = {"base": base, "peft": peft, "addmm": addmm, "merged": merged, "concat": concat, "concat_fold": concat_fold,
+            "merged_fusedgrad": merged_fusedgrad}
 
 
 def main(argv=None) -> None:
