@@ -269,7 +269,7 @@ def _lora_way(matmul: str, x: torch.Tensor, w: torch.Tensor) -> str:
 # peft computes a LoRA'd projection as base(x) + B(A(x)) * s: besides the frozen GEMM, a rank-r product
 # that writes a whole output-sized tensor, an add that reads it and the base output again, and in the
 # backward a rank-r product that reads the output's gradient once more. These are memory-bound matmuls
-# (N or K = r: ~40-50 TFLOP/s at batch 16's shapes on an H200, at the memory's bandwidth), ~36 ms of batch
+# (N or K = r: ~40-50 TFLOP/s at batch 16's shapes on an H200, at the memory's bandwidth), 37.6 ms of batch
 # 16's step. Two ways with fewer of them (neither peft nor diffusers has one: peft's Linear always adds
 # its LoRA output to the base layer's):
 #   "concat"  the B product joins the frozen GEMM along its reduction: y = [x, x A^T] @ [W, s B]^T (K grows
@@ -278,8 +278,9 @@ def _lora_way(matmul: str, x: torch.Tensor, w: torch.Tensor) -> str:
 #   "merged"  y = x @ (W + s B A)^T: the delta added to the frozen weight (one small GEMM over the weight,
 #             rounded once to the compute dtype) and one GEMM each way; A's and B's gradients are exact
 #             products of the output's gradient, as peft's. The forward sees the delta at the weight's
-#             precision (bf16: 2^-9 of each weight), not at its own: a delta below half a unit of the
-#             weight it is added to is not seen by the forward (docs/speed.md).
+#             precision (bf16: 2^-9 of each weight), not at its own; peft's bf16 output, rounded at 2^-9 of
+#             its own size, loses as much of a small delta: merged's output and gradients are as close to
+#             fp32 as peft's (tests/test_speed.py). In fp32 both are exact. The default.
 
 class _LoRAConcat(torch.autograd.Function):
     @staticmethod
@@ -536,9 +537,9 @@ def compile_edges(model: torch.nn.Module, backend: str | None = None) -> int:
     regions too. On CUDA, torch's eager GroupNorm copies a channels_last input to NCHW and hands back an NCHW
     gradient (which the compiled ResNet before it copies again), and diffusers' Upsample2D interpolates bf16 in
     fp32 (two casts around it); compiled, each is one channels_last kernel (the upsampling as a broadcast,
-    _nearest2x). The GroupNorm goes through a
-    function of ours: torch.compile does not trace a torch.nn module's own forward as its top frame (it ran
-    eager when compiled with Module.compile). Returns how many modules."""
+    _nearest2x). The GroupNorm goes through a function of ours: torch.compile does not trace a torch.nn
+    module's own forward as its top frame (it ran eager when compiled with Module.compile). Returns how many
+    modules."""
     import types
 
     n = 0
