@@ -139,7 +139,8 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
         extra_regions = tuple(train.pop("extra_regions", ()))  # more classes compiled with compile="regional"
         # The layout levers of channels_last (the stages' ways in and out since round 6, the ResNets'
         # surroundings with compile="regional" since round 7): only in the settings that name them, so the
-        # earlier settings run as they were measured.
+        # earlier settings run as they were measured. "+edges" includes the upsamplers' broadcast since
+        # round 9 (commit 1a276c9).
         around = {"transformer_io": train.pop("transformer_io", False),
                   "fuse_skip_concat": train.pop("skip_concat", False), "compile_edges": train.pop("edges", False),
                   "conv_input_grad": train.pop("conv_grad", False)}
