@@ -227,6 +227,7 @@ class TrainConfig(Section):
     # peft's products, tested), A's and B's gradients as peft's; H200, batch 16: 574.9 -> 545.9 ms. "peft":
     # peft's own rank-r products and add; "concat": [x, xA^T] @ [W, sB]^T (exact; 570.6 ms). Projections
     # with fewer tokens than the weight's input width keep peft's products (the weight would cost more).
+    # Without fuse_qkv every projection is peft's own.
     lora_matmul: Literal["peft", "concat", "merged"] = "merged"
     # The attention kernel of the training forward (docs/speed.md): "default" is PyTorch's own choice; a
     # named one is used alone ("cudnn" and "efficient" need CUDA). cuDNN's is 1.6x flash's on SDXL's
@@ -266,7 +267,8 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _lora_matmul_needs_fused_projections(self) -> "TrainConfig":
-        if self.lora_matmul != "peft" and not self.fuse_qkv:
+        # Only a choice the user made: the default ("merged") simply has nothing to act on without fuse_qkv.
+        if self.lora_matmul != "peft" and not self.fuse_qkv and "lora_matmul" in self.model_fields_set:
             raise ValueError(f"lora_matmul={self.lora_matmul!r} works through the fused attention projections: set "
                              "train.fuse_qkv=true too, or train.lora_matmul='peft'")
         return self

@@ -326,7 +326,7 @@ _LORA_MATMULS = {"concat": _LoRAConcat, "merged": _LoRAMerged}
 
 
 def lora_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
-                matmul: str = "concat") -> torch.Tensor:
+                matmul: str) -> torch.Tensor:
     """F.linear(x, w, bias) + F.linear(F.linear(x, a), b) (b with the LoRA scaling in it) for a frozen w and
     bias, computed the `matmul` way (above: "concat" or "merged"); in autocast's dtype as F.linear would
     run, the factors' gradients reaching them through the casts."""
