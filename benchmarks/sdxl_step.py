@@ -118,7 +118,7 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
     data = inputs(unet, batch, device)
     check = None
     guard = {"pending": None, "sync": bool((train or {}).get("nan_guard_sync"))}
-    train = {k: v for k, v in (train or {}).items() if k not in ("nan_guard_sync", "fusedgrad")}
+    train = {k: v for k, v in (train or {}).items() if k != "nan_guard_sync"}
     if mode == "recipe":
         if (train or {}).get("gradient_checkpointing"):
             unet.enable_gradient_checkpointing()
@@ -431,11 +431,6 @@ SETTINGS = {
         "compile": "regional", "channels_last": True, "cuda_graphs": bool(g), "fuse_qkv": True,
         "transformer_io": True, "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True,
         "lora_matmul": m}) for g in ("", "+graphs") for m in ("concat", "merged")},
-    # Merged with dy B and B's gradient from one kernel (benchmarks/lora_grad.py; not in the trainer).
-    "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad+merged+fusedgrad": ("ours", [4, 16], {
-        "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
-        "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True, "lora_matmul": "merged",
-        "fusedgrad": True}),
     # The 16 GiB budget at batch 4 with merged: 0.4 and, to trade memory for time, 0.45 and 0.5.
     **{f"ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad+merged+keep{round(f * 100)}": ("ours", [4], {
         "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
@@ -456,8 +451,8 @@ SETTINGS = {
     "ours+ckpt+graphs": ("ours", [1, 4], {"gradient_checkpointing": True, "cuda_graphs": True}),
     "ours+nf4+ckpt": ("ours", [4], {"quantize": "nf4", "gradient_checkpointing": True}),
     "ours+nf4+ckpt+graphs": ("ours", [1, 4], {"quantize": "nf4", "gradient_checkpointing": True, "cuda_graphs": True}),
-    # QLoRA's goal against the trainer's bf16 defaults of round 9 (fused q/k/v, the GEGLU kernel, merged LoRA, which
-    # a quantized base does not take), both with checkpointing and graphs.
+    # QLoRA's goal against the trainer's bf16 defaults of round 9 (fused q/k/v, the GEGLU kernel, merged LoRA; since
+    # session 10 a quantized base takes merged too), both with checkpointing and graphs.
     **{f"ours{q}+ckpt+graphs+fuse+geglu+merged": ("ours", [4], {
         **({"quantize": "nf4"} if q else {}), "gradient_checkpointing": True, "cuda_graphs": True, "fuse_qkv": True,
         "fused_geglu": True, "lora_matmul": "merged"}) for q in ("", "+nf4")},
@@ -547,11 +542,6 @@ def main():
                 recipe_lora(unet, args.rank)
             else:
                 project_lora(unet, "attn", args.rank)
-            from sdxl_lora import speed
-            merged_fn = speed._LORA_MATMULS["merged"]
-            if train.get("fusedgrad"):  # the merged way's backward with benchmarks/lora_grad.py's kernel (round 9)
-                from lora_linear import _MergedFusedGrad
-                speed._LORA_MATMULS["merged"] = _MergedFusedGrad
             try:
                 row = {"setting": name, "batch": batch,
                        **bench(unet, batch, args.steps, args.warmup, device, mode, train, args.profile,
@@ -560,8 +550,6 @@ def main():
                 row = {"setting": name, "batch": batch, "error": f"out of memory: {str(e)[:120]}"}
             except Exception as e:  # one failing setting must not cost the others' figures
                 row = {"setting": name, "batch": batch, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            finally:
-                speed._LORA_MATMULS["merged"] = merged_fn
             print(json.dumps(row), flush=True)
             del unet
             # The graphed callables can sit in reference cycles with their autograd functions: collect them, so

@@ -118,11 +118,11 @@ def _fp8_store(layer: nn.Module, weight: torch.Tensor, device: torch.device | st
     layer.register_buffer("weight_scale", scale.contiguous().view(torch.int32))
 
 
-def _fp8_dequantized(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+def _fp8_dequantized(layer: nn.Module, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     scale = layer.weight_scale.view(torch.float32).view(-1, *[1] * (layer.weight.dim() - 1))
     # e4m3 values are exact in bf16/fp16, so the product in the target dtype rounds once, like a
     # 16-bit weight would; no full-size fp32 temporary on the device.
-    return layer.weight.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype)
+    return torch.mul(layer.weight.view(torch.float8_e4m3fn).to(dtype), scale.to(dtype), out=out)
 
 
 def _fp8_forward_dtype(layer: nn.Module, x: torch.Tensor) -> tuple[bool, torch.dtype]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -199,8 +200,54 @@ class _FusedWeight(torch.nn.Module):
         self.register_buffer("weight", weight, persistent=False)
 
 
+class _QuantizedProjections(torch.nn.Module):
+    """fused_qkv/fused_kv for quantized bases (bitsandbytes 4-bit, our fp8): nothing stored; the "merged" way
+    dequantizes their weights into one buffer per call (_dequantized). A tuple, so the layers are not
+    registered a second time (state_dict and model.to() see them once, where they are)."""
+
+    def __init__(self, bases: list[torch.nn.Module]):
+        super().__init__()
+        self.bases = tuple(bases)
+        self.in_features = bases[0].in_features
+
+
 def _base_linear(layer: torch.nn.Module) -> torch.nn.Module:
     return getattr(layer, "base_layer", layer)
+
+
+def _is_4bit(base: torch.nn.Module) -> bool:
+    bnb = sys.modules.get("bitsandbytes")  # not imported: no 4-bit layer can exist
+    return bnb is not None and isinstance(base, bnb.nn.Linear4bit)
+
+
+def _dequantizable(base: torch.nn.Module) -> bool:
+    """A frozen quantized Linear whose weight _dequantized can rebuild: bitsandbytes 4-bit (nf4/fp4) or fp8.
+    LLM.int8 is not: its product splits outlier columns off, which one dequantized weight does not reproduce."""
+    from .quantize import Float8Linear
+
+    return isinstance(base, Float8Linear) or _is_4bit(base)
+
+
+def _dequantized(bases: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The weights of `bases` dequantized to `dtype`, stacked along the output dimension into one new buffer."""
+    from .quantize import _fp8_dequantized
+
+    out = torch.empty(sum(b.out_features for b in bases), bases[0].in_features, dtype=dtype,
+                      device=bases[0].weight.device)
+    for base, part in zip(bases, out.split([b.out_features for b in bases])):
+        if _is_4bit(base):
+            import bitsandbytes.functional as bnbf
+
+            state = base.weight.quant_state
+            # Written in place on CUDA (no second weight-sized buffer); bitsandbytes' CPU backend has no
+            # `out=` kernel.
+            if state.dtype == dtype and part.is_cuda:
+                bnbf.dequantize_4bit(base.weight.data, state, out=part)
+            else:
+                part.copy_(bnbf.dequantize_4bit(base.weight.data, state))
+        else:
+            _fp8_dequantized(base, dtype, out=part)
+    return out
 
 
 _NO_LORA = ()
@@ -224,31 +271,45 @@ def _lora_factors(layer: torch.nn.Module) -> tuple | None:
     return layer.lora_A[a].weight, layer.lora_B[a].weight, layer.scaling[a]
 
 
-def _fused_projections(x: torch.Tensor, fused: torch.Tensor, layers: tuple, matmul: str = "peft"
+def _fused_projections(x: torch.Tensor, fused: torch.nn.Module, layers: tuple, matmul: str = "peft"
                        ) -> list[torch.Tensor]:
     factors = [_lora_factors(layer) for layer in layers]
-    if any(f is None for f in factors):
-        return [layer(x) for layer in layers]
+    quantized = isinstance(fused, _QuantizedProjections)
+    if any(f is None for f in factors) or (quantized and (
+            not any(factors) or _lora_way(matmul, x, fused.in_features) != "merged")):
+        return [layer(x) for layer in layers]  # a quantized base's other ways: peft's own layers
     widths = [_base_linear(layer).out_features for layer in layers]
     if not any(factors):
-        out = F.linear(x, fused)
+        out = F.linear(x, fused.weight)
     else:
         a = torch.cat([f[0] for f in factors if f])
         b = torch.block_diag(*[f[1] * f[2] if f else a.new_zeros(n, 0) for f, n in zip(factors, widths)])
-        matmul = _lora_way(matmul, x, fused)
-        out = F.linear(x, fused) + F.linear(F.linear(x, a), b) if matmul == "peft" else lora_linear(x, fused, None, a, b,
-                                                                                                     matmul)
+        if quantized:
+            out = lora_linear(x, fused.bases, None, a, b, "merged")
+        elif (way := _lora_way(matmul, x, fused.weight.shape[1])) == "peft":
+            out = F.linear(x, fused.weight) + F.linear(F.linear(x, a), b)
+        else:
+            out = lora_linear(x, fused.weight, None, a, b, way)
     return list(out.split(widths, dim=-1))
 
 
 def _projection(layer: torch.nn.Module, x: torch.Tensor, matmul: str) -> torch.Tensor:
     """A single projection of the fused processor (the cross-attention's to_q, to_out.0): peft's forward, or
-    train.lora_matmul's where the layer is a plain LoRA'd Linear with a frozen base."""
+    train.lora_matmul's where the layer is a plain LoRA'd Linear with a frozen base ("merged" only, for a
+    quantized base)."""
     base = _base_linear(layer)
-    factors = _lora_factors(layer) if _lora_way(matmul, x, base.weight) != "peft" else None
-    if not factors or type(base) is not torch.nn.Linear or base.weight.requires_grad:
+    way = _lora_way(matmul, x, base.in_features)
+    if _dequantizable(base):
+        factors = _lora_factors(layer) if way == "merged" else None
+        weight = (base,)
+    else:
+        factors = _lora_factors(layer) if way != "peft" else None
+        weight = base.weight
+        if type(base) is not torch.nn.Linear or base.weight.requires_grad:
+            factors = None
+    if not factors:
         return layer(x)
-    return lora_linear(x, base.weight, base.bias, factors[0], factors[1] * factors[2], matmul)
+    return lora_linear(x, weight, base.bias, factors[0], factors[1] * factors[2], way)
 
 
 # train.lora_matmul's other ways read and write a weight-sized tensor per call: they pay only where the
@@ -256,12 +317,12 @@ def _projection(layer: torch.nn.Module, x: torch.Tensor, matmul: str) -> torch.T
 LORA_WAY_MIN_ROWS_PER_COLUMN = 1.0
 
 
-def _lora_way(matmul: str, x: torch.Tensor, w: torch.Tensor) -> str:
+def _lora_way(matmul: str, x: torch.Tensor, in_features: int) -> str:
     """train.lora_matmul's way for one product, or "peft" where it would cost more than it saves (SDXL: the
     cross-attention's k/v over 77 text tokens, the 32x32 stages at batch 1). Shapes are fixed per compiled
     graph, so is the choice."""
     rows = x.numel() // x.shape[-1]
-    return matmul if rows >= LORA_WAY_MIN_ROWS_PER_COLUMN * w.shape[1] else "peft"
+    return matmul if rows >= LORA_WAY_MIN_ROWS_PER_COLUMN * in_features else "peft"
 
 
 # ---- LoRA's products (train.lora_matmul) ----
@@ -322,21 +383,52 @@ class _LoRAMerged(torch.autograd.Function):
         return dx, None, None, dh.t() @ x2, dy2.t() @ h
 
 
+class _LoRAMergedQuantized(torch.autograd.Function):
+    """"merged" for quantized frozen bases (a tuple of them, stacked along the output): the weight
+    dequantized into a new buffer, the delta added to it in place, one GEMM each way; the backward
+    dequantizes again instead of saving the weight, as bitsandbytes' own 4-bit matmul does: a saved
+    compute-dtype copy of every quantized weight would undo the quantization's memory saving."""
+
+    @staticmethod
+    def forward(ctx, x, bias, a, b, bases):
+        x2 = x.reshape(-1, x.shape[-1])
+        h = x2 @ a.t()
+        y = F.linear(x2, _dequantized(bases, x.dtype).addmm_(b, a), bias)
+        ctx.save_for_backward(x2, h, a, b)
+        ctx.bases, ctx.x_shape = bases, x.shape
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, h, a, b = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dh = dy2 @ b
+        dx = (dy2 @ _dequantized(ctx.bases, dy.dtype).addmm_(b, a)).reshape(ctx.x_shape) \
+            if ctx.needs_input_grad[0] else None
+        return dx, None, dh.t() @ x2, dy2.t() @ h, None
+
+
 _LORA_MATMULS = {"concat": _LoRAConcat, "merged": _LoRAMerged}
 
 
-def lora_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
-                matmul: str) -> torch.Tensor:
+def lora_linear(x: torch.Tensor, w: torch.Tensor | tuple, bias: torch.Tensor | None, a: torch.Tensor,
+                b: torch.Tensor, matmul: str) -> torch.Tensor:
     """F.linear(x, w, bias) + F.linear(F.linear(x, a), b) (b with the LoRA scaling in it) for a frozen w and
     bias, computed the `matmul` way (above: "concat" or "merged"); in autocast's dtype as F.linear would
-    run, the factors' gradients reaching them through the casts."""
-    if w.requires_grad or (bias is not None and bias.requires_grad):
+    run, the factors' gradients reaching them through the casts. `w` may be a tuple of quantized layers
+    (_dequantizable) whose weights, stacked, are W: "merged" only."""
+    quantized = isinstance(w, tuple)
+    if quantized and matmul != "merged":
+        raise ValueError(f"lora_linear over quantized weights is 'merged' only, not {matmul!r}")
+    if (not quantized and w.requires_grad) or (bias is not None and bias.requires_grad):
         raise ValueError("lora_linear computes no gradient for the base weight or bias: they must be frozen")
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    bias = None if bias is None else bias.to(dtype)
     with torch.autocast(device, enabled=False):
-        return _LORA_MATMULS[matmul].apply(x.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype),
-                                           a.to(dtype), b.to(dtype))
+        if quantized:
+            return _LoRAMergedQuantized.apply(x.to(dtype), bias, a.to(dtype), b.to(dtype), w)
+        return _LORA_MATMULS[matmul].apply(x.to(dtype), w.to(dtype), bias, a.to(dtype), b.to(dtype))
 
 
 class FusedProjectionsProcessor:
@@ -358,10 +450,10 @@ class FusedProjectionsProcessor:
                 or args or kwargs):
             return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
         if self_attention:
-            q, k, v = _fused_projections(hidden_states, fused.weight, (attn.to_q, attn.to_k, attn.to_v), self.matmul)
+            q, k, v = _fused_projections(hidden_states, fused, (attn.to_q, attn.to_k, attn.to_v), self.matmul)
         else:
             q = _projection(attn.to_q, hidden_states, self.matmul)
-            k, v = _fused_projections(encoder_hidden_states, fused.weight, (attn.to_k, attn.to_v), self.matmul)
+            k, v = _fused_projections(encoder_hidden_states, fused, (attn.to_k, attn.to_v), self.matmul)
         b, heads = hidden_states.shape[0], attn.heads
         d = k.shape[-1] // heads
         q, k, v = (t.reshape(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))
@@ -378,6 +470,8 @@ def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
     its base q/k/v (self-attention) or k/v (cross-attention) weights moved into one buffer they are views
     of. Projections with a bias or of another kind are left alone. `lora_matmul` (train.lora_matmul) is how
     the processor computes its projections' LoRA: "peft" (peft's products), "concat" or "merged" (above).
+    Quantized bases (_dequantizable: QLoRA's nf4/fp4, fp8) are fused for "merged" only: their weights are
+    dequantized into one buffer per call, the LoRA delta added to it (_LoRAMergedQuantized).
     Returns the number of attentions fused."""
     from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
@@ -387,16 +481,24 @@ def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
             continue
         names = ("to_k", "to_v") if attn.is_cross_attention else ("to_q", "to_k", "to_v")
         bases = [_base_linear(getattr(attn, name)) for name in names]
-        if any(type(b) is not torch.nn.Linear or b.bias is not None or b.weight.requires_grad for b in bases) or len(
-                {(b.in_features, b.weight.dtype, b.weight.device) for b in bases}) != 1:
+        if any(b.bias is not None for b in bases) or len({(b.in_features, b.weight.device) for b in bases}) != 1:
             continue
-        with torch.no_grad():
-            fused = torch.cat([b.weight for b in bases])
-        offset = 0
-        for b in bases:
-            b.weight = torch.nn.Parameter(fused[offset:offset + b.out_features], requires_grad=False)
-            offset += b.out_features
-        attn.add_module("fused_kv" if attn.is_cross_attention else "fused_qkv", _FusedWeight(fused))
+        if all(_dequantizable(b) for b in bases):
+            if lora_matmul != "merged":  # nothing to gain: peft's layers dequantize one by one anyway
+                continue
+            holder = _QuantizedProjections(bases)
+        elif all(type(b) is torch.nn.Linear and not b.weight.requires_grad for b in bases) and len(
+                {b.weight.dtype for b in bases}) == 1:
+            with torch.no_grad():
+                fused = torch.cat([b.weight for b in bases])
+            offset = 0
+            for b in bases:
+                b.weight = torch.nn.Parameter(fused[offset:offset + b.out_features], requires_grad=False)
+                offset += b.out_features
+            holder = _FusedWeight(fused)
+        else:
+            continue
+        attn.add_module("fused_kv" if attn.is_cross_attention else "fused_qkv", holder)
         attn.set_processor(FusedProjectionsProcessor(lora_matmul))
         n += 1
     return n

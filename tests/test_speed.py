@@ -11,11 +11,15 @@ from sdxl_lora import inject, speed
 from sdxl_lora.config import AdapterConfig
 
 
-def tiny_unet_with_lora(tiny_dir):
+def tiny_unet_with_lora(tiny_dir, preset="full", quantize=None):
     from diffusers import UNet2DConditionModel
 
     unet = UNet2DConditionModel.from_pretrained(str(tiny_dir / "unet"), local_files_only=True)
-    plan = inject.make_plan(unet, AdapterConfig(preset="full", rank=4), resolution=128, native=128)
+    plan = inject.make_plan(unet, AdapterConfig(preset=preset, rank=4), resolution=128, native=128)
+    if quantize:  # QLoRA's order: the base quantized, then the adapter
+        from sdxl_lora.quantize import quantize_model, unet_skip
+
+        quantize_model(unet, quantize, compute_dtype=torch.float32, skip=unet_skip)
     inject.apply_plan(unet, plan)
     # Non-zero up projections, so every adapter has a gradient and changes the output.
     g = torch.Generator().manual_seed(1)
@@ -373,9 +377,9 @@ def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, monkeypatch
     assert peft_calls == [cross.to_out[0]]
     # At SDXL's sizes: peft's products where the weight would cost more than the activations (77 text tokens).
     monkeypatch.undo()
-    text, image, w_kv = torch.empty(2, 77, 2048), torch.empty(16, 1024, 1280), torch.empty(1280, 2048)
-    assert speed._lora_way(matmul, text, w_kv) == "peft"
-    assert speed._lora_way(matmul, image, torch.empty(3840, 1280)) == matmul
+    text, image = torch.empty(2, 77, 2048), torch.empty(16, 1024, 1280)
+    assert speed._lora_way(matmul, text, 2048) == "peft"
+    assert speed._lora_way(matmul, image, 1280) == matmul
     # A base weight or bias being trained has no gradient on this path: refused, not silently frozen.
     w = torch.nn.Parameter(torch.randn(6, 4))
     with pytest.raises(ValueError, match="frozen"):
@@ -384,6 +388,39 @@ def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, monkeypatch
         load_config(extra={"train.lora_matmul": matmul, "train.fuse_qkv": False})
     # Turning fuse_qkv off alone is no error: the default way then has nothing to act on.
     assert load_config(extra={"train.fuse_qkv": False}).train.lora_matmul == "merged"
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("method", ["nf4", "fp8"])
+def test_merged_lora_over_a_quantized_base_gives_peft_loss_and_gradients(tiny_dir, monkeypatch, method):
+    """QLoRA with train.lora_matmul="merged": the quantized q/k/v weights dequantized into one buffer, the LoRA
+    delta added, one GEMM each way; the same loss and gradients as peft's layers over bitsandbytes' (or our
+    fp8) matmuls, and no dequantized weight kept for the backward."""
+    from diffusers.models.attention_processor import Attention
+
+    unet = tiny_unet_with_lora(tiny_dir, preset="attn", quantize=method)
+    attns = [m for m in unet.modules() if isinstance(m, Attention)]
+    batch = batch_for(unet)
+    ref = loss_and_grads(unet, batch)
+    keys = set(unet.state_dict())
+    assert speed.fuse_projections(unet, lora_matmul="peft") == 0  # peft's layers dequantize one by one anyway
+    monkeypatch.setattr(speed, "LORA_WAY_MIN_ROWS_PER_COLUMN", 0.0)  # the tiny model's few tokens: every product
+    assert speed.fuse_projections(unet, lora_matmul="merged") == len(attns) > 0
+    assert isinstance(attns[0].fused_qkv, speed._QuantizedProjections) and set(unet.state_dict()) == keys
+    peft_calls = []
+    for m in attns:
+        for layer in (m.to_q, m.to_k, m.to_v, m.to_out[0]):
+            layer.lora_B["default"].register_forward_hook(lambda *a, layer=layer: peft_calls.append(layer))
+    assert_same(ref, loss_and_grads(unet, batch))
+    assert not peft_calls  # every projection took the merged way
+    # What the backward keeps: the input, the rank-r activation and the factors, no weight-sized tensor.
+    attn = attns[0]
+    x = torch.randn(2, 64, attn.to_q.in_features, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        q, k, v = speed._fused_projections(x, attn.fused_qkv, (attn.to_q, attn.to_k, attn.to_v), "merged")
+    weight = sum(m.base_layer.out_features for m in (attn.to_q, attn.to_k, attn.to_v)) * x.shape[-1]
+    assert saved and max(s.numel() for s in saved) < weight
     torch._dynamo.reset()
 
 
