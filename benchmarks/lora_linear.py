@@ -17,7 +17,11 @@ Variants (x: tokens x K, W: N x K frozen, A: r x K, B: N x r trainable, s the sc
   concat_fold  the same forward (exact); backward: dy @ [W + sBA, sB], the A product folded into the weight
            (rounded to bf16) for the input's gradient alone: one GEMM, no (dy B s) A product and no add
   merged_fusedgrad  merged, with dy B and B's gradient from one Triton kernel that reads dy once
-           (benchmarks/lora_grad.py; round 9, not yet measured on a GPU)
+           (benchmarks/lora_grad.py; round 9, measured in session 10 and not kept)
+  merged_extf  merged with x A^T from the base GEMM, x @ [W + sBA; A]^T (N grows by r): one rank-r product
+           and its read of x fewer (session 10)
+  merged_extb  merged with dy sB from the input's-gradient GEMM, dy @ [W + sBA, sB] (K grows by r)
+  merged_ext   both
 Prints one JSON row per shape and variant: ms for forward + backward (wall time; --kernel-time: the GPU time
 of its kernels, what a CUDA-graphed step pays), the largest difference of the output and of the gradients
 from peft's in fp32. --tiny runs small shapes on the CPU (a smoke test).
@@ -82,6 +86,48 @@ class _MergedFusedGrad(_LoRAMerged):
         return (dy2 @ torch.addmm(w, b, a)).reshape(ctx.x_shape), None, None, dh.t() @ x2, db
 
 
+def _ext_forward(ctx, x, w, bias, a, b):
+    """merged's forward with x A^T from the base GEMM: x @ [W + sBA; A; 0]^T, A's rows padded with zeros to a
+    multiple of 8 (16 bytes) so the output's row stride stays aligned for the attention kernels."""
+    x2 = x.reshape(-1, x.shape[-1])
+    n, r = w.shape[0], a.shape[0]
+    wx = torch.cat([torch.addmm(w, b, a), a, a.new_zeros(-r % 8, a.shape[1])])
+    yh = F.linear(x2, wx, None if bias is None else F.pad(bias, (0, wx.shape[0] - n)))
+    ctx.save_for_backward(x2, yh[:, n:n + r].contiguous(), w, a, b)  # not a view: yh would stay alive
+    ctx.x_shape = x.shape
+    return yh[:, :n].reshape(*x.shape[:-1], n)
+
+
+def _ext_backward(ctx, dy):
+    """merged's backward with dy sB from the input's-gradient GEMM: dy @ [W + sBA, sB, 0]."""
+    x2, h, w, a, b = ctx.saved_tensors
+    k, r = w.shape[1], a.shape[0]
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dxh = dy2 @ torch.cat([torch.addmm(w, b, a), b, b.new_zeros(w.shape[0], -r % 8)], dim=1)
+    dh = dxh[:, k:k + r]
+    return dxh[:, :k].reshape(ctx.x_shape), None, None, dh.t() @ x2, dy2.t() @ h
+
+
+class _MergedExtF(_LoRAMerged):
+    """The trainer's "merged" with _ext_forward (x A^T from the base GEMM)."""
+    forward = staticmethod(_ext_forward)
+
+
+class _MergedExtB(_LoRAMerged):
+    """The trainer's "merged" with _ext_backward (dy sB from the input's-gradient GEMM)."""
+    backward = staticmethod(_ext_backward)
+
+
+class _MergedExt(_LoRAMerged):
+    """The trainer's "merged" with both: two of its four rank-r products (and their reads of x and dy) gone."""
+    forward = staticmethod(_ext_forward)
+    backward = staticmethod(_ext_backward)
+
+
+# sdxl_step.py --merged-variant: these in place of the trainer's merged function
+MERGED_VARIANTS = {"extf": _MergedExtF, "extb": _MergedExtB, "ext": _MergedExt}
+
+
 def _own(fn, x, w, a, b, s):
     """One of this script's functions in autocast's dtype, as F.linear would run (the factors' gradients
     reach them through the casts)."""
@@ -110,6 +156,18 @@ def merged_fusedgrad(x, w, a, b, s):
     return _own(_MergedFusedGrad, x, w, a, b, s)
 
 
+def merged_extf(x, w, a, b, s):
+    return _own(_MergedExtF, x, w, a, b, s)
+
+
+def merged_extb(x, w, a, b, s):
+    return _own(_MergedExtB, x, w, a, b, s)
+
+
+def merged_ext(x, w, a, b, s):
+    return _own(_MergedExt, x, w, a, b, s)
+
+
 # name: (tokens per image, K, N, factors side by side): the fused q/k/v (N = 3K, the three A factors side by
 # side and B block-diagonal, as train.fuse_qkv multiplies them) and a single projection, at both levels
 SHAPES = {
@@ -129,7 +187,8 @@ def base(x, w, a, b, s):
 
 
 VARIANTS = {"base": base, "peft": peft, "addmm": addmm, "merged": merged, "concat": concat, "concat_fold": concat_fold,
-            "merged_fusedgrad": merged_fusedgrad}
+            "merged_fusedgrad": merged_fusedgrad, "merged_extf": merged_extf, "merged_extb": merged_extb,
+            "merged_ext": merged_ext}
 
 
 def main(argv=None) -> None:
