@@ -19,8 +19,9 @@ Variants (x: tokens x K, W: N x K frozen, A: r x K, B: N x r trainable, s the sc
   merged_fusedgrad  merged, with dy B and B's gradient from one Triton kernel that reads dy once
            (benchmarks/lora_grad.py; round 9, measured in session 10 and not kept)
   merged_extf  merged with x A^T from the base GEMM, x @ [W + sBA; A]^T (N grows by r): one rank-r product
-           and its read of x fewer (session 10)
-  merged_extb  merged with dy sB from the input's-gradient GEMM, dy @ [W + sBA, sB] (K grows by r)
+           and its read of x fewer (session 10: the same GPU time as merged, not kept)
+  merged_extb  merged with dy sB from the input's-gradient GEMM, dy @ [W + sBA, sB] (K grows by r; session
+           10: 14% slower per batch-16 step's projections, not kept)
   merged_ext   both
 Prints one JSON row per shape and variant: ms for forward + backward (wall time; --kernel-time: the GPU time
 of its kernels, what a CUDA-graphed step pays), the largest difference of the output and of the gradients
@@ -122,10 +123,6 @@ class _MergedExt(_LoRAMerged):
     """The trainer's "merged" with both: two of its four rank-r products (and their reads of x and dy) gone."""
     forward = staticmethod(_ext_forward)
     backward = staticmethod(_ext_backward)
-
-
-# sdxl_step.py --merged-variant: these in place of the trainer's merged function
-MERGED_VARIANTS = {"extf": _MergedExtF, "extb": _MergedExtB, "ext": _MergedExt}
 
 
 def _own(fn, x, w, a, b, s):

@@ -493,17 +493,8 @@ def main():
                          'e.g. \'{"combo_kernels": true}\'')
     ap.add_argument("--check-geglu", action="store_true",
                     help="first compare train.fused_geglu's kernel with autograd's backward (gradient, time)")
-    ap.add_argument("--merged-variant", choices=["extf", "extb", "ext"],
-                    help="train.lora_matmul='merged' computed by one of benchmarks/lora_linear.py's variants "
-                         "(an experiment's switch, session 10)")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny UNet on the CPU: a smoke test")
     args = ap.parse_args()
-    if args.merged_variant:
-        from lora_linear import MERGED_VARIANTS  # this script's folder is on the path
-
-        from sdxl_lora import speed
-        speed._LORA_MATMULS["merged"] = MERGED_VARIANTS[args.merged_variant]
-        print(f"# train.lora_matmul='merged' as lora_linear.py's merged_{args.merged_variant}", flush=True)
     device = "cpu" if args.tiny else "cuda"
     if args.no_unet_options or args.unet_options is not None:
         from sdxl_lora import speed

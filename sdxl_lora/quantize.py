@@ -125,7 +125,7 @@ def _fp8_dequantized(layer: nn.Module, dtype: torch.dtype, out: torch.Tensor | N
     return torch.mul(layer.weight.view(torch.float8_e4m3fn).to(dtype), scale.to(dtype), out=out)
 
 
-def _fp8_forward_dtype(layer: nn.Module, x: torch.Tensor) -> tuple[bool, torch.dtype]:
+def _forward_dtype(layer: nn.Module, x: torch.Tensor) -> tuple[bool, torch.dtype]:
     """(autocast on?, the dtype to compute in): under autocast its dtype, which the layer also returns (as
     torch's own Linear and Conv2d do); otherwise the layer's compute dtype, and the output in the input's."""
     if torch.is_autocast_enabled(x.device.type):
@@ -147,9 +147,10 @@ class _Fp8Weights:
         return _fp8_dequantized(self, dtype or self.compute_dtype)
 
 
-class _Fp8Matmul(torch.autograd.Function):
-    """x @ W^T with W dequantized from fp8 on the fly. Saving only the fp8 weight for backward (not the
-    dequantized one, as F.linear would) keeps a compute-dtype copy of every weight off the device."""
+class _DequantizedMatmul(torch.autograd.Function):
+    """x @ W^T with W dequantized on the fly (layer.dequantized: fp8, or bitsandbytes 4-bit). Saving only the
+    quantized weight for backward (not the dequantized one, as F.linear would) keeps a compute-dtype copy
+    of every weight off the device."""
 
     @staticmethod
     def forward(ctx, x, layer):
@@ -171,12 +172,7 @@ class Float8Linear(_Fp8Weights, nn.Linear):
         self._store_fp8(linear, compute_dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        autocast, dtype = _fp8_forward_dtype(self, x)
-        with torch.autocast(x.device.type, enabled=False):
-            out = _Fp8Matmul.apply(x.to(dtype), self)
-            if self.bias is not None:
-                out = out + self.bias.to(dtype)
-        return out if autocast else out.to(x.dtype)
+        return _dequantized_linear(self, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3fn"
@@ -221,7 +217,7 @@ class Float8Conv2d(_Fp8Weights, nn.Conv2d):
         self._store_fp8(conv, compute_dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        autocast, dtype = _fp8_forward_dtype(self, x)
+        autocast, dtype = _forward_dtype(self, x)
         unbatched = x.dim() == 3
         with torch.autocast(x.device.type, enabled=False):
             h = x.to(dtype)
@@ -259,13 +255,95 @@ class _AutocastOutput:
         return super().forward(x)
 
 
+def dequantize_4bit_into(out: torch.Tensor, packed: torch.Tensor, code: torch.Tensor, absmax: torch.Tensor,
+                         blocksize: int, code2: torch.Tensor | None = None, absmax2: torch.Tensor | None = None,
+                         offset: torch.Tensor | None = None, blocksize2: int = 0) -> torch.Tensor:
+    """bitsandbytes' 4-bit dequantization (nf4/fp4: `code`, one scale per `blocksize` values; with double
+    quantization the scales are 8-bit codes into `code2`, one scale of theirs per `blocksize2`, plus
+    `offset`) written into `out` (contiguous, any shape), as one expression of torch ops over the flat
+    output index. The same values as bitsandbytes.functional.dequantize_4bit (tested).
+
+    Why ours: with double quantization (model.quant_double, the default) bitsandbytes launches three kernels
+    per dequantization (the scales' codes, the offset, then the weights), and a QLoRA step dequantizes
+    every 4-bit Linear two or three times; compiled (_dequantize_4bit_fn) this is one kernel."""
+    flat = out.view(-1)
+    i = torch.arange(flat.numel(), device=out.device)
+    byte = packed.reshape(-1)[i // 2].to(torch.int32)
+    nibble = torch.where(i % 2 == 0, byte >> 4, byte & 0xF)  # two values a byte, the first in the high nibble
+    block = i // blocksize
+    if code2 is None:
+        scale = absmax[block]
+    else:
+        scale = code2[absmax[block].to(torch.int32)] * absmax2[block // blocksize2] + offset
+    flat.copy_(code[nibble] * scale)
+    return out
+
+
+_DEQUANT_4BIT: dict[str, Callable | None] = {}
+
+
+def _dequantize_4bit_fn(device: torch.device) -> Callable | None:
+    """dequantize_4bit_into compiled into one kernel (dynamic shapes: one compilation serves every layer),
+    on CUDA with Triton; None elsewhere (bitsandbytes' own kernels then)."""
+    if device.type != "cuda":
+        return None
+    if "cuda" not in _DEQUANT_4BIT:
+        from .kernels import triton
+
+        _DEQUANT_4BIT["cuda"] = None if triton is None else torch.compile(dequantize_4bit_into, dynamic=True)
+    return _DEQUANT_4BIT["cuda"]
+
+
+def dequantize_4bit(weight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A bitsandbytes Params4bit dequantized to `dtype` in its (out, in) shape, into `out` when given."""
+    import bitsandbytes.functional as bnbf
+
+    state = weight.quant_state
+    fn = _dequantize_4bit_fn(weight.device)
+    if fn is not None:
+        out = torch.empty(state.shape, dtype=dtype, device=weight.device) if out is None else out
+        s2 = state.state2 if state.nested else None
+        return fn(out, weight.data, state.code, state.absmax, state.blocksize,
+                  *((s2.code, s2.absmax, state.offset, s2.blocksize) if s2 is not None else ()))
+    if out is not None and state.dtype == dtype and out.is_cuda:  # bitsandbytes' CPU backend has no `out=`
+        return bnbf.dequantize_4bit(weight.data, state, out=out)
+    w = bnbf.dequantize_4bit(weight.data, state).to(dtype)
+    return w if out is None else out.copy_(w)
+
+
+def _dequantized_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A frozen quantized Linear's forward through _DequantizedMatmul, in autocast's dtype under autocast."""
+    autocast, dtype = _forward_dtype(layer, x)
+    with torch.autocast(x.device.type, enabled=False):
+        out = _DequantizedMatmul.apply(x.to(dtype), layer)
+        if layer.bias is not None:
+            out = out + layer.bias.to(dtype)
+    return out if autocast else out.to(x.dtype)
+
+
+class _Trains4bit(_AutocastOutput):
+    """Mixed into bitsandbytes' Linear4bit: where it trains (more than one row of input) on CUDA, its
+    product is _DequantizedMatmul over dequantize_4bit (one kernel, see there) instead of bitsandbytes'
+    matmul_4bit: the same dequantized weight and GEMM each way. A single row (generation) keeps
+    bitsandbytes' own path, its 4-bit GEMV; so does the CPU."""
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize_4bit(self.weight, dtype or self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1] or _dequantize_4bit_fn(x.device) is None:
+            return super().forward(x)
+        return _dequantized_linear(self, x)
+
+
 _AUTOCAST_CLASSES: dict[type, type] = {}
 
 
-def _autocast_class(base: type) -> type:
-    """`base` with _AutocastOutput mixed in (a subclass: peft and isinstance checks still see `base`)."""
+def _autocast_class(base: type, mixin: type = _AutocastOutput) -> type:
+    """`base` with `mixin` (_AutocastOutput or a subclass) mixed in (a subclass: peft and isinstance checks
+    still see `base`)."""
     if base not in _AUTOCAST_CLASSES:
-        _AUTOCAST_CLASSES[base] = type(base.__name__, (_AutocastOutput, base), {"__module__": __name__})
+        _AUTOCAST_CLASSES[base] = type(base.__name__, (mixin, base), {"__module__": __name__})
     return _AUTOCAST_CLASSES[base]
 
 
@@ -273,7 +351,7 @@ def _bnb_layer(bnb, linear: nn.Linear, method: str, compute_dtype: torch.dtype, 
                device: torch.device) -> nn.Module:
     w = linear.weight.detach().to(compute_dtype)
     if method in ("nf4", "fp4"):
-        q = _autocast_class(bnb.nn.Linear4bit)(linear.in_features, linear.out_features, bias=linear.bias is not None,
+        q = _autocast_class(bnb.nn.Linear4bit, _Trains4bit)(linear.in_features, linear.out_features, bias=linear.bias is not None,
                               compute_dtype=compute_dtype, compress_statistics=double_quant, quant_type=method,
                               device="meta")
         q.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=double_quant, quant_type=method,

@@ -230,21 +230,13 @@ def _dequantizable(base: torch.nn.Module) -> bool:
 
 def _dequantized(bases: tuple, dtype: torch.dtype) -> torch.Tensor:
     """The weights of `bases` dequantized to `dtype`, stacked along the output dimension into one new buffer."""
-    from .quantize import _fp8_dequantized
+    from .quantize import _fp8_dequantized, dequantize_4bit
 
     out = torch.empty(sum(b.out_features for b in bases), bases[0].in_features, dtype=dtype,
                       device=bases[0].weight.device)
     for base, part in zip(bases, out.split([b.out_features for b in bases])):
         if _is_4bit(base):
-            import bitsandbytes.functional as bnbf
-
-            state = base.weight.quant_state
-            # Written in place on CUDA (no second weight-sized buffer); bitsandbytes' CPU backend has no
-            # `out=` kernel.
-            if state.dtype == dtype and part.is_cuda:
-                bnbf.dequantize_4bit(base.weight.data, state, out=part)
-            else:
-                part.copy_(bnbf.dequantize_4bit(base.weight.data, state))
+            dequantize_4bit(base.weight, dtype, out=part)
         else:
             _fp8_dequantized(base, dtype, out=part)
     return out

@@ -193,6 +193,39 @@ def test_each_method_quantizes_trains_lora_and_dequantizes(method):
     assert torch.allclose(model(x), before, atol=1e-4)  # the same function, in plain Linears
 
 
+@pytest.mark.parametrize("method,double", [("nf4", True), ("nf4", False), ("fp4", True)])
+def test_4bit_dequantization_in_torch_matches_bitsandbytes_and_trains_the_same(monkeypatch, method, double):
+    """quantize.dequantize_4bit_into (compiled into one kernel on CUDA) against bitsandbytes' own
+    dequantization, value for value; and a 4-bit Linear training through it (its CUDA path, run here
+    eagerly on the CPU) gives bitsandbytes' output and input gradient."""
+    import bitsandbytes.functional as bnbf
+
+    from sdxl_lora import quantize
+
+    torch.manual_seed(0)
+    # 320 x 72: 360 scales of 64 values, not a whole number of the scales' own blocks of 256.
+    model = nn.Sequential(nn.Linear(72, 320, bias=True))
+    quantize_model(model, method, compute_dtype=torch.float32, double_quant=double)
+    weight = model[0].weight
+    assert weight.quant_state.nested == double
+    ref = bnbf.dequantize_4bit(weight.data, weight.quant_state)
+    for dtype in (torch.float32, torch.bfloat16):
+        monkeypatch.setattr(quantize, "_dequantize_4bit_fn", lambda device: quantize.dequantize_4bit_into)
+        got = quantize.dequantize_4bit(weight, dtype)
+        assert got.shape == (320, 72) and got.dtype == dtype
+        assert torch.equal(got, ref.to(dtype))
+    x = torch.randn(4, 6, 72)
+    outs = []
+    for fn in (lambda device: None, lambda device: quantize.dequantize_4bit_into):  # bitsandbytes' path, ours
+        monkeypatch.setattr(quantize, "_dequantize_4bit_fn", fn)
+        xs = x.clone().requires_grad_()
+        y = model(xs)
+        y.backward(torch.ones_like(y))
+        outs.append((y.detach(), xs.grad))
+    for ours, theirs in zip(*outs):
+        torch.testing.assert_close(ours, theirs)
+
+
 @pytest.mark.parametrize("method", ["nf4", "int8", "fp8"])
 def test_quantized_layers_under_autocast_save_no_more_for_backward_than_16_bit_ones(method):
     # A projection after a LayerNorm (fp32 under autocast), as in every SDXL transformer block. A plain
