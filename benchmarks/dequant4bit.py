@@ -1,5 +1,5 @@
 """The 4-bit (nf4) dequantization a QLoRA step runs two or three times per Linear: bitsandbytes' own against
-sdxl_lora.quantize.dequantize_4bit (one compiled kernel on CUDA), at SDXL's Linear shapes, with and without
+sdxl_lora.quantize.dequantize_4bit (kernels.dequantize_4bit: one Triton kernel on CUDA), at SDXL's Linear shapes, with and without
 double quantization of the block scales. Written in session 10 of issue 9:
 
     python benchmarks/dequant4bit.py [--iters 50]
@@ -41,8 +41,10 @@ def main(argv=None) -> None:
     import bitsandbytes.functional as bnbf
 
     dev = torch.device("cpu" if args.tiny else "cuda")
-    if args.tiny:  # what the CUDA path runs, eagerly
-        quantize._dequantize_4bit_fn = lambda device: quantize.dequantize_4bit_into
+    if args.tiny:  # the CUDA path's custom op, which runs its torch reference on the CPU
+        from sdxl_lora import kernels
+
+        quantize._dequantize_4bit_fn = lambda device: kernels.dequantize_4bit
     for double in (True, False):
         for shape in [(320, 72)] if args.tiny else SHAPES:
             linear = torch.nn.Sequential(torch.nn.Linear(shape[1], shape[0], bias=False))

@@ -255,43 +255,12 @@ class _AutocastOutput:
         return super().forward(x)
 
 
-def dequantize_4bit_into(out: torch.Tensor, packed: torch.Tensor, code: torch.Tensor, absmax: torch.Tensor,
-                         blocksize: int, code2: torch.Tensor | None = None, absmax2: torch.Tensor | None = None,
-                         offset: torch.Tensor | None = None, blocksize2: int = 0) -> torch.Tensor:
-    """bitsandbytes' 4-bit dequantization (nf4/fp4: `code`, one scale per `blocksize` values; with double
-    quantization the scales are 8-bit codes into `code2`, one scale of theirs per `blocksize2`, plus
-    `offset`) written into `out` (contiguous, any shape), as one expression of torch ops over the flat
-    output index. The same values as bitsandbytes.functional.dequantize_4bit (tested).
-
-    Why ours: with double quantization (model.quant_double, the default) bitsandbytes launches three kernels
-    per dequantization (the scales' codes, the offset, then the weights), and a QLoRA step dequantizes
-    every 4-bit Linear two or three times; compiled (_dequantize_4bit_fn) this is one kernel."""
-    flat = out.view(-1)
-    i = torch.arange(flat.numel(), device=out.device)
-    byte = packed.reshape(-1)[i // 2].to(torch.int32)
-    nibble = torch.where(i % 2 == 0, byte >> 4, byte & 0xF)  # two values a byte, the first in the high nibble
-    block = i // blocksize
-    if code2 is None:
-        scale = absmax[block]
-    else:
-        scale = code2[absmax[block].to(torch.int32)] * absmax2[block // blocksize2] + offset
-    flat.copy_(code[nibble] * scale)
-    return out
-
-
-_DEQUANT_4BIT: dict[str, Callable | None] = {}
-
-
 def _dequantize_4bit_fn(device: torch.device) -> Callable | None:
-    """dequantize_4bit_into compiled into one kernel (dynamic shapes: one compilation serves every layer),
-    on CUDA with Triton; None elsewhere (bitsandbytes' own kernels then)."""
-    if device.type != "cuda":
-        return None
-    if "cuda" not in _DEQUANT_4BIT:
-        from .kernels import triton
+    """kernels.dequantize_4bit (one Triton kernel where bitsandbytes launches three with double quantization)
+    on CUDA with Triton; None elsewhere: bitsandbytes' own kernels then."""
+    from . import kernels
 
-        _DEQUANT_4BIT["cuda"] = None if triton is None else torch.compile(dequantize_4bit_into, dynamic=True)
-    return _DEQUANT_4BIT["cuda"]
+    return kernels.dequantize_4bit if device.type == "cuda" and kernels.triton is not None else None
 
 
 def dequantize_4bit(weight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -303,8 +272,9 @@ def dequantize_4bit(weight, dtype: torch.dtype, out: torch.Tensor | None = None)
     if fn is not None:
         out = torch.empty(state.shape, dtype=dtype, device=weight.device) if out is None else out
         s2 = state.state2 if state.nested else None
-        return fn(out, weight.data, state.code, state.absmax, state.blocksize,
-                  *((s2.code, s2.absmax, state.offset, s2.blocksize) if s2 is not None else ()))
+        fn(out, weight.data, state.code, state.absmax, state.blocksize,
+           *((s2.code, s2.absmax, state.offset, s2.blocksize) if s2 is not None else (None, None, None, 0)))
+        return out
     if out is not None and state.dtype == dtype and out.is_cuda:  # bitsandbytes' CPU backend has no `out=`
         return bnbf.dequantize_4bit(weight.data, state, out=out)
     w = bnbf.dequantize_4bit(weight.data, state).to(dtype)
@@ -323,8 +293,8 @@ def _dequantized_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class _Trains4bit(_AutocastOutput):
     """Mixed into bitsandbytes' Linear4bit: where it trains (more than one row of input) on CUDA, its
-    product is _DequantizedMatmul over dequantize_4bit (one kernel, see there) instead of bitsandbytes'
-    matmul_4bit: the same dequantized weight and GEMM each way. A single row (generation) keeps
+    product is _DequantizedMatmul over dequantize_4bit (one kernel: kernels.dequantize_4bit) instead of
+    bitsandbytes' matmul_4bit: the same dequantized weight and GEMM each way. A single row (generation) keeps
     bitsandbytes' own path, its 4-bit GEMV; so does the CPU."""
 
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:

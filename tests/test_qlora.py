@@ -195,12 +195,12 @@ def test_each_method_quantizes_trains_lora_and_dequantizes(method):
 
 @pytest.mark.parametrize("method,double", [("nf4", True), ("nf4", False), ("fp4", True)])
 def test_4bit_dequantization_in_torch_matches_bitsandbytes_and_trains_the_same(monkeypatch, method, double):
-    """quantize.dequantize_4bit_into (compiled into one kernel on CUDA) against bitsandbytes' own
-    dequantization, value for value; and a 4-bit Linear training through it (its CUDA path, run here
-    eagerly on the CPU) gives bitsandbytes' output and input gradient."""
+    """kernels.dequantize_4bit (one Triton kernel on CUDA; here its torch reference) against bitsandbytes'
+    own dequantization, value for value; and a 4-bit Linear training through it (its CUDA path, run here
+    on the CPU) gives bitsandbytes' output and input gradient."""
     import bitsandbytes.functional as bnbf
 
-    from sdxl_lora import quantize
+    from sdxl_lora import kernels, quantize
 
     torch.manual_seed(0)
     # 320 x 72: 360 scales of 64 values, not a whole number of the scales' own blocks of 256.
@@ -210,13 +210,13 @@ def test_4bit_dequantization_in_torch_matches_bitsandbytes_and_trains_the_same(m
     assert weight.quant_state.nested == double
     ref = bnbf.dequantize_4bit(weight.data, weight.quant_state)
     for dtype in (torch.float32, torch.bfloat16):
-        monkeypatch.setattr(quantize, "_dequantize_4bit_fn", lambda device: quantize.dequantize_4bit_into)
+        monkeypatch.setattr(quantize, "_dequantize_4bit_fn", lambda device: kernels.dequantize_4bit)
         got = quantize.dequantize_4bit(weight, dtype)
         assert got.shape == (320, 72) and got.dtype == dtype
         assert torch.equal(got, ref.to(dtype))
     x = torch.randn(4, 6, 72)
     outs = []
-    for fn in (lambda device: None, lambda device: quantize.dequantize_4bit_into):  # bitsandbytes' path, ours
+    for fn in (lambda device: None, lambda device: kernels.dequantize_4bit):  # bitsandbytes' path, ours
         monkeypatch.setattr(quantize, "_dequantize_4bit_fn", fn)
         xs = x.clone().requires_grad_()
         y = model(xs)
