@@ -215,13 +215,15 @@ def test_4bit_dequantization_in_torch_matches_bitsandbytes_and_trains_the_same(m
         assert got.shape == (320, 72) and got.dtype == dtype
         assert torch.equal(got, ref.to(dtype))
     x = torch.randn(4, 6, 72)
+    bias = model[0].bias.requires_grad_()  # frozen in the trainer; if someone trains it, it gets its gradient
     outs = []
     for fn in (lambda device: None, lambda device: kernels.dequantize_4bit):  # bitsandbytes' path, ours
         monkeypatch.setattr(quantize, "_dequantize_4bit_fn", fn)
         xs = x.clone().requires_grad_()
+        bias.grad = None
         y = model(xs)
-        y.backward(torch.ones_like(y))
-        outs.append((y.detach(), xs.grad))
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+        outs.append((y.detach(), xs.grad, bias.grad))
     for ours, theirs in zip(*outs):
         torch.testing.assert_close(ours, theirs)
 
