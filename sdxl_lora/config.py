@@ -227,7 +227,8 @@ class TrainConfig(Section):
     # peft's products, tested), A's and B's gradients as peft's; H200, batch 16: 574.9 -> 545.9 ms. "peft":
     # peft's own rank-r products and add; "concat": [x, xA^T] @ [W, sB]^T (exact; 570.6 ms). Projections
     # with fewer tokens than the weight's input width keep peft's products (the weight would cost more).
-    # Without fuse_qkv every projection is peft's own.
+    # Quantized bases (model.quantize) take "merged" too, dequantized per call (QLoRA at batch 4: 330.4 ->
+    # 283.4 ms); "concat" leaves them to peft. Without fuse_qkv every projection is peft's own.
     lora_matmul: Literal["peft", "concat", "merged"] = "merged"
     # The attention kernel of the training forward (docs/speed.md): "default" is PyTorch's own choice; a
     # named one is used alone ("cudnn" and "efficient" need CUDA). cuDNN's is 1.6x flash's on SDXL's
