@@ -143,8 +143,8 @@ class _Fp8Weights:
         self.bias = (None if source.bias is None else
                      nn.Parameter(source.bias.detach().to(device, compute_dtype), requires_grad=False))
 
-    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return _fp8_dequantized(self, dtype or self.compute_dtype)
+    def dequantized(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _fp8_dequantized(self, dtype or self.compute_dtype, out=out)
 
 
 class _DequantizedMatmul(torch.autograd.Function):
@@ -297,8 +297,8 @@ class _Trains4bit(_AutocastOutput):
     bitsandbytes' matmul_4bit: the same dequantized weight and GEMM each way. A single row (generation) keeps
     bitsandbytes' own path, its 4-bit GEMV; so does the CPU."""
 
-    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize_4bit(self.weight, dtype or self.compute_dtype)
+    def dequantized(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        return dequantize_4bit(self.weight, dtype or self.compute_dtype, out=out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[-1] or _dequantize_4bit_fn(x.device) is None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -215,30 +214,19 @@ def _base_linear(layer: torch.nn.Module) -> torch.nn.Module:
     return getattr(layer, "base_layer", layer)
 
 
-def _is_4bit(base: torch.nn.Module) -> bool:
-    bnb = sys.modules.get("bitsandbytes")  # not imported: no 4-bit layer can exist
-    return bnb is not None and isinstance(base, bnb.nn.Linear4bit)
-
-
 def _dequantizable(base: torch.nn.Module) -> bool:
-    """A frozen quantized Linear whose weight _dequantized can rebuild: bitsandbytes 4-bit (nf4/fp4) or fp8.
-    LLM.int8 is not: its product splits outlier columns off, which one dequantized weight does not reproduce."""
-    from .quantize import Float8Linear
-
-    return isinstance(base, Float8Linear) or _is_4bit(base)
+    """A frozen quantized Linear of ours that rebuilds its weight (`dequantized(dtype, out=)`): bitsandbytes
+    4-bit (nf4/fp4) or fp8 (sdxl_lora.quantize). LLM.int8 is not: its product splits outlier columns off,
+    which one dequantized weight does not reproduce."""
+    return hasattr(base, "dequantized") and hasattr(base, "in_features")
 
 
 def _dequantized(bases: tuple, dtype: torch.dtype) -> torch.Tensor:
     """The weights of `bases` dequantized to `dtype`, stacked along the output dimension into one new buffer."""
-    from .quantize import _fp8_dequantized, dequantize_4bit
-
     out = torch.empty(sum(b.out_features for b in bases), bases[0].in_features, dtype=dtype,
                       device=bases[0].weight.device)
     for base, part in zip(bases, out.split([b.out_features for b in bases])):
-        if _is_4bit(base):
-            dequantize_4bit(base.weight, dtype, out=part)
-        else:
-            _fp8_dequantized(base, dtype, out=part)
+        base.dequantized(dtype, out=part)
     return out
 
 
@@ -292,13 +280,12 @@ def _projection(layer: torch.nn.Module, x: torch.Tensor, matmul: str) -> torch.T
     base = _base_linear(layer)
     way = _lora_way(matmul, x, base.in_features)
     if _dequantizable(base):
-        factors = _lora_factors(layer) if way == "merged" else None
-        weight = (base,)
-    else:
-        factors = _lora_factors(layer) if way != "peft" else None
+        weight, way = (base,), way if way == "merged" else "peft"
+    elif type(base) is torch.nn.Linear and not base.weight.requires_grad:
         weight = base.weight
-        if type(base) is not torch.nn.Linear or base.weight.requires_grad:
-            factors = None
+    else:
+        way = "peft"
+    factors = _lora_factors(layer) if way != "peft" else None
     if not factors:
         return layer(x)
     return lora_linear(x, weight, base.bias, factors[0], factors[1] * factors[2], way)
