@@ -30,6 +30,7 @@ from peft's in fp32. --tiny runs small shapes on the CPU (a smoke test).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -137,32 +138,14 @@ def concat(x, w, a, b, s):
     return trainer_lora_linear(x, w, None, a, b * s, "concat")
 
 
-def concat_fold(x, w, a, b, s):
-    return _own(_ConcatFold, x, w, a, b, s)
-
-
-def addmm(x, w, a, b, s):
-    return _own(_AddmmLoRA, x, w, a, b, s)
-
-
 def merged(x, w, a, b, s):
     return trainer_lora_linear(x, w, None, a, b * s, "merged")
 
 
-def merged_fusedgrad(x, w, a, b, s):
-    return _own(_MergedFusedGrad, x, w, a, b, s)
-
-
-def merged_extf(x, w, a, b, s):
-    return _own(_MergedExtF, x, w, a, b, s)
-
-
-def merged_extb(x, w, a, b, s):
-    return _own(_MergedExtB, x, w, a, b, s)
-
-
-def merged_ext(x, w, a, b, s):
-    return _own(_MergedExt, x, w, a, b, s)
+# This script's own autograd functions, each called as the variants above: f(x, w, a, b, s)
+concat_fold, addmm, merged_fusedgrad, merged_extf, merged_extb, merged_ext = (
+    functools.partial(_own, fn) for fn in (_ConcatFold, _AddmmLoRA, _MergedFusedGrad, _MergedExtF, _MergedExtB,
+                                           _MergedExt))
 
 
 # name: (tokens per image, K, N, factors side by side): the fused q/k/v (N = 3K, the three A factors side by
