@@ -137,6 +137,11 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
         train = dict(train or {})
         select = train.pop("select_units", None)
         extra_regions = tuple(train.pop("extra_regions", ()))  # more classes compiled with compile="regional"
+        from sdxl_lora import speed
+        # Inductor's persistent row reductions up to this width ("+rows"); the others as they were measured
+        # (inductor's 1024). Read when the graphs are generated, at the first steps.
+        speed.PERSISTENT_ROW_MAX = train.pop("persistent_rows", 1024)
+        speed._compiled_for_unet.cache_clear()  # its compiled functions hold the options they were made with
         # The layout levers of channels_last (the stages' ways in and out since round 6, the ResNets'
         # surroundings with compile="regional" since round 7): only in the settings that name them, so the
         # earlier settings run as they were measured. "+edges" includes the upsamplers' broadcast since
@@ -431,6 +436,11 @@ SETTINGS = {
         "compile": "regional", "channels_last": True, "cuda_graphs": bool(g), "fuse_qkv": True,
         "transformer_io": True, "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True,
         "lora_matmul": m}) for g in ("", "+graphs") for m in ("concat", "merged")},
+    # Round 11: inductor's persistent row reductions up to 2048 wide (the 32x32 stages' 1280-wide LayerNorms).
+    **{f"ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad+merged+rows{k}": ("ours", [1, 4, 16], {
+        "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
+        "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True, "lora_matmul": "merged",
+        "persistent_rows": 2048, **({"compile_activation_budget": 0.45} if k else {})}) for k in ("", "+keep45")},
     # The 16 GiB budget at batch 4 with merged: 0.4 and, to trade memory for time, 0.45 and 0.5.
     **{f"ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad+merged+keep{round(f * 100)}": ("ours", [4], {
         "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,

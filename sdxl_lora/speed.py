@@ -91,6 +91,59 @@ def to_channels_last(model: torch.nn.Module) -> None:
 # Not measured on the causal-LM path, which compiles without them.
 UNET_INDUCTOR_OPTIONS = {"combo_kernels": True}
 
+# The widest row inductor reduces with the whole row held at once ("persistent": one read). Inductor's own
+# limit is 1024 elements (InductorChoices.should_use_persistent_reduction, torch 2.11-2.13; 16x that with
+# multi_kernel, which then times both builds); a wider row reduction is built looped, the row read twice
+# (the mean and variance, then the normalisation). SDXL's 32x32 stages are 1280 wide: 60 of its 70
+# transformer blocks, whose LayerNorms (three each, forward and backward) were looped. H200, batch 16 with
+# compile + graphs, one process: the compiled kernels 105.6 -> 92.3 ms, the step 552.0 -> 540.8 ms; batch 1
+# 56.4 ms (benchmarks/RESULTS.md, round 11). 1024 gives inductor's own rule back.
+PERSISTENT_ROW_MAX = 2048
+
+
+@functools.cache
+def _persistent_rows_key() -> object:
+    """Inductor's persistent-reduction rule widened to PERSISTENT_ROW_MAX, installed on first use; returns a
+    do-nothing graph pass whose uuid() carries the limit into inductor's cache key (compiled graphs are cached
+    by their inductor options, and the rule is not one of them).
+
+    Torch 2.11 has no option for this rule (2.13's `inductor_choices_class` is one, but a handler set by hand
+    is per thread, and backward graphs compile on autograd's thread), so the rule is set on InductorChoices
+    itself, for every compilation in the process: below or at 1024 it is inductor's own."""
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+    import torch._inductor.config as inductor_config
+
+    inductors = InductorChoices.should_use_persistent_reduction  # a staticmethod: the plain function
+
+    def should_use_persistent_reduction(features, cooperative_reduction, *args, **kwargs) -> bool:
+        if inductors(features, cooperative_reduction, *args, **kwargs):
+            return True
+        if (PERSISTENT_ROW_MAX <= 1024 or cooperative_reduction or not inductor_config.triton.persistent_reductions
+                or features.get_reduction_hint() != ReductionHint.INNER):
+            return False
+        return V.graph.sizevars.statically_known_leq(features.reduction_numel, PERSISTENT_ROW_MAX)
+
+    InductorChoices.should_use_persistent_reduction = staticmethod(should_use_persistent_reduction)
+
+    class RowsKey(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            pass
+
+        def uuid(self) -> str:
+            return f"sdxl_lora.persistent_row_max={PERSISTENT_ROW_MAX}"
+
+    return RowsKey()
+
+
+def unet_inductor_options() -> dict:
+    """UNET_INDUCTOR_OPTIONS, and the persistent row limit where it is not inductor's own."""
+    if PERSISTENT_ROW_MAX <= 1024:
+        return dict(UNET_INDUCTOR_OPTIONS)
+    return {**UNET_INDUCTOR_OPTIONS, "post_grad_custom_post_pass": _persistent_rows_key()}
+
 
 def compile_options(backend: str | None = None, options: dict | None = None) -> dict:
     """torch.compile's arguments for a region: static shapes, and inductor `options` (the only backend that
@@ -104,7 +157,7 @@ def compile_options(backend: str | None = None, options: dict | None = None) -> 
 def _compiled_for_unet(fn: Callable, backend: str) -> Callable:
     """`fn` compiled once per backend for the UNet's regions (shared by every block it serves)."""
     _raise_recompile_limits()
-    return torch.compile(fn, **compile_options(backend, UNET_INDUCTOR_OPTIONS))
+    return torch.compile(fn, **compile_options(backend, unet_inductor_options()))
 
 
 def _raise_recompile_limits() -> None:
@@ -127,7 +180,7 @@ def compile_regions(model: torch.nn.Module, backend: str | None = None,
     the recompile limit is raised to hold one graph per shape. activation_budget: the fraction of each
     compiled block's activations kept for backward (torch's partitioner chooses what to recompute by its
     cost; process-wide, read when the blocks compile at their first call); None: torch's default (1.0).
-    options: inductor's (UNET_INDUCTOR_OPTIONS for the UNet)."""
+    options: inductor's (unet_inductor_options() for the UNet)."""
     import torch._functorch.config
 
     torch._functorch.config.activation_memory_budget = 1.0 if activation_budget is None else activation_budget
@@ -631,7 +684,7 @@ def compile_edges(model: torch.nn.Module, backend: str | None = None) -> int:
             n += 1
         elif type(m).__name__ == "Upsample2D":
             m.forward = types.MethodType(_upsample, m)
-            m.compile(**compile_options(backend, UNET_INDUCTOR_OPTIONS))
+            m.compile(**compile_options(backend, unet_inductor_options()))
             n += 1
     return n
 

@@ -103,6 +103,42 @@ def test_regional_compile_same_loss_and_gradients(tiny_dir, monkeypatch):
     torch._dynamo.reset()
 
 
+def test_wide_persistent_rows_reach_1280_wide_norms_and_key_the_compile_cache(monkeypatch):
+    """The UNet's compile options widen inductor's one-pass row reductions to SDXL's 1280-wide LayerNorms
+    (they are generated only for GPUs: checked here on the rule itself) and carry the limit into the cache
+    key, so graphs compiled under another limit are not reused; at 1024 it is inductor's own rule."""
+    import sympy
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch._inductor.virtualized import V
+
+    class Rows:  # what inductor's rule reads of a reduction kernel
+        def __init__(self, hint, n):
+            self.hint, self.reduction_numel = hint, sympy.Integer(n)
+
+        def get_reduction_hint(self):
+            return self.hint
+
+    class Graph:
+        sizevars = SizeVarAllocator()
+
+    def persistent(hint, n):
+        with V.set_graph_handler(Graph()):
+            return InductorChoices.should_use_persistent_reduction(Rows(hint, n), False)
+
+    monkeypatch.setattr(speed, "PERSISTENT_ROW_MAX", 2048)
+    key = speed.unet_inductor_options()["post_grad_custom_post_pass"]
+    assert persistent(ReductionHint.INNER, 1280) and persistent(ReductionHint.INNER, 2048)
+    assert not persistent(ReductionHint.INNER, 4096)
+    assert not persistent(ReductionHint.OUTER, 1280)  # only rows: other reductions keep inductor's rule
+    wide = key.uuid()
+    monkeypatch.setattr(speed, "PERSISTENT_ROW_MAX", 1024)
+    assert key.uuid() != wide
+    assert not persistent(ReductionHint.INNER, 1280) and persistent(ReductionHint.INNER, 1024)
+    assert "post_grad_custom_post_pass" not in speed.unet_inductor_options()
+
+
 def saved_bytes(unet, batch):
     """Bytes saved for backward by one forward (compiled blocks save through autograd too)."""
     total = 0

@@ -363,7 +363,7 @@ class SDXLTask:
         if tc.compile != "none":
             classes = speed.REGION_CLASSES if tc.compile == "regional" else speed.TRANSFORMER_CLASSES
             n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget,
-                                      options=speed.UNET_INDUCTOR_OPTIONS)
+                                      options=speed.unet_inductor_options())
             log.info("train.compile=%r: %d blocks compiled (the first steps include compilation)", tc.compile, n)
             if tc.compile == "regional" and tc.channels_last:
                 # The compiled ResNets' surroundings in their layout (docs/speed.md): the up blocks' skip
