@@ -102,20 +102,26 @@ PERSISTENT_ROW_MAX = 2048
 
 
 @functools.cache
-def _persistent_rows_key() -> object:
+def _persistent_rows_key() -> object | None:
     """Inductor's persistent-reduction rule widened to PERSISTENT_ROW_MAX, installed on first use; returns a
     do-nothing graph pass whose uuid() carries the limit into inductor's cache key (compiled graphs are cached
     by their inductor options, and the rule is not one of them).
 
     Torch 2.11 has no option for this rule (2.13's `inductor_choices_class` is one, but a handler set by hand
     is per thread, and backward graphs compile on autograd's thread), so the rule is set on InductorChoices
-    itself, for every compilation in the process: below or at 1024 it is inductor's own."""
+    itself, for every compilation in the process: below or at 1024 it is inductor's own. None (with a
+    warning) where inductor's rule is not the staticmethod it is in torch 2.11-2.13."""
     from torch._inductor.choices import InductorChoices
     from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch._inductor.runtime.hints import ReductionHint
     from torch._inductor.virtualized import V
     import torch._inductor.config as inductor_config
 
+    if not isinstance(InductorChoices.__dict__.get("should_use_persistent_reduction"), staticmethod):
+        log.warning("torch %s decides inductor's persistent reductions in a way this version does not know: "
+                    "compiling with inductor's own rule (the compiled LayerNorms are slower, the results the same)",
+                    torch.__version__)
+        return None
     inductors = InductorChoices.should_use_persistent_reduction  # a staticmethod: the plain function
 
     def should_use_persistent_reduction(features, cooperative_reduction, *args, **kwargs) -> bool:
@@ -140,9 +146,8 @@ def _persistent_rows_key() -> object:
 
 def unet_inductor_options() -> dict:
     """UNET_INDUCTOR_OPTIONS, and the persistent row limit where it is not inductor's own."""
-    if PERSISTENT_ROW_MAX <= 1024:
-        return dict(UNET_INDUCTOR_OPTIONS)
-    return {**UNET_INDUCTOR_OPTIONS, "post_grad_custom_post_pass": _persistent_rows_key()}
+    key = _persistent_rows_key() if PERSISTENT_ROW_MAX > 1024 else None
+    return {**UNET_INDUCTOR_OPTIONS, **({"post_grad_custom_post_pass": key} if key else {})}
 
 
 def compile_options(backend: str | None = None, options: dict | None = None) -> dict:
