@@ -152,7 +152,6 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
         task, run = our_task(unet, device, train)
         task._bench_batch = data
         t_setup = time.perf_counter()
-        from sdxl_lora import speed
         saved = {name: getattr(speed, name) for name in ("REGION_CLASSES", *around)}
         speed.REGION_CLASSES = saved["REGION_CLASSES"] + extra_regions
         for name, wanted in around.items():
