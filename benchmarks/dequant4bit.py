@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from sdxl_lora import quantize
+from sdxl_lora.core import quantize
 from timing import gpu_ms  # benchmarks/timing.py (this script's folder is on the path)
 
 # (out, in): the attention projections at both levels, the feed-forward's in (GEGLU: 2 x 4 x dim) and out
@@ -42,7 +42,7 @@ def main(argv=None) -> None:
 
     dev = torch.device("cpu" if args.tiny else "cuda")
     if args.tiny:  # the CUDA path's custom op, which runs its torch reference on the CPU
-        from sdxl_lora import kernels
+        from sdxl_lora.core import kernels
 
         quantize._dequantize_4bit_fn = lambda device: kernels.dequantize_4bit
     for double in (True, False):

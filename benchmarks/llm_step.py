@@ -27,8 +27,9 @@ import time
 
 import torch
 
-from sdxl_lora import inject
-from sdxl_lora.config import AdapterConfig
+from sdxl_lora.core import inject
+from sdxl_lora.llm import slots as llm_slots
+from sdxl_lora.core.config import AdapterConfig
 from sdxl_lora.llm.loss import response_loss
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -75,7 +76,7 @@ def build_model(shape: dict, device: torch.device, quant: str, seed: int = 0):
 
 def quantize_nf4(module: torch.nn.Module, device: torch.device) -> None:
     """NF4 (double quant, bf16 compute) for a module's linears, with the product's own quantizer."""
-    from sdxl_lora.quantize import quantize_model
+    from sdxl_lora.core.quantize import quantize_model
 
     quantize_model(module, "nf4", compute_dtype=torch.bfloat16, double_quant=True, device=device)
 
@@ -103,11 +104,11 @@ def baseline_setup(model, rank: int):
 
 
 def ours_setup(model, rank: int, compile_layers: bool, chunk: int):
-    plan = inject.make_plan(model, AdapterConfig(preset="full", rank=rank))
+    plan = llm_slots.make_plan(model, AdapterConfig(preset="full", rank=rank))
     inject.apply_plan(model, plan)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compile_layers:  # as train.compile="regional" does in the LLM task
-        from sdxl_lora import speed
+        from sdxl_lora.core import speed
 
         speed.compile_regions(model, classes=("LlamaDecoderLayer",))
     params = inject.trainable_parameters(model)

@@ -46,7 +46,8 @@ def synthetic_task(cfg, unet_config: dict, latent_side: int, samples: int = 16):
             import torch
             from diffusers import DDPMScheduler, UNet2DConditionModel
 
-            from sdxl_lora import inject
+            from sdxl_lora.core import inject
+            from sdxl_lora.sdxl import slots as unet_slots
             from sdxl_lora.sdxl.data import Dataset, Item
 
             self.accelerator, self._run, self.device = accelerator, run, accelerator.device
@@ -61,7 +62,7 @@ def synthetic_task(cfg, unet_config: dict, latent_side: int, samples: int = 16):
             self.pipe = SimpleNamespace(unet=unet, scheduler=scheduler,
                                         vae=SimpleNamespace(config=SimpleNamespace(scaling_factor=0.13025)))
             self.noise_scheduler = self._noise_scheduler()
-            self.plan = self.planned = inject.make_plan(unet, self.cfg.adapter, resolution=px, native=px)
+            self.plan = self.planned = unet_slots.make_plan(unet, self.cfg.adapter, resolution=px, native=px)
             inject.apply_plan(unet, self.plan)
             self._adapter_model = None
             self._speed_setup(unet, run)  # checkpointing, channels_last, compile, CUDA graphs: as configured
@@ -119,10 +120,10 @@ def worker(args) -> None:
     import torch
     from accelerate.utils import gather_object
 
-    from sdxl_lora.config import load_config
-    from sdxl_lora.runs import create_run
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.core.runs import create_run
     from sdxl_lora.sdxl.single_file import unet_config
-    from sdxl_lora.train import Trainer
+    from sdxl_lora.core.loop import Trainer
 
     n = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_config(extra={

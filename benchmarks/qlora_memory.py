@@ -43,7 +43,7 @@ def host_unet(tiny: bool):
     from diffusers import UNet2DConditionModel
 
     if tiny:
-        from sdxl_lora.config import ModelConfig
+        from sdxl_lora.core.config import ModelConfig
         from sdxl_lora.sdxl.tiny import materialize_tiny
 
         config = json.loads((materialize_tiny(ModelConfig().cache_dir) / "unet" / "config.json").read_text())
@@ -63,13 +63,14 @@ def host_unet(tiny: bool):
 
 
 def prepare(base, quantize: str, checkpointing: bool, convs: str, rank: int, device, dtype):
-    from sdxl_lora import inject
-    from sdxl_lora.config import AdapterConfig, ModelConfig
-    from sdxl_lora.quantize import quantize_unet
+    from sdxl_lora.core import inject
+    from sdxl_lora.sdxl import slots as unet_slots
+    from sdxl_lora.core.config import AdapterConfig, ModelConfig
+    from sdxl_lora.sdxl.quantize import quantize_unet
 
     unet = copy.deepcopy(base)
     native = None  # rank as given, whatever the resolution
-    plan = inject.make_plan(unet, AdapterConfig(preset="attn", rank=rank), resolution=native, native=native)
+    plan = unet_slots.make_plan(unet, AdapterConfig(preset="attn", rank=rank), resolution=native, native=native)
     report = ""
     if quantize != "none" or convs != "none":
         model_cfg = ModelConfig(quantize=quantize, quantize_convs=convs,
@@ -147,7 +148,8 @@ def main():
     ap.add_argument("--optimizer", choices=["adamw", "adamw8bit"], default="adamw")
     ap.add_argument("--only", nargs="+", choices=[s[0] for s in SETTINGS], help="a subset of the settings")
     args = ap.parse_args()
-    from sdxl_lora import memory
+    from sdxl_lora.core import memory
+    from sdxl_lora.sdxl import memory as unet_memory
 
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda and not args.tiny:
@@ -169,7 +171,7 @@ def main():
             t0 = time.perf_counter()
             unet, plan, report = prepare(base, quantize, ckpt, convs, args.rank, device, dtype)
             setup_s = time.perf_counter() - t0
-            est = memory.estimate(base, trainable_params=plan.trainable_params, resolution=resolution,
+            est = unet_memory.estimate(base, trainable_params=plan.trainable_params, resolution=resolution,
                                   batch_size=batch, checkpointing=ckpt, quantize=quantize, compute_dtype=dtype,
                                   optimizer=args.optimizer, quantize_convs=convs)
             row = {"setting": name, "batch": batch, **bench(unet, batch, side, steps, warmup, device, dtype,

@@ -36,7 +36,7 @@ def build_unet(device, tiny=False):
 
     torch.manual_seed(0)
     if tiny:
-        from sdxl_lora.config import ModelConfig
+        from sdxl_lora.core.config import ModelConfig
         from sdxl_lora.sdxl.tiny import materialize_tiny
 
         return UNet2DConditionModel.from_pretrained(str(materialize_tiny(ModelConfig().cache_dir) / "unet"))
@@ -58,11 +58,12 @@ def recipe_lora(unet, rank):
 
 
 def project_lora(unet, preset, rank):
-    from sdxl_lora import inject
-    from sdxl_lora.config import AdapterConfig
+    from sdxl_lora.core import inject
+    from sdxl_lora.sdxl import slots as unet_slots
+    from sdxl_lora.core.config import AdapterConfig
 
     res = unet.config.sample_size * 8
-    plan = inject.make_plan(unet, AdapterConfig(preset=preset, rank=rank), resolution=res, native=res)
+    plan = unet_slots.make_plan(unet, AdapterConfig(preset=preset, rank=rank), resolution=res, native=res)
     inject.apply_plan(unet, plan)
     return plan
 
@@ -84,7 +85,7 @@ def our_task(unet, device, train: dict):
     """The SDXL task's own loss on `unet`, without dataset or pipeline (those are not in the step)."""
     from diffusers import DDPMScheduler
 
-    from sdxl_lora.config import load_config
+    from sdxl_lora.core.config import load_config
     from sdxl_lora.sdxl.task import SDXLTask
 
     # Settings without "+fuse" run without train.fuse_qkv (on by default since round 5), without "+geglu"
@@ -137,11 +138,12 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
         train = dict(train or {})
         select = train.pop("select_units", None)
         extra_regions = tuple(train.pop("extra_regions", ()))  # more classes compiled with compile="regional"
-        from sdxl_lora import speed
+        from sdxl_lora.core import speed
+        from sdxl_lora.sdxl import speed as unet_speed
         # Inductor's persistent row reductions up to this width ("+rows"); the others as they were measured
         # (inductor's 1024). Read when the graphs are generated, at the first steps.
-        speed.PERSISTENT_ROW_MAX = train.pop("persistent_rows", 1024)
-        speed._compiled_for_unet.cache_clear()  # its compiled functions hold the options they were made with
+        unet_speed.PERSISTENT_ROW_MAX = train.pop("persistent_rows", 1024)
+        unet_speed._compiled_for_unet.cache_clear()  # its compiled functions hold the options they were made with
         # The layout levers of channels_last (the stages' ways in and out since round 6, the ResNets'
         # surroundings with compile="regional" since round 7): only in the settings that name them, so the
         # earlier settings run as they were measured. "+edges" includes the upsamplers' broadcast since
@@ -152,18 +154,18 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
         task, run = our_task(unet, device, train)
         task._bench_batch = data
         t_setup = time.perf_counter()
-        saved = {name: getattr(speed, name) for name in ("REGION_CLASSES", *around)}
-        speed.REGION_CLASSES = saved["REGION_CLASSES"] + extra_regions
+        saved = {name: getattr(unet_speed, name) for name in ("REGION_CLASSES", *around)}
+        unet_speed.REGION_CLASSES = saved["REGION_CLASSES"] + extra_regions
         for name, wanted in around.items():
             if not wanted:
-                setattr(speed, name, lambda *a, **k: 0)
+                setattr(unet_speed, name, lambda *a, **k: 0)
         try:
             task._speed_setup(unet, run)
         finally:
             for name, value in saved.items():
-                setattr(speed, name, value)
+                setattr(unet_speed, name, value)
         if select:  # a fixed set of checkpointed units, without checkpoint_budget_gb's fit
-            speed.apply_selective_checkpointing(unet, select, graph_safe=bool(train.get("cuda_graphs")),
+            unet_speed.apply_selective_checkpointing(unet, select, graph_safe=bool(train.get("cuda_graphs")),
                                                 sdpa_backend=task.cfg.train.sdpa_backend)
         setup_s = time.perf_counter() - t_setup
         if train and train.get("cuda_graphs"):
@@ -185,7 +187,7 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
             # The NaN guard (train.nan_guard, on by default), as the trainer runs it with fused AdamW: the
             # optimizer skips a flagged step on the device and the host reads the verdict a step later.
             # nan_guard_sync: the host waits for each step's verdict instead (the trainer before session 5).
-            from sdxl_lora.train import _PendingFlag
+            from sdxl_lora.core.loop import _PendingFlag
 
             flag = (~torch.isfinite(loss.detach()) | ~torch.isfinite(norm)).float()
             if guard["sync"]:
@@ -298,7 +300,7 @@ def profile_steps(step, n, ms_per_step, top=15, shapes=False):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from sdxl_lora.speed import kernel_kind, kernel_kinds
+    from sdxl_lora.core.profile import kernel_kind, kernel_kinds
 
     cuda = torch.cuda.is_available()
     with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, record_shapes=shapes,
@@ -330,7 +332,7 @@ def profile_steps(step, n, ms_per_step, top=15, shapes=False):
 def geglu_kernel_check(rows=16 * 1024, n=5120):
     """train.fused_geglu's Triton backward against autograd's (eager and compiled) on SDXL's batch-16 feed-forward
     shape: the largest difference of the gradient, and the time of each backward alone."""
-    from sdxl_lora.kernels import geglu
+    from sdxl_lora.sdxl.kernels import geglu
 
     def plain(x):
         h, g = x.chunk(2, dim=-1)
@@ -496,9 +498,9 @@ def main():
                     help="set torch._inductor.config options for every compiled setting (an experiment's switch), "
                          "e.g. combo_kernels=True max_pointwise_cat_inputs=0")
     ap.add_argument("--no-unet-options", action="store_true",
-                    help="compile without speed.UNET_INDUCTOR_OPTIONS (combo kernels), as the rounds before 6 did")
+                    help="compile without unet_speed.UNET_INDUCTOR_OPTIONS (combo kernels), as the rounds before 6 did")
     ap.add_argument("--unet-options", type=json.loads, metavar="JSON",
-                    help="compile with these inductor options instead of speed.UNET_INDUCTOR_OPTIONS, "
+                    help="compile with these inductor options instead of unet_speed.UNET_INDUCTOR_OPTIONS, "
                          'e.g. \'{"combo_kernels": true}\'')
     ap.add_argument("--check-geglu", action="store_true",
                     help="first compare train.fused_geglu's kernel with autograd's backward (gradient, time)")
@@ -506,9 +508,9 @@ def main():
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
     if args.no_unet_options or args.unet_options is not None:
-        from sdxl_lora import speed
-        speed.UNET_INDUCTOR_OPTIONS = args.unet_options or {}
-        print(f"# inductor options of the UNet's regions: {json.dumps(speed.UNET_INDUCTOR_OPTIONS)}", flush=True)
+        from sdxl_lora.sdxl import speed as unet_speed
+        unet_speed.UNET_INDUCTOR_OPTIONS = args.unet_options or {}
+        print(f"# inductor options of the UNet's regions: {json.dumps(unet_speed.UNET_INDUCTOR_OPTIONS)}", flush=True)
     if args.inductor:
         import ast
 
@@ -525,7 +527,7 @@ def main():
             setattr(section, name, ast.literal_eval(value))
         print(f"# inductor options: {' '.join(args.inductor)}", flush=True)
     if args.tiny:
-        from sdxl_lora import speed
+        from sdxl_lora.core import speed
         speed.COMPILE_BACKEND = "aot_eager"  # no C++ build per graph on the CPU smoke test
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -543,7 +545,7 @@ def main():
                 continue
             unet = build_unet(device, args.tiny)
             if train.get("quantize"):
-                from sdxl_lora.quantize import quantize_model
+                from sdxl_lora.core.quantize import quantize_model
 
                 train = dict(train)
                 quantize_model(unet, train.pop("quantize"), compute_dtype=torch.bfloat16, device=device)

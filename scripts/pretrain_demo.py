@@ -24,12 +24,12 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 
 import torch  # noqa: E402
 
-from sdxl_lora.config import ConfigError, _parse_value, _set_dotted  # noqa: E402
-from sdxl_lora.fsutil import atomic_write_text  # noqa: E402
-from sdxl_lora.runs import Run  # noqa: E402
+from sdxl_lora.core.config import ConfigError, _parse_value, _set_dotted  # noqa: E402
+from sdxl_lora.core.fsutil import atomic_write_text  # noqa: E402
+from sdxl_lora.core.runs import Run  # noqa: E402
 from sdxl_lora.sdxl import pretrain  # noqa: E402
 from sdxl_lora.sdxl.preview import grid, save_png  # noqa: E402
-from sdxl_lora.train import Trainer  # noqa: E402
+from sdxl_lora.core.loop import Trainer  # noqa: E402
 
 # --smoke: every size at its smallest, so the whole script runs on a CPU in about a minute.
 SMOKE = ["demo.resolution=64", "demo.latent_bank=16", "demo.eval_images=2",

@@ -41,7 +41,7 @@ def _setup_logging(verbose: bool) -> None:
 def _config_from_args(args, flags=None, **fixed) -> "Config":  # noqa: F821
     """The config of a train command line: the CONFIG file, then --set, then the flags (`flags`, default
     TRAIN_FLAGS) and `fixed` top-level fields (the LLM command's task="llm")."""
-    from .config import load_config
+    from .core.config import load_config
 
     extra = dict(fixed)
     for flag, field, _, _ in flags or TRAIN_FLAGS:
@@ -56,9 +56,9 @@ def _config_from_args(args, flags=None, **fixed) -> "Config":  # noqa: F821
 
 def _resume_target(args) -> tuple["Config", "Run", Path]:  # noqa: F821
     """The run to resume, its own config (plus any --set given now) and its newest complete state."""
-    from . import checkpoint
-    from .config import ConfigError, load_config
-    from .runs import Run
+    from .core import checkpoint
+    from .core.config import ConfigError, load_config
+    from .core.runs import Run
 
     if args.config:
         raise ConfigError("--resume uses the run's own config.toml; drop the CONFIG argument")
@@ -83,8 +83,8 @@ def _resume_target(args) -> tuple["Config", "Run", Path]:  # noqa: F821
 
 def _fit(cfg, run, state, task):
     """Train `task` in `run` (resuming from `state` when given): the trainer and its result."""
-    from .runs import attach_log_file
-    from .train import Trainer
+    from .core.runs import attach_log_file
+    from .core.loop import Trainer
 
     attach_log_file(run)
     logging.getLogger(__name__).info("run folder: %s", run.dir)
@@ -95,7 +95,7 @@ def _fit(cfg, run, state, task):
 
 def _stopped(result, run, command: str) -> int:
     """What a user needs after Ctrl-C, SIGTERM or the NaN guard: where the state is, how to go on."""
-    from .runs import relpath
+    from .core.runs import relpath
 
     print(f"\nstopped by {result.interrupted} at step {result.steps}; state saved in {relpath(result.state)}")
     if result.message:
@@ -105,7 +105,7 @@ def _stopped(result, run, command: str) -> int:
 
 
 def cmd_train(args) -> int:
-    from .runs import create_run, relpath
+    from .core.runs import create_run, relpath
     from .sdxl.task import SDXLTask
 
     # The resumed run (its config and newest state, read and verified once) or the new run's config.
@@ -159,8 +159,8 @@ def _print_concept(run) -> None:
 def cmd_generate(args) -> int:
     import torch
 
-    from .config import ModelConfig
-    from .runs import relpath
+    from .core.config import ModelConfig
+    from .core.runs import relpath
     from .sdxl.model import load_pipeline, native_resolution
     from .sdxl.preview import grid, render, save_png
 
@@ -199,21 +199,16 @@ def cmd_generate(args) -> int:
 def cmd_plan(args) -> int:
     import json
 
-    from .config import load_config
-    from . import inject
-    from .sdxl.model import unet_skeleton
+    from .core import inject
+    from .core.config import load_config
+    from .sdxl.plan import plan_config
 
     extra = {k: v for k, v in (("model.path", args.model), ("adapter.preset", args.preset),
                                 ("adapter.rank", args.rank), ("data.resolution", args.resolution)) if v is not None}
     cfg = load_config(args.config, args.set, extra)
-    unet, native = unet_skeleton(cfg.model)
-    resolution = cfg.data.resolution or native
-    plan = inject.make_plan(unet, cfg.adapter, resolution=resolution, native=native)
-    from .memory import estimate_for_config
-
     # On the meta device: structure only. train.mixed_precision "auto" is taken as bf16 (a GPU run).
-    memory = estimate_for_config(unet, cfg, plan.trainable_params, resolution,
-                                 latent_factor=native // unet.config.sample_size)
+    planned = plan_config(cfg)
+    plan, memory, resolution, native = planned.plan, planned.memory, planned.resolution, planned.native
     if args.json:
         print(json.dumps({"model": cfg.model.path, "preset": cfg.adapter.preset, "resolution": resolution,
                           "base_rank": plan.base_rank, "modules": len(plan.targets),
@@ -228,7 +223,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_dataset_inspect(args) -> int:
-    from .config import load_config
+    from .core.config import load_config
     from .sdxl.data import inspect_text
 
     cfg = load_config(args.config, args.set, {"data.dirs": list(args.dirs)})
@@ -242,7 +237,7 @@ def _adapter_source(source: str, model: str | None) -> tuple[Path, str | None]:
     folder gives its main adapter file and the model it was trained on."""
     p = Path(source)
     if p.is_dir() and (p / "config.toml").is_file():
-        from .config import load_config
+        from .core.config import load_config
 
         for cand in (p / f"{p.name}.safetensors", p / f"{p.name}.diffusers.safetensors"):
             if cand.is_file():
@@ -255,8 +250,8 @@ def _adapter_source(source: str, model: str | None) -> tuple[Path, str | None]:
 
 
 def cmd_export(args) -> int:
-    from .export import AdapterError, export_adapter, layer_table, load_adapter
-    from .runs import relpath
+    from .sdxl.export import AdapterError, export_adapter, layer_table, load_adapter
+    from .core.runs import relpath
 
     try:
         src, model = _adapter_source(args.source, args.model)
@@ -278,7 +273,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .export import AdapterError, inspect_adapter
+    from .sdxl.export import AdapterError, inspect_adapter
 
     try:
         src, model = _adapter_source(args.file, args.model)
@@ -291,9 +286,9 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from .export import AdapterError
-    from .merge import merge_checkpoint, parse_lora_arg
-    from .runs import relpath
+    from .sdxl.export import AdapterError
+    from .sdxl.merge import merge_checkpoint, parse_lora_arg
+    from .core.runs import relpath
 
     loras = [parse_lora_arg(a) for a in args.lora]
     try:
@@ -351,9 +346,10 @@ def cmd_llm_plan(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from . import inject
+    from .core import inject
+    from .core.memory import GiB, state_bytes, weight_bytes
+    from .llm import slots as llm_slots
     from .llm.model import check_causal_lm_folder, keep_head, resolve_llm_path, weight_dtype
-    from .memory import GiB, OPTIMIZER_BYTES, weight_bytes
 
     try:
         cfg = _llm_config_from_args(args)
@@ -363,14 +359,15 @@ def cmd_llm_plan(args) -> int:
         return 2
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    plan = inject.make_plan(model, cfg.adapter)
+    plan = llm_slots.make_plan(model, cfg.adapter)
     # As a GPU run holds them: bf16 (train.mixed_precision "auto"), or quantized per model.quantize.
     mp = "bf16" if cfg.train.mixed_precision == "auto" else cfg.train.mixed_precision
     method = cfg.model.quantize if cfg.model.quantize != "none" else None
     weights = weight_bytes(model, cfg.model.quantize, cfg.model.quant_double, weight_dtype(cfg, mp), skip=keep_head)
     n = plan.trainable_params
-    state = {"frozen weights": sum(weights.values()), "adapter (fp32)": 4 * n, "gradients": 4 * n,
-             "optimizer": int(n * OPTIMIZER_BYTES[cfg.train.optimizer])}
+    adapter = state_bytes(n, cfg.train.optimizer)
+    state = {"frozen weights": sum(weights.values()), "adapter (fp32)": adapter["adapter"],
+             "gradients": adapter["gradients"], "optimizer": adapter["optimizer"]}
     if args.json:
         print(json.dumps({"model": cfg.model.path, "model_type": config.model_type, "base_rank": plan.base_rank,
                           "modules": len(plan.targets), "trainable_params": n, "adapter_mb": round(n * 4 / 2**20, 3),
@@ -393,7 +390,7 @@ def cmd_llm_train(args, resumed=None) -> int:
     """`resumed`: the run, config and state cmd_train already found for --resume."""
     from .llm.preview import read_answers
     from .llm.task import LLMTask
-    from .runs import create_run, relpath
+    from .core.runs import create_run, relpath
 
     try:
         if args.resume:
@@ -432,7 +429,7 @@ def _adapter_base(adapter: Path, model: str | None) -> tuple[Path, tuple]:
     """The base model folder (given, or the one the adapter names) and the quantization it trained with."""
     from safetensors import safe_open
 
-    from .config import ModelConfig
+    from .core.config import ModelConfig
     from .llm.export import ADAPTER_WEIGHTS, read_adapter_config
     from .llm.model import resolve_llm_path
 
@@ -447,7 +444,7 @@ def _adapter_base(adapter: Path, model: str | None) -> tuple[Path, tuple]:
 def cmd_llm_generate(args) -> int:
     import torch
 
-    from .config import LLMConfig, ModelConfig
+    from .core.config import LLMConfig, ModelConfig
     from .llm.data import chat_template
     from .llm.export import adapter_folder, load_with_adapter
     from .llm.model import check_causal_lm_folder, load_tokenizer, resolve_llm_path
@@ -481,7 +478,7 @@ def cmd_llm_merge(args) -> int:
     import torch
 
     from .llm.export import adapter_folder, merge_adapter
-    from .runs import relpath
+    from .core.runs import relpath
 
     adapter = adapter_folder(args.adapter)
     try:
@@ -545,11 +542,11 @@ def _add_llm_parser(sub) -> None:
 
 def cmd_ui(args) -> int:
     try:
-        from ui.app import serve
+        from sdxl_lora.ui.app import serve
     except ImportError as e:
         print(f"error: the UI needs gradio ({e}); install it with: pip install -e '.[ui]'", file=sys.stderr)
         return 2
-    from ui.folders import Folders
+    from sdxl_lora.ui.folders import Folders
 
     folders = Folders.create(args.datasets, args.models, args.runs)
     try:
@@ -561,7 +558,7 @@ def cmd_ui(args) -> int:
 
 
 def _add_ui_parser(sub) -> None:
-    from .config import Config
+    from .core.config import Config
 
     # The folder defaults are the schema's own: the sample data, the model cache, the runs folder.
     cfg = Config()
@@ -671,8 +668,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
+    from .core.checkpoint import CheckpointError
+    from .core.config import ConfigError
     from .sdxl.data import DataError
     from .sdxl.model import ModelError
     from .sdxl.single_file import SingleFileError

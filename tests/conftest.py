@@ -18,7 +18,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 @pytest.fixture(scope="session")
 def tiny_dir():
     """The embedded tiny SDXL as a diffusers folder (built once, in the repo's model cache)."""
-    from sdxl_lora.config import ModelConfig
+    from sdxl_lora.core.config import ModelConfig
     from sdxl_lora.sdxl.tiny import materialize_tiny
 
     return materialize_tiny(ModelConfig().cache_dir)

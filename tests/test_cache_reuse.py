@@ -5,8 +5,8 @@ import shutil
 from PIL import Image
 
 from sdxl_lora.cli import main
-from sdxl_lora.config import SAMPLE_DATA
-from sdxl_lora.runs import read_events
+from sdxl_lora.core.config import SAMPLE_DATA
+from sdxl_lora.core.runs import read_events
 
 
 def _computed(out, name):

@@ -1,7 +1,7 @@
 """The config schema: defaults that work, TOML + --set overrides, errors that name the field."""
 import pytest
 
-from sdxl_lora.config import Config, ConfigError, load_config
+from sdxl_lora.core.config import Config, ConfigError, load_config
 
 
 def test_defaults_are_valid_and_roundtrip_through_toml(tmp_path):

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from sdxl_lora.config import Config, ModelConfig, PreviewConfig, TrainConfig
-from sdxl_lora.runs import Run
+from sdxl_lora.core.config import Config, ModelConfig, PreviewConfig, TrainConfig
+from sdxl_lora.core.runs import Run
 from sdxl_lora.sdxl import pretrain, shapes
-from sdxl_lora.train import Trainer
+from sdxl_lora.core.loop import Trainer
 
 
 def _specs(shape: str, n: int = 6) -> list[shapes.Spec]:
@@ -58,7 +58,7 @@ def test_synthetic_set_is_deterministic_and_never_shows_the_new_concept():
 
 
 def test_demo_concept_set_is_captioned_stars(tmp_path):
-    from sdxl_lora.config import DataConfig
+    from sdxl_lora.core.config import DataConfig
     from sdxl_lora.sdxl import data
 
     paths = shapes.write_demo_concept(tmp_path / "images", n=4, size=64)
@@ -80,7 +80,7 @@ def test_demo_concept_set_is_captioned_stars(tmp_path):
 def test_sample_data_is_the_generators_demo_concept(tmp_path):
     """sample_data/ is exactly what its script makes: the demo concept, the prior shapes and the prompts,
     nothing else."""
-    from sdxl_lora.config import SAMPLE_DATA
+    from sdxl_lora.core.config import SAMPLE_DATA
 
     paths = shapes.write_demo_set(tmp_path / "images")
     captions = [p.with_suffix(".txt").read_text() for p in paths]
@@ -241,7 +241,7 @@ def test_default_job_trains_on_the_demo_base_and_reports_the_concept(tmp_path, c
     """`sdxl-lora train` with only a short length: the demo base is the model (read where it ships,
     never written), the previews are scored for the star before and after, and the summary says so."""
     from sdxl_lora.cli import main
-    from sdxl_lora.config import load_config
+    from sdxl_lora.core.config import load_config
 
     shipped = _digest(pretrain.SHIPPED)
     assert main(["train", "--out", str(tmp_path), "--name", "d", "--steps", "2", "--set", "preview.steps=2"]) == 0

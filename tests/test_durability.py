@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sdxl_lora import checkpoint
-from sdxl_lora.runs import read_events
+from sdxl_lora.core import checkpoint
+from sdxl_lora.core.runs import read_events
 
 STEPS = 12
 COMMON = ["--steps", str(STEPS), "--set", "train.save_every=3", "--set", "preview.prompts=''",

@@ -16,9 +16,11 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from sdxl_lora import export, inject
+from sdxl_lora.sdxl import export
+from sdxl_lora.core import inject
+from sdxl_lora.sdxl import slots as unet_slots
 from sdxl_lora.cli import main
-from sdxl_lora.config import AdapterConfig
+from sdxl_lora.core.config import AdapterConfig
 
 PROMPT = "a red circle on a white background"
 
@@ -43,7 +45,7 @@ def _randomize(model, seed: int) -> None:
 
 def _plan(unet, mixed_alpha: bool):
     """Mixed ranks (as the injector's policies make them); alpha 3 (not the rank), or mixed too."""
-    plan = inject.make_plan(unet, AdapterConfig(preset="attn", rank=4, alpha=3.0))
+    plan = unet_slots.make_plan(unet, AdapterConfig(preset="attn", rank=4, alpha=3.0))
     for i, s in enumerate(plan.targets):
         plan.rank[s.name] = 8 if i % 3 == 1 else 4
         plan.alpha[s.name] = 6.0 if mixed_alpha and i % 3 == 2 else 3.0
@@ -209,7 +211,7 @@ def test_kohya_export_gives_the_training_time_image_through_generate(trained, ti
 def test_mixed_alphas_load_in_diffusers_at_the_right_strength(mixed, tiny_dir, tmp_path, caplog):
     """diffusers' kohya loader gives attention layers one alpha, so by default the file has one alpha
     and the rest folded into the weights; keeping the training alphas warns."""
-    with caplog.at_level(logging.WARNING, logger="sdxl_lora.export"):
+    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.export"):
         export.save_kohya_lora(mixed.unet, tmp_path / "true.safetensors", uniform_alpha=False)
     assert "different alphas" in caplog.text
     _, text = export.inspect_adapter(tmp_path / "true.safetensors", tiny_dir)
@@ -233,7 +235,7 @@ def test_full_sdxl_kohya_keys_map_onto_the_unet_through_diffusers_mapper(preset)
 
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(unet_config())
-        plan = inject.make_plan(unet, AdapterConfig(preset=preset, rank=16))
+        plan = unet_slots.make_plan(unet, AdapterConfig(preset=preset, rank=16))
         inject.apply_plan(unet, plan)
     if preset == "attn":
         assert len(plan.targets) == 560
@@ -340,7 +342,7 @@ def test_unknown_keys_are_returned_and_logged_not_dropped(trained, tiny_dir, tmp
              "something_else": torch.zeros(1)}
     path = tmp_path / "odd.safetensors"
     save_file({**sd, **extra}, str(path))
-    with caplog.at_level(logging.WARNING, logger="sdxl_lora.export"):
+    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.export"):
         adapter = export.load_adapter(path, tiny_dir)
     assert adapter.unknown == sorted(extra)
     assert len(adapter.layers) == len(trained.plan.targets)
@@ -359,8 +361,8 @@ def test_unknown_keys_are_returned_and_logged_not_dropped(trained, tiny_dir, tmp
 
 def _save_run(unet, out: Path, name: str) -> dict:
     """What a finished run does with its adapter: SDXLTask.save_adapter, without the training before it."""
-    from sdxl_lora.config import load_config
-    from sdxl_lora.runs import create_run
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.core.runs import create_run
     from sdxl_lora.sdxl import data as sdxl_data
     from sdxl_lora.sdxl.task import SDXLTask
 
@@ -438,7 +440,7 @@ def test_merge_equals_base_plus_adapter_at_that_strength(trained, run_dir, tiny_
     torch.testing.assert_close(_out(merged, trained.inputs), want, rtol=0, atol=1e-5)
 
     # A single file, two adapters in two formats whose strengths add up to the same 0.7.
-    from sdxl_lora.merge import merge_checkpoint
+    from sdxl_lora.sdxl.merge import merge_checkpoint
 
     single = merge_checkpoint(tiny_dir, [(trained.kohya, 0.5), (run_dir / "r.diffusers.safetensors", 0.2)],
                               tmp_path / "merged.safetensors")
@@ -473,7 +475,7 @@ def test_lora_bias_travels_in_diffusers_and_peft_formats_and_merges(tiny_dir, tm
     file in diffusers format, and the bias loads in diffusers, imports and merges exactly."""
     from peft import LoraConfig
 
-    from sdxl_lora.merge import merge_adapter
+    from sdxl_lora.sdxl.merge import merge_adapter
 
     unet = _fresh_unet(tiny_dir)
     unet.add_adapter(LoraConfig(r=4, lora_alpha=2, lora_bias=True, target_modules=["to_out.0", "ff.net.2"]))

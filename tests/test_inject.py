@@ -4,9 +4,11 @@ import json
 import pytest
 import torch
 
-from sdxl_lora import inject
+from sdxl_lora.core import inject
+from sdxl_lora.llm import slots as llm_slots
+from sdxl_lora.sdxl import slots as unet_slots
 from sdxl_lora.cli import main
-from sdxl_lora.config import AdapterConfig, ModelConfig
+from sdxl_lora.core.config import AdapterConfig, ModelConfig
 from sdxl_lora.sdxl.model import unet_skeleton
 
 
@@ -39,14 +41,14 @@ def expected_attn_plan(config: dict, rank: int) -> tuple[int, int]:
 
 
 def test_attn_preset_on_full_sdxl_matches_the_config(sdxl_unet):
-    plan = inject.make_plan(sdxl_unet, AdapterConfig(preset="attn", rank=16), resolution=1024, native=1024)
+    plan = unet_slots.make_plan(sdxl_unet, AdapterConfig(preset="attn", rank=16), resolution=1024, native=1024)
     modules, params = expected_attn_plan(dict(sdxl_unet.config), 16)
     assert len(plan.targets) == modules == 560
     assert plan.trainable_params == params == 23_224_320
 
 
 def test_slots_carry_level_block_kind_and_projection(sdxl_unet):
-    by_name = {s.name: s for s in inject.slots(sdxl_unet)}
+    by_name = {s.name: s for s in unet_slots.slots(sdxl_unet)}
     s = by_name["down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"]
     assert (s.part, s.level, s.block, s.kind, s.proj) == ("down", 1, "IN04", "attn1", "to_q")
     s = by_name["up_blocks.0.attentions.2.transformer_blocks.9.attn2.to_k"]
@@ -60,7 +62,7 @@ def test_slots_carry_level_block_kind_and_projection(sdxl_unet):
 
 
 def test_topology_weights_cross_attention_q_v_above_outputs_and_deep_levels_above_shallow(sdxl_unet):
-    plan = inject.make_plan(sdxl_unet, AdapterConfig(preset="topology", rank=16), resolution=1024, native=1024)
+    plan = unet_slots.make_plan(sdxl_unet, AdapterConfig(preset="topology", rank=16), resolution=1024, native=1024)
     r = plan.rank
     deep = "down_blocks.2.attentions.0.transformer_blocks.0"
     shallow = "down_blocks.1.attentions.0.transformer_blocks.0"
@@ -68,24 +70,24 @@ def test_topology_weights_cross_attention_q_v_above_outputs_and_deep_levels_abov
     assert r[f"{deep}.attn2.to_out.0"] < r[f"{deep}.attn2.to_v"]
     assert r[f"{shallow}.attn2.to_v"] < r[f"{deep}.attn2.to_v"]
     assert all(plan.alpha[n] == r[n] for n in r)  # alpha/rank the same everywhere
-    attn = inject.make_plan(sdxl_unet, AdapterConfig(preset="attn", rank=16), resolution=1024, native=1024)
+    attn = unet_slots.make_plan(sdxl_unet, AdapterConfig(preset="attn", rank=16), resolution=1024, native=1024)
     assert set(r) == {s.name for s in attn.targets}
     assert plan.trainable_params < attn.trainable_params
 
 
 def test_rank_scales_with_resolution(sdxl_unet):
     cfg = AdapterConfig(preset="attn", rank=16)
-    assert inject.make_plan(sdxl_unet, cfg, resolution=512, native=1024).base_rank == round(16 * 0.5 ** 0.5)
-    assert inject.make_plan(sdxl_unet, cfg, resolution=2048, native=1024).base_rank == round(16 * 2 ** 0.5)
+    assert unet_slots.make_plan(sdxl_unet, cfg, resolution=512, native=1024).base_rank == round(16 * 0.5 ** 0.5)
+    assert unet_slots.make_plan(sdxl_unet, cfg, resolution=2048, native=1024).base_rank == round(16 * 2 ** 0.5)
     clamped = AdapterConfig(preset="attn", rank=16, max_rank=20)
-    assert inject.make_plan(sdxl_unet, clamped, resolution=2048, native=1024).base_rank == 20
+    assert unet_slots.make_plan(sdxl_unet, clamped, resolution=2048, native=1024).base_rank == 20
     off = AdapterConfig(preset="attn", rank=16, scale_rank_with_resolution=False)
-    assert inject.make_plan(sdxl_unet, off, resolution=512, native=1024).base_rank == 16
+    assert unet_slots.make_plan(sdxl_unet, off, resolution=512, native=1024).base_rank == 16
 
 
 def test_glob_and_kohya_block_overrides(sdxl_unet):
     cfg = AdapterConfig(preset="attn", rank=8, overrides={"*.attn2.to_v": 32, "OUT0[0-2]": 0})
-    plan = inject.make_plan(sdxl_unet, cfg, resolution=1024, native=1024)
+    plan = unet_slots.make_plan(sdxl_unet, cfg, resolution=1024, native=1024)
     assert all(s.block not in ("OUT00", "OUT01", "OUT02") for s in plan.targets)
     assert {plan.rank[s.name] for s in plan.targets if s.kind == "attn2" and s.proj == "to_v"} == {32}
     assert {plan.rank[s.name] for s in plan.targets if s.proj == "to_q"} == {8}
@@ -97,7 +99,7 @@ def test_mixed_rank_plan_and_lora_bias_reach_peft(tiny_dir):
     from diffusers import UNet2DConditionModel
 
     unet = UNet2DConditionModel.from_pretrained(tiny_dir, subfolder="unet")
-    plan = inject.make_plan(unet, AdapterConfig(preset="topology", rank=8, lora_bias=True), resolution=128, native=128)
+    plan = unet_slots.make_plan(unet, AdapterConfig(preset="topology", rank=8, lora_bias=True), resolution=128, native=128)
     inject.apply_plan(unet, plan)
     trainable = {n: p for n, p in unet.named_parameters() if p.requires_grad}
     assert sum(p.numel() for p in trainable.values()) == plan.trainable_params
@@ -113,10 +115,10 @@ def test_llm_slots_by_layer_and_projection():
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
-    slots = [s for s in inject.slots(model) if s.part == "layer"]
+    slots = [s for s in llm_slots.slots(model) if s.part == "layer"]
     assert {(s.index, s.proj) for s in slots} == {(i, p) for i in range(2)
                                                  for p in ("q", "k", "v", "o", "gate", "up", "down")}
-    plan = inject.make_plan(model, AdapterConfig(preset="attn", rank=4))
+    plan = llm_slots.make_plan(model, AdapterConfig(preset="attn", rank=4))
     assert {s.proj for s in plan.targets} == {"q", "k", "v", "o"}
 
 
@@ -131,7 +133,7 @@ def test_plan_command_json_on_the_sdxl_architecture(capsys):
 def test_rank_budget_redistributes_by_measured_sensitivity_and_trains(tmp_path):
     from safetensors.torch import load_file
 
-    from sdxl_lora.runs import read_events
+    from sdxl_lora.core.runs import read_events
 
     budget = 150_000  # the demo base's plan has 181 modules (its recommended conv LoRA included): 63,168 at rank 1
     args = ["train", "--out", str(tmp_path), "--steps", "3", "--set", "preview.prompts=''",
@@ -159,6 +161,6 @@ def test_rank_budget_redistributes_by_measured_sensitivity_and_trains(tmp_path):
 
 
 def test_rank_budget_below_the_minimum_is_refused(sdxl_unet):
-    plan = inject.make_plan(sdxl_unet, AdapterConfig(preset="attn", rank=16), resolution=1024, native=1024)
+    plan = unet_slots.make_plan(sdxl_unet, AdapterConfig(preset="attn", rank=16), resolution=1024, native=1024)
     with pytest.raises(ValueError, match="rank_budget=1,000 parameters is below"):
         inject.budget_plan(plan, {s.name: 1.0 for s in plan.targets}, 1000, 1, 64)

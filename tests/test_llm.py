@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sdxl_lora.cli import main
-from sdxl_lora.config import ModelConfig, load_config
+from sdxl_lora.core.config import ModelConfig, load_config
 from sdxl_lora.llm import data as llm_data
 from sdxl_lora.llm.loss import example_losses, token_losses
 from sdxl_lora.llm.tiny import materialize_tiny_llm
@@ -40,8 +40,8 @@ IDS = torch.tensor([[3, 89, 482, 203, 339, 305, 283, 275, 358, 450, 35, 4, 203]]
 def trained(tmp_path_factory):
     """A short training run of the tiny LLM, and the trained model's logits on IDS."""
     from sdxl_lora.llm.task import LLMTask
-    from sdxl_lora.runs import create_run
-    from sdxl_lora.train import Trainer
+    from sdxl_lora.core.runs import create_run
+    from sdxl_lora.core.loop import Trainer
 
     out = tmp_path_factory.mktemp("runs")
     cfg = load_config(extra={"task": "llm", "output.runs_dir": str(out), "output.name": "tiny", "train.steps": 40,
@@ -197,9 +197,9 @@ def test_qlora_trains_and_merges_into_the_dequantized_base(tmp_path, tiny_llm):
     from transformers import AutoModelForCausalLM
 
     from sdxl_lora.llm.task import LLMTask
-    from sdxl_lora.quantize import is_quantized
-    from sdxl_lora.runs import create_run
-    from sdxl_lora.train import Trainer
+    from sdxl_lora.core.quantize import is_quantized
+    from sdxl_lora.core.runs import create_run
+    from sdxl_lora.core.loop import Trainer
 
     cfg = load_config(extra={"task": "llm", "model.quantize": "nf4", "output.runs_dir": str(tmp_path),
                              "output.name": "q", "train.steps": 15, "train.lr": 3e-3, "llm.merge": True,
@@ -221,10 +221,10 @@ def test_resumed_run_gives_the_same_adapter(tmp_path):
     """Killed after its step-4 state, a run resumed from it ends with the adapter of the run that went on."""
     from safetensors.torch import load_file
 
-    from sdxl_lora.checkpoint import newest_valid
+    from sdxl_lora.core.checkpoint import newest_valid
     from sdxl_lora.llm.task import LLMTask
-    from sdxl_lora.runs import create_run
-    from sdxl_lora.train import Trainer
+    from sdxl_lora.core.runs import create_run
+    from sdxl_lora.core.loop import Trainer
 
     cfg = load_config(extra={"task": "llm", "output.runs_dir": str(tmp_path), "output.name": "r", "train.steps": 8,
                              "train.save_every": 4, "train.lr": 3e-3, "llm.max_length": 64, "llm.packing": False,
@@ -244,16 +244,17 @@ def test_resumed_run_gives_the_same_adapter(tmp_path):
 
 
 def test_presets_and_rank_budget_on_a_causal_lm(tiny_llm, tmp_path, caplog):
-    from sdxl_lora import inject
-    from sdxl_lora.config import AdapterConfig
+    from sdxl_lora.core import inject
+    from sdxl_lora.llm import slots as llm_slots
+    from sdxl_lora.core.config import AdapterConfig
     from sdxl_lora.llm.task import LLMTask
-    from sdxl_lora.runs import create_run
-    from sdxl_lora.train import Trainer
+    from sdxl_lora.core.runs import create_run
+    from sdxl_lora.core.loop import Trainer
 
     model = _base(tiny_llm)
-    attn = inject.make_plan(model, AdapterConfig(preset="attn", rank=8))
+    attn = llm_slots.make_plan(model, AdapterConfig(preset="attn", rank=8))
     assert sorted({s.proj for s in attn.targets}) == ["k", "o", "q", "v"]
-    full = inject.make_plan(model, AdapterConfig(preset="full", rank=8))
+    full = llm_slots.make_plan(model, AdapterConfig(preset="full", rank=8))
     assert len(full.targets) == 7 * model.config.num_hidden_layers and set(full.rank.values()) == {8}
     assert all(s.name != "lm_head" for s in full.targets)
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sdxl_lora import checkpoint
-from sdxl_lora.runs import read_events
+from sdxl_lora.core import checkpoint
+from sdxl_lora.core.runs import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 4

@@ -6,11 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sdxl_lora import inject
-from sdxl_lora.config import AdapterConfig, load_config
-from sdxl_lora.runs import create_run, read_events
+from sdxl_lora.core import inject
+from sdxl_lora.core.config import AdapterConfig, load_config
+from sdxl_lora.core.runs import create_run, read_events
 from sdxl_lora.sdxl.task import SDXLTask
-from sdxl_lora.train import Trainer
+from sdxl_lora.core.loop import Trainer
 
 
 def unet_inputs(unet):
@@ -104,8 +104,8 @@ def test_svd_truncation_keeps_an_update_that_fits_and_is_the_best_approximation_
 
 
 def test_resume_across_a_shrink_gives_the_same_adapter(tmp_path, monkeypatch):
-    from sdxl_lora import checkpoint
-    from sdxl_lora.runs import Run
+    from sdxl_lora.core import checkpoint
+    from sdxl_lora.core.runs import Run
 
     settings = {"adapter.rank": 8, "adapter.rank_schedule": {2: 4}, "train.save_every": 3}
     full, _ = train(tmp_path, "full", 5, **settings)

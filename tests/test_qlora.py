@@ -9,12 +9,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from sdxl_lora import inject, memory
+from sdxl_lora.core import inject
+from sdxl_lora.sdxl import slots as unet_slots
+from sdxl_lora.sdxl import memory as unet_memory
 from sdxl_lora.cli import main
-from sdxl_lora.config import AdapterConfig, ModelConfig
-from sdxl_lora.quantize import (METHODS, QuantizationError, dequantize_model, is_quantized, quantize_model,
-                                unet_skip)
-from sdxl_lora.runs import read_events
+from sdxl_lora.core.config import AdapterConfig, ModelConfig
+from sdxl_lora.core.quantize import METHODS, QuantizationError, dequantize_model, is_quantized, quantize_model
+from sdxl_lora.sdxl.quantize import unet_skip
+from sdxl_lora.core.runs import read_events
 
 GiB = 2**30
 # The nf4 run's final eval loss may be this far (relative) from the unquantized run's, same seed and steps
@@ -85,14 +87,14 @@ def test_adapter_trained_on_nf4_says_so_and_loads_onto_the_unquantized_base(runs
 
 
 def test_merge_warns_that_the_adapter_saw_quantized_weights(runs, tmp_path, caplog):
-    from sdxl_lora.merge import merge_checkpoint
+    from sdxl_lora.sdxl.merge import merge_checkpoint
 
     lora = runs["nf4"] / "nf4.safetensors"
-    with caplog.at_level(logging.WARNING, logger="sdxl_lora.merge"):
+    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.merge"):
         merge_checkpoint("tiny-sdxl", [(lora, 1.0)], tmp_path / "plain")
     assert "learned against the quantized weights" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="sdxl_lora.merge"):
+    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.merge"):
         assert main(["merge", "--model", "tiny-sdxl", "--lora", str(lora), "--out", str(tmp_path / "as_trained"),
                      "--as-trained"]) == 0
     assert "dequantized" in caplog.text
@@ -143,7 +145,7 @@ def _frozen_state(unet) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("method", ["nf4", "none"])
 def test_frozen_base_is_bit_identical_after_training(tiny_dir, method):
     unet = _tiny_unet(tiny_dir)
-    plan = inject.make_plan(unet, AdapterConfig(preset="full", rank=4))
+    plan = unet_slots.make_plan(unet, AdapterConfig(preset="full", rank=4))
     if method != "none":
         quantize_model(unet, method, compute_dtype=torch.float32, skip=unet_skip)
     before = _frozen_state(unet)
@@ -172,7 +174,8 @@ def test_each_method_quantizes_trains_lora_and_dequantizes(method):
     assert method in str(report) and is_quantized(model)
     assert type(model[4]) is nn.Linear
     # in/out features still read right (the injector classifies slots from them)
-    assert [(s.in_features, s.out_features) for s in inject.slots(model)] == [(64, 128), (128, 32), (32, 16)]
+    found = [inject.layer_slot(n, m) for n, m in model.named_modules()]
+    assert [(s.in_features, s.out_features) for s in found if s] == [(64, 128), (128, 32), (32, 16)]
     err = (model(x) - ref).norm() / ref.norm()
     assert err < (0.2 if method in ("nf4", "fp4") else 0.05)
     # LoRA through peft on the quantized layers: gradients reach the adapter
@@ -200,7 +203,7 @@ def test_4bit_dequantization_in_torch_matches_bitsandbytes_and_trains_the_same(m
     on the CPU) gives bitsandbytes' output and input gradient."""
     import bitsandbytes.functional as bnbf
 
-    from sdxl_lora import kernels, quantize
+    from sdxl_lora.core import kernels, quantize
 
     torch.manual_seed(0)
     # 320 x 72: 360 scales of 64 values, not a whole number of the scales' own blocks of 256.
@@ -289,8 +292,8 @@ def test_clear_errors(monkeypatch):
         with pytest.raises(QuantizationError, match=r"bitsandbytes.*qlora extra"):
             quantize_model(nn.Linear(4, 4), method)
     quantize_model(nn.Sequential(nn.Linear(4, 4)), "fp8")  # torch only: no bitsandbytes needed
-    from sdxl_lora.config import load_config
-    from sdxl_lora.optim import build_optimizer
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.core.optim import build_optimizer
 
     with pytest.raises(ImportError, match="qlora"):
         build_optimizer(load_config(overrides=["train.optimizer=paged_adamw8bit"]),
@@ -305,7 +308,7 @@ def sdxl_meta():
     from sdxl_lora.sdxl.model import unet_skeleton
 
     unet, native = unet_skeleton(ModelConfig(path="arch:sdxl"))
-    plan = inject.make_plan(unet, AdapterConfig(preset="attn", rank=16), resolution=1024, native=1024)
+    plan = unet_slots.make_plan(unet, AdapterConfig(preset="attn", rank=16), resolution=1024, native=1024)
     return unet, plan.trainable_params
 
 
@@ -320,7 +323,7 @@ MEASURED = [("none", 1, False, 12.49), ("none", 1, True, 5.88), ("nf4", 1, False
 @pytest.mark.parametrize("quantize,batch,ckpt,measured", MEASURED)
 def test_estimate_is_within_15_percent_of_every_measured_sdxl_peak(sdxl_meta, quantize, batch, ckpt, measured):
     unet, trainable = sdxl_meta
-    est = memory.estimate(unet, trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=ckpt,
+    est = unet_memory.estimate(unet, trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=ckpt,
                           quantize=quantize)
     assert est.total / GiB == pytest.approx(measured, rel=0.15)
 
@@ -335,10 +338,10 @@ MEASURED_COMPILED = [("regional", None, 1, 10.18), ("regional", None, 4, 24.71),
 @pytest.mark.parametrize("compile,budget,batch,measured", MEASURED_COMPILED)
 def test_estimate_follows_compilation_and_its_activation_budget(sdxl_meta, compile, budget, batch, measured):
     unet, trainable = sdxl_meta
-    est = memory.estimate(unet, trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=False,
+    est = unet_memory.estimate(unet, trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=False,
                           compile=compile, compile_activation_budget=budget)
     assert est.total / GiB == pytest.approx(measured, rel=0.10)
-    eager = memory.estimate(unet, trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=False)
+    eager = unet_memory.estimate(unet, trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=False)
     assert est.activations < eager.activations
     assert f"compile {compile}" in est.format()
 
@@ -353,14 +356,14 @@ def test_estimate_follows_the_regional_layout_levers(sdxl_meta, budget, batch, m
     unet, trainable = sdxl_meta
     kw = dict(trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=False, compile="regional",
               compile_activation_budget=budget)
-    est = memory.estimate(unet, channels_last=True, **kw)
+    est = unet_memory.estimate(unet, channels_last=True, **kw)
     assert est.total / GiB == pytest.approx(measured, rel=0.07 if budget else 0.02)
-    without = memory.estimate(unet, **kw)  # the same compilation without the layout keeps more
+    without = unet_memory.estimate(unet, **kw)  # the same compilation without the layout keeps more
     assert est.activations < without.activations
     assert "channels_last" in est.format() and est.as_dict()["channels_last"] is True
     # With compile="transformer" the ResNets are not compiled: channels_last changes nothing there.
     tf = dict(kw, compile="transformer")
-    assert memory.estimate(unet, channels_last=True, **tf).total == memory.estimate(unet, **tf).total
+    assert unet_memory.estimate(unet, channels_last=True, **tf).total == unet_memory.estimate(unet, **tf).total
 
 
 # The trainer's default since round 9, train.lora_matmul="merged" (benchmarks/RESULTS.md, round 9): its peaks do
@@ -372,7 +375,7 @@ MEASURED_MERGED = [(None, 4, 22.95), (None, 16, 72.19), (0.4, 4, 12.61), (0.45, 
 @pytest.mark.parametrize("budget,batch,measured", MEASURED_MERGED)
 def test_estimate_stays_just_above_the_merged_lora_peaks(sdxl_meta, budget, batch, measured):
     unet, trainable = sdxl_meta
-    est = memory.estimate(unet, trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=False,
+    est = unet_memory.estimate(unet, trainable_params=trainable, resolution=1024, batch_size=batch, checkpointing=False,
                           compile="regional", compile_activation_budget=budget, channels_last=True)
     assert measured < est.total / GiB < 1.08 * measured
 
@@ -380,9 +383,9 @@ def test_estimate_stays_just_above_the_merged_lora_peaks(sdxl_meta, budget, batc
 def test_estimate_structure(sdxl_meta):
     unet, trainable = sdxl_meta
     kw = dict(trainable_params=trainable, resolution=1024, batch_size=2)
-    bf16 = memory.estimate(unet, checkpointing=False, **kw)
-    ckpt = memory.estimate(unet, checkpointing=True, **kw)
-    nf4 = memory.estimate(unet, checkpointing=True, quantize="nf4", **kw)
+    bf16 = unet_memory.estimate(unet, checkpointing=False, **kw)
+    ckpt = unet_memory.estimate(unet, checkpointing=True, **kw)
+    nf4 = unet_memory.estimate(unet, checkpointing=True, quantize="nf4", **kw)
     for e in (bf16, ckpt, nf4):
         assert e.total == (sum(e.weights.values()) + e.adapter + e.gradients + e.optimizer + e.activations
                            + e.workspace + e.quant_overhead + e.quant_activations)
@@ -392,8 +395,8 @@ def test_estimate_structure(sdxl_meta):
                       if isinstance(m, nn.Linear) and not unet_skip(n))
     assert 3.7 < linear_bf16 / nf4.weights["nf4"] < 4.0
     assert nf4.weights["bf16"] == bf16.weights["bf16"] - linear_bf16
-    assert memory.estimate(unet, checkpointing=False, optimizer="adamw8bit", **kw).optimizer == bf16.optimizer // 4
-    big = memory.estimate(unet, checkpointing=False, **{**kw, "resolution": 2048})
+    assert unet_memory.estimate(unet, checkpointing=False, optimizer="adamw8bit", **kw).optimizer == bf16.optimizer // 4
+    big = unet_memory.estimate(unet, checkpointing=False, **{**kw, "resolution": 2048})
     assert big.activations == pytest.approx(4 * bf16.activations, rel=0.02)
 
 
@@ -413,7 +416,7 @@ def test_plan_shows_the_estimate_on_the_meta_device(capsys):
 def test_float8_conv_matches_the_conv_and_keeps_its_bits():
     import copy
 
-    from sdxl_lora.quantize import Float8Conv2d, quantize_convs
+    from sdxl_lora.core.quantize import Float8Conv2d, quantize_convs
 
     torch.manual_seed(0)
     # SDXL's kinds (3x3 padded, strided downsample, 1x1 shortcut) and the rest of Conv2d's options.
@@ -464,7 +467,7 @@ def test_float8_conv_under_autocast_saves_no_weight_and_takes_a_lora():
     # weight nor its input for backward; a bf16 conv saves its input. Under autocast both return bf16.
     from peft import LoraConfig, inject_adapter_in_model
 
-    from sdxl_lora.quantize import Float8Conv2d, quantize_convs
+    from sdxl_lora.core.quantize import Float8Conv2d, quantize_convs
 
     def saved(fp8: bool) -> tuple[list[torch.Size], torch.dtype, nn.Module]:
         torch.manual_seed(0)
@@ -506,11 +509,12 @@ def test_float8_conv_under_autocast_saves_no_weight_and_takes_a_lora():
 
 
 def test_frozen_base_with_fp8_convs_is_bit_identical_after_training_a_conv_lora(tiny_dir):
-    from sdxl_lora.quantize import Float8Conv2d, quantize_convs, unet_conv_skip
+    from sdxl_lora.core.quantize import Float8Conv2d, quantize_convs
+    from sdxl_lora.sdxl.quantize import unet_conv_skip
 
     unet = _tiny_unet(tiny_dir)
     # LoRA on the attention and on one resnet convolution, which is fp8 underneath
-    plan = inject.make_plan(unet, AdapterConfig(preset="attn", rank=4, overrides={"*resnets.0.conv1": 4}))
+    plan = unet_slots.make_plan(unet, AdapterConfig(preset="attn", rank=4, overrides={"*resnets.0.conv1": 4}))
     assert any(s.conv for s in plan.targets)
     report = quantize_convs(unet, compute_dtype=torch.float32, skip=unet_conv_skip)
     assert report.skipped == ["conv_in", "conv_out"] and report.layers > 20
@@ -553,11 +557,11 @@ def test_run_with_fp8_convs_trains_and_records_them(runs, tmp_path):
 
 
 def test_estimate_with_fp8_convs(sdxl_meta, capsys):
-    from sdxl_lora.quantize import unet_conv_skip
+    from sdxl_lora.sdxl.quantize import unet_conv_skip
 
     unet, trainable = sdxl_meta
     kw = dict(trainable_params=trainable, resolution=1024, batch_size=1, checkpointing=True, quantize="nf4")
-    nf4, conv = memory.estimate(unet, **kw), memory.estimate(unet, quantize_convs="fp8", **kw)
+    nf4, conv = unet_memory.estimate(unet, **kw), unet_memory.estimate(unet, quantize_convs="fp8", **kw)
     convs = [m for n, m in unet.named_modules() if isinstance(m, nn.Conv2d) and not unet_conv_skip(n)]
     conv_bf16 = sum(m.weight.numel() * 2 for m in convs)
     assert conv.weights["fp8 conv"] == sum(m.weight.numel() + 4 * m.out_channels for m in convs)
@@ -565,8 +569,8 @@ def test_estimate_with_fp8_convs(sdxl_meta, capsys):
     assert conv.weights["bf16"] == nf4.weights["bf16"] - conv_bf16  # 0.62 GiB of convs -> 0.31
     assert 0.25 * GiB < nf4.total - conv.total < 0.35 * GiB
     # without checkpointing the fp8 convolutions save their inputs no more: fewer activations
-    assert memory.estimate(unet, **{**kw, "checkpointing": False}, quantize_convs="fp8").activations < \
-        memory.estimate(unet, **{**kw, "checkpointing": False}).activations
+    assert unet_memory.estimate(unet, **{**kw, "checkpointing": False}, quantize_convs="fp8").activations < \
+        unet_memory.estimate(unet, **{**kw, "checkpointing": False}).activations
     assert main(["plan", "--model", "arch:sdxl", "--set", "model.quantize=nf4", "--set", "model.quantize_convs=fp8",
                  "--set", "data.resolution=1024"]) == 0
     out = capsys.readouterr().out

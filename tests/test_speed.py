@@ -7,17 +7,22 @@ import json
 import pytest
 import torch
 
-from sdxl_lora import inject, speed
-from sdxl_lora.config import AdapterConfig
+from sdxl_lora.core import inject, speed
+from sdxl_lora.sdxl import slots as unet_slots
+from sdxl_lora.core import lora_matmul
+from sdxl_lora.core import profile
+from sdxl_lora.sdxl import speed as unet_speed
+from sdxl_lora.core.config import AdapterConfig
 
 
 def tiny_unet_with_lora(tiny_dir, preset="full", quantize=None):
     from diffusers import UNet2DConditionModel
 
     unet = UNet2DConditionModel.from_pretrained(str(tiny_dir / "unet"), local_files_only=True)
-    plan = inject.make_plan(unet, AdapterConfig(preset=preset, rank=4), resolution=128, native=128)
+    plan = unet_slots.make_plan(unet, AdapterConfig(preset=preset, rank=4), resolution=128, native=128)
     if quantize:  # QLoRA's order: the base quantized, then the adapter
-        from sdxl_lora.quantize import quantize_model, unet_skip
+        from sdxl_lora.core.quantize import quantize_model
+        from sdxl_lora.sdxl.quantize import unet_skip
 
         quantize_model(unet, quantize, compute_dtype=torch.float32, skip=unet_skip)
     inject.apply_plan(unet, plan)
@@ -79,7 +84,7 @@ def test_transformer_stages_keep_channels_last_and_the_training_signal(tiny_dir,
     stages[0].register_forward_hook(lambda m, args, out: outs.append(out[0]))
     unet(**batch)
     assert not outs[-1].is_contiguous(memory_format=torch.channels_last)  # diffusers' own: NCHW, a copy
-    assert speed.transformer_io(unet, compile=compiled) == len(stages) > 0
+    assert unet_speed.transformer_io(unet, compile=compiled) == len(stages) > 0
     got = loss_and_grads(unet, batch)
     assert outs[-1].is_contiguous(memory_format=torch.channels_last)
     assert_same(ref, got)
@@ -94,9 +99,9 @@ def test_regional_compile_same_loss_and_gradients(tiny_dir, monkeypatch):
     batch = batch_for(unet)
     ref = loss_and_grads(unet, batch)
     # Inductor's options go to inductor only.
-    assert speed.compile_options("inductor", speed.UNET_INDUCTOR_OPTIONS)["options"] == speed.UNET_INDUCTOR_OPTIONS
-    assert "options" not in speed.compile_options("aot_eager", speed.UNET_INDUCTOR_OPTIONS)
-    n = speed.compile_regions(unet, options=speed.UNET_INDUCTOR_OPTIONS)
+    assert speed.compile_options("inductor", unet_speed.UNET_INDUCTOR_OPTIONS)["options"] == unet_speed.UNET_INDUCTOR_OPTIONS
+    assert "options" not in speed.compile_options("aot_eager", unet_speed.UNET_INDUCTOR_OPTIONS)
+    n = speed.compile_regions(unet, classes=unet_speed.REGION_CLASSES, options=unet_speed.UNET_INDUCTOR_OPTIONS)
     n_expected = sum(type(m).__name__ in ("BasicTransformerBlock", "ResnetBlock2D") for m in unet.modules())
     assert n == n_expected > 0
     assert_same(ref, loss_and_grads(unet, batch))
@@ -127,16 +132,16 @@ def test_wide_persistent_rows_reach_1280_wide_norms_and_key_the_compile_cache(mo
         with V.set_graph_handler(Graph()):
             return InductorChoices.should_use_persistent_reduction(Rows(hint, n), False)
 
-    monkeypatch.setattr(speed, "PERSISTENT_ROW_MAX", 2048)
-    key = speed.unet_inductor_options()["post_grad_custom_post_pass"]
+    monkeypatch.setattr(unet_speed, "PERSISTENT_ROW_MAX", 2048)
+    key = unet_speed.unet_inductor_options()["post_grad_custom_post_pass"]
     assert persistent(ReductionHint.INNER, 1280) and persistent(ReductionHint.INNER, 2048)
     assert not persistent(ReductionHint.INNER, 4096)
     assert not persistent(ReductionHint.OUTER, 1280)  # only rows: other reductions keep inductor's rule
     wide = key.uuid()
-    monkeypatch.setattr(speed, "PERSISTENT_ROW_MAX", 1024)
+    monkeypatch.setattr(unet_speed, "PERSISTENT_ROW_MAX", 1024)
     assert key.uuid() != wide
     assert not persistent(ReductionHint.INNER, 1280) and persistent(ReductionHint.INNER, 1024)
-    assert "post_grad_custom_post_pass" not in speed.unet_inductor_options()
+    assert "post_grad_custom_post_pass" not in unet_speed.unet_inductor_options()
 
 
 def saved_bytes(unet, batch):
@@ -203,7 +208,7 @@ def test_checkpointed_blocks_recompute_with_the_forwards_attention_kernel(tiny_d
         ref_loss = (unet(**batch).sample.float() ** 2).mean()
     ref_loss.backward()
     ref = ref_loss.item(), {n: p.grad.clone() for n, p in unet.named_parameters() if p.requires_grad}
-    speed.enable_checkpointing(unet, sdpa_backend="math")
+    unet_speed.enable_checkpointing(unet, sdpa_backend="math")
     unet.train()
     unet.zero_grad(set_to_none=True)
     with speed.sdpa_context("math"):
@@ -226,7 +231,7 @@ def test_selective_checkpointing_measures_chooses_and_keeps_gradients(tiny_dir):
     unet = tiny_unet_with_lora(tiny_dir)
     batch = batch_for(unet)
     ref = loss_and_grads(unet, batch)
-    units = speed.checkpoint_units(unet)
+    units = unet_speed.checkpoint_units(unet)
     speed.measure_units(unet, units, lambda: unet(**batch).sample)
     by_name = {u.name: u for u in units}
     # diffusers' switches: a block's checkpoints its ResNets, a Transformer2DModel's its layers.
@@ -252,13 +257,13 @@ def test_selective_checkpointing_measures_chooses_and_keeps_gradients(tiny_dir):
     assert speed.choose_checkpointed(units, 0, 0) == [u.name for u in order]
 
     chosen = speed.choose_checkpointed(units, total // 2, 0)
-    speed.apply_selective_checkpointing(unet, chosen)
-    on = {u.name for u in speed.checkpoint_units(unet) if u.switch.gradient_checkpointing}
+    unet_speed.apply_selective_checkpointing(unet, chosen)
+    on = {u.name for u in unet_speed.checkpoint_units(unet) if u.switch.gradient_checkpointing}
     assert on == set(chosen) and 0 < len(on) < len(units)
     unet.train()
     assert_same(ref, loss_and_grads(unet, batch))
     with pytest.raises(ValueError, match="no checkpointable unit named"):
-        speed.apply_selective_checkpointing(unet, ["down_blocks.9.resnets"])
+        unet_speed.apply_selective_checkpointing(unet, ["down_blocks.9.resnets"])
 
 
 def test_measuring_the_units_leaves_no_activation_alive(tiny_dir):
@@ -273,7 +278,7 @@ def test_measuring_the_units_leaves_no_activation_alive(tiny_dir):
     outputs = []
     hooks = [m.register_forward_hook(lambda mod, args, out: outputs.append(weakref.ref(out)))
              for n, m in unet.named_modules() if n.endswith("attn1.to_q")]
-    units = speed.checkpoint_units(unet)
+    units = unet_speed.checkpoint_units(unet)
     gc.collect()
     gc.disable()  # freed by reference counting, not by a later garbage collection
     try:
@@ -332,9 +337,9 @@ def test_gpu_time_is_split_by_kind_of_kernel_with_the_h200s_kernel_names():
     events.append(SimpleNamespace(key="Optimizer.step#AdamW.step", device_type=cuda, self_device_time_total=2385.0,
                                   is_user_annotation=True))
     for name, (kind, _) in names.items():
-        assert speed.kernel_kind(name) == kind, name
-    assert speed.kernel_kind("_geglu_backward_kernel") == "fused (compiled)"  # train.fused_geglu's own Triton kernel
-    kinds = speed.kernel_kinds(events, steps=2)
+        assert profile.kernel_kind(name) == kind, name
+    assert profile.kernel_kind("_geglu_backward_kernel") == "fused (compiled)"  # train.fused_geglu's own Triton kernel
+    kinds = profile.kernel_kinds(events, steps=2)
     # Milliseconds per step, largest first; host-side operators are not counted as GPU time.
     assert list(kinds) == list(dict.fromkeys(kind for kind, _ in names.values()))
     assert kinds["matmul"] == pytest.approx(1.5) and sum(kinds.values()) == pytest.approx(4.1)
@@ -358,21 +363,21 @@ def test_fused_qkv_projections_give_the_same_loss_and_gradients(tiny_dir, monkey
                     getattr(m, name).scaling["default"] = 0.5 + i
     batch = batch_for(unet)
     ref = loss_and_grads(unet, batch)
-    n = speed.fuse_projections(unet)
+    n = unet_speed.fuse_projections(unet)
     assert n == sum(isinstance(m, Attention) for m in unet.modules()) > 0
     # The base weights are views of the one fused buffer: no extra memory.
     assert attn.to_q.base_layer.weight.data_ptr() == attn.fused_qkv.weight.data_ptr()
     assert attn.to_k.weight.untyped_storage().data_ptr() == attn.fused_qkv.weight.untyped_storage().data_ptr()
     assert "fused_qkv.weight" not in unet.state_dict()
     calls = []
-    real = speed._fused_projections
-    monkeypatch.setattr(speed, "_fused_projections", lambda *a: calls.append(len(a[2])) or real(*a))
+    real = unet_speed._fused_projections
+    monkeypatch.setattr(unet_speed, "_fused_projections", lambda *a: calls.append(len(a[2])) or real(*a))
     assert_same(ref, loss_and_grads(unet, batch))
     assert len(calls) == n and 2 in calls and 3 in calls  # every attention took the fused path
-    monkeypatch.setattr(speed, "_fused_projections", real)
+    monkeypatch.setattr(unet_speed, "_fused_projections", real)
     # Compiled as train.compile does (dynamo + AOTAutograd), still the same.
     monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
-    speed.compile_regions(unet)
+    speed.compile_regions(unet, classes=unet_speed.REGION_CLASSES)
     assert_same(ref, loss_and_grads(unet, batch))
     torch._dynamo.reset()
 
@@ -382,7 +387,7 @@ def test_fused_qkv_projections_give_the_same_loss_and_gradients(tiny_dir, monkey
 def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, monkeypatch, matmul, compiled):
     from diffusers.models.attention_processor import Attention
 
-    from sdxl_lora.config import ConfigError, load_config
+    from sdxl_lora.core.config import ConfigError, load_config
 
     monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
     unet = tiny_unet_with_lora(tiny_dir)
@@ -404,8 +409,8 @@ def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, monkeypatch
         for layer in (m.to_q, m.to_k, m.to_v, m.to_out[0]):
             if hasattr(layer, "lora_B"):
                 layer.lora_B["default"].register_forward_hook(lambda *a, layer=layer: peft_calls.append(layer))
-    monkeypatch.setattr(speed, "LORA_WAY_MIN_ROWS_PER_COLUMN", 0.0)  # the tiny model's few tokens: every product
-    assert speed.fuse_projections(unet, lora_matmul=matmul) == len(attns) > 0
+    monkeypatch.setattr(lora_matmul, "LORA_WAY_MIN_ROWS_PER_COLUMN", 0.0)  # the tiny model's few tokens: every product
+    assert unet_speed.fuse_projections(unet, lora_matmul=matmul) == len(attns) > 0
     if compiled:
         speed.compile_regions(unet, classes=("BasicTransformerBlock",))
     got = loss_and_grads(unet, batch)
@@ -414,12 +419,12 @@ def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, monkeypatch
     # At SDXL's sizes: peft's products where the weight would cost more than the activations (77 text tokens).
     monkeypatch.undo()
     text, image = torch.empty(2, 77, 2048), torch.empty(16, 1024, 1280)
-    assert speed._lora_way(matmul, text, 2048) == "peft"
-    assert speed._lora_way(matmul, image, 1280) == matmul
+    assert lora_matmul._lora_way(matmul, text, 2048) == "peft"
+    assert lora_matmul._lora_way(matmul, image, 1280) == matmul
     # A base weight or bias being trained has no gradient on this path: refused, not silently frozen.
     w = torch.nn.Parameter(torch.randn(6, 4))
     with pytest.raises(ValueError, match="frozen"):
-        speed.lora_linear(torch.randn(2, 4), w, None, torch.randn(2, 4), torch.randn(6, 2), matmul)
+        lora_matmul.lora_linear(torch.randn(2, 4), w, None, torch.randn(2, 4), torch.randn(6, 2), matmul)
     with pytest.raises(ConfigError, match="train.fuse_qkv=true"):
         load_config(extra={"train.lora_matmul": matmul, "train.fuse_qkv": False})
     # Turning fuse_qkv off alone is no error: the default way then has nothing to act on.
@@ -439,10 +444,10 @@ def test_merged_lora_over_a_quantized_base_gives_peft_loss_and_gradients(tiny_di
     batch = batch_for(unet)
     ref = loss_and_grads(unet, batch)
     keys = set(unet.state_dict())
-    assert speed.fuse_projections(unet, lora_matmul="peft") == 0  # peft's layers dequantize one by one anyway
-    monkeypatch.setattr(speed, "LORA_WAY_MIN_ROWS_PER_COLUMN", 0.0)  # the tiny model's few tokens: every product
-    assert speed.fuse_projections(unet, lora_matmul="merged") == len(attns) > 0
-    assert isinstance(attns[0].fused_qkv, speed._QuantizedProjections) and set(unet.state_dict()) == keys
+    assert unet_speed.fuse_projections(unet, lora_matmul="peft") == 0  # peft's layers dequantize one by one anyway
+    monkeypatch.setattr(lora_matmul, "LORA_WAY_MIN_ROWS_PER_COLUMN", 0.0)  # the tiny model's few tokens: every product
+    assert unet_speed.fuse_projections(unet, lora_matmul="merged") == len(attns) > 0
+    assert isinstance(attns[0].fused_qkv, unet_speed._QuantizedProjections) and set(unet.state_dict()) == keys
     peft_calls = []
     for m in attns:
         for layer in (m.to_q, m.to_k, m.to_v, m.to_out[0]):
@@ -454,7 +459,7 @@ def test_merged_lora_over_a_quantized_base_gives_peft_loss_and_gradients(tiny_di
     x = torch.randn(2, 64, attn.to_q.in_features, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-        q, k, v = speed._fused_projections(x, attn.fused_qkv, (attn.to_q, attn.to_k, attn.to_v), "merged")
+        q, k, v = unet_speed._fused_projections(x, attn.fused_qkv, (attn.to_q, attn.to_k, attn.to_v), "merged")
     weight = sum(m.base_layer.out_features for m in (attn.to_q, attn.to_k, attn.to_v)) * x.shape[-1]
     assert saved and max(s.numel() for s in saved) < weight
     torch._dynamo.reset()
@@ -476,7 +481,7 @@ def test_merged_lora_is_as_close_to_fp32_as_peft_in_bf16():
         return F.linear(x, w) + F.linear(F.linear(x, a), b)
 
     def merged(x, w, a, b):
-        return speed.lora_linear(x, w, None, a, b, "merged")
+        return lora_matmul.lora_linear(x, w, None, a, b, "merged")
 
     def run(fn, b, bf16):
         xs, a_, b_ = x.detach().requires_grad_(), a.clone().requires_grad_(), b.clone().requires_grad_()
@@ -498,13 +503,14 @@ def test_merged_lora_is_as_close_to_fp32_as_peft_in_bf16():
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fused_geglu_gives_the_same_loss_and_gradients(tiny_dir, monkeypatch, compiled):
-    from sdxl_lora import kernels
+    from sdxl_lora.core import kernels
+    from sdxl_lora.sdxl import kernels as unet_kernels
 
     monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
     unet = tiny_unet_with_lora(tiny_dir)  # the "full" preset: the feed-forward projections have LoRA too
     batch = batch_for(unet)
     ref = loss_and_grads(unet, batch)
-    n = kernels.use_fused_geglu(unet)
+    n = unet_kernels.use_fused_geglu(unet)
     assert n == sum(type(m).__name__ == "GEGLU" for m in unet.modules()) > 0
     if compiled:
         speed.compile_regions(unet, classes=("BasicTransformerBlock",))
@@ -513,7 +519,7 @@ def test_fused_geglu_gives_the_same_loss_and_gradients(tiny_dir, monkeypatch, co
 
 
 def test_geglu_backward_matches_autograd_in_bf16():
-    from sdxl_lora.kernels import geglu
+    from sdxl_lora.sdxl.kernels import geglu
 
     g = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(4, 6, 2 * 40, generator=g)).to(torch.bfloat16)
@@ -537,7 +543,7 @@ def test_up_blocks_concatenate_skips_inside_the_compiled_resnets_with_the_same_t
     batch = batch_for(unet)
     ref = loss_and_grads(unet, batch)
     speed.to_channels_last(unet)
-    speed.transformer_io(unet, compile=False)
+    unet_speed.transformer_io(unet, compile=False)
     # The gradients that reach the outputs of the stages feeding an up block's concatenation (outside the
     # fused ResNets): each one not channels_last in memory is a copy before that stage's compiled backward.
     layouts = []
@@ -553,7 +559,7 @@ def test_up_blocks_concatenate_skips_inside_the_compiled_resnets_with_the_same_t
     loss_and_grads(unet, batch)
     assert not all(layouts)  # diffusers' concatenation: channel slices of its gradient
     blocks = sum(type(m).__name__ in ("CrossAttnUpBlock2D", "UpBlock2D") for m in unet.modules())
-    assert speed.fuse_skip_concat(unet) == blocks > 0
+    assert unet_speed.fuse_skip_concat(unet) == blocks > 0
     layouts.clear()
     got = loss_and_grads(unet, batch)
     assert layouts and all(layouts)
@@ -570,7 +576,7 @@ def test_regional_compile_with_channels_last_keeps_the_resnets_surroundings_in_l
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    from sdxl_lora.config import load_config
+    from sdxl_lora.core.config import load_config
     from sdxl_lora.sdxl.task import SDXLTask
 
     # AOTAutograd's forward/backward split as inductor receives it, the backward graphs kept for a look.
@@ -585,13 +591,13 @@ def test_regional_compile_with_channels_last_keeps_the_resnets_surroundings_in_l
     task.device = torch.device("cpu")
     task._speed_setup(unet, types.SimpleNamespace(event=lambda *a, **k: None))
     ups = [m for m in unet.modules() if type(m).__name__ in ("CrossAttnUpBlock2D", "UpBlock2D")]
-    assert ups and all(m.forward.__func__ is speed._up_block_forward for m in ups)
-    assert unet.conv_norm_out.forward.__func__ is speed._compiled_group_norm
+    assert ups and all(m.forward.__func__ is unet_speed._up_block_forward for m in ups)
+    assert unet.conv_norm_out.forward.__func__ is unet_speed._compiled_group_norm
     convs = [m for b in unet.modules() if type(b).__name__ in ("ResnetBlock2D", "Upsample2D") for m in b.modules()
              if type(m) is torch.nn.Conv2d]
-    assert convs and all(m.forward.__func__ is speed._conv_forward for m in convs)
+    assert convs and all(m.forward.__func__ is unet_speed._conv_forward for m in convs)
     samplers = [m for m in unet.modules() if type(m).__name__ == "Upsample2D"]
-    assert samplers and all(m.forward.__func__ is speed._upsample for m in samplers)
+    assert samplers and all(m.forward.__func__ is unet_speed._upsample for m in samplers)
     assert_same(ref, loss_and_grads(unet, batch))
     # The compiled ResNets' backward graphs compute the input gradients as (transposed) convolutions, which
     # inductor keeps channels_last, none with convolution_backward (each one of those a copy on the GPU).
@@ -603,7 +609,7 @@ def test_regional_compile_with_channels_last_keeps_the_resnets_surroundings_in_l
     assert not [n for n in calls if n.target in (aten.upsample_nearest2d_backward.default, aten.index_put.default,
                                                  aten._unsafe_index_put.default)]
     x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last).requires_grad_()
-    up = speed._nearest2x(x)
+    up = unet_speed._nearest2x(x)
     assert up.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(up, torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest"), rtol=0, atol=0)
     grad = torch.randn_like(up)
@@ -625,7 +631,7 @@ def test_transposed_convolution_gradient_under_autocast_with_trained_fp32_weight
         conv = torch.nn.Conv2d(8, 6, 3, padding=1, stride=2)
         conv.load_state_dict(ref_conv.state_dict())
         if patched:
-            conv.forward = types.MethodType(speed._conv_forward, conv)
+            conv.forward = types.MethodType(unet_speed._conv_forward, conv)
         x.grad = None
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = conv(x)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from sdxl_lora.cli import main
-from sdxl_lora.runs import read_events
+from sdxl_lora.core.runs import read_events
 
 
 @pytest.fixture(scope="module")

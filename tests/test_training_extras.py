@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from sdxl_lora.config import load_config
+from sdxl_lora.core.config import load_config
 from sdxl_lora.sdxl import data as sdxl_data
 from sdxl_lora.sdxl import loss as diffusion
 from sdxl_lora.sdxl.task import SDXLTask
@@ -157,8 +157,8 @@ def _cfg(tmp, name, cache, data, steps=3, **extra):
 
 
 def _trainer(cfg, resume=None):
-    from sdxl_lora.runs import Run, create_run
-    from sdxl_lora.train import Trainer
+    from sdxl_lora.core.runs import Run, create_run
+    from sdxl_lora.core.loop import Trainer
 
     run = create_run(cfg) if resume is None else Run(Path(cfg.output.runs_dir) / cfg.output.name)
     trainer = Trainer(cfg, SDXLTask(cfg), run, resume=resume)
@@ -227,7 +227,7 @@ def test_text_encoder_lora_trains_and_is_exported_for_kohya_and_diffusers(full_r
         module = n.split(".lora_B")[0]
         assert torch.equal(p.detach(), file[f"text_encoder_2.{module}.lora_B.weight"])
     # And the kohya file reads back with its text encoder layers.
-    from sdxl_lora.export import load_adapter
+    from sdxl_lora.sdxl.export import load_adapter
 
     adapter = load_adapter(full_run.final["kohya"])
     assert {"unet", "text_encoder", "text_encoder_2"} <= set(adapter.components())
@@ -257,7 +257,7 @@ def test_the_exported_adapter_is_the_ema_of_the_step_weights(full_run):
 def test_tensorboard_gets_the_figures_of_the_events_file(full_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from sdxl_lora.runs import read_events
+    from sdxl_lora.core.runs import read_events
 
     run_dir = full_run.result.run.dir
     acc = EventAccumulator(str(run_dir / "tensorboard"))
@@ -364,7 +364,7 @@ def test_previews_under_zero_terminal_snr_sample_from_pure_noise(tiny_dir):
 # ---------------------------------------------------------------- MFU
 
 def test_mfu_arithmetic_and_peak_table():
-    from sdxl_lora import tracking
+    from sdxl_lora.core import tracking
 
     # 1 TFLOP per image at 989 images/s on one H200 is 100 %; on two GPUs, 50 %.
     assert tracking.mfu(1e12, 989.0, 989.0) == pytest.approx(1.0)
@@ -384,7 +384,7 @@ def test_mfu_arithmetic_and_peak_table():
 def test_missing_tensorboard_names_the_package(monkeypatch, tmp_path):
     import importlib.util
 
-    from sdxl_lora import tracking
+    from sdxl_lora.core import tracking
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else real(n, *a))
@@ -393,7 +393,7 @@ def test_missing_tensorboard_names_the_package(monkeypatch, tmp_path):
 
 
 def test_ema_state_round_trips_and_swaps_back():
-    from sdxl_lora.ema import EMA
+    from sdxl_lora.core.ema import EMA
 
     p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     ema = EMA({"w": p}, 0.5)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sdxl_lora.config import ConfigError, load_config
+from sdxl_lora.core.config import ConfigError, load_config
 from sdxl_lora.sdxl.task import SDXLTask
 
 # ---------------------------------------------------------------- loss options
@@ -136,7 +136,7 @@ def test_timestep_range_outside_the_schedule_is_refused():
 
 # ---------------------------------------------------------------- optimizers and schedules
 
-from sdxl_lora.optim import build_optimizer, make_schedule  # noqa: E402
+from sdxl_lora.core.optim import build_optimizer, make_schedule  # noqa: E402
 
 LR, STEPS, WARMUP = 0.01, 100, 10
 
@@ -196,7 +196,7 @@ OPTIMIZERS = ["adamw", "adamw8bit", "adafactor", "lion"]
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_each_optimizer_builds_and_takes_a_step_on_cpu(name, tmp_path):
-    from sdxl_lora import checkpoint
+    from sdxl_lora.core import checkpoint
 
     cfg = load_config(extra={"train.optimizer": name, "train.lr": 1e-3})
     torch.manual_seed(0)
@@ -245,7 +245,7 @@ def test_missing_bitsandbytes_names_the_qlora_extra(monkeypatch):
 from safetensors.torch import load_file  # noqa: E402
 
 from sdxl_lora.cli import main  # noqa: E402
-from sdxl_lora.runs import read_events  # noqa: E402
+from sdxl_lora.core.runs import read_events  # noqa: E402
 
 
 def inject_nan(monkeypatch, at):
@@ -318,12 +318,12 @@ def test_the_guard_reads_each_steps_verdict_a_step_later_and_the_optimizer_skips
         tmp_path, monkeypatch, shared_cache):
     # Fused AdamW skips a step itself (found_inf), so the host need not wait for a step before queueing the
     # next one: the verdict on step k is read once step k+1 is queued (and at log, save and stop points).
-    from sdxl_lora import train
+    from sdxl_lora.core import loop
 
     inject_nan(monkeypatch, lambda n: n == 3)
     reads, steps_seen = [], {}
-    real_bad = train._PendingFlag.bad
-    real_verdict = train.Trainer._guard_verdict
+    real_bad = loop._PendingFlag.bad
+    real_verdict = loop.Trainer._guard_verdict
 
     def bad(self):
         reads.append(self.step)
@@ -333,8 +333,8 @@ def test_the_guard_reads_each_steps_verdict_a_step_later_and_the_optimizer_skips
         steps_seen[step] = self.step  # the step counter when the verdict on `step` is known
         return real_verdict(self, step, was_bad)
 
-    monkeypatch.setattr(train._PendingFlag, "bad", bad)
-    monkeypatch.setattr(train.Trainer, "_guard_verdict", verdict)
+    monkeypatch.setattr(loop._PendingFlag, "bad", bad)
+    monkeypatch.setattr(loop.Trainer, "_guard_verdict", verdict)
     assert main(["train", "--out", str(tmp_path), "--name", "d", "--steps", "7", "--set", "preview.prompts=''",
                  "--set", f"data.cache_dir='{shared_cache}'", "--set", "train.log_every=5",
                  "--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]) == 0

@@ -41,7 +41,7 @@ def _free_port() -> int:
 
 
 class UI:
-    """`python -m ui` in its own process, as a user starts it."""
+    """`python -m sdxl_lora.ui` in its own process, as a user starts it."""
 
     def __init__(self, folders: dict[str, Path], log: Path, *extra: str):
         self.port = _free_port()
@@ -51,7 +51,7 @@ class UI:
         self.log = log
         self._out = open(log, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ui", "--port", str(self.port), "--datasets", str(folders["datasets"]),
+            [sys.executable, "-m", "sdxl_lora.ui", "--port", str(self.port), "--datasets", str(folders["datasets"]),
              "--models", str(folders["models"]), "--runs", str(folders["runs"]), *extra],
             cwd=folders["root"], env=env, stdout=self._out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + WAIT / 1000
@@ -283,7 +283,7 @@ def test_remote_file_urls_are_refused_without_a_request():
     """Gradio would fetch `/file=http...` for the page; the app answers 403 before anything is fetched."""
     import asyncio
 
-    from ui.app import _NoRemoteFiles
+    from sdxl_lora.ui.app import _NoRemoteFiles
 
     called, sent = [], []
 
@@ -301,9 +301,9 @@ def test_remote_file_urls_are_refused_without_a_request():
 
 def test_queue_starts_runs_one_after_another(tmp_path):
     """Two queued runs: the second starts only when the first process has ended."""
-    from sdxl_lora.config import load_config
-    from ui.folders import Folders
-    from ui.jobs import Jobs
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.jobs import Jobs
 
     (tmp_path / "datasets").mkdir()
     f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")

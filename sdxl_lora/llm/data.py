@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import LLMConfig
+from ..core.config import LLMConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..fsutil import fsync_dir
+from ..core.fsutil import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def load_with_adapter(base: Path, adapter: Path, dtype: torch.dtype = torch.floa
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype, local_files_only=True, use_safetensors=True)
     method, opts = quantize
     if method:
-        from ..quantize import dequantize_model, quantize_model
+        from ..core.quantize import dequantize_model, quantize_model
 
         log.warning("the adapter was trained on a %s-quantized base: the base is quantized and dequantized again "
                     "so the merge uses the weights the adapter saw (not the original ones)", method)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, ModelConfig
+from ..core.config import Config, ModelConfig
 from .tiny import TINY_LLM, materialize_tiny_llm
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def quantize_settings(cfg: Config, mixed_precision: str | None = None) -> tuple[
     method = getattr(cfg.model, "quantize", "none")
     if method in (None, "none"):
         return None, {}
-    from ..quantize import resolve_compute_dtype
+    from ..core.quantize import resolve_compute_dtype
 
     return method, {"double_quant": cfg.model.quant_double,
                     "compute_dtype": resolve_compute_dtype(cfg.model.quant_compute_dtype, mixed_precision)}
@@ -101,7 +101,7 @@ def load_llm(cfg: Config, device: torch.device, mixed_precision: str):
         attn_implementation=cfg.llm.attn_implementation)
     model.config.use_cache = False
     if method:
-        from ..quantize import quantize_model
+        from ..core.quantize import quantize_model
 
         report = quantize_model(model, method, device=device, skip=keep_head, **opts)
         log.info("QLoRA base: %s", report)

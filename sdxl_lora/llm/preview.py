@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..fsutil import atomic_write_text
+from ..core.fsutil import atomic_write_text
 
 
 @torch.no_grad()

@@ -23,14 +23,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .. import inject
-from ..config import Config
-from ..runs import Run
+from ..core import inject
+from ..core.config import Config
+from ..core.runs import Run
 from . import data as llm_data
 from .export import merge_adapter, save_peft_adapter
 from .loss import response_loss, token_losses
 from .model import DTYPES, load_llm, quantize_settings
 from .preview import answer, write_answers
+from .slots import make_plan
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,8 @@ class LLMTask:
                   truncated=report.truncated, truncated_tokens=report.truncated_tokens, dropped=report.dropped,
                   packing=cfg.llm.packing, max_length=cfg.llm.max_length, files=report.files)
 
-        # LMs have no training resolution: the base rank is used as it is.
-        self.plan = inject.make_plan(self.lm, cfg.adapter)
-        budget = cfg.adapter.rank_budget or (
-            round(cfg.adapter.rank_budget_mb * 2**20 / 4) if cfg.adapter.rank_budget_mb else None)
+        self.plan = make_plan(self.lm, cfg.adapter)
+        budget = inject.rank_budget(cfg.adapter)
         if budget:
             sensitivity = self._calibrate()
             self.plan = inject.budget_plan(self.plan, sensitivity, budget, cfg.adapter.min_rank, cfg.adapter.max_rank)
@@ -86,7 +85,7 @@ class LLMTask:
             # Non-reentrant: works with a frozen embedding (no input-grad hook) and with LoRA inside the blocks.
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.train.compile != "none":
-            from .. import speed
+            from ..core import speed
 
             # The repeated decoder layers, compiled one graph for all (rows are padded to llm.max_length).
             layer = next(m for n, m in self.lm.named_modules() if re.search(r"(^|\.)layers\.0$", n))
@@ -99,31 +98,10 @@ class LLMTask:
                   preset=cfg.adapter.preset, base_rank=self.plan.base_rank, groups=self.plan.groups())
 
     def _calibrate(self) -> dict[str, float]:
-        """Sensitivity of each planned slot: its rank-4 probe adapter's gradient norm summed over the first
-        adapter.calibration_batches batches (as the SDXL task does). The RNG is forked."""
-        probe = inject.Plan(self.plan.targets, {s.name: 4 for s in self.plan.targets},
-                            {s.name: 4.0 for s in self.plan.targets})
-        inject.apply_plan(self.lm, probe, adapter_name="calibration")
-        modules = dict(self.lm.named_modules())
-        weights = [modules[s.name].lora_B["calibration"].weight for s in self.plan.targets]
-        norms = {s.name: 0.0 for s in self.plan.targets}
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            batches = iter(self.dataloader())
-            for _ in tqdm(range(self.cfg.adapter.calibration_batches), desc="calibrating ranks", unit="batch"):
-                try:
-                    batch = next(batches)
-                except StopIteration:
-                    batches = iter(self.dataloader())
-                    batch = next(batches)
-                grads = torch.autograd.grad(self.loss(self.lm, batch), weights)
-                for name, g in zip(norms, grads):
-                    norms[name] += g.float().norm().item()
-        from peft.functional import delete_adapter
-
-        delete_adapter(self.lm, "calibration", prefix="lora_")
-        del self.lm.peft_config  # the probe's only; the real adapter brings its own
-        self.lm.requires_grad_(False)
-        return norms
+        """Each planned slot's sensitivity for the rank budget (core/inject.py: calibrate)."""
+        return inject.calibrate(self.lm, self.plan, lambda: iter(self.dataloader()), lambda b: self.loss(self.lm, b),
+                                self.cfg.adapter.calibration_batches,
+                                [self.device] if self.device.type == "cuda" else [])
 
     # ---- what the loop asks for ----
     def model(self) -> torch.nn.Module:

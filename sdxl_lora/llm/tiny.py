@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import SAMPLE_DATA
-from ..fsutil import build_folder_once
+from ..core.config import SAMPLE_DATA
+from ..core.fsutil import build_folder_once
 
 TINY_LLM = "tiny-llm"
 # Bump when the architecture, the tokenizer or the build changes, so old copies are not reused.
@@ -88,7 +88,10 @@ def build_tiny_llm(tokenizer, seed: int = 0):
 def materialize_tiny_llm(cache_dir: str | Path, seed: int = 0) -> Path:
     """Return the tiny LLM's transformers folder, building it once (temp folder, then rename)."""
     def build(scratch: Path, out: Path) -> None:
-        tokenizer = build_tokenizer(out)
-        build_tiny_llm(tokenizer, seed).save_pretrained(str(out), safe_serialization=True)
+        # The build reseeds torch's RNG: forked, so a run that builds the model trains the same adapter
+        # as one that finds it built.
+        with torch.random.fork_rng(devices=[]):
+            tokenizer = build_tokenizer(out)
+            build_tiny_llm(tokenizer, seed).save_pretrained(str(out), safe_serialization=True)
 
     return build_folder_once(Path(cache_dir) / f"{TINY_LLM}-v{TINY_VERSION}-seed{seed}", build, "config.json")

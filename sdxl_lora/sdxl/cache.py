@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from tqdm.auto import tqdm
 
-from sdxl_lora.fsutil import atomic_save
+from sdxl_lora.core.fsutil import atomic_save
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from sdxl_lora.config import DataConfig
-from sdxl_lora.images import IMAGE_EXTENSIONS, ImageProblem, open_image, probe_image
+from sdxl_lora.core.config import DataConfig
+from sdxl_lora.sdxl.images import IMAGE_EXTENSIONS, ImageProblem, open_image, probe_image
 
 log = logging.getLogger(__name__)
 

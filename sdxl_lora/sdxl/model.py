@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEMO_DIR, DEMO_NAME, ModelConfig
+from ..core.config import DEMO_DIR, DEMO_NAME, ModelConfig
 from .tiny import TINY_NAME, materialize_tiny
 
 # diffusers folder layout of an SDXL pipeline: what must be there for from_pretrained to work.

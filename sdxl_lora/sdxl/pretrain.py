@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save_file
 
-from ..config import DEMO_DIR, Config, PreviewConfig, TrainConfig
-from ..fsutil import atomic_save
-from ..runs import Run
+from ..core.config import DEMO_DIR, Config, PreviewConfig, TrainConfig
+from ..core.fsutil import atomic_save
+from ..core.runs import Run
 from . import loss as diffusion
 from . import shapes
 from .tiny import SCHEDULER_CONFIG
@@ -121,9 +121,10 @@ def _maybe_compile(module: torch.nn.Module, cfg: Config) -> None:
     tc = cfg.train
     if tc.compile == "none":
         return
-    from .. import speed
+    from ..core import speed
+    from . import speed as unet_speed
 
-    classes = speed.REGION_CLASSES if tc.compile == "regional" else speed.TRANSFORMER_CLASSES
+    classes = unet_speed.REGION_CLASSES if tc.compile == "regional" else unet_speed.TRANSFORMER_CLASSES
     n = speed.compile_regions(module, classes=classes)
     log.info("train.compile=%r: %d blocks compiled", tc.compile, n)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from ..fsutil import atomic_save
+from ..core.fsutil import atomic_save
 
 
 @dataclasses.dataclass

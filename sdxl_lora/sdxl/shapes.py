@@ -129,7 +129,7 @@ def write_set(folder: str | Path, specs: list[Spec], size: int = 256, prefix: st
               trigger: str = "") -> list[Path]:
     """Write the images with .txt captions (a captioned folder the SDXL task reads), the trigger word
     first when given ("sks, a red star on a white background"); returns the image paths."""
-    from ..fsutil import atomic_save, atomic_write_text
+    from ..core.fsutil import atomic_save, atomic_write_text
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -436,6 +436,6 @@ def write_demo_set(folder: str | Path, n: int = 16, prior: int = 16, size: int =
 
 def write_demo_prompts(path: str | Path) -> Path:
     """The preview prompts of the default job: each of DEMO_PROMPTS at each of DEMO_SEEDS (`--d`), one a line."""
-    from ..fsutil import atomic_write_text
+    from ..core.fsutil import atomic_write_text
 
     return atomic_write_text(path, "".join(f"{p} --d {d}\n" for p in DEMO_PROMPTS for d in DEMO_SEEDS))

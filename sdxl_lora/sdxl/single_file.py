@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..fsutil import atomic_save
+from ..core.fsutil import atomic_save
 from .tiny import bytes_to_unicode
 
 if TYPE_CHECKING:  # heavy imports stay lazy: the CLI imports this module to parse arguments

@@ -17,14 +17,16 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .. import inject, speed
-from ..config import Config, ConfigError
-from ..export import save_diffusers_lora
-from ..runs import Run
+from ..core import inject, speed
+from . import speed as unet_speed
+from ..core.config import Config, ConfigError
+from .export import save_diffusers_lora
+from ..core.runs import Run
 from . import data as sdxl_data
 from . import loss as diffusion
 from .cache import TensorCache, cache_key, file_digest
 from .model import load_pipeline, native_resolution, resolve_model_path
+from .plan import plan_unet
 from .preview import render_previews
 
 log = logging.getLogger(__name__)
@@ -217,21 +219,22 @@ class SDXLTask:
         unet = self.pipe.unet
         # Ranks scale with the largest bucket's area: the most tokens any batch carries.
         largest = max(w * h for w, h in self.dataset.bucket_histogram())
-        self.plan = inject.make_plan(unet, cfg.adapter, resolution=round(largest ** 0.5),
-                                     native=native_resolution(self.pipe))
         mp = accelerator.mixed_precision
-        self._memory_estimate(unet, mp, run)
+        planned = plan_unet(cfg, unet, native_resolution(self.pipe), resolution=round(largest ** 0.5),
+                            mixed_precision=mp)
+        self.plan = planned.plan
+        log.info("%s", planned.memory.format())
+        run.event("memory_estimate", **planned.memory.as_dict())
         if cfg.model.quantize != "none" or cfg.model.quantize_convs != "none":
             # QLoRA: the Linears (and convolutions) quantized one at a time on the device (docs/qlora.md),
             # before the rest moves.
-            from ..quantize import quantize_unet
+            from .quantize import quantize_unet
             quantize_unet(unet, cfg.model, mp, self.device, run)
         # Frozen weights in the compute dtype; the adapter stays fp32 (apply_plan does that).
         unet.to(self.device, dtype=_DTYPES.get(mp, torch.float32))
         self._adapter_model = (SDXLAdapterModel(unet, self.pipe.text_encoder, self.pipe.text_encoder_2)
                                if cfg.adapter.train_text_encoder else None)
-        budget = cfg.adapter.rank_budget or (
-            round(cfg.adapter.rank_budget_mb * 2**20 / 4) if cfg.adapter.rank_budget_mb else None)
+        budget = inject.rank_budget(cfg.adapter)
         if budget:
             sensitivity = self._calibrate(unet)
             if accelerator.num_processes > 1:
@@ -255,43 +258,17 @@ class SDXLTask:
         run.event("plan", layers=len(self.plan.targets), trainable_params=n, preset=cfg.adapter.preset,
                   base_rank=self.plan.base_rank, groups=self.plan.groups())
 
-    def _memory_estimate(self, unet, mixed_precision: str, run: Run) -> None:
-        """The UNet's peak memory, estimated from the plan before anything moves (sdxl_lora/memory.py)."""
-        from ..memory import estimate_for_config
-
-        largest = round(max(w * h for w, h in self.dataset.bucket_histogram()) ** 0.5)  # square of that area
-        latent_factor = 2 ** (len(self.pipe.vae.config.block_out_channels) - 1)
-        est = estimate_for_config(unet, self.cfg, self.plan.trainable_params, largest, mixed_precision, latent_factor)
-        log.info("%s", est.format())
-        run.event("memory_estimate", **est.as_dict())
-
     def _calibrate(self, unet) -> dict[str, float]:
-        """Sensitivity of each planned slot: the norm of its adapter's gradient, summed over the first
-        `calibration_batches` batches, with a throwaway rank-4 adapter on every planned slot. The RNG
-        is forked, so the run after it is the same as without it."""
-        probe = inject.Plan(self.plan.targets, {s.name: 4 for s in self.plan.targets},
-                            {s.name: 4.0 for s in self.plan.targets})
-        inject.apply_plan(unet, probe, adapter_name="calibration")
-        norms = {s.name: 0.0 for s in self.plan.targets}
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(self.cfg.train.seed)
-            batches = iter(self.dataloader(shard=False))
-            for _ in tqdm(range(self.cfg.adapter.calibration_batches), desc="calibrating ranks", unit="batch",
-                          disable=not self.accelerator.is_main_process):
-                try:
-                    batch = next(batches)
-                except StopIteration:
-                    batches = iter(self.dataloader(shard=False))
-                    batch = next(batches)
-                batch = {k: v.to(self.device) for k, v in batch.items()}
-                with self.accelerator.autocast():
-                    loss = self.loss(unet, batch)
-                grads = torch.autograd.grad(loss, [m.lora_B["calibration"].weight for m in self._lora_layers(unet)])
-                for name, g in zip(norms, grads):
-                    norms[name] += g.float().norm().item()
-        unet.delete_adapters("calibration")
-        unet.requires_grad_(False)
-        return norms
+        """Each planned slot's sensitivity for the rank budget (core/inject.py: calibrate), on whole batches."""
+        def loss(batch):
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            with self.accelerator.autocast():
+                return self.loss(unet, batch)
+
+        return inject.calibrate(unet, self.plan, lambda: iter(self.dataloader(shard=False)), loss,
+                                self.cfg.adapter.calibration_batches,
+                                [self.device] if self.device.type == "cuda" else [], seed=self.cfg.train.seed,
+                                show=self.accelerator.is_main_process)
 
     def on_step(self, step: int, model) -> bool:
         """The rank schedule (adapter.rank_schedule): at its steps the UNet's adapters shrink by SVD.
@@ -328,7 +305,7 @@ class SDXLTask:
 
     def _speed_setup(self, unet, run: Run) -> None:
         """The train.* speed levers (sdxl_lora/speed.py, docs/speed.md), after the adapter is in place."""
-        from ..train import gradient_sync
+        from ..core.accel import gradient_sync
 
         tc = self.cfg.train
         speed.configure_backends(self.device)
@@ -343,35 +320,36 @@ class SDXLTask:
             raise ConfigError("train.cuda_graphs with gradient checkpointing needs adapter.dropout=0 (a checkpointed "
                               "block that draws random numbers must save the RNG state, which a graph cannot)")
         if tc.fuse_qkv:
-            n = speed.fuse_projections(unet, lora_matmul=tc.lora_matmul)
+            n = unet_speed.fuse_projections(unet, lora_matmul=tc.lora_matmul)
             log.info("train.fuse_qkv: %d attention layers project q/k/v (or k/v) with one matmul", n)
         if tc.fused_geglu and self.device.type == "cuda":  # the kernel is Triton's; the CPU keeps torch's ops
-            from .. import kernels
+            from ..core import kernels
+            from . import kernels as unet_kernels
 
             if kernels.triton is None:  # e.g. Windows builds of torch: autograd's own backward
                 log.info("train.fused_geglu: Triton is not installed; the GEGLU backward stays torch's")
             else:
-                kernels.use_fused_geglu(unet)
+                unet_kernels.use_fused_geglu(unet)
         if tc.gradient_checkpointing:
-            speed.enable_checkpointing(unet, graph_safe=graphs, sdpa_backend=tc.sdpa_backend)
+            unet_speed.enable_checkpointing(unet, graph_safe=graphs, sdpa_backend=tc.sdpa_backend)
         elif tc.checkpoint_budget_gb:
             fit = self._fit_checkpointing(unet, tc.checkpoint_budget_gb, graph_safe=graphs)
             run.event("checkpointing", budget_gb=tc.checkpoint_budget_gb, **fit)
         if tc.channels_last:
             speed.to_channels_last(unet)
-            speed.transformer_io(unet, compile=tc.compile != "none")
+            unet_speed.transformer_io(unet, compile=tc.compile != "none")
         if tc.compile != "none":
-            classes = speed.REGION_CLASSES if tc.compile == "regional" else speed.TRANSFORMER_CLASSES
+            classes = unet_speed.REGION_CLASSES if tc.compile == "regional" else unet_speed.TRANSFORMER_CLASSES
             n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget,
-                                      options=speed.unet_inductor_options())
+                                      options=unet_speed.unet_inductor_options())
             log.info("train.compile=%r: %d blocks compiled (the first steps include compilation)", tc.compile, n)
             if tc.compile == "regional" and tc.channels_last:
                 # The compiled ResNets' surroundings in their layout (docs/speed.md): the up blocks' skip
                 # concatenation inside their graphs, the last GroupNorm and the upsamplers compiled, the
                 # convolutions' input gradients as convolutions (channels_last backward graphs).
-                speed.fuse_skip_concat(unet)
-                speed.compile_edges(unet)
-                speed.conv_input_grad(unet)
+                unet_speed.fuse_skip_concat(unet)
+                unet_speed.compile_edges(unet)
+                unet_speed.conv_input_grad(unet)
         if tc.cuda_graphs:
             if self.device.type != "cuda":
                 log.warning("train.cuda_graphs needs a CUDA device; running without (device is %s)", self.device)
@@ -401,10 +379,10 @@ class SDXLTask:
         checkpoint more until the measured peak, plus the optimizer state still to come, fits too: the
         estimate cannot see the backward pass's transients (activation gradients, attention and cuDNN
         workspaces). Returns what was chosen and measured."""
-        from ..memory import OPTIMIZER_BYTES
+        from ..core.memory import OPTIMIZER_BYTES
 
         budget = int(budget_gb * 2**30)
-        units = speed.checkpoint_units(unet)
+        units = unet_speed.checkpoint_units(unet)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             batch = next(iter(self.dataloader()))
             batch = {k: v if k in self.host_keys else v.to(self.device) for k, v in batch.items()}
@@ -426,7 +404,7 @@ class SDXLTask:
             if self.device.type == "cuda":
                 order = speed.checkpoint_order(units)
                 while True:
-                    speed.apply_selective_checkpointing(unet, chosen, graph_safe, self.cfg.train.sdpa_backend)
+                    unet_speed.apply_selective_checkpointing(unet, chosen, graph_safe, self.cfg.train.sdpa_backend)
                     peak = self._trial_peak(unet, batch, warm=not trials) + optimizer
                     trials.append({"units": len(chosen), "peak_gib": round(peak / 2**30, 2)})
                     log.info("train.checkpoint_budget_gb=%g: %d of %d units checkpointed, measured peak %.2f GiB "
@@ -440,7 +418,7 @@ class SDXLTask:
                         over -= u.saved
                         if over <= 0:
                             break
-        speed.apply_selective_checkpointing(unet, chosen, graph_safe, self.cfg.train.sdpa_backend)
+        unet_speed.apply_selective_checkpointing(unet, chosen, graph_safe, self.cfg.train.sdpa_backend)
         flops = sum(u.flops for u in units)
         recompute = sum(u.flops for u in units if u.name in chosen) / max(flops, 1)
         log.info("train.checkpoint_budget_gb=%g: checkpointing %s (%.0f%% of the forward FLOPs recomputed); "
@@ -520,10 +498,6 @@ class SDXLTask:
     def validate(self, model) -> float | None:
         """The loss on the held-out images, or None when data.validation_split is 0."""
         return self.evaluate(model, self.val_indices) if self.val_indices else None
-
-    def _lora_layers(self, unet):
-        modules = dict(unet.named_modules())
-        return [modules[s.name] for s in self.plan.targets]
 
     def _noise_scheduler(self):
         from diffusers import DDPMScheduler
@@ -750,7 +724,7 @@ class SDXLTask:
     def save_adapter(self, model, run: Run, step: int) -> dict[str, Path]:
         # The kohya file is the main one (ComfyUI, AUTOMATIC1111/Forge, kohya and diffusers load it); the
         # diffusers/PEFT file sits beside it, with the same description (no absolute paths in either).
-        from ..export import adapter_from_model, save_kohya_lora, training_metadata
+        from .export import adapter_from_model, save_kohya_lora, training_metadata
 
         cfg = self.cfg
         datasets: dict[str, list[tuple[str, int]]] = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..fsutil import build_folder_once
+from ..core.fsutil import build_folder_once
 
 TINY_NAME = "tiny-sdxl"
 # Bump when the architecture or the build changes, so old materialised copies are not reused.
@@ -154,7 +154,10 @@ def build_tiny_pipeline(tokenizer_dir: Path, seed: int = 0):
 def materialize_tiny(cache_dir: str | Path, seed: int = 0) -> Path:
     """Return the tiny SDXL diffusers folder, building it once (atomically: temp folder, then rename)."""
     def build(scratch: Path, out: Path) -> None:
-        build_tokenizer_files(scratch / "tok")
-        build_tiny_pipeline(scratch / "tok", seed=seed).save_pretrained(out, safe_serialization=True)
+        # The build reseeds torch's RNG: forked, so a run that builds the model trains the same adapter
+        # as one that finds it built.
+        with torch.random.fork_rng(devices=[]):
+            build_tokenizer_files(scratch / "tok")
+            build_tiny_pipeline(scratch / "tok", seed=seed).save_pretrained(out, safe_serialization=True)
 
     return build_folder_once(Path(cache_dir) / f"{TINY_NAME}-v{TINY_VERSION}-seed{seed}", build, "model_index.json")

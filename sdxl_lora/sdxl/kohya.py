@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .sdxl.single_file import SDXL_BASE_CONFIG_DIR, map_module_path, unet_diffusers_to_sgm
+from .single_file import SDXL_BASE_CONFIG_DIR, map_module_path, unet_diffusers_to_sgm
 
 COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
 PREFIX = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}

@@ -44,7 +44,7 @@ class Pipelines:
     def get(self, model: str):
         import torch
 
-        from sdxl_lora.config import ModelConfig
+        from sdxl_lora.core.config import ModelConfig
         from sdxl_lora.sdxl.model import load_pipeline
 
         path = model if model == TINY else str(self.f.inside(model, "models"))

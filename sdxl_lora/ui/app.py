@@ -92,7 +92,8 @@ def _warm_up() -> None:
     try:
         from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel  # noqa: F401
 
-        from sdxl_lora import export, inject  # noqa: F401
+        from sdxl_lora.sdxl import export
+        from sdxl_lora.core import inject  # noqa: F401
         from sdxl_lora.sdxl import data, model, preview  # noqa: F401
     except ImportError:
         log.exception("warm-up import failed; the first click that needs it will show the error")
@@ -136,7 +137,7 @@ def serve(folders: Folders, host: str = "127.0.0.1", port: int | None = None, au
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ui`: the same as `sdxl-lora ui`."""
+    """`python -m sdxl_lora.ui`: the same as `sdxl-lora ui`."""
     from sdxl_lora.cli import main as cli_main
 
     return cli_main(["ui", *(argv or [])])

@@ -1,4 +1,4 @@
-"""Peak accelerator memory of a UNet LoRA/QLoRA run, estimated before it starts: weights by storage dtype,
+"""Peak accelerator memory of an SDXL UNet LoRA/QLoRA run, estimated before it starts: weights by storage dtype,
 adapter, gradients, optimizer state, activations (by resolution, batch and checkpointing) and a workspace.
 
 Weights, adapter, gradients and optimizer state are counted exactly from the model's modules (on the meta
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-GiB = 2**30
+from ..core.memory import DTYPE_NAMES, GiB, OPTIMIZER_BYTES, state_bytes, weight_bytes
 
 # ---- the activation model ------------------------------------------------------------------------
 # Feature-map-sized tensors saved for backward, per element of a unit's output (a priori counts):
@@ -67,28 +67,6 @@ COMPILED_KEEP = {"layer": 0.723, "resnet": 0.154, "proj": 1.0}
 # uncompiled proj_in/proj_out.
 REGIONAL_LAYOUT_KEEP = 0.930
 COMPILED_KINDS = {"regional": ("layer", "resnet"), "transformer": ("layer",)}
-
-# Optimizer state in bytes per trainable parameter.
-OPTIMIZER_BYTES = {"adamw": 8.0, "adamw8bit": 2.0, "paged_adamw8bit": 2.0, "paged_adamw": 8.0,
-                   "lion": 4.0, "prodigy": 16.0,
-                   # factored second moments: (rows + columns) per matrix, ~4/rank bytes for LoRA at rank 16
-                   "adafactor": 0.25}
-
-
-def fp8_conv_bytes(conv: nn.Conv2d) -> int:
-    """Storage of a Float8Conv2d: 1 byte a weight and one fp32 scale per output channel."""
-    return conv.weight.numel() + 4 * conv.out_channels
-
-
-def quantized_bytes_per_weight(method: str, double_quant: bool, in_features: int) -> float:
-    """Storage of one weight of a quantized Linear, its scales included."""
-    if method in ("nf4", "fp4"):
-        # 4 bits, one scale per block of 64: fp32, or (double) 8-bit with an fp32 scale per 256 blocks.
-        return 0.5 + ((1 + 4 / 256) / 64 if double_quant else 4 / 64)
-    if method in ("int8", "fp8"):
-        return 1.0 + 4.0 / in_features  # one fp32 scale per output row
-    raise ValueError(f"model.quantize={method!r} is not a quantization method")
-
 
 @dataclass
 class MemoryEstimate:
@@ -157,37 +135,6 @@ class MemoryEstimate:
               if self.quant_activations else []),
             f"  peak           {self.total / GiB:7.2f} GiB",
         ])
-
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def weight_bytes(unet: nn.Module, quantize: str, double_quant: bool, compute_dtype: torch.dtype,
-                 skip=None, quantize_convs: str = "none", conv_skip=None) -> dict[str, int]:
-    """The frozen model's bytes by storage: quantized Linear weights, with quantize_convs="fp8" the
-    convolutions (key "fp8 conv"), everything else in the compute dtype."""
-    elt = torch.empty((), dtype=compute_dtype).element_size()
-    plain_name = _DTYPE_NAMES.get(compute_dtype, str(compute_dtype))
-    out = {quantize: 0} if quantize != "none" else {}
-    out[plain_name] = 0
-    quantized = set()
-    if quantize != "none":
-        for name, mod in unet.named_modules():
-            if isinstance(mod, nn.Linear) and "lora_" not in name and not (skip and skip(name)):
-                out[quantize] += round(mod.weight.numel() * quantized_bytes_per_weight(quantize, double_quant,
-                                                                                      mod.in_features))
-                quantized.add(id(mod.weight))
-    if quantize_convs == "fp8":
-        out["fp8 conv"] = 0
-        for name, mod in unet.named_modules():
-            if isinstance(mod, nn.Conv2d) and "lora_" not in name and not (conv_skip and conv_skip(name)):
-                out["fp8 conv"] += fp8_conv_bytes(mod)
-                quantized.add(id(mod.weight))
-    out[plain_name] = out.pop(plain_name)  # listed last
-    for name, p in unet.named_parameters():
-        if id(p) not in quantized and "lora_" not in name:
-            out[plain_name] += p.numel() * elt
-    return out
 
 
 def _units(config, latent: int) -> list[tuple[str, int, int]]:
@@ -277,8 +224,7 @@ def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_s
         overhead = max((m.weight.numel() * elt for m in unet.modules() if isinstance(m, nn.Conv2d)), default=0)
     return MemoryEstimate(
         weights=weight_bytes(unet, quantize, double_quant, compute_dtype, skip, quantize_convs, unet_conv_skip),
-        adapter=trainable_params * 4, gradients=trainable_params * 4,
-        optimizer=int(trainable_params * OPTIMIZER_BYTES[optimizer]),
+        **state_bytes(trainable_params, optimizer),
         activations=activations,
         quant_activations=int(QUANT_SAVED_INPUTS.get(quantize, 0.0) * activations),
         workspace=WORKSPACE if cuda_like else 0,
@@ -287,7 +233,7 @@ def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_s
         compile_activation_budget=compile_activation_budget if compile != "none" else None,
         channels_last=channels_last and compile == "regional" and not checkpointing, quantize=quantize,
         quantize_convs=quantize_convs,
-        optimizer_name=optimizer, compute_dtype=_DTYPE_NAMES.get(compute_dtype, str(compute_dtype)))
+        optimizer_name=optimizer, compute_dtype=DTYPE_NAMES.get(compute_dtype, str(compute_dtype)))
 
 
 def estimate_for_config(unet: nn.Module, cfg, trainable_params: int, resolution: int,

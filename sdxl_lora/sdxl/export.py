@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import kohya
-from .fsutil import atomic_save, atomic_write_text, fsync_dir
+from ..core.fsutil import atomic_save, atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -362,8 +362,8 @@ def kohya_state_dict(adapter: Adapter, unet_config: Mapping | None = None, names
     if biased:
         raise AdapterError(f"{len(biased)} layers have a LoRA bias (adapter.lora_bias), which the kohya format "
                            f"cannot hold, e.g. {biased[0]}: export --format diffusers or peft")
-    from .sdxl.single_file import unet_config as sdxl_unet_config
-    from .sdxl.single_file import unet_diffusers_to_sgm
+    from .single_file import unet_config as sdxl_unet_config
+    from .single_file import unet_diffusers_to_sgm
 
     unet_map = unet_diffusers_to_sgm(dict(unet_config) if unet_config is not None else sdxl_unet_config())
     out: dict[str, torch.Tensor] = {}
@@ -742,8 +742,8 @@ def layer_table(model=None) -> kohya.LayerTable:
     if model is None:
         return kohya.LayerTable.from_config_dir(None)
     if isinstance(model, (str, Path)):
-        from .config import ModelConfig
-        from .sdxl.model import resolve_model_path
+        from ..core.config import ModelConfig
+        from .model import resolve_model_path
 
         p = resolve_model_path(ModelConfig(path=str(model)))
         if not p.exists():
@@ -809,7 +809,7 @@ def _span(values) -> str:
 
 def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, title: str = "") -> str:
     """A plain-text report: format, base model, per-block rank and alpha, metadata, problems."""
-    from .sdxl.single_file import unet_diffusers_to_sgm
+    from .single_file import unet_diffusers_to_sgm
 
     table = table or kohya.LayerTable.from_config_dir(None)
     unet_map = unet_diffusers_to_sgm(table.unet_config)

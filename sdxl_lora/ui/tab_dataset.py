@@ -7,8 +7,8 @@ from pathlib import Path
 
 import gradio as gr
 
-from sdxl_lora.config import DataConfig, ConfigError, load_config
-from sdxl_lora.fsutil import atomic_write_text
+from sdxl_lora.core.config import DataConfig, ConfigError, load_config
+from sdxl_lora.core.fsutil import atomic_write_text
 
 from .folders import Folders, PathRefused, image_folders
 

@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint, tracking
 from .config import Config
+from .accel import gradient_sync, make_accelerator
 from .ema import EMA
 from .optim import build_optimizer, make_schedule
 from .runs import Run
@@ -87,44 +88,6 @@ class Result:
     interrupted: str | None = None   # the signal's name when stopped by Ctrl-C/SIGTERM, or "nan_guard"
     message: str | None = None       # why the run stopped, for the user, when not by a signal
     state: Path | None = None        # the last training state saved
-
-
-def resolve_mixed_precision(cfg: Config, device_type: str) -> str:
-    mp = cfg.train.mixed_precision
-    if mp != "auto":
-        return mp
-    if device_type == "cuda" and torch.cuda.is_bf16_supported():
-        return "bf16"
-    return "no"
-
-
-def gradient_sync(cfg: Config, num_processes: int, device_type: str) -> str | None:
-    """How several processes average gradients: "ddp" or "allreduce" (train.gradient_sync); None for one."""
-    if num_processes == 1:
-        return None
-    mode = cfg.train.gradient_sync
-    if mode == "auto":
-        return "allreduce" if cfg.train.cuda_graphs and device_type == "cuda" else "ddp"
-    return mode
-
-
-def make_accelerator(cfg: Config):
-    from accelerate import Accelerator
-
-    dev = cfg.train.device
-    if dev == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device='cuda' but no CUDA GPU is visible; use --device cpu")
-    cpu = dev == "cpu" or (dev == "auto" and not torch.cuda.is_available())
-    mp = resolve_mixed_precision(cfg, "cpu" if cpu else "cuda")
-    handlers = []
-    if cfg.train.cuda_graphs:
-        from accelerate.utils import AutocastKwargs
-
-        # A captured graph cannot use autocast's weight-cast cache; the frozen weights are already in the
-        # compute dtype, so the cache saves nothing here anyway.
-        handlers.append(AutocastKwargs(cache_enabled=False))
-    return Accelerator(cpu=cpu, mixed_precision=mp, gradient_accumulation_steps=cfg.train.grad_accum,
-                       kwargs_handlers=handlers)
 
 
 class _PendingFlag:
@@ -536,7 +499,7 @@ class Trainer:
         deferred = guard and self._deferred_guard()
         pending: _PendingFlag | None = None
         batches = self._batches()
-        from .speed import StepProfiler
+        from .profile import StepProfiler
 
         # Two warm-up steps first where the run is long enough (the first steps allocate and compile).
         profiler = StepProfiler(run.dir / "profile" if acc.is_main_process else None, cfg.train.profile_steps,

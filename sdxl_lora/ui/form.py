@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from sdxl_lora.config import Config, ConfigError, _parse_value, load_config
+from sdxl_lora.core.config import Config, ConfigError, _parse_value, load_config
 
 # Shown at the top of the form, in this order (those the schema has).
 MAIN_FIELDS = ("model.path", "data.dirs", "data.resolution", "data.trigger_word", "adapter.preset", "adapter.rank",

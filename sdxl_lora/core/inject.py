@@ -3,12 +3,14 @@
 A slot says where a layer sits in the model's topology (for the SDXL UNet: down/mid/up level, its
 feature-map size, kohya's block id, self or cross attention, which projection; for a causal LM: the
 layer index and q/k/v/o/gate/up/down), so a policy can say "cross-attention q and v" instead of
-listing module names. The injector walks the model; no module list is typed by hand.
+listing module names. The injector walks the model; no module list is typed by hand. What a model
+family's layers are, and what each preset weights, is its task's Topology (sdxl/slots.py, llm/slots.py).
 
 Policy, in order: a preset picks the layers and weights their ranks (docs/injector.md says why each
 weight is what it is); the base rank scales with training resolution; glob overrides set a rank
 per slot (0 leaves it out). The plan goes to peft as one LoraConfig with per-module rank_pattern and
-alpha_pattern, so mixed ranks flow into training, checkpoints and exports unchanged.
+alpha_pattern, so mixed ranks flow into training, checkpoints and exports unchanged. With a rank budget,
+ranks are redistributed by each slot's measured sensitivity (calibrate, budget_plan).
 """
 from __future__ import annotations
 
@@ -16,28 +18,15 @@ import fnmatch
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .config import AdapterConfig
 
-# Projections of an attention block, in the names diffusers uses.
-ATTN_PROJ = ("to_q", "to_k", "to_v", "to_out.0")
-# ... and of a transformers causal LM.
-LLM_PROJ = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
-            "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-
-# The `topology` preset: rank multipliers by (attention kind, projection). Reasons in docs/injector.md.
-TOPOLOGY_PROJ = {
-    ("attn2", "to_q"): 1.0, ("attn2", "to_k"): 0.5, ("attn2", "to_v"): 1.0, ("attn2", "to_out.0"): 0.5,
-    ("attn1", "to_q"): 0.5, ("attn1", "to_k"): 0.5, ("attn1", "to_v"): 0.75, ("attn1", "to_out.0"): 0.5,
-}
-# ... and by level: the deepest level and the mid block (lowest resolution, most semantic) get the
-# full rank; higher-resolution levels, which mostly carry texture and detail, three quarters.
-TOPOLOGY_DEEP, TOPOLOGY_SHALLOW = 1.0, 0.75
-# For a causal LM: attention and MLP alike; v and o a little higher than q and k.
-TOPOLOGY_LLM = {"q": 0.75, "k": 0.5, "v": 1.0, "o": 1.0, "gate": 0.75, "up": 0.75, "down": 1.0}
+PRESETS = ("attn", "cross-attn", "topology", "full")
 
 
 @dataclass(frozen=True)
@@ -58,113 +47,31 @@ class Slot:
         return rank * (self.in_features + self.out_features) + (self.out_features if bias else 0)
 
 
-_PART = re.compile(r"^(down_blocks|mid_block|up_blocks)(?:\.(\d+))?")
-_LLM_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def _kohya_blocks(model: nn.Module) -> dict[str, str]:
-    """diffusers UNet module prefix -> kohya block id (IN04, MID, OUT03...), from the sgm layout."""
-    config = getattr(model, "config", None)
-    if config is None or "down_block_types" not in config:
-        return {}
-    from .sdxl.single_file import SingleFileError, unet_diffusers_to_sgm
-
-    try:
-        mapping = unet_diffusers_to_sgm(dict(config))
-    except SingleFileError:
-        return {}
-    out = {}
-    for diff, sgm in mapping.items():
-        m = re.match(r"^(input_blocks|middle_block|output_blocks)\.?(\d+)?", sgm)
-        if not m:
-            continue
-        kind, idx = m.group(1), m.group(2)
-        out[diff] = "MID" if kind == "middle_block" else f"{'IN' if kind == 'input_blocks' else 'OUT'}{int(idx):02d}"
-    return out
-
-
-def _lookup_block(name: str, blocks: dict[str, str]) -> str:
-    # Longest mapped prefix of the module path.
-    parts = name.split(".")
-    for i in range(len(parts), 0, -1):
-        b = blocks.get(".".join(parts[:i]))
-        if b:
-            return b
-    return ""
-
-
-def _classify(name: str, module: nn.Module, n_levels: int, blocks: dict[str, str]) -> Slot | None:
+def layer_slot(name: str, module: nn.Module, **where) -> Slot | None:
+    """A Linear or Conv2d as a slot (a conv's input width is its flattened kernel); None for other modules.
+    `where` gives the slot's place (part, index, level, block, kind, proj); by default part and kind
+    "other" and the module's own name as the projection."""
     if isinstance(module, nn.Linear):
         fin, fout, conv = module.in_features, module.out_features, False
     elif isinstance(module, nn.Conv2d):
         fin, fout, conv = module.in_channels * module.kernel_size[0] * module.kernel_size[1], module.out_channels, True
     else:
         return None
-    leaf = name.rsplit(".", 1)[-1]
-    llm = _LLM_LAYER.search(name)
-    if llm and leaf in LLM_PROJ:
-        kind = "attn" if leaf in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        return Slot(name, "layer", int(llm.group(1)), None, "", kind, LLM_PROJ[leaf], fin, fout, conv)
-    m = _PART.match(name)
-    if m:
-        part = {"down_blocks": "down", "mid_block": "mid", "up_blocks": "up"}[m.group(1)]
-        index = int(m.group(2)) if m.group(2) is not None else None
-        level = {"down": index, "up": None if index is None else n_levels - 1 - index, "mid": n_levels - 1}[part]
-    else:
-        part, index, level = "other", None, None
-    if ".attn1." in name or ".attn2." in name:
-        kind = "attn1" if ".attn1." in name else "attn2"
-        proj = name.split(f".{kind}.", 1)[1]
-    elif ".ff." in name:
-        kind, proj = "ff", name.split(".ff.", 1)[1]
-    elif leaf in ("proj_in", "proj_out"):
-        kind, proj = "proj", leaf
-    elif ".resnets." in name:
-        kind, proj = "resnet", leaf
-    elif name.startswith(("time_embedding", "add_embedding")):
-        kind, proj = "embed", leaf
-    else:
-        kind, proj = "other", leaf
-    return Slot(name, part, index, level, _lookup_block(name, blocks), kind, proj, fin, fout, conv)
+    place = {"part": "other", "index": None, "level": None, "block": "", "kind": "other",
+             "proj": name.rsplit(".", 1)[-1], **where}
+    return Slot(name, in_features=fin, out_features=fout, conv=conv, **place)
 
 
-def slots(model: nn.Module) -> list[Slot]:
-    """Every Linear/Conv2d of the model, classified. Works on the meta device (no weights needed)."""
-    config = getattr(model, "config", None)
-    n_levels = len(config["down_block_types"]) if config is not None and "down_block_types" in config else 0
-    blocks = _kohya_blocks(model)
-    out = []
-    for name, module in model.named_modules():
-        s = _classify(name, module, n_levels, blocks)
-        if s is not None:
-            out.append(s)
-    return out
+class Topology(Protocol):
+    """A model family's layout, as the injector needs it: every candidate layer as a slot, and the rank
+    multiplier each preset gives a slot (0 leaves it out)."""
+
+    def slots(self, model: nn.Module) -> list[Slot]: ...
+    def weight(self, slot: Slot, preset: str, deepest: int | None) -> float: ...
 
 
-PRESETS = ("attn", "cross-attn", "topology", "full")
-
-
-def _weight(s: Slot, preset: str, deepest: int | None) -> float:
-    """The preset's rank multiplier for a slot; 0 leaves it out."""
-    if s.part == "layer":  # causal LM
-        if preset in ("attn", "cross-attn"):
-            return 1.0 if s.kind == "attn" else 0.0
-        if preset == "topology":
-            return TOPOLOGY_LLM.get(s.proj, 0.0)
-        return 1.0  # full
-    attn = s.kind in ("attn1", "attn2") and s.proj in ATTN_PROJ
-    if preset == "attn":
-        return 1.0 if attn else 0.0
-    if preset == "cross-attn":
-        return 1.0 if attn and s.kind == "attn2" else 0.0
-    if preset == "topology":
-        if not attn:
-            return 0.0
-        level = TOPOLOGY_DEEP if s.level is None or s.level == deepest else TOPOLOGY_SHALLOW
-        return TOPOLOGY_PROJ[(s.kind, s.proj)] * level
-    if preset == "full":
-        return 1.0 if s.kind in ("attn1", "attn2", "ff", "proj") and not s.conv else 0.0
-    raise ValueError(f"adapter.preset={preset!r}: must be one of {', '.join(PRESETS)}")
+def unknown_preset(preset: str) -> ValueError:
+    return ValueError(f"adapter.preset={preset!r}: must be one of {', '.join(PRESETS)}")
 
 
 def scaled_rank(base: int, resolution: int | None, native: int | None, enabled: bool, lo: int, hi: int) -> int:
@@ -230,14 +137,17 @@ def slot_override(s: Slot, overrides: dict[str, float]) -> float | None:
     return hit
 
 
-def make_plan(model: nn.Module, cfg: AdapterConfig, resolution: int | None = None, native: int | None = None) -> Plan:
-    all_slots = slots(model)
+def make_plan(model: nn.Module, cfg: AdapterConfig, topology: Topology, resolution: int | None = None,
+              native: int | None = None) -> Plan:
+    """The plan for `model` under the adapter config: the topology's slots weighted by the preset, the base
+    rank scaled with `resolution` (against the model's `native` one), the overrides applied."""
+    all_slots = topology.slots(model)
     deepest = max((s.level for s in all_slots if s.level is not None), default=None)
     base = scaled_rank(cfg.rank, resolution, native, cfg.scale_rank_with_resolution, cfg.min_rank, cfg.max_rank)
     scale = (cfg.alpha if cfg.alpha is not None else cfg.rank) / cfg.rank  # alpha/rank, the same on every slot
     targets, rank, alpha = [], {}, {}
     for s in all_slots:
-        w = _weight(s, cfg.preset, deepest)
+        w = topology.weight(s, cfg.preset, deepest)
         r = max(cfg.min_rank, round(base * w)) if w > 0 else 0
         o = slot_override(s, cfg.overrides)
         if o is not None:
@@ -289,7 +199,7 @@ def apply_plan(model: nn.Module, plan: Plan, dropout: float = 0.0, adapter_name:
     lcfg = plan.lora_config(dropout)
     # Only diffusers' integration: transformers' add_adapter pins its own peft versions; peft's
     # inject_adapter_in_model does the same for a causal LM and leaves model.peft_config for saving.
-    if hasattr(model, "add_adapter") and type(model).__module__.startswith("diffusers"):
+    if _diffusers_model(model):
         model.add_adapter(lcfg, adapter_name=adapter_name)
     else:
         from peft import inject_adapter_in_model
@@ -377,3 +287,60 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"total: {len(plan.targets)} modules, {n:,} trainable parameters, {n * 4 / 2**20:.2f} MB (fp32)"
                  + (f"; base rank {plan.base_rank} at resolution {plan.resolution}" if plan.resolution else ""))
     return "\n".join(lines)
+
+
+def rank_budget(cfg: AdapterConfig) -> int | None:
+    """adapter.rank_budget in trainable parameters (adapter.rank_budget_mb converted: fp32 bytes), or None."""
+    if cfg.rank_budget:
+        return cfg.rank_budget
+    return round(cfg.rank_budget_mb * 2**20 / 4) if cfg.rank_budget_mb else None
+
+
+def calibrate(model: nn.Module, plan: Plan, batches: Callable[[], Iterator], loss: Callable[[object], torch.Tensor],
+              n_batches: int, devices: list, seed: int | None = None, show: bool = True) -> dict[str, float]:
+    """Sensitivity of each planned slot: the norm of a throwaway rank-4 adapter's gradient on that slot,
+    summed over `n_batches` batches (from `batches()`, started again when it runs out), `loss(batch)` each.
+    The RNG is forked (and seeded with `seed`), so the run after it is the same as without it; the probe
+    is removed and the model left frozen."""
+    probe = Plan(plan.targets, {s.name: 4 for s in plan.targets}, {s.name: 4.0 for s in plan.targets})
+    apply_plan(model, probe, adapter_name="calibration")
+    modules = dict(model.named_modules())
+    weights = [modules[s.name].lora_B["calibration"].weight for s in plan.targets]
+    norms = {s.name: 0.0 for s in plan.targets}
+    with torch.random.fork_rng(devices=devices):
+        if seed is not None:
+            torch.manual_seed(seed)
+        it = batches()
+        for _ in tqdm(range(n_batches), desc="calibrating ranks", unit="batch", disable=not show):
+            try:
+                batch = next(it)
+            except StopIteration:
+                it = batches()
+                batch = next(it)
+            grads = torch.autograd.grad(loss(batch), weights)
+            for name, g in zip(norms, grads):
+                norms[name] += g.float().norm().item()
+    remove_adapter(model, "calibration")
+    model.requires_grad_(False)
+    return norms
+
+
+def _diffusers_model(model: nn.Module) -> bool:
+    # diffusers' models carry peft's integration (add_adapter/delete_adapters); transformers' pin their own
+    # peft versions, so causal LMs go through peft's functions directly.
+    return hasattr(model, "add_adapter") and type(model).__module__.startswith("diffusers")
+
+
+def remove_adapter(model: nn.Module, adapter_name: str) -> None:
+    """Take the named adapter's layers out of the model (and its entry out of peft_config)."""
+    if _diffusers_model(model):
+        model.delete_adapters(adapter_name)
+        return
+    from peft.functional import delete_adapter
+
+    delete_adapter(model, adapter_name, prefix="lora_")
+    configs = getattr(model, "peft_config", None)
+    if configs is not None:
+        configs.pop(adapter_name, None)
+        if not configs:
+            del model.peft_config

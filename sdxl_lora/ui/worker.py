@@ -4,7 +4,7 @@ folder so any UI (this one, a reloaded page, a restarted server) can tell how th
   train.pid   this process's id, written as soon as the run folder exists
   train.exit  the exit code, written when it ends (0 finished, 130 stopped by a signal, else failed)
 
-    python -m ui.worker RUN_DIR -- train [CONFIG] [--resume RUN_DIR] ...
+    python -m sdxl_lora.ui.worker RUN_DIR -- train [CONFIG] [--resume RUN_DIR] ...
 
 The run folder is created by the CLI itself (so its rules hold: no run is overwritten); the pid file can
 only be written once that folder exists, hence the small watcher thread. SIGINT/SIGTERM reach the
@@ -23,7 +23,7 @@ EXIT_FILE = "train.exit"
 
 
 def _write_pid_when_ready(run_dir: Path, fresh: bool, done: threading.Event) -> None:
-    from sdxl_lora.fsutil import atomic_write_text
+    from sdxl_lora.core.fsutil import atomic_write_text
 
     # A new run's folder counts as ready once the CLI has written its config.toml there.
     marker = run_dir / "config.toml"
@@ -36,7 +36,7 @@ def _write_pid_when_ready(run_dir: Path, fresh: bool, done: threading.Event) -> 
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m ui.worker RUN_DIR -- train ARGS...", file=sys.stderr)
+        print("usage: python -m sdxl_lora.ui.worker RUN_DIR -- train ARGS...", file=sys.stderr)
         return 2
     run_dir, cli_args = Path(argv[0]), argv[2:]
     resume = "--resume" in cli_args
@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
         done.set()
         watcher.join()
         if (run_dir / "config.toml").is_file():
-            from sdxl_lora.fsutil import atomic_write_text
+            from sdxl_lora.core.fsutil import atomic_write_text
             atomic_write_text(run_dir / EXIT_FILE, f"{rc}\n")
     return rc
 

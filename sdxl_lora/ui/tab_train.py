@@ -11,9 +11,9 @@ from pathlib import Path
 
 import gradio as gr
 
-from sdxl_lora.config import Config, ConfigError, SAMPLE_DATA
-from sdxl_lora.fsutil import atomic_write_text
-from sdxl_lora.runs import read_events
+from sdxl_lora.core.config import Config, ConfigError, SAMPLE_DATA
+from sdxl_lora.core.fsutil import atomic_write_text
+from sdxl_lora.core.runs import read_events
 
 from .folders import TINY, TINY_LLM, Folders, PathRefused, image_folders, jsonl_files, llm_model_choices, model_choices
 from .form import LLM_MAIN_FIELDS, MAIN_FIELDS, PATH_FIELDS, FieldSpec, build_config, schema_fields, to_widget_value
@@ -157,28 +157,18 @@ def plan_view(cfg: Config):
     """The injector's plan for this config as table rows, and a summary line (with the memory estimate)."""
     import pandas as pd
 
-    from sdxl_lora import inject
-    from sdxl_lora.sdxl.model import unet_skeleton
+    from sdxl_lora.sdxl.plan import plan_config
 
-    unet, native = unet_skeleton(cfg.model)
-    resolution = cfg.data.resolution or native
-    plan = inject.make_plan(unet, cfg.adapter, resolution=resolution, native=native)
+    planned = plan_config(cfg)
+    plan, resolution, native = planned.plan, planned.resolution, planned.native
     rows = pd.DataFrame([{**r, "level": "" if r["level"] is None else r["level"],
                           "MB": round(r["params"] * 4 / 2**20, 3)} for r in plan.groups()])
     n = plan.trainable_params
     summary = (f"**{len(plan.targets)} modules, {n:,} trainable parameters, {n * 4 / 2**20:.2f} MB (fp32)**; "
                f"preset {cfg.adapter.preset}, base rank {plan.base_rank} at resolution {resolution} "
                f"(native {native})")
-    try:
-        from sdxl_lora import memory
-    except ImportError:
-        memory = None  # the estimate comes with the QLoRA work; without it the plan stands alone
-    if memory is not None:
-        try:
-            est = memory.estimate_for_config(unet, cfg, n, resolution)
-            summary += f"\n\nEstimated peak GPU memory (bf16 unless set): **{est.total / 2**30:.2f} GiB**\n\n```\n{est.format()}\n```"
-        except ValueError as e:
-            summary += f"\n\nno memory estimate: {e}"
+    est = planned.memory
+    summary += f"\n\nEstimated peak GPU memory (bf16 unless set): **{est.total / 2**30:.2f} GiB**\n\n```\n{est.format()}\n```"
     return rows, summary
 
 

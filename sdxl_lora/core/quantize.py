@@ -326,6 +326,12 @@ def _bnb_layer(bnb, linear: nn.Linear, method: str, compute_dtype: torch.dtype, 
                               device="meta")
         q.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=double_quant, quant_type=method,
                                      module=q)
+        # On CPUs with AVX512-BF16, bitsandbytes (0.49+) repacks a 4-bit weight in place for an inference-only
+        # kernel the first time the layer runs in eval mode without gradients; a training forward after that
+        # fails in its in-place bias add, and the weight no longer dequantizes as 4-bit. A run evaluates and
+        # trains the same layers, so they keep the layout that trains.
+        if hasattr(q, "support_avx512bf16_for_cpu"):
+            q.support_avx512bf16_for_cpu = False
     else:
         q = _autocast_class(bnb.nn.Linear8bitLt)(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                 has_fp16_weights=False, threshold=INT8_THRESHOLD, device="meta")
@@ -489,39 +495,3 @@ def dequantize_model(model: nn.Module) -> None:
 def is_quantized(model: nn.Module) -> bool:
     classes = _quantized_classes()
     return any(isinstance(m, classes) for m in model.modules())
-
-
-def unet_skip(name: str) -> bool:
-    """Layers of an SDXL UNet kept in the compute dtype: the timestep and size/crop embeddings (7M of
-    2.2B Linear weights) condition every block, so their error would reach everything, for nothing saved."""
-    return name.startswith(("time_embedding.", "add_embedding."))
-
-
-def unet_conv_skip(name: str) -> bool:
-    """Convolutions of an SDXL UNet kept in the compute dtype with model.quantize_convs: conv_in sees the
-    latents and conv_out makes the prediction, so their error reaches everything (23k weights, 46 KB)."""
-    return name in ("conv_in", "conv_out")
-
-
-def quantize_unet(unet: nn.Module, model_cfg, mixed_precision: str | None, device,
-                  run=None) -> tuple[QuantReport, QuantReport]:
-    """model.quantize and model.quantize_convs for a training run's UNet: its Linears (embeddings kept) and,
-    when asked, its convolutions (conv_in/conv_out kept) quantized on `device`, the reports logged and, with
-    a run, recorded as a "quantize" event. Returns (Linear report, Conv2d report)."""
-    import logging
-
-    compute = resolve_compute_dtype(model_cfg.quant_compute_dtype, mixed_precision)
-    report = quantize_model(unet, model_cfg.quantize, compute_dtype=compute, double_quant=model_cfg.quant_double,
-                            device=device, skip=unet_skip)
-    convs = quantize_convs(unet, model_cfg.quantize_convs, compute_dtype=compute, device=device, skip=unet_conv_skip)
-    log = logging.getLogger(__name__)
-    for r in (report, convs):
-        if r.method != "none":
-            log.info("quantized the UNet: %s", r)
-    if run is not None:
-        run.event("quantize", method=report.method, layers=report.layers, kept=report.skipped, params=report.params,
-                  bytes_before=report.bytes_before, bytes_after=report.bytes_after,
-                  compute_dtype=str(compute).removeprefix("torch."), double_quant=model_cfg.quant_double,
-                  convs=convs.method, conv_layers=convs.layers, conv_kept=convs.skipped, conv_params=convs.params,
-                  conv_bytes_before=convs.bytes_before, conv_bytes_after=convs.bytes_after)
-    return report, convs

@@ -44,7 +44,7 @@ def merge_adapter(pipe, adapter: Adapter, strength: float = 1.0) -> int:
     """Add `strength` times the adapter's update to the pipeline's weights in place; returns the layer
     count. Every layer is checked before any weight changes, so a refused adapter leaves the model as it was.
     A quantized component (model.quantize) is dequantized first: a sum of weights needs them in full precision."""
-    from .quantize import dequantize_model, is_quantized
+    from ..core.quantize import dequantize_model, is_quantized
 
     for comp in adapter.components():
         model = getattr(pipe, comp, None)
@@ -133,7 +133,8 @@ def _quantized_base(pipe, adapters, as_trained: bool) -> None:
                         "into the full-precision ones the result is close to, not the same as, what was trained "
                         "(--as-trained merges into the dequantized weights instead)", ", ".join(names), method)
     if as_trained:
-        from .quantize import dequantize_model, quantize_model, unet_skip
+        from ..core.quantize import dequantize_model, quantize_model
+        from .quantize import unet_skip
 
         method = next(iter(methods))
         double = all(a.metadata.get("sdxl_lora.quant_double", "true") == "true" for _, _, a in adapters)
@@ -152,9 +153,9 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
     weights: merged into the full-precision ones (the default) it gives a model close to, not the same
     as, the one trained, and a warning says so. `as_trained` instead quantizes the UNet the same way and
     dequantizes it before merging: the weights the adapter saw, quantization error included."""
-    from .config import ModelConfig
-    from .sdxl.model import load_pipeline, resolve_model_path
-    from .sdxl.single_file import save_single_file
+    from ..core.config import ModelConfig
+    from .model import load_pipeline, resolve_model_path
+    from .single_file import save_single_file
 
     out = Path(out)
     if out.exists() and not overwrite:

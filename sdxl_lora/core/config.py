@@ -13,11 +13,11 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = REPO_ROOT / "sample_data"
 # The shipped demo base (model.path = "tiny-sdxl-demo"): the tiny SDXL pretrained on shapes.
 DEMO_NAME = "tiny-sdxl-demo"
-DEMO_DIR = Path(__file__).resolve().parent / "assets" / DEMO_NAME
+DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / DEMO_NAME
 # A model folder may hold the training settings it is meant to be trained with (TOML sections as in a
 # config, no [model]): they apply wherever the user's config is silent. A 9M-parameter base wants other
 # settings than SDXL's 2.6B; the demo base ships one (docs/demo_base.md).

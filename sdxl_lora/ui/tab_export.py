@@ -22,7 +22,7 @@ def source_choices(f: Folders) -> list[str]:
 
 def _source(f: Folders, choice: str) -> tuple[Path, str | Path | None, Path]:
     """(adapter file, the model its layer names refer to, the folder exports go to)."""
-    from sdxl_lora.config import ModelConfig, load_config
+    from sdxl_lora.core.config import ModelConfig, load_config
     from sdxl_lora.sdxl.model import resolve_model_path
 
     p = adapter_path(f, choice)
@@ -46,7 +46,7 @@ def _source(f: Folders, choice: str) -> tuple[Path, str | Path | None, Path]:
 
 def export(f: Folders, choice, fmt, title, author, description, trigger, license_, write_meta, names, true_alpha,
            overwrite):
-    from sdxl_lora.export import AdapterError, export_adapter, layer_table, load_adapter
+    from sdxl_lora.sdxl.export import AdapterError, export_adapter, layer_table, load_adapter
 
     if not choice:
         return None, "**Error:** pick a run or an adapter"

@@ -109,7 +109,7 @@ def _create_run_shared(cfg: Config) -> Run:
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 
-    # The process group the Accelerator will use (the same device choice as train.make_accelerator).
+    # The process group the Accelerator will use (the same device choice as accel.make_accelerator).
     state = PartialState(cpu=cfg.train.device == "cpu" or not torch.cuda.is_available())
     name = broadcast_object_list([cfg.output.name or default_run_name()])[0]
     run_dir = Path(cfg.output.runs_dir) / name

@@ -25,15 +25,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdxl_lora.config import Config
-from sdxl_lora.fsutil import atomic_write_text
-from sdxl_lora.runs import default_run_name, read_events
+from sdxl_lora.core.config import Config
+from sdxl_lora.core.fsutil import atomic_write_text
+from sdxl_lora.core.runs import default_run_name, read_events
 
 from .folders import Folders
 from .worker import EXIT_FILE, PID_FILE
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def pid_alive(pid: int) -> bool:
@@ -48,7 +48,7 @@ def pid_alive(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_text()
         if stat.rsplit(")", 1)[1].split()[0] == "Z":
             return False
-        return b"ui.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"sdxl_lora.ui.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return True  # no /proc (not Linux): trust kill(0)
 
@@ -265,7 +265,7 @@ class Jobs:
     def _launch(self, name: str, args: list[str]) -> None:
         run_dir = self.run_dir(name)
         log_path = self.f.ui / "logs" / f"{name}.log"
-        cmd = [self.python, "-m", "ui.worker", str(run_dir), "--", *args]
+        cmd = [self.python, "-m", "sdxl_lora.ui.worker", str(run_dir), "--", *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # The worker imports `ui` from the repository the server runs from, whatever the folder it was started in.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))

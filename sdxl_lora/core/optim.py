@@ -62,15 +62,17 @@ def build_optimizer(cfg: Config, param_groups: list[dict]) -> torch.optim.Optimi
 
 
 def make_schedule(cfg: Config, optimizer, num_processes: int = 1):
-    """The lr schedule (diffusers' helpers), every kind with linear warmup over train.warmup_steps."""
-    from diffusers.optimization import get_scheduler
+    """The lr schedule (transformers' helpers, which diffusers' copy), every kind with linear warmup over
+    train.warmup_steps."""
+    from transformers.optimization import get_scheduler
 
     tc = cfg.train
     name = tc.scheduler
     if name == "constant" and tc.warmup_steps:
         name = "constant_with_warmup"
+    specific = {"cosine_with_restarts": {"num_cycles": tc.scheduler_cycles},
+                "polynomial": {"power": tc.scheduler_power}}.get(name)
     # Accelerate's prepared scheduler advances num_processes times per optimizer step, so the
     # schedule is laid out in those units to keep warmup and decay in optimizer steps.
     return get_scheduler(name, optimizer, num_warmup_steps=tc.warmup_steps * num_processes,
-                         num_training_steps=tc.steps * num_processes, num_cycles=tc.scheduler_cycles,
-                         power=tc.scheduler_power)
+                         num_training_steps=tc.steps * num_processes, scheduler_specific_kwargs=specific)

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdxl_lora.config import ModelConfig
-from sdxl_lora.images import IMAGE_EXTENSIONS
+from sdxl_lora.core.config import ModelConfig
+from sdxl_lora.sdxl.images import IMAGE_EXTENSIONS
 
 
 # The default model's name (the shipped demo base, "tiny-sdxl-demo") is the schema's default (importing

@@ -1,0 +1,45 @@
+"""The Accelerator a run trains under, and how its processes average gradients: the parts of the loop's
+set-up that a task may need to know (the SDXL task sets CUDA graphs up differently under the flat sync)."""
+from __future__ import annotations
+
+import torch
+
+from .config import Config
+
+
+def resolve_mixed_precision(cfg: Config, device_type: str) -> str:
+    mp = cfg.train.mixed_precision
+    if mp != "auto":
+        return mp
+    if device_type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "no"
+
+
+def gradient_sync(cfg: Config, num_processes: int, device_type: str) -> str | None:
+    """How several processes average gradients: "ddp" or "allreduce" (train.gradient_sync); None for one."""
+    if num_processes == 1:
+        return None
+    mode = cfg.train.gradient_sync
+    if mode == "auto":
+        return "allreduce" if cfg.train.cuda_graphs and device_type == "cuda" else "ddp"
+    return mode
+
+
+def make_accelerator(cfg: Config):
+    from accelerate import Accelerator
+
+    dev = cfg.train.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device='cuda' but no CUDA GPU is visible; use --device cpu")
+    cpu = dev == "cpu" or (dev == "auto" and not torch.cuda.is_available())
+    mp = resolve_mixed_precision(cfg, "cpu" if cpu else "cuda")
+    handlers = []
+    if cfg.train.cuda_graphs:
+        from accelerate.utils import AutocastKwargs
+
+        # A captured graph cannot use autocast's weight-cast cache; the frozen weights are already in the
+        # compute dtype, so the cache saves nothing here anyway.
+        handlers.append(AutocastKwargs(cache_enabled=False))
+    return Accelerator(cpu=cpu, mixed_precision=mp, gradient_accumulation_steps=cfg.train.grad_accum,
+                       kwargs_handlers=handlers)

@@ -1,0 +1,163 @@
+"""LoRA's products, computed with fewer kernels than peft's (train.lora_matmul), over peft's own layers.
+
+peft computes a LoRA'd projection as base(x) + B(A(x)) * s: besides the frozen GEMM, a rank-r product
+that writes a whole output-sized tensor, an add that reads it and the base output again, and in the
+backward a rank-r product that reads the output's gradient once more. These are memory-bound matmuls. Two
+ways with fewer of them (neither peft nor diffusers has one: peft's Linear always adds its LoRA output to
+the base layer's):
+  "concat"  the B product joins the frozen GEMM along its reduction: y = [x, x A^T] @ [W, s B]^T (K grows
+            by r), and in the backward dy @ [W, s B] gives the input's gradient through W and dy s B in
+            one GEMM. Exact (peft's products summed in another order), but [x, x A^T] is a copy of x.
+  "merged"  y = x @ (W + s B A)^T: the delta added to the frozen weight (one small GEMM over the weight,
+            rounded once to the compute dtype) and one GEMM each way; A's and B's gradients are exact
+            products of the output's gradient, as peft's. The forward sees the delta at the weight's
+            precision (bf16: 2^-9 of each weight), not at its own; peft's bf16 output, rounded at 2^-9 of
+            its own size, loses as much of a small delta: merged's output and gradients are as close to
+            fp32 as peft's (tests/test_speed.py). In fp32 both are exact. The default.
+The trainable parameters stay peft's own, so saving and export are unchanged. A task decides where to use
+them (sdxl/speed.py: the UNet's fused attention projections).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+def _base_linear(layer: torch.nn.Module) -> torch.nn.Module:
+    return getattr(layer, "base_layer", layer)
+
+
+def _dequantizable(base: torch.nn.Module) -> bool:
+    """A frozen quantized Linear of ours that rebuilds its weight (`dequantized(dtype, out=)`): bitsandbytes
+    4-bit (nf4/fp4) or fp8 (sdxl_lora.quantize). LLM.int8 is not: its product splits outlier columns off,
+    which one dequantized weight does not reproduce."""
+    return hasattr(base, "dequantized") and hasattr(base, "in_features")
+
+
+def _dequantized(bases: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The weights of `bases` dequantized to `dtype`, stacked along the output dimension into one new buffer."""
+    out = torch.empty(sum(b.out_features for b in bases), bases[0].in_features, dtype=dtype,
+                      device=bases[0].weight.device)
+    for base, part in zip(bases, out.split([b.out_features for b in bases])):
+        base.dequantized(dtype, out=part)
+    return out
+
+
+_NO_LORA = ()
+
+
+def _lora_factors(layer: torch.nn.Module) -> tuple | None:
+    """The active plain-LoRA factors of a projection as (A, B, scaling), _NO_LORA without LoRA, or None where
+    fusing would not reproduce its forward: dropout, DoRA or another variant, several adapters, a merged or
+    disabled adapter."""
+    if not hasattr(layer, "lora_A"):
+        return _NO_LORA if type(layer) is torch.nn.Linear else None
+    if layer.merged or layer.disable_adapters:
+        return None
+    names = [a for a in layer.active_adapters if a in layer.lora_A]
+    if not names:
+        return _NO_LORA
+    a = names[0]
+    if len(names) > 1 or a in layer.lora_variant or not isinstance(layer.lora_dropout[a], torch.nn.Identity) \
+            or layer.lora_bias.get(a, False):
+        return None
+    return layer.lora_A[a].weight, layer.lora_B[a].weight, layer.scaling[a]
+
+
+# train.lora_matmul's other ways read and write a weight-sized tensor per call: they pay only where the
+# activation has at least this many rows (tokens) per column of the weight.
+LORA_WAY_MIN_ROWS_PER_COLUMN = 1.0
+
+
+def _lora_way(matmul: str, x: torch.Tensor, in_features: int) -> str:
+    """train.lora_matmul's way for one product, or "peft" where it would cost more than it saves (SDXL: the
+    cross-attention's k/v over 77 text tokens, the 32x32 stages at batch 1). Shapes are fixed per compiled
+    graph, so is the choice."""
+    rows = x.numel() // x.shape[-1]
+    return matmul if rows >= LORA_WAY_MIN_ROWS_PER_COLUMN * in_features else "peft"
+
+class _LoRAConcat(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, a, b):
+        x2 = x.reshape(-1, x.shape[-1])
+        xc = torch.cat([x2, x2 @ a.t()], dim=1)
+        y = F.linear(xc, torch.cat([w, b], dim=1), bias)
+        ctx.save_for_backward(xc, w, a, b)
+        ctx.x_shape = x.shape
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, w, a, b = ctx.saved_tensors
+        k = w.shape[1]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dxc = dy2 @ torch.cat([w, b], dim=1)  # [dy W, dy s B]: the input's gradient through W, and h's
+        dh = dxc[:, k:]
+        dx = (dxc[:, :k] + dh @ a).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        return dx, None, None, dh.t() @ xc[:, :k], dy2.t() @ xc[:, k:]
+
+
+class _LoRAMerged(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, a, b):
+        x2 = x.reshape(-1, x.shape[-1])
+        h = x2 @ a.t()
+        y = F.linear(x2, torch.addmm(w, b, a), bias)
+        ctx.save_for_backward(x2, h, w, a, b)  # what peft's keeps; W + s B A is made again in the backward
+        ctx.x_shape = x.shape
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, h, w, a, b = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dh = dy2 @ b
+        dx = (dy2 @ torch.addmm(w, b, a)).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        return dx, None, None, dh.t() @ x2, dy2.t() @ h
+
+
+class _LoRAMergedQuantized(torch.autograd.Function):
+    """"merged" for quantized frozen bases (a tuple of them, stacked along the output): the weight
+    dequantized into a new buffer, the delta added to it in place, one GEMM each way; the backward
+    dequantizes again instead of saving the weight, as bitsandbytes' own 4-bit matmul does: a saved
+    compute-dtype copy of every quantized weight would undo the quantization's memory saving."""
+
+    @staticmethod
+    def forward(ctx, x, bias, a, b, bases):
+        x2 = x.reshape(-1, x.shape[-1])
+        h = x2 @ a.t()
+        y = F.linear(x2, _dequantized(bases, x.dtype).addmm_(b, a), bias)
+        ctx.save_for_backward(x2, h, a, b)
+        ctx.bases, ctx.x_shape = bases, x.shape
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, h, a, b = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dh = dy2 @ b
+        dx = (dy2 @ _dequantized(ctx.bases, dy.dtype).addmm_(b, a)).reshape(ctx.x_shape) \
+            if ctx.needs_input_grad[0] else None
+        return dx, None, dh.t() @ x2, dy2.t() @ h, None
+
+
+_LORA_MATMULS = {"concat": _LoRAConcat, "merged": _LoRAMerged}
+
+
+def lora_linear(x: torch.Tensor, w: torch.Tensor | tuple, bias: torch.Tensor | None, a: torch.Tensor,
+                b: torch.Tensor, matmul: str) -> torch.Tensor:
+    """F.linear(x, w, bias) + F.linear(F.linear(x, a), b) (b with the LoRA scaling in it) for a frozen w and
+    bias, computed the `matmul` way (above: "concat" or "merged"); in autocast's dtype as F.linear would
+    run, the factors' gradients reaching them through the casts. `w` may be a tuple of quantized layers
+    (_dequantizable) whose weights, stacked, are W: "merged" only."""
+    quantized = isinstance(w, tuple)
+    if quantized and matmul != "merged":
+        raise ValueError(f"lora_linear over quantized weights is 'merged' only, not {matmul!r}")
+    if (not quantized and w.requires_grad) or (bias is not None and bias.requires_grad):
+        raise ValueError("lora_linear computes no gradient for the base weight or bias: they must be frozen")
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    bias = None if bias is None else bias.to(dtype)
+    with torch.autocast(device, enabled=False):
+        if quantized:
+            return _LoRAMergedQuantized.apply(x.to(dtype), bias, a.to(dtype), b.to(dtype), w)
+        return _LORA_MATMULS[matmul].apply(x.to(dtype), w.to(dtype), bias, a.to(dtype), b.to(dtype))

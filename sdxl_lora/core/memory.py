@@ -1,0 +1,69 @@
+"""Bytes of a training run's state that any model has: frozen weights by storage (quantized or not), the
+adapter, its gradients and the optimizer's state. A task adds its activation model (sdxl/memory.py)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GiB = 2**30
+
+# Optimizer state in bytes per trainable parameter.
+OPTIMIZER_BYTES = {"adamw": 8.0, "adamw8bit": 2.0, "paged_adamw8bit": 2.0, "paged_adamw": 8.0,
+                   "lion": 4.0, "prodigy": 16.0,
+                   # factored second moments: (rows + columns) per matrix, ~4/rank bytes for LoRA at rank 16
+                   "adafactor": 0.25}
+
+
+def fp8_conv_bytes(conv: nn.Conv2d) -> int:
+    """Storage of a Float8Conv2d: 1 byte a weight and one fp32 scale per output channel."""
+    return conv.weight.numel() + 4 * conv.out_channels
+
+
+def quantized_bytes_per_weight(method: str, double_quant: bool, in_features: int) -> float:
+    """Storage of one weight of a quantized Linear, its scales included."""
+    if method in ("nf4", "fp4"):
+        # 4 bits, one scale per block of 64: fp32, or (double) 8-bit with an fp32 scale per 256 blocks.
+        return 0.5 + ((1 + 4 / 256) / 64 if double_quant else 4 / 64)
+    if method in ("int8", "fp8"):
+        return 1.0 + 4.0 / in_features  # one fp32 scale per output row
+    raise ValueError(f"model.quantize={method!r} is not a quantization method")
+
+
+
+def state_bytes(trainable_params: int, optimizer: str) -> dict[str, int]:
+    """The fp32 adapter, its gradients and the optimizer's state, in bytes."""
+    if optimizer not in OPTIMIZER_BYTES:
+        raise ValueError(f"train.optimizer={optimizer!r}: no memory model for it; known: {', '.join(OPTIMIZER_BYTES)}")
+    return {"adapter": 4 * trainable_params, "gradients": 4 * trainable_params,
+            "optimizer": int(trainable_params * OPTIMIZER_BYTES[optimizer])}
+
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def weight_bytes(unet: nn.Module, quantize: str, double_quant: bool, compute_dtype: torch.dtype,
+                 skip=None, quantize_convs: str = "none", conv_skip=None) -> dict[str, int]:
+    """The frozen model's bytes by storage: quantized Linear weights, with quantize_convs="fp8" the
+    convolutions (key "fp8 conv"), everything else in the compute dtype."""
+    elt = torch.empty((), dtype=compute_dtype).element_size()
+    plain_name = DTYPE_NAMES.get(compute_dtype, str(compute_dtype))
+    out = {quantize: 0} if quantize != "none" else {}
+    out[plain_name] = 0
+    quantized = set()
+    if quantize != "none":
+        for name, mod in unet.named_modules():
+            if isinstance(mod, nn.Linear) and "lora_" not in name and not (skip and skip(name)):
+                out[quantize] += round(mod.weight.numel() * quantized_bytes_per_weight(quantize, double_quant,
+                                                                                      mod.in_features))
+                quantized.add(id(mod.weight))
+    if quantize_convs == "fp8":
+        out["fp8 conv"] = 0
+        for name, mod in unet.named_modules():
+            if isinstance(mod, nn.Conv2d) and "lora_" not in name and not (conv_skip and conv_skip(name)):
+                out["fp8 conv"] += fp8_conv_bytes(mod)
+                quantized.add(id(mod.weight))
+    out[plain_name] = out.pop(plain_name)  # listed last
+    for name, p in unet.named_parameters():
+        if id(p) not in quantized and "lora_" not in name:
+            out[plain_name] += p.numel() * elt
+    return out

@@ -1,0 +1,213 @@
+"""Speed levers of the training step that know no model: torch's backend switches, the attention kernel
+choice, regional compilation of repeated blocks, CUDA-graph replay of a whole pass, and the choice of
+which units to checkpoint for a memory budget. A task says which blocks repeat and which units can be
+checkpointed (sdxl/speed.py for the UNet); docs/speed.md says when to use each switch.
+
+Why not accelerate or torch's own helpers for these: accelerate's compile (`dynamo_backend`) compiles the
+whole model (minutes before the first step for a large one), and `torch.cuda.make_graphed_callables` takes
+positional tensors only, so a keyword call is wrapped here.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# The compile backend; tests use "aot_eager" (same graph capture and autograd split, no C++ build).
+COMPILE_BACKEND = "inductor"
+
+
+def configure_backends(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+
+
+# train.sdpa_backend: the kernels torch's scaled_dot_product_attention may use in the training forward.
+# "default" leaves torch's own choice; a named backend restricts it to that one.
+def sdpa_context(choice: str):
+    """A context in which scaled_dot_product_attention uses only the named backend ("default": torch's own
+    choice; torch raises if the named one cannot take a call). Entered around the training forward, so
+    compilation and CUDA-graph capture see it too, and around checkpointed blocks' recomputation."""
+    if choice == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kinds = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return sdpa_kernel([kinds[choice]])
+
+
+def to_channels_last(model: torch.nn.Module) -> None:
+    model.to(memory_format=torch.channels_last)
+
+
+def compile_options(backend: str | None = None, options: dict | None = None) -> dict:
+    """torch.compile's arguments for a region: static shapes, and inductor `options` (the only backend that
+    takes options)."""
+    backend = backend or COMPILE_BACKEND
+    return {"backend": backend, "dynamic": False,
+            **({"options": options} if options and backend == "inductor" else {})}
+
+
+def _raise_recompile_limits() -> None:
+    # One compiled function serves many blocks of several shapes (and with and without grad, for previews):
+    # torch's default of 8 graphs per function would send the rest back to eager, silently.
+    import torch._dynamo
+
+    dyn = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dyn, name):
+            setattr(dyn, name, max(getattr(dyn, name), 64))
+    if hasattr(dyn, "accumulated_recompile_limit"):
+        dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 1024)
+
+
+def compile_regions(model: torch.nn.Module, *, classes: tuple[str, ...], backend: str | None = None,
+                    activation_budget: float | None = None, options: dict | None = None) -> int:
+    """Compile every block of the named classes in place (a task says which of its blocks repeat: the
+    UNet's transformer and ResNet blocks, an LM's decoder layers); returns how many. Blocks may come in
+    several widths, so the recompile limit is raised to hold one graph per shape. activation_budget: the fraction of each
+    compiled block's activations kept for backward (torch's partitioner chooses what to recompute by its
+    cost; process-wide, read when the blocks compile at their first call); None: torch's default (1.0).
+    options: inductor's (sdxl/speed.py's unet_inductor_options() for the UNet)."""
+    import torch._functorch.config
+
+    torch._functorch.config.activation_memory_budget = 1.0 if activation_budget is None else activation_budget
+    _raise_recompile_limits()
+    n = 0
+    for module in model.modules():
+        if type(module).__name__ in classes:
+            module.compile(**compile_options(backend, options))
+            n += 1
+    if n == 0:
+        log.warning("train.compile: no repeated blocks (%s) found in %s; nothing compiled",
+                    ", ".join(classes), type(model).__name__)
+    return n
+
+
+class GraphedCall:
+    """`fn(*tensors)` replayed from CUDA graphs (forward and backward), one pair per set of input shapes.
+
+    The first call with a new shape captures (after warm-up iterations on a side stream); later calls copy
+    the inputs into the captured buffers and replay. `fn` must not synchronise with the host and must read
+    its parameters, not rebind them. Autocast inside `fn` must run with cache_enabled=False."""
+
+    def __init__(self, module: torch.nn.Module, fn: Callable[..., torch.Tensor], warmup: int = 3):
+        self.module, self.fn, self.warmup = module, fn, warmup
+        self.graphs: dict[tuple, Callable] = {}
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        key = tuple((tuple(a.shape), a.dtype) for a in args)
+        graphed = self.graphs.get(key)
+        if graphed is None:
+            log.info("capturing CUDA graphs for input shapes %s", [k[0] for k in key])
+            wrapper = _Positional(self.module, self.fn)
+            graphed = torch.cuda.make_graphed_callables(wrapper, tuple(a.detach().clone() for a in args),
+                                                        num_warmup_iters=self.warmup, allow_unused_input=True)
+            # The warm-up iterations ran in the ordinary pool and the captured ones live in the graph's own:
+            # give the warm-up's (and any earlier eager pass's) cached blocks back to the device.
+            torch.cuda.empty_cache()
+            self.graphs[key] = graphed
+        return graphed(*args)
+
+
+class _Positional(torch.nn.Module):
+    # make_graphed_callables wants a module (so it finds the trainable parameters) called with tensors.
+    def __init__(self, module: torch.nn.Module, fn: Callable[..., torch.Tensor]):
+        super().__init__()
+        self.inner = module
+        self.fn = fn
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.fn(*args)
+
+
+# ---- selective activation checkpointing: which units, for a budget ----
+#
+# A task lists the units of its model that can be checkpointed one by one (sdxl/speed.py's
+# checkpoint_units for the UNet); measure_units fills in what each saves for backward and what it costs
+# to recompute, and choose_checkpointed picks the fewest FLOPs of recomputation that fit a budget.
+
+@dataclass
+class CheckpointUnit:
+    name: str                 # "down_blocks.1.resnets", "mid_block.attentions.0"
+    switch: torch.nn.Module   # the module whose gradient_checkpointing flag checkpoints the unit
+    members: list[str]        # names (in the UNet) of the modules that run checkpointed
+    saved: int = 0            # bytes the members save for backward, at the measured batch
+    flops: int = 0            # forward FLOPs of the members, at the measured batch
+
+    @property
+    def bytes_per_flop(self) -> float:
+        return self.saved / max(self.flops, 1)
+
+def measure_units(unet: torch.nn.Module, units: list[CheckpointUnit], call: Callable[[], torch.Tensor]) -> None:
+    """Fill each unit's `saved` (bytes its modules save for backward: saved-tensor hooks; the frozen weights,
+    which are not copies, and tensors already counted are left out) and `flops` (torch's FlopCounterMode)
+    from one forward of `call()`."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    modules = dict(unet.named_modules())
+    current: list[CheckpointUnit] = []
+    seen: set[int] = set()
+    params = {p.data_ptr() for p in unet.parameters()}
+
+    def pack(t: torch.Tensor):
+        if current and t.data_ptr() not in params and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            current[-1].saved += t.numel() * t.element_size()
+        # Detached: a pack hook that returns the tensor itself ties saved outputs to their own graph nodes,
+        # and the whole measured graph (every activation, and the adapter's gradient accumulators) then
+        # outlives the pass, even a gc.collect(). Nothing is unpacked here: there is no backward.
+        return t.detach()
+
+    def enter(unit):
+        return lambda module, args: current.append(unit)
+
+    def leave(module, args, output):
+        current.pop()
+
+    handles = []
+    for unit in units:
+        unit.saved = unit.flops = 0
+        for member in unit.members:
+            handles.append(modules[member].register_forward_pre_hook(enter(unit)))
+            handles.append(modules[member].register_forward_hook(leave))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as fc:
+            out = call()
+        del out
+    finally:
+        for h in handles:
+            h.remove()
+    counts = fc.get_flop_counts()
+    root = type(unet).__name__
+    for unit in units:
+        unit.flops = sum(sum(counts.get(f"{root}.{m}", {}).values()) for m in unit.members)
+
+
+def checkpoint_order(units: list[CheckpointUnit]) -> list[CheckpointUnit]:
+    """The order in which units are checkpointed: most bytes freed per FLOP recomputed first (ties by
+    name); units that save nothing (no adapter in or before them) never."""
+    return sorted((u for u in units if u.saved > 0), key=lambda u: (-u.bytes_per_flop, u.name))
+
+
+def choose_checkpointed(units: list[CheckpointUnit], budget_bytes: int, other_bytes: int,
+                        scale: float = 1.0) -> list[str]:
+    """Units to checkpoint so that other_bytes + scale x the activations left fit the budget (each
+    checkpointed unit keeps only its input, so the saving is nearly its whole activation), taken in
+    checkpoint_order. Deterministic."""
+    chosen: list[str] = []
+    total = other_bytes + scale * sum(u.saved for u in units)
+    for unit in checkpoint_order(units):
+        if total <= budget_bytes:
+            break
+        chosen.append(unit.name)
+        total -= scale * unit.saved
+    return chosen

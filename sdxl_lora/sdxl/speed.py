@@ -1,0 +1,520 @@
+"""Speed levers of the SDXL UNet (diffusers' blocks), each behind a train.* switch (docs/speed.md):
+
+  channels_last     NHWC memory format for the convolutional model: cuDNN's fast conv kernels; the
+                    transformer stages keep it instead of copying to NCHW (transformer_io); with
+                    compile=regional the up blocks' concatenation, the last GroupNorm, the upsamplers
+                    and the backward graphs too (fuse_skip_concat, compile_edges, conv_input_grad).
+  compile=regional  torch.compile on each repeated block (transformer and ResNet blocks), not the whole
+                    model: the same kernels fused, a fraction of the compile time, and one compiled
+                    graph reused by every block of the same shape (core/speed.py compiles them).
+  checkpoint_budget selective activation checkpointing over the UNet's units (checkpoint_units), chosen
+                    by core/speed.py for a budget, instead of diffusers' all-or-nothing switch.
+  fuse_qkv,         each attention's q/k/v (or k/v) projections as one matmul, and their LoRA (lora_matmul,
+  lora_matmul       core/lora_matmul.py) as one GEMM each way over the weight plus its delta.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..core.lora_matmul import _base_linear, _dequantizable, _lora_factors, _lora_way, lora_linear
+from ..core import speed as core_speed
+from ..core.speed import CheckpointUnit, _raise_recompile_limits, compile_options, sdpa_context
+
+log = logging.getLogger(__name__)
+
+# The UNet's repeated blocks, compiled one by one: train.compile="regional" compiles all of them;
+# "transformer" only the attention blocks (the ResNets come in many widths, each its own compilation, for
+# a smaller share of the step).
+TRANSFORMER_CLASSES = ("BasicTransformerBlock",)
+REGION_CLASSES = TRANSFORMER_CLASSES + ("ResnetBlock2D",)
+
+# Inductor options for the UNet's compiled regions. combo_kernels: independent small kernels of a graph
+# launched as one. Not triton.multi_kernel: a second compilation with it on a warm inductor cache failed in
+# the backend, so a user's second run could fail (benchmarks/RESULTS.md, round 8).
+UNET_INDUCTOR_OPTIONS = {"combo_kernels": True}
+
+# The widest row inductor reduces with the whole row held at once ("persistent": one read). Inductor's own
+# limit is 1024 elements (InductorChoices.should_use_persistent_reduction); a wider row reduction is built
+# looped, the row read twice (the mean and variance, then the normalisation). SDXL's 32x32 stages are 1280
+# wide, so most of its transformer blocks' LayerNorms would be looped (benchmarks/RESULTS.md, round 11).
+# 1024 gives inductor's own rule back.
+PERSISTENT_ROW_MAX = 2048
+
+
+@functools.cache
+def _persistent_rows_key() -> object | None:
+    """Inductor's persistent-reduction rule widened to PERSISTENT_ROW_MAX, installed on first use; returns a
+    do-nothing graph pass whose uuid() carries the limit into inductor's cache key (compiled graphs are cached
+    by their inductor options, and the rule is not one of them).
+
+    Torch 2.11 has no option for this rule (2.13's `inductor_choices_class` is one, but a handler set by hand
+    is per thread, and backward graphs compile on autograd's thread), so the rule is set on InductorChoices
+    itself, for every compilation in the process: below or at 1024 it is inductor's own. None (with a
+    warning) where inductor's rule is not the staticmethod it is in torch 2.11-2.13."""
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+    import torch._inductor.config as inductor_config
+
+    if not isinstance(InductorChoices.__dict__.get("should_use_persistent_reduction"), staticmethod):
+        log.warning("torch %s decides inductor's persistent reductions in a way this version does not know: "
+                    "compiling with inductor's own rule (the compiled LayerNorms are slower, the results the same)",
+                    torch.__version__)
+        return None
+    inductors = InductorChoices.should_use_persistent_reduction  # a staticmethod: the plain function
+
+    def should_use_persistent_reduction(features, cooperative_reduction, *args, **kwargs) -> bool:
+        if inductors(features, cooperative_reduction, *args, **kwargs):
+            return True
+        if (PERSISTENT_ROW_MAX <= 1024 or cooperative_reduction or not inductor_config.triton.persistent_reductions
+                or features.get_reduction_hint() != ReductionHint.INNER):
+            return False
+        return V.graph.sizevars.statically_known_leq(features.reduction_numel, PERSISTENT_ROW_MAX)
+
+    InductorChoices.should_use_persistent_reduction = staticmethod(should_use_persistent_reduction)
+
+    class RowsKey(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            pass
+
+        def uuid(self) -> str:
+            return f"sdxl_lora.persistent_row_max={PERSISTENT_ROW_MAX}"
+
+    return RowsKey()
+
+
+def unet_inductor_options() -> dict:
+    """UNET_INDUCTOR_OPTIONS, and the persistent row limit where it is not inductor's own."""
+    key = _persistent_rows_key() if PERSISTENT_ROW_MAX > 1024 else None
+    return {**UNET_INDUCTOR_OPTIONS, **({"post_grad_custom_post_pass": key} if key else {})}
+
+
+@functools.cache
+def _compiled_for_unet(fn: Callable, backend: str) -> Callable:
+    """`fn` compiled once per backend for the UNet's regions (shared by every block it serves)."""
+    _raise_recompile_limits()
+    return torch.compile(fn, **compile_options(backend, unet_inductor_options()))
+
+
+# ---- fused q/k/v projections ----
+#
+# Each attention of the UNet projects its input three times (to_q, to_k, to_v; cross-attention: to_k and
+# to_v on the text tokens), each with its own LoRA: six small matmuls and three reads of the same input
+# per projection set, which at small batch cost more in launches than in FLOPs. diffusers can fuse the base
+# projections (Attention.fuse_projections) but its fused processor then skips peft's LoRA layers, so this
+# is ours: one matmul for the frozen weights (the three base weights become views of one buffer: no extra
+# memory), one for the LoRA A factors side by side and one for the B factors as a block-diagonal matrix
+# (scaling folded in). The trainable parameters stay peft's own, so saving and export are unchanged.
+
+class _FusedWeight(torch.nn.Module):
+    # A module, so model.to() moves the buffer with the rest; not persistent, so state_dict is unchanged.
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+
+
+class _QuantizedProjections(torch.nn.Module):
+    """fused_qkv/fused_kv for quantized bases (bitsandbytes 4-bit, our fp8): nothing stored; the "merged" way
+    dequantizes their weights into one buffer per call (_dequantized). A tuple, so the layers are not
+    registered a second time (state_dict and model.to() see them once, where they are)."""
+
+    def __init__(self, bases: list[torch.nn.Module]):
+        super().__init__()
+        self.bases = tuple(bases)
+        self.in_features = bases[0].in_features
+
+
+def _fused_projections(x: torch.Tensor, fused: torch.nn.Module, layers: tuple, matmul: str = "peft"
+                       ) -> list[torch.Tensor]:
+    factors = [_lora_factors(layer) for layer in layers]
+    quantized = isinstance(fused, _QuantizedProjections)
+    if any(f is None for f in factors) or (quantized and (
+            not any(factors) or _lora_way(matmul, x, fused.in_features) != "merged")):
+        return [layer(x) for layer in layers]  # a quantized base's other ways: peft's own layers
+    widths = [_base_linear(layer).out_features for layer in layers]
+    if not any(factors):
+        out = F.linear(x, fused.weight)
+    else:
+        a = torch.cat([f[0] for f in factors if f])
+        b = torch.block_diag(*[f[1] * f[2] if f else a.new_zeros(n, 0) for f, n in zip(factors, widths)])
+        if quantized:
+            out = lora_linear(x, fused.bases, None, a, b, "merged")
+        elif (way := _lora_way(matmul, x, fused.weight.shape[1])) == "peft":
+            out = F.linear(x, fused.weight) + F.linear(F.linear(x, a), b)
+        else:
+            out = lora_linear(x, fused.weight, None, a, b, way)
+    return list(out.split(widths, dim=-1))
+
+
+def _projection(layer: torch.nn.Module, x: torch.Tensor, matmul: str) -> torch.Tensor:
+    """A single projection of the fused processor (the cross-attention's to_q, to_out.0): peft's forward, or
+    train.lora_matmul's where the layer is a plain LoRA'd Linear with a frozen base ("merged" only, for a
+    quantized base)."""
+    base = _base_linear(layer)
+    way = _lora_way(matmul, x, base.in_features)
+    if _dequantizable(base):
+        weight, way = (base,), way if way == "merged" else "peft"
+    elif type(base) is torch.nn.Linear and not base.weight.requires_grad:
+        weight = base.weight
+    else:
+        way = "peft"
+    factors = _lora_factors(layer) if way != "peft" else None
+    if not factors:
+        return layer(x)
+    return lora_linear(x, weight, base.bias, factors[0], factors[1] * factors[2], way)
+
+
+
+class FusedProjectionsProcessor:
+    """diffusers' AttnProcessor2_0 with the projections of one input made by one matmul (_fused_projections).
+    Anything SDXL's attention does not use (masks, spatial or group norms, 4-D input) goes to the stock one."""
+
+    def __init__(self, lora_matmul: str = "peft"):
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        self.stock = AttnProcessor2_0()
+        self.matmul = lora_matmul
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
+                 *args, **kwargs):
+        self_attention = encoder_hidden_states is None
+        fused = getattr(attn, "fused_qkv" if self_attention else "fused_kv", None)
+        if (fused is None or attention_mask is not None or attn.spatial_norm is not None or attn.group_norm is not None
+                or attn.norm_cross or attn.norm_q is not None or attn.norm_k is not None or hidden_states.ndim != 3
+                or args or kwargs):
+            return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
+        if self_attention:
+            q, k, v = _fused_projections(hidden_states, fused, (attn.to_q, attn.to_k, attn.to_v), self.matmul)
+        else:
+            q = _projection(attn.to_q, hidden_states, self.matmul)
+            k, v = _fused_projections(encoder_hidden_states, fused, (attn.to_k, attn.to_v), self.matmul)
+        b, heads = hidden_states.shape[0], attn.heads
+        d = k.shape[-1] // heads
+        q, k, v = (t.reshape(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))
+        h = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+        h = h.transpose(1, 2).reshape(b, -1, heads * d).to(q.dtype)
+        h = attn.to_out[1](_projection(attn.to_out[0], h, self.matmul))
+        if attn.residual_connection:
+            h = h + hidden_states
+        return h / attn.rescale_output_factor
+
+
+def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
+    """train.fuse_qkv: every diffusers Attention on the stock SDPA processor gets FusedProjectionsProcessor,
+    its base q/k/v (self-attention) or k/v (cross-attention) weights moved into one buffer they are views
+    of. Projections with a bias or of another kind are left alone. `lora_matmul` (train.lora_matmul) is how
+    the processor computes its projections' LoRA: "peft" (peft's products), "concat" or "merged" (above).
+    Quantized bases (_dequantizable: QLoRA's nf4/fp4, fp8) are fused for "merged" only: their weights are
+    dequantized into one buffer per call, the LoRA delta added to it (_LoRAMergedQuantized).
+    Returns the number of attentions fused."""
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
+    n = 0
+    for attn in model.modules():
+        if not isinstance(attn, Attention) or type(attn.processor) is not AttnProcessor2_0:
+            continue
+        names = ("to_k", "to_v") if attn.is_cross_attention else ("to_q", "to_k", "to_v")
+        bases = [_base_linear(getattr(attn, name)) for name in names]
+        if any(b.bias is not None for b in bases) or len({(b.in_features, b.weight.device) for b in bases}) != 1:
+            continue
+        if all(_dequantizable(b) for b in bases):
+            if lora_matmul != "merged":  # nothing to gain: peft's layers dequantize one by one anyway
+                continue
+            holder = _QuantizedProjections(bases)
+        elif all(type(b) is torch.nn.Linear and not b.weight.requires_grad for b in bases) and len(
+                {b.weight.dtype for b in bases}) == 1:
+            with torch.no_grad():
+                fused = torch.cat([b.weight for b in bases])
+            offset = 0
+            for b in bases:
+                b.weight = torch.nn.Parameter(fused[offset:offset + b.out_features], requires_grad=False)
+                offset += b.out_features
+            holder = _FusedWeight(fused)
+        else:
+            continue
+        attn.add_module("fused_kv" if attn.is_cross_attention else "fused_qkv", holder)
+        attn.set_processor(FusedProjectionsProcessor(lora_matmul))
+        n += 1
+    return n
+
+
+# ---- the transformers' way in and out ----
+#
+# diffusers' Transformer2DModel (SDXL's attention stages) runs its GroupNorm and projections outside the
+# transformer blocks, so compile=regional leaves them eager, and it ends with `.permute(0, 3, 1, 2)
+# .contiguous()`: under channels_last that is a transposing copy to NCHW, then an add of mixed layouts, and
+# the next convolution converts back. Here the way out keeps the layout the permute gives (NHWC in memory,
+# channels_last, the same values), and with compilation both ways are compiled too (one small graph each,
+# shared by every stage of one shape). H200, compile + graphs: eager copies 78 -> 57 and mixed-layout adds
+# 39 -> 21 a step (batch 16: 30.7 -> 19.7 ms of them); batch 1 64.1 -> 62.8 ms.
+
+def _transformer_in(self, hidden_states):
+    batch, inner_dim, height, width = hidden_states.shape
+    hidden_states = self.norm(hidden_states).permute(0, 2, 3, 1).reshape(batch, height * width, inner_dim)
+    return self.proj_in(hidden_states), inner_dim
+
+
+def _transformer_out(self, hidden_states, residual, batch_size, height, width, inner_dim):
+    hidden_states = self.proj_out(hidden_states).reshape(batch_size, height, width, inner_dim)
+    return hidden_states.permute(0, 3, 1, 2) + residual
+
+
+def transformer_io(model: torch.nn.Module, compile: bool, backend: str | None = None) -> int:
+    """With channels_last: every Transformer2DModel with continuous input and linear projections (SDXL's) gets
+    the ways in and out above, compiled with `compile`. Returns how many."""
+    import types
+
+    fns = (_transformer_in, _transformer_out)
+    if compile:
+        fns = tuple(_compiled_for_unet(fn, backend or core_speed.COMPILE_BACKEND) for fn in fns)
+    n = 0
+    for m in model.modules():
+        if type(m).__name__ == "Transformer2DModel" and m.is_input_continuous and m.use_linear_projection:
+            m._operate_on_continuous_inputs = types.MethodType(fns[0], m)
+            m._get_output_for_continuous_inputs = types.MethodType(fns[1], m)
+            n += 1
+    return n
+
+
+# ---- the up blocks' skip concatenation ----
+#
+# Each ResNet of the UNet's up blocks takes torch.cat([hidden_states, skip], dim=1). Under channels_last the
+# gradient of each part is a channel slice of the concatenation's gradient, which is not channels_last in
+# memory; the compiled block that made that part expects its output's gradient in its own layout, and
+# AOTAutograd copies every such gradient into it before the block's backward (on the tiny UNet: 7 of a
+# step's 53 incoming gradients; on SDXL at batch 16, 55 -> 48 eager copies, 593.9 against ~596 ms: most of
+# the copies were inside the compiled backward graphs, see conv_input_grad). Here the concatenation runs
+# inside the ResNet's compiled graph and hands back each part's gradient channels_last-contiguous, which the
+# compiler can write directly from the kernel that computes it. With compile only; checkpointed blocks and FreeU keep
+# diffusers' own forward.
+
+class _SkipConcat(torch.autograd.Function):
+    @staticmethod
+    def forward(hidden_states, skip):
+        return torch.cat([hidden_states, skip], dim=1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.split = inputs[0].shape[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout = torch.channels_last
+        return (grad[:, :ctx.split].contiguous(memory_format=layout),
+                grad[:, ctx.split:].contiguous(memory_format=layout))
+
+
+def _cat_resnet(resnet, hidden_states, skip, temb):
+    return resnet(_SkipConcat.apply(hidden_states, skip), temb)
+
+
+def _up_block_forward(self, hidden_states, res_hidden_states_tuple, temb=None, upsample_size=None, **kwargs):
+    attentions = getattr(self, "attentions", None)
+    freeu = all(getattr(self, k, None) for k in ("s1", "s2", "b1", "b2"))
+    if freeu or (torch.is_grad_enabled() and self.gradient_checkpointing) or (attentions is None and kwargs):
+        return type(self).forward(self, hidden_states=hidden_states, res_hidden_states_tuple=res_hidden_states_tuple,
+                                  temb=temb, upsample_size=upsample_size, **kwargs)
+    for i, resnet in enumerate(self.resnets):
+        skip, res_hidden_states_tuple = res_hidden_states_tuple[-1], res_hidden_states_tuple[:-1]
+        hidden_states = self._cat_resnet(resnet, hidden_states, skip, temb)
+        if attentions is not None:
+            hidden_states = attentions[i](
+                hidden_states, encoder_hidden_states=kwargs.get("encoder_hidden_states"),
+                cross_attention_kwargs=kwargs.get("cross_attention_kwargs"),
+                attention_mask=kwargs.get("attention_mask"),
+                encoder_attention_mask=kwargs.get("encoder_attention_mask"), return_dict=False)[0]
+    for upsampler in self.upsamplers or ():
+        hidden_states = upsampler(hidden_states, upsample_size)
+    return hidden_states
+
+
+def fuse_skip_concat(model: torch.nn.Module, backend: str | None = None) -> int:
+    """With channels_last and compile: every diffusers up block (CrossAttnUpBlock2D, UpBlock2D) concatenates
+    its skip connections inside its ResNets' compiled graphs (above). Returns how many blocks."""
+    import types
+
+    cat_resnet = _compiled_for_unet(_cat_resnet, backend or core_speed.COMPILE_BACKEND)
+    n = 0
+    for m in model.modules():
+        if type(m).__name__ in ("CrossAttnUpBlock2D", "UpBlock2D"):
+            m._cat_resnet = cat_resnet
+            m.forward = types.MethodType(_up_block_forward, m)
+            n += 1
+    return n
+
+
+def _group_norm(norm, x):
+    return F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps)
+
+
+def _compiled_group_norm(self, x):
+    return self._group_norm_fn(self, x)
+
+
+def _nearest2x(x: torch.Tensor) -> torch.Tensor:
+    """F.interpolate(x, scale_factor=2, mode="nearest") for a channels_last x, as a broadcast: its gradient is
+    a sum over each 2x2 block, where inductor builds upsample_nearest2d's backward as a scatter-add with
+    atomics (H200, batch 16: 3.1 ms for SDXL's two upsamplers, ~0.2 ms read once)."""
+    b, c, h, w = x.shape
+    nhwc = x.permute(0, 2, 3, 1)
+    return nhwc[:, :, None, :, None, :].expand(b, h, 2, w, 2, c).reshape(b, 2 * h, 2 * w, c).permute(0, 3, 1, 2)
+
+
+def _upsample(self, hidden_states, output_size=None, *args, **kwargs):
+    """diffusers' Upsample2D with the plain case (interpolate 2x, then the convolution) through _nearest2x."""
+    if (args or kwargs or output_size is not None or self.norm is not None or self.use_conv_transpose
+            or not self.interpolate or not self.use_conv or self.name != "conv"):
+        return type(self).forward(self, hidden_states, output_size, *args, **kwargs)
+    return self.conv(_nearest2x(hidden_states))
+
+
+def compile_edges(model: torch.nn.Module, backend: str | None = None) -> int:
+    """With channels_last and compile: the UNet's last GroupNorm (conv_norm_out) and its upsamplers compiled as
+    regions too. On CUDA, torch's eager GroupNorm copies a channels_last input to NCHW and hands back an NCHW
+    gradient (which the compiled ResNet before it copies again), and diffusers' Upsample2D interpolates bf16 in
+    fp32 (two casts around it); compiled, each is one channels_last kernel (the upsampling as a broadcast,
+    _nearest2x). The GroupNorm goes through a function of ours: torch.compile does not trace a torch.nn
+    module's own forward as its top frame (it ran eager when compiled with Module.compile). Returns how many
+    modules."""
+    import types
+
+    n = 0
+    for name, m in model.named_modules():
+        if name == "conv_norm_out" and type(m) is torch.nn.GroupNorm:
+            m._group_norm_fn = _compiled_for_unet(_group_norm, backend or core_speed.COMPILE_BACKEND)
+            m.forward = types.MethodType(_compiled_group_norm, m)
+            n += 1
+        elif type(m).__name__ == "Upsample2D":
+            m.forward = types.MethodType(_upsample, m)
+            m.compile(**compile_options(backend, unet_inductor_options()))
+            n += 1
+    return n
+
+
+# ---- the convolutions' input gradient, channels_last in compiled backward graphs ----
+#
+# Inductor lays out a graph's tensors channels_last around its convolutions only when the graph holds an
+# aten.convolution (GraphLowering.decide_layout_opt); a compiled ResNet's backward graph holds
+# aten.convolution_backward instead, so the gradient it hands to each convolution's backward is written
+# NCHW and cuDNN copies it (and the saved input) to channels_last first: on SDXL at batch 16, 13.7 ms of
+# copies a step (H200, `sdxl_step.py --shapes`). Here the input's gradient is the transposed convolution of
+# the output's gradient with the same weight (the same cuDNN dgrad kernel): an aten.convolution in the
+# backward graph, so inductor keeps its chain channels_last (torch.nn.grad.conv2d_input would not do: it calls
+# convolution_backward). The weight's gradient, where one is needed (a LoRA factor's convolution), is torch's
+# (torch.nn.grad.conv2d_weight).
+
+class _Conv2dGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(x, weight, bias, stride, padding, dilation, groups):
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, stride, padding, dilation, groups = inputs
+        ctx.save_for_backward(x if weight.requires_grad else None, weight)
+        ctx.conv = (stride, padding, dilation, groups)
+        ctx.x_size = x.shape[2:]
+        ctx.bias = bias is not None
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.conv
+        # Under autocast the forward ran in the autocast dtype (the gradient's) while the saved tensors are the
+        # originals (an fp32 LoRA factor's weight, say): the backward computes in the gradient's dtype, and
+        # autograd casts each result to its input's dtype.
+        weight = weight.to(grad.dtype)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            # output_padding: what a strided convolution's output size leaves out of the input's
+            extra = [n - ((g - 1) * s - 2 * p + d * (k - 1) + 1) for n, g, s, p, d, k in zip(
+                ctx.x_size, grad.shape[2:], stride, padding, dilation, weight.shape[2:])]
+            dx = F.conv_transpose2d(grad, weight, None, stride, padding, extra, groups, dilation)
+        if ctx.needs_input_grad[1]:
+            dw = torch.nn.grad.conv2d_weight(x.to(grad.dtype), weight.shape, grad, stride, padding, dilation, groups)
+        if ctx.bias and ctx.needs_input_grad[2]:
+            db = grad.sum((0, 2, 3))
+        return dx, dw, db, None, None, None, None
+
+
+def _conv_forward(self, x):
+    return _Conv2dGrad.apply(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+def conv_input_grad(model: torch.nn.Module) -> int:
+    """With channels_last and compile: the Conv2d layers inside ResNet blocks and upsamplers (what
+    compile="regional" and compile_edges compile) compute their input's gradient as above. Plain zero-padded
+    2-D convolutions only (SDXL's); others keep torch's. Returns how many."""
+    import types
+
+    n = 0
+    for block in model.modules():
+        if type(block).__name__ not in ("ResnetBlock2D", "Upsample2D"):
+            continue
+        for m in block.modules():
+            if type(m) is torch.nn.Conv2d and m.padding_mode == "zeros" and not isinstance(m.padding, str):
+                m.forward = types.MethodType(_conv_forward, m)
+                n += 1
+    return n
+
+
+# ---- selective activation checkpointing ----
+#
+# diffusers checkpoints a UNet in units, each behind a `gradient_checkpointing` switch: a block's switch
+# checkpoints its ResNets one by one, a Transformer2DModel's switch its transformer layers. diffusers only
+# turns them all on or all off (2.1x the step time); here each unit is switched on its own, the units that
+# free the most memory per FLOP of recomputation first, until a measured step fits the budget.
+def checkpoint_units(unet: torch.nn.Module) -> list[CheckpointUnit]:
+    """Every unit of the UNet that diffusers can checkpoint on its own, in forward order."""
+    blocks = [(f"down_blocks.{i}", b) for i, b in enumerate(getattr(unet, "down_blocks", []))]
+    if getattr(unet, "mid_block", None) is not None:
+        blocks.append(("mid_block", unet.mid_block))
+    blocks += [(f"up_blocks.{i}", b) for i, b in enumerate(getattr(unet, "up_blocks", []))]
+    units = []
+    for name, block in blocks:
+        resnets = getattr(block, "resnets", None) or []
+        if hasattr(block, "gradient_checkpointing") and len(resnets):
+            units.append(CheckpointUnit(f"{name}.resnets", block, [f"{name}.resnets.{j}" for j in range(len(resnets))]))
+        for j, attn in enumerate(getattr(block, "attentions", None) or []):
+            if hasattr(attn, "gradient_checkpointing"):
+                units.append(CheckpointUnit(f"{name}.attentions.{j}", attn, [f"{name}.attentions.{j}"]))
+    return units
+
+def enable_checkpointing(model: torch.nn.Module, graph_safe: bool = False, sdpa_backend: str = "default") -> None:
+    """diffusers' gradient checkpointing, non-reentrant. graph_safe: without saving and restoring the RNG
+    state around each block (a host sync, which a CUDA graph capture cannot hold); only right when nothing
+    random runs inside the blocks (no LoRA dropout). sdpa_backend: the attention kernels (sdpa_context) of
+    the forward, entered again for the recomputation in backward: a block recomputed with another kernel
+    saves other tensors (cuDNN keeps its softmax statistics as [b, h, n, 1], flash as [b, h, n]), which
+    torch's checkpoint rejects."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    kwargs: dict = {"use_reentrant": False}
+    if graph_safe:
+        kwargs["preserve_rng_state"] = False
+    if sdpa_backend != "default":
+        kwargs["context_fn"] = lambda: (sdpa_context(sdpa_backend), sdpa_context(sdpa_backend))
+    model.enable_gradient_checkpointing(partial(checkpoint, **kwargs))
+
+
+def apply_selective_checkpointing(unet: torch.nn.Module, names: list[str], graph_safe: bool = False,
+                                  sdpa_backend: str = "default") -> None:
+    """diffusers' checkpointing on the named units (checkpoint_units) only."""
+    units = checkpoint_units(unet)
+    unknown = set(names) - {u.name for u in units}
+    if unknown:
+        raise ValueError(f"no checkpointable unit named {sorted(unknown)} in {type(unet).__name__}")
+    enable_checkpointing(unet, graph_safe, sdpa_backend)
+    for m in unet.modules():
+        if hasattr(m, "gradient_checkpointing"):
+            m.gradient_checkpointing = False
+    for unit in units:
+        unit.switch.gradient_checkpointing = unit.name in names
