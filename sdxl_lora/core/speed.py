@@ -97,20 +97,29 @@ class GraphedCall:
 
     The first call with a new shape captures (after warm-up iterations on a side stream); later calls copy
     the inputs into the captured buffers and replay. `fn` must not synchronise with the host and must read
-    its parameters, not rebind them. Autocast inside `fn` must run with cache_enabled=False."""
+    its parameters, not rebind them. Autocast inside `fn` must run with cache_enabled=False.
+
+    Every shape's graphs share one memory pool: a run with several buckets holds the activations of its
+    largest bucket, not the sum of all of them. That is safe because one pair replays at a time and its
+    outputs are consumed (the loss, the gradients) before another pair replays; a caller must not keep a
+    returned tensor across a call with another shape."""
 
     def __init__(self, module: torch.nn.Module, fn: Callable[..., torch.Tensor], warmup: int = 3):
         self.module, self.fn, self.warmup = module, fn, warmup
         self.graphs: dict[tuple, Callable] = {}
+        self.pool = None  # the memory pool every capture shares, made at the first capture
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         key = tuple((tuple(a.shape), a.dtype) for a in args)
         graphed = self.graphs.get(key)
         if graphed is None:
             log.info("capturing CUDA graphs for input shapes %s", [k[0] for k in key])
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
             wrapper = _Positional(self.module, self.fn)
             graphed = torch.cuda.make_graphed_callables(wrapper, tuple(a.detach().clone() for a in args),
-                                                        num_warmup_iters=self.warmup, allow_unused_input=True)
+                                                        num_warmup_iters=self.warmup, allow_unused_input=True,
+                                                        pool=self.pool)
             # The warm-up iterations ran in the ordinary pool and the captured ones live in the graph's own:
             # give the warm-up's (and any earlier eager pass's) cached blocks back to the device.
             torch.cuda.empty_cache()

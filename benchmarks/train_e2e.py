@@ -1,0 +1,246 @@
+"""`sdxl-lora train` end to end, as a user runs it: a full-size SDXL diffusers folder (SDXL base's real
+configs, random weights: the same FLOPs and memory as the real model) and a captioned dataset in several
+aspect buckets, trained through the CLI in a subprocess, previews and evaluation on, the defaults unless
+a setting says otherwise.
+
+    python3 benchmarks/train_e2e.py --work /tmp/e2e --settings defaults recipe --batch 4 --steps 60
+
+For each setting it reports, from the run's events.jsonl and a sampler of the GPU's memory in use (the
+whole process: CUDA context, caches, graphs, everything):
+  launch->step1   seconds from starting the process to the end of the first training step
+  setup phases    seconds spent loading + caching, in the step-0 previews and eval, compiling (first steps)
+  images/s        steady throughput: the step events after the first `--warmup` steps
+  peak GiB        the GPU memory in use at its highest, for the whole run and for each phase
+  previews %      the share of the run's wall time spent rendering previews
+
+Settings (each a list of `--set` overrides on top of the defaults):
+  defaults  nothing: what `sdxl-lora train --model M --data D --batch-size B` does
+  best      train.cuda_graphs, train.compile="regional", train.channels_last all on
+  eager     train.speed="off": no CUDA graphs, no compilation, no channels_last (the levers that stay
+            on by default, fuse_qkv, lora_matmul, fused_geglu, stay on)
+  recipe    train.speed="off" and fuse_qkv, fused_geglu off, lora_matmul "peft": peft's LoRA on diffusers'
+            UNet, as the diffusers training example runs it
+  qlora     model.quantize="nf4"
+  one-bucket the defaults on the square images only
+
+--tiny builds the embedded tiny SDXL instead (the CPU smoke test of this script).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SDXL_CONFIGS = REPO / "sdxl_lora" / "assets" / "sdxl-base"
+DEMO = REPO / "sdxl_lora" / "assets" / "tiny-sdxl-demo"
+
+SETTINGS = {
+    "defaults": [],
+    "best": ["train.cuda_graphs=true", "train.compile='regional'", "train.channels_last=true"],
+    "eager": ["train.speed='off'"],
+    "recipe": ["train.speed='off'", "train.fuse_qkv=false", "train.fused_geglu=false", "train.lora_matmul='peft'"],
+    "qlora": ["model.quantize='nf4'"],
+    "one-bucket": [],
+}
+# Three aspect buckets of about 1024x1024 pixels each, as a user's photos fall.
+BUCKETS = ((1024, 1024), (1152, 896), (896, 1152))
+COLOURS = ("red", "green", "blue", "yellow", "purple", "orange")
+SUBJECTS = ("a sks dog on a lawn", "a sks dog on a sofa", "a sks dog at the beach", "a sks dog in the snow")
+
+
+def build_model(out: Path, tiny: bool) -> Path:
+    """A diffusers SDXL folder with random weights from SDXL base's configs (fp16, safetensors), built once.
+    The tokenizers are the demo base's (small vocabularies; every id is valid for CLIP's embeddings)."""
+    if (out / "model_index.json").is_file():
+        return out
+    import torch
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if tiny:
+        shutil.copytree(DEMO, tmp)
+    else:
+        from diffusers import AutoencoderKL, UNet2DConditionModel
+        from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+        shutil.copytree(SDXL_CONFIGS, tmp)
+        for name in ("tokenizer", "tokenizer_2"):
+            shutil.rmtree(tmp / name)
+            shutil.copytree(DEMO / name, tmp / name)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch.manual_seed(0)
+        with torch.device(device):  # initialising 2.6B parameters is much faster on the GPU
+            parts = {
+                "unet": UNet2DConditionModel.from_config(json.loads((tmp / "unet" / "config.json").read_text())),
+                "vae": AutoencoderKL.from_config(json.loads((tmp / "vae" / "config.json").read_text())),
+                "text_encoder": CLIPTextModel(CLIPTextConfig.from_json_file(tmp / "text_encoder" / "config.json")),
+                "text_encoder_2": CLIPTextModelWithProjection(
+                    CLIPTextConfig.from_json_file(tmp / "text_encoder_2" / "config.json")),
+            }
+        for name, module in parts.items():
+            # The VAE stays fp32 (SDXL's VAE overflows in fp16); the rest is stored as SDXL's files are.
+            dtype = torch.float32 if name == "vae" else torch.float16
+            module.to(dtype).save_pretrained(tmp / name, safe_serialization=True)
+            del module
+    tmp.rename(out)
+    return out
+
+
+def build_dataset(out: Path, n: int, tiny: bool, square_only: bool = False) -> Path:
+    """`n` captioned images spread over BUCKETS (or the square one), simple drawn scenes."""
+    if out.is_dir() and len(list(out.glob("*.png"))) == n:
+        return out
+    from PIL import Image, ImageDraw
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    sizes = [BUCKETS[0]] if square_only else BUCKETS
+    for i in range(n):
+        w, h = sizes[i % len(sizes)]
+        if tiny:
+            w, h = w // 8, h // 8
+        img = Image.new("RGB", (w, h), (40 + 9 * i % 200, 90, 160))
+        d = ImageDraw.Draw(img)
+        d.ellipse((w // 4, h // 4, 3 * w // 4, 3 * h // 4), fill=(200, 30 * (i % 8), 60))
+        d.rectangle((w // 8, 5 * h // 8, 3 * w // 8, 7 * h // 8), fill=(20, 200, 40 + 20 * (i % 10)))
+        img.save(out / f"{i:03d}.png")
+        (out / f"{i:03d}.txt").write_text(f"{SUBJECTS[i % len(SUBJECTS)]}, {COLOURS[i % len(COLOURS)]} collar\n")
+    return out
+
+
+class MemorySampler:
+    """The GPU's memory in use, sampled every `every` seconds (nvidia-smi: the whole process, context and all)."""
+
+    def __init__(self, every: float = 0.25):
+        self.every, self.samples = every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> float | None:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=5).stdout
+            return float(out.split()[0]) / 1024  # MiB -> GiB
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            return None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            v = self._read()
+            if v is not None:
+                self.samples.append((time.time(), v))
+            self._stop.wait(self.every)
+
+    def __enter__(self):
+        self.base = self._read() or 0.0
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def peak(self, t0: float = 0.0, t1: float = float("inf")) -> float | None:
+        vals = [v for t, v in self.samples if t0 <= t <= t1]
+        return round(max(vals) - self.base, 2) if vals else None
+
+
+def phases(events: list[dict], launch: float) -> dict[str, tuple[float, float]]:
+    """Wall-clock spans of a run's phases, from its events."""
+    t = {}
+    for e in events:
+        t.setdefault(e["event"] + (f"@{e['step']}" if e["event"] in ("samples", "eval") else ""), e["time"])
+    start = t.get("start", launch)
+    steps = [e for e in events if e["event"] == "step"]
+    first_step = steps[0]["time"] if steps else start
+    spans = {"load+cache": (launch, t.get("plan", start))}
+    if "samples@0" in t:
+        spans["previews before"] = (t.get("plan", launch), t["samples@0"])
+    spans["eval before"] = (t.get("samples@0", t.get("plan", launch)), start)
+    spans["first step"] = (start, first_step)
+    last_step = steps[-1]["time"] if steps else first_step
+    spans["training"] = (first_step, last_step)
+    end = t.get("done", last_step)
+    spans["finish (eval, export, previews)"] = (last_step, end)
+    return spans
+
+
+def measure(name: str, args, model: Path, data: Path, out: Path) -> dict:
+    run_name = f"{name}-b{args.batch}"
+    shutil.rmtree(out / run_name, ignore_errors=True)
+    cmd = ["sdxl-lora", "train", "--model", str(model), "--data", str(data), "--batch-size", str(args.batch),
+           "--steps", str(args.steps), "--out", str(out), "--name", run_name,
+           "--set", "train.log_every=1", "--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]
+    for s in SETTINGS[name] + list(args.set):
+        cmd += ["--set", s]
+    print(f"$ {' '.join(cmd)}", flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    launch = time.time()
+    with MemorySampler() as mem, open(out / f"{run_name}.log", "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    wall = time.time() - launch
+    events = [json.loads(line) for line in (out / run_name / "events.jsonl").read_text().splitlines() if line.strip()] \
+        if (out / run_name / "events.jsonl").is_file() else []
+    steps = [e for e in events if e["event"] == "step"]
+    result = {"setting": name, "batch": args.batch, "steps": args.steps, "rc": proc.returncode, "wall_s": round(wall, 1)}
+    if proc.returncode != 0 or not steps:
+        result["error"] = (out / f"{run_name}.log").read_text()[-3000:]
+        return result
+    steady = [e for e in steps if e["step"] > args.warmup]
+    if len(steady) >= 2:
+        images = args.batch * (steady[-1]["step"] - steady[0]["step"])
+        result["images_per_s"] = round(images / (steady[-1]["time"] - steady[0]["time"]), 2)
+    result["launch_to_first_step_s"] = round(steps[0]["time"] - launch, 1)
+    spans = phases(events, launch)
+    result["phases_s"] = {k: round(b - a, 1) for k, (a, b) in spans.items()}
+    result["peak_gib"] = mem.peak()
+    result["phase_peak_gib"] = {k: mem.peak(a, b) for k, (a, b) in spans.items()}
+    preview_s = sum(round(b - a, 1) for k, (a, b) in spans.items() if "previews" in k)
+    finish = [e for e in events if e["event"] == "samples" and e["step"] == args.steps]
+    adapter = next((e for e in events if e["event"] == "adapter"), None)
+    if finish and adapter:
+        preview_s += finish[0]["time"] - adapter["time"]
+    result["previews_share"] = round(preview_s / wall, 3)
+    chosen = [e for e in events if e["event"] == "speed"]
+    if chosen:
+        result["speed"] = {k: v for k, v in chosen[0].items() if k not in ("event", "time")}
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/sdxl-e2e"), help="model, dataset and runs go here")
+    ap.add_argument("--settings", nargs="+", default=["defaults", "recipe"], choices=list(SETTINGS))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the steady images/s")
+    ap.add_argument("--images", type=int, default=48)
+    ap.add_argument("--set", action="append", default=[], help="more overrides for every setting")
+    ap.add_argument("--tiny", action="store_true", help="the tiny SDXL on the CPU: a smoke test of this script")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    model = build_model(args.work / ("tiny-sdxl" if args.tiny else "sdxl-random"), args.tiny)
+    print(f"# model {model} ({time.time() - t0:.0f} s)", flush=True)
+    results = []
+    for name in args.settings:
+        data = build_dataset(args.work / ("data-square" if name == "one-bucket" else "data"), args.images, args.tiny,
+                             square_only=name == "one-bucket")
+        r = measure(name, args, model, data, args.work / "runs")
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
