@@ -410,35 +410,16 @@ def _add_llm_parser(sub) -> None:
 
 
 def cmd_ui(args) -> int:
-    try:
-        from sdxl_lora.ui.app import serve
-    except ImportError as e:
-        print(f"error: the UI needs gradio ({e}); install it with: pip install -e '.[ui]'", file=sys.stderr)
-        return 2
-    from sdxl_lora.ui.folders import Folders
+    from .ui.app import launch
 
-    folders = Folders.create(args.datasets, args.models, args.runs)
-    try:
-        serve(folders, host=args.host, port=args.port, auth=args.auth, share=args.share)
-    except ValueError as e:  # a malformed --auth
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return launch(args)
 
 
 def _add_ui_parser(sub) -> None:
-    from .core.config import Config
+    from .ui.app import add_arguments
 
-    # The folder defaults are the schema's own: the sample data, the model cache, the runs folder.
-    cfg = Config()
     u = sub.add_parser("ui", help="the Gradio UI in your browser (http://127.0.0.1:7860 by default)")
-    u.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    u.add_argument("--port", type=int, default=7860, help="port (default 7860)")
-    u.add_argument("--auth", metavar="USER:PASSWORD", help="ask for this user and password")
-    u.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
-    u.add_argument("--datasets", default=cfg.data.dirs[0], help="folder of datasets the UI may read and caption")
-    u.add_argument("--models", default=cfg.model.cache_dir, help="folder of base models (and loras/)")
-    u.add_argument("--runs", default=cfg.output.runs_dir, help="folder the runs go to")
+    add_arguments(u)
     u.set_defaults(func=cmd_ui)
 
 
