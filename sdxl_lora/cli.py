@@ -2,17 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
-import os
 import sys
 from pathlib import Path
 
-# Offline by contract: no library may try a hub, whatever the user's environment says.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+from . import training
+
+training.stay_offline()  # before anything imports transformers or diffusers
 
 # Each flag is a shortcut for one config field; the default lives in the schema, not here.
 TRAIN_FLAGS = [
@@ -31,13 +27,6 @@ TRAIN_FLAGS = [
 ]
 
 
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
-    from diffusers.utils import logging as dlog
-    dlog.disable_progress_bar()
-
-
 def _config_from_args(args, flags=None, **fixed) -> "Config":  # noqa: F821
     """The config of a train command line: the CONFIG file, then --set, then the flags (`flags`, default
     TRAIN_FLAGS) and `fixed` top-level fields (the LLM command's task="llm")."""
@@ -54,106 +43,31 @@ def _config_from_args(args, flags=None, **fixed) -> "Config":  # noqa: F821
     return load_config(args.config, args.set, extra)
 
 
-def _resume_target(args) -> tuple["Config", "Run", Path]:  # noqa: F821
-    """The run to resume, its own config (plus any --set given now) and its newest complete state."""
-    from .core import checkpoint
-    from .core.config import ConfigError, load_config
-    from .core.runs import Run
+def _resume_job(args) -> training.Job:
+    """The run --resume names, its own config (plus any --set and --steps given now) and its newest state."""
+    from .core.config import ConfigError
 
     if args.config:
         raise ConfigError("--resume uses the run's own config.toml; drop the CONFIG argument")
-    if args.resume == "latest":
-        runs_dir = Path(args.out or load_config().output.runs_dir)
-        candidates = [d for d in runs_dir.iterdir() if (d / "checkpoints").is_dir()] if runs_dir.is_dir() else []
-        if not candidates:
-            raise FileNotFoundError(f"--resume latest: no run with checkpoints under {runs_dir}")
-        run_dir = max(candidates, key=lambda d: (d / "events.jsonl").stat().st_mtime
-                      if (d / "events.jsonl").exists() else 0)
-    else:
-        run_dir = Path(args.resume)
-    if not (run_dir / "config.toml").is_file():
-        raise FileNotFoundError(f"--resume {run_dir}: not a run folder (no config.toml)")
-    cfg = load_config(run_dir / "config.toml", args.set, {"train.steps": args.steps} if args.steps else None)
-    state = checkpoint.newest_valid(run_dir / "checkpoints")
-    if state is None:
-        raise FileNotFoundError(f"--resume {run_dir}: no complete training state in {run_dir / 'checkpoints'}; "
-                                "nothing to resume (start a new run instead)")
-    return cfg, Run(run_dir), state
+    return training.resume_job(args.resume, args.set, {"train.steps": args.steps} if args.steps else None,
+                               runs_dir=args.out)
 
 
-def _fit(cfg, run, state, task):
-    """Train `task` in `run` (resuming from `state` when given): the trainer and its result."""
-    from .core.runs import attach_log_file
-    from .core.loop import Trainer
-
-    attach_log_file(run)
-    logging.getLogger(__name__).info("run folder: %s", run.dir)
-    trainer = Trainer(cfg, task, run, resume=state)
-    trainer.setup()
-    return trainer, trainer.fit()
-
-
-def _stopped(result, run, command: str) -> int:
-    """What a user needs after Ctrl-C, SIGTERM or the NaN guard: where the state is, how to go on."""
-    from .core.runs import relpath
-
-    print(f"\nstopped by {result.interrupted} at step {result.steps}; state saved in {relpath(result.state)}")
-    if result.message:
-        print(result.message)
-    print(f"resume with: {command} --resume {relpath(run.dir)}")
-    return 130
+def _train(job: training.Job) -> int:
+    """Train the job and print how it went (where the adapter is, or how to resume)."""
+    outcome = training.fit(job)
+    for line in training.report(outcome):
+        print(line)
+    return outcome.exit_code
 
 
 def cmd_train(args) -> int:
-    from .core.runs import create_run, relpath
-    from .sdxl.task import SDXLTask
-
     # The resumed run (its config and newest state, read and verified once) or the new run's config.
-    target = _resume_target(args) if args.resume else (_config_from_args(args), None, None)
-    if target[0].task == "llm":
-        return cmd_llm_train(args, target if args.resume else None)  # the LLM command, same flags
-    cfg, run, state = target
-    run = run or create_run(cfg)
-    trainer, result = _fit(cfg, run, state, SDXLTask(cfg))
-    if not trainer.accelerator.is_main_process:
-        return 0
-    if result.interrupted:
-        return _stopped(result, run, "sdxl-lora train")
-    print()
-    print(f"run folder : {relpath(run.dir)}")
-    for kind, path in result.adapter.items():
-        print(f"adapter    : {relpath(path)}  ({kind} format)")
-    grids = [p for p in result.samples if p.name.endswith("grid.png")]
-    for g in grids:
-        print(f"previews   : {relpath(g)}")
-    print(f"eval loss  : {result.eval_before:.4f} before -> {result.eval_after:.4f} after "
-          "(training images, fixed timesteps and noise)")
-    _print_concept(run)
-    return 0
-
-
-def _print_concept(run) -> None:
-    """preview.concept's figures (sdxl/shapes.py: report_concept), first preview -> last: the detector's
-    score on the prompts naming the concept, and how the other prompts fared (their own shape's score,
-    their mean pixel change from the base's render at the same seed)."""
-    events = [e for e in run.events() if e["event"] == "concept"]
-    if not events:
-        return
-    first, last = events[0], events[-1]
-    steps = f"step {first['step']} -> {last['step']}" if len(events) > 1 else f"step {last['step']}"
-    before = f"{first['score']:.2f} -> " if len(events) > 1 else ""
-    renders = f"{last['images']} renders of " if "images" in last else ""
-    print(f"concept    : {last['concept']!r} {before}{last['score']:.2f} ({steps}; detector's P on {renders}the "
-          f"{len(last['prompts'])} prompt(s) naming it, chance {last.get('chance', 0.25):.2f})")
-    if "others_score" in last or "others_change" in last:
-        parts = []
-        if "others_score" in last:
-            parts.append(f"own shape {first['others_score']:.2f} -> {last['others_score']:.2f}"
-                         if len(events) > 1 and "others_score" in first else f"own shape {last['others_score']:.2f}")
-        if "others_change" in last:
-            parts.append(f"mean pixel change from the base {last['others_change']:.3f}")
-        renders = f"{last['others_images']} renders of " if "others_images" in last else ""
-        print(f"others     : {'; '.join(parts)} ({renders}{len(last['others'])} prompt(s) without it)")
+    job = _resume_job(args) if args.resume else None
+    cfg = job.cfg if job else _config_from_args(args)
+    if cfg.task == "llm":
+        return cmd_llm_train(args, job)  # the LLM command, same flags
+    return _train(job or training.new_job(cfg))
 
 
 def cmd_generate(args) -> int:
@@ -319,22 +233,17 @@ LLM_FLAGS = [
 ]
 
 
-def _llm_errors():
-    from .llm.data import DataError
-    from .llm.model import LLMModelError
-
-    return DataError, LLMModelError
-
-
 def _llm_config_from_args(args) -> "Config":  # noqa: F821
     return _config_from_args(args, LLM_FLAGS, task="llm")
 
 
 def task_of(argv: list[str]) -> str:
     """The task a `train` command line would run (its config's, or the resumed run's): for launch scripts."""
+    from .core.config import load_config
+
     args = build_parser().parse_args(["train", *argv])
     if args.resume:
-        return _resume_target(args)[0].task
+        return load_config(training.find_run(args.resume, args.out) / "config.toml").task
     return _config_from_args(args).task
 
 
@@ -351,12 +260,8 @@ def cmd_llm_plan(args) -> int:
     from .llm import slots as llm_slots
     from .llm.model import check_causal_lm_folder, keep_head, resolve_llm_path, weight_dtype
 
-    try:
-        cfg = _llm_config_from_args(args)
-        config = check_causal_lm_folder(resolve_llm_path(cfg.model))
-    except _llm_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = _llm_config_from_args(args)
+    config = check_causal_lm_folder(resolve_llm_path(cfg.model))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     plan = llm_slots.make_plan(model, cfg.adapter)
@@ -386,43 +291,15 @@ def cmd_llm_plan(args) -> int:
     return 0
 
 
-def cmd_llm_train(args, resumed=None) -> int:
-    """`resumed`: the run, config and state cmd_train already found for --resume."""
-    from .llm.preview import read_answers
-    from .llm.task import LLMTask
-    from .core.runs import create_run, relpath
-
-    try:
-        if args.resume:
-            cfg, run, state = resumed or _resume_target(args)
-            if cfg.task != "llm":
-                raise FileNotFoundError(f"--resume {run.dir}: an SDXL run; resume it with `sdxl-lora train --resume`")
-        else:
-            cfg, state = _llm_config_from_args(args), None
-            run = create_run(cfg)
-        trainer, result = _fit(cfg, run, state, LLMTask(cfg))
-    except _llm_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not trainer.accelerator.is_main_process:
-        return 0
-    if result.interrupted:
-        return _stopped(result, run, "sdxl-lora llm train")
-    print()
-    answers = [p for p in sorted(run.samples_dir.glob("answers-step*.txt"))]
-    if len(answers) >= 2:
-        before, after = read_answers(answers[0]), read_answers(answers[-1])
-        for b, a in zip(before, after):
-            print(f"prompt : {b['prompt']}")
-            print(f"  before: {b['answer'][:200]!r}")
-            print(f"  after : {a['answer'][:200]!r}")
-    print(f"run folder : {relpath(run.dir)}")
-    for kind, path in result.adapter.items():
-        print(f"{'adapter' if kind == 'peft' else kind:11}: {relpath(path)}"
-              + ("  (PEFT folder: PeftModel.from_pretrained loads it)" if kind == "peft" else "  (merged model)"))
-    print(f"eval loss  : {result.eval_before:.4f} before -> {result.eval_after:.4f} after (answer tokens of up to "
-          "8 training examples)")
-    return 0
+def cmd_llm_train(args, resumed: training.Job | None = None) -> int:
+    """`resumed`: the job cmd_train already found for --resume."""
+    if args.resume:
+        job = resumed or _resume_job(args)
+        if job.cfg.task != "llm":
+            raise FileNotFoundError(f"--resume {job.run.dir}: an SDXL run; resume it with `sdxl-lora train --resume`")
+    else:
+        job = training.new_job(_llm_config_from_args(args))
+    return _train(job)
 
 
 def _adapter_base(adapter: Path, model: str | None) -> tuple[Path, tuple]:
@@ -452,25 +329,21 @@ def cmd_llm_generate(args) -> int:
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    try:
-        if args.adapter:
-            adapter = adapter_folder(args.adapter)
-            base, _ = _adapter_base(adapter, args.model)
-            model, tok = load_with_adapter(base, adapter, dtype, device)
-        else:
-            from transformers import AutoModelForCausalLM
+    if args.adapter:
+        adapter = adapter_folder(args.adapter)
+        base, _ = _adapter_base(adapter, args.model)
+        model, tok = load_with_adapter(base, adapter, dtype, device)
+    else:
+        from transformers import AutoModelForCausalLM
 
-            base = resolve_llm_path(ModelConfig(path=args.model or "tiny-llm"))
-            check_causal_lm_folder(base)
-            tok = load_tokenizer(base)
-            model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype, local_files_only=True,
-                                                         use_safetensors=True).to(device)
-        template = chat_template(LLMConfig(chat_template=args.chat_template), tok)
-        for prompt in args.prompt:
-            print(answer(model, tok, template, [prompt], args.max_new_tokens, args.system)[0])
-    except _llm_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        base = resolve_llm_path(ModelConfig(path=args.model or "tiny-llm"))
+        check_causal_lm_folder(base)
+        tok = load_tokenizer(base)
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype, local_files_only=True,
+                                                     use_safetensors=True).to(device)
+    template = chat_template(LLMConfig(chat_template=args.chat_template), tok)
+    for prompt in args.prompt:
+        print(answer(model, tok, template, [prompt], args.max_new_tokens, args.system)[0])
     return 0
 
 
@@ -481,19 +354,15 @@ def cmd_llm_merge(args) -> int:
     from .core.runs import relpath
 
     adapter = adapter_folder(args.adapter)
-    try:
-        base, quant = _adapter_base(adapter, args.model)
-        if quant[0]:
-            logging.getLogger(__name__).warning(
-                "%s was trained on a %s-quantized base: merged into the base quantized and dequantized again",
-                adapter, quant[0])
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-        device = "cuda" if quant[0] and torch.cuda.is_available() else "cpu"
-        out = merge_adapter(base, adapter, Path(args.out), dtype=dtype, overwrite=args.overwrite, quantize=quant,
-                            device=device)
-    except _llm_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    base, quant = _adapter_base(adapter, args.model)
+    if quant[0]:
+        logging.getLogger(__name__).warning(
+            "%s was trained on a %s-quantized base: merged into the base quantized and dequantized again",
+            adapter, quant[0])
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    device = "cuda" if quant[0] and torch.cuda.is_available() else "cpu"
+    out = merge_adapter(base, adapter, Path(args.out), dtype=dtype, overwrite=args.overwrite, quantize=quant,
+                        device=device)
     print(f"merged     : {relpath(adapter)} into {relpath(base)}")
     print(f"model      : {relpath(out)}  (transformers folder)")
     return 0
@@ -541,35 +410,16 @@ def _add_llm_parser(sub) -> None:
 
 
 def cmd_ui(args) -> int:
-    try:
-        from sdxl_lora.ui.app import serve
-    except ImportError as e:
-        print(f"error: the UI needs gradio ({e}); install it with: pip install -e '.[ui]'", file=sys.stderr)
-        return 2
-    from sdxl_lora.ui.folders import Folders
+    from .ui.app import launch
 
-    folders = Folders.create(args.datasets, args.models, args.runs)
-    try:
-        serve(folders, host=args.host, port=args.port, auth=args.auth, share=args.share)
-    except ValueError as e:  # a malformed --auth
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return launch(args)
 
 
 def _add_ui_parser(sub) -> None:
-    from .core.config import Config
+    from .ui.app import add_arguments
 
-    # The folder defaults are the schema's own: the sample data, the model cache, the runs folder.
-    cfg = Config()
     u = sub.add_parser("ui", help="the Gradio UI in your browser (http://127.0.0.1:7860 by default)")
-    u.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    u.add_argument("--port", type=int, default=7860, help="port (default 7860)")
-    u.add_argument("--auth", metavar="USER:PASSWORD", help="ask for this user and password")
-    u.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
-    u.add_argument("--datasets", default=cfg.data.dirs[0], help="folder of datasets the UI may read and caption")
-    u.add_argument("--models", default=cfg.model.cache_dir, help="folder of base models (and loras/)")
-    u.add_argument("--runs", default=cfg.output.runs_dir, help="folder the runs go to")
+    add_arguments(u)
     u.set_defaults(func=cmd_ui)
 
 
@@ -668,59 +518,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .core.checkpoint import CheckpointError
-    from .core.config import ConfigError
-    from .sdxl.data import DataError
-    from .sdxl.model import ModelError
-    from .sdxl.single_file import SingleFileError
-
     args = build_parser().parse_args(argv)
-    _setup_logging(args.verbose)
-    try:
-        return args.func(args)
-    # The errors we raise for bad input carry the fix in their message: print it, no traceback.
-    except (ConfigError, DataError, ModelError, SingleFileError, CheckpointError, FileExistsError,
-            FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        # Disk full, read-only or permission denied: every save is atomic, so what was on disk before
-        # (the previous training state, an earlier export) is intact; say what failed and where.
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS):
-            print(f"error: could not write {e.filename or 'a file'}: {e.strerror}. Earlier states and "
-                  "exports are intact; free space or fix permissions, then resume with --resume", file=sys.stderr)
-            return 1
-        raise
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        if _compiler_failed(e):  # not bad input: the traceback follows, after what to do about it
-            print(_compiler_advice(e), file=sys.stderr)
-        raise
-
-
-def _compiler_failed(e: BaseException) -> bool:
-    """Whether torch.compile's backend failed (train.compile): torch._dynamo is loaded where it did."""
-    exc = sys.modules.get("torch._dynamo.exc")
-    return exc is not None and isinstance(e, exc.BackendCompilerFailed)
-
-
-def _compiler_advice(e: BaseException) -> str:
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        where = cache_dir()
-    except ImportError:  # another torch layout: name the variable only
-        where = "its default folder"
-    cause = str(e).strip().splitlines()[-1][:200]
-    # H200, torch 2.11 (benchmarks/RESULTS.md, round 8): compilations on a machine whose inductor cache was
-    # warm failed so, while cold ones of the same settings worked.
-    return (f"error: torch's compiler failed while compiling the model (train.compile): {cause}\n"
-            f"  Saved training states are intact: `sdxl-lora train --resume RUN` continues from the last one. "
-            f"To go on, train without compiling (--set train.compile=none), or move inductor's cache away "
-            f"(TORCHINDUCTOR_CACHE_DIR; now {where}) and run again: compilations over a warm cache have "
-            f"failed this way (docs/speed.md).")
+    training.setup_logging(args.verbose)
+    # Bad input prints its message (which carries the fix), no traceback; training.failure has the codes.
+    return training.guarded(args.func, args)
 
 
 if __name__ == "__main__":

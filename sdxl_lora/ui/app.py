@@ -6,9 +6,14 @@ analytics, no fonts or scripts from a CDN, and the server never fetches a URL fo
 """
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import logging
 import os
+import sys
 import threading
+
+from sdxl_lora import training
 
 from .folders import Folders
 
@@ -24,8 +29,7 @@ def _quiet_gradio(folders: Folders) -> None:
     # Before gradio is imported: no telemetry or version check, and its file cache inside runs/.ui.
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
     os.environ["GRADIO_TEMP_DIR"] = str(folders.ui / "gradio")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    training.stay_offline()
 
 
 def _has_llm() -> bool:
@@ -136,9 +140,42 @@ def serve(folders: Folders, host: str = "127.0.0.1", port: int | None = None, au
     return app, local_url
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The UI's options, for `python -m sdxl_lora.ui` and `sdxl-lora ui` alike. The folder defaults are the
+    schema's own: the sample data, the model cache, the runs folder."""
+    from sdxl_lora.core.config import Config
+
+    cfg = Config()
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    parser.add_argument("--auth", metavar="USER:PASSWORD", help="ask for this user and password")
+    parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
+    parser.add_argument("--datasets", default=cfg.data.dirs[0], help="folder of datasets the UI may read and caption")
+    parser.add_argument("--models", default=cfg.model.cache_dir, help="folder of base models (and loras/)")
+    parser.add_argument("--runs", default=cfg.output.runs_dir, help="folder the runs go to")
+    return parser
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Serve the UI with the options add_arguments parsed, until it is stopped; the exit code."""
+    if importlib.util.find_spec("gradio") is None:
+        print("error: the UI needs gradio, which is not installed; install it with: pip install -e '.[ui]'",
+              file=sys.stderr)
+        return 2
+    folders = Folders.create(args.datasets, args.models, args.runs)
+    try:
+        serve(folders, host=args.host, port=args.port, auth=args.auth, share=args.share)
+    except ValueError as e:  # a malformed --auth
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m sdxl_lora.ui`: the same as `sdxl-lora ui`."""
-    from sdxl_lora.cli import main as cli_main
-
-    return cli_main(["ui", *(argv or [])])
-
+    """`python -m sdxl_lora.ui`: the same options and behaviour as `sdxl-lora ui`."""
+    training.stay_offline()
+    parser = add_arguments(argparse.ArgumentParser(
+        prog="python -m sdxl_lora.ui", description="The sdxl-lora UI in your browser (http://127.0.0.1:7860 by default)."))
+    args = parser.parse_args(argv)
+    training.setup_logging()
+    return training.guarded(launch, args)

@@ -5,7 +5,8 @@ Nothing here holds a run's state in memory: a reloaded page or a restarted serve
 stopped and finished runs again from runs/*/ (events.jsonl, train.pid, train.exit). The UI's own files
 live in runs/.ui/:
 
-  queue/NNNNNN-NAME.json   a run waiting its turn: {"name", "args"} (the CLI arguments)
+  queue/NNNNNN-NAME.json   a run waiting its turn: {"name", "args"} (the worker's job: ["train", CONFIG]
+                           or ["train", "--resume", RUN_DIR])
   configs/NAME.toml        the config a new run was started with (the run folder gets its own copy)
   prompts/NAME.txt         the preview prompts typed in the form
   logs/NAME.log            the run process's console output (tracebacks land here)

@@ -1,71 +1,99 @@
-"""The process a run started from the UI lives in: `sdxl-lora train ...`, plus two small files in the run
-folder so any UI (this one, a reloaded page, a restarted server) can tell how the run is doing:
+"""The process a run started from the UI lives in: it trains one queued job through the library
+(sdxl_lora.training, as `sdxl-lora train` does) and keeps two small files in the run folder, so any UI
+(this one, a reloaded page, a restarted server) can tell how the run is doing:
 
-  train.pid   this process's id, written as soon as the run folder exists
-  train.exit  the exit code, written when it ends (0 finished, 130 stopped by a signal, else failed)
+  train.pid   this process's id, written as soon as the run folder is known (made, or found to resume)
+  train.exit  the exit code, written when it ends (0 finished, 130 stopped, 2 bad input, else failed)
 
-    python -m sdxl_lora.ui.worker RUN_DIR -- train [CONFIG] [--resume RUN_DIR] ...
+    python -m sdxl_lora.ui.worker RUN_DIR -- train CONFIG
+    python -m sdxl_lora.ui.worker RUN_DIR -- train --resume RUN_DIR
 
-The run folder is created by the CLI itself (so its rules hold: no run is overwritten); the pid file can
-only be written once that folder exists, hence the small watcher thread. SIGINT/SIGTERM reach the
-trainer directly (same process), which finishes the step, saves its state and ends.
+The arguments after `--` are the queue entry (ui/jobs.py). The job must train in RUN_DIR, and a new run
+never goes into a folder that already holds something: that is another run's, and not a file of it is
+touched. SIGINT/SIGTERM reach the trainer directly (same process), which finishes the step, saves its
+state and ends. Everything printed (the summary, an error's message, a traceback) goes to the run's log.
 """
 from __future__ import annotations
 
 import os
 import sys
-import threading
 import traceback
 from pathlib import Path
 
+from sdxl_lora import training
+
 PID_FILE = "train.pid"
 EXIT_FILE = "train.exit"
+USAGE = "usage: python -m sdxl_lora.ui.worker RUN_DIR -- train CONFIG | train --resume RUN_DIR"
 
 
-def _write_pid_when_ready(run_dir: Path, fresh: bool, done: threading.Event) -> None:
+def _parse(argv: list[str]) -> tuple[Path, str | None, str | None] | None:
+    """(RUN_DIR, CONFIG, None) or (RUN_DIR, None, RESUMED) from the command line; None for anything else."""
+    match argv:
+        case [run_dir, "--", "train", "--resume", resumed]:
+            return Path(run_dir), None, resumed
+        case [run_dir, "--", "train", config] if not config.startswith("-"):
+            return Path(run_dir), config, None
+    return None
+
+
+def _write_pid(run_dir: Path) -> None:
     from sdxl_lora.core.fsutil import atomic_write_text
 
-    # A new run's folder counts as ready once the CLI has written its config.toml there.
-    marker = run_dir / "config.toml"
-    while not done.is_set():
-        if marker.is_file() or not fresh:
-            atomic_write_text(run_dir / PID_FILE, f"{os.getpid()}\n")
-            return
-        done.wait(0.1)
+    atomic_write_text(run_dir / PID_FILE, f"{os.getpid()}\n")
+
+
+def _job(run_dir: Path, config: str | None, resumed: str | None) -> training.Job:
+    """The queued job, made (a new run) or found (a resume); refused unless it trains in RUN_DIR."""
+    from sdxl_lora.core.config import ConfigError, load_config
+
+    if resumed is not None:
+        if Path(resumed).resolve() != run_dir.resolve():
+            raise ConfigError(f"the queue entry resumes {resumed}, not this worker's run folder {run_dir}")
+        if (run_dir / "config.toml").is_file():
+            _write_pid(run_dir)  # the run is known already; verifying its newest state may take a while
+        return training.resume_job(resumed)
+    cfg = load_config(config)
+    target = Path(cfg.output.runs_dir) / cfg.output.name
+    if not cfg.output.name or target.resolve() != run_dir.resolve():
+        raise ConfigError(f"the queued config trains into {target} (output.runs_dir / output.name), "
+                          f"not this worker's run folder {run_dir}")
+    job = training.new_job(cfg)
+    _write_pid(run_dir)
+    return job
+
+
+def _train(run_dir: Path, config: str | None, resumed: str | None) -> int:
+    outcome = training.fit(_job(run_dir, config, resumed))
+    for line in training.report(outcome):
+        print(line, flush=True)
+    return outcome.exit_code
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m sdxl_lora.ui.worker RUN_DIR -- train ARGS...", file=sys.stderr)
+    training.stay_offline()
+    parsed = _parse(argv)
+    if parsed is None:
+        print(USAGE, file=sys.stderr)
         return 2
-    run_dir, cli_args = Path(argv[0]), argv[2:]
-    resume = "--resume" in cli_args
-    if not resume and run_dir.exists() and any(run_dir.iterdir()):
-        # Never write into somebody else's run: let the CLI refuse it with its own message.
-        from sdxl_lora.cli import main as cli_main
-        return cli_main(cli_args)
-    if resume:
+    run_dir, config, resumed = parsed
+    if resumed is None and run_dir.exists() and any(run_dir.iterdir()):
+        print(f"error: {run_dir} already holds a run; a new run never writes into another run's folder "
+              "(queue it under another name)", file=sys.stderr)
+        return 2
+    if resumed is not None:
         (run_dir / EXIT_FILE).unlink(missing_ok=True)
-    done = threading.Event()
-    watcher = threading.Thread(target=_write_pid_when_ready, args=(run_dir, not resume, done), daemon=True)
-    watcher.start()
     rc = 1
     try:
-        from sdxl_lora.cli import main as cli_main
-        rc = cli_main(cli_args)
-    except SystemExit as e:  # argparse errors
-        rc = e.code if isinstance(e.code, int) else 2
-    except KeyboardInterrupt:  # a stop before the trainer installed its handler
-        print("stopped before training began", file=sys.stderr)
-        rc = 130
-    except BaseException:
+        training.setup_logging()
+        rc = training.guarded(_train, run_dir, config, resumed)
+    except BaseException:  # a fault (guarded said what it knew of it): the traceback goes to the log
         traceback.print_exc()
         rc = 1
     finally:
-        done.set()
-        watcher.join()
         if (run_dir / "config.toml").is_file():
             from sdxl_lora.core.fsutil import atomic_write_text
+
             atomic_write_text(run_dir / EXIT_FILE, f"{rc}\n")
     return rc
 

@@ -1,0 +1,134 @@
+"""The front ends over sdxl_lora.training: the UI's run worker trains a queued job without the CLI and
+keeps its train.pid / train.exit contract, bad input is a message and exit code 2 wherever it comes from,
+and `python -m sdxl_lora.ui` takes the same options as `sdxl-lora ui`."""
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sdxl_lora import training
+from sdxl_lora.core.config import load_config
+from sdxl_lora.core.runs import read_events
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+# The worker as ui/jobs.py starts it, reporting at the end whether anything imported the CLI.
+WORKER = ("import sys; from sdxl_lora.ui import worker; rc = worker.main(sys.argv[1:]); "
+          "print('cli imported:', 'sdxl_lora.cli' in sys.modules); sys.exit(rc)")
+TINY_RUN = {"train.steps": 2, "data.resolution": 64, "train.device": "cpu", "preview.prompts": "",
+            "preview.before": False, "train.save_every": 1}
+
+
+def queued_config(tmp_path: Path, name: str, **fields) -> tuple[Path, Path]:
+    """A config as the UI queues it (runs/.ui/configs/NAME.toml) and the run folder it trains into."""
+    runs = tmp_path / "runs"
+    cfg = load_config(None, None, {**TINY_RUN, "output.name": name, "output.runs_dir": str(runs), **fields})
+    path = runs / ".ui" / "configs" / f"{name}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(cfg.to_toml())
+    return path, runs / name
+
+
+def worker(run_dir: Path, *entry: str, wait: bool = True):
+    """`python -m sdxl_lora.ui.worker RUN_DIR -- ENTRY...`, started in the runs folder as ui/jobs.py does."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(run_dir), "--", *entry], cwd=run_dir.parent,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_the_worker_trains_a_queued_config_stops_on_sigint_and_resumes_without_the_cli(tmp_path):
+    config, run_dir = queued_config(tmp_path, "w", **{"train.steps": 12, "train.save_every": 0})
+    proc = worker(run_dir, "train", str(config), wait=False)
+    deadline = time.monotonic() + 300
+    while not any(e["event"] == "step" for e in read_events(run_dir / "events.jsonl")):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert int((run_dir / "train.pid").read_text()) == proc.pid
+    proc.send_signal(signal.SIGINT)  # what the UI's Stop button sends
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert (run_dir / "train.exit").read_text().strip() == "130"
+    assert "stopped by SIGINT" in out and "resume with: sdxl-lora train --resume" in out
+    assert "cli imported: False" in out
+
+    p = worker(run_dir, "train", "--resume", str(run_dir))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (run_dir / "train.exit").read_text().strip() == "0"
+    assert (run_dir / "w.safetensors").is_file()
+    # The run's log gets the CLI's summary lines.
+    assert "run folder : " in p.stdout and "adapter    : " in p.stdout and "eval loss  : " in p.stdout
+    assert "cli imported: False" in p.stdout
+
+
+def test_bad_input_in_the_worker_is_exit_code_2_with_the_message_in_its_log(tmp_path):
+    (tmp_path / "empty").mkdir()
+    config, run_dir = queued_config(tmp_path, "bad", **{"data.dirs": [str(tmp_path / "empty")]})
+    p = worker(run_dir, "train", str(config))
+    assert p.returncode == 2
+    assert "error: no images found in" in p.stderr and "Traceback" not in p.stderr
+    assert (run_dir / "train.exit").read_text().strip() == "2"
+
+
+def test_the_worker_never_writes_into_another_runs_folder(tmp_path):
+    config, run_dir = queued_config(tmp_path, "taken")
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.toml").write_text("# somebody else's run\n")
+    p = worker(run_dir, "train", str(config))
+    assert p.returncode == 2 and "already holds a run" in p.stderr
+    assert sorted(x.name for x in run_dir.iterdir()) == ["config.toml"]
+
+    # A queue entry whose config trains elsewhere is refused before any folder is made.
+    other = tmp_path / "runs" / "other"
+    p = worker(other, "train", str(config))
+    assert p.returncode == 2 and "not this worker's run folder" in p.stderr
+    assert not other.exists()
+
+
+def test_failures_map_to_the_exit_codes_the_front_ends_promise():
+    from sdxl_lora.core.config import ConfigError
+
+    assert training.failure(ConfigError("bad field")) == training.Failure(2, "error: bad field")
+    assert training.failure(FileExistsError("run exists")).code == 2
+    full = training.failure(OSError(errno.ENOSPC, "No space left on device", "/runs/a/checkpoints"))
+    assert full.code == 1 and "/runs/a/checkpoints" in full.message and "--resume" in full.message
+    assert training.failure(KeyboardInterrupt()).code == 130
+    assert training.failure(OSError(errno.EIO, "I/O error")) is None  # not one a user can act on: a traceback
+    assert training.failure(RuntimeError("a bug")) is None
+
+
+def test_python_m_ui_takes_the_options_of_sdxl_lora_ui():
+    from sdxl_lora.cli import build_parser
+    from sdxl_lora.ui.app import add_arguments
+
+    p = subprocess.run([sys.executable, "-m", "sdxl_lora.ui", "--help"], env=ENV, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    for flag in ("--host", "--port", "--auth", "--share", "--datasets", "--models", "--runs"):
+        assert flag in p.stdout
+    own = vars(add_arguments(argparse.ArgumentParser()).parse_args([]))
+    cli = vars(build_parser().parse_args(["ui"]))
+    assert {k: cli[k] for k in own} == own
+    assert own["host"] == "127.0.0.1" and not own["share"]
+
+
+@pytest.mark.parametrize("argv", [["x"], ["x", "--", "generate"], ["x", "--", "train", "--resume"],
+                                  ["x", "--", "train", "a.toml", "--steps", "3"]])
+def test_the_worker_takes_only_queue_entries(argv, capsys):
+    from sdxl_lora.ui import worker as w
+
+    assert w.main(argv) == 2
+    assert "usage:" in capsys.readouterr().err
