@@ -1,6 +1,6 @@
 """The 4-bit (nf4) dequantization a QLoRA step runs two or three times per Linear: bitsandbytes' own against
-sdxl_lora.quantize.dequantize_4bit (kernels.dequantize_4bit: one Triton kernel on CUDA), at SDXL's Linear shapes, with and without
-double quantization of the block scales. Written in session 10 of issue 9:
+sdxl_lora.core.quantize.dequantize_4bit (core/kernels.py: one Triton kernel on CUDA), at SDXL's Linear shapes,
+with and without double quantization of the block scales. Written in session 10 of issue 9:
 
     python benchmarks/dequant4bit.py [--iters 50]
     python benchmarks/dequant4bit.py --tiny      # the CPU: ours eagerly against bitsandbytes' (a smoke test)

@@ -13,7 +13,7 @@ Variants (x: tokens x K, W: N x K frozen, A: r x K, B: N x r trainable, s the sc
            (the trainer's train.lora_matmul = "merged")
   concat   [x, xA^T] @ [W, sB]^T: the B product inside the base GEMM (K grows by r), no separate LoRA output
            or add; backward: dy @ [W, sB] gives the input's gradient and dy B s in one GEMM, then + (dy B s) A
-           (the trainer's train.lora_matmul = "concat", sdxl_lora.speed.lora_linear)
+           (the trainer's train.lora_matmul = "concat", sdxl_lora.core.lora_matmul.lora_linear)
   concat_fold  the same forward (exact); backward: dy @ [W + sBA, sB], the A product folded into the weight
            (rounded to bf16) for the input's gradient alone: one GEMM, no (dy B s) A product and no add
   merged_fusedgrad  merged, with dy B and B's gradient from one Triton kernel that reads dy once
@@ -64,7 +64,7 @@ class _AddmmLoRA(torch.autograd.Function):
 
 
 class _ConcatFold(_LoRAConcat):
-    """The trainer's "concat" forward (sdxl_lora.speed.lora_linear); backward: the input's gradient through
+    """The trainer's "concat" forward (sdxl_lora.core.lora_matmul.lora_linear); backward: the input's gradient through
     w + b a (rounded to the compute dtype) and dy b in one GEMM, no (dy b) a product and no add."""
 
     @staticmethod

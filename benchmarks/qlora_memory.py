@@ -1,12 +1,12 @@
 """QLoRA memory and speed: SDXL UNet LoRA training steps with the frozen base in bf16, nf4, int8 or fp8, with
 and without gradient checkpointing and fp8 convolutions (model.quantize_convs), at batch 1 and 4, in one run;
-the memory estimate (sdxl_lora/memory.py) beside each measured peak.
+the memory estimate (sdxl_lora/sdxl/memory.py) beside each measured peak.
 
 The UNet is SDXL base's real config with random weights (the same FLOPs and memory as the real one),
 1024x1024 (128x128 latents), LoRA rank 16 on the attention projections (preset attn, fp32), text
 embeddings precomputed (random tensors of the real shapes), bf16 autocast, SDPA, AdamW. Quantized
 settings go through the product's path: the bf16 model sits on the host and its Linears (and, for the
-"fp8conv" settings, its convolutions) are quantized one at a time on the GPU (sdxl_lora.quantize.quantize_unet,
+"fp8conv" settings, its convolutions) are quantized one at a time on the GPU (sdxl_lora.sdxl.quantize.quantize_unet,
 as a training run does), the rest moved after.
 
     python benchmarks/qlora_memory.py                 # CUDA, real size (~4-6 minutes on an H200)

@@ -1,18 +1,57 @@
-"""SDXL UNet LoRA training step on the GPU: the plain diffusers + peft recipe beside this project's own
-step with its speed levers (sdxl_lora/speed.py), in one run. The UNet is SDXL base's real config with
-random weights (same FLOPs and memory as the real one), 1024x1024 (128x128 latents), text embeddings
-precomputed (random tensors of the real shapes), bf16 frozen weights, fp32 LoRA rank 16 on
-to_q/to_k/to_v/to_out.0, SDPA, AdamW.
+"""SDXL UNet LoRA training step on the GPU: the plain diffusers + peft recipe beside this trainer's own step
+with the settings a user can choose, in one run. The UNet is SDXL base's real config with random weights
+(same FLOPs and memory as the real one), 1024x1024 (128x128 latents), text embeddings precomputed (random
+tensors of the real shapes), bf16 frozen weights, fp32 LoRA rank 16 on to_q/to_k/to_v/to_out.0, AdamW.
 
-    python benchmarks/sdxl_step.py [--only NAME ...] [--steps 20] [--warmup 5]
+    python benchmarks/sdxl_step.py [--only NAME ...] [--batches B ...] [--steps 20] [--warmup 5]
+                                   [--set train.KEY=VALUE ...] [--profile N [--top K] [--shapes]]
 
-"ours" is the trainer's step: SDXLTask.loss (latent sampling from cached mean/std, noise, timesteps, the
-UNet, the loss), backward, gradient clipping, the NaN guard (its verdict read a step later, as the
-trainer does with fused AdamW), fused AdamW, the schedule. --profile N adds GPU time by kind of kernel.
-Prints one JSON row per setting: ms/step, images/s, peak GiB, MFU (3 x 6.76 TFLOPs per image for
-forward + backward against 790 TFLOP/s dense bf16 measured on the H200), time to the first step, and
-for CUDA graphs the largest difference of loss and gradients from the eager step on the same batch.
-With --tiny it runs the embedded tiny UNet on the CPU (a smoke test of the script).
+Settings. "recipe" is diffusers' add_adapter with the module list of its training examples, autocast bf16,
+MSE on the noise, fused AdamW. Every "ours" setting is a config: today's defaults (what `sdxl-lora train`
+runs) with the train.* / model.* values below; "+x" turns a lever on, "-x" turns a default one off.
+
+  recipe                       the plain recipe
+  recipe+ckpt                  the recipe with unet.enable_gradient_checkpointing()
+  ours                         the defaults: fuse_qkv, lora_matmul="merged", fused_geglu on; no compile,
+                               CUDA graphs or channels_last
+  ours+graphs                  cuda_graphs=true
+  ours+compile                 compile="regional", channels_last=true (no graphs: --profile --shapes can then
+                               name the operator behind each copy)
+  ours+compile+graphs          the fastest: compile="regional", channels_last=true, cuda_graphs=true (with
+                               channels_last and compile="regional" every layout lever of docs/speed.md is on)
+  ours+compile-tf+graphs       the fastest with compile="transformer" (the shortest first compilation)
+  ours+compile+graphs-cl       the fastest with channels_last=false (the layout levers off)
+  ours+compile+graphs-fuse     the fastest with fuse_qkv=false (peft's own projections and LoRA products)
+  ours+compile+graphs+peft     the fastest with lora_matmul="peft"
+  ours+compile+graphs+concat   the fastest with lora_matmul="concat"
+  ours+compile+graphs-geglu    the fastest with fused_geglu=false
+  ours+compile+graphs+cudnn    the fastest with sdpa_backend="cudnn"
+  ours+compile+graphs+keep45   the fastest with compile_activation_budget=0.45 (batch 4 under 16 GiB)
+  ours+compile+graphs-guard    the fastest with nan_guard=false
+  ours+ckpt                    gradient_checkpointing=true
+  ours+ckpt+graphs             gradient_checkpointing=true, cuda_graphs=true
+  ours+ckpt+compile+graphs     the fastest with gradient_checkpointing=true
+  ours+budget16                checkpoint_budget_gb=16
+  ours+budget16+graphs         checkpoint_budget_gb=16, cuda_graphs=true
+  ours+nf4+ckpt+graphs         model.quantize="nf4" (QLoRA), gradient_checkpointing, cuda_graphs: against
+                               ours+ckpt+graphs
+  ours+fp8+ckpt+graphs         the same with model.quantize="fp8"
+
+--set KEY=VALUE applies a config value to every setting over its own (e.g. --set
+train.compile_activation_budget=0.4); the recipe reads train.gradient_checkpointing and adapter.rank only.
+--batches replaces each setting's batch sizes. A setting named twice in --only runs twice in one process: the
+second compilation's first step is the one with inductor's cache warm. --inductor KEY=VALUE sets
+torch._inductor.config options for an experiment.
+
+"ours" is the trainer's step: SDXLTask.loss (latent sampling from cached mean/std, noise, timesteps, the UNet,
+the loss), backward, gradient clipping, the NaN guard (its verdict read a step later, as the trainer does with
+fused AdamW), fused AdamW. Prints one JSON row per setting and batch: ms/step, images/s, peak GiB allocated
+and reserved, MFU (3 x 6.76 TFLOPs per image for forward + backward against 790 TFLOP/s dense bf16 measured
+on the H200), time to the first step (set-up, compilation and capture included), and with CUDA graphs the
+largest difference of loss and gradients from the eager step on the same batch. --profile N adds GPU time by
+kind of kernel. --tiny runs the embedded tiny UNet on the CPU, compiling with aot_eager: a smoke test of the
+script, with CPU stand-ins for what needs CUDA (checkpoint_budget_gb 0.01, sdpa_backend "math" for
+"cudnn"; CUDA graphs and the GEGLU kernel are skipped by the trainer there). Figures: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -27,6 +66,56 @@ import torch._dynamo
 
 FWD_TFLOPS_PER_IMAGE = 6.76   # torch FlopCounterMode, SDXL UNet forward at 1024x1024
 PEAK_TFLOPS = 790.0           # bf16 matmul measured on this H200 (device/KINDS.md)
+
+# The benchmark's adapter, for every setting: rank 16 (--rank) on every attention's q/k/v/out, one rank, no
+# overrides (the default model.path, the demo model, recommends LoRA on the ResNets' convolutions too).
+ADAPTER = {"adapter.preset": "attn", "adapter.scale_rank_with_resolution": False, "adapter.overrides": {}}
+
+GRAPHS = {"train.cuda_graphs": True}
+COMPILE = {"train.compile": "regional", "train.channels_last": True}
+FASTEST = {**COMPILE, **GRAPHS}
+CKPT = {"train.gradient_checkpointing": True}
+
+SETTINGS = {
+    # name: (mode, batch sizes, config values over the defaults)
+    "recipe": ("recipe", [1, 4, 8], {}),
+    "recipe+ckpt": ("recipe", [4], CKPT),
+    "ours": ("ours", [1, 4, 8], {}),
+    "ours+graphs": ("ours", [1, 4, 8], GRAPHS),
+    "ours+compile": ("ours", [1, 16], COMPILE),
+    "ours+compile+graphs": ("ours", [1, 4, 16], FASTEST),
+    "ours+compile-tf+graphs": ("ours", [1, 8], {**FASTEST, "train.compile": "transformer"}),
+    "ours+compile+graphs-cl": ("ours", [1, 16], {**FASTEST, "train.channels_last": False}),
+    "ours+compile+graphs-fuse": ("ours", [1, 16], {**FASTEST, "train.fuse_qkv": False}),
+    "ours+compile+graphs+peft": ("ours", [16], {**FASTEST, "train.lora_matmul": "peft"}),
+    "ours+compile+graphs+concat": ("ours", [16], {**FASTEST, "train.lora_matmul": "concat"}),
+    "ours+compile+graphs-geglu": ("ours", [1, 16], {**FASTEST, "train.fused_geglu": False}),
+    "ours+compile+graphs+cudnn": ("ours", [1, 16], {**FASTEST, "train.sdpa_backend": "cudnn"}),
+    "ours+compile+graphs+keep45": ("ours", [4], {**FASTEST, "train.compile_activation_budget": 0.45}),
+    "ours+compile+graphs-guard": ("ours", [1], {**FASTEST, "train.nan_guard": False}),
+    "ours+ckpt": ("ours", [4], CKPT),
+    "ours+ckpt+graphs": ("ours", [1, 4], {**CKPT, **GRAPHS}),
+    "ours+ckpt+compile+graphs": ("ours", [4], {**CKPT, **FASTEST}),
+    "ours+budget16": ("ours", [4], {"train.checkpoint_budget_gb": 16.0}),
+    "ours+budget16+graphs": ("ours", [4], {"train.checkpoint_budget_gb": 16.0, **GRAPHS}),
+    "ours+nf4+ckpt+graphs": ("ours", [1, 4], {"model.quantize": "nf4", **CKPT, **GRAPHS}),
+    "ours+fp8+ckpt+graphs": ("ours", [4], {"model.quantize": "fp8", **CKPT, **GRAPHS}),
+}
+
+
+def setting_config(values: dict, sets: list[str], rank: int, cpu: bool):
+    """A setting's Config: the benchmark's adapter, the setting's values, then --set (which wins). On the
+    CPU smoke test, stand-ins for what needs CUDA or the real model's size."""
+    from sdxl_lora.core.config import load_config
+
+    values = {**ADAPTER, "adapter.rank": rank, **values}
+    if cpu:
+        if "train.checkpoint_budget_gb" in values:
+            values["train.checkpoint_budget_gb"] = 0.01  # the tiny UNet: a budget that checkpoints something
+        if values.get("train.sdpa_backend") in ("cudnn", "efficient"):
+            values["train.sdpa_backend"] = "math"
+    given = {item.partition("=")[0].strip() for item in sets}
+    return load_config(overrides=sets, extra={k: v for k, v in values.items() if k not in given})
 
 
 def build_unet(device, tiny=False):
@@ -57,13 +146,13 @@ def recipe_lora(unet, rank):
             p.data = p.data.float()
 
 
-def project_lora(unet, preset, rank):
+def project_lora(unet, adapter):
+    """The trainer's adapter (an AdapterConfig) on `unet`, planned at the UNet's own resolution."""
     from sdxl_lora.core import inject
     from sdxl_lora.sdxl import slots as unet_slots
-    from sdxl_lora.core.config import AdapterConfig
 
     res = unet.config.sample_size * 8
-    plan = unet_slots.make_plan(unet, AdapterConfig(preset=preset, rank=rank), resolution=res, native=res)
+    plan = unet_slots.make_plan(unet, adapter, resolution=res, native=res)
     inject.apply_plan(unet, plan)
     return plan
 
@@ -81,18 +170,13 @@ def inputs(unet, batch, device):
             "time_ids": torch.tensor([[res, res, 0, 0, res, res]] * batch, device=device)}
 
 
-def our_task(unet, device, train: dict):
-    """The SDXL task's own loss on `unet`, without dataset or pipeline (those are not in the step)."""
+def our_task(cfg, device, data):
+    """The SDXL task with `cfg` and its own loss, without dataset or pipeline (those are not in the step):
+    its data loader gives `data`, the batch every step trains on."""
     from diffusers import DDPMScheduler
 
-    from sdxl_lora.core.config import load_config
     from sdxl_lora.sdxl.task import SDXLTask
 
-    # Settings without "+fuse" run without train.fuse_qkv (on by default since round 5), without "+geglu"
-    # train.fused_geglu (since round 6) and without "+merged" train.lora_matmul="merged" (since round 9), as
-    # they were measured.
-    cfg = load_config(extra={"train.fuse_qkv": False, "train.fused_geglu": False, "train.lora_matmul": "peft",
-                             **{f"train.{k}": v for k, v in train.items()}})
     task = SDXLTask(cfg)
     task.device = torch.device(device)
     sched = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
@@ -102,11 +186,23 @@ def our_task(unet, device, train: dict):
                                        autocast=lambda: torch.autocast(
         device, dtype=torch.bfloat16, enabled=device == "cuda", cache_enabled=False))
     run = SimpleNamespace(event=lambda *a, **k: print(json.dumps({"event": a[0], **k}), flush=True))
-    task.dataloader = lambda: [task._bench_batch]
+    task.dataloader = lambda shard=True: [data]
     return task, run
 
 
-def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=15, shapes=False):
+def prepare(unet, mode, cfg, device):
+    """The adapter on a fresh UNet: the recipe's, or the trainer's after model.quantize as the trainer does it."""
+    if mode == "recipe":
+        recipe_lora(unet, cfg.adapter.rank)
+        return
+    if cfg.model.quantize != "none" or cfg.model.quantize_convs != "none":
+        from sdxl_lora.sdxl.quantize import quantize_unet
+
+        quantize_unet(unet, cfg.model, "bf16" if device == "cuda" else "no", device)
+    project_lora(unet, cfg.adapter)
+
+
+def bench(unet, batch, steps, warmup, device, mode, cfg, profile=0, top=15, shapes=False):
     from diffusers import DDPMScheduler
 
     unet.train()
@@ -118,10 +214,11 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
     sync = (lambda: torch.cuda.synchronize()) if device == "cuda" else (lambda: None)
     data = inputs(unet, batch, device)
     check = None
-    guard = {"pending": None, "sync": bool((train or {}).get("nan_guard_sync"))}
-    train = {k: v for k, v in (train or {}).items() if k != "nan_guard_sync"}
+    setup_s = 0.0
+    pending = None  # the NaN guard's verdict of the step before
+    nan_guard = mode != "recipe" and cfg.train.nan_guard
     if mode == "recipe":
-        if (train or {}).get("gradient_checkpointing"):
+        if cfg.train.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
         sched = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
         lat = data["latent_mean"]
@@ -135,40 +232,11 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
                             added_cond_kwargs={"text_embeds": data["pooled"], "time_ids": data["time_ids"]}).sample
             return torch.nn.functional.mse_loss(pred.float(), noise)
     else:
-        train = dict(train or {})
-        select = train.pop("select_units", None)
-        extra_regions = tuple(train.pop("extra_regions", ()))  # more classes compiled with compile="regional"
-        from sdxl_lora.core import speed
-        from sdxl_lora.sdxl import speed as unet_speed
-        # Inductor's persistent row reductions up to this width ("+rows"); the others as they were measured
-        # (inductor's 1024). Read when the graphs are generated, at the first steps.
-        unet_speed.PERSISTENT_ROW_MAX = train.pop("persistent_rows", 1024)
-        unet_speed._compiled_for_unet.cache_clear()  # its compiled functions hold the options they were made with
-        # The layout levers of channels_last (the stages' ways in and out since round 6, the ResNets'
-        # surroundings with compile="regional" since round 7): only in the settings that name them, so the
-        # earlier settings run as they were measured. "+edges" includes the upsamplers' broadcast since
-        # round 9 (commit 1a276c9).
-        around = {"transformer_io": train.pop("transformer_io", False),
-                  "fuse_skip_concat": train.pop("skip_concat", False), "compile_edges": train.pop("edges", False),
-                  "conv_input_grad": train.pop("conv_grad", False)}
-        task, run = our_task(unet, device, train)
-        task._bench_batch = data
+        task, run = our_task(cfg, device, data)
         t_setup = time.perf_counter()
-        saved = {name: getattr(unet_speed, name) for name in ("REGION_CLASSES", *around)}
-        unet_speed.REGION_CLASSES = saved["REGION_CLASSES"] + extra_regions
-        for name, wanted in around.items():
-            if not wanted:
-                setattr(unet_speed, name, lambda *a, **k: 0)
-        try:
-            task._speed_setup(unet, run)
-        finally:
-            for name, value in saved.items():
-                setattr(unet_speed, name, value)
-        if select:  # a fixed set of checkpointed units, without checkpoint_budget_gb's fit
-            unet_speed.apply_selective_checkpointing(unet, select, graph_safe=bool(train.get("cuda_graphs")),
-                                                sdpa_backend=task.cfg.train.sdpa_backend)
+        task._speed_setup(unet, run)  # every train.* lever, as the trainer's set-up applies them
         setup_s = time.perf_counter() - t_setup
-        if train and train.get("cuda_graphs"):
+        if task._graphed:
             # The check's passes compile (with train.compile) and capture: counted in the first step.
             t_check = time.perf_counter()
             check = graph_check(task, unet, data, params)
@@ -178,25 +246,21 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
             with task.accelerator.autocast():
                 return task.loss(unet, data)
 
-
     def step():
+        nonlocal pending
         loss = loss_fn()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-        if mode != "recipe" and (train or {}).get("nan_guard", True):
-            # The NaN guard (train.nan_guard, on by default), as the trainer runs it with fused AdamW: the
-            # optimizer skips a flagged step on the device and the host reads the verdict a step later.
-            # nan_guard_sync: the host waits for each step's verdict instead (the trainer before session 5).
+        if nan_guard:
+            # As the trainer runs it with fused AdamW: the optimizer skips a flagged step on the device and the
+            # host reads the verdict a step later.
             from sdxl_lora.core.loop import _PendingFlag
 
             flag = (~torch.isfinite(loss.detach()) | ~torch.isfinite(norm)).float()
-            if guard["sync"]:
-                bool(flag.item())
-            else:
-                opt.found_inf = flag
-                if guard["pending"] is not None:
-                    guard["pending"].bad()
-                guard["pending"] = _PendingFlag(flag, 0)
+            opt.found_inf = flag
+            if pending is not None:
+                pending.bad()
+            pending = _PendingFlag(flag, 0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -204,7 +268,7 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
     t0 = time.perf_counter()
     step()
     sync()
-    first_s = time.perf_counter() - t0 + (setup_s if mode != "recipe" else 0.0)
+    first_s = time.perf_counter() - t0 + setup_s
     for _ in range(warmup - 1):
         step()
     sync()
@@ -214,15 +278,16 @@ def bench(unet, batch, steps, warmup, device, mode, train=None, profile=0, top=1
     sync()
     ms = (time.perf_counter() - t0) / steps * 1000
     ips = batch / (ms / 1000)
+    cuda = device == "cuda"
     row = {"ms_per_step": round(ms, 1), "images_per_s": round(ips, 2),
-           # first_step_s: set-up (selective checkpointing's fit), the CUDA-graph check's passes (compile and
-           # capture happen there) and the first step.
-           "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
+           "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
            # A replayed CUDA graph allocates nothing: its activations sit in the graph's private pool, which
            # the allocated peak does not see; reserved memory holds it.
-           "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if device == "cuda" else None,
-           "mfu": round(3 * FWD_TFLOPS_PER_IMAGE * ips / PEAK_TFLOPS, 3), "first_step_s": round(first_s, 1),
-           "loss": round(loss.item(), 4), "trainable": sum(p.numel() for p in params)}
+           "reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
+           # MFU against SDXL's FLOPs: not for the tiny UNet.
+           "mfu": round(3 * FWD_TFLOPS_PER_IMAGE * ips / PEAK_TFLOPS, 3) if cuda else None,
+           "first_step_s": round(first_s, 1), "loss": round(loss.item(), 4),
+           "trainable": sum(p.numel() for p in params)}
     if check:
         row.update(check)
     if profile:  # on the CPU (--tiny): a smoke test of the profile's tables, without GPU kernels
@@ -329,38 +394,6 @@ def profile_steps(step, n, ms_per_step, top=15, shapes=False):
                              "kind": kernel_kind(e.key), "name": e.key[:160]} for e in kernels], **copies}
 
 
-def geglu_kernel_check(rows=16 * 1024, n=5120):
-    """train.fused_geglu's Triton backward against autograd's (eager and compiled) on SDXL's batch-16 feed-forward
-    shape: the largest difference of the gradient, and the time of each backward alone."""
-    from sdxl_lora.sdxl.kernels import geglu
-
-    def plain(x):
-        h, g = x.chunk(2, dim=-1)
-        return h * torch.nn.functional.gelu(g)
-
-    x = torch.randn(rows, 2 * n, device="cuda", dtype=torch.bfloat16)
-    grad = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-    row = {}
-    for name, fn in (("eager", plain), ("compiled", torch.compile(plain)), ("kernel", geglu)):
-        xi = x.clone().requires_grad_()
-        fn(xi).backward(grad)
-        row[f"{name}_grad"] = xi.grad
-        out = fn(xi)
-        times = []
-        for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.autograd.grad(out, xi, grad, retain_graph=True)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        row[f"{name}_backward_ms"] = round(sorted(times)[len(times) // 2], 3)
-    ref = row.pop("eager_grad").float()
-    for name in ("compiled", "kernel"):
-        row[f"{name}_max_diff"] = (row.pop(f"{name}_grad").float() - ref).abs().max().item()
-    return row
-
-
 def graph_check(task, unet, data, params):
     """Loss and gradients of the graphed step against the eager one, on the same batch and noise."""
     state = {"graphed": task._graphed}
@@ -387,107 +420,17 @@ def graph_check(task, unet, data, params):
     return {"graph_loss_diff": abs(g_loss - eager_loss), "graph_grad_rel_diff": round(rel, 6)}
 
 
-SETTINGS = {
-    # name: (mode, batches, train options)
-    "recipe": ("recipe", [1, 4, 8], {}),
-    "recipe+ckpt": ("recipe", [4], {"gradient_checkpointing": True}),
-    "ours": ("ours", [1, 4, 8], {}),
-    "ours+cl": ("ours", [1, 8], {"channels_last": True}),
-    "ours+graphs": ("ours", [1, 4, 8], {"cuda_graphs": True}),
-    "ours+compile": ("ours", [1], {"compile": "regional", "channels_last": True}),
-    "ours+compile-again": ("ours", [1], {"compile": "regional", "channels_last": True}),
-    "ours+compile16": ("ours", [16], {"compile": "regional", "channels_last": True}),
-    # This round's defaults without graphs: for --profile --shapes (which operator launched which kernel).
-    "ours+compile+fuse+io+geglu": ("ours", [1, 16], {"compile": "regional", "channels_last": True, "fuse_qkv": True,
-                                                     "transformer_io": True, "fused_geglu": True}),
-    "ours+compile-tf": ("ours", [1], {"compile": "transformer", "channels_last": True}),
-    "ours+compile-tf+graphs": ("ours", [1, 8], {"compile": "transformer", "channels_last": True, "cuda_graphs": True}),
-    "ours+compile+graphs": ("ours", [1, 4, 8, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True}),
-    "ours+compile+graphs+fuse": ("ours", [1, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
-                                                   "fuse_qkv": True}),
-    "ours+compile+graphs+fuse+io": ("ours", [1, 16], {"compile": "regional", "channels_last": True,
-                                                      "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True}),
-    "ours+compile+graphs+fuse+io+geglu": ("ours", [1, 16], {"compile": "regional", "channels_last": True,
-                                                            "cuda_graphs": True, "fuse_qkv": True,
-                                                            "transformer_io": True, "fused_geglu": True}),
-    "ours+compile+graphs+fuse+io+geglu+up": ("ours", [1, 16], {"compile": "regional", "channels_last": True,
-                                                               "cuda_graphs": True, "fuse_qkv": True,
-                                                               "transformer_io": True, "fused_geglu": True,
-                                                               "extra_regions": ["Upsample2D"]}),
-    "ours+compile+graphs+fuse+io+geglu+cat": ("ours", [1, 16], {"compile": "regional", "channels_last": True,
-                                                                "cuda_graphs": True, "fuse_qkv": True,
-                                                                "transformer_io": True, "fused_geglu": True,
-                                                                "skip_concat": True}),
-    # Round 7: the up blocks' concatenation and the UNet's edges compiled ("+lora", train.fused_lora, ran at
-    # commit 05f8d8d and was removed in the next: benchmarks/lora_linear.py keeps its function).
-    "ours+compile+fuse+io+geglu+cat+edges": ("ours", [16], {
-        "compile": "regional", "channels_last": True, "fuse_qkv": True, "transformer_io": True, "fused_geglu": True,
-        "skip_concat": True, "edges": True}),
-    "ours+compile+graphs+fuse+io+geglu+cat+edges": ("ours", [1, 16], {
-        "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
-        "fused_geglu": True, "skip_concat": True, "edges": True}),
-    "ours+compile+fuse+io+geglu+cat+edges+convgrad": ("ours", [16], {
-        "compile": "regional", "channels_last": True, "fuse_qkv": True, "transformer_io": True, "fused_geglu": True,
-        "skip_concat": True, "edges": True, "conv_grad": True}),
-    "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad": ("ours", [1, 4, 16, 20, 24], {
-        "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
-        "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True}),
-    # Round 9: the attention projections' LoRA products (train.lora_matmul "concat" and "merged").
-    **{f"ours+compile{g}+fuse+io+geglu+cat+edges+convgrad+{m}": ("ours", [1, 4, 16], {
-        "compile": "regional", "channels_last": True, "cuda_graphs": bool(g), "fuse_qkv": True,
-        "transformer_io": True, "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True,
-        "lora_matmul": m}) for g in ("", "+graphs") for m in ("concat", "merged")},
-    # Round 11: inductor's persistent row reductions up to 2048 wide (the 32x32 stages' 1280-wide LayerNorms).
-    **{f"ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad+merged+rows{k}": ("ours", [1, 4, 16], {
-        "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
-        "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True, "lora_matmul": "merged",
-        "persistent_rows": 2048, **({"compile_activation_budget": 0.45} if k else {})}) for k in ("", "+keep45")},
-    # The 16 GiB budget at batch 4 with merged: 0.4 and, to trade memory for time, 0.45 and 0.5.
-    **{f"ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad+merged+keep{round(f * 100)}": ("ours", [4], {
-        "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
-        "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True, "lora_matmul": "merged",
-        "compile_activation_budget": f}) for f in (0.4, 0.45, 0.5)},
-    # The trainer's defaults of round 7 (the setting above) with compile_activation_budget = 0.4: issue 9's
-    # batch 4 under 16 GiB, to re-measure with this code (1.12x in round 4).
-    "ours+compile+graphs+fuse+io+geglu+cat+edges+convgrad+keep40": ("ours", [4], {
-        "compile": "regional", "channels_last": True, "cuda_graphs": True, "fuse_qkv": True, "transformer_io": True,
-        "fused_geglu": True, "skip_concat": True, "edges": True, "conv_grad": True, "compile_activation_budget": 0.4}),
-    "ours+compile+graphs-guard": ("ours", [1], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
-                                                "nan_guard": False}),
-    "ours+compile+graphs+syncguard": ("ours", [1], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
-                                                    "nan_guard_sync": True}),
-    "ours+compile+graphs+keep40": ("ours", [4, 8, 16], {"compile": "regional", "channels_last": True, "cuda_graphs": True,
-                                                        "compile_activation_budget": 0.4}),
-    "ours+ckpt": ("ours", [4], {"gradient_checkpointing": True}),
-    "ours+ckpt+graphs": ("ours", [1, 4], {"gradient_checkpointing": True, "cuda_graphs": True}),
-    "ours+nf4+ckpt": ("ours", [4], {"quantize": "nf4", "gradient_checkpointing": True}),
-    "ours+nf4+ckpt+graphs": ("ours", [1, 4], {"quantize": "nf4", "gradient_checkpointing": True, "cuda_graphs": True}),
-    # QLoRA's goal against the trainer's bf16 defaults of round 9 (fused q/k/v, the GEGLU kernel, merged LoRA; since
-    # session 10 a quantized base takes merged too), both with checkpointing and graphs.
-    **{f"ours{q}+ckpt+graphs+fuse+geglu+merged": ("ours", [4], {
-        **({"quantize": "nf4"} if q else {}), "gradient_checkpointing": True, "cuda_graphs": True, "fuse_qkv": True,
-        "fused_geglu": True, "lora_matmul": "merged"}) for q in ("", "+nf4")},
-    "ours+budget16": ("ours", [4], {"checkpoint_budget_gb": 16.0}),
-    "ours+budget16+graphs": ("ours", [4], {"checkpoint_budget_gb": 16.0, "cuda_graphs": True}),
-    # The units checkpoint_budget_gb=16 chose at batch 4 on the H200, set directly: checkpoint_budget_gb itself
-    # is refused with cuda_graphs (the capture after its measuring passes failed).
-    "ours+sel+graphs": ("ours", [4], {"cuda_graphs": True, "select_units": [
-        "up_blocks.2.resnets", "down_blocks.1.attentions.1", "up_blocks.1.attentions.0", "up_blocks.1.attentions.1",
-        "up_blocks.1.attentions.2", "down_blocks.1.attentions.0", "down_blocks.2.attentions.0",
-        "down_blocks.2.attentions.1", "mid_block.attentions.0", "up_blocks.0.attentions.0", "up_blocks.0.attentions.1",
-        "up_blocks.0.attentions.2", "up_blocks.1.resnets", "down_blocks.1.resnets"]}),
-    "ours+ckpt+compile+graphs": ("ours", [4], {"gradient_checkpointing": True, "compile": "regional",
-                                               "channels_last": True, "cuda_graphs": True}),
-}
-
-
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--only", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
-    ap.add_argument("--batches", type=int, nargs="+", help="restrict every setting to these batch sizes")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), metavar="NAME",
+                    help="the settings to run, in this order (default: all; the list above)")
+    ap.add_argument("--batches", type=int, nargs="+", help="these batch sizes instead of each setting's own")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config value for every setting, over the setting's own, e.g. "
+                         "--set train.compile_activation_budget=0.4 (repeatable)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, N more steps under torch's profiler: GPU time by kind of kernel")
     ap.add_argument("--top", type=int, default=15, help="with --profile: how many of the longest kernels to list")
@@ -496,21 +439,10 @@ def main():
                          "with the TFLOP/s each reaches (settings without graphs)")
     ap.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                     help="set torch._inductor.config options for every compiled setting (an experiment's switch), "
-                         "e.g. combo_kernels=True max_pointwise_cat_inputs=0")
-    ap.add_argument("--no-unet-options", action="store_true",
-                    help="compile without unet_speed.UNET_INDUCTOR_OPTIONS (combo kernels), as the rounds before 6 did")
-    ap.add_argument("--unet-options", type=json.loads, metavar="JSON",
-                    help="compile with these inductor options instead of unet_speed.UNET_INDUCTOR_OPTIONS, "
-                         'e.g. \'{"combo_kernels": true}\'')
-    ap.add_argument("--check-geglu", action="store_true",
-                    help="first compare train.fused_geglu's kernel with autograd's backward (gradient, time)")
+                         "e.g. coordinate_descent_tuning=True")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny UNet on the CPU: a smoke test")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
-    if args.no_unet_options or args.unet_options is not None:
-        from sdxl_lora.sdxl import speed as unet_speed
-        unet_speed.UNET_INDUCTOR_OPTIONS = args.unet_options or {}
-        print(f"# inductor options of the UNet's regions: {json.dumps(unet_speed.UNET_INDUCTOR_OPTIONS)}", flush=True)
     if args.inductor:
         import ast
 
@@ -532,31 +464,16 @@ def main():
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
-        if args.check_geglu:
-            print(f"# GEGLU backward, {16 * 1024} x 2 x 5120: {json.dumps(geglu_kernel_check())}", flush=True)
     for name in args.only:
-        mode, batches, train = SETTINGS[name]
-        if device == "cpu":
-            train = {k: v for k, v in train.items() if k != "cuda_graphs"}
-            if "checkpoint_budget_gb" in train:
-                train["checkpoint_budget_gb"] = 0.01
-        for batch in (args.batches or batches):
-            if args.batches and batch not in batches and name != "ours":
-                continue
+        mode, batches, values = SETTINGS[name]
+        for batch in args.batches or batches:
             unet = build_unet(device, args.tiny)
-            if train.get("quantize"):
-                from sdxl_lora.core.quantize import quantize_model
-
-                train = dict(train)
-                quantize_model(unet, train.pop("quantize"), compute_dtype=torch.bfloat16, device=device)
-            if mode == "recipe":
-                recipe_lora(unet, args.rank)
-            else:
-                project_lora(unet, "attn", args.rank)
             try:
+                cfg = setting_config(values, args.set, args.rank, cpu=device == "cpu")
+                prepare(unet, mode, cfg, device)
                 row = {"setting": name, "batch": batch,
-                       **bench(unet, batch, args.steps, args.warmup, device, mode, train, args.profile,
-                                args.top, args.shapes)}
+                       **bench(unet, batch, args.steps, args.warmup, device, mode, cfg, args.profile, args.top,
+                               args.shapes)}
             except torch.OutOfMemoryError as e:
                 row = {"setting": name, "batch": batch, "error": f"out of memory: {str(e)[:120]}"}
             except Exception as e:  # one failing setting must not cost the others' figures
@@ -564,8 +481,7 @@ def main():
             print(json.dumps(row), flush=True)
             del unet
             # The graphed callables can sit in reference cycles with their autograd functions: collect them, so
-            # their memory pools are released before the next setting (round 5: a setting after a graphed one
-            # ran out of memory without this; not yet re-run on a GPU).
+            # their memory pools are released before the next setting.
             torch._dynamo.reset()
             gc.collect()
             if device == "cuda":

@@ -39,9 +39,11 @@ def main(argv=None) -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--resolution", type=int, default=1024)
     args = p.parse_args(argv)
+    from sdxl_lora.core.config import AdapterConfig
+
     unet = sdxl_step.build_unet("meta")
     unet.config.sample_size = args.resolution // 8
-    sdxl_step.project_lora(unet, "attn", args.rank)
+    sdxl_step.project_lora(unet, AdapterConfig(preset="attn", rank=args.rank, scale_rank_with_resolution=False))
     c, s = unet.config, args.resolution // 8
     meta = {"device": "meta", "dtype": torch.bfloat16}
     pooled_dim = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
