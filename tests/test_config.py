@@ -76,3 +76,21 @@ def test_a_model_folder_recommends_settings_that_apply_where_the_config_is_silen
     (model / "sdxl_lora.toml").write_text("[train\n")
     with pytest.raises(ConfigError, match="sdxl_lora.toml.*not valid TOML"):
         load_config(overrides=[f"model.path='{model}'"])
+
+
+def test_every_field_has_a_short_description_for_users():
+    import re
+
+    from pydantic import BaseModel
+
+    def leaves(model, prefix=""):
+        for name, f in model.model_fields.items():
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+                yield from leaves(f.annotation, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", f.description or ""
+
+    lab_notes = re.compile(r"H100|H200|A100|\bround \d|\bsession \d|\d ?ms\b|images/s|sdxl_lora/")
+    for key, text in leaves(Config):
+        assert text, f"{key} has no description"
+        assert len(text) <= 200 and not lab_notes.search(text), f"{key}: {text!r}"
