@@ -78,6 +78,17 @@ def test_a_model_folder_recommends_settings_that_apply_where_the_config_is_silen
         load_config(overrides=[f"model.path='{model}'"])
 
 
+def test_settings_of_the_other_task_are_named_only_when_the_config_sets_them():
+    from sdxl_lora.core.config import fields_for_other_tasks
+
+    llm = load_config(overrides=["task='llm'", "train.fuse_qkv=true", "train.channels_last=true",
+                                 "train.compile='regional'", "preview.every=5", "llm.max_length=64"])
+    assert fields_for_other_tasks(llm) == ["train.channels_last", "train.fuse_qkv"]  # the shared ones do something
+    assert fields_for_other_tasks(load_config(overrides=["task='llm'"])) == []      # defaults say nothing
+    assert fields_for_other_tasks(load_config()) == []
+    assert fields_for_other_tasks(load_config(overrides=["llm.max_length=64", "data.flip=true"])) == ["llm.max_length"]
+
+
 def test_every_field_has_a_short_description_for_users():
     import re
 

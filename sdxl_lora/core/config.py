@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -378,6 +378,30 @@ class Config(Section):
 
     def to_toml(self) -> str:
         return tomli_w.dumps(_drop_none(self.model_dump(mode="json")))
+
+
+TASKS: tuple[str, ...] = get_args(Config.model_fields["task"].annotation)
+
+
+def field_tasks(section: type[BaseModel], name: str) -> tuple[str, ...]:
+    """The tasks that field `name` of `section` does something for: its "tasks" mark, else its section's,
+    else every task."""
+    for marks in (section.model_fields[name].json_schema_extra, section.model_config.get("json_schema_extra")):
+        if isinstance(marks, dict) and "tasks" in marks:
+            return tuple(marks["tasks"])
+    return TASKS
+
+
+def fields_for_other_tasks(cfg: Config) -> list[str]:
+    """The fields `cfg` sets explicitly (in a config file, by --set or from the form) that do nothing for
+    cfg.task, as dotted names, e.g. ["train.fuse_qkv"] for an LLM run. Fields left at their defaults never count."""
+    out = []
+    for name, info in Config.model_fields.items():
+        section = getattr(cfg, name)
+        if isinstance(section, Section):
+            out += [f"{name}.{f}" for f in info.annotation.model_fields
+                    if f in section.model_fields_set and cfg.task not in field_tasks(info.annotation, f)]
+    return out
 
 
 def _drop_none(d: Any) -> Any:
