@@ -89,6 +89,22 @@ def test_settings_of_the_other_task_are_named_only_when_the_config_sets_them():
     assert fields_for_other_tasks(load_config(overrides=["llm.max_length=64", "data.flip=true"])) == ["llm.max_length"]
 
 
+
+def test_a_saved_config_leaves_out_the_other_tasks_fields_so_loading_it_again_warns_nothing(tmp_path):
+    from sdxl_lora.core.config import fields_for_other_tasks
+
+    # The UI and a run's config.toml write every field; read back, each counts as set by the user.
+    set_ = ["train.channels_last=true", "llm.max_length=64", "train.steps=7"]
+    llm, sdxl = load_config(overrides=["task='llm'", *set_]), load_config(overrides=set_)
+    (tmp_path / "llm.toml").write_text(llm.to_toml())
+    (tmp_path / "sdxl.toml").write_text(sdxl.to_toml())
+    llm2, sdxl2 = load_config(tmp_path / "llm.toml"), load_config(tmp_path / "sdxl.toml")
+    assert fields_for_other_tasks(llm2) == fields_for_other_tasks(sdxl2) == []
+    assert "[data]" not in (tmp_path / "llm.toml").read_text() and "[llm]" not in (tmp_path / "sdxl.toml").read_text()
+    # What the task uses comes back the same.
+    assert (llm2.train.steps, llm2.llm.max_length, llm2.task) == (7, 64, "llm")
+    assert sdxl2.model_dump(exclude={"llm"}) == sdxl.model_dump(exclude={"llm"}) and sdxl2.train.channels_last is True
+
 def test_every_field_has_a_short_description_for_users():
     import re
 

@@ -377,7 +377,15 @@ class Config(Section):
         return self
 
     def to_toml(self) -> str:
-        return tomli_w.dumps(_drop_none(self.model_dump(mode="json")))
+        """The config as TOML, without the fields that do nothing for its task: the file is read again (a run's
+        config.toml on resume, a run the UI queued), where every field in it counts as the user's setting."""
+        tree = self.model_dump(mode="json")
+        for name, info in type(self).model_fields.items():
+            if isinstance(tree[name], dict):
+                for f in info.annotation.model_fields:
+                    if self.task not in field_tasks(info.annotation, f):
+                        del tree[name][f]
+        return tomli_w.dumps(_drop_none({k: v for k, v in tree.items() if v != {}}))
 
 
 TASKS: tuple[str, ...] = get_args(Config.model_fields["task"].annotation)
