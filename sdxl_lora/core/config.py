@@ -195,7 +195,7 @@ class TrainConfig(Section):
         "polynomial: the power of the decay to ~0 (1 is linear)."))
     warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup before the schedule.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the gradient norm to this; 0 turns clipping off.")
-    # docs/training.md
+    # The losses and their weighting: docs/training.md.
     loss: Literal["l2", "huber"] = Field("l2", json_schema_extra=SDXL_ONLY, description=(
         "The diffusion loss: l2 is the usual MSE; huber is quadratic within huber_delta of the target and "
         "linear beyond, so outliers pull less."))
@@ -250,7 +250,7 @@ class TrainConfig(Section):
     lora_matmul: Literal["peft", "concat", "merged"] = Field("merged", json_schema_extra=SDXL_ONLY, description=(
         "With fuse_qkv: how the attention projections' LoRA is computed. 'merged': x @ (W + sBA)^T; "
         "'concat': [x, xA^T] @ [W, sB]^T; 'peft': peft's own products."))
-    # torch's own choice already picks cuDNN's kernel where it is the fastest (docs/speed.md).
+    # On SDXL's attention shapes torch's own choice already runs cuDNN's kernel, the fastest (docs/speed.md).
     sdpa_backend: Literal["default", "cudnn", "flash", "efficient", "math"] = Field(
         "default", json_schema_extra=SDXL_ONLY, description=(
             "The attention kernel of the training forward: 'default' lets PyTorch choose; a named one is used "
