@@ -76,3 +76,48 @@ def test_a_model_folder_recommends_settings_that_apply_where_the_config_is_silen
     (model / "sdxl_lora.toml").write_text("[train\n")
     with pytest.raises(ConfigError, match="sdxl_lora.toml.*not valid TOML"):
         load_config(overrides=[f"model.path='{model}'"])
+
+
+def test_settings_of_the_other_task_are_named_only_when_the_config_sets_them():
+    from sdxl_lora.core.config import fields_for_other_tasks
+
+    llm = load_config(overrides=["task='llm'", "train.fuse_qkv=true", "train.channels_last=true",
+                                 "train.compile='regional'", "preview.every=5", "llm.max_length=64"])
+    assert fields_for_other_tasks(llm) == ["train.channels_last", "train.fuse_qkv"]  # the shared ones do something
+    assert fields_for_other_tasks(load_config(overrides=["task='llm'"])) == []      # defaults say nothing
+    assert fields_for_other_tasks(load_config()) == []
+    assert fields_for_other_tasks(load_config(overrides=["llm.max_length=64", "data.flip=true"])) == ["llm.max_length"]
+
+
+
+def test_a_saved_config_leaves_out_the_other_tasks_fields_so_loading_it_again_warns_nothing(tmp_path):
+    from sdxl_lora.core.config import fields_for_other_tasks
+
+    # The UI and a run's config.toml write every field; read back, each counts as set by the user.
+    set_ = ["train.channels_last=true", "llm.max_length=64", "train.steps=7"]
+    llm, sdxl = load_config(overrides=["task='llm'", *set_]), load_config(overrides=set_)
+    (tmp_path / "llm.toml").write_text(llm.to_toml())
+    (tmp_path / "sdxl.toml").write_text(sdxl.to_toml())
+    llm2, sdxl2 = load_config(tmp_path / "llm.toml"), load_config(tmp_path / "sdxl.toml")
+    assert fields_for_other_tasks(llm2) == fields_for_other_tasks(sdxl2) == []
+    assert "[data]" not in (tmp_path / "llm.toml").read_text() and "[llm]" not in (tmp_path / "sdxl.toml").read_text()
+    # What the task uses comes back the same.
+    assert (llm2.train.steps, llm2.llm.max_length, llm2.task) == (7, 64, "llm")
+    assert sdxl2.model_dump(exclude={"llm"}) == sdxl.model_dump(exclude={"llm"}) and sdxl2.train.channels_last is True
+
+def test_every_field_has_a_short_description_for_users():
+    import re
+
+    from pydantic import BaseModel
+
+    def leaves(model, prefix=""):
+        for name, f in model.model_fields.items():
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+                yield from leaves(f.annotation, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", f.description or ""
+
+    lab_notes = re.compile(r"H100|H200|A100|\bround \d|\bsession \d|\d ?ms\b|images/s|sdxl_lora/")
+    for key, text in leaves(Config):
+        assert text, f"{key} has no description"
+        assert len(text) <= 200 and not lab_notes.search(text), f"{key}: {text!r}"

@@ -276,6 +276,19 @@ def test_presets_and_rank_budget_on_a_causal_lm(tiny_llm, tmp_path, caplog):
     assert result.adapter["peft"].is_dir()
 
 
+def test_sdxl_only_settings_set_for_an_llm_run_are_named_in_one_warning(tmp_path, caplog):
+    from sdxl_lora.core.loop import Trainer
+    from sdxl_lora.core.runs import create_run
+    from sdxl_lora.llm.task import LLMTask
+
+    cfg = load_config(extra={"task": "llm", "output.runs_dir": str(tmp_path), "train.steps": 1,
+                             "train.fuse_qkv": True, "train.channels_last": True})
+    with caplog.at_level("WARNING"):
+        Trainer(cfg, LLMTask(cfg), create_run(cfg)).setup()
+    warned = [r.getMessage() for r in caplog.records if "SDXL-only" in r.getMessage()]
+    assert len(warned) == 1 and "train.fuse_qkv" in warned[0] and "train.channels_last" in warned[0]
+
+
 def test_llm_plan_reads_only_the_config_and_matches_the_8b_figures(tmp_path, capsys):
     # A Llama-3-8B folder with its config and no real weights: `llm plan` builds the model on the meta
     # device. Rank 16 on every linear of the 8B is the 41.9 M trainable parameters issue 10 states, and its

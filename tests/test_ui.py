@@ -167,6 +167,9 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             _fill(page, "f-preview-steps", 2)
             page.locator("#f-acc-train").get_by_text("train (advanced)").click()
             _fill(page, "f-train-log-every", 1)
+            # Each field's help is its description in the schema: what it does, no benchmark figures.
+            expect(page.locator("#f-train-fuse-qkv")).to_contain_text("in one matmul")
+            expect(page.locator("#f-acc-train")).not_to_contain_text("H200")
             page.locator("#train-plan").click()
             expect(page.locator("#train-plan-summary")).to_contain_text("trainable parameters", timeout=WAIT)
             expect(page.locator("#train-plan-table")).to_contain_text("attn2")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -32,61 +32,75 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# Which tasks a field does something for: json_schema_extra={"tasks": ...} on the field, or on its section's
+# model_config; unmarked means every task. fields_for_other_tasks() names the ones a config sets in vain.
+SDXL_ONLY = {"tasks": ("sdxl",)}
+LLM_ONLY = {"tasks": ("llm",)}
+
+
 class ModelConfig(Section):
-    # "tiny-sdxl-demo" is the shipped demo base (the tiny SDXL pretrained on shapes, docs/demo_base.md);
-    # "tiny-sdxl" the same model with random weights, built in-process; otherwise a diffusers SDXL
-    # folder or a single-file .safetensors checkpoint.
-    path: str = "tiny-sdxl-demo"
-    # Folder holding tokenizer/ and tokenizer_2/ (for single-file checkpoints, which carry none).
-    tokenizer: str | None = None
-    # "auto" reads the scheduler config of the model.
-    prediction_type: Literal["auto", "epsilon", "v_prediction"] = "auto"
-    # Where the embedded tiny SDXL is materialised (once) as a diffusers folder.
-    cache_dir: str = str(REPO_ROOT / ".cache" / "models")
-    # QLoRA (docs/qlora.md): the frozen UNet's Linear layers stored quantized while the adapter trains
-    # in full precision. nf4/fp4/int8 need bitsandbytes (the qlora extra); fp8 is torch only.
-    quantize: Literal["none", "nf4", "fp4", "int8", "fp8"] = "none"
-    # Opt-in: the frozen UNet's convolutions (conv_in/conv_out kept) in fp8 too, 1 byte a weight instead of
-    # 2 (~0.3 GiB less on SDXL), with fp8's rounding error; works with any model.quantize, "none" included.
-    quantize_convs: Literal["none", "fp8"] = "none"
-    # nf4/fp4: quantize the block scales too (~0.4 bits a weight less).
-    quant_double: bool = True
-    # The dtype quantized layers compute in; "auto" follows train.mixed_precision (fp32 when "no").
-    quant_compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    path: str = Field("tiny-sdxl-demo", description=(
+        "Base model: 'tiny-sdxl-demo' (the shipped demo), 'tiny-sdxl' (random weights), a diffusers SDXL folder or "
+        "a single-file .safetensors; for the LLM task 'tiny-llm' or a transformers causal-LM folder."))
+    tokenizer: str | None = Field(None, json_schema_extra=SDXL_ONLY, description=(
+        "Folder holding tokenizer/ and tokenizer_2/, for single-file checkpoints (they carry none)."))
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field("auto", json_schema_extra=SDXL_ONLY,
+        description="What the UNet predicts; 'auto' reads the model's scheduler config.")
+    cache_dir: str = Field(str(REPO_ROOT / ".cache" / "models"), description=(
+        "Where the built-in tiny models are written out (once) as model folders."))
+    # QLoRA (docs/qlora.md): the adapter itself always trains in full precision.
+    quantize: Literal["none", "nf4", "fp4", "int8", "fp8"] = Field("none", description=(
+        "QLoRA: keep the frozen base's Linear layers quantized to save memory; nf4/fp4/int8 need bitsandbytes "
+        "(the qlora extra), fp8 only torch."))
+    quantize_convs: Literal["none", "fp8"] = Field("none", json_schema_extra=SDXL_ONLY, description=(
+        "Also keep the frozen UNet's convolutions (not conv_in/conv_out) in fp8: less memory, fp8's rounding "
+        "error; works with any model.quantize."))
+    quant_double: bool = Field(True, description="nf4/fp4: quantize the block scales too (a little less memory).")
+    quant_compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description=(
+        "The dtype quantized layers compute in; 'auto' follows train.mixed_precision (fp32 when 'no')."))
 
 
 class DataConfig(Section):
-    # One or more dataset folders; none means the bundled sample_data/images.
-    dirs: list[str] = Field(default_factory=lambda: [str(SAMPLE_DATA / "images")])
-    caption_extension: str = ".txt"
-    trigger_word: str = ""
-    class_token: str = ""
-    # Training resolution (side of a square of the same area); none means the model's native one.
-    resolution: int | None = None
-    bucket_step: int = 64
-    max_aspect: float = 2.0
-    crop: Literal["center", "random"] = "center"
-    flip: bool = False
-    small_images: Literal["upscale", "skip"] = "upscale"
-    # Images with fewer pixels than (resolution * min_size_fraction)^2 count as small.
-    min_size_fraction: float = 0.5
-    # Decompression-bomb guard: images with more pixels than this are refused.
-    max_pixels: int = 100_000_000
-    # Images with a side shorter than this are always skipped (icons, tracking pixels, broken
-    # thumbnails), whatever small_images says: upscaling them would only teach blur.
-    min_side: int = Field(16, ge=1)
-    shuffle_tags: bool = False
-    keep_tokens: int = 0
-    caption_dropout: float = 0.0
-    # Fraction of images held out for the validation loss (fixed timesteps and noise); 0 = none.
-    validation_split: float = Field(0.0, ge=0.0, lt=1.0)
-    # Where latents and text embeddings are cached; none means <runs_dir>/.cache.
-    cache_dir: str | None = None
-    # Masked loss (docs/training.md): a grey-level mask beside an image (OneTrainer's convention,
-    # `foo.png` + `foo-masklabel.png`) weights its loss per pixel: white learns, black is ignored.
-    # An image without a mask trains everywhere (listed in the dataset report).
-    masked_loss: bool = False
-    mask_suffix: str = "-masklabel"
+    """The image dataset of the SDXL task (the LLM task reads llm.data)."""
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, json_schema_extra=SDXL_ONLY)
+
+    dirs: list[str] = Field(default_factory=lambda: [str(SAMPLE_DATA / "images")], description=(
+        "Dataset folders of images with caption files; the default is the bundled sample set."))
+    caption_extension: str = Field(".txt", description="Extension of the caption file beside each image.")
+    trigger_word: str = Field("", description=(
+        "The word that calls your concept up: put first in every caption that lacks it."))
+    class_token: str = Field("", description=(
+        "What the concept is (e.g. 'dog'): with the trigger word, the caption of images that have none."))
+    resolution: int | None = Field(None, description=(
+        "Training resolution (the side of a square of the same area); none means the model's native one."))
+    bucket_step: int = Field(64, description="Bucket sides are multiples of this many pixels (a multiple of 8).")
+    max_aspect: float = Field(2.0, description="The most elongated bucket, long side over short side.")
+    crop: Literal["center", "random"] = Field("center", description="Where an image is cropped to fit its bucket.")
+    flip: bool = Field(False, description=(
+        "Mirror images left-right at random (not for text or one-sided subjects)."))
+    small_images: Literal["upscale", "skip"] = Field("upscale", description=(
+        "What to do with images smaller than min_size_fraction of the resolution."))
+    min_size_fraction: float = Field(0.5, description=(
+        "Images with fewer pixels than (resolution x this)^2 count as small."))
+    max_pixels: int = Field(100_000_000, description=(
+        "Images with more pixels than this are refused (a guard against decompression bombs)."))
+    # Skipped whatever small_images says: upscaling icons, tracking pixels or broken thumbnails only teaches blur.
+    min_side: int = Field(16, ge=1, description="Images with a side shorter than this many pixels are always skipped.")
+    shuffle_tags: bool = Field(False, description=(
+        "Shuffle a caption's comma-separated tags each time it is used (the first keep_tokens stay)."))
+    keep_tokens: int = Field(0, description="With shuffle_tags: how many leading tags stay in place.")
+    caption_dropout: float = Field(0.0, description=(
+        "Chance an image trains with an empty caption, which keeps classifier-free guidance working."))
+    validation_split: float = Field(0.0, ge=0.0, lt=1.0, description=(
+        "Fraction of images held out for the validation loss (fixed timesteps and noise); 0 is none."))
+    cache_dir: str | None = Field(None, description=(
+        "Where latents and text embeddings are cached; none means <runs_dir>/.cache."))
+    # OneTrainer's convention (docs/training.md); an image without a mask trains everywhere (the dataset
+    # report lists them).
+    masked_loss: bool = Field(False, description=(
+        "Weight each image's loss by a grey mask beside it (foo.png + foo-masklabel.png): white learns, black "
+        "is ignored."))
+    mask_suffix: str = Field("-masklabel", description="What a mask's file name adds to its image's name.")
 
     @field_validator("caption_extension")
     @classmethod
@@ -111,37 +125,34 @@ class DataConfig(Section):
 
 
 class AdapterConfig(Section):
-    # Which layers get LoRA, and how ranks are weighted across them (docs/injector.md):
-    #   attn       to_q, to_k, to_v, to_out.0 of every attention, one rank (diffusers' default)
-    #   cross-attn the same, cross-attention only
-    #   topology   the attention projections, ranks weighted by slot (kind, projection, level)
-    #   full       attention, feed-forward and proj_in/proj_out linears
-    preset: Literal["attn", "cross-attn", "topology", "full"] = "topology"
-    # The base rank (at the model's native resolution when scale_rank_with_resolution).
-    rank: int = Field(16, ge=1, le=1024)
-    # none means alpha = rank (scale 1); otherwise every slot keeps the same alpha/rank ratio.
-    alpha: float | None = None
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    # rank = base x sqrt(resolution / native resolution), rounded, clamped to [min_rank, max_rank].
-    scale_rank_with_resolution: bool = True
-    min_rank: int = Field(1, ge=1)
-    max_rank: int = Field(256, ge=1)
-    # Glob on the module path or kohya block id (IN00..IN08, MID, OUT00..OUT08) -> rank; 0 leaves it
-    # out; the last matching entry wins. E.g. {"*.attn2.to_v" = 32, "OUT0[0-2]" = 8}.
-    overrides: dict[str, int] = Field(default_factory=dict)
-    # LoRA-Bias: a trainable bias on each adapter's up projection.
-    lora_bias: bool = False
-    # A budget of trainable parameters (or adapter megabytes, fp32): ranks are redistributed across the
-    # planned slots in proportion to their measured sensitivity (adapter gradient norms on
-    # `calibration_batches` batches before training). None: no budget.
-    rank_budget: int | None = Field(None, ge=1)
-    rank_budget_mb: float | None = Field(None, gt=0)
-    calibration_batches: int = Field(4, ge=1)
-    # Rank schedule: {step = base rank}: at each step the adapters shrink (never grow) to that base rank,
-    # every slot in proportion to its planned rank, by SVD truncation of its update; e.g. rank = 64 with
-    # {200 = 16} trains wide for 200 steps, then at a quarter of the rank. The export has the final ranks.
-    # The optimizer's moments of a shrunk adapter restart from zero.
-    rank_schedule: dict[int, int] = Field(default_factory=dict)
+    # The presets' slots and weights: docs/injector.md.
+    preset: Literal["attn", "cross-attn", "topology", "full"] = Field("topology", description=(
+        "Which layers get LoRA: attn (attention projections, one rank), cross-attn (cross-attention only), "
+        "topology (attention, ranks weighted by layer), full (attention and feed-forward)."))
+    rank: int = Field(16, ge=1, le=1024, description=(
+        "The base LoRA rank (SDXL: at the model's native resolution, see scale_rank_with_resolution)."))
+    alpha: float | None = Field(None, description=(
+        "LoRA alpha; none means alpha = rank (scale 1). Every layer keeps the same alpha/rank ratio."))
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input while training.")
+    scale_rank_with_resolution: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
+        "Scale the rank by sqrt(resolution / native resolution), rounded and kept in [min_rank, max_rank]."))
+    min_rank: int = Field(1, ge=1, description="The lowest rank a layer gets after scaling, weighting or a budget.")
+    max_rank: int = Field(256, ge=1, description="The highest rank a layer gets after scaling, weighting or a budget.")
+    overrides: dict[str, int] = Field(default_factory=dict, description=(
+        "Per-layer ranks: glob on a module path or kohya block id -> rank, 0 leaves it out; the last match wins. "
+        "E.g. {\"*.attn2.to_v\" = 32, \"OUT0[0-2]\" = 8}."))
+    lora_bias: bool = Field(False, description="LoRA-Bias: a trainable bias on each adapter's up projection.")
+    # The sensitivity is each planned layer's adapter gradient norm over calibration_batches batches.
+    rank_budget: int | None = Field(None, ge=1, description=(
+        "A budget of trainable parameters: ranks are shared out by each layer's sensitivity, measured before "
+        "training. None: no budget."))
+    rank_budget_mb: float | None = Field(None, gt=0, description="The same budget in adapter megabytes (fp32).")
+    calibration_batches: int = Field(4, ge=1, description="Batches a rank budget measures the layers' sensitivity on.")
+    # Every slot shrinks in proportion to its planned rank, by SVD truncation of its update; the optimizer's
+    # moments of a shrunk adapter restart from zero.
+    rank_schedule: dict[int, int] = Field(default_factory=dict, json_schema_extra=SDXL_ONLY, description=(
+        "{step = base rank}: at each step the adapters shrink to that rank, e.g. rank = 64 with {200 = 16}; "
+        "the export has the final ranks."))
 
     @field_validator("rank_schedule")
     @classmethod
@@ -150,114 +161,124 @@ class AdapterConfig(Section):
         if bad:
             raise ValueError(f"steps and ranks must be at least 1, got {bad}; e.g. {{200 = 16}}")
         return dict(sorted(v.items()))
-    # LoRA on both text encoders too (their attention q/k/v/out projections), trained with
-    # train.text_encoder_lr; text embeddings are then computed live, not cached.
-    train_text_encoder: bool = False
-    # none means adapter.rank (alpha scales with it as for the UNet).
-    text_encoder_rank: int | None = Field(None, ge=1, le=1024)
+    train_text_encoder: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
+        "LoRA on both text encoders' attention too (at train.text_encoder_lr); text embeddings are then "
+        "computed each step, not cached."))
+    text_encoder_rank: int | None = Field(None, ge=1, le=1024, json_schema_extra=SDXL_ONLY, description=(
+        "The text encoders' rank; none means adapter.rank."))
 
 
 class TrainConfig(Section):
-    steps: int = Field(300, ge=1)
-    batch_size: int = Field(2, ge=1)
-    grad_accum: int = Field(1, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    # Learning rates of the UNet's and the text encoders' adapters; none means train.lr.
-    unet_lr: float | None = Field(None, gt=0)
-    text_encoder_lr: float | None = Field(None, gt=0)
-    # Glob on a UNet slot's module path or kohya block id (as adapter.overrides) -> lr multiplier;
-    # the last matching entry wins. E.g. {"OUT0[0-2]" = 0.5, "*.attn2.*" = 2.0}.
-    lr_multipliers: dict[str, float] = Field(default_factory=dict)
-    # adamw8bit, paged_adamw8bit, paged_adamw and lion need bitsandbytes (the qlora extra); the paged
-    # ones keep their state in memory that can spill to the host under pressure. prodigy needs
-    # prodigyopt and wants lr=1.0 (it finds the step size itself). docs/training.md compares them.
+    steps: int = Field(300, ge=1, description="Optimizer steps to train for.")
+    batch_size: int = Field(2, ge=1, description="Examples (images, or LLM rows) per step on each process.")
+    grad_accum: int = Field(1, ge=1, description=(
+        "Batches whose gradients add up into one optimizer step: a larger effective batch in the same memory."))
+    lr: float = Field(1e-3, gt=0, description="Learning rate.")
+    unet_lr: float | None = Field(None, gt=0, json_schema_extra=SDXL_ONLY, description=(
+        "Learning rate of the UNet's adapters; none means train.lr."))
+    text_encoder_lr: float | None = Field(None, gt=0, json_schema_extra=SDXL_ONLY, description=(
+        "Learning rate of the text encoders' adapters; none means train.lr."))
+    lr_multipliers: dict[str, float] = Field(default_factory=dict, json_schema_extra=SDXL_ONLY, description=(
+        "Per-layer lr factors: glob on a UNet module path or kohya block id -> multiplier; the last match wins. "
+        "E.g. {\"OUT0[0-2]\" = 0.5}."))
+    # The paged optimizers keep their state in memory that can spill to the host under pressure; prodigy finds
+    # the step size itself. docs/training.md compares them.
     optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw", "adafactor", "lion",
-                       "prodigy"] = "adamw"
-    weight_decay: float = Field(1e-2, ge=0)
-    # Each with warmup_steps of linear warmup first. cosine_with_restarts: scheduler_cycles hard
-    # restarts; polynomial: decays to ~0 with power scheduler_power (1 = linear).
-    scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = "constant"
-    scheduler_cycles: int = Field(1, ge=1)
-    scheduler_power: float = Field(1.0, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    max_grad_norm: float = Field(1.0, ge=0)
-    # The diffusion loss (docs/training.md). l2 is the usual MSE; huber is quadratic within huber_delta
-    # of the target and linear beyond it.
-    loss: Literal["l2", "huber"] = "l2"
-    huber_delta: float = Field(1.0, gt=0)
-    # Noise offset: adds offset x N(0,1) per image and channel to the noise; ~0.05-0.1 helps very
-    # dark/bright images. 0 is off.
-    noise_offset: float = Field(0.0, ge=0)
-    # Min-SNR-gamma loss weighting (5 is the paper's value); 0 is off.
-    min_snr_gamma: float = Field(0.0, ge=0)
-    # Rescale the noise schedule's betas to zero terminal SNR (pairs with v-prediction models).
-    zero_terminal_snr: bool = False
-    # Timesteps are drawn uniformly from [timestep_min, timestep_max]; none means the schedule's last.
-    timestep_min: int = Field(0, ge=0)
-    timestep_max: int | None = Field(None, ge=0)
-    # NaN/Inf guard: a step with a non-finite loss or gradient is skipped (weights unchanged) and
-    # logged; after max_nan_steps in a row the run saves its state and stops. Costs one host sync a step.
-    nan_guard: bool = True
-    max_nan_steps: int = Field(5, ge=1)
-    # "auto": bf16 on a GPU that supports it, fp32 ("no") on CPU.
-    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
-    gradient_checkpointing: bool = False
-    # Speed levers (docs/speed.md): selective checkpointing to fit a memory budget (GiB of activations
-    # and weights; measured per block at setup), NHWC convolutions, compilation of each repeated block
-    # ("regional": transformer and ResNet blocks; "transformer": the transformer blocks only),
-    # CUDA graphs of the model's forward and backward per bucket shape (one process, CUDA only).
-    # channels_last with compile="regional" also keeps the ResNets' surroundings and backward in that layout.
-    checkpoint_budget_gb: float | None = Field(None, gt=0)
-    channels_last: bool = False
-    compile: Literal["none", "regional", "transformer"] = "none"
-    # With compile: the fraction (0-1] of the compiled blocks' activations kept for backward; torch's
-    # partitioner recomputes the cheapest of the rest (torch._functorch.config.activation_memory_budget).
-    # None keeps what the compiler keeps by default.
-    compile_activation_budget: float | None = Field(None, gt=0, le=1)
-    cuda_graphs: bool = False
-    # Each attention's q/k/v projections (cross-attention: k/v) and their LoRA factors computed by one
-    # matmul each instead of three (docs/speed.md); the same loss and gradients, fewer and larger kernels.
-    # H200, compile + graphs: batch 1 71.5 -> 64.4 ms, batch 16 24.5 -> 25.3 images/s.
-    fuse_qkv: bool = True
-    # CUDA: the feed-forward's GEGLU backward as one Triton kernel that reads each input once
-    # (sdxl_lora/kernels.py): the same gradients; H200, batch 16: 47.8 -> 17.3 ms of the step.
-    fused_geglu: bool = True
-    # With fuse_qkv: how each attention projection's LoRA is computed (docs/speed.md). "merged": x @ (W + sBA)^T,
-    # the delta added to a copy of the frozen weight each call (rounded once to bf16: as close to fp32 as
-    # peft's products, tested), A's and B's gradients as peft's; H200, batch 16: 574.9 -> 545.9 ms. "peft":
-    # peft's own rank-r products and add; "concat": [x, xA^T] @ [W, sB]^T (exact; 570.6 ms). Projections
-    # with fewer tokens than the weight's input width keep peft's products (the weight would cost more).
-    # Quantized bases (model.quantize) take "merged" too, dequantized per call (QLoRA at batch 4: 330.4 ->
-    # 283.4 ms); "concat" leaves them to peft. Without fuse_qkv every projection is peft's own.
-    lora_matmul: Literal["peft", "concat", "merged"] = "merged"
-    # The attention kernel of the training forward (docs/speed.md): "default" is PyTorch's own choice; a
-    # named one is used alone ("cudnn" and "efficient" need CUDA). cuDNN's is 1.6x flash's on SDXL's
-    # attention shapes on an H200 in isolation, and torch's own choice already runs it there (profiled).
-    sdpa_backend: Literal["default", "cudnn", "flash", "efficient", "math"] = "default"
-    # Several processes: how the adapter's gradients are averaged. "ddp": DistributedDataParallel's
-    # bucketed all-reduce, overlapped with the backward; "allreduce": the model is not wrapped and the
-    # loop averages all adapter gradients in one flat all-reduce after the backward (what a CUDA-graphed
-    # step needs: DDP's hooks cannot be captured); "auto": allreduce with cuda_graphs, ddp otherwise.
-    gradient_sync: Literal["auto", "ddp", "allreduce"] = "auto"
-    # Record N steps with torch's profiler into <run>/profile (a trace Perfetto opens) and log where the
-    # step time goes. 0 is off.
-    profile_steps: int = Field(0, ge=0)
-    seed: int = 42
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    log_every: int = Field(10, ge=1)
-    # Training state (adapter, optimizer, schedule, RNG, data position) every N steps and/or every
-    # M minutes, whichever comes first; 0 turns either off. The last K states are kept.
-    save_every: int = Field(100, ge=0)
-    save_every_minutes: float = Field(10.0, ge=0)
-    keep_checkpoints: int = Field(3, ge=1)
-    # Exponential moving average of the adapter weights (fp32, on the device), updated after each
-    # optimizer step; the exported adapter and the final previews use it.
-    ema: bool = False
-    ema_decay: float = Field(0.999, gt=0, lt=1)
-    # TensorBoard event files in <run>/tensorboard (needs the tensorboard package).
-    tensorboard: bool = False
-    # The GPU's dense bf16/fp16 peak in TFLOP/s for the MFU figure; none looks the GPU up by name.
-    peak_tflops: float | None = Field(None, gt=0)
+                       "prodigy"] = Field("adamw", description=(
+        "The optimizer; adamw8bit, the paged ones and lion need bitsandbytes (the qlora extra), prodigy needs "
+        "prodigyopt and wants lr = 1.0."))
+    weight_decay: float = Field(1e-2, ge=0, description="Weight decay of the adapter weights.")
+    scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = Field(
+        "constant", description="The learning-rate schedule, after warmup_steps of linear warmup.")
+    scheduler_cycles: int = Field(1, ge=1, description="cosine_with_restarts: how many cycles (hard restarts).")
+    scheduler_power: float = Field(1.0, gt=0, description=(
+        "polynomial: the power of the decay to ~0 (1 is linear)."))
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup before the schedule.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the gradient norm to this; 0 turns clipping off.")
+    # The losses and their weighting: docs/training.md.
+    loss: Literal["l2", "huber"] = Field("l2", json_schema_extra=SDXL_ONLY, description=(
+        "The diffusion loss: l2 is the usual MSE; huber is quadratic within huber_delta of the target and "
+        "linear beyond, so outliers pull less."))
+    huber_delta: float = Field(1.0, gt=0, json_schema_extra=SDXL_ONLY, description=(
+        "huber: the distance where the loss turns from quadratic to linear."))
+    noise_offset: float = Field(0.0, ge=0, json_schema_extra=SDXL_ONLY, description=(
+        "Adds offset x N(0,1) per image and channel to the noise; ~0.05-0.1 helps very dark or bright images. "
+        "0 is off."))
+    min_snr_gamma: float = Field(0.0, ge=0, json_schema_extra=SDXL_ONLY, description=(
+        "Min-SNR-gamma loss weighting (5 is the paper's value); 0 is off."))
+    zero_terminal_snr: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
+        "Rescale the noise schedule to zero terminal SNR (pairs with v-prediction models)."))
+    timestep_min: int = Field(0, ge=0, json_schema_extra=SDXL_ONLY, description=(
+        "The lowest timestep trained on (timesteps are drawn uniformly in the range)."))
+    timestep_max: int | None = Field(None, ge=0, json_schema_extra=SDXL_ONLY, description=(
+        "The highest timestep trained on; none means the schedule's last."))
+    # Checking the loss and gradients costs one host sync a step.
+    nan_guard: bool = Field(True, description=(
+        "Skip a step whose loss or gradient is not finite (weights unchanged); after max_nan_steps in a row, "
+        "save and stop."))
+    max_nan_steps: int = Field(5, ge=1, description="With nan_guard: non-finite steps in a row that stop the run.")
+    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = Field("auto", description=(
+        "Training precision; 'auto' is bf16 on a GPU that supports it, fp32 ('no') otherwise."))
+    gradient_checkpointing: bool = Field(False, description=(
+        "Recompute activations in the backward instead of keeping them: less memory, slower steps."))
+    # Speed and memory levers: docs/speed.md.
+    checkpoint_budget_gb: float | None = Field(None, gt=0, json_schema_extra=SDXL_ONLY, description=(
+        "A memory budget in GiB (activations and weights): only as many blocks are checkpointed as it takes "
+        "to fit."))
+    # With compile="regional" the ResNets' surroundings and backward keep that layout too.
+    channels_last: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
+        "Run the UNet's convolutions in channels-last (NHWC) memory layout."))
+    compile: Literal["none", "regional", "transformer"] = Field("none", description=(
+        "torch.compile each repeated block: 'regional' (transformer and ResNet blocks; LLM: decoder layers), "
+        "'transformer' (transformer blocks only). The first steps include compilation."))
+    # torch._functorch.config.activation_memory_budget: torch's partitioner recomputes the cheapest of the rest.
+    compile_activation_budget: float | None = Field(None, gt=0, le=1, description=(
+        "With compile: the fraction of the compiled blocks' activations kept for the backward, the rest "
+        "recomputed; none keeps the compiler's choice."))
+    cuda_graphs: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
+        "Replay the UNet's forward and backward from CUDA graphs, one per bucket shape (CUDA only)."))
+    fuse_qkv: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
+        "Compute each attention's q/k/v projections and their LoRA in one matmul instead of three: the same "
+        "loss and gradients, fewer kernels."))
+    fused_geglu: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
+        "CUDA: the feed-forward's GEGLU backward as one Triton kernel that reads each input once (the same "
+        "gradients)."))
+    # "merged" rounds the summed weight once to bf16, which stays as close to fp32 as peft's products (tested),
+    # and gives A and B peft's gradients. Projections with fewer tokens than the weight's input width keep
+    # peft's products (the weight-sized copy would cost more than it saves); quantized bases take "merged"
+    # dequantized per call, "concat" leaves them to peft.
+    lora_matmul: Literal["peft", "concat", "merged"] = Field("merged", json_schema_extra=SDXL_ONLY, description=(
+        "With fuse_qkv: how the attention projections' LoRA is computed. 'merged': x @ (W + sBA)^T; "
+        "'concat': [x, xA^T] @ [W, sB]^T; 'peft': peft's own products."))
+    # On SDXL's attention shapes torch's own choice already runs cuDNN's kernel, the fastest (docs/speed.md).
+    sdpa_backend: Literal["default", "cudnn", "flash", "efficient", "math"] = Field(
+        "default", json_schema_extra=SDXL_ONLY, description=(
+            "The attention kernel of the training forward: 'default' lets PyTorch choose; a named one is used "
+            "alone (cudnn and efficient need CUDA)."))
+    # "allreduce" is what a CUDA-graphed step needs: DDP's hooks cannot be captured.
+    gradient_sync: Literal["auto", "ddp", "allreduce"] = Field("auto", description=(
+        "Several processes: 'ddp' averages gradients overlapped with the backward, 'allreduce' in one flat "
+        "all-reduce after it; 'auto' is allreduce with cuda_graphs, else ddp."))
+    profile_steps: int = Field(0, ge=0, description=(
+        "Record this many steps with torch's profiler into <run>/profile (opens in Perfetto) and log where the "
+        "step time goes; 0 is off."))
+    seed: int = Field(42, description="Random seed of the data order, the noise and the adapter's initial weights.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "Where to train; 'auto' uses a CUDA GPU if there is one."))
+    log_every: int = Field(10, ge=1, description="Log the loss and speed every N steps.")
+    # A state is the adapter, optimizer, schedule, RNG and data position: what a resume needs.
+    save_every: int = Field(100, ge=0, description="Save the training state every N steps; 0 is off.")
+    save_every_minutes: float = Field(10.0, ge=0, description=(
+        "Also save it every M minutes, whichever comes first; 0 is off."))
+    keep_checkpoints: int = Field(3, ge=1, description="How many of the newest saved states are kept.")
+    ema: bool = Field(False, description=(
+        "Keep an exponential moving average of the adapter weights; the export and final previews use it."))
+    ema_decay: float = Field(0.999, gt=0, lt=1, description=(
+        "The EMA's decay per optimizer step; closer to 1 averages over more steps."))
+    tensorboard: bool = Field(False, description=(
+        "Write TensorBoard event files to <run>/tensorboard (needs the tensorboard package)."))
+    peak_tflops: float | None = Field(None, gt=0, description=(
+        "Your GPU's dense bf16/fp16 peak in TFLOP/s, for the MFU figure; none looks the GPU up by name."))
 
     @model_validator(mode="after")
     def _timestep_range(self) -> "TrainConfig":
@@ -276,66 +297,70 @@ class TrainConfig(Section):
 
 
 class PreviewConfig(Section):
-    # One prompt per line, with kohya's per-line options (`a cat --n blurry --w 1024 --h 1024 --s 30
-    # --l 7 --d 42`), or a .toml ([[prompt]] tables) / .jsonl / .json file of entries with fields
-    # (docs/training.md); none means the bundled sample_data/prompts.txt. Empty string: no previews.
-    prompts: str | None = str(SAMPLE_DATA / "prompts.txt")
-    # Also every N steps during training (0: only before and after). The validation loss (with
-    # data.validation_split) is computed at the same steps.
-    every: int = Field(0, ge=0)
-    steps: int = Field(20, ge=1)
-    guidance: float = 5.0
-    # Classifier-free guidance rescale (Lin et al. 2023); none means 0.7 with train.zero_terminal_snr, else 0.
-    guidance_rescale: float | None = Field(None, ge=0, le=1)
-    seed: int = 0
-    # Render before training (baseline) and at the end.
-    before: bool = True
-    after: bool = True
-    # Score the previews for a concept with the shapes detector (sdxl/shapes.py: shape and/or colour
-    # words, e.g. "star"): a "concept" event per preview, over the prompts naming it (prompts naming
-    # none of its words are not scored, so it is harmless for other prompts). "" is off.
-    concept: str = "star"
+    # The entry fields of .toml ([[prompt]] tables), .jsonl and .json files: docs/training.md.
+    prompts: str | None = Field(str(SAMPLE_DATA / "prompts.txt"), json_schema_extra=SDXL_ONLY, description=(
+        "Preview prompts: one per line with kohya's options (a cat --n blurry --w 1024 --h 1024 --s 30 --l 7 "
+        "--d 42), or a .toml/.jsonl/.json file; none: the bundled ones; empty: no previews."))
+    every: int = Field(0, ge=0, description=(
+        "Also preview, and compute the validation loss, every N steps; 0: only before and after."))
+    steps: int = Field(20, ge=1, json_schema_extra=SDXL_ONLY, description="Sampling steps of each preview image.")
+    guidance: float = Field(5.0, json_schema_extra=SDXL_ONLY, description=(
+        "Classifier-free guidance scale of the previews."))
+    guidance_rescale: float | None = Field(None, ge=0, le=1, json_schema_extra=SDXL_ONLY, description=(
+        "Classifier-free guidance rescale (Lin et al. 2023); none means 0.7 with train.zero_terminal_snr, else 0."))
+    seed: int = Field(0, json_schema_extra=SDXL_ONLY, description=(
+        "Seed of the preview images; the same each time, so previews compare across steps."))
+    before: bool = Field(True, description="Preview before training, as a baseline.")
+    after: bool = Field(True, description="Preview at the end of training.")
+    # A "concept" event per preview, over the prompts naming the concept: prompts naming none of its words
+    # are not scored, so it is harmless for other prompts.
+    concept: str = Field("star", json_schema_extra=SDXL_ONLY, description=(
+        "Score the previews for this concept with the shapes detector (shape and/or colour words, e.g. 'star'); "
+        "empty is off."))
 
 
 class OutputConfig(Section):
-    runs_dir: str = "runs"
-    # none means a timestamped name.
-    name: str | None = None
-    overwrite: bool = False
+    runs_dir: str = Field("runs", description="The folder that holds the runs.")
+    name: str | None = Field(None, description="The run's folder name; none means a timestamped one.")
+    overwrite: bool = Field(False, description="Replace an existing run of the same name.")
 
 
 class LLMConfig(Section):
     """Fields of the causal-LM task only (`task = "llm"`, docs/llm.md); the other sections are shared."""
-    # JSONL files: alpaca-style lines ({"instruction", "input", "output"}) or chat lines ({"messages":
-    # [{"role", "content"}, ...]}); "auto" tells them apart per line. Default: the bundled sample set.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, json_schema_extra=LLM_ONLY)
+
     data: list[str] = Field(default_factory=lambda: [str(SAMPLE_DATA / "llm" / "alpaca.jsonl"),
-                                                     str(SAMPLE_DATA / "llm" / "chat.jsonl")])
-    format: Literal["auto", "alpaca", "chat"] = "auto"
-    # Tokens per training row; longer examples are cut at the end (and reported).
-    max_length: int = Field(512, ge=8)
-    # Several short examples per row, each attending only to itself (position ids restart per example).
-    packing: bool = True
-    # A Jinja chat template (or a path to a .jinja file); none: the tokenizer's own, else a ChatML-style default.
-    chat_template: str | None = None
-    # Prepended as a system message to examples that have none (and to preview prompts).
-    system_prompt: str | None = None
-    # Fraction of examples held out for the validation loss; 0 = none.
-    validation_split: float = Field(0.0, ge=0.0, lt=1.0)
-    # Answered greedily before and after training (and every preview.every steps).
+                                                     str(SAMPLE_DATA / "llm" / "chat.jsonl")], description=(
+        "JSONL files of alpaca lines ({instruction, input, output}) or chat lines ({messages: [{role, "
+        "content}]}); the default is the bundled sample set."))
+    format: Literal["auto", "alpaca", "chat"] = Field("auto", description=(
+        "How the lines are read; 'auto' tells alpaca and chat lines apart per line."))
+    max_length: int = Field(512, ge=8, description=(
+        "Tokens per training row; longer examples are cut at the end (and reported)."))
+    # Position ids restart per example, which is what keeps packed examples apart.
+    packing: bool = Field(True, description=(
+        "Pack several short examples into each row, each attending only to itself."))
+    chat_template: str | None = Field(None, description=(
+        "A Jinja chat template or a path to a .jinja file; none: the tokenizer's own, else a ChatML-style one."))
+    system_prompt: str | None = Field(None, description=(
+        "A system message for examples (and preview prompts) that have none."))
+    validation_split: float = Field(0.0, ge=0.0, lt=1.0, description=(
+        "Fraction of examples held out for the validation loss; 0 is none."))
     preview_prompts: list[str] = Field(default_factory=lambda: [
-        "What colour is a ripe banana?", "Reverse the word: garden", "Count from one to five."])
-    max_new_tokens: int = Field(48, ge=1)
-    # Tokens per cross-entropy chunk: full fp32 logits (tokens x vocabulary) are never held at once.
-    loss_chunk: int = Field(1024, ge=16)
-    # transformers' attention kernel; "sdpa" masks packed examples apart through the position ids.
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    # Also write the base model with the adapter merged in (<run>/merged) at the end.
-    merge: bool = False
+        "What colour is a ripe banana?", "Reverse the word: garden", "Count from one to five."], description=(
+        "Prompts answered greedily before and after training (and every preview.every steps)."))
+    max_new_tokens: int = Field(48, ge=1, description="The longest preview answer, in tokens.")
+    loss_chunk: int = Field(1024, ge=16, description=(
+        "Tokens per cross-entropy chunk, so the full fp32 logits are never held at once; lower saves memory."))
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description=(
+        "transformers' attention kernel; 'sdpa' keeps packed examples apart through the position ids."))
+    merge: bool = Field(False, description=(
+        "Also write the base model with the adapter merged in (<run>/merged) at the end."))
 
 
 class Config(Section):
-    # Which task trains: the SDXL UNet, or a causal LM (`sdxl-lora llm train` sets "llm").
-    task: Literal["sdxl", "llm"] = "sdxl"
+    task: Literal["sdxl", "llm"] = Field("sdxl", description=(
+        "Which task trains: the SDXL UNet, or a causal LM (`sdxl-lora llm train` sets 'llm')."))
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
@@ -352,7 +377,39 @@ class Config(Section):
         return self
 
     def to_toml(self) -> str:
-        return tomli_w.dumps(_drop_none(self.model_dump(mode="json")))
+        """The config as TOML, without the fields that do nothing for its task: the file is read again (a run's
+        config.toml on resume, a run the UI queued), where every field in it counts as the user's setting."""
+        tree = self.model_dump(mode="json")
+        for name, info in type(self).model_fields.items():
+            if isinstance(tree[name], dict):
+                for f in info.annotation.model_fields:
+                    if self.task not in field_tasks(info.annotation, f):
+                        del tree[name][f]
+        return tomli_w.dumps(_drop_none({k: v for k, v in tree.items() if v != {}}))
+
+
+TASKS: tuple[str, ...] = get_args(Config.model_fields["task"].annotation)
+
+
+def field_tasks(section: type[BaseModel], name: str) -> tuple[str, ...]:
+    """The tasks that field `name` of `section` does something for: its "tasks" mark, else its section's,
+    else every task."""
+    for marks in (section.model_fields[name].json_schema_extra, section.model_config.get("json_schema_extra")):
+        if isinstance(marks, dict) and "tasks" in marks:
+            return tuple(marks["tasks"])
+    return TASKS
+
+
+def fields_for_other_tasks(cfg: Config) -> list[str]:
+    """The fields `cfg` sets explicitly (in a config file, by --set or from the form) that do nothing for
+    cfg.task, as dotted names, e.g. ["train.fuse_qkv"] for an LLM run. Fields left at their defaults never count."""
+    out = []
+    for name, info in Config.model_fields.items():
+        section = getattr(cfg, name)
+        if isinstance(section, Section):
+            out += [f"{name}.{f}" for f in info.annotation.model_fields
+                    if f in section.model_fields_set and cfg.task not in field_tasks(info.annotation, f)]
+    return out
 
 
 def _drop_none(d: Any) -> Any:

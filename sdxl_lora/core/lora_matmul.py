@@ -28,7 +28,7 @@ def _base_linear(layer: torch.nn.Module) -> torch.nn.Module:
 
 def _dequantizable(base: torch.nn.Module) -> bool:
     """A frozen quantized Linear of ours that rebuilds its weight (`dequantized(dtype, out=)`): bitsandbytes
-    4-bit (nf4/fp4) or fp8 (sdxl_lora.quantize). LLM.int8 is not: its product splits outlier columns off,
+    4-bit (nf4/fp4) or fp8 (core/quantize.py). LLM.int8 is not: its product splits outlier columns off,
     which one dequantized weight does not reproduce."""
     return hasattr(base, "dequantized") and hasattr(base, "in_features")
 

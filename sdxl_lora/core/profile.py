@@ -85,7 +85,7 @@ class StepProfiler:
 # kernels (whose names can hold "convolution") before both, cuDNN's implicit-GEMM convolutions before the GEMM
 # patterns.
 KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "dot_do_o", "convert_dq")),
-                ("fused (compiled)", ("triton", "geglu")),  # inductor's kernels and ours (sdxl_lora/kernels.py)
+                ("fused (compiled)", ("triton", "geglu")),  # inductor's kernels and ours (sdxl/kernels.py)
                 ("convolution", ("conv", "fprop", "dgrad", "wgrad", "cudnn")),
                 ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv")),
                 ("optimizer", ("multi_tensor", "adam")),

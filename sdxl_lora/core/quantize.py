@@ -149,9 +149,9 @@ class _Fp8Weights:
 
 class _DequantizedMatmul(torch.autograd.Function):
     """x @ W^T + bias with W dequantized on the fly (layer.dequantized: fp8, or bitsandbytes 4-bit) and the
-    frozen bias added by the GEMM (a separate add cost 21.6 ms of a 290 ms nf4 step on the H200, session
-    10). Saving only the quantized weight for backward (not the dequantized one, as F.linear would) keeps a
-    compute-dtype copy of every weight off the device."""
+    frozen bias added by the GEMM (a separate add is a pass over every output: benchmarks/RESULTS.md). Saving
+    only the quantized weight for backward (not the dequantized one, as F.linear would) keeps a compute-dtype
+    copy of every weight off the device."""
 
     @staticmethod
     def forward(ctx, x, layer, bias):
@@ -246,8 +246,8 @@ class _AutocastOutput:
     Why: bitsandbytes casts its output back to the input's dtype, and under autocast the input is often
     fp32 (LayerNorm and GroupNorm run in fp32 there). So every quantized projection after a norm (SDXL's
     to_q/k/v, the feed-forward's input projection, proj_in/proj_out) gave fp32 activations, which the next
-    ops then saved for backward at twice the size and computed on in fp32: measured on the H200, +2.3 GiB
-    an image and 0.65x the speed of bf16 for nf4 (benchmarks/RESULTS.md)."""
+    ops then saved for backward at twice the size and computed on in fp32: more memory an image and a much
+    slower step than bf16 (benchmarks/RESULTS.md)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type

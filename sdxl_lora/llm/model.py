@@ -1,6 +1,6 @@
 """Load a causal LM and its tokenizer from what the user named: the embedded tiny Llama or a local
 transformers folder. Always offline (local_files_only), safetensors only; errors say what is missing.
-With model.quantize the frozen base is quantized (sdxl_lora.quantize, bitsandbytes) after loading."""
+With model.quantize the frozen base is quantized (core/quantize.py, bitsandbytes) after loading."""
 from __future__ import annotations
 
 import logging
@@ -63,7 +63,7 @@ def load_tokenizer(path: Path):
 
 
 def quantize_settings(cfg: Config, mixed_precision: str | None = None) -> tuple[str | None, dict]:
-    """model.quantize and the keyword arguments sdxl_lora.quantize.quantize_model takes for it
+    """model.quantize and the keyword arguments core.quantize.quantize_model takes for it
     (None: no quantization)."""
     method = getattr(cfg.model, "quantize", "none")
     if method in (None, "none"):

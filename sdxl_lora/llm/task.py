@@ -75,12 +75,11 @@ class LLMTask:
 
             # The probe's layers are reused; its deletion left them with no active adapter.
             set_adapter(self.lm, "default", inference_mode=False)
-        if cfg.train.fuse_qkv and "fuse_qkv" in cfg.train.model_fields_set:  # on by default: say so only if asked
-            log.warning("train.fuse_qkv applies to the SDXL UNet's attention (diffusers' Attention); the causal "
-                        "LM's projections stay as they are")
-        if cfg.train.fused_geglu and "fused_geglu" in cfg.train.model_fields_set:
-            log.warning("train.fused_geglu applies to the SDXL UNet's feed-forward (diffusers' GEGLU); the causal "
-                        "LM's MLP stays as it is")
+        from ..core.config import fields_for_other_tasks
+
+        if unused := fields_for_other_tasks(cfg):  # only what the config sets: the defaults say nothing
+            log.warning("SDXL-only settings do nothing for task='llm': %s; leave them out of the config",
+                        ", ".join(unused))
         if cfg.train.gradient_checkpointing:
             # Non-reentrant: works with a frozen embedding (no input-grad hook) and with LoRA inside the blocks.
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -4,10 +4,10 @@ adapter, gradients, optimizer state, activations (by resolution, batch and check
 Weights, adapter, gradients and optimizer state are counted exactly from the model's modules (on the meta
 device too). Activations come from an analytic model of the UNet's config: every resnet and every
 transformer layer saves a number of tensors the size of its feature map for backward; the counts below
-are read off diffusers' blocks and then scaled by one factor fitted to measured peaks (SDXL base on an
-H200, bf16 autocast, SDPA, LoRA rank 16 on the attention projections, 1024x1024, AdamW; see
-docs/qlora.md for the table). With gradient checkpointing only each checkpointed unit's input stays,
-plus the activations of the one unit being recomputed.
+are read off diffusers' blocks and then scaled by one factor fitted to the SDXL base's measured peaks
+(bf16 autocast, SDPA, LoRA rank 16 on the attention projections, 1024x1024, AdamW: benchmarks/RESULTS.md;
+docs/qlora.md has the table). With gradient checkpointing only each checkpointed unit's input stays, plus
+the activations of the one unit being recomputed.
 """
 from __future__ import annotations
 
@@ -26,45 +26,40 @@ from ..core.memory import DTYPE_NAMES, GiB, OPTIMIZER_BYTES, state_bytes, weight
 #   Transformer2DModel around its layers: norm, proj_in, proj_out                                  ~4
 K_RESNET, K_LAYER, K_PROJ = 6.0, 30.0, 4.0
 # With model.quantize_convs="fp8" the two convolutions' inputs are not saved (Float8Conv2d's backward needs
-# only the weight, dequantized again): 4 a resnet. Counted on CPU with saved_tensors_hooks on a diffusers
-# ResnetBlock2D under bf16 autocast (2 feature maps fewer than with bf16 convs); not yet fitted to a GPU
-# peak (benchmarks/qlora_memory.py's fp8conv rows measure it).
+# only the weight, dequantized again): 4 a resnet, counted with saved_tensors_hooks on a diffusers ResnetBlock2D
+# under bf16 autocast; not fitted to a GPU peak (benchmarks/qlora_memory.py's fp8conv rows give one).
 K_RESNET_FP8CONV = 4.0
-# Fitted: bf16 batch 1 -> 4 adds 7.23 GiB an image (12.5 -> 34.2 GiB measured); the counts above give
-# SDXL 6.71 GiB an image, so the tensors autocast keeps besides (bf16 copies of matmul inputs) add ~8%.
+# The tensors autocast keeps besides the counts above (bf16 copies of matmul inputs), as one factor on them.
+# Fitted to the SDXL base's bf16 peaks at batch 1 and 4 (benchmarks/RESULTS.md).
 ACT_SCALE = 1.077
-# With checkpointing each unit keeps its input (and the skip connections) in the compute dtype: fitted to
-# full checkpointing at batch 4 (7.9 GiB measured, 0.66 GiB an image) once the recompute of the largest
-# unit (0.16 GiB an image) is counted.
+# With checkpointing each unit keeps its input (and the skip connections) in the compute dtype, besides the
+# recompute of the largest unit. Fitted to the SDXL base with full checkpointing at batch 4 (benchmarks/RESULTS.md).
 K_CKPT_INPUT = 1.61
 # cuBLAS/cuDNN workspaces and allocator slack: what the bf16 batch-1 peak has beyond weights, adapter,
-# gradients, optimizer state and activations (12.5 - 5.13 - 7.23 GiB).
+# gradients, optimizer state and activations (fitted with ACT_SCALE, benchmarks/RESULTS.md).
 WORKSPACE = int(0.14 * GiB)
 # Quantized runs: bitsandbytes dequantizes each weight into a compute-dtype buffer for its matmuls
-# (forward and backward) and the allocator keeps those blocks: fitted to nf4 + checkpointing at batch 1
-# (2.99 GiB measured; 2.85 GiB without this term).
+# (forward and backward) and the allocator keeps those blocks. Fitted to nf4 + checkpointing at batch 1
+# (benchmarks/RESULTS.md, QLoRA memory).
 QUANT_OVERHEAD = int(0.14 * GiB)
 
 # What quantized layers keep for backward beyond the activation model, as a fraction of it. The 4-bit
-# layers return the autocast dtype (quantize._AutocastOutput), so they keep nothing extra (before that fix
-# they returned fp32 after every norm and cost +2.2 GiB an image). LLM.int8 still keeps fp16 copies and
-# outlier columns: fitted to the H200 run of benchmarks/qlora_memory.py after the fix (2026-11-29), int8
-# adds 3.5 GiB at batch 1 and 15.9 GiB at batch 4 without checkpointing. fp8 (Float8Linear) keeps nothing.
+# layers return the autocast dtype (quantize._AutocastOutput), so they keep nothing extra; fp8 (Float8Linear)
+# keeps nothing either. LLM.int8 keeps fp16 copies and outlier columns: fitted to benchmarks/qlora_memory.py's
+# int8 rows without checkpointing (benchmarks/RESULTS.md, QLoRA memory).
 QUANT_SAVED_INPUTS = {"nf4": 0.0, "fp4": 0.0, "int8": 0.50, "fp8": 0.0}
 
 # train.compile: what a compiled unit keeps of its eager activations (torch's partitioner recomputes cheap
-# element-wise work instead of saving it). Fitted to the H200 (benchmarks/RESULTS.md, session 4, SDXL base,
-# 1024x1024, compile + CUDA graphs): "regional" adds 4.85 GiB an image against eager's 7.23 (0.670), and
-# "transformer" 5.48 (0.758); the transformer layers hold 87% of the modelled activations, which gives the
-# compiled layers 0.723 and the compiled ResNets 0.154. proj_in/proj_out are never inside a compiled block.
-# train.compile_activation_budget F scales the compiled units' share again (measured: F = 0.4 at batch 4
-# left 0.38 of the compiled activations).
+# element-wise work instead of saving it), per kind of unit: fitted to the SDXL base's peaks with "regional"
+# and "transformer" against eager ones, split between the layers and the ResNets by their share of the
+# modelled activations (benchmarks/RESULTS.md, compile + CUDA graphs, 1024x1024). proj_in/proj_out are never
+# inside a compiled block. train.compile_activation_budget F scales the compiled units' share by F, about
+# what the partitioner keeps under that budget.
 COMPILED_KEEP = {"layer": 0.723, "resnet": 0.154, "proj": 1.0}
 # compile="regional" with channels_last: the trainer lays the ResNets' surroundings out too (docs/speed.md;
 # the frozen convolutions then keep no input for backward), and the compiled units keep this fraction of the
-# above. Fitted to the H200 (benchmarks/RESULTS.md, rounds 7 and 8, compile + graphs + channels_last): 4.52
-# GiB an image (batch 4, 16, 24: 23.42, 77.60, 113.77 GiB) against the 4.85 above, 0.168 of them in the
-# uncompiled proj_in/proj_out.
+# above. Fitted to the SDXL base's peaks with compile + graphs + channels_last at batch 4, 16 and 24
+# (benchmarks/RESULTS.md; docs/speed.md compares estimate and peaks).
 REGIONAL_LAYOUT_KEEP = 0.930
 COMPILED_KINDS = {"regional": ("layer", "resnet"), "transformer": ("layer",)}
 
@@ -182,7 +177,7 @@ def activation_bytes(config, resolution: int, batch_size: int, checkpointing: bo
     """Activations saved for backward at the peak, for one batch of square images of side `resolution`.
     With compile (and its activation budget) the compiled units keep less (COMPILED_KEEP; "regional" with
     channels_last less again, REGIONAL_LAYOUT_KEEP); compile together with checkpointing is counted as
-    checkpointing alone (not measured)."""
+    checkpointing alone (not fitted)."""
     elt = torch.empty((), dtype=compute_dtype).element_size()
     units = _units(config, max(1, resolution // latent_factor))
     counts = {**_K, "resnet": K_RESNET_FP8CONV} if quantize_convs == "fp8" else _K

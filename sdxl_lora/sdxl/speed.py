@@ -34,14 +34,14 @@ TRANSFORMER_CLASSES = ("BasicTransformerBlock",)
 REGION_CLASSES = TRANSFORMER_CLASSES + ("ResnetBlock2D",)
 
 # Inductor options for the UNet's compiled regions. combo_kernels: independent small kernels of a graph
-# launched as one. Not triton.multi_kernel: a second compilation with it on a warm inductor cache failed in
-# the backend, so a user's second run could fail (benchmarks/RESULTS.md, round 8).
+# launched as one. Not triton.multi_kernel: a second compilation with it on a warm inductor cache fails in
+# the backend, so a user's second run could fail (benchmarks/RESULTS.md).
 UNET_INDUCTOR_OPTIONS = {"combo_kernels": True}
 
 # The widest row inductor reduces with the whole row held at once ("persistent": one read). Inductor's own
 # limit is 1024 elements (InductorChoices.should_use_persistent_reduction); a wider row reduction is built
 # looped, the row read twice (the mean and variance, then the normalisation). SDXL's 32x32 stages are 1280
-# wide, so most of its transformer blocks' LayerNorms would be looped (benchmarks/RESULTS.md, round 11).
+# wide, so most of its transformer blocks' LayerNorms would be looped (benchmarks/RESULTS.md).
 # 1024 gives inductor's own rule back.
 PERSISTENT_ROW_MAX = 2048
 
@@ -251,8 +251,7 @@ def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
 # .contiguous()`: under channels_last that is a transposing copy to NCHW, then an add of mixed layouts, and
 # the next convolution converts back. Here the way out keeps the layout the permute gives (NHWC in memory,
 # channels_last, the same values), and with compilation both ways are compiled too (one small graph each,
-# shared by every stage of one shape). H200, compile + graphs: eager copies 78 -> 57 and mixed-layout adds
-# 39 -> 21 a step (batch 16: 30.7 -> 19.7 ms of them); batch 1 64.1 -> 62.8 ms.
+# shared by every stage of one shape): fewer eager copies and mixed-layout adds a step (benchmarks/RESULTS.md).
 
 def _transformer_in(self, hidden_states):
     batch, inner_dim, height, width = hidden_states.shape
@@ -287,9 +286,8 @@ def transformer_io(model: torch.nn.Module, compile: bool, backend: str | None = 
 # Each ResNet of the UNet's up blocks takes torch.cat([hidden_states, skip], dim=1). Under channels_last the
 # gradient of each part is a channel slice of the concatenation's gradient, which is not channels_last in
 # memory; the compiled block that made that part expects its output's gradient in its own layout, and
-# AOTAutograd copies every such gradient into it before the block's backward (on the tiny UNet: 7 of a
-# step's 53 incoming gradients; on SDXL at batch 16, 55 -> 48 eager copies, 593.9 against ~596 ms: most of
-# the copies were inside the compiled backward graphs, see conv_input_grad). Here the concatenation runs
+# AOTAutograd copies every such gradient into it before the block's backward (most of a step's layout
+# copies are inside the compiled backward graphs, though: see conv_input_grad). Here the concatenation runs
 # inside the ResNet's compiled graph and hands back each part's gradient channels_last-contiguous, which the
 # compiler can write directly from the kernel that computes it. With compile only; checkpointed blocks and FreeU keep
 # diffusers' own forward.
@@ -359,8 +357,8 @@ def _compiled_group_norm(self, x):
 
 def _nearest2x(x: torch.Tensor) -> torch.Tensor:
     """F.interpolate(x, scale_factor=2, mode="nearest") for a channels_last x, as a broadcast: its gradient is
-    a sum over each 2x2 block, where inductor builds upsample_nearest2d's backward as a scatter-add with
-    atomics (H200, batch 16: 3.1 ms for SDXL's two upsamplers, ~0.2 ms read once)."""
+    a sum over each 2x2 block, read once, where inductor builds upsample_nearest2d's backward as a much
+    slower scatter-add with atomics (benchmarks/RESULTS.md)."""
     b, c, h, w = x.shape
     nhwc = x.permute(0, 2, 3, 1)
     return nhwc[:, :, None, :, None, :].expand(b, h, 2, w, 2, c).reshape(b, 2 * h, 2 * w, c).permute(0, 3, 1, 2)
@@ -402,8 +400,8 @@ def compile_edges(model: torch.nn.Module, backend: str | None = None) -> int:
 # Inductor lays out a graph's tensors channels_last around its convolutions only when the graph holds an
 # aten.convolution (GraphLowering.decide_layout_opt); a compiled ResNet's backward graph holds
 # aten.convolution_backward instead, so the gradient it hands to each convolution's backward is written
-# NCHW and cuDNN copies it (and the saved input) to channels_last first: on SDXL at batch 16, 13.7 ms of
-# copies a step (H200, `sdxl_step.py --shapes`). Here the input's gradient is the transposed convolution of
+# NCHW and cuDNN copies it (and the saved input) to channels_last first, at each convolution every step
+# (benchmarks/RESULTS.md). Here the input's gradient is the transposed convolution of
 # the output's gradient with the same weight (the same cuDNN dgrad kernel): an aten.convolution in the
 # backward graph, so inductor keeps its chain channels_last (torch.nn.grad.conv2d_input would not do: it calls
 # convolution_backward). The weight's gradient, where one is needed (a LoRA factor's convolution), is torch's
@@ -468,7 +466,7 @@ def conv_input_grad(model: torch.nn.Module) -> int:
 #
 # diffusers checkpoints a UNet in units, each behind a `gradient_checkpointing` switch: a block's switch
 # checkpoints its ResNets one by one, a Transformer2DModel's switch its transformer layers. diffusers only
-# turns them all on or all off (2.1x the step time); here each unit is switched on its own, the units that
+# turns them all on or all off (at a large cost in step time); here each unit is switched on its own, the units that
 # free the most memory per FLOP of recomputation first, until a measured step fits the budget.
 def checkpoint_units(unet: torch.nn.Module) -> list[CheckpointUnit]:
     """Every unit of the UNet that diffusers can checkpoint on its own, in forward order."""

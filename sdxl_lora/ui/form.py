@@ -1,5 +1,5 @@
-"""The Train form, generated from the config schema (sdxl_lora/config.py): one widget per field, the
-schema's defaults, and its comments as help text. Nothing here restates a default or an allowed value.
+"""The Train form, generated from the config schema (core/config.py): one widget per field, the schema's
+defaults, and each field's description as its help text. Nothing here restates a default or an allowed value.
 
 Literal -> dropdown, bool -> checkbox, int/float -> number, anything else -> text (TOML literal for
 lists and tables). The main fields are shown; every section's others sit in an accordion. Fields that
@@ -7,9 +7,7 @@ name files or folders are not free text: the page picks them inside the UI's fol
 """
 from __future__ import annotations
 
-import inspect
 import json
-import re
 import types
 import typing
 from dataclasses import dataclass
@@ -17,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from sdxl_lora.core.config import Config, ConfigError, _parse_value, load_config
+from sdxl_lora.core.config import TASKS, Config, ConfigError, _parse_value, field_tasks, load_config
 
 # Shown at the top of the form, in this order (those the schema has).
 MAIN_FIELDS = ("model.path", "data.dirs", "data.resolution", "data.trigger_word", "adapter.preset", "adapter.rank",
@@ -38,7 +36,8 @@ class FieldSpec:
     key: str               # "section.name"
     annotation: Any
     default: Any
-    help: str
+    help: str              # the field's description
+    tasks: tuple[str, ...] = TASKS  # the tasks the field does something for
 
     @property
     def label(self) -> str:
@@ -73,26 +72,6 @@ class FieldSpec:
         return "toml"
 
 
-def _comments(cls: type) -> dict[str, str]:
-    # The schema documents its fields in comments above each one (not in Field(description=...)), so the
-    # help text is read from the class source; no source (a frozen build) just means no help text.
-    try:
-        lines = inspect.getsource(cls).splitlines()
-    except (OSError, TypeError):
-        return {}
-    out, pending = {}, []
-    for line in lines:
-        s = line.strip()
-        if s.startswith("#"):
-            pending.append(s.lstrip("#").strip())
-            continue
-        m = re.match(r"^([a-z_][a-z0-9_]*)\s*:", s)
-        if m and pending:
-            out[m.group(1)] = " ".join(pending)
-        pending = []
-    return out
-
-
 def schema_fields(model: type[BaseModel] = Config, prefix: str = "", defaults: BaseModel | None = None) -> list[FieldSpec]:
     """Every leaf field of the schema, sections walked in order. The starting values are what
     `sdxl-lora train` with no config uses: the schema's defaults with the default model's recommended
@@ -100,14 +79,14 @@ def schema_fields(model: type[BaseModel] = Config, prefix: str = "", defaults: B
     out = []
     if defaults is None:
         defaults = load_config() if model is Config else model()
-    helps = _comments(model)
     for name, info in model.model_fields.items():
         ann = info.annotation
         key = f"{prefix}{name}"
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             out.extend(schema_fields(ann, f"{key}.", getattr(defaults, name)))
         else:
-            out.append(FieldSpec(key, ann, getattr(defaults, name), helps.get(name, "")))
+            out.append(FieldSpec(key, ann, getattr(defaults, name), info.description or "",
+                                 field_tasks(model, name)))
     return out
 
 
