@@ -384,7 +384,7 @@ def test_fused_qkv_projections_give_the_same_loss_and_gradients(tiny_dir, monkey
 
 @pytest.mark.parametrize("matmul,compiled", [("concat", False), ("concat", True), ("merged", True)],
                          ids=["concat-eager", "concat-compiled", "merged-compiled"])
-def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, monkeypatch, matmul, compiled):
+def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, tmp_path, monkeypatch, matmul, compiled):
     from diffusers.models.attention_processor import Attention
 
     from sdxl_lora.core.config import ConfigError, load_config
@@ -426,9 +426,14 @@ def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, monkeypatch
     with pytest.raises(ValueError, match="frozen"):
         lora_matmul.lora_linear(torch.randn(2, 4), w, None, torch.randn(2, 4), torch.randn(6, 2), matmul)
     with pytest.raises(ConfigError, match="train.fuse_qkv=true"):
-        load_config(extra={"train.lora_matmul": matmul, "train.fuse_qkv": False})
-    # Turning fuse_qkv off alone is no error: the default way then has nothing to act on.
-    assert load_config(extra={"train.fuse_qkv": False}).train.lora_matmul == "merged"
+        load_config(extra={"train.lora_matmul": "concat", "train.fuse_qkv": False})
+    # Turning fuse_qkv off alone is no error: the default way then has nothing to act on, and the run's saved
+    # config (every field written out) loads again for --resume.
+    unfused = load_config(extra={"train.fuse_qkv": False})
+    assert unfused.train.lora_matmul == "merged"
+    saved = tmp_path / "config.toml"
+    saved.write_text(unfused.to_toml())
+    assert load_config(saved).train == unfused.train
     torch._dynamo.reset()
 
 

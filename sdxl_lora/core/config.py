@@ -289,8 +289,9 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _lora_matmul_needs_fused_projections(self) -> "TrainConfig":
-        # Only a choice the user made: the default ("merged") simply has nothing to act on without fuse_qkv.
-        if self.lora_matmul != "peft" and not self.fuse_qkv and "lora_matmul" in self.model_fields_set:
+        # Only a way other than the default: "merged" simply has nothing to act on without fuse_qkv, and a run's
+        # saved config.toml (every field written out) must load again.
+        if self.lora_matmul == "concat" and not self.fuse_qkv:
             raise ValueError(f"lora_matmul={self.lora_matmul!r} works through the fused attention projections: set "
                              "train.fuse_qkv=true too, or train.lora_matmul='peft'")
         return self

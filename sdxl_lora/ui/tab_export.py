@@ -1,6 +1,6 @@
 """Export tab: a run's adapter (or an adapter file) written as kohya (ComfyUI/A1111/Forge), diffusers or PEFT,
 with the metadata fields people fill in, into the run's exports/ folder, and offered for download
-(as `sdxl-lora export` does; sdxl_lora/export.py does the work)."""
+(as `sdxl-lora export` does; sdxl_lora/sdxl/export.py does the work)."""
 from __future__ import annotations
 
 import shutil
