@@ -1,4 +1,5 @@
-"""The training loop, generic over a task: batches in, loss out. It knows nothing of images or tokens.
+"""The training loop, generic over a task (core/task.py): batches in, loss out. It knows nothing of
+images or tokens.
 
 What a user gets from `Trainer`:
   - Accelerate underneath: one code path for CPU, one GPU or many (`accelerate launch`), mixed
@@ -33,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -44,29 +45,9 @@ from .accel import gradient_sync, make_accelerator
 from .ema import EMA
 from .optim import build_optimizer, make_schedule
 from .runs import Run
+from .task import Task
 
 log = logging.getLogger(__name__)
-
-
-class Task(Protocol):
-    """What a task (SDXL, LLM) gives the loop."""
-
-    def setup(self, accelerator, run: Run) -> None: ...
-    def model(self) -> torch.nn.Module: ...
-    def param_groups(self) -> list[dict]: ...
-    def dataloader(self) -> torch.utils.data.DataLoader:
-        """Batches for this process. When its batch_sampler has skip_next(n) and num_replicas (1 if
-        absent) equal to the process count (sdxl.data.BucketBatchSampler), it shards itself: the loop
-        iterates it as it is, positions count global batches, and the loop moves batches to the device.
-        Otherwise Accelerate prepares (shards) it, dealing whole batches to the processes in turn.
-        Batch keys named in the task's optional `host_keys` attribute stay on the CPU."""
-        ...
-    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor: ...
-    def evaluate(self, model: torch.nn.Module) -> float: ...
-    def validate(self, model: torch.nn.Module) -> float | None: ...
-    def batch_size(self, batch: Any) -> int: ...
-    def save_adapter(self, model: torch.nn.Module, run: Run, step: int) -> dict[str, Path]: ...
-    def preview(self, model: torch.nn.Module, run: Run, step: int) -> list[Path]: ...
 
 
 class _Replica(Run):
@@ -262,7 +243,7 @@ class Trainer:
 
     def _load(self, state: Path) -> None:
         adapter, opt_state, tr = checkpoint.load_state(state)
-        if hasattr(self.task, "restore_step") and self.task.restore_step(tr["step"], self.accelerator.unwrap_model(self.model)):
+        if self.task.restore_step(tr["step"], self.accelerator.unwrap_model(self.model)):
             self._rebuild_optimizer()
         params = self._trainable()
         if adapter.keys() != params.keys():
@@ -333,7 +314,7 @@ class Trainer:
                     # A task's host_keys stay on the CPU (the SDXL task's per-sample RNG keys: reading them
                     # from the GPU would be a host sync every step).
                     batch = send_to_device(batch, self.accelerator.device, non_blocking=True,
-                                           skip_keys=list(getattr(self.task, "host_keys", ())) or None)
+                                           skip_keys=list(self.task.host_keys) or None)
                 # Starting an epoch's iterator draws from the RNG (the loader's base seed), and it only
                 # starts at the first fetch: restore the saved RNG after that, as the saved run had it.
                 if self._rng_to_restore is not None:
@@ -550,7 +531,7 @@ class Trainer:
                 window_images += self.task.batch_size(batch) * acc.num_processes
             step = self.step = step + 1
             bar.update(1)
-            if hasattr(self.task, "on_step") and self.task.on_step(step, unwrapped):
+            if self.task.on_step(step, unwrapped):
                 self._rebuild_optimizer()
             if (trace := profiler.after_step(step, last=step == total)) is not None and acc.is_main_process:
                 run.event("profile", step=step, path=str(trace), summary=profiler.summary)

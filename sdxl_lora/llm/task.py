@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ..core import inject
 from ..core.config import Config
 from ..core.runs import Run
+from ..core.task import Task
 from . import data as llm_data
 from .export import merge_adapter, save_peft_adapter
 from .loss import response_loss, token_losses
@@ -36,7 +37,7 @@ from .slots import make_plan
 log = logging.getLogger(__name__)
 
 
-class LLMTask:
+class LLMTask(Task):
     def __init__(self, cfg: Config):
         self.cfg = cfg
 

@@ -22,6 +22,7 @@ from . import speed as unet_speed
 from ..core.config import Config, ConfigError
 from .export import save_diffusers_lora
 from ..core.runs import Run
+from ..core.task import Task
 from . import data as sdxl_data
 from . import loss as diffusion
 from .cache import TensorCache, cache_key, file_digest
@@ -150,7 +151,7 @@ def _collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 
 
-class SDXLTask:
+class SDXLTask(Task):
     # The per-sample RNG keys stay on the host: _keyed_draws reads them without waiting for the GPU.
     host_keys = ("sample_key",)
 
