@@ -321,20 +321,26 @@ def test_the_guard_reads_each_steps_verdict_a_step_later_and_the_optimizer_skips
     from sdxl_lora.core import loop
 
     inject_nan(monkeypatch, lambda n: n == 3)
-    reads, steps_seen = [], {}
+    reads, steps_seen, now = [], {}, [0]
     real_bad = loop._PendingFlag.bad
-    real_verdict = loop.Trainer._guard_verdict
+    real_verdict = loop._NanGuard.verdict
+    real_after_step = loop._NanGuard.after_step
 
     def bad(self):
         reads.append(self.step)
         return real_bad(self)
 
+    def after_step(self, step, skipped):
+        now[0] = step  # the step the trainer has just taken
+        return real_after_step(self, step, skipped)
+
     def verdict(self, step, was_bad):
-        steps_seen[step] = self.step  # the step counter when the verdict on `step` is known
+        steps_seen[step] = now[0]  # the step counter when the verdict on `step` is known
         return real_verdict(self, step, was_bad)
 
     monkeypatch.setattr(loop._PendingFlag, "bad", bad)
-    monkeypatch.setattr(loop.Trainer, "_guard_verdict", verdict)
+    monkeypatch.setattr(loop._NanGuard, "after_step", after_step)
+    monkeypatch.setattr(loop._NanGuard, "verdict", verdict)
     assert main(["train", "--out", str(tmp_path), "--name", "d", "--steps", "7", "--set", "preview.prompts=''",
                  "--set", f"data.cache_dir='{shared_cache}'", "--set", "train.log_every=5",
                  "--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]) == 0

@@ -1,4 +1,5 @@
-"""The training loop, generic over a task: batches in, loss out. It knows nothing of images or tokens.
+"""The training loop, generic over a task (core/task.py): batches in, loss out. It knows nothing of
+images or tokens.
 
 What a user gets from `Trainer`:
   - Accelerate underneath: one code path for CPU, one GPU or many (`accelerate launch`), mixed
@@ -7,9 +8,11 @@ What a user gets from `Trainer`:
     constant, linear, cosine, cosine with restarts, polynomial, each with warmup), gradient clipping;
   - a NaN/Inf guard: a step with a non-finite loss or gradient is skipped (weights unchanged), counted and
     logged; after train.max_nan_steps in a row the state is saved and the run stops, naming likely causes.
-    It costs one host sync a step (train.nan_guard=false removes it);
+    With fused AdamW the optimizer skips the step on the device and the host reads the verdict a step
+    later; with other optimizers it costs one host sync a step (train.nan_guard=false removes it);
   - a progress bar, and an events file (step, loss, lr, grad norm, images/s, MFU on a GPU, eta) that
-    the UI reads; the same figures and the previews in TensorBoard with train.tensorboard;
+    the UI reads; the same figures and the previews in TensorBoard with train.tensorboard. The figures
+    are summed on the device and read back only at log points, so a step does not wait for the GPU;
   - an exponential moving average of the adapter (train.ema): exported, previewed and evaluated at the end;
   - training states every N steps / M minutes (atomic, checksummed, last K kept), resume to the same
     adapter bit for bit, Ctrl-C/SIGTERM finishing the step and saving before it stops;
@@ -20,7 +23,9 @@ What a user gets from `Trainer`:
     it); the main process alone logs, previews, writes events and saves; stopping and saving are
     agreed by all processes at the same step; a state resumes on any number of processes.
 Set-up reads top to bottom in the order things depend on each other:
-accelerator -> seed -> task (model, data, caches) -> optimizer -> schedule -> prepare.
+accelerator -> seed -> task (model, data, caches) -> optimizer -> schedule -> prepare -> EMA -> resume.
+The step (`Trainer._loop`) reads on one screen; its parts are the small pieces below it: the NaN guard
+(`_NanGuard`), the log window (`_LogWindow`), the optimizer step, saving and stopping, the finish.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -43,30 +48,11 @@ from .config import Config
 from .accel import gradient_sync, make_accelerator
 from .ema import EMA
 from .optim import build_optimizer, make_schedule
+from .profile import StepProfiler
 from .runs import Run
+from .task import Task
 
 log = logging.getLogger(__name__)
-
-
-class Task(Protocol):
-    """What a task (SDXL, LLM) gives the loop."""
-
-    def setup(self, accelerator, run: Run) -> None: ...
-    def model(self) -> torch.nn.Module: ...
-    def param_groups(self) -> list[dict]: ...
-    def dataloader(self) -> torch.utils.data.DataLoader:
-        """Batches for this process. When its batch_sampler has skip_next(n) and num_replicas (1 if
-        absent) equal to the process count (sdxl.data.BucketBatchSampler), it shards itself: the loop
-        iterates it as it is, positions count global batches, and the loop moves batches to the device.
-        Otherwise Accelerate prepares (shards) it, dealing whole batches to the processes in turn.
-        Batch keys named in the task's optional `host_keys` attribute stay on the CPU."""
-        ...
-    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor: ...
-    def evaluate(self, model: torch.nn.Module) -> float: ...
-    def validate(self, model: torch.nn.Module) -> float | None: ...
-    def batch_size(self, batch: Any) -> int: ...
-    def save_adapter(self, model: torch.nn.Module, run: Run, step: int) -> dict[str, Path]: ...
-    def preview(self, model: torch.nn.Module, run: Run, step: int) -> list[Path]: ...
 
 
 class _Replica(Run):
@@ -107,13 +93,148 @@ class _PendingFlag:
         return bool(self.host > 0)
 
 
+def _inner(optimizer) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)  # Accelerate wraps it
+
+
+class _NanGuard:
+    """The NaN/Inf guard (train.nan_guard): an optimizer step with a non-finite loss (in any micro-batch) or
+    gradient norm, on any process, is skipped (weights unchanged), logged and counted; train.max_nan_steps
+    in a row set `message`, the reason the run stops with.
+
+    Deferred where the optimizer can skip a step on the device (torch's fused Adam/AdamW take a
+    `found_inf` tensor, as from a grad scaler): the verdict is a flag the optimizer reads, copied to the host
+    without waiting and read one step later, so the host queues step k+1 while the GPU still runs step k.
+    Otherwise the host waits for each step's verdict and skips the optimizer step itself."""
+
+    def __init__(self, cfg: Config, accelerator, run: Run, optimizer, ema: bool):
+        self.cfg, self.acc, self.run = cfg, accelerator, run
+        self.on = cfg.train.nan_guard
+        self.deferred = self.on and self._can_defer(optimizer, ema)
+        self.pending: _PendingFlag | None = None  # the verdict of the last step, not read yet
+        self._queued: _PendingFlag | None = None  # the verdict of the step under way
+        self.in_a_row = self.skipped = 0
+        self.message: str | None = None
+
+    def _can_defer(self, optimizer, ema: bool) -> bool:
+        """Fused Adam/AdamW skip the update (weights, moments, step count) when found_inf == 1. Not with
+        fp16's grad scaler (it sets found_inf itself) nor with train.ema (its update would still run)."""
+        opt = _inner(optimizer)
+        return (isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and bool(opt.defaults.get("fused"))
+                and self.acc.scaler is None and not ema)
+
+    def after_backward(self, bad: torch.Tensor, grad_norm: torch.Tensor | None, step: int, optimizer) -> bool:
+        """The verdict on optimizer step `step`, before it is taken. True when the host must skip it (the
+        waiting mode); deferred, the optimizer is told and skips it itself."""
+        if not self.on:
+            return False
+        flag = self._flag(bad, grad_norm)
+        if self.deferred:
+            _inner(optimizer).found_inf = flag
+            self._queued = _PendingFlag(flag, step)
+            return False
+        return flag.item() > 0  # the host waits for the step here
+
+    def after_step(self, step: int, skipped: bool) -> None:
+        """Once step `step` is queued: deferred, the previous step's verdict is read (this step's work is
+        queued behind it by now); otherwise this step's (`skipped`) is recorded."""
+        if self.deferred:
+            if self.pending is not None:
+                self._read(self.pending)
+            self.pending, self._queued = self._queued, None
+        elif self.on:
+            self.message = self.verdict(step, skipped) or self.message
+
+    def settle(self) -> None:
+        """Read the pending verdict now: at points where the host waits for the device anyway."""
+        if self.pending is not None:
+            self._read(self.pending)
+            self.pending = None
+
+    def _read(self, pending: _PendingFlag) -> None:
+        self.message = self.verdict(pending.step, pending.bad()) or self.message
+
+    def _flag(self, bad: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
+        """On the device, 1.0 if this optimizer step must be skipped (0.0 if not), agreed by all processes.
+        Under fp16, gradient overflow is the grad scaler's to handle (it skips the step and lowers its
+        scale), so only the loss counts there."""
+        if self.acc.scaler is None and grad_norm is not None:  # DeepSpeed may not give the norm
+            bad = bad | ~torch.isfinite(grad_norm)
+        # Exactly 1.0, not the sum over processes: fused Adam skips only when found_inf == 1 (with a sum of 2 on
+        # two processes it would step into NaN weights while the log said "skipped").
+        return (self.acc.reduce(bad.float(), "sum") > 0).float()
+
+    def verdict(self, step: int, bad: bool) -> str | None:
+        """Record the verdict on `step`: a skipped step is logged and counted; max_nan_steps in a row give
+        the message the run stops with."""
+        if not bad:
+            self.in_a_row = 0
+            return None
+        self.in_a_row += 1
+        self.skipped += 1
+        n, acc, cfg = self.in_a_row, self.acc, self.cfg
+        log.warning("step %d: non-finite loss or gradient; step skipped, weights unchanged (%d in a row, "
+                    "%d in all)", step, n, self.skipped)
+        if acc.is_main_process:
+            self.run.event("nonfinite", step=step, in_a_row=n, skipped=self.skipped)
+        if n < cfg.train.max_nan_steps:
+            return None
+        msg = (f"{n} steps in a row (up to step {step}) had a non-finite loss or gradient, "
+               f"so the run stopped. Likely causes: fp16 overflow (mixed_precision="
+               f"{acc.mixed_precision!r}; try train.mixed_precision='bf16', or 'no'), or a learning rate "
+               f"too high (train.lr={cfg.train.lr:g}; try a smaller one, or more warmup_steps, or "
+               f"max_grad_norm). The state is saved: fix the cause and resume.")
+        log.error(msg)
+        return msg
+
+
+class _LogWindow:
+    """The figures between two log points, kept on the device (finite losses and gradient norms summed,
+    and their counts) so that a step never waits for it; read back, one host sync, at flush."""
+
+    def __init__(self, accelerator, step: int, total: int):
+        self.acc, self.step0, self.total = accelerator, step, total
+        dev = accelerator.device
+        self.losses, self.n_losses, self.norms, self.n_norms = (torch.zeros((), device=dev) for _ in range(4))
+        self.images = 0  # over all processes
+        self.started = self.opened = time.perf_counter()
+
+    def add_norm(self, norm: torch.Tensor | None) -> None:
+        """A step's gradient norm before clipping (None where the backend gives none)."""
+        if norm is not None:
+            self.norms += torch.where(torch.isfinite(norm), norm, 0.0)
+            self.n_norms += torch.isfinite(norm)
+
+    def add_loss(self, loss: torch.Tensor, finite: torch.Tensor, images: int) -> None:
+        """A micro-batch's loss (counted when finite) and the images all processes took with it."""
+        self.losses += torch.where(finite, loss, 0.0)
+        self.n_losses += finite
+        self.images += images
+
+    def flush(self, step: int) -> tuple[float, float, float | None, float]:
+        """The window's mean loss over all processes, images/s, mean gradient norm (None when none was
+        finite) and the run's eta in seconds at `step`; then a new window opens."""
+        acc = self.acc
+        mean = (acc.reduce(self.losses, "sum") / acc.reduce(self.n_losses, "sum")).item()
+        now = time.perf_counter()
+        ips = self.images / max(now - self.opened, 1e-9)
+        eta = (now - self.started) / (step - self.step0) * (self.total - step)
+        grad_norm = (self.norms / self.n_norms).item() if self.n_norms.item() else None
+        for t in (self.losses, self.n_losses, self.norms, self.n_norms):
+            t.zero_()
+        self.images, self.opened = 0, now
+        return mean, ips, grad_norm, eta
+
+
 class Trainer:
+    """Trains `task` under the config `cfg` in the run folder `run` (from the training state `resume`):
+    setup(), then fit()."""
+
     def __init__(self, cfg: Config, task: Task, run: Run, resume: Path | None = None):
         self.cfg, self.task, self.run, self.resume = cfg, task, run, resume
         self.step = self.epoch = self.position = 0  # position: batches taken in the current epoch
         self._rng_to_restore: dict | None = None
         self._stop: str | None = None
-        self.skipped = 0  # optimizer steps skipped by the NaN guard in this session
 
     def setup(self) -> None:
         from accelerate.utils import set_seed
@@ -139,6 +260,7 @@ class Trainer:
         # With train.gradient_sync="allreduce" the model is not prepared (no DDP wrapper, no autocast
         # patched into its forward): the loop runs its forward under acc.autocast() and averages the
         # gradients itself. Everything else is prepared as usual.
+        self._autocast = acc.autocast if self.flat_sync else contextlib.nullcontext
         model = [] if self.flat_sync else [self.task.model()]
         if self._own_shards:
             if acc.state.deepspeed_plugin is not None:  # DeepSpeed reads the batch size from a prepared loader
@@ -181,8 +303,8 @@ class Trainer:
 
     def _flat_collective(self, tensors: list[torch.Tensor], op: str) -> None:
         """One collective over many tensors: packed into one flat buffer per dtype, reduced ("average") or
-        sent from the main process ("broadcast"), unpacked. One NCCL call instead of one per tensor (a
-        LoRA has ~1000 small tensors, and each call costs tens of microseconds of host time)."""
+        sent from the main process ("broadcast"), unpacked. One NCCL call instead of one per tensor: a
+        LoRA has many small tensors, and each call has a fixed host cost."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
@@ -262,7 +384,7 @@ class Trainer:
 
     def _load(self, state: Path) -> None:
         adapter, opt_state, tr = checkpoint.load_state(state)
-        if hasattr(self.task, "restore_step") and self.task.restore_step(tr["step"], self.accelerator.unwrap_model(self.model)):
+        if self.task.restore_step(tr["step"], self.accelerator.unwrap_model(self.model)):
             self._rebuild_optimizer()
         params = self._trainable()
         if adapter.keys() != params.keys():
@@ -333,7 +455,7 @@ class Trainer:
                     # A task's host_keys stay on the CPU (the SDXL task's per-sample RNG keys: reading them
                     # from the GPU would be a host sync every step).
                     batch = send_to_device(batch, self.accelerator.device, non_blocking=True,
-                                           skip_keys=list(getattr(self.task, "host_keys", ())) or None)
+                                           skip_keys=list(self.task.host_keys) or None)
                 # Starting an epoch's iterator draws from the RNG (the loader's base seed), and it only
                 # starts at the first fetch: restore the saved RNG after that, as the saved run had it.
                 if self._rng_to_restore is not None:
@@ -344,50 +466,6 @@ class Trainer:
                 self._restore_rng()
             self.epoch += 1
             self.position = 0
-
-    def _bad_flag(self, bad: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """On the device, 1.0 if this optimizer step must be skipped (0.0 if not): a non-finite loss (in any
-        micro-batch) or gradient norm, on any process. Under fp16, gradient overflow is the grad scaler's to
-        handle (it skips the step and lowers its scale), so only the loss counts there."""
-        if self.accelerator.scaler is None and grad_norm is not None:  # DeepSpeed may not give the norm
-            bad = bad | ~torch.isfinite(grad_norm)
-        # Exactly 1.0, not the sum over processes: fused Adam skips only when found_inf == 1 (with a sum of 2 on
-        # two processes it stepped into NaN weights while the log said "skipped").
-        return (self.accelerator.reduce(bad.float(), "sum") > 0).float()
-
-    def _inner_optimizer(self) -> torch.optim.Optimizer:
-        return getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate wraps it
-
-    def _deferred_guard(self) -> bool:
-        """Whether the optimizer can skip a step on the device, so the guard needs no host sync per step:
-        torch's fused Adam/AdamW take a `found_inf` tensor (as from a grad scaler). Not with fp16's grad
-        scaler (it sets found_inf itself) nor with train.ema (its update would still run)."""
-        opt = self._inner_optimizer()
-        return (isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and bool(opt.defaults.get("fused"))
-                and self.accelerator.scaler is None and self.ema is None)
-
-    def _guard_verdict(self, step: int, bad: bool) -> str | None:
-        """Record the guard's verdict on `step`: a skipped step is logged and counted; max_nan_steps in a row
-        give the message the run stops with."""
-        if not bad:
-            self._bad_in_a_row = 0
-            return None
-        self._bad_in_a_row += 1
-        self.skipped += 1
-        n, acc, cfg = self._bad_in_a_row, self.accelerator, self.cfg
-        log.warning("step %d: non-finite loss or gradient; step skipped, weights unchanged (%d in a row, "
-                    "%d in all)", step, n, self.skipped)
-        if acc.is_main_process:
-            self.run.event("nonfinite", step=step, in_a_row=n, skipped=self.skipped)
-        if n < cfg.train.max_nan_steps:
-            return None
-        msg = (f"{n} steps in a row (up to step {step}) had a non-finite loss or gradient, "
-               f"so the run stopped. Likely causes: fp16 overflow (mixed_precision="
-               f"{acc.mixed_precision!r}; try train.mixed_precision='bf16', or 'no'), or a learning rate "
-               f"too high (train.lr={cfg.train.lr:g}; try a smaller one, or more warmup_steps, or "
-               f"max_grad_norm). The state is saved: fix the cause and resume.")
-        log.error(msg)
-        return msg
 
     def _average_unsynced(self) -> None:
         for p in self._unsynced:
@@ -475,46 +553,29 @@ class Trainer:
                 self.tensorboard.close()
 
     def _loop(self, samples: list[Path], eval_before: float) -> Result:
-        """The training step, on one screen: batches -> loss -> backward -> clip -> step; log; save."""
+        """The training step: batches -> loss -> backward -> clip -> guard -> optimizer; log, check in, save."""
         cfg, acc, run = self.cfg, self.accelerator, self.run
-        total = cfg.train.steps
+        total, clip = cfg.train.steps, cfg.train.max_grad_norm
         unwrapped = acc.unwrap_model(self.model)
         bar = tqdm(total=total, initial=self.step, desc="training", unit="step", disable=not acc.is_main_process,
                    dynamic_ncols=True)
         losses: list[float] = []
-        # Finite losses summed on the device, and their count; read back only at log time.
-        window = torch.zeros((), device=acc.device)
-        window_n = torch.zeros((), device=acc.device)
-        norms = torch.zeros((), device=acc.device)  # finite gradient norms (before clipping) summed, and their count
-        norms_n = torch.zeros((), device=acc.device)
-        window_images = 0
-        t_start = t_window = t_saved = time.perf_counter()
-        step0 = step = self.step
-        state: Path | None = None
-        guard, clip = cfg.train.nan_guard, cfg.train.max_grad_norm
-        nan_stop = None
-        self._bad_in_a_row = 0
-        # The guard's verdict on a step is read on the host one step later where the optimizer can skip a
-        # step on the device (_deferred_guard): the host queues step k+1 while the GPU still runs step k.
-        deferred = guard and self._deferred_guard()
-        pending: _PendingFlag | None = None
+        window = _LogWindow(acc, self.step, total)
+        guard = _NanGuard(cfg, acc, run, self.optimizer, ema=self.ema is not None)
         batches = self._batches()
-        from .profile import StepProfiler
-
-        # Two warm-up steps first where the run is long enough (the first steps allocate and compile).
-        profiler = StepProfiler(run.dir / "profile" if acc.is_main_process else None, cfg.train.profile_steps,
-                                skip=self.step + min(2, max(0, total - self.step - cfg.train.profile_steps)),
-                                device=acc.device)
+        profiler = self._profiler()
+        self._t_saved, self._last_state = time.perf_counter(), None
         self.model.train()
+        step = self.step
         while step < total:
-            bad = torch.zeros((), dtype=torch.bool, device=acc.device)
-            skip, pending_now = False, None
+            bad = torch.zeros((), dtype=torch.bool, device=acc.device)  # a non-finite loss in a micro-batch
+            skip = False
             profiler.before_step(step)
             for _ in range(cfg.train.grad_accum):
                 with profiler.phase("data"):
                     batch = next(batches)
                 with acc.accumulate(self.model):
-                    with profiler.phase("forward"), (acc.autocast() if self.flat_sync else contextlib.nullcontext()):
+                    with profiler.phase("forward"), self._autocast():
                         loss = checkpoint.nan_fault(self.task.loss(self.model, batch), step + 1, acc.process_index)
                     with profiler.phase("backward"):
                         acc.backward(loss)
@@ -523,95 +584,116 @@ class Trainer:
                     checkpoint.test_fault("step", step + 1)
                     finite = torch.isfinite(loss.detach())
                     bad = bad | ~finite
-                    if acc.sync_gradients and (clip > 0 or guard):
-                        # With clipping off the guard still needs the norm: clipping at infinity scales by 1.0.
-                        norm = acc.clip_grad_norm_(self.params, clip if clip > 0 else math.inf)
-                        if norm is not None:
-                            norm = torch.as_tensor(norm, device=acc.device).float()
-                            norms += torch.where(torch.isfinite(norm), norm, 0.0)
-                            norms_n += torch.isfinite(norm)
-                        if deferred:
-                            # Fused AdamW skips the update (weights, moments, step count) when found_inf == 1.
-                            flag = self._bad_flag(bad, norm)
-                            self._inner_optimizer().found_inf = flag
-                            pending_now = _PendingFlag(flag, step + 1)
-                        elif guard:
-                            skip = self._bad_flag(bad, norm).item() > 0  # the host waits for the step here
+                    if acc.sync_gradients and (clip > 0 or guard.on):
+                        norm = self._clip_gradients()
+                        window.add_norm(norm)
+                        skip = guard.after_backward(bad, norm, step + 1, self.optimizer)
                     with profiler.phase("optimizer"):
-                        if not skip:
-                            self.optimizer.step()
-                            if self.ema is not None and acc.sync_gradients and not acc.optimizer_step_was_skipped:
-                                self.ema.update()
-                        if acc.sync_gradients and not acc.optimizer_step_was_skipped:
-                            self.schedule.step()
-                        self.optimizer.zero_grad(set_to_none=True)
-                window += torch.where(finite, loss.detach(), 0.0)
-                window_n += finite
-                window_images += self.task.batch_size(batch) * acc.num_processes
+                        self._optimizer_step(skip)
+                window.add_loss(loss.detach(), finite, self.task.batch_size(batch) * acc.num_processes)
             step = self.step = step + 1
             bar.update(1)
-            if hasattr(self.task, "on_step") and self.task.on_step(step, unwrapped):
+            if self.task.on_step(step, unwrapped):
                 self._rebuild_optimizer()
             if (trace := profiler.after_step(step, last=step == total)) is not None and acc.is_main_process:
                 run.event("profile", step=step, path=str(trace), summary=profiler.summary)
-            if deferred:
-                # The previous step's verdict: by now this step's work is queued behind it.
-                if pending is not None:
-                    nan_stop = self._guard_verdict(pending.step, pending.bad()) or nan_stop
-                pending = pending_now
-            elif guard:
-                nan_stop = self._guard_verdict(step, skip) or nan_stop
+            guard.after_step(step, skip)
             logged = step % cfg.train.log_every == 0 or step == total
-            due = (cfg.train.save_every and step % cfg.train.save_every == 0) or (
-                cfg.train.save_every_minutes and time.perf_counter() - t_saved >= 60 * cfg.train.save_every_minutes)
+            due = self._save_due(step)
             if logged:
-                mean = (acc.reduce(window, "sum") / acc.reduce(window_n, "sum")).item()
-                now = time.perf_counter()
-                ips = window_images / max(now - t_window, 1e-9)
-                elapsed = now - t_start
-                eta = elapsed / (step - step0) * (total - step)
-                lr = self.schedule.get_last_lr()[0]
-                n_norms = norms_n.item()
-                grad_norm = (norms / norms_n).item() if n_norms else None
-                extra = {} if grad_norm is None else {"grad_norm": round(grad_norm, 6)}
-                if self.flops_per_image:
-                    extra["mfu"] = round(tracking.mfu(self.flops_per_image, ips, self.peak_tflops, acc.num_processes), 4)
-                losses.append(mean)
-                bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}", img_s=f"{ips:.1f}",
-                                **({"mfu": f"{100 * extra['mfu']:.1f}%"} if "mfu" in extra else {}))
-                if acc.is_main_process:
-                    run.event("step", step=step, total_steps=total, loss=mean, lr=lr,
-                              images_per_s=round(ips, 3), eta_s=round(eta, 1), state="training", **extra)
-                    self._track(step, **{"loss/train": mean, "lr": lr, "grad_norm": grad_norm,
-                                         "images_per_s": ips, "mfu": extra.get("mfu")})
-                window.zero_()
-                window_n.zero_()
-                norms.zero_()
-                norms_n.zero_()
-                window_images, t_window = 0, now
+                losses.append(self._log(step, window, bar))
             if cfg.preview.every and step % cfg.preview.every == 0 and step < total:
                 samples += self._check_in(unwrapped, step)
-            stop, due = self._agree(self._stop, bool(due))
-            if pending is not None and (logged or due or stop or nan_stop):
-                # The host reads the device here anyway (logging, saving, stopping): this step's verdict too.
-                # Decided from what every process agrees on, so all of them stop at the same step.
-                nan_stop = self._guard_verdict(pending.step, pending.bad()) or nan_stop
-                pending = None
-            stop = stop or ("nan_guard" if nan_stop else None)
-            if stop or (due and step < total):
-                if acc.is_main_process:
-                    state = self._save()
-                acc.wait_for_everyone()
-                t_saved = time.perf_counter()
-            if stop:
+            if stop := self._save_or_stop(step, due, guard, read_now=logged):
                 bar.close()
-                if acc.is_main_process:
-                    run.event("interrupted", step=step, signal=stop, state="interrupted", path=str(state),
-                              **({"message": nan_stop} if nan_stop else {}))
-                return Result(run, step, {}, samples, losses, eval_before, interrupted=stop, state=state,
-                              message=nan_stop)
+                return self._stopped(step, stop, guard.message, samples, losses, eval_before)
         bar.close()
+        return self._finish(step, samples, losses, eval_before)
 
+    # ---- the step's pieces, in the order the step runs them ----
+    def _profiler(self) -> StepProfiler:
+        """train.profile_steps: two warm-up steps first where the run is long enough (the first steps
+        allocate and compile)."""
+        cfg, acc = self.cfg, self.accelerator
+        skip = self.step + min(2, max(0, cfg.train.steps - self.step - cfg.train.profile_steps))
+        return StepProfiler(self.run.dir / "profile" if acc.is_main_process else None, cfg.train.profile_steps,
+                            skip=skip, device=acc.device)
+
+    def _clip_gradients(self) -> torch.Tensor | None:
+        """The gradient norm before clipping, the gradients clipped to train.max_grad_norm. With clipping off
+        the guard still needs the norm: clipping at infinity scales by 1.0. None where the backend gives none."""
+        clip, acc = self.cfg.train.max_grad_norm, self.accelerator
+        norm = acc.clip_grad_norm_(self.params, clip if clip > 0 else math.inf)
+        return None if norm is None else torch.as_tensor(norm, device=acc.device).float()
+
+    def _optimizer_step(self, skip: bool) -> None:
+        """The optimizer step unless the guard skips it, the EMA after it, the schedule, gradients dropped.
+        Within gradient accumulation, Accelerate's optimizer steps at the last micro-batch only."""
+        acc = self.accelerator
+        if not skip:
+            self.optimizer.step()
+            if self.ema is not None and acc.sync_gradients and not acc.optimizer_step_was_skipped:
+                self.ema.update()
+        if acc.sync_gradients and not acc.optimizer_step_was_skipped:
+            self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _log(self, step: int, window: _LogWindow, bar) -> float:
+        """A log point: the window's figures in the progress bar, the events file and TensorBoard. Returns
+        the mean loss."""
+        acc = self.accelerator
+        mean, ips, grad_norm, eta = window.flush(step)
+        lr = self.schedule.get_last_lr()[0]
+        extra = {} if grad_norm is None else {"grad_norm": round(grad_norm, 6)}
+        if self.flops_per_image:
+            extra["mfu"] = round(tracking.mfu(self.flops_per_image, ips, self.peak_tflops, acc.num_processes), 4)
+        bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}", img_s=f"{ips:.1f}",
+                        **({"mfu": f"{100 * extra['mfu']:.1f}%"} if "mfu" in extra else {}))
+        if acc.is_main_process:
+            self.run.event("step", step=step, total_steps=self.cfg.train.steps, loss=mean, lr=lr,
+                           images_per_s=round(ips, 3), eta_s=round(eta, 1), state="training", **extra)
+            self._track(step, **{"loss/train": mean, "lr": lr, "grad_norm": grad_norm,
+                                 "images_per_s": ips, "mfu": extra.get("mfu")})
+        return mean
+
+    def _save_due(self, step: int) -> bool:
+        """Whether a state is due at `step` by train.save_every (steps) or save_every_minutes (this process's
+        clock: the processes agree on it in _save_or_stop)."""
+        tc = self.cfg.train
+        return bool((tc.save_every and step % tc.save_every == 0) or (
+            tc.save_every_minutes and time.perf_counter() - self._t_saved >= 60 * tc.save_every_minutes))
+
+    def _save_or_stop(self, step: int, due: bool, guard: _NanGuard, read_now: bool) -> str | None:
+        """Save the state when due or stopping, at the same step on every process. Returns why the run
+        stops (a signal's name, or "nan_guard"), or None. read_now: the host reads the device at this step
+        anyway (a log point), so it reads the guard's pending verdict too."""
+        acc = self.accelerator
+        stop, due = self._agree(self._stop, due)
+        if read_now or due or stop or guard.message:
+            # Decided from what every process agrees on, so all of them stop at the same step.
+            guard.settle()
+        stop = stop or ("nan_guard" if guard.message else None)
+        if stop or (due and step < self.cfg.train.steps):
+            if acc.is_main_process:
+                self._last_state = self._save()
+            acc.wait_for_everyone()
+            self._t_saved = time.perf_counter()
+        return stop
+
+    def _stopped(self, step: int, stop: str, message: str | None, samples: list[Path], losses: list[float],
+                 eval_before: float) -> Result:
+        """The run stopped early (a signal, or the NaN guard), its state saved: no adapter, no final previews."""
+        state = self._last_state
+        if self.accelerator.is_main_process:
+            self.run.event("interrupted", step=step, signal=stop, state="interrupted", path=str(state),
+                           **({"message": message} if message else {}))
+        return Result(self.run, step, {}, samples, losses, eval_before, interrupted=stop, state=state,
+                      message=message)
+
+    def _finish(self, step: int, samples: list[Path], losses: list[float], eval_before: float) -> Result:
+        """The run's end: the final evaluation, the adapter written, then the final previews and the done event."""
+        cfg, acc, run = self.cfg, self.accelerator, self.run
+        unwrapped = acc.unwrap_model(self.model)
         acc.wait_for_everyone()
         with self._averaged():  # with train.ema: the averaged weights are what is evaluated, saved, previewed
             eval_after = self.task.evaluate(unwrapped) if acc.is_main_process else math.nan
@@ -632,4 +714,4 @@ class Trainer:
                     run.event("samples", step=step, paths=[str(p) for p in after])
                 self._track(step, validation=val_after, samples=after, **{"loss/eval": eval_after})
                 run.event("done", step=step, state="finished", final_loss=losses[-1] if losses else math.nan)
-        return Result(run, step, adapter, samples, losses, eval_before, eval_after, state=state)
+        return Result(run, step, adapter, samples, losses, eval_before, eval_after, state=self._last_state)

@@ -11,7 +11,7 @@ What a user gets from `LLMTask` (the loop, checkpoints, resume and NaN guard are
   - a loss that never holds the full fp32 logits (loss.py), non-reentrant gradient checkpointing;
   - a PEFT adapter folder in <run>/adapter, optionally a merged model in <run>/merged;
   - greedy answers to fixed prompts before and after training, in <run>/samples and the log.
-Set-up order: model -> tokenizer and data -> plan -> adapter.
+Set-up order: model -> tokenizer and data -> plan -> adapter -> speed levers.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ..core import inject
 from ..core.config import Config
 from ..core.runs import Run
+from ..core.task import Task
 from . import data as llm_data
 from .export import merge_adapter, save_peft_adapter
 from .loss import response_loss, token_losses
@@ -36,31 +37,19 @@ from .slots import make_plan
 log = logging.getLogger(__name__)
 
 
-class LLMTask:
+class LLMTask(Task):
     def __init__(self, cfg: Config):
         self.cfg = cfg
 
     def setup(self, accelerator, run: Run) -> None:
+        """model -> tokenizer and data -> plan -> adapter -> speed levers."""
         cfg = self.cfg
         self.accelerator = accelerator
         self.device = accelerator.device
         self.dtype = DTYPES.get(accelerator.mixed_precision, torch.float32)
         self.lm, self.tokenizer, self.model_path = load_llm(cfg, self.device, accelerator.mixed_precision)
         self.quant = quantize_settings(cfg, accelerator.mixed_precision)
-
-        self.template = llm_data.chat_template(cfg.llm, self.tokenizer)
-        examples, report = llm_data.read_examples(cfg.llm, self.tokenizer)
-        train, val = llm_data.split(examples, cfg.llm.validation_split)
-        self.train_rows = llm_data.RowDataset(train, cfg.llm.max_length, cfg.llm.packing)
-        report.rows = len(self.train_rows)
-        self.val_rows = llm_data.RowDataset(val, cfg.llm.max_length, packing=False) if val else None
-        # The fixed evaluation set: up to 8 training examples, one per row.
-        self.eval_rows = llm_data.RowDataset(train[:8], cfg.llm.max_length, packing=False)
-        log.info("dataset:\n%s", report.text())
-        run.event("dataset", examples=report.examples, train_examples=len(train), held_out=[e.source for e in val],
-                  rows=report.rows, tokens=report.tokens, label_tokens=report.label_tokens,
-                  truncated=report.truncated, truncated_tokens=report.truncated_tokens, dropped=report.dropped,
-                  packing=cfg.llm.packing, max_length=cfg.llm.max_length, files=report.files)
+        self._read_data(run)
 
         self.plan = make_plan(self.lm, cfg.adapter)
         budget = inject.rank_budget(cfg.adapter)
@@ -95,6 +84,23 @@ class LLMTask:
         log.info("adapter plan:\n%s", inject.format_plan(self.plan))
         run.event("plan", layers=len(self.plan.targets), trainable_params=self.plan.trainable_params,
                   preset=cfg.adapter.preset, base_rank=self.plan.base_rank, groups=self.plan.groups())
+
+    def _read_data(self, run: Run) -> None:
+        """The chat template, the examples read and split: training, validation and evaluation rows."""
+        cfg = self.cfg
+        self.template = llm_data.chat_template(cfg.llm, self.tokenizer)
+        examples, report = llm_data.read_examples(cfg.llm, self.tokenizer)
+        train, val = llm_data.split(examples, cfg.llm.validation_split)
+        self.train_rows = llm_data.RowDataset(train, cfg.llm.max_length, cfg.llm.packing)
+        report.rows = len(self.train_rows)
+        self.val_rows = llm_data.RowDataset(val, cfg.llm.max_length, packing=False) if val else None
+        # The fixed evaluation set: up to 8 training examples, one per row.
+        self.eval_rows = llm_data.RowDataset(train[:8], cfg.llm.max_length, packing=False)
+        log.info("dataset:\n%s", report.text())
+        run.event("dataset", examples=report.examples, train_examples=len(train), held_out=[e.source for e in val],
+                  rows=report.rows, tokens=report.tokens, label_tokens=report.label_tokens,
+                  truncated=report.truncated, truncated_tokens=report.truncated_tokens, dropped=report.dropped,
+                  packing=cfg.llm.packing, max_length=cfg.llm.max_length, files=report.files)
 
     def _calibrate(self) -> dict[str, float]:
         """Each planned slot's sensitivity for the rank budget (core/inject.py: calibrate)."""

@@ -1,7 +1,7 @@
 """Pretraining the demo base: a tiny SDXL (tiny.py's topology) trained from scratch on synthetic shapes
 (shapes.py), with the project's own Trainer, so the embedded default shows real learning.
 
-Two stages, each a Task for train.Trainer with every parameter trainable:
+Two stages, each a Task (core/task.py) for core.loop.Trainer with every parameter trainable:
   1. VAEStage    the VAE learns to reconstruct the shapes (L1 + MSE on pixels, a small KL term);
                  afterwards its latent scale (vae.config.scaling_factor) is measured, as SDXL's was.
   2. UNetStage   the UNet and both text encoders learn the diffusion loss on the VAE's latents of
@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from ..core.config import DEMO_DIR, Config, PreviewConfig, TrainConfig
 from ..core.fsutil import atomic_save
 from ..core.runs import Run
+from ..core.task import Task
 from . import loss as diffusion
 from . import shapes
 from .tiny import SCHEDULER_CONFIG
@@ -150,7 +151,7 @@ class _VAEForward(torch.nn.Module):
         return self.vae.decode(dist.sample()).sample, dist.mean, dist.logvar
 
 
-class VAEStage:
+class VAEStage(Task):
     """Stage 1: the VAE alone, all its parameters trainable."""
 
     def __init__(self, cfg: Config, demo: DemoConfig, pipe):
@@ -239,7 +240,7 @@ def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:
                      return_tensors="pt").input_ids
 
 
-class UNetStage:
+class UNetStage(Task):
     """Stage 2: UNet (+ text encoders) on the diffusion loss; the VAE trained in stage 1 stays frozen."""
 
     def __init__(self, cfg: Config, demo: DemoConfig, pipe):

@@ -22,6 +22,7 @@ from . import speed as unet_speed
 from ..core.config import Config, ConfigError
 from .export import save_diffusers_lora
 from ..core.runs import Run
+from ..core.task import Task
 from . import data as sdxl_data
 from . import loss as diffusion
 from .cache import TensorCache, cache_key, file_digest
@@ -150,7 +151,7 @@ def _collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 
 
-class SDXLTask:
+class SDXLTask(Task):
     # The per-sample RNG keys stay on the host: _keyed_draws reads them without waiting for the GPU.
     host_keys = ("sample_key",)
 
@@ -158,8 +159,9 @@ class SDXLTask:
         self.cfg = cfg
         self._graphed = None  # train.cuda_graphs: True until the first training call builds the graphs
 
-    # ---- set-up, in dependency order: model -> data -> caches -> adapter ----
+    # ---- set-up, in dependency order ----
     def setup(self, accelerator, run: Run) -> None:
+        """model -> data -> caches -> plan and memory estimate -> quantization -> adapter -> speed levers."""
         cfg = self.cfg
         self.accelerator = accelerator
         self._run = run
@@ -168,11 +170,31 @@ class SDXLTask:
         self.pipe = load_pipeline(cfg.model)
         self.resolution = cfg.data.resolution or native_resolution(self.pipe)
         self.noise_scheduler = self._noise_scheduler()
+        self._read_data(run)
+        self._fill_caches(run)
+        self._release_encoders()
+        unet = self.pipe.unet
+        self._plan(unet, run)
+        if cfg.model.quantize != "none" or cfg.model.quantize_convs != "none":
+            # QLoRA: the Linears (and convolutions) quantized one at a time on the device (docs/qlora.md),
+            # before the rest moves.
+            from .quantize import quantize_unet
+            quantize_unet(unet, cfg.model, accelerator.mixed_precision, self.device, run)
+        # Frozen weights in the compute dtype; the adapter stays fp32 (apply_plan does that).
+        unet.to(self.device, dtype=_DTYPES.get(accelerator.mixed_precision, torch.float32))
+        self._inject_adapter(unet, run)
+        self._speed_setup(unet, run)
+        log.info("adapter plan:\n%s", inject.format_plan(self.plan))
+        run.event("plan", layers=len(self.plan.targets), trainable_params=self.plan.trainable_params,
+                  preset=cfg.adapter.preset, base_rank=self.plan.base_rank, groups=self.plan.groups())
 
+    def _read_data(self, run: Run) -> None:
+        """The dataset scanned and split: training draws from the training items only; the caches cover
+        all items, the held-out ones last."""
+        cfg = self.cfg
         scanned = sdxl_data.scan(cfg.data, self.resolution)
         log.info("dataset:\n%s", scanned.report())
         train_items, val_items = _split(scanned.items, cfg.data.validation_split)
-        # Training draws from train_items only; caches cover both (validation items come last).
         self.dataset = dataclasses.replace(scanned, items=train_items)
         self.all_items = train_items + val_items
         self.val_indices = list(range(len(train_items), len(self.all_items)))
@@ -183,20 +205,26 @@ class SDXLTask:
                   problems=[{"path": str(p.path), "reason": p.reason} for p in scanned.problems],
                   buckets={f"{w}x{h}": n for (w, h), n in scanned.bucket_histogram().items()})
 
+    def _fill_caches(self, run: Run) -> None:
+        """Latents (and masks) and text embeddings computed where the cache lacks them, the work split
+        between the processes of a machine."""
+        from accelerate.utils import gather_object
 
+        cfg = self.cfg
         cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output.runs_dir) / ".cache"
         self.cache = TensorCache(cache_root)
         computed = self._cache_latents()
         if cfg.data.masked_loss:
             self._cache_masks()
         self._cache_text()
-        from accelerate.utils import gather_object
-
         by_process = gather_object([computed])  # [n] in one process
         run.event("cache", latents_computed=sum(by_process), latents_by_process=by_process,
                   latents_total=sum(len(k) for k in self.latent_keys))
-        # The VAE and text encoders are done: off the accelerator, the UNet gets the memory. With tag
-        # shuffling every caption is new, so the text encoders stay (frozen) for live encoding.
+
+    def _release_encoders(self) -> None:
+        """The VAE and text encoders are done: off the accelerator, the UNet gets the memory. Those that
+        still encode during training (random crops, tag shuffling, text encoder LoRA) stay."""
+        cfg = self.cfg
         done = []
         if cfg.data.crop == "random":
             log.info("data.crop='random': latents are encoded per sample (the cache holds the center crops "
@@ -216,22 +244,20 @@ class SDXLTask:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-        unet = self.pipe.unet
-        # Ranks scale with the largest bucket's area: the most tokens any batch carries.
+    def _plan(self, unet, run: Run) -> None:
+        """The adapter's plan, its ranks scaled to the largest bucket's area (the most tokens any batch
+        carries), and the memory estimate it gives."""
         largest = max(w * h for w, h in self.dataset.bucket_histogram())
-        mp = accelerator.mixed_precision
-        planned = plan_unet(cfg, unet, native_resolution(self.pipe), resolution=round(largest ** 0.5),
-                            mixed_precision=mp)
+        planned = plan_unet(self.cfg, unet, native_resolution(self.pipe), resolution=round(largest ** 0.5),
+                            mixed_precision=self.accelerator.mixed_precision)
         self.plan = planned.plan
         log.info("%s", planned.memory.format())
         run.event("memory_estimate", **planned.memory.as_dict())
-        if cfg.model.quantize != "none" or cfg.model.quantize_convs != "none":
-            # QLoRA: the Linears (and convolutions) quantized one at a time on the device (docs/qlora.md),
-            # before the rest moves.
-            from .quantize import quantize_unet
-            quantize_unet(unet, cfg.model, mp, self.device, run)
-        # Frozen weights in the compute dtype; the adapter stays fp32 (apply_plan does that).
-        unet.to(self.device, dtype=_DTYPES.get(mp, torch.float32))
+
+    def _inject_adapter(self, unet, run: Run) -> None:
+        """The plan's LoRA layers in the UNet, their ranks first fitted to adapter.rank_budget where one is
+        set; LoRA on the text encoders with adapter.train_text_encoder."""
+        cfg, accelerator = self.cfg, self.accelerator
         self._adapter_model = (SDXLAdapterModel(unet, self.pipe.text_encoder, self.pipe.text_encoder_2)
                                if cfg.adapter.train_text_encoder else None)
         budget = inject.rank_budget(cfg.adapter)
@@ -252,11 +278,6 @@ class SDXLTask:
                               "has registered); train on one process or drop the schedule")
         if cfg.adapter.train_text_encoder:
             self._text_encoder_lora(run)
-        self._speed_setup(unet, run)
-        n = self.plan.trainable_params
-        log.info("adapter plan:\n%s", inject.format_plan(self.plan))
-        run.event("plan", layers=len(self.plan.targets), trainable_params=n, preset=cfg.adapter.preset,
-                  base_rank=self.plan.base_rank, groups=self.plan.groups())
 
     def _calibrate(self, unet) -> dict[str, float]:
         """Each planned slot's sensitivity for the rank budget (core/inject.py: calibrate), on whole batches."""
@@ -304,7 +325,7 @@ class SDXLTask:
         return True
 
     def _speed_setup(self, unet, run: Run) -> None:
-        """The train.* speed levers (sdxl_lora/speed.py, docs/speed.md), after the adapter is in place."""
+        """The train.* speed levers (core/speed.py, sdxl/speed.py, docs/speed.md), after the adapter is in place."""
         from ..core.accel import gradient_sync
 
         tc = self.cfg.train

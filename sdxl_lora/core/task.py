@@ -1,0 +1,76 @@
+"""What a task (SDXL, LLM) gives the training loop: the model, its data, its loss and what a finished run
+keeps. The loop (core/loop.py) calls these methods and nothing else of the task.
+
+A task subclasses `Task` and implements the abstract methods; the optional hooks below them have
+defaults that do nothing, so a task declares only what it uses.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .runs import Run
+
+
+class Task(ABC):
+    # Batch keys that stay on the CPU when the loop moves a batch to the device (a task that reads them
+    # on the host, such as per-sample RNG keys, then waits for nothing).
+    host_keys: tuple[str, ...] = ()
+
+    @abstractmethod
+    def setup(self, accelerator, run: Run) -> None:
+        """Load the model, read the data, place the adapter: everything before the optimizer exists."""
+
+    @abstractmethod
+    def model(self) -> torch.nn.Module:
+        """The module the loop trains, checkpoints and (with several processes) wraps in DDP."""
+
+    @abstractmethod
+    def param_groups(self) -> list[dict]:
+        """The trainable parameters as optimizer groups (a group may set its own "lr")."""
+
+    @abstractmethod
+    def dataloader(self) -> torch.utils.data.DataLoader:
+        """Batches for this process. When its batch_sampler has skip_next(n) and num_replicas (1 if
+        absent) equal to the process count (sdxl.data.BucketBatchSampler), it shards itself: the loop
+        iterates it as it is, positions count global batches, and the loop moves batches to the device
+        (keys in host_keys stay on the CPU). Otherwise Accelerate prepares (shards) it, dealing whole
+        batches to the processes in turn."""
+
+    @abstractmethod
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """The training loss of one batch, a scalar the loop calls backward on."""
+
+    @abstractmethod
+    def evaluate(self, model: torch.nn.Module) -> float:
+        """A fixed-draw loss on training data: the same number for the same weights (before/after)."""
+
+    @abstractmethod
+    def validate(self, model: torch.nn.Module) -> float | None:
+        """The loss on held-out data, or None when the task holds none out."""
+
+    @abstractmethod
+    def batch_size(self, batch: Any) -> int:
+        """How many samples (images, rows) the batch holds."""
+
+    @abstractmethod
+    def save_adapter(self, model: torch.nn.Module, run: Run, step: int) -> dict[str, Path]:
+        """Write the trained adapter; returns its files by format."""
+
+    @abstractmethod
+    def preview(self, model: torch.nn.Module, run: Run, step: int) -> list[Path]:
+        """Samples of what the model does now (images, answers); returns their files."""
+
+    # ---- optional hooks ----
+    def on_step(self, step: int, model: torch.nn.Module) -> bool:
+        """After optimizer step `step`. True when the task replaced trainable parameters (the loop then
+        builds a new optimizer over them)."""
+        return False
+
+    def restore_step(self, step: int, model: torch.nn.Module) -> bool:
+        """Before a resume at `step`, ahead of loading the saved weights: give the trainable parameters the
+        shapes they had at that step. True when any was replaced."""
+        return False
