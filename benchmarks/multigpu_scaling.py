@@ -65,7 +65,6 @@ def synthetic_task(cfg, unet_config: dict, latent_side: int, samples: int = 16):
             self.plan = self.planned = unet_slots.make_plan(unet, self.cfg.adapter, resolution=px, native=px)
             inject.apply_plan(unet, self.plan)
             self._adapter_model = None
-            self._speed_setup(unet, run)  # checkpointing, channels_last, compile, CUDA graphs: as configured
             # A pool of distinct samples, indexed modulo its size: no generation or I/O in the timed steps.
             c = unet_config
             pooled = c["projection_class_embeddings_input_dim"] - 6 * c["addition_time_embed_dim"]
@@ -79,6 +78,7 @@ def synthetic_task(cfg, unet_config: dict, latent_side: int, samples: int = 16):
             # One bucket of 1024 positions: BucketBatchSampler shards it exactly as it shards a real dataset.
             items = [Item(Path(f"{i}.png"), "", 1, (px, px), (px, px), Path("."), False) for i in range(1024)]
             self.dataset = Dataset(items, [], px, 64)
+            self._speed_setup(unet, run)  # checkpointing, channels_last, compile, CUDA graphs: as configured
 
         def dataloader(self, shard: bool = True):
             import torch

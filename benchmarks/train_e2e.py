@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -172,25 +173,53 @@ def phases(events: list[dict], launch: float) -> dict[str, tuple[float, float]]:
     return spans
 
 
+def _events(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return out
+
+
+def steps_of(args) -> int:
+    return args.run_steps or args.steps
+
+
 def measure(name: str, args, model: Path, data: Path, out: Path) -> dict:
     run_name = f"{name}-b{args.batch}"
+    out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / run_name, ignore_errors=True)
-    cmd = ["sdxl-lora", "train", "--model", str(model), "--data", str(data), "--batch-size", str(args.batch),
-           "--steps", str(args.steps), "--out", str(out), "--name", run_name,
-           "--set", "train.log_every=1", "--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]
+    steps = args.run_steps or args.steps
+    cmd = [sys.executable, "-m", "sdxl_lora.cli", "train", "--model", str(model), "--data", str(data),
+           "--batch-size", str(args.batch), "--steps", str(steps), "--out", str(out), "--name", run_name,
+           "--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]
     for s in SETTINGS[name] + list(args.set):
         cmd += ["--set", s]
     print(f"$ {' '.join(cmd)}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    events_path = out / run_name / "events.jsonl"
     launch = time.time()
+    stopped = False
     with MemorySampler() as mem, open(out / f"{run_name}.log", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        while proc.poll() is None:
+            time.sleep(1.0)
+            # A long run (its length decides what train.speed="auto" chooses) measured for --steps steps, then
+            # stopped as a user would (Ctrl-C: the step finishes and the state is saved).
+            if args.run_steps and not stopped and events_path.is_file():
+                done = [e for e in _events(events_path) if e["event"] == "step"]
+                if done and done[-1]["step"] >= args.steps:
+                    proc.send_signal(signal.SIGINT)
+                    stopped = True
+        proc.wait()
     wall = time.time() - launch
-    events = [json.loads(line) for line in (out / run_name / "events.jsonl").read_text().splitlines() if line.strip()] \
-        if (out / run_name / "events.jsonl").is_file() else []
+    events = _events(events_path) if events_path.is_file() else []
     steps = [e for e in events if e["event"] == "step"]
-    result = {"setting": name, "batch": args.batch, "steps": args.steps, "rc": proc.returncode, "wall_s": round(wall, 1)}
-    if proc.returncode != 0 or not steps:
+    result = {"setting": name, "batch": args.batch, "steps": steps[-1]["step"] if steps else 0, "run_steps": steps_of(args),
+              "rc": proc.returncode, "wall_s": round(wall, 1)}
+    if proc.returncode not in ((0, 130) if stopped else (0,)) or not steps:
         result["error"] = (out / f"{run_name}.log").read_text()[-3000:]
         return result
     steady = [e for e in steps if e["step"] > args.warmup]
@@ -203,7 +232,7 @@ def measure(name: str, args, model: Path, data: Path, out: Path) -> dict:
     result["peak_gib"] = mem.peak()
     result["phase_peak_gib"] = {k: mem.peak(a, b) for k, (a, b) in spans.items()}
     preview_s = sum(round(b - a, 1) for k, (a, b) in spans.items() if "previews" in k)
-    finish = [e for e in events if e["event"] == "samples" and e["step"] == args.steps]
+    finish = [e for e in events if e["event"] == "samples" and e["step"] == result["steps"]]
     adapter = next((e for e in events if e["event"] == "adapter"), None)
     if finish and adapter:
         preview_s += finish[0]["time"] - adapter["time"]
@@ -219,7 +248,9 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/sdxl-e2e"), help="model, dataset and runs go here")
     ap.add_argument("--settings", nargs="+", default=["defaults", "recipe"], choices=list(SETTINGS))
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=60, help="steps measured")
+    ap.add_argument("--run-steps", type=int, help="the run's train.steps when longer than --steps: it is stopped "
+                                                 "with Ctrl-C after --steps (what auto chooses depends on it)")
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the steady images/s")
     ap.add_argument("--images", type=int, default=48)
     ap.add_argument("--set", action="append", default=[], help="more overrides for every setting")

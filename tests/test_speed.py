@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from sdxl_lora.core import inject, speed
+from sdxl_lora.cli import main
+from sdxl_lora.core import inject, lora_matmul, profile, speed
+from sdxl_lora.core.config import AdapterConfig, load_config
+from sdxl_lora.core.runs import read_events
 from sdxl_lora.sdxl import slots as unet_slots
-from sdxl_lora.core import lora_matmul
-from sdxl_lora.core import profile
 from sdxl_lora.sdxl import speed as unet_speed
-from sdxl_lora.core.config import AdapterConfig
 
 
 def tiny_unet_with_lora(tiny_dir, preset="full", quantize=None):
@@ -594,6 +594,7 @@ def test_regional_compile_with_channels_last_keeps_the_resnets_surroundings_in_l
     ref = loss_and_grads(unet, batch)
     task = SDXLTask(load_config(extra={"train.compile": "regional", "train.channels_last": True}))
     task.device = torch.device("cpu")
+    task.dataset = types.SimpleNamespace(bucket_histogram=lambda: {(128, 128): 4})  # one bucket: static shapes
     task._speed_setup(unet, types.SimpleNamespace(event=lambda *a, **k: None))
     ups = [m for m in unet.modules() if type(m).__name__ in ("CrossAttnUpBlock2D", "UpBlock2D")]
     assert ups and all(m.forward.__func__ is unet_speed._up_block_forward for m in ups)
@@ -667,3 +668,99 @@ def test_a_compiler_failure_says_what_to_do_and_keeps_its_traceback(tmp_path, ca
     err = capsys.readouterr().err
     assert "torch's compiler failed" in err and "context manager protocol" in err
     assert "train.compile=none" in err and "TORCHINDUCTOR_CACHE_DIR" in err and "--resume" in err
+
+
+# ---- train.speed="auto", several buckets, check-ins without compilation (the product path) ----
+
+def test_auto_speed_picks_the_levers_for_the_device_and_the_run_and_explicit_settings_win():
+    from sdxl_lora.sdxl.speed import COMPILE_MIN_IMAGES, auto_levers
+
+    short = load_config(extra={"train.steps": 100, "train.batch_size": 4})
+    assert auto_levers(short, "cpu", 1) == (short, {})  # off a GPU nothing changes
+    cfg, why = auto_levers(short, "cuda", 1)
+    assert (cfg.train.cuda_graphs, cfg.train.compile, cfg.train.channels_last) == (True, "none", False)
+    assert "400 images" in why["compile"]  # says why it did not compile
+    steps = COMPILE_MIN_IMAGES // 4
+    long = load_config(extra={"train.steps": steps, "train.batch_size": 4})
+    cfg, why = auto_levers(long, "cuda", 1)
+    assert (cfg.train.cuda_graphs, cfg.train.compile, cfg.train.channels_last) == (True, "regional", True)
+    # A lever the user set is kept, and the others follow from it.
+    mine = load_config(extra={"train.steps": steps, "train.batch_size": 4, "train.compile": "none"})
+    cfg, why = auto_levers(mine, "cuda", 1)
+    assert (cfg.train.compile, cfg.train.channels_last) == ("none", False) and "as set" in why["compile"]
+    off = load_config(extra={"train.steps": steps, "train.speed": "off"})
+    assert auto_levers(off, "cuda", 1)[0].train.cuda_graphs is False
+    # What graphs cannot replay, and a base the compiled path has not been measured with.
+    dropout = load_config(extra={"adapter.dropout": 0.1, "train.gradient_checkpointing": True})
+    assert auto_levers(dropout, "cuda", 1)[0].train.cuda_graphs is False
+    ddp = load_config(extra={"train.gradient_sync": "ddp"})
+    assert auto_levers(ddp, "cuda", 2)[0].train.cuda_graphs is False
+    nf4 = load_config(extra={"train.steps": steps, "train.batch_size": 4, "model.quantize": "nf4"})
+    cfg, why = auto_levers(nf4, "cuda", 1)
+    assert cfg.train.cuda_graphs and cfg.train.compile == "none" and "quantized" in why["compile"]
+
+
+def test_graphs_of_every_bucket_share_one_memory_pool(monkeypatch):
+    # CUDA graphs need a GPU; on the CPU the bookkeeping is what can be checked: one capture per input
+    # shape, every capture into the same pool (so several buckets hold the largest one's memory, not the sum).
+    pools, captured = [], []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: pools.append(object()) or pools[-1])
+
+    def make_graphed_callables(fn, sample_args, num_warmup_iters, allow_unused_input, pool):
+        captured.append((tuple(a.shape for a in sample_args), pool))
+        return fn
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    module = torch.nn.Linear(4, 4)
+    graphed = speed.GraphedCall(module, lambda x: module(x))
+    for rows in (2, 3, 2, 5, 3):  # three buckets, visited in turn
+        graphed(torch.randn(rows, 4))
+    assert [c[0] for c in captured] == [((2, 4),), ((3, 4),), ((5, 4),)]
+    assert len(pools) == 1 and all(c[1] is pools[0] for c in captured)
+
+
+def _bucketed_dataset(folder, sizes, n=4):
+    from PIL import Image
+
+    folder.mkdir()
+    for i in range(n):
+        w, h = sizes[i % len(sizes)]
+        Image.new("RGB", (w, h), (30 * i % 255, 120, 200)).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(f"sks, a shape number {i}\n")
+    return folder
+
+
+def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_path, monkeypatch):
+    # Counting compilations (a backend that counts the graphs it is given, then runs aot_eager): a run over
+    # three aspect buckets with the step-0 and final previews and the eval loss on compiles as many graphs
+    # as a run over one bucket with none of them. A shape per bucket, or the check-ins' own shapes and
+    # no-grad graphs, would each add compilations.
+    from torch._dynamo.backends.debugging import aot_eager
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", counting)
+    common = ["--model", "tiny-sdxl", "--steps", "4", "--batch-size", "1", "--device", "cpu",
+              "--set", "train.compile='regional'", "--set", "data.resolution=128", "--set", "data.bucket_step=32", "--set", "train.save_every=0",
+              "--set", "adapter.preset='attn'"]
+    one = _bucketed_dataset(tmp_path / "data-one", [(128, 128)])
+    three = _bucketed_dataset(tmp_path / "data-three", [(128, 128), (160, 96), (96, 160)], n=6)
+    assert main(["train", "--data", str(one), "--out", str(tmp_path), "--name", "one", *common,
+                 "--set", "preview.prompts=''"]) == 0
+    alone = len(graphs)
+    torch._dynamo.reset()
+    graphs.clear()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("sks, a shape --s 2\n")
+    assert main(["train", "--data", str(three), "--out", str(tmp_path), "--name", "three", *common,
+                 "--set", f"preview.prompts='{prompts}'"]) == 0
+    events = read_events(tmp_path / "three" / "events.jsonl")
+    assert len(next(e for e in events if e["event"] == "dataset")["buckets"]) == 3
+    assert {e["step"] for e in events if e["event"] == "samples"} == {0, 4}
+    assert alone > 0 and len(graphs) == alone, (alone, len(graphs))
+    torch._dynamo.reset()

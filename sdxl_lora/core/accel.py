@@ -2,6 +2,8 @@
 set-up that a task may need to know (the SDXL task sets CUDA graphs up differently under the flat sync)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .config import Config
@@ -26,13 +28,23 @@ def gradient_sync(cfg: Config, num_processes: int, device_type: str) -> str | No
     return mode
 
 
-def make_accelerator(cfg: Config):
-    from accelerate import Accelerator
-
+def device_type(cfg: Config) -> str:
+    """"cuda" or "cpu": what train.device means on this machine (the Accelerator's choice, known before it)."""
     dev = cfg.train.device
     if dev == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device='cuda' but no CUDA GPU is visible; use --device cpu")
-    cpu = dev == "cpu" or (dev == "auto" and not torch.cuda.is_available())
+    return "cpu" if dev == "cpu" or (dev == "auto" and not torch.cuda.is_available()) else "cuda"
+
+
+def world_size() -> int:
+    """The number of processes the launcher started (accelerate launch, torchrun), known before the Accelerator."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def make_accelerator(cfg: Config):
+    from accelerate import Accelerator
+
+    cpu = device_type(cfg) == "cpu"
     mp = resolve_mixed_precision(cfg, "cpu" if cpu else "cuda")
     handlers = []
     if cfg.train.cuda_graphs:

@@ -222,6 +222,9 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(False, description=(
         "Recompute activations in the backward instead of keeping them: less memory, slower steps."))
     # Speed and memory levers: docs/speed.md.
+    speed: Literal["auto", "off"] = Field("auto", json_schema_extra=SDXL_ONLY, description=(
+        "On a CUDA GPU, 'auto' turns on CUDA graphs, regional compilation and channels_last where they pay for "
+        "the run's length, and logs what it chose; a lever you set yourself wins. 'off': only what you set."))
     checkpoint_budget_gb: float | None = Field(None, gt=0, json_schema_extra=SDXL_ONLY, description=(
         "A memory budget in GiB (activations and weights): only as many blocks are checkpointed as it takes "
         "to fit."))
@@ -299,9 +302,9 @@ class TrainConfig(Section):
 
 class PreviewConfig(Section):
     # The entry fields of .toml ([[prompt]] tables), .jsonl and .json files: docs/training.md.
-    prompts: str | None = Field(str(SAMPLE_DATA / "prompts.txt"), json_schema_extra=SDXL_ONLY, description=(
-        "Preview prompts: one per line with kohya's options (a cat --n blurry --w 1024 --h 1024 --s 30 --l 7 "
-        "--d 42), or a .toml/.jsonl/.json file; none: the bundled ones; empty: no previews."))
+    prompts: str | None = Field(None, json_schema_extra=SDXL_ONLY, description=(
+        "Preview prompts, one a line with kohya's options (a cat --n blurry --w 1024 --s 30 --d 42), or a "
+        ".toml/.jsonl/.json file; none: a few dataset captions (demo base: its own); empty: no previews."))
     every: int = Field(0, ge=0, description=(
         "Also preview, and compute the validation loss, every N steps; 0: only before and after."))
     steps: int = Field(20, ge=1, json_schema_extra=SDXL_ONLY, description="Sampling steps of each preview image.")

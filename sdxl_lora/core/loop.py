@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint, tracking
 from .config import Config
-from .accel import gradient_sync, make_accelerator
+from .accel import device_type, gradient_sync, make_accelerator, world_size
 from .ema import EMA
 from .optim import build_optimizer, make_schedule
 from .profile import StepProfiler
@@ -53,6 +53,13 @@ from .runs import Run
 from .task import Task
 
 log = logging.getLogger(__name__)
+
+
+def _eager():
+    """Evaluation, validation and previews run the model's compiled regions as plain PyTorch: they see
+    other shapes (and no gradients) than training, and compiling those would cost minutes for a few
+    passes and leave the training regions' compiled graphs as they were."""
+    return torch.compiler.set_stance("force_eager")
 
 
 class _Replica(Run):
@@ -239,7 +246,8 @@ class Trainer:
     def setup(self) -> None:
         from accelerate.utils import set_seed
 
-        cfg = self.cfg
+        # The task settles what its config leaves to the device (train.speed="auto") before anything reads it.
+        self.cfg = cfg = self.task.configure(self.cfg, device_type(self.cfg), world_size())
         self.accelerator = acc = make_accelerator(cfg)
         if not acc.is_main_process:
             # The main process speaks for the run (log, events, progress); the others keep their warnings.
@@ -489,7 +497,7 @@ class Trainer:
         as without them (resume stays bit-exact)."""
         paths: list[Path] = []
         with torch.random.fork_rng(devices=[self.accelerator.device] if self.accelerator.device.type == "cuda" else []), \
-                self._averaged():
+                self._averaged(), _eager():
             if self.accelerator.is_main_process:  # the others wait for it at the next step's collective
                 val = self.task.validate(model)
                 if val is not None:
@@ -525,15 +533,18 @@ class Trainer:
         unwrapped = acc.unwrap_model(self.model)
         samples: list[Path] = []
         if cfg.preview.before and acc.is_main_process and self.step == 0:
-            samples += self.task.preview(unwrapped, run, 0)
+            with _eager():
+                samples += self.task.preview(unwrapped, run, 0)
             run.event("samples", step=0, paths=[str(p) for p in samples])
             self._track(0, samples=samples)
 
         if self.step == 0:
             # Measured by the main process alone, whose figures the run reports.
-            eval_before = self.task.evaluate(unwrapped) if acc.is_main_process else math.nan
+            with _eager():
+                eval_before = self.task.evaluate(unwrapped) if acc.is_main_process else math.nan
+                val = self.task.validate(unwrapped) if acc.is_main_process else None
             run.event("eval", step=0, loss=eval_before)
-            if acc.is_main_process and (val := self.task.validate(unwrapped)) is not None:
+            if val is not None:
                 run.event("validation", step=0, loss=val)
                 self._track(0, validation=val)
         else:  # resumed: the run's own starting figure
@@ -566,7 +577,7 @@ class Trainer:
         profiler = self._profiler()
         self._t_saved, self._last_state = time.perf_counter(), None
         self.model.train()
-        step = self.step
+        step, first = self.step, self.step + 1
         while step < total:
             bad = torch.zeros((), dtype=torch.bool, device=acc.device)  # a non-finite loss in a micro-batch
             skip = False
@@ -598,7 +609,9 @@ class Trainer:
             if (trace := profiler.after_step(step, last=step == total)) is not None and acc.is_main_process:
                 run.event("profile", step=step, path=str(trace), summary=profiler.summary)
             guard.after_step(step, skip)
-            logged = step % cfg.train.log_every == 0 or step == total
+            # The session's first step is logged too: it ends the set-up (compilation, graph capture), and
+            # whoever watches the run sees it start.
+            logged = step % cfg.train.log_every == 0 or step == total or step == first
             due = self._save_due(step)
             if logged:
                 losses.append(self._log(step, window, bar))
@@ -695,7 +708,7 @@ class Trainer:
         cfg, acc, run = self.cfg, self.accelerator, self.run
         unwrapped = acc.unwrap_model(self.model)
         acc.wait_for_everyone()
-        with self._averaged():  # with train.ema: the averaged weights are what is evaluated, saved, previewed
+        with self._averaged(), _eager():  # with train.ema: the averaged weights are evaluated, saved, previewed
             eval_after = self.task.evaluate(unwrapped) if acc.is_main_process else math.nan
             val_after = self.task.validate(unwrapped) if acc.is_main_process else None
             adapter: dict[str, Path] = {}

@@ -48,12 +48,31 @@ def to_channels_last(model: torch.nn.Module) -> None:
     model.to(memory_format=torch.channels_last)
 
 
-def compile_options(backend: str | None = None, options: dict | None = None) -> dict:
-    """torch.compile's arguments for a region: static shapes, and inductor `options` (the only backend that
-    takes options)."""
+def compile_options(backend: str | None = None, options: dict | None = None, dynamic: bool | None = False) -> dict:
+    """torch.compile's arguments for a region: static shapes (unless `dynamic` says otherwise), and inductor
+    `options` (the only backend that takes options)."""
     backend = backend or COMPILE_BACKEND
-    return {"backend": backend, "dynamic": False,
+    return {"backend": backend, "dynamic": dynamic,
             **({"options": options} if options and backend == "inductor" else {})}
+
+
+def _compile_varying(module: torch.nn.Module, arg: str, position: int, dims: tuple[int, ...], **kwargs) -> None:
+    """module.forward compiled with `dims` of its input `arg` (or positional argument `position`) marked as
+    varying before each call. The mark has to come from outside the compiled code, so the forward becomes a
+    small eager wrapper; dims the compiler finds it must fix stay fixed (maybe_mark_dynamic), costing a
+    compilation per shape as without the mark."""
+    import torch._dynamo
+
+    compiled = torch.compile(module.forward, **kwargs)
+
+    def forward(*args, **kw):
+        x = kw.get(arg) if arg in kw else (args[position] if position < len(args) else None)
+        if isinstance(x, torch.Tensor):
+            for d in dims:
+                torch._dynamo.maybe_mark_dynamic(x, d)
+        return compiled(*args, **kw)
+
+    module.forward = forward
 
 
 def _raise_recompile_limits() -> None:
@@ -70,21 +89,29 @@ def _raise_recompile_limits() -> None:
 
 
 def compile_regions(model: torch.nn.Module, *, classes: tuple[str, ...], backend: str | None = None,
-                    activation_budget: float | None = None, options: dict | None = None) -> int:
+                    activation_budget: float | None = None, options: dict | None = None,
+                    varying: dict[str, tuple[str, int, tuple[int, ...]]] | None = None) -> int:
     """Compile every block of the named classes in place (a task says which of its blocks repeat: the
     UNet's transformer and ResNet blocks, an LM's decoder layers); returns how many. Blocks may come in
     several widths, so the recompile limit is raised to hold one graph per shape. activation_budget: the fraction of each
     compiled block's activations kept for backward (torch's partitioner chooses what to recompute by its
     cost; process-wide, read when the blocks compile at their first call); None: torch's default (1.0).
-    options: inductor's (sdxl/speed.py's unet_inductor_options() for the UNet)."""
+    options: inductor's (sdxl/speed.py's unet_inductor_options() for the UNet).
+    varying: class name -> (argument name, its position, dims) of the input whose dims differ from call to
+    call (the UNet's token and spatial dims across aspect buckets): those dims are compiled as symbols, so
+    one compilation serves every shape instead of one compilation per shape."""
     import torch._functorch.config
 
     torch._functorch.config.activation_memory_budget = 1.0 if activation_budget is None else activation_budget
     _raise_recompile_limits()
     n = 0
     for module in model.modules():
-        if type(module).__name__ in classes:
-            module.compile(**compile_options(backend, options))
+        name = type(module).__name__
+        if name in classes:
+            if varying and name in varying:
+                _compile_varying(module, *varying[name], **compile_options(backend, options, dynamic=None))
+            else:
+                module.compile(**compile_options(backend, options))
             n += 1
     if n == 0:
         log.warning("train.compile: no repeated blocks (%s) found in %s; nothing compiled",

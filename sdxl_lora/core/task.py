@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .config import Config
 from .runs import Run
 
 
@@ -65,6 +66,12 @@ class Task(ABC):
         """Samples of what the model does now (images, answers); returns their files."""
 
     # ---- optional hooks ----
+    def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
+        """Before the Accelerator exists: the config this run trains with on this device ("cuda" or "cpu")
+        and process count. A task resolves its automatic settings here (and keeps the result as its own
+        config); the loop then uses what this returns."""
+        return cfg
+
     def on_step(self, step: int, model: torch.nn.Module) -> bool:
         """After optimizer step `step`. True when the task replaced trainable parameters (the loop then
         builds a new optimizer over them)."""

@@ -179,13 +179,36 @@ def preview_scheduler(base_config, *, zero_terminal_snr: bool, prediction_type: 
     return EulerDiscreteScheduler.from_config(base_config, **overrides)
 
 
+# preview.prompts unset, a model other than the demo base: this many of the dataset's captions.
+CAPTION_PREVIEWS = 3
+
+
+def default_prompts(model_path: str, items: list, captions: list[str]) -> list[PreviewPrompt]:
+    """What preview.prompts unset means: for the demo base its bundled prompts (the shapes it knows and the
+    star it learns); for any other model a few of the dataset's own captions, as training sees them (the
+    trigger word in), spread over the dataset and each at its image's bucket size."""
+    from ..core.config import DEMO_NAME, SAMPLE_DATA
+
+    if model_path == DEMO_NAME:
+        return read_prompts(SAMPLE_DATA / "prompts.txt")
+    seen: dict[str, PreviewPrompt] = {}
+    for item, caption in zip(items, captions):
+        if caption and caption not in seen:
+            seen[caption] = PreviewPrompt(caption, width=item.bucket[0], height=item.bucket[1])
+    picked = list(seen.values())
+    if len(picked) > CAPTION_PREVIEWS:  # evenly over the dataset, first and last included
+        last = len(picked) - 1
+        picked = [picked[round(i * last / (CAPTION_PREVIEWS - 1))] for i in range(CAPTION_PREVIEWS)]
+    return picked
+
+
 def render_previews(task, model, run, step: int) -> list[Path]:
     """Render the task's prompts with the model being trained; the VAE and text encoders visit the
     accelerator only for the duration."""
     from diffusers import StableDiffusionXLPipeline
 
     cfg = task.cfg
-    prompts = read_prompts(cfg.preview.prompts)
+    prompts = task.preview_prompts
     if not prompts:
         return []
     p = task.pipe

@@ -32,6 +32,52 @@ log = logging.getLogger(__name__)
 # a smaller share of the step).
 TRANSFORMER_CLASSES = ("BasicTransformerBlock",)
 REGION_CLASSES = TRANSFORMER_CLASSES + ("ResnetBlock2D",)
+# What changes between aspect buckets in each repeated block's input: the token count of a transformer
+# block's hidden states, the height and width of a ResNet's feature map (core/speed.py: compile_regions).
+BUCKET_VARYING = {"BasicTransformerBlock": ("hidden_states", 0, (1,)),
+                  "ResnetBlock2D": ("input_tensor", 0, (2, 3))}
+
+# train.speed="auto" compiles a run that trains at least this many images: the first compilation takes
+# one to two minutes on a cold compile cache (seconds on a warm one), and a compiled step saves a fraction
+# of a second, so shorter runs end sooner without it (docs/speed.md; benchmarks/RESULTS.md).
+COMPILE_MIN_IMAGES = 3000
+
+
+def auto_levers(cfg, device_type: str, processes: int):
+    """train.speed="auto": the config with CUDA graphs, regional compilation and channels_last chosen for
+    this device and run, and why each was chosen, as {field: reason}. A lever the config sets explicitly is
+    kept as set; off a CUDA GPU, or with speed="off", nothing changes."""
+    tc = cfg.train
+    if tc.speed != "auto" or device_type != "cuda":
+        return cfg, {}
+    update, why = {}, {}
+
+    def choose(name: str, value, reason: str) -> None:
+        if name in tc.model_fields_set:
+            why[name] = f"{getattr(tc, name)!r}, as set"
+        else:
+            update[name], why[name] = value, f"{value!r}: {reason}"
+
+    checkpointed = tc.gradient_checkpointing or tc.checkpoint_budget_gb
+    if checkpointed and cfg.adapter.dropout:
+        choose("cuda_graphs", False, "adapter.dropout with checkpointing draws random numbers a graph cannot replay")
+    elif processes > 1 and tc.gradient_sync == "ddp":
+        choose("cuda_graphs", False, "train.gradient_sync='ddp' (DDP's hooks cannot be captured)")
+    else:
+        choose("cuda_graphs", True, "each bucket's forward and backward replayed at once, no launch overhead")
+    images = tc.steps * tc.batch_size * tc.grad_accum * processes
+    if cfg.model.quantize != "none" or cfg.model.quantize_convs != "none":
+        choose("compile", "none", "not yet measured with a quantized base")
+    elif images < COMPILE_MIN_IMAGES:
+        choose("compile", "none", f"the run trains {images:,} images, fewer than compiling pays for "
+                                  f"({COMPILE_MIN_IMAGES:,})")
+    else:
+        choose("compile", "regional", f"the run trains {images:,} images, enough to repay the compilation")
+    compiled = update.get("compile", tc.compile) == "regional"
+    choose("channels_last", compiled, "the compiled blocks' layout levers" if compiled
+           else "it pays together with regional compilation")
+    return cfg.model_copy(update={"train": tc.model_copy(update=update)}), why
+
 
 # Inductor options for the UNet's compiled regions. combo_kernels: independent small kernels of a graph
 # launched as one. Not triton.multi_kernel: a second compilation with it on a warm inductor cache fails in

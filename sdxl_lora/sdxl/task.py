@@ -28,7 +28,7 @@ from . import loss as diffusion
 from .cache import TensorCache, cache_key, file_digest
 from .model import load_pipeline, native_resolution, resolve_model_path
 from .plan import plan_unet
-from .preview import render_previews
+from .preview import PreviewPrompt, default_prompts, read_prompts, render_previews
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,13 @@ class SDXLTask(Task):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self._graphed = None  # train.cuda_graphs: True until the first training call builds the graphs
+        self._speed_choices: dict[str, str] = {}
+
+    def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
+        """train.speed="auto": CUDA graphs, compilation and channels_last chosen for this device and run
+        (sdxl/speed.py: auto_levers); set up and logged with the other levers."""
+        self.cfg, self._speed_choices = unet_speed.auto_levers(cfg, device_type, processes)
+        return self.cfg
 
     # ---- set-up, in dependency order ----
     def setup(self, accelerator, run: Run) -> None:
@@ -172,6 +179,7 @@ class SDXLTask(Task):
         self.noise_scheduler = self._noise_scheduler()
         self._read_data(run)
         self._fill_caches(run)
+        self.preview_prompts = self._preview_prompts()
         self._release_encoders()
         unet = self.pipe.unet
         self._plan(unet, run)
@@ -204,6 +212,14 @@ class SDXLTask(Task):
                   held_out=[str(i.path) for i in val_items], samples=len(self.dataset),
                   problems=[{"path": str(p.path), "reason": p.reason} for p in scanned.problems],
                   buckets={f"{w}x{h}": n for (w, h), n in scanned.bucket_histogram().items()})
+
+    def _preview_prompts(self) -> list[PreviewPrompt]:
+        """preview.prompts, read now (a bad file fails before training, not at the first preview); unset: the
+        demo base's own prompts, or a few of this dataset's captions (sdxl/preview.py: default_prompts)."""
+        if self.cfg.preview.prompts is not None:
+            return read_prompts(self.cfg.preview.prompts)
+        n = len(self.dataset.items)  # training items first in all_items; the held-out ones are not previewed
+        return default_prompts(self.cfg.model.path, self.all_items[:n], self.captions[:n])
 
     def _fill_caches(self, run: Run) -> None:
         """Latents (and masks) and text embeddings computed where the cache lacks them, the work split
@@ -329,6 +345,11 @@ class SDXLTask(Task):
         from ..core.accel import gradient_sync
 
         tc = self.cfg.train
+        if self._speed_choices:
+            log.info("train.speed='auto' on %s: %s", self.device,
+                     "; ".join(f"{k} {v}" for k, v in self._speed_choices.items()))
+            run.event("speed", auto=True, **{k: getattr(tc, k) for k in self._speed_choices},
+                      reasons=self._speed_choices)
         speed.configure_backends(self.device)
         if tc.sdpa_backend in ("cudnn", "efficient") and self.device.type != "cuda":
             raise ConfigError(f"train.sdpa_backend={tc.sdpa_backend!r} needs a CUDA GPU (the device is "
@@ -361,9 +382,12 @@ class SDXLTask(Task):
             unet_speed.transformer_io(unet, compile=tc.compile != "none")
         if tc.compile != "none":
             classes = unet_speed.REGION_CLASSES if tc.compile == "regional" else unet_speed.TRANSFORMER_CLASSES
+            # Several buckets: the blocks' token and spatial dims compiled as symbols, one compilation for all.
+            varying = unet_speed.BUCKET_VARYING if len(self.dataset.bucket_histogram()) > 1 else None
             n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget,
-                                      options=unet_speed.unet_inductor_options())
-            log.info("train.compile=%r: %d blocks compiled (the first steps include compilation)", tc.compile, n)
+                                      options=unet_speed.unet_inductor_options(), varying=varying)
+            log.info("train.compile=%r: %d blocks compiled%s (the first steps include compilation)", tc.compile, n,
+                     ", their shapes varying across the buckets" if varying else "")
             if tc.compile == "regional" and tc.channels_last:
                 # The compiled ResNets' surroundings in their layout (docs/speed.md): the up blocks' skip
                 # concatenation inside their graphs, the last GroupNorm and the upsamplers compiled, the

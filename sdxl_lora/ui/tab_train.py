@@ -42,10 +42,9 @@ def _widget(spec: FieldSpec, elem_prefix: str = "f-"):
 
 
 def _default_prompts() -> str:
-    # The schema's default prompts file ships with the package: show its text, the user edits it here.
-    default = Config().preview.prompts
-    p = Path(default) if default else None
-    return p.read_text(encoding="utf-8") if p and p.is_file() else ""
+    # The demo base's prompts (what preview.prompts unset gives it) ship with the repository: shown to edit.
+    p = SAMPLE_DATA / "prompts.txt"
+    return p.read_text(encoding="utf-8") if p.is_file() else ""
 
 
 def _default_dirs(f: Folders, choices: list[str]) -> list[str]:
