@@ -746,7 +746,7 @@ def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_
 
     monkeypatch.setattr(speed, "COMPILE_BACKEND", counting)
     common = ["--model", "tiny-sdxl", "--steps", "4", "--batch-size", "1", "--device", "cpu",
-              "--set", "train.compile='regional'", "--set", "data.resolution=128", "--set", "data.bucket_step=32", "--set", "train.save_every=0",
+              "--set", "train.compile='regional'", "--set", "train.channels_last=true", "--set", "data.resolution=128", "--set", "data.bucket_step=32", "--set", "train.save_every=0",
               "--set", "adapter.preset='attn'"]
     one = _bucketed_dataset(tmp_path / "data-one", [(128, 128)])
     three = _bucketed_dataset(tmp_path / "data-three", [(128, 128), (160, 96), (96, 160)], n=6)

@@ -61,18 +61,23 @@ def _compile_varying(module: torch.nn.Module, arg: str, position: int, dims: tup
     varying before each call. The mark has to come from outside the compiled code, so the forward becomes a
     small eager wrapper; dims the compiler finds it must fix stay fixed (maybe_mark_dynamic), costing a
     compilation per shape as without the mark."""
-    import torch._dynamo
-
     compiled = torch.compile(module.forward, **kwargs)
 
     def forward(*args, **kw):
-        x = kw.get(arg) if arg in kw else (args[position] if position < len(args) else None)
-        if isinstance(x, torch.Tensor):
-            for d in dims:
-                torch._dynamo.maybe_mark_dynamic(x, d)
+        mark_varying(kw.get(arg) if arg in kw else (args[position] if position < len(args) else None), dims)
         return compiled(*args, **kw)
 
     module.forward = forward
+
+
+def mark_varying(x, dims: tuple[int, ...]) -> None:
+    """Mark `dims` of tensor `x` as varying for the compiled code it goes into next. Only from eager code: inside
+    another compiled region the outer one's marks hold (and dynamo refuses the call)."""
+    import torch._dynamo
+
+    if isinstance(x, torch.Tensor) and not torch.compiler.is_compiling():
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(x, d)
 
 
 def _raise_recompile_limits() -> None:

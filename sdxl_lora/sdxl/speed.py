@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..core.lora_matmul import _base_linear, _dequantizable, _lora_factors, _lora_way, lora_linear
 from ..core import speed as core_speed
-from ..core.speed import CheckpointUnit, _raise_recompile_limits, compile_options, sdpa_context
+from ..core.speed import CheckpointUnit, _compile_varying, _raise_recompile_limits, compile_options, mark_varying, sdpa_context
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +142,22 @@ def unet_inductor_options() -> dict:
 
 
 @functools.cache
-def _compiled_for_unet(fn: Callable, backend: str) -> Callable:
-    """`fn` compiled once per backend for the UNet's regions (shared by every block it serves)."""
+def _compiled_for_unet(fn: Callable, backend: str, varying: bool = False) -> Callable:
+    """`fn` compiled once per backend for the UNet's regions (shared by every block it serves). varying:
+    its feature maps' height and width (and a token sequence's length) differ between calls (several
+    buckets), compiled as symbols."""
     _raise_recompile_limits()
-    return torch.compile(fn, **compile_options(backend, unet_inductor_options()))
+    if not varying:
+        return torch.compile(fn, **compile_options(backend, unet_inductor_options()))
+    compiled = torch.compile(fn, **compile_options(backend, unet_inductor_options(), dynamic=None))
+
+    def call(*args):
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.ndim in (3, 4):
+                mark_varying(a, (1,) if a.ndim == 3 else (2, 3))
+        return compiled(*args)
+
+    return call
 
 
 # ---- fused q/k/v projections ----
@@ -305,24 +317,36 @@ def _transformer_in(self, hidden_states):
     return self.proj_in(hidden_states), inner_dim
 
 
-def _transformer_out(self, hidden_states, residual, batch_size, height, width, inner_dim):
-    hidden_states = self.proj_out(hidden_states).reshape(batch_size, height, width, inner_dim)
+def _transformer_out(self, hidden_states, residual):
+    # The feature map's shape from the residual, not from the ints diffusers passes: a compiled graph would
+    # be specialised to each bucket's ints.
+    batch_size, _, height, width = residual.shape
+    hidden_states = self.proj_out(hidden_states).reshape(batch_size, height, width, -1)
     return hidden_states.permute(0, 3, 1, 2) + residual
 
 
-def transformer_io(model: torch.nn.Module, compile: bool, backend: str | None = None) -> int:
+def _way_out(fn: Callable) -> Callable:
+    """diffusers' _get_output_for_continuous_inputs(hidden_states, residual, batch, height, width, inner_dim)
+    as `fn(self, hidden_states, residual)`."""
+    def way_out(self, hidden_states, residual, *shape, **named_shape):
+        return fn(self, hidden_states, residual)
+    return way_out
+
+
+def transformer_io(model: torch.nn.Module, compile: bool, backend: str | None = None, varying: bool = False) -> int:
     """With channels_last: every Transformer2DModel with continuous input and linear projections (SDXL's) gets
-    the ways in and out above, compiled with `compile`. Returns how many."""
+    the ways in and out above, compiled with `compile` (their shapes varying across buckets with `varying`).
+    Returns how many."""
     import types
 
     fns = (_transformer_in, _transformer_out)
     if compile:
-        fns = tuple(_compiled_for_unet(fn, backend or core_speed.COMPILE_BACKEND) for fn in fns)
+        fns = tuple(_compiled_for_unet(fn, backend or core_speed.COMPILE_BACKEND, varying) for fn in fns)
     n = 0
     for m in model.modules():
         if type(m).__name__ == "Transformer2DModel" and m.is_input_continuous and m.use_linear_projection:
             m._operate_on_continuous_inputs = types.MethodType(fns[0], m)
-            m._get_output_for_continuous_inputs = types.MethodType(fns[1], m)
+            m._get_output_for_continuous_inputs = types.MethodType(_way_out(fns[1]), m)
             n += 1
     return n
 
@@ -378,12 +402,12 @@ def _up_block_forward(self, hidden_states, res_hidden_states_tuple, temb=None, u
     return hidden_states
 
 
-def fuse_skip_concat(model: torch.nn.Module, backend: str | None = None) -> int:
+def fuse_skip_concat(model: torch.nn.Module, backend: str | None = None, varying: bool = False) -> int:
     """With channels_last and compile: every diffusers up block (CrossAttnUpBlock2D, UpBlock2D) concatenates
     its skip connections inside its ResNets' compiled graphs (above). Returns how many blocks."""
     import types
 
-    cat_resnet = _compiled_for_unet(_cat_resnet, backend or core_speed.COMPILE_BACKEND)
+    cat_resnet = _compiled_for_unet(_cat_resnet, backend or core_speed.COMPILE_BACKEND, varying)
     n = 0
     for m in model.modules():
         if type(m).__name__ in ("CrossAttnUpBlock2D", "UpBlock2D"):
@@ -418,7 +442,7 @@ def _upsample(self, hidden_states, output_size=None, *args, **kwargs):
     return self.conv(_nearest2x(hidden_states))
 
 
-def compile_edges(model: torch.nn.Module, backend: str | None = None) -> int:
+def compile_edges(model: torch.nn.Module, backend: str | None = None, varying: bool = False) -> int:
     """With channels_last and compile: the UNet's last GroupNorm (conv_norm_out) and its upsamplers compiled as
     regions too. On CUDA, torch's eager GroupNorm copies a channels_last input to NCHW and hands back an NCHW
     gradient (which the compiled ResNet before it copies again), and diffusers' Upsample2D interpolates bf16 in
@@ -431,12 +455,16 @@ def compile_edges(model: torch.nn.Module, backend: str | None = None) -> int:
     n = 0
     for name, m in model.named_modules():
         if name == "conv_norm_out" and type(m) is torch.nn.GroupNorm:
-            m._group_norm_fn = _compiled_for_unet(_group_norm, backend or core_speed.COMPILE_BACKEND)
+            m._group_norm_fn = _compiled_for_unet(_group_norm, backend or core_speed.COMPILE_BACKEND, varying)
             m.forward = types.MethodType(_compiled_group_norm, m)
             n += 1
         elif type(m).__name__ == "Upsample2D":
             m.forward = types.MethodType(_upsample, m)
-            m.compile(**compile_options(backend, unet_inductor_options()))
+            if varying:
+                _compile_varying(m, "hidden_states", 0, (2, 3),
+                                 **compile_options(backend, unet_inductor_options(), dynamic=None))
+            else:
+                m.compile(**compile_options(backend, unet_inductor_options()))
             n += 1
     return n
 

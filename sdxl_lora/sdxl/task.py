@@ -377,23 +377,24 @@ class SDXLTask(Task):
         elif tc.checkpoint_budget_gb:
             fit = self._fit_checkpointing(unet, tc.checkpoint_budget_gb, graph_safe=graphs)
             run.event("checkpointing", budget_gb=tc.checkpoint_budget_gb, **fit)
+        # Several buckets: the compiled blocks' token and spatial dims are symbols, one compilation for all.
+        varying = len(self.dataset.bucket_histogram()) > 1
         if tc.channels_last:
             speed.to_channels_last(unet)
-            unet_speed.transformer_io(unet, compile=tc.compile != "none")
+            unet_speed.transformer_io(unet, compile=tc.compile != "none", varying=varying)
         if tc.compile != "none":
             classes = unet_speed.REGION_CLASSES if tc.compile == "regional" else unet_speed.TRANSFORMER_CLASSES
-            # Several buckets: the blocks' token and spatial dims compiled as symbols, one compilation for all.
-            varying = unet_speed.BUCKET_VARYING if len(self.dataset.bucket_histogram()) > 1 else None
             n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget,
-                                      options=unet_speed.unet_inductor_options(), varying=varying)
+                                      options=unet_speed.unet_inductor_options(),
+                                      varying=unet_speed.BUCKET_VARYING if varying else None)
             log.info("train.compile=%r: %d blocks compiled%s (the first steps include compilation)", tc.compile, n,
                      ", their shapes varying across the buckets" if varying else "")
             if tc.compile == "regional" and tc.channels_last:
                 # The compiled ResNets' surroundings in their layout (docs/speed.md): the up blocks' skip
                 # concatenation inside their graphs, the last GroupNorm and the upsamplers compiled, the
                 # convolutions' input gradients as convolutions (channels_last backward graphs).
-                unet_speed.fuse_skip_concat(unet)
-                unet_speed.compile_edges(unet)
+                unet_speed.fuse_skip_concat(unet, varying=varying)
+                unet_speed.compile_edges(unet, varying=varying)
                 unet_speed.conv_input_grad(unet)
         if tc.cuda_graphs:
             if self.device.type != "cuda":
