@@ -764,3 +764,23 @@ def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_
     assert {e["step"] for e in events if e["event"] == "samples"} == {0, 4}
     assert alone > 0 and len(graphs) == alone, (alone, len(graphs))
     torch._dynamo.reset()
+
+
+def test_graphs_over_several_buckets_are_left_off_or_refused_where_their_captures_would_not_fit():
+    # Capturing one bucket's graphs while another's hold their memory needs the step's estimate plus one
+    # more batch of activations: auto leaves graphs off then and says why; a user's own setting is refused
+    # before the run starts, with the ways on.
+    from sdxl_lora.core.config import ConfigError
+    from sdxl_lora.sdxl.memory import MemoryEstimate
+    from sdxl_lora.sdxl.speed import graphs_fit
+
+    gib = 2**30
+    est = MemoryEstimate(weights={"bf16": 5 * gib}, activations=67 * gib)  # batch 16 at 1024, about
+    h200 = 139 * gib
+    assert graphs_fit(True, est, 1, h200) == (True, "")  # one bucket: the step's own memory
+    fits, why = graphs_fit(True, est, 3, h200)
+    assert not fits and "3 buckets" in why and "running without graphs" in why
+    with pytest.raises(ConfigError, match="train.cuda_graphs=false"):
+        graphs_fit(False, est, 3, h200)
+    small = MemoryEstimate(weights={"bf16": 5 * gib}, activations=18 * gib)  # batch 4
+    assert graphs_fit(False, small, 3, h200) == (True, "")

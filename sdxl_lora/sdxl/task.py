@@ -159,10 +159,12 @@ class SDXLTask(Task):
         self.cfg = cfg
         self._graphed = None  # train.cuda_graphs: True until the first training call builds the graphs
         self._speed_choices: dict[str, str] = {}
+        self._explicit: set[str] = set(cfg.train.model_fields_set)
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
         """train.speed="auto": CUDA graphs, compilation and channels_last chosen for this device and run
         (sdxl/speed.py: auto_levers); set up and logged with the other levers."""
+        self._explicit = set(cfg.train.model_fields_set)  # what the user set, before auto adds to it
         self.cfg, self._speed_choices = unet_speed.auto_levers(cfg, device_type, processes)
         return self.cfg
 
@@ -266,8 +268,12 @@ class SDXLTask(Task):
         largest = max(w * h for w, h in self.dataset.bucket_histogram())
         planned = plan_unet(self.cfg, unet, native_resolution(self.pipe), resolution=round(largest ** 0.5),
                             mixed_precision=self.accelerator.mixed_precision)
-        self.plan = planned.plan
+        self.plan, self.memory = planned.plan, planned.memory
         log.info("%s", planned.memory.format())
+        buckets = len(self.dataset.bucket_histogram())
+        if self.cfg.train.cuda_graphs and buckets > 1:
+            log.info("  with CUDA graphs over %d buckets: %.2f GiB while each bucket's graphs are captured (one "
+                     "more batch of activations)", buckets, (planned.memory.total + planned.memory.activations) / 2**30)
         run.event("memory_estimate", **planned.memory.as_dict())
 
     def _inject_adapter(self, unet, run: Run) -> None:
@@ -396,6 +402,14 @@ class SDXLTask(Task):
                 unet_speed.fuse_skip_concat(unet, varying=varying)
                 unet_speed.compile_edges(unet, varying=varying)
                 unet_speed.conv_input_grad(unet)
+        if tc.cuda_graphs and self.device.type == "cuda" and len(self.dataset.bucket_histogram()) > 1:
+            fits, why = unet_speed.graphs_fit("cuda_graphs" not in self._explicit, self.memory,
+                                              len(self.dataset.bucket_histogram()),
+                                              torch.cuda.get_device_properties(self.device).total_memory)
+            if not fits:
+                log.warning("train.speed='auto': %s", why)
+                run.event("speed", auto=True, cuda_graphs=False, reasons={"cuda_graphs": why})
+                tc.cuda_graphs = False
         if tc.cuda_graphs:
             if self.device.type != "cuda":
                 log.warning("train.cuda_graphs needs a CUDA device; running without (device is %s)", self.device)
