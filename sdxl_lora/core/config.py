@@ -6,6 +6,7 @@ overrides. Errors name the field, the bad value and what is allowed.
 from __future__ import annotations
 
 import functools
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -22,6 +23,9 @@ DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / DEMO_NAME
 # config, no [model]): they apply wherever the user's config is silent. A 9M-parameter base wants other
 # settings than SDXL's 2.6B; the demo base ships one (docs/demo_base.md).
 RECOMMENDED_SETTINGS = "sdxl_lora.toml"
+
+
+_EXTENSION = re.compile(r"\.[A-Za-z0-9_.-]{1,32}")
 
 
 class ConfigError(ValueError):
@@ -107,6 +111,11 @@ class DataConfig(Section):
     def _dot(cls, v: str) -> str:
         if not v.startswith("."):
             raise ValueError(f"must start with a dot, e.g. '.{v}'")
+        # An extension, never a path: the caption file sits beside its image, whoever writes it (the UI's
+        # caption editor, a captioner).
+        if not _EXTENSION.fullmatch(v) or ".." in v:
+            raise ValueError("must be a file extension such as '.txt' or '.caption' (a dot, then letters, "
+                             "digits, '-', '_' or single dots), not a path")
         return v
 
     @field_validator("mask_suffix")

@@ -53,7 +53,10 @@ def _save(f: Folders, items, index, text: str, ext: str):
         DataConfig(caption_extension=ext)
     except ValueError as e:
         return items, gr.skip(), f"**Error:** caption extension {ext!r}: {e}"
-    sidecar = Path(os.path.splitext(path)[0] + ext)
+    # Beside its image, in the image's own folder, and through the same folder check as every other path.
+    sidecar = f.inside(os.path.splitext(path)[0] + ext, "datasets")
+    if sidecar.parent != path.parent or not path.is_file():
+        raise PathRefused(f"{sidecar} is not beside {path.name}; a caption is written next to its image only")
     caption = " ".join(text.split())
     atomic_write_text(sidecar, caption + "\n")
     items = [list(it) for it in items]
