@@ -121,3 +121,53 @@ def test_every_field_has_a_short_description_for_users():
     for key, text in leaves(Config):
         assert text, f"{key} has no description"
         assert len(text) <= 200 and not lab_notes.search(text), f"{key}: {text!r}"
+
+
+def _number_fields():
+    """Every int and float field of the schema, as (dotted key, type)."""
+    import types as _types
+    import typing
+
+    from sdxl_lora.core.config import Config
+
+    out = []
+    for section, info in Config.model_fields.items():
+        model = info.annotation
+        if not isinstance(model, type) or not hasattr(model, "model_fields"):
+            continue
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            args = [a for a in typing.get_args(ann) if a is not type(None)] \
+                if typing.get_origin(ann) in (typing.Union, _types.UnionType) else [ann]
+            if len(args) == 1 and args[0] in (int, float):
+                out.append((f"{section}.{name}", args[0]))
+    return out
+
+
+def test_no_number_field_takes_inf_or_nan_and_each_refusal_names_the_field():
+    fields = _number_fields()
+    assert len(fields) > 40  # the walk reaches the whole schema
+    for key, typ in fields:
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            with pytest.raises(ConfigError, match=key.split(".")[1]):
+                load_config(extra={key: bad})
+
+
+def test_out_of_range_numbers_are_refused_with_the_field_and_the_bound():
+    for key, bad in (("data.resolution", 0), ("data.resolution", -64), ("data.resolution", 10_000_000),
+                     ("adapter.alpha", -4), ("adapter.overrides", {"*.attn2.to_v": -8}),
+                     ("train.lr_multipliers", {"OUT00": -0.5}), ("train.lr", 0), ("data.bucket_step", 0),
+                     ("preview.guidance", -1.0), ("data.max_aspect", 0.5)):
+        with pytest.raises(ConfigError) as err:
+            load_config(extra={key: bad})
+        assert key.split(".")[1] in str(err.value), (key, str(err.value))
+
+
+def test_a_config_file_that_is_not_utf8_text_is_a_clear_error(tmp_path):
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('[data]\ntrigger_word = "caf\xe9"\n'.encode("latin-1"))
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(bytes(range(256)))
+    for p in (latin1, binary):
+        with pytest.raises(ConfigError, match="not UTF-8"):
+            load_config(p)

@@ -9,7 +9,7 @@ import functools
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -33,7 +33,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No field takes inf or nan: a learning rate or noise offset of inf trains to NaN and still "finishes".
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 # Which tasks a field does something for: json_schema_extra={"tasks": ...} on the field, or on its section's
@@ -75,24 +76,24 @@ class DataConfig(Section):
         "The word that calls your concept up: put first in every caption that lacks it."))
     class_token: str = Field("", description=(
         "What the concept is (e.g. 'dog'): with the trigger word, the caption of images that have none."))
-    resolution: int | None = Field(None, description=(
+    resolution: int | None = Field(None, ge=64, le=8192, description=(
         "Training resolution (the side of a square of the same area); none means the model's native one."))
-    bucket_step: int = Field(64, description="Bucket sides are multiples of this many pixels (a multiple of 8).")
-    max_aspect: float = Field(2.0, description="The most elongated bucket, long side over short side.")
+    bucket_step: int = Field(64, ge=8, le=512, description="Bucket sides are multiples of this many pixels (a multiple of 8).")
+    max_aspect: float = Field(2.0, ge=1.0, le=8.0, description="The most elongated bucket, long side over short side.")
     crop: Literal["center", "random"] = Field("center", description="Where an image is cropped to fit its bucket.")
     flip: bool = Field(False, description=(
         "Mirror images left-right at random (not for text or one-sided subjects)."))
     small_images: Literal["upscale", "skip"] = Field("upscale", description=(
         "What to do with images smaller than min_size_fraction of the resolution."))
-    min_size_fraction: float = Field(0.5, description=(
+    min_size_fraction: float = Field(0.5, gt=0, le=1, description=(
         "Images with fewer pixels than (resolution x this)^2 count as small."))
-    max_pixels: int = Field(100_000_000, description=(
+    max_pixels: int = Field(100_000_000, ge=1, description=(
         "Images with more pixels than this are refused (a guard against decompression bombs)."))
     # Skipped whatever small_images says: upscaling icons, tracking pixels or broken thumbnails only teaches blur.
     min_side: int = Field(16, ge=1, description="Images with a side shorter than this many pixels are always skipped.")
     shuffle_tags: bool = Field(False, description=(
         "Shuffle a caption's comma-separated tags each time it is used (the first keep_tokens stay)."))
-    keep_tokens: int = Field(0, description="With shuffle_tags: how many leading tags stay in place.")
+    keep_tokens: int = Field(0, ge=0, description="With shuffle_tags: how many leading tags stay in place.")
     caption_dropout: float = Field(0.0, description=(
         "Chance an image trains with an empty caption, which keeps classifier-free guidance working."))
     validation_split: float = Field(0.0, ge=0.0, lt=1.0, description=(
@@ -140,14 +141,14 @@ class AdapterConfig(Section):
         "topology (attention, ranks weighted by layer), full (attention and feed-forward)."))
     rank: int = Field(16, ge=1, le=1024, description=(
         "The base LoRA rank (SDXL: at the model's native resolution, see scale_rank_with_resolution)."))
-    alpha: float | None = Field(None, description=(
+    alpha: float | None = Field(None, gt=0, description=(
         "LoRA alpha; none means alpha = rank (scale 1). Every layer keeps the same alpha/rank ratio."))
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input while training.")
     scale_rank_with_resolution: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
         "Scale the rank by sqrt(resolution / native resolution), rounded and kept in [min_rank, max_rank]."))
     min_rank: int = Field(1, ge=1, description="The lowest rank a layer gets after scaling, weighting or a budget.")
     max_rank: int = Field(256, ge=1, description="The highest rank a layer gets after scaling, weighting or a budget.")
-    overrides: dict[str, int] = Field(default_factory=dict, description=(
+    overrides: dict[str, Annotated[int, Field(ge=0, le=1024)]] = Field(default_factory=dict, description=(
         "Per-layer ranks: glob on a module path or kohya block id -> rank, 0 leaves it out; the last match wins. "
         "E.g. {\"*.attn2.to_v\" = 32, \"OUT0[0-2]\" = 8}."))
     lora_bias: bool = Field(False, description="LoRA-Bias: a trainable bias on each adapter's up projection.")
@@ -187,7 +188,7 @@ class TrainConfig(Section):
         "Learning rate of the UNet's adapters; none means train.lr."))
     text_encoder_lr: float | None = Field(None, gt=0, json_schema_extra=SDXL_ONLY, description=(
         "Learning rate of the text encoders' adapters; none means train.lr."))
-    lr_multipliers: dict[str, float] = Field(default_factory=dict, json_schema_extra=SDXL_ONLY, description=(
+    lr_multipliers: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict, json_schema_extra=SDXL_ONLY, description=(
         "Per-layer lr factors: glob on a UNet module path or kohya block id -> multiplier; the last match wins. "
         "E.g. {\"OUT0[0-2]\" = 0.5}."))
     # The paged optimizers keep their state in memory that can spill to the host under pressure; prodigy finds
@@ -317,7 +318,7 @@ class PreviewConfig(Section):
     every: int = Field(0, ge=0, description=(
         "Also preview, and compute the validation loss, every N steps; 0: only before and after."))
     steps: int = Field(20, ge=1, json_schema_extra=SDXL_ONLY, description="Sampling steps of each preview image.")
-    guidance: float = Field(5.0, json_schema_extra=SDXL_ONLY, description=(
+    guidance: float = Field(5.0, ge=0, json_schema_extra=SDXL_ONLY, description=(
         "Classifier-free guidance scale of the previews."))
     guidance_rescale: float | None = Field(None, ge=0, le=1, json_schema_extra=SDXL_ONLY, description=(
         "Classifier-free guidance rescale (Lin et al. 2023); none means 0.7 with train.zero_terminal_snr, else 0."))
@@ -491,6 +492,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             tree = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
+                              "save it as UTF-8 TOML") from None
         source = str(p)
     for item in overrides or []:
         if "=" not in item:
