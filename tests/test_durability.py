@@ -120,3 +120,48 @@ def test_resume_without_a_state_says_so(tmp_path):
     p = train(tmp_path, "--resume", str(tmp_path / "s"), check=False)
     assert p.returncode == 2
     assert "no complete training state" in p.stderr
+
+
+def test_starts_released_together_never_share_a_run_folder(tmp_path):
+    # Several starts of one run name at the same moment: exactly one gets the folder, the others are told
+    # it exists; the winner's config.toml is whole.
+    import threading
+
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.core.runs import RunExistsError, create_run
+
+    cfg = load_config(extra={"output.runs_dir": str(tmp_path), "output.name": "same"})
+    for attempt in range(20):
+        cfg.output.name = f"same-{attempt}"
+        gate, won, lost = threading.Barrier(8), [], []
+
+        def start():
+            gate.wait()
+            try:
+                won.append(create_run(cfg))
+            except RunExistsError:
+                lost.append(1)
+
+        threads = [threading.Thread(target=start) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1 and len(lost) == 7, (attempt, len(won), len(lost))
+        assert load_config(won[0].dir / "config.toml").output.name == f"same-{attempt}"
+        assert sorted(p.name for p in won[0].dir.iterdir()) == ["config.toml", "samples"]
+
+
+def test_a_start_killed_before_its_config_was_written_leaves_the_name_usable(tmp_path):
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.core.runs import RunExistsError, create_run
+
+    cfg = load_config(extra={"output.runs_dir": str(tmp_path), "output.name": "r"})
+    (tmp_path / "r" / "samples").mkdir(parents=True)
+    torn = tmp_path / "r" / ".config.toml.abc.tmp"
+    torn.write_text("[train]\nsteps = ")  # never linked into place
+    os.utime(torn, (time.time() - 3600,) * 2)  # an hour ago
+    run = create_run(cfg)
+    assert (run.dir / "config.toml").is_file() and not list(run.dir.glob(".config.toml.*"))
+    with pytest.raises(RunExistsError, match="already exists"):
+        create_run(cfg)

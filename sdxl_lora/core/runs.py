@@ -14,13 +14,14 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .fsutil import atomic_write_text
+from .fsutil import fsync_dir
 
 
 class RunExistsError(FileExistsError):
@@ -89,18 +90,59 @@ def create_run(cfg: Config) -> Run:
     return _make_run(cfg, cfg.output.name or default_run_name())
 
 
+_CLAIM_PREFIX = ".config.toml."  # the config being written, before it is linked into place
+
+
+def _taken(run_dir: Path) -> bool:
+    """Whether a run lives in `run_dir`: anything in it but what a start killed before it wrote its config
+    leaves (a config being written, an empty samples folder) counts."""
+    if not run_dir.is_dir():
+        return False
+    for entry in run_dir.iterdir():
+        if entry.name.startswith(_CLAIM_PREFIX):
+            continue
+        if entry.name == "samples" and entry.is_dir() and not any(entry.iterdir()):
+            continue
+        return True
+    return False
+
+
 def _make_run(cfg: Config, name: str) -> Run:
     run_dir = Path(cfg.output.runs_dir) / name
-    if run_dir.exists() and any(run_dir.iterdir()):
+    exists = (f"run folder {run_dir} already exists; choose another output.name (--name), resume it with "
+              f"--resume {run_dir}, or pass --overwrite to replace it")
+    if _taken(run_dir):
         if not cfg.output.overwrite:
-            raise RunExistsError(
-                f"run folder {run_dir} already exists; choose another output.name (--name), "
-                f"resume it with --resume {run_dir}, or pass --overwrite to replace it")
+            raise RunExistsError(exists)
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # The run is claimed by its config.toml appearing, complete, under its name: written beside it, then
+    # hard-linked into place, which fails when another process got there first (a check, then a write,
+    # would let two starts released together both claim the folder).
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=run_dir, prefix=_CLAIM_PREFIX, suffix=".tmp",
+                                     delete=False) as tmp:
+        tmp.write(cfg.to_toml())
+        tmp.flush()
+        os.fsync(tmp.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp.name, 0o666 & ~umask)  # the usual mode, not the temp file's private one
+    try:
+        os.link(tmp.name, run_dir / "config.toml")
+    except (FileExistsError, FileNotFoundError):  # taken (the winner may have cleared this start's file)
+        raise RunExistsError(exists) from None
+    finally:
+        Path(tmp.name).unlink(missing_ok=True)
+    for stale in run_dir.glob(_CLAIM_PREFIX + "*"):
+        # What starts killed mid-write left here; not a start still writing (that takes milliseconds).
+        try:
+            if time.time() - stale.stat().st_mtime > 60:
+                stale.unlink()
+        except FileNotFoundError:
+            pass
+    fsync_dir(run_dir)
     run = Run(run_dir)
     run.samples_dir.mkdir(exist_ok=True)
-    atomic_write_text(run_dir / "config.toml", cfg.to_toml())
     return run
 
 
