@@ -178,6 +178,24 @@ def test_truncation_is_reported(tokenizer, tmp_path):
     assert "truncated: 2 example(s)" in text and "dropped: 1 example(s)" in text
 
 
+def test_bad_lines_are_refused_naming_the_file_and_line(tokenizer, tmp_path):
+    good = json.dumps({"instruction": "Say hi.", "output": "hi"}) + "\n"
+    cases = {
+        "latin1.jsonl": (good + '{"instruction": "caf\xe9?", "output": "yes"}\n').encode("latin-1"),
+        "role.jsonl": (good + json.dumps({"messages": [{"role": "human", "content": "hi"},
+                                                        {"role": "assistant", "content": "hello"}]}) + "\n").encode(),
+        "empty.jsonl": (good + json.dumps({"instruction": "Say nothing.", "output": "  "}) + "\n").encode(),
+    }
+    expected = {"latin1.jsonl": "latin1.jsonl:2 is not UTF-8", "role.jsonl": r"role.jsonl:2: unknown role\(s\) 'human'",
+                "empty.jsonl": "empty.jsonl:2: an empty answer"}
+    for name, content in cases.items():
+        f = tmp_path / name
+        f.write_bytes(content)
+        cfg = load_config(extra={"task": "llm", "llm.data": [str(f)]}).llm
+        with pytest.raises(llm_data.DataError, match=expected[name]):
+            llm_data.read_examples(cfg, tokenizer)
+
+
 def test_bad_model_folder_is_refused(tmp_path, capsys):
     folder = tmp_path / "vit"
     folder.mkdir()

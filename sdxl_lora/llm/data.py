@@ -94,6 +94,10 @@ def chat_template(cfg: LLMConfig, tokenizer) -> str:
     return DEFAULT_CHAT_TEMPLATE
 
 
+# The roles a chat line may use: what chat templates render (tool results count as context, like the user's).
+ROLES = ("system", "user", "assistant", "tool")
+
+
 def to_messages(row: dict, fmt: str, where: str, system_prompt: str | None) -> list[dict]:
     """One JSONL line as chat messages, with the system prompt added when the line has none."""
     kind = fmt if fmt != "auto" else ("chat" if "messages" in row else "alpaca" if "instruction" in row else None)
@@ -114,8 +118,15 @@ def to_messages(row: dict, fmt: str, where: str, system_prompt: str | None) -> l
     else:
         raise DataError(f"{where}: neither a chat line ('messages') nor an alpaca line ('instruction', 'output'); "
                         f"keys are {sorted(row)}")
+    unknown = sorted({m["role"] for m in msgs} - set(ROLES))
+    if unknown:
+        raise DataError(f"{where}: unknown role(s) {', '.join(map(repr, unknown))}; a message's role is one of "
+                        f"{', '.join(ROLES)}")
     if not any(m["role"] == "assistant" for m in msgs):
         raise DataError(f"{where}: no assistant turn, so nothing to learn")
+    if any(m["role"] == "assistant" and not m["content"].strip() for m in msgs):
+        raise DataError(f"{where}: an empty answer (it would teach the model to say nothing); fill it in or "
+                        "remove the line")
     if system_prompt and msgs[0]["role"] != "system":
         msgs.insert(0, {"role": "system", "content": system_prompt})
     return msgs
@@ -164,8 +175,13 @@ def read_examples(cfg: LLMConfig, tokenizer) -> tuple[list[Example], DataReport]
         if not path.is_file():
             raise DataError(f"llm.data: {path} does not exist (give JSONL files of alpaca or chat lines)")
         n = 0
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno} is not UTF-8 text (byte {e.start + 1} of the line is "
+                                    f"{raw[e.start:e.start + 1]!r}); save the file as UTF-8") from None
                 if not line.strip():
                     continue
                 where = f"{path.name}:{lineno}"
