@@ -80,9 +80,10 @@ def find_run(where: str, runs_dir: str | Path | None = None) -> Path:
 
     if where == "latest":
         runs_dir = Path(runs_dir or load_config().output.runs_dir)
-        candidates = [d for d in runs_dir.iterdir() if (d / "checkpoints").is_dir()] if runs_dir.is_dir() else []
+        candidates = [d for d in runs_dir.iterdir() if (d / "checkpoints").is_dir() and finished_at(d) is None] \
+            if runs_dir.is_dir() else []
         if not candidates:
-            raise FileNotFoundError(f"--resume latest: no run with checkpoints under {runs_dir}")
+            raise FileNotFoundError(f"--resume latest: no unfinished run with checkpoints under {runs_dir}")
         run_dir = max(candidates, key=lambda d: (d / "events.jsonl").stat().st_mtime
                       if (d / "events.jsonl").exists() else 0)
     else:
@@ -90,6 +91,19 @@ def find_run(where: str, runs_dir: str | Path | None = None) -> Path:
     if not (run_dir / "config.toml").is_file():
         raise FileNotFoundError(f"--resume {run_dir}: not a run folder (no config.toml)")
     return run_dir
+
+
+def finished_at(run_dir: Path) -> int | None:
+    """The step a run finished at (its last "done" event, unless a resume came after it), or None."""
+    from .core.runs import read_events
+
+    done = None
+    for e in read_events(run_dir / "events.jsonl"):
+        if e["event"] == "done":
+            done = e.get("step")
+        elif e["event"] == "resume":
+            done = None
+    return done
 
 
 def resume_job(where: str, overrides: Sequence[str] = (), extra: dict[str, Any] | None = None,
@@ -102,6 +116,10 @@ def resume_job(where: str, overrides: Sequence[str] = (), extra: dict[str, Any] 
 
     run_dir = find_run(where, runs_dir)
     cfg = load_config(run_dir / "config.toml", list(overrides), extra)
+    done = finished_at(run_dir)
+    if done is not None and cfg.train.steps <= done:
+        raise FileExistsError(f"--resume {run_dir}: the run has finished ({done} steps, its adapter written); "
+                              f"to train it further give more steps (--steps N, N > {done}), or start a new run")
     state = checkpoint.newest_valid(run_dir / "checkpoints")
     if state is None:
         raise FileNotFoundError(f"--resume {run_dir}: no complete training state in {run_dir / 'checkpoints'}; "

@@ -117,7 +117,8 @@ def test_ctrl_c_saves_the_state_and_resume_continues_from_the_next_step(tmp_path
 
 def test_resume_without_a_state_says_so(tmp_path):
     train(tmp_path, "--name", "s", "--steps", "2", "--set", "preview.prompts=''", "--set", "train.save_every=0")
-    p = train(tmp_path, "--resume", str(tmp_path / "s"), check=False)
+    # Finished without a saved state: training it further has nothing to start from.
+    p = train(tmp_path, "--resume", str(tmp_path / "s"), "--steps", "4", check=False)
     assert p.returncode == 2
     assert "no complete training state" in p.stderr
 
@@ -165,3 +166,32 @@ def test_a_start_killed_before_its_config_was_written_leaves_the_name_usable(tmp
     assert (run.dir / "config.toml").is_file() and not list(run.dir.glob(".config.toml.*"))
     with pytest.raises(RunExistsError, match="already exists"):
         create_run(cfg)
+
+
+def test_resume_with_another_plan_or_dataset_is_refused_naming_what_changed(tmp_path, capsys):
+    # The run's identity (base, adapter plan, images) is kept with each state: a resume whose config gives
+    # another one stops before loading anything, with the differences and the ways on; steps may change.
+    import shutil
+
+    from sdxl_lora.cli import main
+    from sdxl_lora.core.config import SAMPLE_DATA
+
+    cache = ["--set", f"data.cache_dir='{tmp_path / 'cache'}'"]
+    assert main(["train", "--out", str(tmp_path), "--name", "r", "--steps", "2", "--set", "preview.prompts=''",
+                 "--set", "train.save_every=1", *cache]) == 0
+    run = tmp_path / "r"
+    capsys.readouterr()
+    # A finished run resumes only to train further.
+    assert main(["train", "--resume", str(run)]) == 2
+    assert "the run has finished (2 steps" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--steps", "3", "--set", "adapter.rank=4"]) == 2
+    err = capsys.readouterr().err
+    assert "another model, adapter plan or dataset" in err and "adapter:" in err and "config.toml" in err, err
+    other = tmp_path / "other"
+    shutil.copytree(SAMPLE_DATA / "images", other)
+    (other / sorted(p.name for p in other.glob("*.png"))[0]).unlink()
+    assert main(["train", "--resume", str(run), "--steps", "3", "--set", f"data.dirs=['{other}']"]) == 2
+    assert "images:" in capsys.readouterr().err
+    # What may change does: a longer run resumes and finishes, its adapter replaced by the longer run's.
+    assert main(["train", "--resume", str(run), "--steps", "3"]) == 0
+    assert [e["step"] for e in read_events(run / "events.jsonl") if e["event"] == "done"][-1] == 3

@@ -55,6 +55,26 @@ from .task import Task
 log = logging.getLogger(__name__)
 
 
+def identity_changes(saved: dict | None, now: dict) -> list[str]:
+    """What differs between the identity a state was saved with and this run's (Task.identity), in words;
+    nothing for a state saved before identities were kept."""
+    if not saved:
+        return []
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        was, is_ = saved.get(key), now.get(key)
+        if was == is_:
+            continue
+        if isinstance(was, dict) and isinstance(is_, dict):
+            changed = sorted(k for k in set(was) | set(is_) if was.get(k) != is_.get(k))
+            shown = ", ".join(f"{k}: {was.get(k)} -> {is_.get(k)}" for k in changed[:3])
+            out.append(f"{key}: {len(changed)} of {len(set(was) | set(is_))} entries differ ({shown}"
+                       f"{', ...' if len(changed) > 3 else ''})")
+        else:
+            out.append(f"{key}: {was!r} -> {is_!r}")
+    return out
+
+
 def _eager():
     """Evaluation, validation and previews run the model's compiled regions as plain PyTorch: they see
     other shapes (and no gradients) than training, and compiling those would cost minutes for a few
@@ -373,6 +393,7 @@ class Trainer:
                          "schedule": self.schedule.state_dict(), "rng": rng}
         if self.ema is not None:
             trainer_state["ema"] = self.ema.state_dict()
+        trainer_state["identity"] = self.task.identity()
         path = checkpoint.save_state(self.run.checkpoints_dir, self.step, self._trainable(),
                                      self.optimizer.state_dict(), trainer_state, self.cfg.train.keep_checkpoints)
         self.run.event("checkpoint", step=self.step, path=str(path))
@@ -392,13 +413,24 @@ class Trainer:
 
     def _load(self, state: Path) -> None:
         adapter, opt_state, tr = checkpoint.load_state(state)
+        changes = identity_changes(tr.get("identity"), self.task.identity())
+        if changes:
+            raise checkpoint.CheckpointError(
+                f"{state} was saved by a run of another model, adapter plan or dataset than this config gives:\n"
+                + "".join(f"  - {c}\n" for c in changes)
+                + f"Undo the change (the run's settings are in {self.run.dir / 'config.toml'}) to resume, or "
+                "start a new run with the new settings (`sdxl-lora export` writes this state's adapter out). "
+                "Steps, the learning rate and its schedule, batch size, logging, saving and previews may change "
+                "on resume.")
         if self.task.restore_step(tr["step"], self.accelerator.unwrap_model(self.model)):
             self._rebuild_optimizer()
         params = self._trainable()
-        if adapter.keys() != params.keys():
+        shapes = [n for n in adapter.keys() & params.keys() if adapter[n].shape != params[n].shape]
+        if adapter.keys() != params.keys() or shapes:
             raise checkpoint.CheckpointError(
                 f"{state}: its adapter does not match this run's plan ({len(adapter)} tensors saved, "
-                f"{len(params)} expected); resume with the run's own config")
+                f"{len(params)} expected{f'; {len(shapes)} of another shape, e.g. {sorted(shapes)[0]}' if shapes else ''}); "
+                "resume with the run's own config")
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(adapter[name])

@@ -77,6 +77,12 @@ class Task(ABC):
         builds a new optimizer over them)."""
         return False
 
+    def identity(self) -> dict[str, Any]:
+        """What makes this run this run (its base model, adapter plan, data), in plain values: saved with
+        each training state, and a resume whose config gives another identity is refused, naming what
+        differs. Empty: no check."""
+        return {}
+
     def restore_step(self, step: int, model: torch.nn.Module) -> bool:
         """Before a resume at `step`, ahead of loading the saved weights: give the trainable parameters the
         shapes they had at that step. True when any was replaced."""

@@ -16,6 +16,7 @@ Set-up order: model -> tokenizer and data -> plan -> adapter -> speed levers.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import re
 from pathlib import Path
@@ -90,6 +91,7 @@ class LLMTask(Task):
         cfg = self.cfg
         self.template = llm_data.chat_template(cfg.llm, self.tokenizer)
         examples, report = llm_data.read_examples(cfg.llm, self.tokenizer)
+        self.examples = examples
         train, val = llm_data.split(examples, cfg.llm.validation_split)
         self.train_rows = llm_data.RowDataset(train, cfg.llm.max_length, cfg.llm.packing)
         report.rows = len(self.train_rows)
@@ -107,6 +109,14 @@ class LLMTask(Task):
         return inject.calibrate(self.lm, self.plan, lambda: iter(self.dataloader()), lambda b: self.loss(self.lm, b),
                                 self.cfg.adapter.calibration_batches,
                                 [self.device] if self.device.type == "cuda" else [])
+
+    def identity(self) -> dict:
+        """The base, the adapter plan and the examples: what a resume must find unchanged."""
+        cfg = self.cfg
+        rows = hashlib.sha256("".join(f"{e.source}:{len(e.input_ids)}\n" for e in self.examples).encode())
+        return {"model": cfg.model.path, "quantize": cfg.model.quantize, "max_length": cfg.llm.max_length,
+                "examples": f"{len(self.examples)} examples, {rows.hexdigest()[:12]}",
+                "adapter": {s.name: self.plan.rank[s.name] for s in self.plan.targets}}
 
     # ---- what the loop asks for ----
     def model(self) -> torch.nn.Module:

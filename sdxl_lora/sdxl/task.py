@@ -215,6 +215,19 @@ class SDXLTask(Task):
                   problems=[{"path": str(p.path), "reason": p.reason} for p in scanned.problems],
                   buckets={f"{w}x{h}": n for (w, h), n in scanned.bucket_histogram().items()})
 
+    def identity(self) -> dict:
+        """The base (as configured, and how it is stored), the training resolution, the planned adapter
+        (before any rank schedule) and the images: what a resume must find unchanged."""
+        cfg = self.cfg
+        images = hashlib.sha256()
+        for item in sorted(self.all_items, key=lambda it: str(it.path)):
+            images.update(f"{item.path.relative_to(item.dataset)}:{item.path.stat().st_size}:{item.repeats}\n"
+                          .encode())
+        return {"model": cfg.model.path, "quantize": f"{cfg.model.quantize}/{cfg.model.quantize_convs}",
+                "resolution": self.resolution, "images": f"{len(self.all_items)} images, {images.hexdigest()[:12]}",
+                "adapter": {s.name: self.planned.rank[s.name] for s in self.planned.targets},
+                "text_encoders": cfg.adapter.train_text_encoder}
+
     def _preview_prompts(self) -> list[PreviewPrompt]:
         """preview.prompts, read now (a bad file fails before training, not at the first preview); unset: the
         demo base's own prompts, or a few of this dataset's captions (sdxl/preview.py: default_prompts)."""
@@ -819,9 +832,11 @@ class SDXLTask(Task):
         if any(layer.bias is not None for layer in adapter.layers.values()):
             log.warning("adapter.lora_bias: the kohya format has no LoRA bias, so %s is in diffusers format "
                         "(diffusers and peft load it; ComfyUI and AUTOMATIC1111 may not)", main.name)
-            return {"diffusers": save_diffusers_lora(adapter, main, extra_metadata=meta)}
-        kohya = save_kohya_lora(adapter, main, unet_config=unet.config, metadata=meta)
-        diffusers = save_diffusers_lora(adapter, run.dir / f"{run.name}.diffusers.safetensors", extra_metadata=meta)
+            return {"diffusers": save_diffusers_lora(adapter, main, extra_metadata=meta, overwrite=True)}
+        # overwrite: these are the run's own files; a finished run resumed to train further replaces them.
+        kohya = save_kohya_lora(adapter, main, unet_config=unet.config, metadata=meta, overwrite=True)
+        diffusers = save_diffusers_lora(adapter, run.dir / f"{run.name}.diffusers.safetensors", extra_metadata=meta,
+                                        overwrite=True)
         return {"kohya": kohya, "diffusers": diffusers}
 
     def preview(self, model, run: Run, step: int) -> list[Path]:
