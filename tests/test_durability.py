@@ -1,5 +1,6 @@
 """A run is never lost: SIGKILL at any point, a corrupt newest state, Ctrl-C — each resumes to the
 same adapter, bit for bit, as an uninterrupted run with the same seed (CPU, tiny model)."""
+import errno
 import os
 import signal
 import subprocess
@@ -195,3 +196,49 @@ def test_resume_with_another_plan_or_dataset_is_refused_naming_what_changed(tmp_
     # What may change does: a longer run resumes and finishes, its adapter replaced by the longer run's.
     assert main(["train", "--resume", str(run), "--steps", "3"]) == 0
     assert [e["step"] for e in read_events(run / "events.jsonl") if e["event"] == "done"][-1] == 3
+
+
+def test_a_full_disk_during_a_save_is_a_message_and_leaves_the_saved_states_as_they_were(tmp_path, monkeypatch):
+    # torch.save reports a full disk as "basic_ios::clear": the save turns it into ENOSPC, removes what it
+    # half-wrote, and the state saved before stays the newest complete one.
+    from sdxl_lora.core import fsutil
+
+    root = tmp_path / "checkpoints"
+    adapter = {"w": torch.ones(3)}
+    checkpoint.save_state(root, 1, adapter, {"state": {}}, {"step": 1}, keep=3)
+    real_save = torch.save
+
+    def full(obj, f, *a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", full)
+    monkeypatch.setattr(fsutil.shutil, "disk_usage", lambda p: shutil_usage(0))
+    with pytest.raises(OSError) as err:
+        checkpoint.save_state(root, 2, adapter, {"state": {}}, {"step": 2}, keep=3)
+    assert err.value.errno == errno.ENOSPC
+    monkeypatch.setattr(torch, "save", real_save)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]  # no .tmp-step-* left behind
+    assert checkpoint.newest_valid(root).name == "step-00000001"
+
+
+def shutil_usage(free):
+    import shutil
+
+    return shutil._ntuple_diskusage(100 * 2**30, 100 * 2**30 - free, free)
+
+
+def test_a_full_disk_at_the_final_export_exits_1_naming_the_file(tmp_path, monkeypatch, capsys):
+    from sdxl_lora.cli import main
+    from sdxl_lora.sdxl import export
+
+    def full(*a, **k):
+        raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                           '"No space left on device" })')
+
+    monkeypatch.setattr(export, "save_file", full)
+    rc = main(["train", "--out", str(tmp_path), "--name", "x", "--steps", "2", "--set", "preview.prompts=''",
+               "--set", "train.save_every=1", "--set", f"data.cache_dir='{tmp_path / 'cache'}'"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "could not write" in err and "No space left" in err and "Traceback" not in err, err
+    assert checkpoint.newest_valid(tmp_path / "x" / "checkpoints") is not None  # the run resumes from here
+    assert not list((tmp_path / "x").glob(".*.tmp"))

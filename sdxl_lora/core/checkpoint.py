@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from .fsutil import fsync_dir
+from .fsutil import as_disk_full, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +80,28 @@ def save_state(root: Path, step: int, adapter: dict[str, torch.Tensor], optimize
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:08d}"
     tmp = root / f".tmp-{_PREFIX}{step:08d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)  # left by a crash mid-save; never a complete state
+    for stale in root.glob(f".tmp-{_PREFIX}*"):
+        shutil.rmtree(stale)  # left by a crash mid-save (only the main process saves); never a complete state
     tmp.mkdir()
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}, str(tmp / FILES[0]))
-    test_fault("save", step)
-    torch.save(optimizer_state, tmp / FILES[1])
-    torch.save(trainer_state, tmp / FILES[2])
-    manifest = {"step": step, "files": {}}
-    for name in FILES:
-        _fsync_file(tmp / name)
-        manifest["files"][name] = _sha256(tmp / name)
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    _fsync_file(tmp / "manifest.json")
-    fsync_dir(tmp)
+    try:
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}, str(tmp / FILES[0]))
+        test_fault("save", step)
+        torch.save(optimizer_state, tmp / FILES[1])
+        torch.save(trainer_state, tmp / FILES[2])
+        manifest = {"step": step, "files": {}}
+        for name in FILES:
+            _fsync_file(tmp / name)
+            manifest["files"][name] = _sha256(tmp / name)
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        _fsync_file(tmp / "manifest.json")
+        fsync_dir(tmp)
+    except Exception as e:
+        # Nothing half-written stays; the states saved before are untouched.
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = as_disk_full(e, root)
+        if full is e:
+            raise
+        raise full from e
     if final.exists():
         shutil.rmtree(final)  # an older state of the same step (a resumed run re-saving it)
     os.replace(tmp, final)

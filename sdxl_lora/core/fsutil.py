@@ -2,11 +2,27 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+
+def as_disk_full(e: BaseException, where: Path) -> BaseException:
+    """`e` as the OSError(ENOSPC) it is when a writer failed because `where`'s disk is full: safetensors and
+    torch.save report it as their own errors ("No space left on device", "basic_ios::clear"), which would
+    reach the user as a traceback. Anything else is returned as it is."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return e
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        free = None
+    if "No space left on device" in str(e) or (free is not None and free < 2**20):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
+    return e
 
 
 def fsync_dir(path: Path) -> None:
@@ -27,7 +43,13 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        yield tmp_path
+        try:
+            yield tmp_path
+        except Exception as e:
+            full = as_disk_full(e, dest.parent)
+            if full is e:
+                raise
+            raise full from e
         # mkstemp makes the file private (0600), and some writers replace it; outputs get the usual
         # mode (0666 less the umask) so other users' tools (a ComfyUI service, say) can read them.
         umask = os.umask(0)
