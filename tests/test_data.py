@@ -527,3 +527,33 @@ def test_inspect_text_reports_counts_buckets_and_problems(tmp_path):
     assert "2 images" in text and "captions: 1 of 2 images have one (50%)" in text
     assert "320x192" in text and "256x256" in text
     assert "bad.png: empty file (0 bytes)" in text
+
+
+def test_a_png_with_corrupt_image_data_is_a_problem_at_the_scan_as_at_caching(tmp_path):
+    # The scan decodes what latent caching decodes: a PNG whose IDAT data is damaged (its chunk checksum
+    # made to match, as a careless tool writes it) is listed as a problem, not counted usable.
+    import struct
+    import zlib
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    good = tmp_path / "good.png"
+    Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(good)
+    data = bytearray(good.read_bytes())
+    at = data.find(b"IDAT")
+    length = struct.unpack(">I", data[at - 4:at])[0]
+    for k in range(at + 4 + length // 2, at + 4 + length // 2 + 16):
+        data[k] ^= 0xFF
+    data[at + 4 + length:at + 8 + length] = struct.pack(">I", zlib.crc32(bytes(data[at:at + 4 + length])))
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(bytes(data))
+    for p in (good, bad):
+        p.with_suffix(".txt").write_text("a caption\n")
+    with pytest.raises(ImageProblem):
+        open_image(bad, 10**8)
+    with pytest.raises(ImageProblem, match="cannot decode"):
+        probe_image(bad, 10**8)
+    ds = scan(DataConfig(dirs=[str(tmp_path)]), 64)
+    assert [it.path.name for it in ds.items] == ["good.png"]
+    assert [p.path.name for p in ds.problems] == ["bad.png"]

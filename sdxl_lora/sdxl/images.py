@@ -132,11 +132,15 @@ def probe_image(path: str | Path, max_pixels: int) -> tuple[int, int]:
     path = Path(path)
     img = _open(path, max_pixels)
     try:
-        size = displayed_size(img)
+        full = img.size
         if img.format == "JPEG":
             w, h = img.size
             img.draft(None, (max(1, w // 8), max(1, h // 8)))
+        # Decoded before anything reads its metadata: reading a PNG's EXIF may load the pixels itself, and
+        # a damaged image data stream then went unnoticed (the orientation falls back quietly), only to
+        # stop latent caching later.
         _decode(img)
+        size = (full[1], full[0]) if _orientation(img) in _SWAPS_SIDES else full
         # A 1x1 corner goes through the same conversion the trainer uses, catching unknown modes.
         to_rgb(img.crop((0, 0, 1, 1)))
         return size
