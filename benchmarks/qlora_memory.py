@@ -148,7 +148,6 @@ def main():
     ap.add_argument("--optimizer", choices=["adamw", "adamw8bit"], default="adamw")
     ap.add_argument("--only", nargs="+", choices=[s[0] for s in SETTINGS], help="a subset of the settings")
     args = ap.parse_args()
-    from sdxl_lora.core import memory
     from sdxl_lora.sdxl import memory as unet_memory
 
     cuda = torch.cuda.is_available() and not args.tiny

@@ -105,7 +105,7 @@ def test_ctrl_c_saves_the_state_and_resume_continues_from_the_next_step(tmp_path
     assert len(stopped) == 1 and stopped[0]["signal"] == "SIGINT"
     n = stopped[0]["step"]
     assert 1 <= n < STEPS
-    assert f"resume with: sdxl-lora train --resume" in out
+    assert "resume with: sdxl-lora train --resume" in out
     assert checkpoint.newest_valid(run / "checkpoints").name == f"step-{n:08d}"
 
     train(tmp_path, "--resume", str(run))

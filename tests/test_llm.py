@@ -262,7 +262,6 @@ def test_resumed_run_gives_the_same_adapter(tmp_path):
 
 
 def test_presets_and_rank_budget_on_a_causal_lm(tiny_llm, tmp_path, caplog):
-    from sdxl_lora.core import inject
     from sdxl_lora.llm import slots as llm_slots
     from sdxl_lora.core.config import AdapterConfig
     from sdxl_lora.llm.task import LLMTask

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from sdxl_lora.core import inject
-from sdxl_lora.core.config import AdapterConfig, load_config
+from sdxl_lora.core.config import load_config
 from sdxl_lora.core.runs import create_run, read_events
 from sdxl_lora.sdxl.task import SDXLTask
 from sdxl_lora.core.loop import Trainer

@@ -508,7 +508,6 @@ def test_merged_lora_is_as_close_to_fp32_as_peft_in_bf16():
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fused_geglu_gives_the_same_loss_and_gradients(tiny_dir, monkeypatch, compiled):
-    from sdxl_lora.core import kernels
     from sdxl_lora.sdxl import kernels as unet_kernels
 
     monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")

@@ -366,7 +366,7 @@ class Trainer:
 
         model = self.task.model()
         # Eager: compiled regions (train.compile) would otherwise compile under the counter, for nothing.
-        with torch.random.fork_rng(devices=[acc.device]), torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        with torch.random.fork_rng(devices=[acc.device]), torch.no_grad(), _eager():
             batch = send_to_device(next(iter(self.task.dataloader())), acc.device)
 
             def forward():

@@ -56,18 +56,26 @@ def compile_options(backend: str | None = None, options: dict | None = None, dyn
             **({"options": options} if options and backend == "inductor" else {})}
 
 
-def _compile_varying(module: torch.nn.Module, arg: str, position: int, dims: tuple[int, ...], **kwargs) -> None:
-    """module.forward compiled with `dims` of its input `arg` (or positional argument `position`) marked as
-    varying before each call. The mark has to come from outside the compiled code, so the forward becomes a
-    small eager wrapper; dims the compiler finds it must fix stay fixed (maybe_mark_dynamic), costing a
-    compilation per shape as without the mark."""
-    compiled = torch.compile(module.forward, **kwargs)
+def compile_varying(fn: Callable, varying: Callable[[tuple, dict], list], **kwargs) -> Callable:
+    """`fn` compiled, with the dims `varying(args, kwargs)` names ([(tensor, dims)]) marked as varying before each
+    call. The mark has to come from outside the compiled code, so the call is a small eager wrapper; dims the
+    compiler finds it must fix stay fixed (maybe_mark_dynamic), costing a compilation per shape as without it."""
+    compiled = torch.compile(fn, **kwargs)
 
-    def forward(*args, **kw):
-        mark_varying(kw.get(arg) if arg in kw else (args[position] if position < len(args) else None), dims)
+    def call(*args, **kw):
+        for x, dims in varying(args, kw):
+            mark_varying(x, dims)
         return compiled(*args, **kw)
 
-    module.forward = forward
+    return call
+
+
+def _compile_varying(module: torch.nn.Module, arg: str, position: int, dims: tuple[int, ...], **kwargs) -> None:
+    """module.forward compiled with `dims` of its input `arg` (or positional argument `position`) varying."""
+    def varying(args, kw):
+        return [(kw.get(arg) if arg in kw else (args[position] if position < len(args) else None), dims)]
+
+    module.forward = compile_varying(module.forward, varying, **kwargs)
 
 
 def mark_varying(x, dims: tuple[int, ...]) -> None:
@@ -131,10 +139,11 @@ class GraphedCall:
     the inputs into the captured buffers and replay. `fn` must not synchronise with the host and must read
     its parameters, not rebind them. Autocast inside `fn` must run with cache_enabled=False.
 
-    Every shape's graphs share one memory pool: a run with several buckets holds the activations of its
-    largest bucket, not the sum of all of them. That is safe because one pair replays at a time and its
-    outputs are consumed (the loss, the gradients) before another pair replays; a caller must not keep a
-    returned tensor across a call with another shape."""
+    Every shape's graphs share one memory pool, so the captured buckets can reuse each other's memory.
+    That is safe because one pair replays at a time and its outputs are consumed (the loss, the gradients)
+    before another pair replays; a caller must not keep a returned tensor across a call with another shape.
+    Capturing a new shape still runs its warm-up passes in ordinary memory beside the pool (sdxl/speed.py:
+    graphs_fit counts it)."""
 
     def __init__(self, module: torch.nn.Module, fn: Callable[..., torch.Tensor], warmup: int = 3):
         self.module, self.fn, self.warmup = module, fn, warmup

@@ -22,7 +22,6 @@ import re
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..core import inject
 from ..core.config import Config

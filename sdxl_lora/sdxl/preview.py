@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import shlex
 import tomllib
 from pathlib import Path
 

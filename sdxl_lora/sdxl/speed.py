@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from ..core.lora_matmul import _base_linear, _dequantizable, _lora_factors, _lora_way, lora_linear
 from ..core import speed as core_speed
-from ..core.speed import CheckpointUnit, _compile_varying, _raise_recompile_limits, compile_options, mark_varying, sdpa_context
+from ..core.speed import (CheckpointUnit, _compile_varying, _raise_recompile_limits, compile_options, compile_varying,
+                          sdpa_context)
 
 log = logging.getLogger(__name__)
 
@@ -170,15 +171,11 @@ def _compiled_for_unet(fn: Callable, backend: str, varying: bool = False) -> Cal
     _raise_recompile_limits()
     if not varying:
         return torch.compile(fn, **compile_options(backend, unet_inductor_options()))
-    compiled = torch.compile(fn, **compile_options(backend, unet_inductor_options(), dynamic=None))
 
-    def call(*args):
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.ndim in (3, 4):
-                mark_varying(a, (1,) if a.ndim == 3 else (2, 3))
-        return compiled(*args)
+    def feature_maps(args, kw):  # a token sequence's length, a feature map's height and width
+        return [(a, (1,) if a.ndim == 3 else (2, 3)) for a in args if isinstance(a, torch.Tensor) and a.ndim in (3, 4)]
 
-    return call
+    return compile_varying(fn, feature_maps, **compile_options(backend, unet_inductor_options(), dynamic=None))
 
 
 # ---- fused q/k/v projections ----

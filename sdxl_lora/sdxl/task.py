@@ -159,6 +159,7 @@ class SDXLTask(Task):
         self.cfg = cfg
         self._graphed = None  # train.cuda_graphs: True until the first training call builds the graphs
         self._speed_choices: dict[str, str] = {}
+        self._identity: dict | None = None
         self._explicit: set[str] = set(cfg.train.model_fields_set)
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
@@ -217,16 +218,21 @@ class SDXLTask(Task):
 
     def identity(self) -> dict:
         """The base (as configured, and how it is stored), the training resolution, the planned adapter
-        (before any rank schedule) and the images: what a resume must find unchanged."""
+        (before any rank schedule) and the images: what a resume must find unchanged. Taken once, after
+        set-up: every state of the run carries the same one, and its images are not read again."""
+        if self._identity is not None:
+            return self._identity
         cfg = self.cfg
         images = hashlib.sha256()
         for item in sorted(self.all_items, key=lambda it: str(it.path)):
             images.update(f"{item.path.relative_to(item.dataset)}:{item.path.stat().st_size}:{item.repeats}\n"
                           .encode())
-        return {"model": cfg.model.path, "quantize": f"{cfg.model.quantize}/{cfg.model.quantize_convs}",
-                "resolution": self.resolution, "images": f"{len(self.all_items)} images, {images.hexdigest()[:12]}",
-                "adapter": {s.name: self.planned.rank[s.name] for s in self.planned.targets},
-                "text_encoders": cfg.adapter.train_text_encoder}
+        self._identity = {
+            "model": cfg.model.path, "quantize": f"{cfg.model.quantize}/{cfg.model.quantize_convs}",
+            "resolution": self.resolution, "images": f"{len(self.all_items)} images, {images.hexdigest()[:12]}",
+            "adapter": {s.name: self.planned.rank[s.name] for s in self.planned.targets},
+            "text_encoders": cfg.adapter.train_text_encoder}
+        return self._identity
 
     def _preview_prompts(self) -> list[PreviewPrompt]:
         """preview.prompts, read now (a bad file fails before training, not at the first preview); unset: the
@@ -376,6 +382,16 @@ class SDXLTask(Task):
         if tc.compile_activation_budget is not None and tc.compile == "none":
             log.warning("train.compile_activation_budget=%g has no effect without train.compile",
                         tc.compile_activation_budget)
+        # Several buckets: the compiled blocks' token and spatial dims are symbols, one compilation for all.
+        buckets = len(self.dataset.bucket_histogram())
+        varying = buckets > 1
+        if tc.cuda_graphs and self.device.type == "cuda" and varying:
+            fits, why = unet_speed.graphs_fit("cuda_graphs" not in self._explicit, self.memory, buckets,
+                                              torch.cuda.get_device_properties(self.device).total_memory)
+            if not fits:
+                log.warning("train.speed='auto': %s", why)
+                run.event("speed", auto=True, cuda_graphs=False, reasons={"cuda_graphs": why})
+                tc.cuda_graphs = False
         graphs = tc.cuda_graphs and self.device.type == "cuda"
         if graphs and self.cfg.adapter.dropout and (tc.gradient_checkpointing or tc.checkpoint_budget_gb):
             raise ConfigError("train.cuda_graphs with gradient checkpointing needs adapter.dropout=0 (a checkpointed "
@@ -384,10 +400,9 @@ class SDXLTask(Task):
             n = unet_speed.fuse_projections(unet, lora_matmul=tc.lora_matmul)
             log.info("train.fuse_qkv: %d attention layers project q/k/v (or k/v) with one matmul", n)
         if tc.fused_geglu and self.device.type == "cuda":  # the kernel is Triton's; the CPU keeps torch's ops
-            from ..core import kernels
             from . import kernels as unet_kernels
 
-            if kernels.triton is None:  # e.g. Windows builds of torch: autograd's own backward
+            if unet_kernels.triton is None:  # e.g. Windows builds of torch: autograd's own backward
                 log.info("train.fused_geglu: Triton is not installed; the GEGLU backward stays torch's")
             else:
                 unet_kernels.use_fused_geglu(unet)
@@ -396,8 +411,6 @@ class SDXLTask(Task):
         elif tc.checkpoint_budget_gb:
             fit = self._fit_checkpointing(unet, tc.checkpoint_budget_gb, graph_safe=graphs)
             run.event("checkpointing", budget_gb=tc.checkpoint_budget_gb, **fit)
-        # Several buckets: the compiled blocks' token and spatial dims are symbols, one compilation for all.
-        varying = len(self.dataset.bucket_histogram()) > 1
         if tc.channels_last:
             speed.to_channels_last(unet)
             unet_speed.transformer_io(unet, compile=tc.compile != "none", varying=varying)
@@ -415,14 +428,6 @@ class SDXLTask(Task):
                 unet_speed.fuse_skip_concat(unet, varying=varying)
                 unet_speed.compile_edges(unet, varying=varying)
                 unet_speed.conv_input_grad(unet)
-        if tc.cuda_graphs and self.device.type == "cuda" and len(self.dataset.bucket_histogram()) > 1:
-            fits, why = unet_speed.graphs_fit("cuda_graphs" not in self._explicit, self.memory,
-                                              len(self.dataset.bucket_histogram()),
-                                              torch.cuda.get_device_properties(self.device).total_memory)
-            if not fits:
-                log.warning("train.speed='auto': %s", why)
-                run.event("speed", auto=True, cuda_graphs=False, reasons={"cuda_graphs": why})
-                tc.cuda_graphs = False
         if tc.cuda_graphs:
             if self.device.type != "cuda":
                 log.warning("train.cuda_graphs needs a CUDA device; running without (device is %s)", self.device)

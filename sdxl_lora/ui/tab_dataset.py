@@ -3,7 +3,6 @@ sidecar file atomically), and the report of `sdxl-lora dataset inspect`: problem
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import gradio as gr
 
