@@ -765,21 +765,48 @@ def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_
     torch._dynamo.reset()
 
 
-def test_graphs_over_several_buckets_are_left_off_or_refused_where_their_captures_would_not_fit():
-    # Capturing one bucket's graphs while another's hold their memory needs the step's estimate plus one
-    # more batch of activations: auto leaves graphs off then and says why; a user's own setting is refused
-    # before the run starts, with the ways on.
-    from sdxl_lora.core.config import ConfigError
-    from sdxl_lora.sdxl.memory import MemoryEstimate
-    from sdxl_lora.sdxl.speed import graphs_fit
+def test_graphs_warm_every_bucket_up_before_capturing_any(tmp_path, monkeypatch):
+    # A bucket warmed up (ordinary memory) after another was captured (the graphs' pool) would need its
+    # activations twice: batch 16 at 1024 ran out of memory that way. The first training call warms up every
+    # (bucket, batch size) the sampler will give, then captures each without further warm-up; the shapes
+    # named are exactly those the epoch's batches come in (a bucket's last, partial batch included).
+    from types import SimpleNamespace
 
-    gib = 2**30
-    est = MemoryEstimate(weights={"bf16": 5 * gib}, activations=67 * gib)  # batch 16 at 1024, about
-    h200 = 139 * gib
-    assert graphs_fit(True, est, 1, h200) == (True, "")  # one bucket: the step's own memory
-    fits, why = graphs_fit(True, est, 3, h200)
-    assert not fits and "3 buckets" in why and "running without graphs" in why
-    with pytest.raises(ConfigError, match="train.cuda_graphs=false"):
-        graphs_fit(False, est, 3, h200)
-    small = MemoryEstimate(weights={"bf16": 5 * gib}, activations=18 * gib)  # batch 4
-    assert graphs_fit(False, small, 3, h200) == (True, "")
+    from sdxl_lora.sdxl import data as sdxl_data
+    from sdxl_lora.sdxl.task import SDXLTask
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def make_graphed_callables(fn, sample_args, num_warmup_iters, allow_unused_input, pool):
+        events.append(("capture", tuple(sample_args[0].shape), num_warmup_iters))
+        return fn
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
+    monkeypatch.setattr(speed.GraphedCall, "_warm_up",
+                        lambda self, samples: events.extend(("warm", tuple(s[0].shape)) for s in samples))
+    data = _bucketed_dataset(tmp_path / "data", [(64, 64), (80, 48), (48, 80)], n=7)
+    cfg = load_config(overrides=[f"data.dirs=[{str(data)!r}]", "train.batch_size=2"])
+    task = SDXLTask(cfg)
+    task.accelerator = SimpleNamespace(num_processes=1, process_index=0)
+    task.pipe = SimpleNamespace(vae_scale_factor=8)
+    task.dataset = sdxl_data.scan(cfg.data, 64)
+    sampler = sdxl_data.BucketBatchSampler(task.dataset, 2, cfg.train.seed)
+    order = task.dataset.expanded()
+    seen = {(task.dataset.items[order[b[0]]].bucket, len(b)) for b in sampler}
+    assert sorted(seen) == sampler.batch_shapes()
+    assert len(seen) > len(task.dataset.bucket_histogram())  # a partial batch among them
+
+    first = (torch.randn(2, 4, 8, 8), torch.zeros(2), torch.randn(2, 77, 32), torch.randn(2, 32), torch.randn(2, 6))
+    graphed = speed.GraphedCall(torch.nn.Linear(1, 1), lambda *a: a[0], others=task._graph_inputs)
+    graphed(*first)
+    expected = {(b, 4, h // 8, w // 8) for (w, h), b in seen}
+    warmed = [e[1] for e in events if e[0] == "warm"]
+    captures = [e for e in events if e[0] == "capture"]
+    assert set(warmed) == expected and len(warmed) == len(expected)
+    assert events.index(captures[0]) == len(warmed)  # every warm-up before the first capture
+    assert {c[1] for c in captures} == expected and all(c[2] == 0 for c in captures)
+    last = sorted(expected)[-1]
+    graphed(torch.randn(*last), *(a[:1].expand(last[0], *a.shape[1:]) for a in first[1:]))
+    assert len([e for e in events if e[0] == "capture"]) == len(expected)  # replayed, not captured again

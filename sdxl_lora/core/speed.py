@@ -139,33 +139,65 @@ class GraphedCall:
     the inputs into the captured buffers and replay. `fn` must not synchronise with the host and must read
     its parameters, not rebind them. Autocast inside `fn` must run with cache_enabled=False.
 
-    Every shape's graphs share one memory pool, so the captured buckets can reuse each other's memory.
-    That is safe because one pair replays at a time and its outputs are consumed (the loss, the gradients)
-    before another pair replays; a caller must not keep a returned tensor across a call with another shape.
-    Capturing a new shape still runs its warm-up passes in ordinary memory beside the pool (sdxl/speed.py:
-    graphs_fit counts it)."""
+    Every shape's graphs share one memory pool, so the captured shapes reuse each other's memory. That is
+    safe because one pair replays at a time and its outputs are consumed (the loss, the gradients) before
+    another pair replays; a caller must not keep a returned tensor across a call with another shape.
 
-    def __init__(self, module: torch.nn.Module, fn: Callable[..., torch.Tensor], warmup: int = 3):
-        self.module, self.fn, self.warmup = module, fn, warmup
+    `others(args)`, when given, returns inputs of every other shape the call will see (a task's buckets and
+    batch sizes), made like `args`: the first call then warms every shape up before it captures any, and
+    captures them one after another without further warm-up. Warm-up passes run in ordinary memory, which
+    the pool's memory cannot serve; a shape warmed up after another was captured would need its activations
+    twice (in the pool and beside it). A shape that `others` did not name is still captured when it comes,
+    with its own warm-up."""
+
+    def __init__(self, module: torch.nn.Module, fn: Callable[..., torch.Tensor], warmup: int = 3,
+                 others: Callable[[tuple], list[tuple]] | None = None):
+        self.module, self.fn, self.warmup, self.others = module, fn, warmup, others
         self.graphs: dict[tuple, Callable] = {}
         self.pool = None  # the memory pool every capture shares, made at the first capture
 
+    @staticmethod
+    def _key(args) -> tuple:
+        return tuple((tuple(a.shape), a.dtype) for a in args)
+
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        key = tuple((tuple(a.shape), a.dtype) for a in args)
+        key = self._key(args)
         graphed = self.graphs.get(key)
         if graphed is None:
-            log.info("capturing CUDA graphs for input shapes %s", [k[0] for k in key])
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            wrapper = _Positional(self.module, self.fn)
-            graphed = torch.cuda.make_graphed_callables(wrapper, tuple(a.detach().clone() for a in args),
-                                                        num_warmup_iters=self.warmup, allow_unused_input=True,
-                                                        pool=self.pool)
-            # The warm-up iterations ran in the ordinary pool and the captured ones live in the graph's own:
-            # give the warm-up's (and any earlier eager pass's) cached blocks back to the device.
-            torch.cuda.empty_cache()
-            self.graphs[key] = graphed
+            todo = {key: args}
+            if not self.graphs and self.others is not None:
+                for other in self.others(args):
+                    todo.setdefault(self._key(other), other)
+            if len(todo) > 1:
+                self._warm_up(list(todo.values()))
+            for k, sample in todo.items():
+                log.info("capturing CUDA graphs for input shapes %s", [s[0] for s in k])
+                self.graphs[k] = torch.cuda.make_graphed_callables(
+                    _Positional(self.module, self.fn), tuple(a.detach().clone() for a in sample),
+                    num_warmup_iters=0 if len(todo) > 1 else self.warmup, allow_unused_input=True, pool=self.pool)
+                # Warm-up ran in the ordinary pool and the captured passes live in the graphs' own: give the
+                # warm-up's (and any earlier eager pass's) cached blocks back to the device.
+                torch.cuda.empty_cache()
+            graphed = self.graphs[key]
         return graphed(*args)
+
+    def _warm_up(self, samples: list[tuple]) -> None:
+        # What make_graphed_callables' own warm-up does (lazy initialisation, cuDNN's algorithm search and
+        # compilation out of the capture), for every shape before the first capture; gradients through
+        # autograd.grad, so the parameters' .grad stay untouched.
+        params = tuple(p for p in self.module.parameters() if p.requires_grad)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for sample in samples:
+                sample = tuple(a.detach().clone() for a in sample)
+                for _ in range(self.warmup):
+                    out = self.fn(*sample)
+                    torch.autograd.grad(out, params, grad_outputs=torch.zeros_like(out), allow_unused=True)
+                    del out
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
 
 
 class _Positional(torch.nn.Module):

@@ -651,6 +651,18 @@ class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
     def __len__(self) -> int:
         return self._total
 
+    def batch_shapes(self) -> list[tuple[tuple[int, int], int]]:
+        """(bucket, batch size) of every batch this process can be given: each bucket's full batches and
+        its last, partial one (what CUDA graphs capture, one pair per shape)."""
+        gb, shapes = self.global_batch_size, set()
+        for bucket, positions in self._groups.items():
+            n = len(positions)
+            sizes = {gb} if n >= gb else set()
+            if n % gb and not self.drop_last:
+                sizes.add(n % gb)
+            shapes |= {(bucket, len(self.share(list(range(size))))) for size in sizes}
+        return sorted(shapes)
+
     def global_batches(self) -> list[list[int]]:
         """The epoch's global batches, in order: the same whatever this process's rank."""
         # A string seed hashes the same in every process (unlike hash() of a tuple).

@@ -13,6 +13,8 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import logging
+import time
 import tomllib
 from pathlib import Path
 
@@ -20,6 +22,8 @@ import torch
 from PIL import Image
 
 from ..core.fsutil import atomic_save
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -201,6 +205,16 @@ def default_prompts(model_path: str, items: list, captions: list[str]) -> list[P
     return picked
 
 
+@contextlib.contextmanager
+def _cudnn_search(on: bool):
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
 def render_previews(task, model, run, step: int) -> list[Path]:
     """Render the task's prompts with the model being trained; the VAE and text encoders visit the
     accelerator only for the duration."""
@@ -231,20 +245,26 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     aux = (p.vae, p.text_encoder, p.text_encoder_2)
     was_training = model.training
     model.eval()
+    started = time.perf_counter()
     mp = task.accelerator.mixed_precision
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
     try:
         for m in aux:
             m.to(device)
-        images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps, guidance=cfg.preview.guidance,
-                        width=task.resolution, height=task.resolution, autocast_dtype=dtype,
-                        guidance_rescale=rescale)
+        # cuDNN's algorithm search (train.* sets torch.backends.cudnn.benchmark for the training shapes) would
+        # time every convolution of the pipeline at each preview size, the VAE decoder's included, for a few
+        # images: its heuristic choice is cheaper (benchmarks/preview_cost.py).
+        with _cudnn_search(False):
+            images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps, guidance=cfg.preview.guidance,
+                            width=task.resolution, height=task.resolution, autocast_dtype=dtype,
+                            guidance_rescale=rescale)
     finally:
         if device.type != "cpu":
             for m in aux:
                 if id(m) not in keep:
                     m.to("cpu")
         model.train(was_training)
+    log.info("previews at step %d: %d images in %.1f s", step, len(images), time.perf_counter() - started)
     paths = [save_png(im, run.samples_dir / f"step-{step:06d}-{i:02d}.png") for i, im in enumerate(images)]
     # Each prompt on consecutive lines the same number of times (several seeds): one row per prompt.
     runs = {len(list(g)) for _, g in itertools.groupby(e.prompt for e in prompts)}

@@ -325,11 +325,11 @@ def report_concept(run, step: int, concept: str, prompts: list[str], images, bas
     import logging
 
     words = set(concept.lower().split())
-    scores = concept_scores(images, concept)
     chosen = [i for i, p in enumerate(prompts) if words & _words(p)]
-    if not chosen:
+    if not chosen:  # checked first: the detector over full-size previews is not free
         logging.getLogger(__name__).debug("preview.concept=%r: no preview prompt names it; not scored", concept)
         return None
+    scores = concept_scores(images, concept)
     score = sum(scores[i] for i in chosen) / len(chosen)
     # A prompt may be rendered several times (several seeds): per prompt, the mean over its images; the
     # overall figures are means over all images.

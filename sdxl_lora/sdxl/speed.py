@@ -44,27 +44,6 @@ BUCKET_VARYING = {"BasicTransformerBlock": ("hidden_states", 0, (1,)),
 COMPILE_MIN_IMAGES = 3000
 
 
-def graphs_fit(chosen_by_auto: bool, estimate, buckets: int, device_bytes: int) -> tuple[bool, str]:
-    """Whether CUDA graphs fit the device, and what to tell the user when they do not. Capturing a bucket's
-    graphs runs warm-up passes in ordinary memory while the buckets already captured hold theirs, so with
-    several buckets the peak is the step's estimate plus one more set of activations (measured: batch 4 over
-    three buckets peaked at twice a single bucket's activations; benchmarks/RESULTS.md). When auto chose the
-    graphs they are left off instead; when the user asked for them the run is refused before it starts."""
-    need = estimate.total + (estimate.activations if buckets > 1 else 0)
-    if buckets < 2 or need <= 0.95 * device_bytes:
-        return True, ""
-    gib = 2**30
-    what = (f"CUDA graphs over {buckets} buckets need about {need / gib:.1f} GiB (the step's {estimate.total / gib:.1f} "
-            f"GiB plus one more batch of activations while each bucket is captured); the GPU has "
-            f"{device_bytes / gib:.1f} GiB")
-    if chosen_by_auto:
-        return False, f"{what}: running without graphs"
-    from ..core.config import ConfigError
-
-    raise ConfigError(f"{what}. Lower train.batch_size, train on one bucket (data.max_aspect=1), or set "
-                      "train.cuda_graphs=false")
-
-
 def auto_levers(cfg, device_type: str, processes: int):
     """train.speed="auto": the config with CUDA graphs, regional compilation and channels_last chosen for
     this device and run, and why each was chosen, as {field: reason}. A lever the config sets explicitly is

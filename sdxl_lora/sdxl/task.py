@@ -383,15 +383,7 @@ class SDXLTask(Task):
             log.warning("train.compile_activation_budget=%g has no effect without train.compile",
                         tc.compile_activation_budget)
         # Several buckets: the compiled blocks' token and spatial dims are symbols, one compilation for all.
-        buckets = len(self.dataset.bucket_histogram())
-        varying = buckets > 1
-        if tc.cuda_graphs and self.device.type == "cuda" and varying:
-            fits, why = unet_speed.graphs_fit("cuda_graphs" not in self._explicit, self.memory, buckets,
-                                              torch.cuda.get_device_properties(self.device).total_memory)
-            if not fits:
-                log.warning("train.speed='auto': %s", why)
-                run.event("speed", auto=True, cuda_graphs=False, reasons={"cuda_graphs": why})
-                tc.cuda_graphs = False
+        varying = len(self.dataset.bucket_histogram()) > 1
         graphs = tc.cuda_graphs and self.device.type == "cuda"
         if graphs and self.cfg.adapter.dropout and (tc.gradient_checkpointing or tc.checkpoint_budget_gb):
             raise ConfigError("train.cuda_graphs with gradient checkpointing needs adapter.dropout=0 (a checkpointed "
@@ -446,9 +438,27 @@ class SDXLTask(Task):
 
         if self._graphed and torch.is_grad_enabled():
             if not isinstance(self._graphed, speed.GraphedCall) or self._graphed.module is not model:
-                self._graphed = speed.GraphedCall(model, call)
+                self._graphed = speed.GraphedCall(model, call, others=self._graph_inputs)
             return self._graphed(noisy, t, embeds, pooled, time_ids)
         return call(noisy, t, embeds, pooled, time_ids)
+
+    def _graph_inputs(self, args: tuple) -> list[tuple]:
+        """The UNet's inputs for every (bucket, batch size) this process's batches come in, made like the
+        first batch's `args` (its dtypes, devices and memory formats): CUDA graphs capture them all at the
+        first step."""
+        noisy, *rest = args
+        acc = self.accelerator
+        sampler = sdxl_data.BucketBatchSampler(self.dataset, self.cfg.train.batch_size, self.cfg.train.seed,
+                                               num_replicas=acc.num_processes, rank=acc.process_index)
+        f = int(self.pipe.vae_scale_factor)
+        layout = (torch.channels_last if noisy.dim() == 4 and not noisy.is_contiguous()
+                  and noisy.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format)
+        out = []
+        for (w, h), b in sampler.batch_shapes():
+            x = torch.randn(b, noisy.shape[1], h // f, w // f, dtype=noisy.dtype, device=noisy.device)
+            out.append((x.contiguous(memory_format=layout),
+                        *(a[:1].expand(b, *a.shape[1:]).clone() for a in rest)))
+        return out
 
     def _fit_checkpointing(self, unet, budget_gb: float, graph_safe: bool = False) -> dict:
         """Selective checkpointing (speed.py): measure what each checkpointable unit saves for backward and
