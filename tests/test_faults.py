@@ -12,6 +12,7 @@ Faults tested where their subject lives, not repeated here:
   - LLM data lines that are not UTF-8, unknown roles, empty answers: tests/test_llm.py
   - the UI's caption editor writing only beside its image: tests/test_frontends.py
 """
+import json
 import os
 import pickle
 import shutil
@@ -144,3 +145,181 @@ def test_a_bad_llm_model_folder_is_refused_naming_it(fault, tiny_llm_dir, tmp_pa
     assert str(d) in msg and ("safetensors" in msg if "pickle" in fault else "copy it again" in msg), msg
     if marker is not None:
         assert not marker.exists()
+
+
+# ---- training states: one that does not read back is skipped like a torn one
+
+
+def test_a_state_whose_trainer_file_is_a_foreign_pickle_with_a_matching_checksum_is_skipped(tmp_path, caplog):
+    from sdxl_lora.core import checkpoint
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        checkpoint.save_state(root, step, {"w": torch.ones(3)}, {"state": {}, "param_groups": []},
+                              {"step": step, "epoch": 0, "position": step, "schedule": {}, "rng": {}}, keep=3)
+    newest, marker = root / "step-00000002", tmp_path / "pickle-ran"
+    (newest / "trainer.pt").write_bytes(pickle.dumps(_Boom(marker)))
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["files"]["trainer.pt"] = checkpoint._sha256(newest / "trainer.pt")  # the checksum matches
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level("WARNING"):
+        assert checkpoint.newest_valid(root).name == "step-00000001"
+    assert not marker.exists()
+    assert any("skipping checkpoint step-00000002" in r.getMessage() and "trainer.pt" in r.getMessage()
+               for r in caplog.records)
+
+
+# ---- a read-only folder: exit 1 naming it, nothing written there
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """make(folder): from now on the OS refuses every write under `folder` (EROFS), as on a read-only
+    mount. Simulated at Python's calls into the OS: tests run as root in CI, where chmod stops nothing."""
+    import builtins
+    import errno
+    import io
+
+    def make(folder: Path) -> None:
+        folder = folder.resolve()
+        real = {"open": io.open, "os_open": os.open, "mkdir": os.mkdir, "replace": os.replace,
+                "rename": os.rename, "link": os.link}
+
+        def check(path) -> None:
+            if isinstance(path, (str, os.PathLike)) and Path(os.path.abspath(path)).is_relative_to(folder):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+        def open_(file, mode="r", *a, **k):
+            if any(c in mode for c in "wax+"):
+                check(file)
+            return real["open"](file, mode, *a, **k)
+
+        def os_open(path, flags, *a, **k):
+            if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+                check(path)
+            return real["os_open"](path, flags, *a, **k)
+
+        def two(name):
+            def call(src, dst, *a, **k):
+                check(dst)
+                return real[name](src, dst, *a, **k)
+            return call
+
+        def mkdir(path, *a, **k):
+            check(path)
+            return real["mkdir"](path, *a, **k)
+
+        for target, name, fn in ((builtins, "open", open_), (io, "open", open_), (os, "open", os_open),
+                                 (os, "mkdir", mkdir), (os, "replace", two("replace")),
+                                 (os, "rename", two("rename")), (os, "link", two("link"))):
+            monkeypatch.setattr(target, name, fn)
+    return make
+
+
+def _two_images(tmp_path: Path) -> Path:
+    """Two of the sample images and their captions: enough to train a step, quick to cache."""
+    from sdxl_lora.core.config import SAMPLE_DATA
+
+    out = tmp_path / "images"
+    out.mkdir()
+    for name in ("00_red_star", "01_green_star"):
+        for ext in (".png", ".txt"):
+            shutil.copy(SAMPLE_DATA / "images" / f"{name}{ext}", out)
+    return out
+
+
+def _tree(folder: Path) -> dict:
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def test_a_read_only_runs_folder_or_run_folder_is_exit_1_naming_it_and_nothing_is_written(tmp_path, read_only,
+                                                                                           capsys):
+    common = ["--steps", "2", "--data", str(_two_images(tmp_path)), "--set", "preview.prompts=''",
+              "--set", "train.save_every=1", "--set", f"data.cache_dir='{tmp_path / 'cache'}'"]
+    assert main(["train", "--out", str(tmp_path / "runs"), "--name", "r", *common]) == 0
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    before = {"ro": _tree(ro), "run": _tree(tmp_path / "runs")}
+    capsys.readouterr()
+    read_only(ro)
+    read_only(tmp_path / "runs")
+    assert main(["train", "--out", str(ro), "--name", "new", *common]) == 1
+    msg = _one_paragraph(capsys.readouterr().err)
+    assert str(ro / "new") in msg and "Read-only file system" in msg, msg
+    assert main(["train", "--resume", str(tmp_path / "runs" / "r"), "--steps", "3"]) == 1
+    msg = _one_paragraph(capsys.readouterr().err)
+    assert str(tmp_path / "runs" / "r") in msg and "Read-only file system" in msg, msg
+    assert {"ro": _tree(ro), "run": _tree(tmp_path / "runs")} == before
+
+
+# ---- SIGTERM at each phase: before the first step a clean stop; after it a saved state and a resume command
+
+
+def _train_signalled(tmp_path: Path, at: str, *args: str):
+    """`sdxl-lora train ARGS` in its own process, sent SIGTERM at `at` (core/checkpoint.py: test_fault)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SDXL_LORA_TEST_KILL": f"{at}@SIGTERM" if at else ""}
+    if not at:
+        env.pop("SDXL_LORA_TEST_KILL")
+    return subprocess.run([sys.executable, "-m", "sdxl_lora.cli", "train", *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def _stray_files(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.name.startswith(".") and ".tmp" in p.name]
+
+
+def test_sigterm_before_the_first_step_stops_at_once_with_nothing_half_written(tmp_path):
+    # While caching (after the first latent is written) and during the step-0 previews.
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red star\n")
+    common = ["--out", str(tmp_path / "runs"), "--steps", "2", "--data", str(_two_images(tmp_path)),
+              "--set", f"data.cache_dir='{tmp_path / 'cache'}'", "--set", f"preview.prompts='{prompts}'",
+              "--set", "preview.steps=2"]
+    for at, name in (("cache:1", "caching"), ("preview:0", "previews")):
+        p = _train_signalled(tmp_path, at, "--name", name, *common)
+        assert p.returncode == 130, p.stderr[-2000:]
+        msg = _one_paragraph(p.stderr)
+        assert "stopped by SIGTERM before the first training step" in msg and "--overwrite" in msg, msg
+        run = tmp_path / "runs" / name
+        assert not (run / "checkpoints").exists() and not list(run.glob("*.safetensors"))
+        assert not list((run / "samples").iterdir())
+    assert len(list((tmp_path / "cache").rglob("*.safetensors"))) >= 1  # what was cached is kept, whole
+    assert not _stray_files(tmp_path)
+
+
+def test_sigterm_in_training_at_the_export_and_in_the_final_previews_each_saves_a_state_that_resumes(tmp_path):
+    from sdxl_lora.core import checkpoint
+    from sdxl_lora.core.runs import read_events
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red star\n")
+    run = tmp_path / "runs" / "r"
+    p = _train_signalled(tmp_path, "step:2", "--out", str(tmp_path / "runs"), "--name", "r", "--steps", "3",
+                         "--data", str(_two_images(tmp_path)), "--set", f"data.cache_dir='{tmp_path / 'cache'}'",
+                         "--set", f"preview.prompts='{prompts}'", "--set", "preview.steps=2",
+                         "--set", "train.save_every=0")
+    assert p.returncode == 130, p.stderr[-2000:]
+    assert "resume with: sdxl-lora train --resume" in p.stdout
+    assert checkpoint.newest_valid(run / "checkpoints").name == "step-00000002"
+    # At the export: the export is atomic and short, so it is finished; the previews after it are not made.
+    p = _train_signalled(tmp_path, "export:3", "--resume", str(run))
+    assert p.returncode == 130, p.stderr[-2000:]
+    assert "resume with: sdxl-lora train --resume" in p.stdout and "the final previews are not" in p.stdout
+    assert (run / "r.safetensors").is_file() and not list((run / "samples").glob("step-000003*"))
+    assert checkpoint.newest_valid(run / "checkpoints").name == "step-00000003"
+    # In the final previews: one signal stops the run at once (it used to wait for a second).
+    p = _train_signalled(tmp_path, "preview:3", "--resume", str(run))
+    assert p.returncode == 130, p.stderr[-2000:]
+    assert "resume with: sdxl-lora train --resume" in p.stdout
+    assert not list((run / "samples").glob("step-000003*"))
+    # The resume then only finishes: the previews rendered, the run done.
+    p = _train_signalled(tmp_path, "", "--resume", str(run))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert list((run / "samples").glob("step-000003*grid.png"))
+    events = read_events(run / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "interrupted"] == [2, 3, 3]
+    assert [e["step"] for e in events if e["event"] == "done"] == [3]
+    assert not _stray_files(tmp_path)
