@@ -323,3 +323,91 @@ def test_sigterm_in_training_at_the_export_and_in_the_final_previews_each_saves_
     assert [e["step"] for e in events if e["event"] == "interrupted"] == [2, 3, 3]
     assert [e["step"] for e in events if e["event"] == "done"] == [3]
     assert not _stray_files(tmp_path)
+
+
+# ---- the UI: every path the page sends goes through one guard (ui/folders.py: Folders.inside)
+
+
+def _escapes(tmp_path: Path, root: Path, kind_dir: str) -> list[str]:
+    """The ways a page could name `outside` from inside `root`: .., an absolute path, encoded separators,
+    backslashes, a symlink inside the folder that leads out."""
+    (root / "link").symlink_to(tmp_path / "outside", target_is_directory=True)
+    return ["../outside", "../../outside/x.png", str(tmp_path / "outside"), "%2e%2e%2foutside", "..%2Foutside",
+            "%252e%252e%252foutside", "..\\outside", "..\\..\\outside\\x.png", "~/outside", "link", "link/x.png",
+            f"{kind_dir}/../../outside" if kind_dir != "." else "./../outside"]
+
+
+def test_every_path_the_ui_page_sends_is_confined_to_the_ui_folders(tmp_path):
+    from PIL import Image
+
+    from sdxl_lora.ui import tab_dataset, tab_export, tab_generate
+    from sdxl_lora.ui.folders import Folders, PathRefused
+    from sdxl_lora.ui.jobs import Jobs
+    from sdxl_lora.ui.tab_train import Form
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    Image.new("RGB", (64, 64)).save(outside / "x.png")
+    (outside / "model_index.json").write_text("{}")
+    (outside / "a.safetensors").write_bytes(b"")
+    for d in ("datasets/set", "models", "runs/r"):
+        (tmp_path / d).mkdir(parents=True)
+    Image.new("RGB", (64, 64)).save(tmp_path / "datasets/set/ok.png")
+    layer = "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q"  # one layer of SDXL's, as kohya names it
+    save_file({f"{layer}.lora_down.weight": torch.zeros(4, 640), f"{layer}.lora_up.weight": torch.zeros(640, 4),
+               f"{layer}.alpha": torch.tensor(4.0)}, str(tmp_path / "runs/r/r.safetensors"))
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    jobs = Jobs(f)
+    probes = {kind: _escapes(tmp_path, getattr(f, kind), d) for kind, d in
+              (("datasets", "set"), ("models", "."), ("runs", "r"))}
+    before = _tree(outside)
+    refused = 0
+
+    def refuses(call, *args, why=("outside", "encoded")) -> None:
+        # Refused by the guard: PathRefused, or the handler's error message carrying its words.
+        nonlocal refused
+        try:
+            out = call(*args)
+        except PathRefused:
+            refused += 1
+            return
+        said = " ".join(str(o) for o in (out if isinstance(out, tuple) else (out,)))
+        assert "Error" in said and any(w in said for w in why), (call, args, said)
+        refused += 1
+
+    sdxl, llm = Form(f), Form(f, task="llm")
+    ok_image = [[str(tmp_path / "datasets/set/ok.png"), ""]]
+    for p in probes["datasets"]:
+        refuses(tab_dataset._scan, f, p, ".txt", 64, lambda *a, **k: None)             # dataset folder picker
+        refuses(tab_dataset._save, f, [[p, ""]], 0, "caption", ".txt")                  # caption save: the image
+        refuses(sdxl.config, ["tiny-sdxl-demo", [p], "", ""], "n", None)                # the Train form's data
+        refuses(llm.config, ["tiny-llm", [p], "", ""], "n", None)                       # the LLM form's data
+    for ext in ("/../../outside", ".txt/../../../outside/x", "\\..\\..\\x", ".%2e%2f", ".txt\\..\\.."):
+        refuses(tab_dataset._save, f, ok_image, 0, "caption", ext,                     # caption save: extension
+                why=("outside", "encoded", "caption extension"))
+    for p in probes["models"]:
+        refuses(sdxl.config, [p, ["set"], "", ""], "n", None)                            # model picker
+        refuses(sdxl.config, ["tiny-sdxl-demo", ["set"], p, ""], "n", None)             # tokenizer folder
+        refuses(llm.config, [p, ["set"], "", ""], "n", None)
+        refuses(tab_generate.Pipelines(f).get, p)                                      # Generate's model
+        refuses(tab_generate.adapter_path, f, f"models/{p}")                           # adapter pickers
+        refuses(tab_export.export, f, f"models/{p}", "kohya", "", "", "", "", "", True, "sgm", False, False)
+    for p in probes["runs"]:
+        refuses(tab_generate.adapter_path, f, f"runs/{p}")
+        refuses(tab_export.export, f, f"runs/{p}", "kohya", "", "", "", "", "", True, "sgm", False, False)
+        refuses(jobs.stop, p)                                                          # run folder pickers
+        refuses(jobs.enqueue_resume, p)
+        refuses(jobs.log_tail, p)
+        refuses(jobs.unique_name, p)                                                   # the run name field
+    for title in ("../../outside/t", "/tmp/t", "..\\..\\t", "%2e%2e%2ft"):             # export's file name
+        refuses(tab_export.export, f, "runs/r", "kohya", title, "", "", "", "", True, "sgm", False, False,
+                why=("names the file", "encoded"))
+    assert refused > 150
+    assert _tree(outside) == before and sorted(p.name for p in outside.iterdir()) == \
+        ["a.safetensors", "model_index.json", "x.png"]
+    # What is inside still works: the guard refuses escapes, not paths.
+    assert f.inside("set/ok.png", "datasets") == tmp_path / "datasets/set/ok.png"
+    assert f.inside("set\\ok.png", "datasets") == tmp_path / "datasets/set/ok.png"
+    assert f.run("r") == tmp_path / "runs/r"
+    written, msg = tab_export.export(f, "runs/r", "kohya", "mine", "", "", "", "", True, "sgm", False, False)
+    assert written == str(tmp_path / "runs/r/exports/mine.safetensors"), msg
