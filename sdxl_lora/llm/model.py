@@ -41,12 +41,8 @@ def check_causal_lm_folder(path: Path):
                             "holds config.json, the *.safetensors weights and the tokenizer files")
     try:
         read_json(path / "config.json")
-        weight_files(path, "model")  # safetensors only, each file whole
-    except PickleWeights as e:  # its message says what to do
-        raise LLMModelError(str(e)) from None
     except WeightFileError as e:
-        raise LLMModelError(f"{e}. {path} is not a usable model folder: copy it again, whole, from where it came "
-                            f"from, or give another model folder (or '{TINY_LLM}')") from None
+        raise LLMModelError(f"{e}; copy it again, whole, or give another causal-LM folder") from None
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:  # a config.json transformers cannot read as a model's
@@ -56,6 +52,13 @@ def check_causal_lm_folder(path: Path):
         raise LLMModelError(f"{path} holds a {config.model_type!r} model ({', '.join(config.architectures or [])}), "
                             "not a causal LM; the llm task trains decoder-only text generators (Llama, Mistral, "
                             "Qwen, Gemma, Phi...)")
+    try:
+        weight_files(path, "model")  # safetensors only, each file whole
+    except PickleWeights as e:  # its message says what to do
+        raise LLMModelError(str(e)) from None
+    except WeightFileError as e:
+        raise LLMModelError(f"{e}. {path} is not a usable model folder: copy it again, whole, from where it came "
+                            f"from, or give another model folder (or '{TINY_LLM}')") from None
     return config
 
 
