@@ -16,10 +16,13 @@ transformers or diffusers, and `stay_offline()` must run before they do.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -161,9 +164,42 @@ def fit(job: Job, task=None) -> Outcome:
     attach_log_file(job.run)
     log.info("run folder: %s", job.run.dir)
     trainer = Trainer(job.cfg, task if task is not None else task_for(job.cfg), job.run, resume=job.state)
-    trainer.setup()
-    result = trainer.fit()
+    with _stop_at_once(job):
+        trainer.setup()
+        result = trainer.fit()
     return Outcome(job, result, trainer.accelerator.is_main_process)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM before training began (set-up, caching, the first previews); the message says what
+    is on disk and how to go on."""
+
+
+@contextlib.contextmanager
+def _stop_at_once(job: Job):
+    """Until the loop takes the signals over (it finishes the step and saves), SIGINT and SIGTERM stop the
+    job at once: nothing is trained yet, and every file is written atomically, so nothing is half-written.
+    Without this SIGTERM would kill the process silently."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from .core.runs import relpath
+
+    def stop(signum, frame):
+        name = signal.Signals(signum).name
+        if job.state is not None:
+            raise Stopped(f"stopped by {name} while the resumed run was setting up; its states are as they were. "
+                          f"resume with: {RESUME_COMMAND[job.cfg.task]} --resume {relpath(job.run.dir)}")
+        raise Stopped(f"stopped by {name} before the first training step: nothing was trained and nothing is "
+                      f"half-written (the caches made so far are kept). Start it again with the same command; "
+                      f"add --overwrite to reuse the run folder {relpath(job.run.dir)}")
+
+    before = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 def report(outcome: Outcome) -> list[str]:
@@ -261,6 +297,8 @@ def failure(e: BaseException) -> Failure | None:
     """What to tell the user about `e`, and the exit code: 2 for bad input (the message says what to
     change), 1 when a write failed (disk full, read-only, no permission), 130 for Ctrl-C before training
     began; torch's compiler failing gets advice and keeps its traceback. None: a bug, let it propagate."""
+    if isinstance(e, Stopped):
+        return Failure(130, f"error: {e}")
     if isinstance(e, KeyboardInterrupt):
         return Failure(130, "interrupted")
     if not isinstance(e, Exception):
@@ -271,7 +309,8 @@ def failure(e: BaseException) -> Failure | None:
         # Every save is atomic, so what was on disk before (the previous training state, an earlier
         # export) is intact; say what failed and where.
         return Failure(1, f"error: could not write {e.filename or 'a file'}: {e.strerror}. Earlier states and "
-                          "exports are intact; free space or fix permissions, then resume with --resume")
+                          "exports are intact; free space or fix permissions, then run the command again (a run with a saved "
+                          "state continues with --resume)")
     if _compiler_failed(e):
         return Failure(1, _compiler_advice(e), traceback=True)
     return None

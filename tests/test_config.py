@@ -153,6 +153,26 @@ def test_no_number_field_takes_inf_or_nan_and_each_refusal_names_the_field():
                 load_config(extra={key: bad})
 
 
+# Number fields where 0 means something a user asks for: off, none, no held-out images, the first timestep.
+ZERO_MEANS_SOMETHING = {
+    "data.keep_tokens", "data.caption_dropout", "data.validation_split", "adapter.dropout", "train.weight_decay",
+    "train.warmup_steps", "train.max_grad_norm", "train.noise_offset", "train.min_snr_gamma", "train.timestep_min",
+    "train.timestep_max", "train.profile_steps", "train.seed", "train.save_every", "train.save_every_minutes",
+    "preview.every", "preview.guidance", "preview.guidance_rescale", "preview.seed", "llm.validation_split"}
+
+
+def test_no_number_field_takes_a_negative_and_zero_only_where_it_means_off_or_none():
+    # A new number field without bounds fails here until it gets them (or is listed above, with why).
+    for key, typ in _number_fields():
+        with pytest.raises(ConfigError, match=key.split(".")[1]):
+            load_config(extra={key: typ(-1)})
+        if key in ZERO_MEANS_SOMETHING:
+            assert getattr(getattr(load_config(extra={key: typ(0)}), key.split(".")[0]), key.split(".")[1]) == 0
+        else:
+            with pytest.raises(ConfigError, match=key.split(".")[1]):
+                load_config(extra={key: typ(0)})
+
+
 def test_out_of_range_numbers_are_refused_with_the_field_and_the_bound():
     for key, bad in (("data.resolution", 0), ("data.resolution", -64), ("data.resolution", 10_000_000),
                      ("adapter.alpha", -4), ("adapter.overrides", {"*.attn2.to_v": -8}),

@@ -205,7 +205,10 @@ def test_a_full_disk_during_a_save_is_a_message_and_leaves_the_saved_states_as_t
 
     root = tmp_path / "checkpoints"
     adapter = {"w": torch.ones(3)}
-    checkpoint.save_state(root, 1, adapter, {"state": {}}, {"step": 1}, keep=3)
+    # The optimizer and trainer states as the loop writes them (newest_valid reads them back).
+    optimizer = {"state": {}, "param_groups": []}
+    trainer = {"step": 1, "epoch": 0, "position": 1, "schedule": {}, "rng": {}}
+    checkpoint.save_state(root, 1, adapter, optimizer, trainer, keep=3)
     real_save = torch.save
 
     def full(obj, f, *a, **k):
@@ -214,7 +217,7 @@ def test_a_full_disk_during_a_save_is_a_message_and_leaves_the_saved_states_as_t
     monkeypatch.setattr(torch, "save", full)
     monkeypatch.setattr(fsutil.shutil, "disk_usage", lambda p: shutil_usage(0))
     with pytest.raises(OSError) as err:
-        checkpoint.save_state(root, 2, adapter, {"state": {}}, {"step": 2}, keep=3)
+        checkpoint.save_state(root, 2, adapter, optimizer, {**trainer, "step": 2}, keep=3)
     assert err.value.errno == errno.ENOSPC
     monkeypatch.setattr(torch, "save", real_save)
     assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]  # no .tmp-step-* left behind

@@ -318,7 +318,9 @@ def test_llm_plan_reads_only_the_config_and_matches_the_8b_figures(tmp_path, cap
 
     LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False).save_pretrained(tmp_path)
-    (tmp_path / "model.safetensors").write_bytes(b"")  # present, never read
+    from safetensors.torch import save_file
+
+    save_file({}, str(tmp_path / "model.safetensors"))  # a whole file with no tensors: plan reads no weights
     base = ["llm", "plan", "--json", "--model", str(tmp_path), "--set", "adapter.preset='full'"]
     assert main(base) == 0
     bf16 = json.loads(capsys.readouterr().out)

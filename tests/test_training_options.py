@@ -213,7 +213,8 @@ def test_each_optimizer_builds_and_takes_a_step_on_cpu(name, tmp_path):
         assert torch.isfinite(p).all()
         assert (p - b).abs().max() > 1e-5
     # Its state survives the training-state format (tensors and numbers, loaded with weights_only).
-    checkpoint.save_state(tmp_path, 1, {"w": params[0]}, opt.state_dict(), {"step": 1}, keep=1)
+    trainer = {"step": 1, "epoch": 0, "position": 1, "schedule": {}, "rng": {}}  # as the loop writes it
+    checkpoint.save_state(tmp_path, 1, {"w": params[0]}, opt.state_dict(), trainer, keep=1)
     _, state, _ = checkpoint.load_state(checkpoint.newest_valid(tmp_path))
     opt.load_state_dict(state)
 

@@ -17,12 +17,14 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 import signal
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .fsutil import as_disk_full, fsync_dir
@@ -30,6 +32,8 @@ from .fsutil import as_disk_full, fsync_dir
 log = logging.getLogger(__name__)
 
 FILES = ("adapter.safetensors", "optimizer.pt", "trainer.pt")
+# What every optimizer.pt and trainer.pt this program writes holds (a trainer.pt may hold more: EMA, identity).
+KEYS = {"optimizer.pt": ("state", "param_groups"), "trainer.pt": ("step", "epoch", "position", "schedule", "rng")}
 _PREFIX = "step-"
 
 
@@ -50,15 +54,20 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-# Fault injection for the durability tests only: SDXL_LORA_TEST_KILL="save:6" kills this process with
-# SIGKILL half-way through writing the state of step 6, "step:10" in the middle of step 10 (after the
-# backward pass, before the optimizer step): no clean-up can run, as in a power cut.
+# Fault injection for the durability and fault tests only: SDXL_LORA_TEST_KILL="save:6" kills this process
+# with SIGKILL half-way through writing the state of step 6, "step:10" in the middle of step 10 (after the
+# backward pass, before the optimizer step): no clean-up can run, as in a power cut. "POINT:N@SIGTERM" sends
+# that signal instead, a stop request whose handling is under test. The points: save, step, cache (after
+# the Nth cache entry), preview (before the previews of step N: 0 is the first), export (before the final one).
 _KILL_AT = os.environ.get("SDXL_LORA_TEST_KILL")
 
 
 def test_fault(point: str, step: int) -> None:
-    if _KILL_AT is not None and _KILL_AT == f"{point}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if _KILL_AT is None:
+        return
+    at, _, sig = _KILL_AT.partition("@")
+    if at == f"{point}:{step}":
+        os.kill(os.getpid(), getattr(signal, sig) if sig else signal.SIGKILL)
 
 
 # SDXL_LORA_TEST_NAN="1:3": from step 3 on, process 1's loss is NaN (the NaN guard's several-process test).
@@ -139,10 +148,11 @@ def complete_states(root: Path) -> list[Path]:
 
 
 def newest_valid(root: Path) -> Path | None:
-    """The newest state that verifies; each newer one that does not is skipped with a warning naming it."""
+    """The newest state that verifies and reads back (load_state); each newer one that does not is skipped
+    with a warning naming it."""
     for state in complete_states(root):
         try:
-            verify(state)
+            load_state(state)
             return state
         except CheckpointError as e:
             log.warning("skipping checkpoint %s: %s", state.name, e)
@@ -150,9 +160,26 @@ def newest_valid(root: Path) -> Path | None:
 
 
 def load_state(state: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """The state's adapter, optimizer state and trainer state. CheckpointError naming the file when one does
+    not read back as this program writes it: the checksums only show that the files are the ones the
+    manifest lists, and a file put there with a matching manifest (or damaged before it was summed) is
+    refused like a torn one."""
     verify(state)
-    adapter = load_file(str(state / FILES[0]))
+    try:
+        adapter = load_file(str(state / FILES[0]))
+    except SafetensorError as e:
+        raise CheckpointError(f"{state / FILES[0]} is not a readable safetensors file ({e})") from None
     # weights_only: these files come from the run's own folder, and still no pickle code runs.
-    optimizer_state = torch.load(state / FILES[1], map_location="cpu", weights_only=True)
-    trainer_state = torch.load(state / FILES[2], map_location="cpu", weights_only=True)
-    return adapter, optimizer_state, trainer_state
+    loaded = []
+    for name in FILES[1:]:
+        try:
+            obj = torch.load(state / name, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
+            cause = str(e).strip().splitlines()[0].split(". ")[0][:160] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{state / name} is not a training state this program wrote ({cause}); "
+                                  "it was not loaded") from None
+        if not isinstance(obj, dict) or any(k not in obj for k in KEYS[name]):
+            raise CheckpointError(f"{state / name} does not hold a training state (it lacks "
+                                  f"{', '.join(k for k in KEYS[name] if not isinstance(obj, dict) or k not in obj)})")
+        loaded.append(obj)
+    return adapter, loaded[0], loaded[1]

@@ -275,7 +275,7 @@ class TrainConfig(Section):
     profile_steps: int = Field(0, ge=0, description=(
         "Record this many steps with torch's profiler into <run>/profile (opens in Perfetto) and log where the "
         "step time goes; 0 is off."))
-    seed: int = Field(42, description="Random seed of the data order, the noise and the adapter's initial weights.")
+    seed: int = Field(42, ge=0, le=2**32 - 1, description="Random seed of the data order, the noise and the adapter's initial weights.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
         "Where to train; 'auto' uses a CUDA GPU if there is one."))
     log_every: int = Field(10, ge=1, description="Log the loss and speed every N steps.")
@@ -322,7 +322,7 @@ class PreviewConfig(Section):
         "Classifier-free guidance scale of the previews."))
     guidance_rescale: float | None = Field(None, ge=0, le=1, json_schema_extra=SDXL_ONLY, description=(
         "Classifier-free guidance rescale (Lin et al. 2023); none means 0.7 with train.zero_terminal_snr, else 0."))
-    seed: int = Field(0, json_schema_extra=SDXL_ONLY, description=(
+    seed: int = Field(0, ge=0, le=2**32 - 1, json_schema_extra=SDXL_ONLY, description=(
         "Seed of the preview images; the same each time, so previews compare across steps."))
     before: bool = Field(True, description="Preview before training, as a baseline.")
     after: bool = Field(True, description="Preview at the end of training.")

@@ -82,6 +82,12 @@ def _eager():
     return torch.compiler.set_stance("force_eager")
 
 
+class _StopNow(BaseException):
+    """Raised by the signal handler where the run stops at once instead of after the step: the final
+    previews, where nothing is left to train. A BaseException, like KeyboardInterrupt: no task code's
+    `except Exception` may swallow it."""
+
+
 class _Replica(Run):
     """The run as a process other than the main one sees it: the main process writes the events."""
 
@@ -262,6 +268,7 @@ class Trainer:
         self.step = self.epoch = self.position = 0  # position: batches taken in the current epoch
         self._rng_to_restore: dict | None = None
         self._stop: str | None = None
+        self._stop_now = False  # a signal raises _StopNow (the final previews) instead of waiting for the step
 
     def setup(self) -> None:
         from accelerate.utils import set_seed
@@ -556,6 +563,8 @@ class Trainer:
         if self._stop is not None:
             raise KeyboardInterrupt  # second Ctrl-C: stop now; the last saved state is intact
         self._stop = signal.Signals(signum).name
+        if self._stop_now:
+            raise _StopNow(self._stop)
         log.warning("%s received: finishing this step and saving the state (press Ctrl-C again to stop at once)",
                     self._stop)
 
@@ -565,6 +574,7 @@ class Trainer:
         unwrapped = acc.unwrap_model(self.model)
         samples: list[Path] = []
         if cfg.preview.before and acc.is_main_process and self.step == 0:
+            checkpoint.test_fault("preview", 0)
             with _eager():
                 samples += self.task.preview(unwrapped, run, 0)
             run.event("samples", step=0, paths=[str(p) for p in samples])
@@ -727,7 +737,8 @@ class Trainer:
 
     def _stopped(self, step: int, stop: str, message: str | None, samples: list[Path], losses: list[float],
                  eval_before: float) -> Result:
-        """The run stopped early (a signal, or the NaN guard), its state saved: no adapter, no final previews."""
+        """The run stopped early (a signal, or the NaN guard), its state saved: no final previews, and no
+        adapter unless the stop came after the export (the message says so)."""
         state = self._last_state
         if self.accelerator.is_main_process:
             self.run.event("interrupted", step=step, signal=stop, state="interrupted", path=str(state),
@@ -736,27 +747,43 @@ class Trainer:
                       message=message)
 
     def _finish(self, step: int, samples: list[Path], losses: list[float], eval_before: float) -> Result:
-        """The run's end: the final evaluation, the adapter written, then the final previews and the done event."""
+        """The run's end: the final evaluation, the adapter written, then the final previews and the done event.
+        A signal here stops the run with its state saved: at once during the previews, after the export (it
+        is atomic and short) before them; the resume then only finishes (export, previews, done)."""
         cfg, acc, run = self.cfg, self.accelerator, self.run
         unwrapped = acc.unwrap_model(self.model)
         acc.wait_for_everyone()
-        with self._averaged(), _eager():  # with train.ema: the averaged weights are evaluated, saved, previewed
-            eval_after = self.task.evaluate(unwrapped) if acc.is_main_process else math.nan
-            val_after = self.task.validate(unwrapped) if acc.is_main_process else None
-            adapter: dict[str, Path] = {}
-            if acc.is_main_process:
-                # The adapter first: previews can still fail (out of memory, a bad prompt) and must not cost the result.
-                adapter = self.task.save_adapter(unwrapped, run, step)
-                run.event("adapter", step=step, paths={k: str(v) for k, v in adapter.items()},
-                          **({"ema_decay": cfg.train.ema_decay} if self.ema is not None else {}))
-                run.event("eval", step=step, loss=eval_after)
-                if val_after is not None:
-                    run.event("validation", step=step, loss=val_after)
-                after: list[Path] = []
-                if cfg.preview.after:
-                    after = self.task.preview(unwrapped, run, step)
-                    samples += after
-                    run.event("samples", step=step, paths=[str(p) for p in after])
-                self._track(step, validation=val_after, samples=after, **{"loss/eval": eval_after})
-                run.event("done", step=step, state="finished", final_loss=losses[-1] if losses else math.nan)
+        adapter: dict[str, Path] = {}
+        try:
+            with self._averaged(), _eager():  # with train.ema: the averaged weights are evaluated, saved, previewed
+                eval_after = self.task.evaluate(unwrapped) if acc.is_main_process else math.nan
+                val_after = self.task.validate(unwrapped) if acc.is_main_process else None
+                if acc.is_main_process:
+                    # The adapter first: previews can still fail (out of memory, a bad prompt) and must not cost the result.
+                    checkpoint.test_fault("export", step)
+                    adapter = self.task.save_adapter(unwrapped, run, step)
+                    run.event("adapter", step=step, paths={k: str(v) for k, v in adapter.items()},
+                              **({"ema_decay": cfg.train.ema_decay} if self.ema is not None else {}))
+                    run.event("eval", step=step, loss=eval_after)
+                    if val_after is not None:
+                        run.event("validation", step=step, loss=val_after)
+                    self._stop_now = True
+                    if self._stop is not None:  # signalled during the evaluation or the export
+                        raise _StopNow(self._stop)
+                    checkpoint.test_fault("preview", step)
+                    after: list[Path] = []
+                    if cfg.preview.after:
+                        after = self.task.preview(unwrapped, run, step)
+                        samples += after
+                        run.event("samples", step=step, paths=[str(p) for p in after])
+                    self._stop_now = False
+                    self._track(step, validation=val_after, samples=after, **{"loss/eval": eval_after})
+                    run.event("done", step=step, state="finished", final_loss=losses[-1] if losses else math.nan)
+        except _StopNow as stop:
+            self._stop_now = False
+            # Saved outside the EMA swap: the state holds the trained weights (and the averages beside them).
+            self._last_state = self._save()
+            written = ", ".join(str(p) for p in adapter.values())
+            return self._stopped(step, str(stop), f"the adapter is written ({written}); the final previews are not: "
+                                 "resume to render them and finish the run", samples, losses, eval_before)
         return Result(run, step, adapter, samples, losses, eval_before, eval_after, state=self._last_state)

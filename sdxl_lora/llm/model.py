@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..core.config import Config, ModelConfig
+from ..core.weights import PickleWeights, WeightFileError, read_json, weight_files
 from .tiny import TINY_LLM, materialize_tiny_llm
 
 log = logging.getLogger(__name__)
@@ -38,14 +39,26 @@ def check_causal_lm_folder(path: Path):
     if not path.is_dir() or not (path / "config.json").is_file():
         raise LLMModelError(f"{path} is not a transformers model folder (no config.json); give the folder that "
                             "holds config.json, the *.safetensors weights and the tokenizer files")
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    try:
+        read_json(path / "config.json")
+    except WeightFileError as e:
+        raise LLMModelError(f"{e}; copy it again, whole, or give another causal-LM folder") from None
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:  # a config.json transformers cannot read as a model's
+        raise LLMModelError(f"{path / 'config.json'} is not a transformers model config ({e}); give the folder "
+                            "of a transformers causal LM") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise LLMModelError(f"{path} holds a {config.model_type!r} model ({', '.join(config.architectures or [])}), "
                             "not a causal LM; the llm task trains decoder-only text generators (Llama, Mistral, "
                             "Qwen, Gemma, Phi...)")
-    if not any(path.glob("*.safetensors")):
-        raise LLMModelError(f"{path} has no *.safetensors weights; pickle weights (.bin) can run code when loaded "
-                            "and are refused: convert them to safetensors first")
+    try:
+        weight_files(path, "model")  # safetensors only, each file whole
+    except PickleWeights as e:  # its message says what to do
+        raise LLMModelError(str(e)) from None
+    except WeightFileError as e:
+        raise LLMModelError(f"{e}. {path} is not a usable model folder: copy it again, whole, from where it came "
+                            f"from, or give another model folder (or '{TINY_LLM}')") from None
     return config
 
 
@@ -96,9 +109,21 @@ def load_llm(cfg: Config, device: torch.device, mixed_precision: str):
     tokenizer = load_tokenizer(path)
     method, opts = quantize_settings(cfg, mixed_precision)
     dtype = weight_dtype(cfg, mixed_precision)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
-        attn_implementation=cfg.llm.attn_implementation)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
+            attn_implementation=cfg.llm.attn_implementation, output_loading_info=True)
+    except (OSError, RuntimeError) as e:  # transformers' word on weights that do not fit the config
+        raise LLMModelError(f"{path}: its weights could not be loaded as the model its config.json describes "
+                            f"({str(e).strip().splitlines()[0][:300]}); the folder mixes files of different models "
+                            "or a file is damaged: copy it again, whole") from None
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = list(info.get("mismatched_keys") or [])
+    if missing or mismatched:
+        shown = ", ".join(str(k) for k in (missing or mismatched)[:2])
+        raise LLMModelError(f"{path}: its weights do not hold the model its config.json describes: {len(missing)} "
+                            f"tensors missing, {len(mismatched)} of another shape (e.g. {shown}); the folder mixes "
+                            "files of different models or a file is damaged: copy it again, whole")
     model.config.use_cache = False
     if method:
         from ..core.quantize import quantize_model

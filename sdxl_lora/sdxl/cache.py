@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from tqdm.auto import tqdm
 
+from sdxl_lora.core.checkpoint import test_fault
 from sdxl_lora.core.fsutil import atomic_save
 
 log = logging.getLogger(__name__)
@@ -116,8 +117,9 @@ class TensorCache:
         """
         keys = list(dict.fromkeys(keys))  # unique, in order: the same list in every process
         mine = [i for i in range(process_index, len(keys), num_processes) if self.get(keys[i]) is None]
-        for i in tqdm(mine, desc=desc, unit="entry", disable=not show or not mine):
+        for n, i in enumerate(tqdm(mine, desc=desc, unit="entry", disable=not show or not mine), 1):
             self.put(keys[i], compute(keys[i]))
+            test_fault("cache", n)
         if num_processes > 1:
             self._wait([k for i, k in enumerate(keys) if i % num_processes != process_index], desc, show, poll_s)
         return len(mine)

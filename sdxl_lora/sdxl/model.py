@@ -9,11 +9,18 @@ from pathlib import Path
 import torch
 
 from ..core.config import DEMO_DIR, DEMO_NAME, ModelConfig
+from ..core.weights import PickleWeights, WeightFileError, read_json, shape_problems, weight_files
 from .tiny import TINY_NAME, materialize_tiny
 
 # diffusers folder layout of an SDXL pipeline: what must be there for from_pretrained to work.
-REQUIRED = ("model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json",
-            "text_encoder_2/config.json", "scheduler/scheduler_config.json", "tokenizer", "tokenizer_2")
+CONFIGS = ("model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json",
+           "text_encoder_2/config.json", "scheduler/scheduler_config.json")
+REQUIRED = CONFIGS + ("tokenizer", "tokenizer_2")
+# The components with weights: their library, class, and the file stem that library saves them under.
+COMPONENTS = {"unet": ("diffusers", "UNet2DConditionModel", "diffusion_pytorch_model"),
+              "vae": ("diffusers", "AutoencoderKL", "diffusion_pytorch_model"),
+              "text_encoder": ("transformers", "CLIPTextModel", "model"),
+              "text_encoder_2": ("transformers", "CLIPTextModelWithProjection", "model")}
 
 
 class ModelError(ValueError):
@@ -50,11 +57,78 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32):
         from .single_file import load_single_file
         tok = Path(cfg.tokenizer) if cfg.tokenizer else None
         return load_single_file(path, tokenizer_dir=tok, torch_dtype=torch_dtype)
+    check_folder(path)
+    # Each weighted component on its own, so a failure names its folder and what its library reported.
+    parts = {name: _load_component(path, name, torch_dtype) for name in COMPONENTS}
+    return StableDiffusionXLPipeline.from_pretrained(str(path), dtype=torch_dtype, local_files_only=True,
+                                                     use_safetensors=True, **parts)
+
+
+def _folder_error(path: Path, problem: str | WeightFileError) -> ModelError:
+    if isinstance(problem, PickleWeights):  # its message says what to do
+        return ModelError(str(problem))
+    return ModelError(f"{problem}. {path} is not a usable diffusers SDXL folder: copy it again, whole, from where "
+                      f"it came from, or give another model (a single-file .safetensors checkpoint, '{DEMO_NAME}')")
+
+
+def check_folder(path: Path):
+    """Check a diffusers SDXL folder before anything loads from it, and return its UNet on the meta device.
+    Every config parses, model_index.json names SDXL's components, each component's weights are whole
+    safetensors files (pickles are refused), and the UNet's tensors have the shapes its config.json gives
+    (read from the file headers: no weights are loaded)."""
     missing = [r for r in REQUIRED if not (path / r).exists()]
     if missing:
         raise ModelError(f"{path} is not a diffusers SDXL folder: missing {', '.join(missing)}")
-    return StableDiffusionXLPipeline.from_pretrained(str(path), torch_dtype=torch_dtype,
-                                                     local_files_only=True, use_safetensors=True)
+    try:
+        configs = {name: read_json(path / name) for name in CONFIGS}
+        absent = [c for c in (*COMPONENTS, "scheduler", "tokenizer", "tokenizer_2")
+                  if c not in configs["model_index.json"]]
+        if absent:
+            raise WeightFileError(f"{path / 'model_index.json'} names no {', '.join(absent)} (an SDXL pipeline's "
+                                  "index names unet, vae, text_encoder, text_encoder_2, tokenizers and scheduler)")
+        files = {name: weight_files(path / name, stem) for name, (_, _, stem) in COMPONENTS.items()}
+        unet = _meta_unet(configs["unet/config.json"], path / "unet" / "config.json")
+        problems = shape_problems(files["unet"], {k: tuple(v.shape) for k, v in unet.state_dict().items()})
+    except WeightFileError as e:
+        raise _folder_error(path, e) from None
+    if problems:
+        where = files["unet"][0] if len(files["unet"]) == 1 else path / "unet"
+        raise _folder_error(path, f"{where} does not hold the UNet unet/config.json describes: "
+                                  f"{'; '.join(problems)} (weights of another model, or a damaged file)")
+    return unet
+
+
+def _meta_unet(config: dict, where: Path):
+    """The UNet `config` describes, on the meta device (structure only)."""
+    from diffusers import UNet2DConditionModel
+
+    try:
+        with torch.device("meta"):
+            return UNet2DConditionModel.from_config(config)
+    except (TypeError, ValueError, KeyError) as e:  # a config whose values do not make a UNet
+        raise WeightFileError(f"{where} does not describe a UNet diffusers can build ({e})") from None
+
+
+def _load_component(path: Path, name: str, torch_dtype: torch.dtype):
+    """One weighted component of the folder (COMPONENTS), refused unless every weight came from its file."""
+    import importlib
+
+    library, cls_name, _ = COMPONENTS[name]
+    cls = getattr(importlib.import_module(library), cls_name)
+    try:
+        model, info = cls.from_pretrained(str(path), subfolder=name, dtype=torch_dtype, local_files_only=True,
+                                          use_safetensors=True, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as e:  # the library's word on weights that do not fit
+        cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise _folder_error(path, f"{path / name} could not be loaded as the {cls_name} its config.json "
+                                  f"describes: {cause}") from None
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = list(info.get("mismatched_keys") or [])
+    if missing or mismatched:
+        shown = ", ".join(str(k) for k in (missing or mismatched)[:2])
+        raise _folder_error(path, f"{path / name} does not hold the {cls_name} its config.json describes: "
+                                  f"{len(missing)} tensors missing, {len(mismatched)} of another shape (e.g. {shown})")
+    return model
 
 
 def native_resolution(pipe) -> int:
@@ -66,25 +140,22 @@ ARCH_SDXL = "arch:sdxl"
 
 def unet_skeleton(cfg: ModelConfig):
     """The model's UNet on the meta device (structure only: no memory, no weights read), and its
-    native resolution. `arch:sdxl` is SDXL base's own config, bundled with the package."""
-    import json
-
-    from diffusers import UNet2DConditionModel
-
+    native resolution. `arch:sdxl` is SDXL base's own config, bundled with the package. A diffusers folder
+    is checked as training would load it (check_folder: configs, and the weight files' headers)."""
     from .single_file import SDXL_BASE_CONFIG_DIR
 
-    if cfg.path == ARCH_SDXL:
-        folder = SDXL_BASE_CONFIG_DIR
-    else:
-        path = resolve_model_path(cfg)
-        # A single-file checkpoint is read as SDXL base (the configs its loading uses too).
-        folder = SDXL_BASE_CONFIG_DIR if path.is_file() else path
-    unet_cfg = folder / "unet" / "config.json"
-    if not unet_cfg.is_file():
-        raise ModelError(f"{folder} has no unet/config.json; give a diffusers SDXL folder, "
+    path = SDXL_BASE_CONFIG_DIR if cfg.path == ARCH_SDXL else resolve_model_path(cfg)
+    if path.is_file():  # a single-file checkpoint is read as SDXL base (the configs its loading uses too)
+        path = SDXL_BASE_CONFIG_DIR
+    if not (path / "unet" / "config.json").is_file():
+        raise ModelError(f"{path} has no unet/config.json; give a diffusers SDXL folder, "
                          f"a single-file checkpoint, '{DEMO_NAME}', '{TINY_NAME}' or '{ARCH_SDXL}'")
-    vae_cfg = json.loads((folder / "vae" / "config.json").read_text(encoding="utf-8"))
-    with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(json.loads(unet_cfg.read_text(encoding="utf-8")))
-    vae_factor = 2 ** (len(vae_cfg["block_out_channels"]) - 1)
+    try:
+        if path == SDXL_BASE_CONFIG_DIR:
+            unet = _meta_unet(read_json(path / "unet" / "config.json"), path / "unet" / "config.json")
+        else:
+            unet = check_folder(path)
+        vae_factor = 2 ** (len(read_json(path / "vae" / "config.json")["block_out_channels"]) - 1)
+    except WeightFileError as e:
+        raise _folder_error(path, e) from None
     return unet, int(unet.config.sample_size) * vae_factor

@@ -1,12 +1,14 @@
 """The three folders the UI may touch (datasets, models, runs) and the one check every path goes through.
 
 The page sends paths typed or picked by a person; each is resolved against its folder and refused when
-it lands outside. The check is lexical (``..`` and absolute paths elsewhere are refused), so a symlink a
-user put inside one of the folders is followed, as they meant.
+it lands outside: by ``..``, an absolute path elsewhere, backslashes (read as separators, as Windows
+writes them), or a symlink inside the folder that leads out of it. A path that looks URL-encoded
+(``%2e%2e%2f``) is refused rather than guessed at: no layer of the page decodes it, and none may.
 """
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,14 @@ TINY_LLM = "tiny-llm"  # the embedded tiny causal LM (sdxl_lora/llm/tiny.py)
 
 class PathRefused(ValueError):
     """A path outside the folders the UI was given; the message names both."""
+
+
+# The encoded forms of '.', '/', '\\' and '%' itself (a double encoding).
+_ENCODED = re.compile(r"%(2e|2f|5c|25)", re.IGNORECASE)
+
+
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
 
 
 @dataclass(frozen=True)
@@ -46,16 +56,33 @@ class Folders:
         return self.runs / ".ui"
 
     def inside(self, path: str | Path, kind: str) -> Path:
-        """`path` (absolute, or relative to the folder of `kind`) as an absolute path inside that folder."""
+        """`path` (absolute, or relative to the folder of `kind`) as an absolute path inside that folder, its
+        symlinks resolved inside it too. Every path the page sends goes through here."""
         root: Path = getattr(self, kind)
         raw = str(path).strip()
         if not raw:
             raise PathRefused(f"no path given; pick one under the {kind} folder {root}")
-        p = Path(os.path.expanduser(raw))
+        if _ENCODED.search(raw):
+            raise PathRefused(f"{raw} looks URL-encoded (%2e, %2f, %5c); give the path as it is on disk, under "
+                              f"the {kind} folder {root}")
+        p = Path(os.path.expanduser(raw.replace("\\", "/")))
         full = Path(os.path.abspath(p if p.is_absolute() else root / p))
-        if full != root and root not in full.parents:
+        if not _within(full, root):
             raise PathRefused(f"{raw} is outside the {kind} folder {root}; this UI only reads and writes "
                               f"under the folders it was started with (--{kind})")
+        real = Path(os.path.realpath(full))
+        if not _within(real, Path(os.path.realpath(root))):
+            raise PathRefused(f"{raw} leads outside the {kind} folder {root} through a symlink (to {real}); this "
+                              f"UI only reads and writes under its folders: start it with --{kind} naming the "
+                              "real folder, or copy the files in")
+        return full
+
+    def run(self, name: str) -> Path:
+        """A run's folder from its name, as the run pickers send it: one folder directly under runs/."""
+        full = self.inside(name, "runs")
+        if full.parent != self.runs or full.name.startswith("."):
+            raise PathRefused(f"{name!r} is not a run name: a run is a folder directly under {self.runs} "
+                              "(letters, digits, '-' and '_'; no '/' or leading '.')")
         return full
 
 

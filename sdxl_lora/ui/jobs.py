@@ -151,7 +151,7 @@ class Jobs:
 
     # ---- names and listing
     def run_dir(self, name: str) -> Path:
-        return self.f.inside(name, "runs")
+        return self.f.run(name)
 
     def queued(self) -> list[dict]:
         out = []
@@ -181,15 +181,13 @@ class Jobs:
     def unique_name(self, wanted: str | None) -> str:
         taken = {q["name"] for q in self.queued()}
         name = (wanted or "").strip() or default_run_name()
+        self.f.run(name)  # before anything looks it up: a name like '../x' would leave the runs folder
         base, n = name, 1
         while name in taken or (self.f.runs / name).exists():
             if wanted and wanted.strip():
                 raise FileExistsError(f"a run named {name!r} already exists or is queued; choose another name")
             n += 1
             name = f"{base}-{n}"
-        self.f.inside(name, "runs")  # a name like '../x' would leave the runs folder
-        if "/" in name or name.startswith("."):
-            raise ValueError(f"run name {name!r}: use letters, digits, '-' and '_' (no '/' or leading '.')")
         return name
 
     # ---- queue
@@ -294,7 +292,8 @@ class Jobs:
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         parts = []
-        for path in (self.f.ui / "logs" / f"{name}.log", self.run_dir(name) / "train.log"):
+        run = self.run_dir(name)  # the name is the page's: checked before it names a file
+        for path in (self.f.ui / "logs" / f"{run.name}.log", run / "train.log"):
             if path.is_file():
                 with open(path, "rb") as fh:
                     fh.seek(max(0, path.stat().st_size - 20000))

@@ -59,8 +59,8 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
         if adapter.unknown:
             return None, f"**Error:** {src.name}: {adapter.problems[0]}"
         stem = (title or "").strip() or src.name.split(".")[0]
-        if "/" in stem or stem.startswith("."):
-            return None, f"**Error:** title {stem!r} names the file: no '/' and no leading '.'"
+        if "/" in stem or "\\" in stem or stem.startswith("."):
+            return None, f"**Error:** title {stem!r} names the file: no '/' or '\\' and no leading '.'"
         meta: bool | dict = False
         if write_meta:
             fields = {"modelspec.title": stem, "ss_output_name": stem, "modelspec.author": author,

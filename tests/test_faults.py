@@ -1,0 +1,413 @@
+"""What a user sees when something goes wrong (docs/training.md, "When something goes wrong"): one paragraph
+on stderr naming the file or field and what to do, exit code 2 for bad input and 1 for the machine, no
+traceback, and nothing half-written left behind. CPU, the tiny models.
+
+Faults tested where their subject lives, not repeated here:
+  - a full disk during a state save and at the final export; SIGKILL mid-save and mid-step; a truncated
+    newest state; Ctrl-C; two starts of one run name; a start killed before its config.toml was whole;
+    resume with another plan or dataset: tests/test_durability.py
+  - the config fuzz over the whole schema (inf, nan, negatives, zero, ranges; a file that is not UTF-8):
+    tests/test_config.py
+  - images of each damaged kind, decoded at the scan as at caching: tests/test_data.py
+  - LLM data lines that are not UTF-8, unknown roles, empty answers: tests/test_llm.py
+  - the UI's caption editor writing only beside its image: tests/test_frontends.py
+"""
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sdxl_lora.cli import main
+
+
+# ---- bad model folders: each refused before training, naming the file; pickles never loaded
+
+
+class _Boom:
+    """Unpickling this creates a marker file: proof that a pickle was (not) loaded."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _variant(src: Path, dest: Path) -> Path:
+    """A copy of the model folder `src` whose files are hard links (fast); _rewrite replaces one of them."""
+    shutil.copytree(src, dest, copy_function=os.link)
+    return dest
+
+
+def _rewrite(path: Path, data: bytes | None = None, tensors: dict | None = None) -> None:
+    path.unlink()  # a new file: writing through the hard link would damage the source model
+    if tensors is not None:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    elif data is not None:
+        path.write_bytes(data)
+
+
+def _pickle_only(d: Path, component: str, stem: str, weights: str) -> Path:
+    marker = d.parent / f"{d.name}-pickle-ran"
+    _rewrite(d / component / weights)
+    (d / component / f"{stem}.bin").write_bytes(pickle.dumps(_Boom(marker)))
+    return marker
+
+
+def _drop_keys(path: Path, n: int = 2) -> None:
+    sd = load_file(str(path))
+    _rewrite(path, tensors={k: v for k, v in sd.items() if k not in sorted(sd)[:n]})
+
+
+def _widen(path: Path, suffix: str) -> None:
+    sd = load_file(str(path))
+    k = sorted(k for k in sd if k.endswith(suffix))[0]
+    sd[k] = torch.zeros(sd[k].shape[0] * 2, *sd[k].shape[1:])
+    _rewrite(path, tensors=sd)
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    _rewrite(path, data=data[: len(data) // 2])
+
+
+UNET = "unet/diffusion_pytorch_model.safetensors"
+# (what is wrong, how to make it, the file the message names, whether `plan` sees it: plan reads configs
+# and weight-file headers only, so a VAE's or text encoder's wrong tensors show at training).
+SDXL_FAULTS = {
+    "only pickle weights": (lambda d: _pickle_only(d, "unet", "diffusion_pytorch_model",
+                                                   "diffusion_pytorch_model.safetensors"), "unet", True),
+    "garbage model_index.json": (lambda d: _rewrite(d / "model_index.json", b"{garbage"), "model_index.json", True),
+    "a UNet config that is not JSON": (lambda d: _rewrite(d / "unet/config.json", b"\xff\xfe"), "unet/config.json",
+                                       True),
+    "truncated UNet weights": (lambda d: _truncate(d / UNET), UNET, True),
+    "UNet weights with tensors missing": (lambda d: _drop_keys(d / UNET), UNET, True),
+    "UNet weights of another shape": (lambda d: _widen(d / UNET, "conv_in.weight"), UNET, True),
+    "VAE weights with tensors missing": (lambda d: _drop_keys(d / "vae/diffusion_pytorch_model.safetensors"),
+                                         "vae", False),
+    "text encoder weights of another shape": (lambda d: _widen(d / "text_encoder/model.safetensors", "weight"),
+                                              "text_encoder", False),
+}
+
+
+def _one_paragraph(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("fault", list(SDXL_FAULTS))
+def test_a_bad_sdxl_model_folder_is_refused_naming_the_file(fault, tiny_dir, tmp_path, capsys):
+    make, named, plan_sees_it = SDXL_FAULTS[fault]
+    d = _variant(tiny_dir, tmp_path / "model")
+    marker = make(d)
+    if plan_sees_it:
+        assert main(["plan", "--model", str(d)]) == 2
+        assert str(d / named) in _one_paragraph(capsys.readouterr().err)
+    assert main(["train", "--model", str(d), "--out", str(tmp_path / "runs"), "--steps", "1",
+                 "--set", "preview.prompts=''", "--set", f"data.cache_dir='{tmp_path / 'cache'}'"]) == 2
+    msg = _one_paragraph(capsys.readouterr().err)
+    assert str(d / named) in msg
+    assert ("safetensors" in msg) if "pickle" in fault else ("copy it again" in msg), msg
+    if marker is not None:
+        assert not marker.exists()  # the pickle was never loaded
+    assert not list((tmp_path / "runs").glob("*/checkpoints"))
+
+
+LLM_FAULTS = {
+    "only pickle weights": lambda d: _pickle_only(d, ".", "pytorch_model", "model.safetensors"),
+    "a config.json that is not JSON": lambda d: _rewrite(d / "config.json", b"{"),
+    "truncated weights": lambda d: _truncate(d / "model.safetensors"),
+    "weights with tensors missing": lambda d: _drop_keys(d / "model.safetensors"),
+    "weights of another shape": lambda d: _widen(d / "model.safetensors", "q_proj.weight"),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_dir():
+    from sdxl_lora.core.config import ModelConfig
+    from sdxl_lora.llm.tiny import materialize_tiny_llm
+
+    return materialize_tiny_llm(ModelConfig().cache_dir)
+
+
+@pytest.mark.parametrize("fault", list(LLM_FAULTS))
+def test_a_bad_llm_model_folder_is_refused_naming_it(fault, tiny_llm_dir, tmp_path, capsys):
+    d = _variant(tiny_llm_dir, tmp_path / "model")
+    marker = LLM_FAULTS[fault](d)
+    assert main(["llm", "train", "--model", str(d), "--out", str(tmp_path / "runs"), "--steps", "1"]) == 2
+    msg = _one_paragraph(capsys.readouterr().err)
+    assert str(d) in msg and ("safetensors" in msg if "pickle" in fault else "copy it again" in msg), msg
+    if marker is not None:
+        assert not marker.exists()
+
+
+# ---- training states: one that does not read back is skipped like a torn one
+
+
+def test_a_state_whose_trainer_file_is_a_foreign_pickle_with_a_matching_checksum_is_skipped(tmp_path, caplog):
+    from sdxl_lora.core import checkpoint
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        checkpoint.save_state(root, step, {"w": torch.ones(3)}, {"state": {}, "param_groups": []},
+                              {"step": step, "epoch": 0, "position": step, "schedule": {}, "rng": {}}, keep=3)
+    newest, marker = root / "step-00000002", tmp_path / "pickle-ran"
+    (newest / "trainer.pt").write_bytes(pickle.dumps(_Boom(marker)))
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["files"]["trainer.pt"] = checkpoint._sha256(newest / "trainer.pt")  # the checksum matches
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level("WARNING"):
+        assert checkpoint.newest_valid(root).name == "step-00000001"
+    assert not marker.exists()
+    assert any("skipping checkpoint step-00000002" in r.getMessage() and "trainer.pt" in r.getMessage()
+               for r in caplog.records)
+
+
+# ---- a read-only folder: exit 1 naming it, nothing written there
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """make(folder): from now on the OS refuses every write under `folder` (EROFS), as on a read-only
+    mount. Simulated at Python's calls into the OS: tests run as root in CI, where chmod stops nothing."""
+    import builtins
+    import errno
+    import io
+
+    def make(folder: Path) -> None:
+        folder = folder.resolve()
+        real = {"open": io.open, "os_open": os.open, "mkdir": os.mkdir, "replace": os.replace,
+                "rename": os.rename, "link": os.link}
+
+        def check(path) -> None:
+            if isinstance(path, (str, os.PathLike)) and Path(os.path.abspath(path)).is_relative_to(folder):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+        def open_(file, mode="r", *a, **k):
+            if any(c in mode for c in "wax+"):
+                check(file)
+            return real["open"](file, mode, *a, **k)
+
+        def os_open(path, flags, *a, **k):
+            if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+                check(path)
+            return real["os_open"](path, flags, *a, **k)
+
+        def two(name):
+            def call(src, dst, *a, **k):
+                check(dst)
+                return real[name](src, dst, *a, **k)
+            return call
+
+        def mkdir(path, *a, **k):
+            check(path)
+            return real["mkdir"](path, *a, **k)
+
+        for target, name, fn in ((builtins, "open", open_), (io, "open", open_), (os, "open", os_open),
+                                 (os, "mkdir", mkdir), (os, "replace", two("replace")),
+                                 (os, "rename", two("rename")), (os, "link", two("link"))):
+            monkeypatch.setattr(target, name, fn)
+    return make
+
+
+def _two_images(tmp_path: Path) -> Path:
+    """Two of the sample images and their captions: enough to train a step, quick to cache."""
+    from sdxl_lora.core.config import SAMPLE_DATA
+
+    out = tmp_path / "images"
+    out.mkdir()
+    for name in ("00_red_star", "01_green_star"):
+        for ext in (".png", ".txt"):
+            shutil.copy(SAMPLE_DATA / "images" / f"{name}{ext}", out)
+    return out
+
+
+def _tree(folder: Path) -> dict:
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def test_a_read_only_runs_folder_or_run_folder_is_exit_1_naming_it_and_nothing_is_written(tmp_path, read_only,
+                                                                                           capsys):
+    common = ["--steps", "2", "--data", str(_two_images(tmp_path)), "--set", "preview.prompts=''",
+              "--set", "train.save_every=1", "--set", f"data.cache_dir='{tmp_path / 'cache'}'"]
+    assert main(["train", "--out", str(tmp_path / "runs"), "--name", "r", *common]) == 0
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    before = {"ro": _tree(ro), "run": _tree(tmp_path / "runs")}
+    capsys.readouterr()
+    read_only(ro)
+    read_only(tmp_path / "runs")
+    assert main(["train", "--out", str(ro), "--name", "new", *common]) == 1
+    msg = _one_paragraph(capsys.readouterr().err)
+    assert str(ro / "new") in msg and "Read-only file system" in msg, msg
+    assert main(["train", "--resume", str(tmp_path / "runs" / "r"), "--steps", "3"]) == 1
+    msg = _one_paragraph(capsys.readouterr().err)
+    assert str(tmp_path / "runs" / "r") in msg and "Read-only file system" in msg, msg
+    assert {"ro": _tree(ro), "run": _tree(tmp_path / "runs")} == before
+
+
+# ---- SIGTERM at each phase: before the first step a clean stop; after it a saved state and a resume command
+
+
+def _train_signalled(tmp_path: Path, at: str, *args: str):
+    """`sdxl-lora train ARGS` in its own process, sent SIGTERM at `at` (core/checkpoint.py: test_fault)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SDXL_LORA_TEST_KILL": f"{at}@SIGTERM" if at else ""}
+    if not at:
+        env.pop("SDXL_LORA_TEST_KILL")
+    return subprocess.run([sys.executable, "-m", "sdxl_lora.cli", "train", *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def _stray_files(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.name.startswith(".") and ".tmp" in p.name]
+
+
+def test_sigterm_before_the_first_step_stops_at_once_with_nothing_half_written(tmp_path):
+    # While caching (after the first latent is written) and during the step-0 previews.
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red star\n")
+    common = ["--out", str(tmp_path / "runs"), "--steps", "2", "--data", str(_two_images(tmp_path)),
+              "--set", f"data.cache_dir='{tmp_path / 'cache'}'", "--set", f"preview.prompts='{prompts}'",
+              "--set", "preview.steps=2"]
+    for at, name in (("cache:1", "caching"), ("preview:0", "previews")):
+        p = _train_signalled(tmp_path, at, "--name", name, *common)
+        assert p.returncode == 130, p.stderr[-2000:]
+        msg = _one_paragraph(p.stderr)
+        assert "stopped by SIGTERM before the first training step" in msg and "--overwrite" in msg, msg
+        run = tmp_path / "runs" / name
+        assert not (run / "checkpoints").exists() and not list(run.glob("*.safetensors"))
+        assert not list((run / "samples").iterdir())
+    assert len(list((tmp_path / "cache").rglob("*.safetensors"))) >= 1  # what was cached is kept, whole
+    assert not _stray_files(tmp_path)
+
+
+def test_sigterm_in_training_at_the_export_and_in_the_final_previews_each_saves_a_state_that_resumes(tmp_path):
+    from sdxl_lora.core import checkpoint
+    from sdxl_lora.core.runs import read_events
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red star\n")
+    run = tmp_path / "runs" / "r"
+    p = _train_signalled(tmp_path, "step:2", "--out", str(tmp_path / "runs"), "--name", "r", "--steps", "3",
+                         "--data", str(_two_images(tmp_path)), "--set", f"data.cache_dir='{tmp_path / 'cache'}'",
+                         "--set", f"preview.prompts='{prompts}'", "--set", "preview.steps=2",
+                         "--set", "train.save_every=0")
+    assert p.returncode == 130, p.stderr[-2000:]
+    assert "resume with: sdxl-lora train --resume" in p.stdout
+    assert checkpoint.newest_valid(run / "checkpoints").name == "step-00000002"
+    # At the export: the export is atomic and short, so it is finished; the previews after it are not made.
+    p = _train_signalled(tmp_path, "export:3", "--resume", str(run))
+    assert p.returncode == 130, p.stderr[-2000:]
+    assert "resume with: sdxl-lora train --resume" in p.stdout and "the final previews are not" in p.stdout
+    assert (run / "r.safetensors").is_file() and not list((run / "samples").glob("step-000003*"))
+    assert checkpoint.newest_valid(run / "checkpoints").name == "step-00000003"
+    # In the final previews: one signal stops the run at once (it used to wait for a second).
+    p = _train_signalled(tmp_path, "preview:3", "--resume", str(run))
+    assert p.returncode == 130, p.stderr[-2000:]
+    assert "resume with: sdxl-lora train --resume" in p.stdout
+    assert not list((run / "samples").glob("step-000003*"))
+    # The resume then only finishes: the previews rendered, the run done.
+    p = _train_signalled(tmp_path, "", "--resume", str(run))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert list((run / "samples").glob("step-000003*grid.png"))
+    events = read_events(run / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "interrupted"] == [2, 3, 3]
+    assert [e["step"] for e in events if e["event"] == "done"] == [3]
+    assert not _stray_files(tmp_path)
+
+
+# ---- the UI: every path the page sends goes through one guard (ui/folders.py: Folders.inside)
+
+
+def _escapes(tmp_path: Path, root: Path, kind_dir: str) -> list[str]:
+    """The ways a page could name `outside` from inside `root`: .., an absolute path, encoded separators,
+    backslashes, a symlink inside the folder that leads out."""
+    (root / "link").symlink_to(tmp_path / "outside", target_is_directory=True)
+    return ["../outside", "../../outside/x.png", str(tmp_path / "outside"), "%2e%2e%2foutside", "..%2Foutside",
+            "%252e%252e%252foutside", "..\\outside", "..\\..\\outside\\x.png", "~/outside", "link", "link/x.png",
+            f"{kind_dir}/../../outside" if kind_dir != "." else "./../outside"]
+
+
+def test_every_path_the_ui_page_sends_is_confined_to_the_ui_folders(tmp_path):
+    from PIL import Image
+
+    from sdxl_lora.ui import tab_dataset, tab_export, tab_generate
+    from sdxl_lora.ui.folders import Folders, PathRefused
+    from sdxl_lora.ui.jobs import Jobs
+    from sdxl_lora.ui.tab_train import Form
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    Image.new("RGB", (64, 64)).save(outside / "x.png")
+    (outside / "model_index.json").write_text("{}")
+    (outside / "a.safetensors").write_bytes(b"")
+    for d in ("datasets/set", "models", "runs/r"):
+        (tmp_path / d).mkdir(parents=True)
+    Image.new("RGB", (64, 64)).save(tmp_path / "datasets/set/ok.png")
+    layer = "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q"  # one layer of SDXL's, as kohya names it
+    save_file({f"{layer}.lora_down.weight": torch.zeros(4, 640), f"{layer}.lora_up.weight": torch.zeros(640, 4),
+               f"{layer}.alpha": torch.tensor(4.0)}, str(tmp_path / "runs/r/r.safetensors"))
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    jobs = Jobs(f)
+    probes = {kind: _escapes(tmp_path, getattr(f, kind), d) for kind, d in
+              (("datasets", "set"), ("models", "."), ("runs", "r"))}
+    before = _tree(outside)
+    refused = 0
+
+    def refuses(call, *args, why=("outside", "encoded")) -> None:
+        # Refused by the guard: PathRefused, or the handler's error message carrying its words.
+        nonlocal refused
+        try:
+            out = call(*args)
+        except PathRefused:
+            refused += 1
+            return
+        said = " ".join(str(o) for o in (out if isinstance(out, tuple) else (out,)))
+        assert "Error" in said and any(w in said for w in why), (call, args, said)
+        refused += 1
+
+    sdxl, llm = Form(f), Form(f, task="llm")
+    ok_image = [[str(tmp_path / "datasets/set/ok.png"), ""]]
+    for p in probes["datasets"]:
+        refuses(tab_dataset._scan, f, p, ".txt", 64, lambda *a, **k: None)             # dataset folder picker
+        refuses(tab_dataset._save, f, [[p, ""]], 0, "caption", ".txt")                  # caption save: the image
+        refuses(sdxl.config, ["tiny-sdxl-demo", [p], "", ""], "n", None)                # the Train form's data
+        refuses(llm.config, ["tiny-llm", [p], "", ""], "n", None)                       # the LLM form's data
+    for ext in ("/../../outside", ".txt/../../../outside/x", "\\..\\..\\x", ".%2e%2f", ".txt\\..\\.."):
+        refuses(tab_dataset._save, f, ok_image, 0, "caption", ext,                     # caption save: extension
+                why=("outside", "encoded", "caption extension"))
+    for p in probes["models"]:
+        refuses(sdxl.config, [p, ["set"], "", ""], "n", None)                            # model picker
+        refuses(sdxl.config, ["tiny-sdxl-demo", ["set"], p, ""], "n", None)             # tokenizer folder
+        refuses(llm.config, [p, ["set"], "", ""], "n", None)
+        refuses(tab_generate.Pipelines(f).get, p)                                      # Generate's model
+        refuses(tab_generate.adapter_path, f, f"models/{p}")                           # adapter pickers
+        refuses(tab_export.export, f, f"models/{p}", "kohya", "", "", "", "", "", True, "sgm", False, False)
+    for p in probes["runs"]:
+        refuses(tab_generate.adapter_path, f, f"runs/{p}")
+        refuses(tab_export.export, f, f"runs/{p}", "kohya", "", "", "", "", "", True, "sgm", False, False)
+        refuses(jobs.stop, p)                                                          # run folder pickers
+        refuses(jobs.enqueue_resume, p)
+        refuses(jobs.log_tail, p)
+        refuses(jobs.unique_name, p)                                                   # the run name field
+    for title in ("../../outside/t", "/tmp/t", "..\\..\\t", "%2e%2e%2ft"):             # export's file name
+        refuses(tab_export.export, f, "runs/r", "kohya", title, "", "", "", "", True, "sgm", False, False,
+                why=("names the file", "encoded"))
+    assert refused > 150
+    assert _tree(outside) == before and sorted(p.name for p in outside.iterdir()) == \
+        ["a.safetensors", "model_index.json", "x.png"]
+    # What is inside still works: the guard refuses escapes, not paths.
+    assert f.inside("set/ok.png", "datasets") == tmp_path / "datasets/set/ok.png"
+    assert f.inside("set\\ok.png", "datasets") == tmp_path / "datasets/set/ok.png"
+    assert f.run("r") == tmp_path / "runs/r"
+    written, msg = tab_export.export(f, "runs/r", "kohya", "mine", "", "", "", "", True, "sgm", False, False)
+    assert written == str(tmp_path / "runs/r/exports/mine.safetensors"), msg
