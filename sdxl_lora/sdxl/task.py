@@ -289,10 +289,6 @@ class SDXLTask(Task):
                             mixed_precision=self.accelerator.mixed_precision)
         self.plan, self.memory = planned.plan, planned.memory
         log.info("%s", planned.memory.format())
-        buckets = len(self.dataset.bucket_histogram())
-        if self.cfg.train.cuda_graphs and buckets > 1:
-            log.info("  with CUDA graphs over %d buckets: %.2f GiB while each bucket's graphs are captured (one "
-                     "more batch of activations)", buckets, (planned.memory.total + planned.memory.activations) / 2**30)
         run.event("memory_estimate", **planned.memory.as_dict())
 
     def _inject_adapter(self, unet, run: Run) -> None:
