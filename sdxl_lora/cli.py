@@ -24,6 +24,7 @@ TRAIN_FLAGS = [
     ("--seed", "train.seed", int, "random seed"),
     ("--device", "train.device", str, "cpu, cuda or auto"),
     ("--profile", "train.profile_steps", int, "record N steps with torch's profiler into <run>/profile"),
+    ("--vram", "train.vram_gb", float, "GPU memory the whole run may use, GiB: the fastest settings that fit"),
 ]
 
 
@@ -115,24 +116,36 @@ def cmd_plan(args) -> int:
 
     from .core import inject
     from .core.config import load_config
-    from .sdxl.plan import plan_config
+    from .sdxl.plan import component_bytes, fit_budget, plan_config, run_memory_for
 
     extra = {k: v for k, v in (("model.path", args.model), ("adapter.preset", args.preset),
-                                ("adapter.rank", args.rank), ("data.resolution", args.resolution)) if v is not None}
+                                ("adapter.rank", args.rank), ("data.resolution", args.resolution),
+                                ("train.batch_size", args.batch_size), ("train.vram_gb", args.vram))
+             if v is not None}
     cfg = load_config(args.config, args.set, extra)
+    choices = {}
+    if cfg.train.vram_gb:
+        fit = fit_budget(cfg, cfg.train.vram_gb)
+        cfg, choices = fit.cfg, fit.choices
     # On the meta device: structure only. train.mixed_precision "auto" is taken as bf16 (a GPU run).
     planned = plan_config(cfg)
     plan, memory, resolution, native = planned.plan, planned.memory, planned.resolution, planned.native
+    whole = run_memory_for(cfg, planned, component_bytes(cfg))
     if args.json:
         print(json.dumps({"model": cfg.model.path, "preset": cfg.adapter.preset, "resolution": resolution,
                           "base_rank": plan.base_rank, "modules": len(plan.targets),
                           "trainable_params": plan.trainable_params,
                           "adapter_mb": round(plan.trainable_params * 4 / 2**20, 3),
-                          "groups": plan.groups(), "memory": memory.as_dict()}, indent=1))
+                          "groups": plan.groups(), "memory": memory.as_dict(), "run_memory": whole.as_dict(),
+                          "budget_choices": choices}, indent=1))
     else:
         print(f"model {cfg.model.path}, preset {cfg.adapter.preset}, resolution {resolution} (native {native})")
         print(inject.format_plan(plan))
         print(memory.format())
+        print(whole.format())
+        if cfg.train.vram_gb:
+            print(f"train.vram_gb={cfg.train.vram_gb:g} chose: "
+                  + ("; ".join(f"{k} {v}" for k, v in choices.items()) or "nothing (the settings fit as given)"))
     return 0
 
 
@@ -466,6 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--preset", help="attn, cross-attn, topology or full [adapter.preset]")
     pl.add_argument("--rank", type=int, help="base rank [adapter.rank]")
     pl.add_argument("--resolution", type=int, help="training resolution [data.resolution]")
+    pl.add_argument("--batch-size", type=int, help="images per step [train.batch_size]")
+    pl.add_argument("--vram", type=float, help="plan the run to fit this much GPU memory, GiB [train.vram_gb]")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=cmd_plan)
 

@@ -235,6 +235,9 @@ class TrainConfig(Section):
     speed: Literal["auto", "off"] = Field("auto", json_schema_extra=SDXL_ONLY, description=(
         "On a CUDA GPU, 'auto' turns on CUDA graphs, regional compilation and channels_last where they pay for "
         "the run's length, and logs what it chose; a lever you set yourself wins. 'off': only what you set."))
+    vram_gb: float | None = Field(None, gt=0, json_schema_extra=SDXL_ONLY, description=(
+        "GPU memory the whole run may use, in GiB: the fastest settings that fit are chosen and logged, the "
+        "process is capped there, and a budget that cannot be met is refused at start."))
     checkpoint_budget_gb: float | None = Field(None, gt=0, json_schema_extra=SDXL_ONLY, description=(
         "A memory budget in GiB (activations and weights): only as many blocks are checkpointed as it takes "
         "to fit."))
@@ -318,6 +321,9 @@ class PreviewConfig(Section):
     every: int = Field(0, ge=0, description=(
         "Also preview, and compute the validation loss, every N steps; 0: only before and after."))
     steps: int = Field(20, ge=1, json_schema_extra=SDXL_ONLY, description="Sampling steps of each preview image.")
+    vae_tiling: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
+        "Decode previews in tiles: far less memory at full size, faint seams possible. train.vram_gb turns it "
+        "on where the budget needs it."))
     guidance: float = Field(5.0, ge=0, json_schema_extra=SDXL_ONLY, description=(
         "Classifier-free guidance scale of the previews."))
     guidance_rescale: float | None = Field(None, ge=0, le=1, json_schema_extra=SDXL_ONLY, description=(

@@ -246,3 +246,71 @@ def estimate_for_config(unet: nn.Module, cfg, trainable_params: int, resolution:
                     quantize_convs=cfg.model.quantize_convs, compile=cfg.train.compile,
                     compile_activation_budget=cfg.train.compile_activation_budget,
                     channels_last=cfg.train.channels_last)
+
+
+# ---- the whole run: each phase's peak, for the whole process ----------------------------------------
+# The UNet's step is one phase of a run. Before it the VAE encodes the images and the text encoders the
+# captions (caching); previews bring the text encoders and the VAE back beside the UNet and decode full-size
+# images. These figures are the whole process's (what the GPU's own counters show): the CUDA context and
+# the allocator's reserve included. Fitted to the full-size SDXL runs of benchmarks/train_e2e.py and
+# benchmarks/preview_cost.py (benchmarks/RESULTS.md); VAE_DECODE_TILE is diffusers' tiled decode with tiles
+# of this many pixels a side.
+CONTEXT = int(0.6 * GiB)          # CUDA context and library handles, outside torch's allocator
+RESERVE = 1.05                    # the allocator's reserve over what is allocated at the peak
+VAE_ENCODE_PER_PIXEL = 4800       # bytes per image pixel at the peak of an fp32 VAE encode
+VAE_DECODE_PER_PIXEL = 5000       # bytes per image pixel at the peak of a VAE decode under bf16 autocast
+UNET_INFER_PER_PIXEL = 600        # bytes per image pixel of the UNet's no-grad pass with guidance (batch 2)
+VAE_DECODE_TILE = 512
+TEXT_ACTIVATIONS = int(0.1 * GiB)  # the text encoders' no-grad pass over one caption
+
+
+@dataclass
+class RunMemory:
+    """The whole process's expected peak in each phase of a run (bytes), and the step's own estimate."""
+    step: MemoryEstimate
+    phases: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    def as_dict(self) -> dict:
+        return {"peak_gib": round(self.peak / GiB, 3),
+                "phases_gib": {k: round(v / GiB, 3) for k, v in self.phases.items()}}
+
+    def format(self) -> str:
+        lines = ["whole run (the process's peak in each phase, CUDA context included):"]
+        lines += [f"  {name:<14} {b / GiB:7.2f} GiB" for name, b in self.phases.items()]
+        lines.append(f"  peak           {self.peak / GiB:7.2f} GiB")
+        return "\n".join(lines + [f"  ({n})" for n in self.notes])
+
+
+def run_memory(step: MemoryEstimate, *, vae_bytes: int, text_bytes: int, largest_pixels: int,
+               preview_pixels: int, previews: bool, vae_tiling: bool = False, previews_mid_run: bool = False,
+               graphs: bool = False, encoders_stay: bool = False, vae_stays: bool = False,
+               step_budget: int | None = None) -> RunMemory:
+    """Each phase's whole-process peak from the step's estimate and the VAE's and text encoders' sizes as
+    they are held (fp32). largest_pixels: the largest bucket's pixels (caching encodes one image at a time);
+    preview_pixels: the largest preview's. previews_mid_run: previews also between steps (preview.every),
+    when the optimizer state (and with CUDA graphs their memory pool, which other work cannot use) is held.
+    step_budget: train.checkpoint_budget_gb in bytes (the trainer checkpoints blocks until the step fits it)."""
+    def whole(allocated: float) -> int:
+        return int(CONTEXT + RESERVE * allocated)
+
+    caching = vae_bytes + max(VAE_ENCODE_PER_PIXEL * largest_pixels, text_bytes + TEXT_ACTIVATIONS)
+    held = (text_bytes if encoders_stay else 0) + (vae_bytes if vae_stays else 0)
+    step_total = min(step.total, step_budget) if step_budget else step.total
+    phases = {"caching": whole(caching), "training": whole(step_total + held)}
+    if previews:
+        decode_pixels = min(preview_pixels, VAE_DECODE_TILE ** 2) if vae_tiling else preview_pixels
+        unet = step.weights_total + step.adapter + step.quant_overhead
+        if previews_mid_run:
+            unet += step.optimizer + (step.activations if graphs else 0)
+        render = max(UNET_INFER_PER_PIXEL * preview_pixels, VAE_DECODE_PER_PIXEL * decode_pixels)
+        # The prompts are encoded first, then the text encoders leave for the VAE (unless training keeps them).
+        encoding = unet + text_bytes + TEXT_ACTIVATIONS + (vae_bytes if vae_stays else 0)
+        sampling = unet + vae_bytes + render + (text_bytes if encoders_stay else 0)
+        phases["previews"] = whole(max(encoding, sampling))
+    phases["export"] = whole(step.weights_total + step.adapter)
+    return RunMemory(step, phases)

@@ -2,13 +2,15 @@
 The one path the CLI's `plan`, the UI's Train form and the training task all take, so they agree."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch import nn
 
 from ..core.config import Config
 from ..core.inject import Plan
-from .memory import MemoryEstimate, estimate_for_config
+from ..core.memory import GiB
+from .memory import MemoryEstimate, RunMemory, estimate_for_config, run_memory
 from .slots import make_plan
 
 
@@ -39,3 +41,158 @@ def plan_config(cfg: Config) -> UNetPlan:
 
     unet, native = unet_skeleton(cfg.model)
     return plan_unet(cfg, unet, native)
+
+
+# ---- the whole run, and a memory budget (train.vram_gb) ----
+
+def component_bytes(cfg: Config) -> tuple[int, int]:
+    """(VAE, both text encoders) in bytes as the trainer holds them (fp32), from their configs on the meta
+    device: no weights read."""
+    import torch
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from ..core.weights import read_json
+    from .model import ARCH_SDXL, resolve_model_path
+    from .single_file import SDXL_BASE_CONFIG_DIR
+
+    path = SDXL_BASE_CONFIG_DIR if cfg.model.path == ARCH_SDXL else resolve_model_path(cfg.model)
+    if path.is_file():
+        path = SDXL_BASE_CONFIG_DIR
+
+    def size(module) -> int:
+        return sum(p.numel() for p in module.parameters()) * 4
+
+    with torch.device("meta"):
+        vae = size(AutoencoderKL.from_config(read_json(path / "vae" / "config.json")))
+        text = size(CLIPTextModel(CLIPTextConfig.from_json_file(path / "text_encoder" / "config.json")))
+        text += size(CLIPTextModelWithProjection(CLIPTextConfig.from_json_file(path / "text_encoder_2" / "config.json")))
+    return vae, text
+
+
+def run_memory_for(cfg: Config, planned: UNetPlan, components: tuple[int, int], largest_pixels: int | None = None,
+                   preview_pixels: int | None = None) -> RunMemory:
+    """The whole run's phases for a config whose step estimate is planned.memory; images (the largest bucket)
+    and previews of planned.resolution squared unless given."""
+    square = planned.resolution ** 2
+    previews = (cfg.preview.before or cfg.preview.after or cfg.preview.every > 0) and cfg.preview.prompts != ""
+    return run_memory(planned.memory, vae_bytes=components[0], text_bytes=components[1],
+                      largest_pixels=largest_pixels or square, preview_pixels=preview_pixels or square,
+                      previews=previews,
+                      vae_tiling=cfg.preview.vae_tiling, previews_mid_run=cfg.preview.every > 0,
+                      graphs=cfg.train.cuda_graphs,
+                      encoders_stay=cfg.adapter.train_text_encoder or cfg.data.shuffle_tags,
+                      vae_stays=cfg.data.crop == "random",
+                      step_budget=(int(cfg.train.checkpoint_budget_gb * GiB)
+                                   if cfg.train.checkpoint_budget_gb and not cfg.train.gradient_checkpointing else None))
+
+
+@dataclass
+class BudgetFit:
+    cfg: Config                 # the config with the levers chosen
+    memory: RunMemory
+    choices: dict[str, str]     # field -> what was chosen and why
+    slowdown: float             # the time per image against the config as given (a model, see below)
+
+
+# Time per image of each lever against none, from benchmarks/RESULTS.md (QLoRA memory; batch 1 and 4 at
+# 1024): fp8 storage 1.26x, nf4 1.54x, full checkpointing 1.76x; selective checkpointing in proportion to
+# the activations it recomputes. A smaller batch costs (B/b)**0.32 a image (compile + graphs: batch 1 against 4).
+SLOWDOWN = {"fp8": 1.26, "nf4": 1.54, "checkpointing": 1.76}
+BATCH_EXPONENT = 0.32
+# The share of a budget the plan fills: the estimates are within about this of measured peaks.
+BUDGET_FILL = 0.95
+
+
+def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, native: int | None = None,
+               components: tuple[int, int] | None = None) -> BudgetFit:
+    """The fastest config, by the SLOWDOWN model, whose whole run fits `budget_gib`: previews with a tiled VAE
+    decode (no cost to training), selective or full checkpointing, an fp8 or nf4 base, then a smaller batch
+    with gradient accumulation keeping the effective batch. Levers the config sets itself are kept as set.
+    No fit: a ConfigError naming the smallest budget that works."""
+    from ..core.config import ConfigError
+    from .memory import RESERVE
+    from .model import unet_skeleton
+
+    if unet is None:
+        unet, native = unet_skeleton(cfg.model)
+    components = components or component_bytes(cfg)
+    budget = int(budget_gib * GiB * BUDGET_FILL)
+    tc, given = cfg.train, cfg.train.model_fields_set
+    base = plan_unet(cfg, unet, native)  # the adapter: the same whatever the memory levers
+
+    quants = ([cfg.model.quantize] if "quantize" in cfg.model.model_fields_set or cfg.model.quantize != "none"
+              else ["none", "fp8", "nf4"])
+    ckpt_given = bool({"gradient_checkpointing", "checkpoint_budget_gb"} & given) or bool(
+        tc.gradient_checkpointing or tc.checkpoint_budget_gb)
+    modes = ["as set"] if ckpt_given else ["none", "selective", "full"]
+    batches = [tc.batch_size]
+    while batches[-1] > 1:
+        batches.append(batches[-1] // 2)
+    tilings = [cfg.preview.vae_tiling] if "vae_tiling" in cfg.preview.model_fields_set else [False, True]
+
+    steps: dict[tuple, MemoryEstimate] = {}  # the step's estimate does not depend on the previews' tiling
+
+    def variant(quant: str, full: bool, batch: int, tiling: bool) -> tuple[Config, RunMemory]:
+        c = cfg.model_copy(deep=True)
+        c.model.quantize = quant
+        c.train.batch_size, c.train.grad_accum = batch, tc.grad_accum * (tc.batch_size // batch)
+        c.preview.vae_tiling = tiling
+        if not ckpt_given:
+            c.train.gradient_checkpointing = full
+        key = (quant, full, batch)
+        if key not in steps:
+            steps[key] = estimate_for_config(unet, c, base.plan.trainable_params, base.resolution,
+                                             latent_factor=native // int(unet.config.sample_size))
+        return c, run_memory_for(c, UNetPlan(base.plan, steps[key], base.resolution, native), components)
+
+    best = smallest = None
+    for quant in quants:
+        for batch in batches:
+            for tiling in tilings:
+                for mode in modes:
+                    c, memory = variant(quant, mode == "full", batch, tiling)
+                    slow = SLOWDOWN.get(quant, 1.0) * (tc.batch_size / batch) ** BATCH_EXPONENT
+                    if mode == "full":
+                        slow *= SLOWDOWN["checkpointing"]
+                    elif mode == "selective":
+                        # Only as many blocks checkpointed as the budget needs (train.checkpoint_budget_gb): the
+                        # training phase shrinks to the budget, the time grows with the share recomputed.
+                        floor = variant(quant, True, batch, tiling)[1].phases["training"]
+                        over, span = memory.phases["training"] - budget, memory.phases["training"] - floor
+                        if over <= 0 or floor > budget:
+                            continue
+                        c.train.checkpoint_budget_gb = math.floor((memory.step.total - over / RESERVE) / GiB * 100) / 100
+                        memory = run_memory_for(c, UNetPlan(base.plan, memory.step, base.resolution, native),
+                                                components)
+                        slow *= 1 + (SLOWDOWN["checkpointing"] - 1) * over / span
+                    if smallest is None or memory.peak < smallest[1].peak:
+                        smallest = (c, memory)
+                    if memory.peak <= budget and (best is None or slow < best[2] - 1e-9):
+                        best = (c, memory, slow)
+    if best is None:
+        c, memory = smallest
+        raise ConfigError(
+            f"train.vram_gb={budget_gib:g}: this run needs at least about {memory.peak / BUDGET_FILL / GiB:.1f} GiB "
+            f"(with {_levers(cfg, c) or 'the settings as given'}; the largest phase: "
+            f"{max(memory.phases, key=memory.phases.get)}). Raise train.vram_gb, lower data.resolution, "
+            "or turn the previews off (preview.prompts='')")
+    c, memory, slow = best
+    choices = {name: f"{after!r} (was {before!r})" for name, (before, after) in _changed(cfg, c).items()}
+    return BudgetFit(c, memory, choices, round(slow, 3))
+
+
+def _changed(a: Config, b: Config) -> dict[str, tuple]:
+    out = {}
+    for section, fields in (("model", ("quantize",)), ("train", ("batch_size", "grad_accum", "gradient_checkpointing",
+                                                                 "checkpoint_budget_gb")),
+                            ("preview", ("vae_tiling",))):
+        for f in fields:
+            x, y = getattr(getattr(a, section), f), getattr(getattr(b, section), f)
+            if x != y:
+                out[f"{section}.{f}"] = (x, y)
+    return out
+
+
+def _levers(a: Config, b: Config) -> str:
+    return ", ".join(f"{k} {v[1]!r}" for k, v in _changed(a, b).items())

@@ -17,6 +17,7 @@ import logging
 import time
 import tomllib
 from pathlib import Path
+from typing import Callable
 
 import torch
 from PIL import Image
@@ -148,19 +149,33 @@ def save_png(img: Image.Image, path: Path) -> Path:
 
 def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, guidance: float, width: int,
            height: int, negative: str | None = None, autocast_dtype: torch.dtype | None = None,
-           guidance_rescale: float = 0.0) -> list[Image.Image]:
+           guidance_rescale: float = 0.0, between: Callable[[], None] | None = None) -> list[Image.Image]:
     """One image per prompt, each with its own settings where it has them; prompt i without its own seed
-    uses seed + i, on a CPU generator, so images do not depend on the device."""
+    uses seed + i, on a CPU generator, so images do not depend on the device. between: every prompt is
+    encoded first, then between() runs (e.g. the text encoders leave the GPU and the VAE comes), then the
+    images are sampled from the embeddings: the text encoders and the sampling never hold memory together."""
     device = pipe.unet.device
     ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
            else contextlib.nullcontext())
+    entries = [p if isinstance(p, PreviewPrompt) else PreviewPrompt(p) for p in prompts]
     images = []
     with torch.no_grad(), ctx:
-        for i, p in enumerate(prompts):
-            p = p if isinstance(p, PreviewPrompt) else PreviewPrompt(p)
+        texts = []
+        for p in entries:
+            neg = p.negative if p.negative is not None else negative
+            g = p.guidance if p.guidance is not None else guidance
+            if between is None:
+                texts.append({"prompt": p.prompt, "negative_prompt": neg})
+                continue
+            embeds = pipe.encode_prompt(prompt=p.prompt, device=device, num_images_per_prompt=1,
+                                        do_classifier_free_guidance=g > 1, negative_prompt=neg)
+            texts.append(dict(zip(("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
+                                   "negative_pooled_prompt_embeds"), embeds)))
+        if between is not None:
+            between()
+        for i, (p, text) in enumerate(zip(entries, texts)):
             gen = torch.Generator("cpu").manual_seed(p.seed if p.seed is not None else seed + i)
-            out = pipe(prompt=p.prompt, negative_prompt=p.negative if p.negative is not None else negative,
-                       num_inference_steps=p.steps or steps,
+            out = pipe(**text, num_inference_steps=p.steps or steps,
                        guidance_scale=p.guidance if p.guidance is not None else guidance,
                        guidance_rescale=guidance_rescale,
                        width=p.width or width, height=p.height or height, generator=gen, output_type="pil")
@@ -215,6 +230,24 @@ def _cudnn_search(on: bool):
         torch.backends.cudnn.benchmark = before
 
 
+@contextlib.contextmanager
+def _vae_tiles(vae, on: bool):
+    """diffusers' tiled VAE decode with VAE_DECODE_TILE-pixel tiles, for the duration (its default is the
+    VAE's own sample size, 1024 for SDXL, which tiles nothing at SDXL's sizes)."""
+    from .memory import VAE_DECODE_TILE as VAE_TILE
+
+    if not on:
+        yield
+        return
+    before = vae.use_tiling, vae.tile_sample_min_size, vae.tile_latent_min_size
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    vae.use_tiling, vae.tile_sample_min_size, vae.tile_latent_min_size = True, VAE_TILE, VAE_TILE // factor
+    try:
+        yield
+    finally:
+        vae.use_tiling, vae.tile_sample_min_size, vae.tile_latent_min_size = before
+
+
 def render_previews(task, model, run, step: int) -> list[Path]:
     """Render the task's prompts with the model being trained; the VAE and text encoders visit the
     accelerator only for the duration."""
@@ -248,16 +281,26 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     started = time.perf_counter()
     mp = task.accelerator.mixed_precision
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
+    encoders = (p.text_encoder, p.text_encoder_2)
+
+    def between():  # the prompts are encoded: the text encoders make room for the VAE's decode
+        if device.type != "cpu":
+            for m in encoders:
+                if id(m) not in keep:
+                    m.to("cpu")
+            torch.cuda.empty_cache()
+        p.vae.to(device)
+
     try:
-        for m in aux:
+        for m in encoders:
             m.to(device)
         # cuDNN's algorithm search (train.* sets torch.backends.cudnn.benchmark for the training shapes) would
         # time every convolution of the pipeline at each preview size, the VAE decoder's included, for a few
         # images: its heuristic choice is cheaper (benchmarks/preview_cost.py).
-        with _cudnn_search(False):
+        with _cudnn_search(False), _vae_tiles(p.vae, cfg.preview.vae_tiling):
             images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps, guidance=cfg.preview.guidance,
                             width=task.resolution, height=task.resolution, autocast_dtype=dtype,
-                            guidance_rescale=rescale)
+                            guidance_rescale=rescale, between=between)
     finally:
         if device.type != "cpu":
             for m in aux:

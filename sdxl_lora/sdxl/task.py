@@ -27,7 +27,7 @@ from . import data as sdxl_data
 from . import loss as diffusion
 from .cache import TensorCache, cache_key, file_digest
 from .model import load_pipeline, native_resolution, resolve_model_path
-from .plan import plan_unet
+from .plan import fit_budget, plan_unet, run_memory_for
 from .preview import PreviewPrompt, default_prompts, read_prompts, render_previews
 
 log = logging.getLogger(__name__)
@@ -160,12 +160,18 @@ class SDXLTask(Task):
         self._graphed = None  # train.cuda_graphs: True until the first training call builds the graphs
         self._speed_choices: dict[str, str] = {}
         self._identity: dict | None = None
+        self._budget = None  # train.vram_gb: the fit (sdxl/plan.py: fit_budget)
         self._explicit: set[str] = set(cfg.train.model_fields_set)
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
         """train.speed="auto": CUDA graphs, compilation and channels_last chosen for this device and run
         (sdxl/speed.py: auto_levers); set up and logged with the other levers."""
         self._explicit = set(cfg.train.model_fields_set)  # what the user set, before auto adds to it
+        self._budget = None
+        if cfg.train.vram_gb:
+            # Before the speed levers: what fits decides the quantization, which auto's choice depends on.
+            self._budget = fit_budget(cfg, cfg.train.vram_gb)
+            cfg = self._budget.cfg
         self.cfg, self._speed_choices = unet_speed.auto_levers(cfg, device_type, processes)
         return self.cfg
 
@@ -176,6 +182,8 @@ class SDXLTask(Task):
         self.accelerator = accelerator
         self._run = run
         self.device = accelerator.device
+        if self._budget is not None and self.device.type == "cuda":
+            self._cap_memory()
         self.model_path = resolve_model_path(cfg.model)
         self.pipe = load_pipeline(cfg.model)
         self.resolution = cfg.data.resolution or native_resolution(self.pipe)
@@ -289,7 +297,38 @@ class SDXLTask(Task):
                             mixed_precision=self.accelerator.mixed_precision)
         self.plan, self.memory = planned.plan, planned.memory
         log.info("%s", planned.memory.format())
-        run.event("memory_estimate", **planned.memory.as_dict())
+        p = self.pipe
+        components = tuple(sum(t.numel() for t in m.parameters()) * 4
+                           for m in (p.vae, p.text_encoder, p.text_encoder_2))
+        previews = [(e.width or self.resolution) * (e.height or self.resolution) for e in self.preview_prompts]
+        self.run_memory = run_memory_for(self.cfg, planned, (components[0], components[1] + components[2]),
+                                         largest_pixels=largest, preview_pixels=max(previews, default=None))
+        log.info("%s", self.run_memory.format())
+        run.event("memory_estimate", **planned.memory.as_dict(), run=self.run_memory.as_dict())
+        if self._budget is not None:
+            self._apply_budget(run)
+
+    def _apply_budget(self, run: Run) -> None:
+        """train.vram_gb: say what was chosen."""
+        fit, gib = self._budget, self.cfg.train.vram_gb
+        chose = "; ".join(f"{k} {v}" for k, v in fit.choices.items()) or "the settings as given"
+        log.info("train.vram_gb=%g: %s; whole run about %.1f GiB, ~%.2fx the time per image of the settings as "
+                 "given", gib, chose, self.run_memory.peak / 2**30, fit.slowdown)
+        run.event("budget_plan", vram_gb=gib, choices=fit.choices, slowdown=fit.slowdown,
+                  peak_gib=round(self.run_memory.peak / 2**30, 3))
+
+    def _cap_memory(self) -> None:
+        """train.vram_gb on a GPU: torch's allocator capped so that the process (its CUDA context besides)
+        stays within the budget; a larger GPU then behaves as a card of that size, raising out-of-memory
+        where that card would instead of using more."""
+        from .memory import CONTEXT
+
+        gib = self.cfg.train.vram_gb
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        if gib * 2**30 >= total:
+            log.warning("train.vram_gb=%g is at least this GPU's %.1f GiB: nothing to cap", gib, total / 2**30)
+            return
+        torch.cuda.set_per_process_memory_fraction((gib * 2**30 - CONTEXT) / total, self.device)
 
     def _inject_adapter(self, unet, run: Run) -> None:
         """The plan's LoRA layers in the UNet, their ranks first fitted to adapter.rank_budget where one is

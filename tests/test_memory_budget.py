@@ -1,0 +1,108 @@
+"""train.vram_gb: the whole run planned to fit a memory budget (sdxl/plan.py: fit_budget), on SDXL base's
+real architecture (meta device: no weights), and the previews that keep the text encoders and the VAE's
+decode apart."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sdxl_lora.cli import main
+from sdxl_lora.core.config import ConfigError, load_config
+from sdxl_lora.sdxl.model import unet_skeleton
+from sdxl_lora.sdxl.plan import component_bytes, fit_budget
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def sdxl():
+    cfg = load_config(extra={"model.path": "arch:sdxl", "train.batch_size": 4})
+    unet, native = unet_skeleton(cfg.model)
+    return cfg, unet, native, component_bytes(cfg)
+
+
+def test_each_budget_gets_a_whole_run_that_fits_and_a_smaller_one_costs_more_time(sdxl):
+    # The documented ladder (docs/qlora.md): at 24 GiB a smaller batch with accumulation keeps the effective
+    # batch; at 12 GiB selective checkpointing; at 8 GiB a quantized base too, with tiled preview decoding.
+    cfg, unet, native, parts = sdxl
+    fits = {b: fit_budget(cfg, b, unet, native, parts) for b in (80, 24, 12, 8)}
+    for budget, fit in fits.items():
+        assert fit.memory.peak <= budget * GIB
+        effective = fit.cfg.train.batch_size * fit.cfg.train.grad_accum
+        assert effective == cfg.train.batch_size * cfg.train.grad_accum  # the same images per optimizer step
+    assert fits[80].choices == {} and fits[80].slowdown == 1.0
+    assert fits[24].cfg.train.batch_size < 4 and fits[24].cfg.model.quantize == "none"
+    assert fits[12].cfg.train.checkpoint_budget_gb and fits[12].cfg.model.quantize == "none"
+    assert fits[8].cfg.model.quantize != "none" and fits[8].cfg.preview.vae_tiling
+    slowdowns = [fits[b].slowdown for b in (80, 24, 12, 8)]
+    assert slowdowns == sorted(slowdowns) and slowdowns[-1] > slowdowns[0]
+
+
+def test_levers_the_user_set_are_kept_by_the_budget(sdxl):
+    _, unet, native, parts = sdxl
+    cfg = load_config(extra={"model.path": "arch:sdxl", "train.batch_size": 4, "model.quantize": "nf4",
+                             "train.gradient_checkpointing": False, "preview.vae_tiling": False})
+    fit = fit_budget(cfg, 12, unet, native, parts)
+    assert fit.cfg.model.quantize == "nf4" and fit.cfg.preview.vae_tiling is False
+    assert not fit.cfg.train.gradient_checkpointing and not fit.cfg.train.checkpoint_budget_gb
+    assert fit.memory.peak <= 12 * GIB
+
+
+def test_a_budget_that_cannot_be_met_is_refused_with_the_smallest_that_works(sdxl, capsys):
+    cfg, unet, native, parts = sdxl
+    with pytest.raises(ConfigError, match=r"train.vram_gb=3: this run needs at least about (\d+\.\d) GiB") as e:
+        fit_budget(cfg, 3, unet, native, parts)
+    smallest = float(str(e.value).split("about ")[1].split(" GiB")[0])
+    fit = fit_budget(cfg, smallest + 0.1, unet, native, parts)  # what the message names does fit
+    assert fit.memory.peak <= (smallest + 0.1) * GIB
+    # From the CLI: exit 2, one line naming the field, before any weights are read.
+    assert main(["plan", "--model", "arch:sdxl", "--vram", "3"]) == 2
+    assert "train.vram_gb=3" in capsys.readouterr().err
+
+
+def test_plan_prints_every_phase_of_the_run_and_what_the_budget_chose(capsys):
+    assert main(["plan", "--model", "arch:sdxl", "--batch-size", "1", "--vram", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    phases = data["run_memory"]["phases_gib"]
+    assert set(phases) == {"caching", "training", "previews", "export"}
+    assert data["run_memory"]["peak_gib"] == max(phases.values()) <= 8
+    assert "model.quantize" in data["budget_choices"]
+    assert main(["plan", "--model", "arch:sdxl"]) == 0
+    out = capsys.readouterr().out
+    assert "whole run" in out and "previews" in out and "caching" in out
+
+
+def test_train_refuses_an_impossible_budget_before_loading_the_model(tiny_dir, tmp_path, capsys):
+    code = main(["train", "--model", str(tiny_dir), "--data", "sample_data/images", "--steps", "1",
+                 "--out", str(tmp_path), "--vram", "0.1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "train.vram_gb=0.1" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("*/samples/*.png")) and not list(tmp_path.glob("*/checkpoints/*"))
+
+
+def test_previews_encode_every_prompt_before_sampling_and_draw_the_same_images(tiny_dir):
+    # The text encoders leave the GPU before the VAE's decode comes (render's `between`): the images must be
+    # those of the one-pass pipeline call.
+    from diffusers import StableDiffusionXLPipeline
+
+    from sdxl_lora.sdxl.preview import PreviewPrompt, render
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_dir), torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    prompts = ["a red star", PreviewPrompt("a blue circle", negative="blurry", guidance=1.0, seed=7)]
+    kw = dict(seed=3, steps=3, guidance=5.0, width=64, height=64)
+    order = []
+    encode = pipe.encode_prompt
+
+    def counted(*a, **k):
+        order.append("encode")
+        return encode(*a, **k)
+
+    pipe.encode_prompt = counted
+    two_stage = render(pipe, prompts, **kw, between=lambda: order.append("between"))
+    assert order[:3] == ["encode", "encode", "between"]
+    pipe.encode_prompt = encode
+    one_pass = render(pipe, prompts, **kw)
+    for a, b in zip(two_stage, one_pass):
+        assert (np.asarray(a) == np.asarray(b)).all()
