@@ -327,3 +327,34 @@ def test_queue_starts_runs_one_after_another(tmp_path):
         time.sleep(0.1)
     assert jobs.tick() == "second"
     assert jobs.queued() == []
+
+
+def _two_datasets(tmp_path):
+    from sdxl_lora.ui.folders import Folders
+
+    for name, n in (("a", 2), ("b", 3)):
+        d = tmp_path / "datasets" / name
+        d.mkdir(parents=True)
+        for img in sorted((REPO / "sample_data" / "images").glob("*.png"))[:n]:
+            shutil.copy(img, d / img.name)
+    return Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+
+
+def test_scanning_another_folder_clears_the_caption_editor_and_save_never_writes_beside_another_image(tmp_path):
+    from sdxl_lora.ui import tab_dataset
+
+    f = _two_datasets(tmp_path)
+    no_progress = lambda *a, **k: None  # noqa: E731
+    items_a = tab_dataset._scan(f, "a", ".txt", 64, no_progress)[0]
+    shown_a = items_a[1][0]  # the page shows a's second image in the editor
+    scanned_b = tab_dataset._scan(f, "b", ".txt", 64, no_progress)
+    items_b = scanned_b[0]
+    assert scanned_b[-3:] == (None, "", "")  # the editor no longer shows a's image
+    # A page that still sent the old selection: refused, nothing written in either folder.
+    _, _, msg = tab_dataset._save(f, items_b, 1, shown_a, "a new caption", ".txt")
+    assert "click the image again" in msg
+    assert not list((tmp_path / "datasets").rglob("*.txt"))
+    # The image shown is the one captioned.
+    _, _, msg = tab_dataset._save(f, items_b, 1, items_b[1][0], "a new caption", ".txt")
+    assert Path(items_b[1][0]).with_suffix(".txt").read_text() == "a new caption\n"
+    assert [p.name for p in (tmp_path / "datasets").rglob("*.txt")] == [Path(items_b[1][0]).with_suffix(".txt").name]

@@ -25,13 +25,17 @@ def _scan(f: Folders, folder: str, ext: str, resolution, progress):
         res = int(resolution or 1024)
         ds = scan(data, res, on_progress=lambda done, total: progress((done, total), desc="checking images"))
     except (PathRefused, ConfigError, DataError, ValueError) as e:
-        return [], [], f"**Error:** {e}", "", None
+        return [], [], f"**Error:** {e}", "", None, *_EDITOR_CLEARED
     items = [[str(it.path), it.caption if it.has_caption else ""] for it in ds.items[:GALLERY_LIMIT]]
     shown = "" if len(ds.items) <= GALLERY_LIMIT else f" (showing the first {GALLERY_LIMIT})"
     status = (f"{len(ds.items)} usable images in `{os.path.relpath(root, f.datasets)}`{shown}; "
               f"{len(ds.problems)} problem(s). Click an image to edit its caption.")
     hist = pd.DataFrame([{"bucket": f"{w}x{h}", "images": n} for (w, h), n in ds.bucket_histogram().items()])
-    return items, _gallery(items), status, ds.report(), hist
+    return items, _gallery(items), status, ds.report(), hist, *_EDITOR_CLEARED
+
+
+# A scan shows another list of images: the editor forgets the image it showed (index, image, caption).
+_EDITOR_CLEARED = (None, "", "")
 
 
 def _gallery(items: list[list[str]]) -> list[tuple[str, str]]:
@@ -43,10 +47,14 @@ def _select(items, evt: gr.SelectData):
     return evt.index, path, caption
 
 
-def _save(f: Folders, items, index, text: str, ext: str):
-    if index is None or index >= len(items):
+def _save(f: Folders, items, index, shown: str, text: str, ext: str):
+    """Write the caption beside the image the editor shows (`shown`), which must be the clicked one."""
+    if index is None or index >= len(items) or not shown:
         return items, gr.skip(), "**Error:** click an image first"
-    path = f.inside(items[index][0], "datasets")
+    if items[index][0] != shown:
+        return items, gr.skip(), (f"**Error:** the list of images changed since `{os.path.basename(shown)}` was "
+                                  "clicked; click the image again, then Save")
+    path = f.inside(shown, "datasets")
     ext = ext.strip()
     try:
         DataConfig(caption_extension=ext)
@@ -89,12 +97,12 @@ def build(f: Folders) -> None:
     def do_scan(folder, ext, res, progress=gr.Progress()):
         return _scan(f, folder, ext, res, progress)
 
-    def do_save(items, index, text, ext):
+    def do_save(items, index, shown, text, ext):
         try:
-            return _save(f, items, index, text, ext)
+            return _save(f, items, index, shown, text, ext)
         except PathRefused as e:
             return items, gr.skip(), f"**Error:** {e}"
 
-    scan_btn.click(do_scan, [folder, ext, res], [items, gallery, status, report, hist])
+    scan_btn.click(do_scan, [folder, ext, res], [items, gallery, status, report, hist, index, path, caption])
     gallery.select(_select, items, [index, path, caption])
-    save.click(do_save, [items, index, caption, ext], [items, gallery, saved])
+    save.click(do_save, [items, index, path, caption, ext], [items, gallery, saved])
