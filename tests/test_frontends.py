@@ -158,3 +158,35 @@ def test_the_caption_editor_writes_beside_the_image_only(tmp_path):
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written, nothing made
     _, _, message = _save(f, items, 0, "sks,  a red   star", ".caption")
     assert (datasets / "00_red_star.caption").read_text() == "sks, a red star\n" and "saved" in message
+
+
+def test_a_command_refused_for_bad_input_leaves_no_run_folder(tmp_path, capsys, monkeypatch):
+    from sdxl_lora import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "model.ckpt").write_bytes(b"not read")
+    runs = tmp_path / "runs"
+    assert cli.main(["train", "--data", "empty", "--out", str(runs), "--name", "no-images"]) == 2
+    assert "no images found in" in capsys.readouterr().err
+    assert cli.main(["train", "--model", "model.ckpt", "--out", str(runs), "--name", "pickle"]) == 2
+    assert "pickle checkpoints" in capsys.readouterr().err
+    assert not (runs / "no-images").exists() and not (runs / "pickle").exists()
+
+
+def test_resume_latest_skips_finished_runs(tmp_path):
+    from sdxl_lora.core.runs import Run
+
+    runs = tmp_path / "runs"
+    for name, last in (("stopped", "interrupted"), ("finished", "done")):  # the finished one written last
+        run = Run(runs / name)
+        (run.dir / "checkpoints").mkdir(parents=True)
+        (run.dir / "config.toml").write_text("")
+        run.event("start", step=0, total_steps=4)
+        run.event(last, step=4 if last == "done" else 2)
+        time.sleep(0.02)
+    assert training.find_run("latest", runs) == runs / "stopped"
+    (runs / "stopped" / "events.jsonl").unlink()
+    Run(runs / "stopped").event("done", step=4)
+    with pytest.raises(FileNotFoundError, match="no unfinished run"):
+        training.find_run("latest", runs)

@@ -358,3 +358,72 @@ def test_scanning_another_folder_clears_the_caption_editor_and_save_never_writes
     _, _, msg = tab_dataset._save(f, items_b, 1, items_b[1][0], "a new caption", ".txt")
     assert Path(items_b[1][0]).with_suffix(".txt").read_text() == "a new caption\n"
     assert [p.name for p in (tmp_path / "datasets").rglob("*.txt")] == [Path(items_b[1][0]).with_suffix(".txt").name]
+
+
+CLI_RUN = ["--set", "train.device=cpu", "--set", "data.resolution=64", "--set", "preview.prompts=",
+           "--set", "preview.before=false", "--set", "train.log_every=1", "--batch-size", "1"]
+
+
+def _cli_train(runs: Path, name: str, steps: int, **env) -> subprocess.Popen:
+    """`sdxl-lora train` in a terminal of its own: not started by any UI."""
+    return subprocess.Popen([sys.executable, "-m", "sdxl_lora.cli", "train", "--out", str(runs), "--name", name,
+                             "--steps", str(steps), *CLI_RUN], cwd=runs.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **env,
+                                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+
+
+def _wait_for(cond, proc, what: str):
+    deadline = time.monotonic() + WAIT / 1000
+    while not cond():
+        assert proc.poll() is None or cond(), f"{what}: the process ended:\n{proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_runs_started_from_the_cli_show_their_state_and_can_be_stopped_and_queued_to_resume(tmp_path):
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.jobs import Jobs
+
+    (tmp_path / "datasets").mkdir()
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    fake = tmp_path / "python"  # the queue's interpreter: a resume it starts trains nothing
+    fake.write_text("#!/bin/sh\nsleep 30\n")
+    fake.chmod(0o755)
+    jobs = Jobs(f, python=str(fake))
+    state = lambda name: {s.name: s for s in jobs.runs()}[name]  # noqa: E731
+
+    proc = _cli_train(f.runs, "cli-run", 400)
+    _wait_for(lambda: (f.runs / "cli-run" / "config.toml").is_file(), proc, "the run folder")
+    _wait_for(lambda: state("cli-run").state == "training", proc, "training")
+    assert jobs.stop("cli-run").endswith("the state is saved")  # Stop works on a run the UI did not start
+    assert proc.wait(WAIT / 1000) == 130
+    st = state("cli-run")
+    assert st.state == "stopped" and st.resumable and "resume" in st.message
+    jobs.busy = lambda: "another-run"  # the queue is busy: the resume waits its turn
+    jobs.enqueue_resume("cli-run")
+    assert state("cli-run").state == "queued"
+
+    killed = _cli_train(f.runs, "killed", 400, SDXL_LORA_TEST_KILL="step:2")
+    killed.wait(WAIT / 1000)
+    assert state("killed").state == "died"
+
+
+def test_a_run_that_fails_shows_failed_with_the_error(tmp_path):
+    from sdxl_lora import training
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.sdxl.task import SDXLTask
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.jobs import Jobs
+
+    class Broken(SDXLTask):
+        def setup(self, accelerator, run):
+            raise RuntimeError("CUDA out of memory while loading the model")
+
+    (tmp_path / "datasets").mkdir()
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    cfg = load_config(None, None, {"output.runs_dir": str(f.runs), "output.name": "broken", "train.device": "cpu"})
+    with pytest.raises(RuntimeError):
+        training.fit(training.new_job(cfg), Broken(cfg))
+    st = {s.name: s for s in Jobs(f).runs()}["broken"]
+    assert st.state == "failed" and "CUDA out of memory" in st.message
