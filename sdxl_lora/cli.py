@@ -78,6 +78,11 @@ def cmd_generate(args) -> int:
     from .sdxl.model import load_pipeline, native_resolution
     from .sdxl.preview import grid, render, save_png
 
+    out = Path(args.out)
+    paths = [out / f"seed{args.seed + i}.png" for i in range(args.num)]
+    taken = [p for p in paths if p.exists()] if not args.overwrite else []
+    if taken:  # before the model loads and renders
+        raise FileExistsError(f"{relpath(taken[0])} exists; choose another --out or pass --overwrite")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     pipe = load_pipeline(ModelConfig(path=args.model, tokenizer=args.tokenizer), torch_dtype=dtype).to(device)
@@ -97,12 +102,8 @@ def cmd_generate(args) -> int:
     size = args.size or native_resolution(pipe)
     images = render(pipe, [args.prompt] * args.num, seed=args.seed, steps=args.steps, guidance=args.guidance,
                     width=size, height=size, negative=args.negative)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for i, im in enumerate(images):
-        path = out / f"seed{args.seed + i}.png"
-        if path.exists() and not args.overwrite:
-            raise FileExistsError(f"{path} exists; choose another --out or pass --overwrite")
+    for im, path in zip(images, paths):
         save_png(im, path)
         print(f"image: {relpath(path)}")
     if len(images) > 1:
@@ -343,7 +344,9 @@ def cmd_llm_generate(args) -> int:
                                                      use_safetensors=True).to(device)
     template = chat_template(LLMConfig(chat_template=args.chat_template), tok)
     for prompt in args.prompt:
-        print(answer(model, tok, template, [prompt], args.max_new_tokens, args.system)[0])
+        reply = answer(model, tok, template, [prompt], args.max_new_tokens, args.system)[0]
+        # Several prompts: each answer under its prompt, so they can be told apart.
+        print(f"prompt: {prompt}\nanswer: {reply}\n" if len(args.prompt) > 1 else reply)
     return 0
 
 

@@ -190,3 +190,35 @@ def test_resume_latest_skips_finished_runs(tmp_path):
     Run(runs / "stopped").event("done", step=4)
     with pytest.raises(FileNotFoundError, match="no unfinished run"):
         training.find_run("latest", runs)
+
+
+def test_paths_outside_the_working_folder_print_as_given(tmp_path, monkeypatch):
+    from sdxl_lora.core.runs import relpath
+
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert relpath(tmp_path / "elsewhere" / "run") == str(tmp_path / "elsewhere" / "run")  # not ../elsewhere/run
+    assert relpath(tmp_path / "here" / "runs" / "a") == "runs/a"
+
+
+def test_generate_refuses_an_existing_image_before_it_loads_the_model(tmp_path, capsys, monkeypatch):
+    from sdxl_lora import cli
+    from sdxl_lora.sdxl import model
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(model, "load_pipeline", no_loading)
+    (tmp_path / "seed1.png").write_bytes(b"mine")
+    assert cli.main(["generate", "--prompt", "a red circle", "--out", str(tmp_path), "--seed", "0", "--num", "2"]) == 2
+    assert f"{tmp_path / 'seed1.png'} exists" in capsys.readouterr().err
+    assert (tmp_path / "seed1.png").read_bytes() == b"mine" and not (tmp_path / "seed0.png").exists()
+
+
+def test_llm_generate_labels_each_answer_with_its_prompt(capsys):
+    from sdxl_lora import cli
+
+    assert cli.main(["llm", "generate", "Name a colour.", "Count to three.", "--model", "tiny-llm",
+                     "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("prompt: Name a colour.") < out.index("answer: ") < out.index("prompt: Count to three.")
