@@ -427,3 +427,23 @@ def test_a_run_that_fails_shows_failed_with_the_error(tmp_path):
         training.fit(training.new_job(cfg), Broken(cfg))
     st = {s.name: s for s in Jobs(f).runs()}["broken"]
     assert st.state == "failed" and "CUDA out of memory" in st.message
+
+
+def test_the_llm_form_starts_from_what_llm_train_uses_and_the_default_folders_hold_its_data():
+    import argparse
+
+    from sdxl_lora import cli
+    from sdxl_lora.ui.app import add_arguments
+    from sdxl_lora.ui.folders import image_folders, jsonl_files
+    from sdxl_lora.ui.form import schema_fields
+
+    cfg = cli._llm_config_from_args(cli.build_parser().parse_args(["llm", "train"])).model_dump()
+    differs = {}
+    for spec in schema_fields(task="llm"):
+        section, _, name = spec.key.rpartition(".")
+        value = cfg[section][name] if section else cfg[name]
+        if spec.default != value:
+            differs[spec.key] = (spec.default, value)
+    assert differs == {}  # no SDXL demo settings (its steps, its ResNet override) in the LLM form
+    datasets = Path(add_arguments(argparse.ArgumentParser()).parse_args([]).datasets)
+    assert jsonl_files(datasets) and "images" in image_folders(datasets)  # both tabs have data to pick

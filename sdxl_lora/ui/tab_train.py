@@ -47,15 +47,18 @@ def _default_prompts() -> str:
     return p.read_text(encoding="utf-8") if p.is_file() else ""
 
 
-def _default_dirs(f: Folders, choices: list[str]) -> list[str]:
-    for d in Config().data.dirs:
+def _default_data(f: Folders, defaults: list[str], choices: list[str], keep: int) -> list[str]:
+    """The schema's default data (data.dirs, llm.data) where the datasets folder holds it, else the first
+    `keep` choices."""
+    found = []
+    for d in defaults:
         try:
             rel = os.path.relpath(f.inside(d, "datasets"), f.datasets)
         except PathRefused:
             continue
         if rel in choices:
-            return [rel]
-    return choices[:1]
+            found.append(rel)
+    return found or choices[:keep]
 
 
 class Form:
@@ -66,7 +69,7 @@ class Form:
         self.data_key = "data.dirs" if task == "sdxl" else "llm.data"
         # The task is the tab's; the other task's own sections are not shown.
         other = {"sdxl": ("llm.",), "llm": ("data.", "preview.")}.get(task, ())
-        self.specs = [s for s in schema_fields() if s.key not in PATH_FIELDS and s.key != "task"
+        self.specs = [s for s in schema_fields(task=task) if s.key not in PATH_FIELDS and s.key != "task"
                       and s.key != self.data_key and not s.key.startswith(other)]
         self.widgets: dict[str, gr.components.Component] = {}
 
@@ -74,13 +77,13 @@ class Form:
         f, p = self.f, self.prefix
         if self.task == "sdxl":
             models, data = model_choices(f.models), image_folders(f.datasets)
-            data_value = _default_dirs(f, data)
+            data_value = _default_data(f, Config().data.dirs, data, 1)
             main_keys = MAIN_FIELDS
             model_info = f"tiny-sdxl, or a diffusers SDXL folder or single .safetensors under {f.models}"
             data_info = f"dataset folders under {f.datasets}"
         else:
             models, data = llm_model_choices(f.models), jsonl_files(f.datasets)
-            data_value = data[:2]
+            data_value = _default_data(f, Config().llm.data, data, 2)
             main_keys = LLM_MAIN_FIELDS
             model_info = f"tiny-llm, or a transformers causal-LM folder under {f.models}"
             data_info = f"JSONL files (alpaca or chat lines) under {f.datasets}"
