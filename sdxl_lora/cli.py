@@ -143,6 +143,10 @@ def cmd_dataset_inspect(args) -> int:
 
     cfg = load_config(args.config, args.set, {"data.dirs": list(args.dirs)})
     resolution = cfg.data.resolution or args.resolution
+    if resolution is None:  # what training would use: the model's native resolution
+        from .sdxl.model import unet_skeleton
+
+        resolution = unet_skeleton(cfg.model)[1]
     print(inspect_text(cfg.data, resolution))
     return 0
 
@@ -478,8 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("dirs", nargs="+", help="dataset folder(s)")
     di.add_argument("--config", help="TOML config whose [data] settings apply")
     di.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    di.add_argument("--resolution", type=int, default=1024,
-                    help="bucket resolution when the config sets none (default 1024, SDXL's)")
+    di.add_argument("--resolution", type=int,
+                    help="bucket resolution when the config sets none (default: the config's model's native one, "
+                         "as training uses)")
     di.set_defaults(func=cmd_dataset_inspect)
 
     e = sub.add_parser("export", help="write an adapter as kohya (ComfyUI/A1111/Forge), diffusers or peft")

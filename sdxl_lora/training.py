@@ -161,11 +161,14 @@ def fit(job: Job, task=None, keep_failed: bool = False) -> Outcome:
     A new run refused for bad input before it trained (no images, a pickle model) leaves no folder behind,
     unless `keep_failed` (the UI's worker keeps it: the page shows the run as failed, with the message)."""
     from .core.loop import Trainer
-    from .core.runs import attach_log_file, clear_pid, write_pid
+    from .core.runs import attach_log_file, clear_pid, training_pid, write_pid
 
     attach_log_file(job.run)
-    if os.environ.get("RANK", "0") == "0":
-        write_pid(job.run.dir)  # any front end's run shows as training, and can be stopped, from the UI
+    # Any front end's run shows as training, and can be stopped, from the UI. A process that named itself
+    # before (the UI's worker) keeps its pid file to its end; this one goes when training ends.
+    own_pid = os.environ.get("RANK", "0") == "0" and training_pid(job.run.dir) != os.getpid()
+    if own_pid:
+        write_pid(job.run.dir)
     log.info("run folder: %s", job.run.dir)
     trainer = Trainer(job.cfg, task if task is not None else task_for(job.cfg), job.run, resume=job.state)
     try:
@@ -178,7 +181,7 @@ def fit(job: Job, task=None, keep_failed: bool = False) -> Outcome:
             _discard_untrained(job.run, e)
         raise
     finally:
-        if os.environ.get("RANK", "0") == "0":
+        if own_pid:
             clear_pid(job.run.dir)
     return Outcome(job, result, trainer.accelerator.is_main_process)
 

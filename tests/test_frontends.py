@@ -222,3 +222,11 @@ def test_llm_generate_labels_each_answer_with_its_prompt(capsys):
                      "--max-new-tokens", "3", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert out.index("prompt: Name a colour.") < out.index("answer: ") < out.index("prompt: Count to three.")
+
+
+def test_dataset_inspect_buckets_at_the_models_resolution_by_default(capsys):
+    from sdxl_lora import cli
+
+    assert cli.main(["dataset", "inspect", str(REPO / "sample_data" / "images")]) == 0
+    out = capsys.readouterr().out
+    assert "resolution 128" in out and "upscaled" not in out  # the demo base's 128 px, as training uses

@@ -124,6 +124,12 @@ def _shot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
+def _drawn(page, selector: str) -> list[dict]:
+    """The sizes (px) of the chart marks `selector` finds, as the browser lays them out."""
+    return page.evaluate(f"() => [...document.querySelectorAll({selector!r})].map(p => {{"
+                         "const b = p.getBBox(); return {width: b.width, height: b.height}; })")
+
+
 def _state(page):
     return page.locator("#run-progress")
 
@@ -145,6 +151,10 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(page.locator("#ds-gallery img")).to_have_count(4)
             expect(page.locator("#ds-report textarea")).to_have_value(
                 __import__("re").compile(r"captions: 4 of 4 images have one[\s\S]*problems: none"))
+            # The bucket histogram draws its bar; the default resolution is the demo base's (no false upscaling).
+            expect(page.locator("#ds-hist svg .mark-rect path")).to_have_count(1)
+            assert _drawn(page, "#ds-hist svg .mark-rect path")[0]["height"] > 20
+            expect(page.locator("#ds-report textarea")).not_to_have_value(__import__("re").compile("upscaled"))
             page.locator("#ds-gallery img").first.click()
             first = sorted((folders["datasets"] / "shapes").glob("*.png"))[0]
             expect(page.locator("#ds-caption textarea")).to_have_value(first.with_suffix(".txt").read_text().strip())
@@ -170,8 +180,18 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             # Each field's help is its description in the schema: what it does, no benchmark figures.
             expect(page.locator("#f-train-fuse-qkv")).to_contain_text("in one matmul")
             expect(page.locator("#f-acc-train")).not_to_contain_text("H200")
+            # A message about a glob shows its stars (not Markdown emphasis).
+            page.locator("#f-acc-adapter").get_by_text("adapter (advanced)").click()
+            overrides = page.locator("#f-adapter-overrides textarea").input_value()
+            _fill(page, "f-adapter-overrides", '{"*attn2*" = -1}')
+            page.locator("#train-plan").click()
+            expect(page.locator("#train-plan-summary")).to_contain_text("adapter.overrides.*attn2* = -1")
+            _fill(page, "f-adapter-overrides", overrides)
             page.locator("#train-plan").click()
             expect(page.locator("#train-plan-summary")).to_contain_text("trainable parameters", timeout=WAIT)
+            # The memory estimate is shown whole: nothing runs past its box.
+            assert page.evaluate("() => [...document.querySelectorAll('#train-plan-summary pre')].every("
+                                 "e => e.scrollWidth <= e.clientWidth + 1)")
             expect(page.locator("#train-plan-table")).to_contain_text("attn2")
             page.locator("#train-start").click()
             expect(page.locator("#train-start-msg")).to_contain_text("ui-run started", timeout=WAIT)
@@ -195,6 +215,12 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(_state(page)).to_have_attribute("data-state", "finished", timeout=WAIT)
             expect(page.locator("#run-progress-text")).to_contain_text("step 60/60")
             expect(page.locator("#run-previews img")).to_have_count(2, timeout=WAIT)  # before and after
+            # The loss chart draws lines over a numeric step axis (a few ticks, not one label per step).
+            lines = _drawn(page, "#run-loss svg .mark-line path")
+            assert lines and max(b["width"] for b in lines) > 100
+            ticks = page.evaluate("() => [...document.querySelectorAll('#run-loss svg .role-axis-label text')]"
+                                  ".map(t => t.textContent)")
+            assert "60" in ticks and len(ticks) < 30
             assert (run / "train.exit").read_text().strip() == "0"
             kinds = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
             assert "interrupted" in kinds and "resume" in kinds and kinds[-1] == "done"

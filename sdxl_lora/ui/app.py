@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 CSS = """
 #run-progress progress { accent-color: var(--color-accent); }
 #run-progress-text { font-variant-numeric: tabular-nums; margin-top: .25em; }
+#train-plan-summary pre, #train-plan-summary code { white-space: pre-wrap; overflow-wrap: anywhere; }
 """
 
 
