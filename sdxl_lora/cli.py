@@ -168,12 +168,41 @@ def _adapter_source(source: str, model: str | None) -> tuple[Path, str | None]:
     return p, model
 
 
+def _true_alpha_source(src: Path) -> Path:
+    """For --true-alpha: a file whose training alphas were folded into its weights (a run's main kohya file)
+    cannot give them back; the run's diffusers file beside it keeps them, so it is read instead."""
+    import json
+
+    from safetensors import safe_open
+
+    from .sdxl.export import AdapterError
+
+    if not (src.is_file() and src.suffix == ".safetensors"):
+        return src
+    with safe_open(str(src), "pt") as fh:
+        meta = fh.metadata() or {}
+    try:
+        folded = "training_alphas_folded" in json.loads(meta.get("ss_network_args", "{}"))
+    except (json.JSONDecodeError, TypeError):
+        folded = False
+    if not folded:
+        return src
+    twin = src.with_name(src.name[:-len(".safetensors")] + ".diffusers.safetensors")
+    if twin.is_file():
+        return twin
+    raise AdapterError(f"{src}: its layers' training alphas were folded into the weights, so --true-alpha cannot "
+                       f"recover them from it; export from the run folder, or from the diffusers file the run wrote "
+                       f"beside it ({twin.name}), or drop --true-alpha")
+
+
 def cmd_export(args) -> int:
     from .sdxl.export import AdapterError, export_adapter, layer_table, load_adapter
     from .core.runs import relpath
 
     try:
         src, model = _adapter_source(args.source, args.model)
+        if args.true_alpha and args.format == "kohya":
+            src = _true_alpha_source(src)
         table = layer_table(model)
         adapter = load_adapter(src, table)
         if adapter.unknown and not args.drop_unknown:

@@ -230,3 +230,40 @@ def test_dataset_inspect_buckets_at_the_models_resolution_by_default(capsys):
     assert cli.main(["dataset", "inspect", str(REPO / "sample_data" / "images")]) == 0
     out = capsys.readouterr().out
     assert "resolution 128" in out and "upscaled" not in out  # the demo base's 128 px, as training uses
+
+
+def test_true_alpha_export_gives_each_layer_its_training_alpha_from_a_run_or_its_main_file(tmp_path, capsys):
+    import json
+    import shutil
+
+    from safetensors import safe_open
+
+    from sdxl_lora import cli
+
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    data.mkdir()
+    for img in sorted((REPO / "sample_data" / "images").glob("0[01]_*")):  # two images: a short set-up
+        shutil.copy(img, data / img.name)
+    assert cli.main(["train", "--out", str(runs), "--name", "r", "--steps", "1", "--data", str(data), "--set",
+                     "train.device=cpu", "--set", "data.resolution=64", "--set", "preview.prompts=", "--set",
+                     "preview.before=false", "--set", "preview.after=false", "--batch-size", "1"]) == 0
+    run = runs / "r"
+
+    def alphas(path):
+        with safe_open(str(path), "pt") as fh:
+            args = json.loads(fh.metadata().get("ss_network_args", "{}"))
+            return {float(fh.get_tensor(k)) for k in fh.keys() if k.endswith(".alpha")}, args
+
+    folded, args = alphas(run / "r.safetensors")
+    assert len(folded) == 1 and "training_alphas_folded" in args  # the demo's ResNet override: mixed alphas
+    for i, source in enumerate((run, run / "r.safetensors")):
+        out = tmp_path / f"true{i}.safetensors"
+        assert cli.main(["export", str(source), "--format", "kohya", "--true-alpha", "--out", str(out)]) == 0
+        kept, args = alphas(out)
+        assert kept == set(args["mixed_alphas"]) and len(kept) > 1 and "training_alphas_folded" not in args
+    alone = tmp_path / "alone" / "r.safetensors"  # the main file without its run: refused, never silently folded
+    alone.parent.mkdir()
+    shutil.copy(run / "r.safetensors", alone)
+    capsys.readouterr()
+    assert cli.main(["export", str(alone), "--format", "kohya", "--true-alpha", "--out", str(tmp_path / "x.safetensors")]) == 2
+    assert "r.diffusers.safetensors" in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()
