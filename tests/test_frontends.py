@@ -151,12 +151,12 @@ def test_the_caption_editor_writes_beside_the_image_only(tmp_path):
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     for ext in ("./../../../WRITTEN_OUTSIDE", ".txt/../../x", "/etc/passwd", "..txt", ".t x", "txt"):
         try:
-            _, _, message = _save(f, items, 0, "sks, a red star", ext)
+            _, _, message = _save(f, items, 0, str(image), "sks, a red star", ext)
         except PathRefused as e:
             message = str(e)
         assert "Error" in message or "not beside" in message, (ext, message)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written, nothing made
-    _, _, message = _save(f, items, 0, "sks,  a red   star", ".caption")
+    _, _, message = _save(f, items, 0, str(image), "sks,  a red   star", ".caption")
     assert (datasets / "00_red_star.caption").read_text() == "sks, a red star\n" and "saved" in message
 
 
