@@ -79,6 +79,11 @@ def cmd_generate(args) -> int:
     from .sdxl.model import load_pipeline, native_resolution
     from .sdxl.preview import grid, render, save_png
 
+    out = Path(args.out)
+    paths = [out / f"seed{args.seed + i}.png" for i in range(args.num)]
+    taken = [p for p in paths if p.exists()] if not args.overwrite else []
+    if taken:  # before the model loads and renders
+        raise FileExistsError(f"{relpath(taken[0])} exists; choose another --out or pass --overwrite")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     pipe = load_pipeline(ModelConfig(path=args.model, tokenizer=args.tokenizer), torch_dtype=dtype).to(device)
@@ -98,12 +103,8 @@ def cmd_generate(args) -> int:
     size = args.size or native_resolution(pipe)
     images = render(pipe, [args.prompt] * args.num, seed=args.seed, steps=args.steps, guidance=args.guidance,
                     width=size, height=size, negative=args.negative)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for i, im in enumerate(images):
-        path = out / f"seed{args.seed + i}.png"
-        if path.exists() and not args.overwrite:
-            raise FileExistsError(f"{path} exists; choose another --out or pass --overwrite")
+    for im, path in zip(images, paths):
         save_png(im, path)
         print(f"image: {relpath(path)}")
     if len(images) > 1:
@@ -155,6 +156,10 @@ def cmd_dataset_inspect(args) -> int:
 
     cfg = load_config(args.config, args.set, {"data.dirs": list(args.dirs)})
     resolution = cfg.data.resolution or args.resolution
+    if resolution is None:  # what training would use: the model's native resolution
+        from .sdxl.model import unet_skeleton
+
+        resolution = unet_skeleton(cfg.model)[1]
     print(inspect_text(cfg.data, resolution))
     return 0
 
@@ -176,12 +181,41 @@ def _adapter_source(source: str, model: str | None) -> tuple[Path, str | None]:
     return p, model
 
 
+def _true_alpha_source(src: Path) -> Path:
+    """For --true-alpha: a file whose training alphas were folded into its weights (a run's main kohya file)
+    cannot give them back; the run's diffusers file beside it keeps them, so it is read instead."""
+    import json
+
+    from safetensors import safe_open
+
+    from .sdxl.export import AdapterError
+
+    if not (src.is_file() and src.suffix == ".safetensors"):
+        return src
+    with safe_open(str(src), "pt") as fh:
+        meta = fh.metadata() or {}
+    try:
+        folded = "training_alphas_folded" in json.loads(meta.get("ss_network_args", "{}"))
+    except (json.JSONDecodeError, TypeError):
+        folded = False
+    if not folded:
+        return src
+    twin = src.with_name(src.name[:-len(".safetensors")] + ".diffusers.safetensors")
+    if twin.is_file():
+        return twin
+    raise AdapterError(f"{src}: its layers' training alphas were folded into the weights, so --true-alpha cannot "
+                       f"recover them from it; export from the run folder, or from the diffusers file the run wrote "
+                       f"beside it ({twin.name}), or drop --true-alpha")
+
+
 def cmd_export(args) -> int:
     from .sdxl.export import AdapterError, export_adapter, layer_table, load_adapter
     from .core.runs import relpath
 
     try:
         src, model = _adapter_source(args.source, args.model)
+        if args.true_alpha and args.format == "kohya":
+            src = _true_alpha_source(src)
         table = layer_table(model)
         adapter = load_adapter(src, table)
         if adapter.unknown and not args.drop_unknown:
@@ -356,7 +390,9 @@ def cmd_llm_generate(args) -> int:
                                                      use_safetensors=True).to(device)
     template = chat_template(LLMConfig(chat_template=args.chat_template), tok)
     for prompt in args.prompt:
-        print(answer(model, tok, template, [prompt], args.max_new_tokens, args.system)[0])
+        reply = answer(model, tok, template, [prompt], args.max_new_tokens, args.system)[0]
+        # Several prompts: each answer under its prompt, so they can be told apart.
+        print(f"prompt: {prompt}\nanswer: {reply}\n" if len(args.prompt) > 1 else reply)
     return 0
 
 
@@ -490,8 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("dirs", nargs="+", help="dataset folder(s)")
     di.add_argument("--config", help="TOML config whose [data] settings apply")
     di.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    di.add_argument("--resolution", type=int, default=1024,
-                    help="bucket resolution when the config sets none (default 1024, SDXL's)")
+    di.add_argument("--resolution", type=int,
+                    help="bucket resolution when the config sets none (default: the config's model's native one, "
+                         "as training uses)")
     di.set_defaults(func=cmd_dataset_inspect)
 
     e = sub.add_parser("export", help="write an adapter as kohya (ComfyUI/A1111/Forge), diffusers or peft")

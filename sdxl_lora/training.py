@@ -156,18 +156,72 @@ class Outcome:
         return 130 if self.main_process and self.result.interrupted else 0
 
 
-def fit(job: Job, task=None) -> Outcome:
-    """Train `job` with `task` (default: task_for(job.cfg)); the run's train.log gets the log lines too."""
+def fit(job: Job, task=None, keep_failed: bool = False) -> Outcome:
+    """Train `job` with `task` (default: task_for(job.cfg)); the run's train.log gets the log lines too.
+    A new run refused for bad input before it trained (no images, a pickle model) leaves no folder behind,
+    unless `keep_failed` (the UI's worker keeps it: the page shows the run as failed, with the message)."""
     from .core.loop import Trainer
-    from .core.runs import attach_log_file
+    from .core.runs import attach_log_file, clear_pid, training_pid, write_pid
 
     attach_log_file(job.run)
+    # Any front end's run shows as training, and can be stopped, from the UI. A process that named itself
+    # before (the UI's worker) keeps its pid file to its end; this one goes when training ends.
+    own_pid = os.environ.get("RANK", "0") == "0" and training_pid(job.run.dir) != os.getpid()
+    if own_pid:
+        write_pid(job.run.dir)
     log.info("run folder: %s", job.run.dir)
     trainer = Trainer(job.cfg, task if task is not None else task_for(job.cfg), job.run, resume=job.state)
-    with _stop_at_once(job):
-        trainer.setup()
-        result = trainer.fit()
+    try:
+        with _stop_at_once(job):
+            trainer.setup()
+            result = trainer.fit()
+    except BaseException as e:
+        _record_end(job.run, e)
+        if not keep_failed and job.state is None:
+            _discard_untrained(job.run, e)
+        raise
+    finally:
+        if own_pid:
+            clear_pid(job.run.dir)
     return Outcome(job, result, trainer.accelerator.is_main_process)
+
+
+# What a new run's folder holds before its first training step (the config, the log, the events).
+_UNTRAINED = {"config.toml", "events.jsonl", "train.log", "train.pid", "samples"}
+
+
+def _discard_untrained(run: "Run", e: BaseException) -> None:
+    """Remove a new run's folder when bad input stopped it before anything was trained or rendered: the
+    message says what to fix, and the same command (same name) works once it is fixed."""
+    import shutil
+
+    from .core.runs import read_events
+
+    known = failure(e)
+    if known is None or known.code != 2 or os.environ.get("RANK", "0") != "0":
+        return
+    entries = list(run.dir.iterdir()) if run.dir.is_dir() else []
+    if any(p.name not in _UNTRAINED for p in entries) or any(run.samples_dir.glob("*")):
+        return
+    if any(ev.get("event") in ("start", "samples", "checkpoint") for ev in read_events(run.events_path)):
+        return
+    for handler in list(logging.getLogger().handlers):  # the run's log file is open: closed first
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run.dir.resolve():
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+    shutil.rmtree(run.dir, ignore_errors=True)
+    log.info("removed the run folder %s: nothing was trained", run.dir)
+
+
+def _record_end(run: "Run", e: BaseException) -> None:
+    """The events file says how a run that raised ended (the UI reads its state from there, whoever
+    started it): stopped before training began, or failed with the error's message."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    if isinstance(e, KeyboardInterrupt):
+        run.event("interrupted", state="interrupted", message=str(e) or "interrupted")
+    else:
+        run.event("failed", state="failed", message=f"{type(e).__name__}: {e}"[:1000])
 
 
 class Stopped(KeyboardInterrupt):

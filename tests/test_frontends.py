@@ -151,10 +151,119 @@ def test_the_caption_editor_writes_beside_the_image_only(tmp_path):
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     for ext in ("./../../../WRITTEN_OUTSIDE", ".txt/../../x", "/etc/passwd", "..txt", ".t x", "txt"):
         try:
-            _, _, message = _save(f, items, 0, "sks, a red star", ext)
+            _, _, message = _save(f, items, 0, str(image), "sks, a red star", ext)
         except PathRefused as e:
             message = str(e)
         assert "Error" in message or "not beside" in message, (ext, message)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written, nothing made
-    _, _, message = _save(f, items, 0, "sks,  a red   star", ".caption")
+    _, _, message = _save(f, items, 0, str(image), "sks,  a red   star", ".caption")
     assert (datasets / "00_red_star.caption").read_text() == "sks, a red star\n" and "saved" in message
+
+
+def test_a_command_refused_for_bad_input_leaves_no_run_folder(tmp_path, capsys, monkeypatch):
+    from sdxl_lora import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "model.ckpt").write_bytes(b"not read")
+    runs = tmp_path / "runs"
+    assert cli.main(["train", "--data", "empty", "--out", str(runs), "--name", "no-images"]) == 2
+    assert "no images found in" in capsys.readouterr().err
+    assert cli.main(["train", "--model", "model.ckpt", "--out", str(runs), "--name", "pickle"]) == 2
+    assert "pickle checkpoints" in capsys.readouterr().err
+    assert not (runs / "no-images").exists() and not (runs / "pickle").exists()
+
+
+def test_resume_latest_skips_finished_runs(tmp_path):
+    from sdxl_lora.core.runs import Run
+
+    runs = tmp_path / "runs"
+    for name, last in (("stopped", "interrupted"), ("finished", "done")):  # the finished one written last
+        run = Run(runs / name)
+        (run.dir / "checkpoints").mkdir(parents=True)
+        (run.dir / "config.toml").write_text("")
+        run.event("start", step=0, total_steps=4)
+        run.event(last, step=4 if last == "done" else 2)
+        time.sleep(0.02)
+    assert training.find_run("latest", runs) == runs / "stopped"
+    (runs / "stopped" / "events.jsonl").unlink()
+    Run(runs / "stopped").event("done", step=4)
+    with pytest.raises(FileNotFoundError, match="no unfinished run"):
+        training.find_run("latest", runs)
+
+
+def test_paths_outside_the_working_folder_print_as_given(tmp_path, monkeypatch):
+    from sdxl_lora.core.runs import relpath
+
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert relpath(tmp_path / "elsewhere" / "run") == str(tmp_path / "elsewhere" / "run")  # not ../elsewhere/run
+    assert relpath(tmp_path / "here" / "runs" / "a") == "runs/a"
+
+
+def test_generate_refuses_an_existing_image_before_it_loads_the_model(tmp_path, capsys, monkeypatch):
+    from sdxl_lora import cli
+    from sdxl_lora.sdxl import model
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(model, "load_pipeline", no_loading)
+    (tmp_path / "seed1.png").write_bytes(b"mine")
+    assert cli.main(["generate", "--prompt", "a red circle", "--out", str(tmp_path), "--seed", "0", "--num", "2"]) == 2
+    assert f"{tmp_path / 'seed1.png'} exists" in capsys.readouterr().err
+    assert (tmp_path / "seed1.png").read_bytes() == b"mine" and not (tmp_path / "seed0.png").exists()
+
+
+def test_llm_generate_labels_each_answer_with_its_prompt(capsys):
+    from sdxl_lora import cli
+
+    assert cli.main(["llm", "generate", "Name a colour.", "Count to three.", "--model", "tiny-llm",
+                     "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("prompt: Name a colour.") < out.index("answer: ") < out.index("prompt: Count to three.")
+
+
+def test_dataset_inspect_buckets_at_the_models_resolution_by_default(capsys):
+    from sdxl_lora import cli
+
+    assert cli.main(["dataset", "inspect", str(REPO / "sample_data" / "images")]) == 0
+    out = capsys.readouterr().out
+    assert "resolution 128" in out and "upscaled" not in out  # the demo base's 128 px, as training uses
+
+
+def test_true_alpha_export_gives_each_layer_its_training_alpha_from_a_run_or_its_main_file(tmp_path, capsys):
+    import json
+    import shutil
+
+    from safetensors import safe_open
+
+    from sdxl_lora import cli
+
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    data.mkdir()
+    for img in sorted((REPO / "sample_data" / "images").glob("0[01]_*")):  # two images: a short set-up
+        shutil.copy(img, data / img.name)
+    assert cli.main(["train", "--out", str(runs), "--name", "r", "--steps", "1", "--data", str(data), "--set",
+                     "train.device=cpu", "--set", "data.resolution=64", "--set", "preview.prompts=", "--set",
+                     "preview.before=false", "--set", "preview.after=false", "--batch-size", "1"]) == 0
+    run = runs / "r"
+
+    def alphas(path):
+        with safe_open(str(path), "pt") as fh:
+            args = json.loads(fh.metadata().get("ss_network_args", "{}"))
+            return {float(fh.get_tensor(k)) for k in fh.keys() if k.endswith(".alpha")}, args
+
+    folded, args = alphas(run / "r.safetensors")
+    assert len(folded) == 1 and "training_alphas_folded" in args  # the demo's ResNet override: mixed alphas
+    for i, source in enumerate((run, run / "r.safetensors")):
+        out = tmp_path / f"true{i}.safetensors"
+        assert cli.main(["export", str(source), "--format", "kohya", "--true-alpha", "--out", str(out)]) == 0
+        kept, args = alphas(out)
+        assert kept == set(args["mixed_alphas"]) and len(kept) > 1 and "training_alphas_folded" not in args
+    alone = tmp_path / "alone" / "r.safetensors"  # the main file without its run: refused, never silently folded
+    alone.parent.mkdir()
+    shutil.copy(run / "r.safetensors", alone)
+    capsys.readouterr()
+    assert cli.main(["export", str(alone), "--format", "kohya", "--true-alpha", "--out", str(tmp_path / "x.safetensors")]) == 2
+    assert "r.diffusers.safetensors" in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()

@@ -124,6 +124,12 @@ def _shot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
+def _drawn(page, selector: str) -> list[dict]:
+    """The sizes (px) of the chart marks `selector` finds, as the browser lays them out."""
+    return page.evaluate(f"() => [...document.querySelectorAll({selector!r})].map(p => {{"
+                         "const b = p.getBBox(); return {width: b.width, height: b.height}; })")
+
+
 def _state(page):
     return page.locator("#run-progress")
 
@@ -145,6 +151,10 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(page.locator("#ds-gallery img")).to_have_count(4)
             expect(page.locator("#ds-report textarea")).to_have_value(
                 __import__("re").compile(r"captions: 4 of 4 images have one[\s\S]*problems: none"))
+            # The bucket histogram draws its bar; the default resolution is the demo base's (no false upscaling).
+            expect(page.locator("#ds-hist svg .mark-rect path")).to_have_count(1)
+            assert _drawn(page, "#ds-hist svg .mark-rect path")[0]["height"] > 20
+            expect(page.locator("#ds-report textarea")).not_to_have_value(__import__("re").compile("upscaled"))
             page.locator("#ds-gallery img").first.click()
             first = sorted((folders["datasets"] / "shapes").glob("*.png"))[0]
             expect(page.locator("#ds-caption textarea")).to_have_value(first.with_suffix(".txt").read_text().strip())
@@ -170,8 +180,18 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             # Each field's help is its description in the schema: what it does, no benchmark figures.
             expect(page.locator("#f-train-fuse-qkv")).to_contain_text("in one matmul")
             expect(page.locator("#f-acc-train")).not_to_contain_text("H200")
+            # A message about a glob shows its stars (not Markdown emphasis).
+            page.locator("#f-acc-adapter").get_by_text("adapter (advanced)").click()
+            overrides = page.locator("#f-adapter-overrides textarea").input_value()
+            _fill(page, "f-adapter-overrides", '{"*attn2*" = -1}')
+            page.locator("#train-plan").click()
+            expect(page.locator("#train-plan-summary")).to_contain_text("adapter.overrides.*attn2* = -1")
+            _fill(page, "f-adapter-overrides", overrides)
             page.locator("#train-plan").click()
             expect(page.locator("#train-plan-summary")).to_contain_text("trainable parameters", timeout=WAIT)
+            # The memory estimate is shown whole: nothing runs past its box.
+            assert page.evaluate("() => [...document.querySelectorAll('#train-plan-summary pre')].every("
+                                 "e => e.scrollWidth <= e.clientWidth + 1)")
             expect(page.locator("#train-plan-table")).to_contain_text("attn2")
             page.locator("#train-start").click()
             expect(page.locator("#train-start-msg")).to_contain_text("ui-run started", timeout=WAIT)
@@ -195,6 +215,12 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(_state(page)).to_have_attribute("data-state", "finished", timeout=WAIT)
             expect(page.locator("#run-progress-text")).to_contain_text("step 60/60")
             expect(page.locator("#run-previews img")).to_have_count(2, timeout=WAIT)  # before and after
+            # The loss chart draws lines over a numeric step axis (a few ticks, not one label per step).
+            lines = _drawn(page, "#run-loss svg .mark-line path")
+            assert lines and max(b["width"] for b in lines) > 100
+            ticks = page.evaluate("() => [...document.querySelectorAll('#run-loss svg .role-axis-label text')]"
+                                  ".map(t => t.textContent)")
+            assert "60" in ticks and len(ticks) < 30
             assert (run / "train.exit").read_text().strip() == "0"
             kinds = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
             assert "interrupted" in kinds and "resume" in kinds and kinds[-1] == "done"
@@ -327,3 +353,123 @@ def test_queue_starts_runs_one_after_another(tmp_path):
         time.sleep(0.1)
     assert jobs.tick() == "second"
     assert jobs.queued() == []
+
+
+def _two_datasets(tmp_path):
+    from sdxl_lora.ui.folders import Folders
+
+    for name, n in (("a", 2), ("b", 3)):
+        d = tmp_path / "datasets" / name
+        d.mkdir(parents=True)
+        for img in sorted((REPO / "sample_data" / "images").glob("*.png"))[:n]:
+            shutil.copy(img, d / img.name)
+    return Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+
+
+def test_scanning_another_folder_clears_the_caption_editor_and_save_never_writes_beside_another_image(tmp_path):
+    from sdxl_lora.ui import tab_dataset
+
+    f = _two_datasets(tmp_path)
+    no_progress = lambda *a, **k: None  # noqa: E731
+    items_a = tab_dataset._scan(f, "a", ".txt", 64, no_progress)[0]
+    shown_a = items_a[1][0]  # the page shows a's second image in the editor
+    scanned_b = tab_dataset._scan(f, "b", ".txt", 64, no_progress)
+    items_b = scanned_b[0]
+    assert scanned_b[-3:] == (None, "", "")  # the editor no longer shows a's image
+    # A page that still sent the old selection: refused, nothing written in either folder.
+    _, _, msg = tab_dataset._save(f, items_b, 1, shown_a, "a new caption", ".txt")
+    assert "click the image again" in msg
+    assert not list((tmp_path / "datasets").rglob("*.txt"))
+    # The image shown is the one captioned.
+    _, _, msg = tab_dataset._save(f, items_b, 1, items_b[1][0], "a new caption", ".txt")
+    assert Path(items_b[1][0]).with_suffix(".txt").read_text() == "a new caption\n"
+    assert [p.name for p in (tmp_path / "datasets").rglob("*.txt")] == [Path(items_b[1][0]).with_suffix(".txt").name]
+
+
+CLI_RUN = ["--set", "train.device=cpu", "--set", "data.resolution=64", "--set", "preview.prompts=",
+           "--set", "preview.before=false", "--set", "train.log_every=1", "--batch-size", "1"]
+
+
+def _cli_train(runs: Path, name: str, steps: int, **env) -> subprocess.Popen:
+    """`sdxl-lora train` in a terminal of its own: not started by any UI."""
+    return subprocess.Popen([sys.executable, "-m", "sdxl_lora.cli", "train", "--out", str(runs), "--name", name,
+                             "--steps", str(steps), *CLI_RUN], cwd=runs.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **env,
+                                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+
+
+def _wait_for(cond, proc, what: str):
+    deadline = time.monotonic() + WAIT / 1000
+    while not cond():
+        assert proc.poll() is None or cond(), f"{what}: the process ended:\n{proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_runs_started_from_the_cli_show_their_state_and_can_be_stopped_and_queued_to_resume(tmp_path):
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.jobs import Jobs
+
+    (tmp_path / "datasets").mkdir()
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    fake = tmp_path / "python"  # the queue's interpreter: a resume it starts trains nothing
+    fake.write_text("#!/bin/sh\nsleep 30\n")
+    fake.chmod(0o755)
+    jobs = Jobs(f, python=str(fake))
+    state = lambda name: {s.name: s for s in jobs.runs()}[name]  # noqa: E731
+
+    proc = _cli_train(f.runs, "cli-run", 400)
+    _wait_for(lambda: (f.runs / "cli-run" / "config.toml").is_file(), proc, "the run folder")
+    _wait_for(lambda: state("cli-run").state == "training", proc, "training")
+    assert jobs.stop("cli-run").endswith("the state is saved")  # Stop works on a run the UI did not start
+    assert proc.wait(WAIT / 1000) == 130
+    st = state("cli-run")
+    assert st.state == "stopped" and st.resumable and "resume" in st.message
+    jobs.busy = lambda: "another-run"  # the queue is busy: the resume waits its turn
+    jobs.enqueue_resume("cli-run")
+    assert state("cli-run").state == "queued"
+
+    killed = _cli_train(f.runs, "killed", 400, SDXL_LORA_TEST_KILL="step:2")
+    killed.wait(WAIT / 1000)
+    assert state("killed").state == "died"
+
+
+def test_a_run_that_fails_shows_failed_with_the_error(tmp_path):
+    from sdxl_lora import training
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.sdxl.task import SDXLTask
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.jobs import Jobs
+
+    class Broken(SDXLTask):
+        def setup(self, accelerator, run):
+            raise RuntimeError("CUDA out of memory while loading the model")
+
+    (tmp_path / "datasets").mkdir()
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    cfg = load_config(None, None, {"output.runs_dir": str(f.runs), "output.name": "broken", "train.device": "cpu"})
+    with pytest.raises(RuntimeError):
+        training.fit(training.new_job(cfg), Broken(cfg))
+    st = {s.name: s for s in Jobs(f).runs()}["broken"]
+    assert st.state == "failed" and "CUDA out of memory" in st.message
+
+
+def test_the_llm_form_starts_from_what_llm_train_uses_and_the_default_folders_hold_its_data():
+    import argparse
+
+    from sdxl_lora import cli
+    from sdxl_lora.ui.app import add_arguments
+    from sdxl_lora.ui.folders import image_folders, jsonl_files
+    from sdxl_lora.ui.form import schema_fields
+
+    cfg = cli._llm_config_from_args(cli.build_parser().parse_args(["llm", "train"])).model_dump()
+    differs = {}
+    for spec in schema_fields(task="llm"):
+        section, _, name = spec.key.rpartition(".")
+        value = cfg[section][name] if section else cfg[name]
+        if spec.default != value:
+            differs[spec.key] = (spec.default, value)
+    assert differs == {}  # no SDXL demo settings (its steps, its ResNet override) in the LLM form
+    datasets = Path(add_arguments(argparse.ArgumentParser()).parse_args([]).datasets)
+    assert jsonl_files(datasets) and "images" in image_folders(datasets)  # both tabs have data to pick

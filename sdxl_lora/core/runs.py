@@ -7,6 +7,7 @@ Layout of runs/<name>/:
   samples/         preview images, step in the file name
   checkpoints/     training states
   <name>.safetensors and exports
+  train.pid        the id of the process training it, while it trains (whoever started it: CLI, UI, launch)
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from typing import Any
 
 from .config import Config
 from .fsutil import fsync_dir
+
+
+PID_FILE = "train.pid"
 
 
 class RunExistsError(FileExistsError):
@@ -169,6 +173,58 @@ def _create_run_shared(cfg: Config) -> Run:
     return Run(run_dir)
 
 
+def write_pid(run_dir: Path) -> None:
+    """Name this process as the one training `run_dir` (the UI reads it to show the run's state and to stop it)."""
+    from .fsutil import atomic_write_text
+
+    atomic_write_text(Path(run_dir) / PID_FILE, f"{os.getpid()}\n")
+
+
+def clear_pid(run_dir: Path) -> None:
+    """The run is no longer trained by this process (it ended): its train.pid goes, if it is this process's."""
+    path = Path(run_dir) / PID_FILE
+    try:
+        if int(path.read_text().strip()) == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def training_pid(run_dir: Path) -> int | None:
+    """The id of the live process that wrote `run_dir`'s train.pid, or None when it is gone. A process that
+    started after the file was written is another program that got the id again, not the run's."""
+    path = Path(run_dir) / PID_FILE
+    try:
+        pid, written = int(path.read_text().strip()), path.stat().st_mtime
+    except (OSError, ValueError):
+        return None
+    return pid if process_alive(pid, started_before=written) else None
+
+
+def process_alive(pid: int, started_before: float | None = None) -> bool:
+    """Whether `pid` is a live process (not a zombie), started no later than `started_before` (epoch
+    seconds) when given. Without /proc (not Linux) only the first is checked."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return True
+    if fields[0] == "Z":
+        return False
+    if started_before is None:
+        return True
+    try:
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, ValueError, IndexError):
+        return True
+    return started <= started_before + 2.0  # btime is whole seconds
+
+
 def attach_log_file(run: Run) -> logging.Handler:
     handler = logging.FileHandler(run.log_path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -177,8 +233,10 @@ def attach_log_file(run: Run) -> logging.Handler:
 
 
 def relpath(p: Path) -> str:
-    """A path as the user should see it: relative to the working folder when under it."""
+    """A path as the user should see it: relative to the working folder when under it, else as given
+    (an absolute path stays absolute, never `../../...`)."""
+    p = Path(p)
     try:
-        return os.path.relpath(p)
+        return str(p.absolute().relative_to(Path.cwd()))
     except ValueError:
         return str(p)

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 CSS = """
 #run-progress progress { accent-color: var(--color-accent); }
 #run-progress-text { font-variant-numeric: tabular-nums; margin-top: .25em; }
+#train-plan-summary pre, #train-plan-summary code { white-space: pre-wrap; overflow-wrap: anywhere; }
 """
 
 
@@ -146,11 +147,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from sdxl_lora.core.config import Config
 
     cfg = Config()
+    # The folder holding both tasks' default data (the sample images and the sample instruction files).
+    datasets = os.path.commonpath([os.path.abspath(p) for p in (*cfg.data.dirs, *cfg.llm.data)])
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=7860, help="port (default 7860)")
     parser.add_argument("--auth", metavar="USER:PASSWORD", help="ask for this user and password")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
-    parser.add_argument("--datasets", default=cfg.data.dirs[0], help="folder of datasets the UI may read and caption")
+    parser.add_argument("--datasets", default=datasets, help="folder of datasets the UI may read and caption")
     parser.add_argument("--models", default=cfg.model.cache_dir, help="folder of base models (and loras/)")
     parser.add_argument("--runs", default=cfg.output.runs_dir, help="folder the runs go to")
     return parser

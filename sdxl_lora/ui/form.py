@@ -72,13 +72,14 @@ class FieldSpec:
         return "toml"
 
 
-def schema_fields(model: type[BaseModel] = Config, prefix: str = "", defaults: BaseModel | None = None) -> list[FieldSpec]:
-    """Every leaf field of the schema, sections walked in order. The starting values are what
-    `sdxl-lora train` with no config uses: the schema's defaults with the default model's recommended
-    settings (config.RECOMMENDED_SETTINGS) over them."""
+def schema_fields(model: type[BaseModel] = Config, prefix: str = "", defaults: BaseModel | None = None,
+                  task: str = "sdxl") -> list[FieldSpec]:
+    """Every leaf field of the schema, sections walked in order. The starting values are what the task's
+    train command with no config uses (`sdxl-lora train`, `sdxl-lora llm train`): the schema's defaults,
+    for SDXL with the default model's recommended settings (config.RECOMMENDED_SETTINGS) over them."""
     out = []
     if defaults is None:
-        defaults = load_config() if model is Config else model()
+        defaults = load_config(None, None, {"task": task}) if model is Config else model()
     for name, info in model.model_fields.items():
         ann = info.annotation
         key = f"{prefix}{name}"

@@ -28,27 +28,21 @@ from pathlib import Path
 
 from sdxl_lora.core.config import Config
 from sdxl_lora.core.fsutil import atomic_write_text
-from sdxl_lora.core.runs import default_run_name, read_events
+from sdxl_lora.core.runs import PID_FILE, default_run_name, process_alive, read_events, training_pid
 
 from .folders import Folders
-from .worker import EXIT_FILE, PID_FILE
+from .worker import EXIT_FILE
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether `pid` is a live (not zombie) run process of ours: a reused pid of another program is not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    """Whether `pid` is a live (not zombie) run process the queue started: a reused pid of another program
+    is not."""
+    if not process_alive(pid):
         return False
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            return False
         return b"sdxl_lora.ui.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return True  # no /proc (not Linux): trust kill(0)
@@ -66,6 +60,7 @@ class RunStatus:
     name: str
     dir: Path
     state: str            # queued, starting, training, finished, stopped, failed, died, unknown
+    #                       (from the run folder alone, whoever started it: the UI, the CLI, a launch script)
     step: int = 0
     total: int = 0
     loss: float = math.nan
@@ -100,25 +95,49 @@ def run_status(run_dir: Path, events: list[dict] | None = None) -> RunStatus:
         elif e.get("event") in ("start", "resume", "done", "interrupted"):
             st.step = e.get("step", st.step)
             st.total = e.get("total_steps", st.total)
-    pid = _read_int(run_dir / PID_FILE)
+    pid = training_pid(run_dir)
     exit_code = _read_int(run_dir / EXIT_FILE)
     st.pid = pid
-    last = next((k for k in reversed(kinds) if k in ("done", "interrupted", "start", "resume")), None)
+    ended = ("done", "interrupted", "failed", "start", "resume")
+    last = next((e for e in reversed(events) if e.get("event") in ended), {})
     # Alive until the process is gone: its exit file is written just before it ends.
-    if pid is not None and pid_alive(pid):
-        st.state = "training" if "start" in kinds else "starting"
+    if pid is not None:
+        # A resume writes "resume" as it sets up and "start" when it trains again.
+        began = next((k for k in reversed(kinds) if k in ("start", "resume")), None)
+        st.state = "training" if began == "start" else "starting"
+        if st.state == "starting":
+            st.message = _setting_up(run_dir)
         return st
-    if last == "done" and exit_code in (None, 0):
+    last_kind = last.get("event")
+    if last_kind == "done" and exit_code in (None, 0):
         st.state = "finished"
-    elif last == "interrupted" or exit_code == 130:
+    elif last_kind == "interrupted" or exit_code == 130:
         st.state = "stopped"
-        msg = next((e.get("message") for e in reversed(events) if e.get("event") == "interrupted"), None)
-        st.message = msg or "stopped; resume continues from the last saved state"
-    elif exit_code is not None:
-        st.state, st.message = "failed", f"the run process ended with exit code {exit_code}; see its log"
-    elif pid is not None:
+        st.message = last.get("message") if last_kind == "interrupted" and last.get("message") else \
+            "stopped; resume continues from the last saved state"
+    elif last_kind == "failed" or exit_code is not None:
+        st.state = "failed"
+        st.message = (last.get("message") if last_kind == "failed" else None) or \
+            f"the run process ended with exit code {exit_code}; see its log"
+    elif last_kind in ("start", "resume") or (run_dir / PID_FILE).exists():
         st.state, st.message = "died", "the run process is gone without a word (killed?); see its log"
     return st
+
+
+def _setting_up(run_dir: Path) -> str:
+    """What a run that has not begun training is doing: the last line of its log (loading the model,
+    caching latents, rendering the first previews...)."""
+    path = run_dir / "train.log"
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, path.stat().st_size - 4000))
+            lines = [ln for ln in fh.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return "setting up"
+    if not lines:
+        return "setting up"
+    # "2024-.. INFO sdxl_lora.sdxl.task: caching latents ..." -> "caching latents ..."
+    return "setting up: " + lines[-1].split(": ", 1)[-1][:200]
 
 
 class Jobs:
@@ -163,11 +182,15 @@ class Jobs:
         return out
 
     def runs(self) -> list[RunStatus]:
-        """Every run folder (newest first), then the queued runs."""
+        """Every run folder (newest first), then the queued runs. A run queued to resume shows as queued."""
         out = []
+        queued = {q["name"] for q in self.queued()}
         for d in self.f.runs.iterdir():
             if d.is_dir() and not d.name.startswith(".") and (d / "config.toml").is_file():
-                out.append(run_status(d))
+                st = run_status(d)
+                if d.name in queued and not st.alive:
+                    st.state, st.message = "queued", "queued to resume; it starts when the runs before it end"
+                out.append(st)
         out.sort(key=lambda s: s.started, reverse=True)
         for q in self.queued():
             if not any(s.name == q["name"] for s in out):
@@ -282,8 +305,9 @@ class Jobs:
         """Ask a running run to stop: SIGINT, as Ctrl-C in a terminal (the state is saved first)."""
         with self._lock:
             st = run_status(self.run_dir(name))
+            # The run's own process, whoever started it (train.pid), or the worker the queue started for it.
             pid = st.pid if st.alive else self._launched().get(name)
-            if pid is None or not pid_alive(pid):
+            if pid is None or not (st.alive or pid_alive(pid)):
                 if self.dequeue(name):
                     return f"{name} removed from the queue"
                 raise ValueError(f"run {name!r} is {st.state}, not running; nothing to stop")

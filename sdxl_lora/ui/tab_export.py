@@ -9,6 +9,7 @@ from pathlib import Path
 import gradio as gr
 
 from .folders import Folders, PathRefused
+from .text import error_md
 from .tab_generate import adapter_choices, adapter_path
 
 FORMATS = ("kohya", "diffusers", "peft")
@@ -57,10 +58,10 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
         table = layer_table(model)
         adapter = load_adapter(src, table)
         if adapter.unknown:
-            return None, f"**Error:** {src.name}: {adapter.problems[0]}"
+            return None, error_md(f"{src.name}: {adapter.problems[0]}")
         stem = (title or "").strip() or src.name.split(".")[0]
         if "/" in stem or "\\" in stem or stem.startswith("."):
-            return None, f"**Error:** title {stem!r} names the file: no '/' or '\\' and no leading '.'"
+            return None, error_md(f"title {stem!r} names the file: no '/' or '\\' and no leading '.'")
         meta: bool | dict = False
         if write_meta:
             fields = {"modelspec.title": stem, "ss_output_name": stem, "modelspec.author": author,
@@ -72,7 +73,7 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
         written = export_adapter(adapter, out, fmt, metadata=meta, names=names, unet_config=table.unet_config,
                                  uniform_alpha=not true_alpha, overwrite=bool(overwrite))
     except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
-        return None, f"**Error:** {e}"
+        return None, error_md(e)
     download = written
     if written.is_dir():  # a PEFT adapter is a folder: offer it zipped
         download = Path(shutil.make_archive(str(written), "zip", root_dir=written))

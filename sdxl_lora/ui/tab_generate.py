@@ -8,6 +8,7 @@ from pathlib import Path
 import gradio as gr
 
 from .folders import TINY, Folders, PathRefused, model_choices
+from .text import error_md
 
 N_ADAPTERS = 3
 
@@ -128,7 +129,7 @@ def build(f: Folders):
             return generate(f, pipes, model, prompt, negative, seed, steps, guidance, size, *adapters,
                             progress=progress)
         except (PathRefused, FileNotFoundError, ValueError) as e:
-            return None, None, f"**Error:** {e}"
+            return None, None, error_md(e)
 
     def do_refresh():
         choices = adapter_choices(f)

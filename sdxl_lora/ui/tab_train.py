@@ -16,6 +16,7 @@ from sdxl_lora.core.fsutil import atomic_write_text
 from sdxl_lora.core.runs import read_events
 
 from .folders import TINY, TINY_LLM, Folders, PathRefused, image_folders, jsonl_files, llm_model_choices, model_choices
+from .text import error_md
 from .form import LLM_MAIN_FIELDS, MAIN_FIELDS, PATH_FIELDS, FieldSpec, build_config, schema_fields, to_widget_value
 from .jobs import Jobs, run_status
 
@@ -47,15 +48,18 @@ def _default_prompts() -> str:
     return p.read_text(encoding="utf-8") if p.is_file() else ""
 
 
-def _default_dirs(f: Folders, choices: list[str]) -> list[str]:
-    for d in Config().data.dirs:
+def _default_data(f: Folders, defaults: list[str], choices: list[str], keep: int) -> list[str]:
+    """The schema's default data (data.dirs, llm.data) where the datasets folder holds it, else the first
+    `keep` choices."""
+    found = []
+    for d in defaults:
         try:
             rel = os.path.relpath(f.inside(d, "datasets"), f.datasets)
         except PathRefused:
             continue
         if rel in choices:
-            return [rel]
-    return choices[:1]
+            found.append(rel)
+    return found or choices[:keep]
 
 
 class Form:
@@ -66,7 +70,7 @@ class Form:
         self.data_key = "data.dirs" if task == "sdxl" else "llm.data"
         # The task is the tab's; the other task's own sections are not shown.
         other = {"sdxl": ("llm.",), "llm": ("data.", "preview.")}.get(task, ())
-        self.specs = [s for s in schema_fields() if s.key not in PATH_FIELDS and s.key != "task"
+        self.specs = [s for s in schema_fields(task=task) if s.key not in PATH_FIELDS and s.key != "task"
                       and s.key != self.data_key and not s.key.startswith(other)]
         self.widgets: dict[str, gr.components.Component] = {}
 
@@ -74,13 +78,13 @@ class Form:
         f, p = self.f, self.prefix
         if self.task == "sdxl":
             models, data = model_choices(f.models), image_folders(f.datasets)
-            data_value = _default_dirs(f, data)
+            data_value = _default_data(f, Config().data.dirs, data, 1)
             main_keys = MAIN_FIELDS
             model_info = f"tiny-sdxl, or a diffusers SDXL folder or single .safetensors under {f.models}"
             data_info = f"dataset folders under {f.datasets}"
         else:
             models, data = llm_model_choices(f.models), jsonl_files(f.datasets)
-            data_value = data[:2]
+            data_value = _default_data(f, Config().llm.data, data, 2)
             main_keys = LLM_MAIN_FIELDS
             model_info = f"tiny-llm, or a transformers causal-LM folder under {f.models}"
             data_info = f"JSONL files (alpaca or chat lines) under {f.datasets}"
@@ -194,12 +198,26 @@ def _progress_html(st) -> str:
 def _charts(events: list[dict]):
     import pandas as pd
 
-    loss = [{"step": e["step"], "loss": e["loss"], "series": "train"} for e in events
-            if e.get("event") == "step" and isinstance(e.get("loss"), (int, float)) and math.isfinite(e["loss"])]
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    train = [(e["step"], e["loss"]) for e in events if e.get("event") == "step" and number(e.get("loss"))]
+    loss = [{"step": st, "loss": v, "series": "train"} for st, v in train]
+    smooth, avg = [], None
+    for st, v in train:  # an exponential moving average: the trend through the noise of single batches
+        avg = v if avg is None else SMOOTHING * avg + (1 - SMOOTHING) * v
+        smooth.append({"step": st, "loss": avg, "series": "train (smoothed)"})
+    loss += smooth if len(train) > 2 else []
     loss += [{"step": e["step"], "loss": e["loss"], "series": e["event"]} for e in events
-             if e.get("event") in ("eval", "validation") and isinstance(e.get("loss"), (int, float))]
-    lr = [{"step": e["step"], "lr": e["lr"]} for e in events if e.get("event") == "step" and "lr" in e]
-    return (pd.DataFrame(loss, columns=["step", "loss", "series"]), pd.DataFrame(lr, columns=["step", "lr"]))
+             if e.get("event") in ("eval", "validation") and number(e.get("loss"))]
+    lr = [{"step": e["step"], "lr": e["lr"]} for e in events if e.get("event") == "step" and number(e.get("lr"))]
+    # Typed columns, also when empty: an untyped (object) column makes the chart's axis categorical.
+    return (pd.DataFrame(loss, columns=["step", "loss", "series"]).astype({"step": "int64", "loss": "float64",
+                                                                         "series": "string"}),
+            pd.DataFrame(lr, columns=["step", "lr"]).astype({"step": "int64", "lr": "float64"}))
+
+
+SMOOTHING = 0.8
 
 
 def _previews(events: list[dict]) -> list[tuple[str, str]]:
@@ -230,7 +248,7 @@ def start_run(form: Form, jobs: Jobs, values: list):
         name = jobs.unique_name(form.name_value(values))
         cfg = form_config(form, values, name)
     except (ConfigError, PathRefused, FileExistsError, ValueError) as e:
-        return f"**Error:** {e}", gr.skip()
+        return error_md(e), gr.skip()
     jobs.enqueue_train(cfg)
     started = jobs.tick()
     busy = jobs.busy()
@@ -251,7 +269,7 @@ def build(f: Folders, jobs: Jobs):
             plan_summary = gr.Markdown(elem_id="train-plan-summary")
             plan_table = gr.Dataframe(headers=["part", "level", "block", "kind", "proj", "rank", "alpha", "modules",
                                                "params", "MB"], label="plan (slots, ranks, parameters)",
-                                      interactive=False, max_height=300, elem_id="train-plan-table")
+                                      interactive=False, max_height=600, wrap=True, elem_id="train-plan-table")
         with gr.Column(scale=6):
             gr.Markdown("### Runs")
             runs_table = gr.Dataframe(headers=["run", "state", "step", "loss"], interactive=False, max_height=220,
@@ -263,9 +281,10 @@ def build(f: Folders, jobs: Jobs):
             action_msg = gr.Markdown(elem_id="run-action-msg")
             progress = gr.HTML(elem_id="run-progress-box")
             with gr.Row():
-                loss_plot = gr.LinePlot(x="step", y="loss", color="series", title="loss", height=220,
-                                        elem_id="run-loss")
-                lr_plot = gr.LinePlot(x="step", y="lr", title="learning rate", height=220, elem_id="run-lr")
+                loss_plot = gr.LinePlot(x="step", y="loss", color="series", title="loss", height=320,
+                                        x_axis_format="d", elem_id="run-loss", scale=3)
+                lr_plot = gr.LinePlot(x="step", y="lr", title="learning rate", height=320, x_axis_format="d",
+                                      y_axis_format=".1e", elem_id="run-lr", scale=2)
             previews = gr.Gallery(label="previews (newest first)", columns=3, height=260, object_fit="contain",
                                   elem_id="run-previews")
             with gr.Accordion("log", open=False):
@@ -280,7 +299,7 @@ def build(f: Folders, jobs: Jobs):
         try:
             rows, summary = plan_view(make_config(list(values), None))
         except (ConfigError, PathRefused, FileNotFoundError, ValueError) as e:
-            return gr.skip(), f"**Error:** {e}"
+            return gr.skip(), error_md(e)
         return rows, summary
 
     def start(*values):
@@ -310,13 +329,13 @@ def build(f: Folders, jobs: Jobs):
         try:
             return f"{jobs.stop(selected)}"
         except (ValueError, PathRefused) as e:
-            return f"**Error:** {e}"
+            return error_md(e)
 
     def resume(selected):
         try:
             jobs.enqueue_resume(selected)
         except (ValueError, PathRefused, FileNotFoundError) as e:
-            return f"**Error:** {e}"
+            return error_md(e)
         started = jobs.tick()
         return f"{selected}: resuming" if started == selected else f"{selected}: queued to resume"
 

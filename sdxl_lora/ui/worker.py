@@ -15,14 +15,12 @@ state and ends. Everything printed (the summary, an error's message, a traceback
 """
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from pathlib import Path
 
 from sdxl_lora import training
 
-PID_FILE = "train.pid"
 EXIT_FILE = "train.exit"
 USAGE = "usage: python -m sdxl_lora.ui.worker RUN_DIR -- train CONFIG | train --resume RUN_DIR"
 
@@ -38,9 +36,9 @@ def _parse(argv: list[str]) -> tuple[Path, str | None, str | None] | None:
 
 
 def _write_pid(run_dir: Path) -> None:
-    from sdxl_lora.core.fsutil import atomic_write_text
+    from sdxl_lora.core.runs import write_pid
 
-    atomic_write_text(run_dir / PID_FILE, f"{os.getpid()}\n")
+    write_pid(run_dir)
 
 
 def _job(run_dir: Path, config: str | None, resumed: str | None) -> training.Job:
@@ -64,7 +62,7 @@ def _job(run_dir: Path, config: str | None, resumed: str | None) -> training.Job
 
 
 def _train(run_dir: Path, config: str | None, resumed: str | None) -> int:
-    outcome = training.fit(_job(run_dir, config, resumed))
+    outcome = training.fit(_job(run_dir, config, resumed), keep_failed=True)
     for line in training.report(outcome):
         print(line, flush=True)
     return outcome.exit_code
