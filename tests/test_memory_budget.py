@@ -1,6 +1,6 @@
 """train.vram_gb: the whole run planned to fit a memory budget (sdxl/plan.py: fit_budget), on SDXL base's
-real architecture (meta device: no weights), and the previews that keep the text encoders and the VAE's
-decode apart."""
+real architecture (meta device: no weights), and previews drawn from embeddings made at set-up (the text
+encoders never come back for them)."""
 import json
 
 import numpy as np
@@ -23,10 +23,11 @@ def sdxl():
 
 
 def test_each_budget_gets_a_whole_run_that_fits_and_a_smaller_one_costs_more_time(sdxl):
-    # The documented ladder (docs/qlora.md): at 24 GiB a smaller batch with accumulation keeps the effective
-    # batch; at 12 GiB selective checkpointing; at 8 GiB a quantized base too, with tiled preview decoding.
+    # The documented ladder (docs/qlora.md), batch 4 at 1024: at 24 GiB a smaller batch with accumulation
+    # keeps the effective batch; at 12 GiB selective checkpointing; at 8 GiB tiled preview decoding too; at
+    # 6 GiB a quantized base and tiled encoding while caching.
     cfg, unet, native, parts = sdxl
-    fits = {b: fit_budget(cfg, b, unet, native, parts) for b in (80, 24, 12, 8)}
+    fits = {b: fit_budget(cfg, b, unet, native, parts) for b in (80, 24, 12, 8, 6)}
     for budget, fit in fits.items():
         assert fit.memory.peak <= budget * GIB
         effective = fit.cfg.train.batch_size * fit.cfg.train.grad_accum
@@ -34,8 +35,10 @@ def test_each_budget_gets_a_whole_run_that_fits_and_a_smaller_one_costs_more_tim
     assert fits[80].choices == {} and fits[80].slowdown == 1.0
     assert fits[24].cfg.train.batch_size < 4 and fits[24].cfg.model.quantize == "none"
     assert fits[12].cfg.train.checkpoint_budget_gb and fits[12].cfg.model.quantize == "none"
-    assert fits[8].cfg.model.quantize != "none" and fits[8].cfg.preview.vae_tiling
-    slowdowns = [fits[b].slowdown for b in (80, 24, 12, 8)]
+    assert fits[8].cfg.preview.vae_tiling and fits[8].memory.phases["previews"] < fits[12].memory.phases["previews"]
+    assert fits[6].cfg.model.quantize != "none" and fits[6].cfg.model.tiled_vae_encode
+    assert fits[6].memory.phases["caching"] < fits[8].memory.phases["caching"]
+    slowdowns = [fits[b].slowdown for b in (80, 24, 12, 8, 6)]
     assert slowdowns == sorted(slowdowns) and slowdowns[-1] > slowdowns[0]
 
 
@@ -67,7 +70,7 @@ def test_plan_prints_every_phase_of_the_run_and_what_the_budget_chose(capsys):
     phases = data["run_memory"]["phases_gib"]
     assert set(phases) == {"caching", "training", "previews", "export"}
     assert data["run_memory"]["peak_gib"] == max(phases.values()) <= 8
-    assert "model.quantize" in data["budget_choices"]
+    assert "preview.vae_tiling" in data["budget_choices"]
     assert main(["plan", "--model", "arch:sdxl"]) == 0
     out = capsys.readouterr().out
     assert "whole run" in out and "previews" in out and "caching" in out
@@ -81,28 +84,20 @@ def test_train_refuses_an_impossible_budget_before_loading_the_model(tiny_dir, t
     assert not list(tmp_path.glob("*/samples/*.png")) and not list(tmp_path.glob("*/checkpoints/*"))
 
 
-def test_previews_encode_every_prompt_before_sampling_and_draw_the_same_images(tiny_dir):
-    # The text encoders leave the GPU before the VAE's decode comes (render's `between`): the images must be
-    # those of the one-pass pipeline call.
+def test_previews_from_embeddings_made_at_set_up_draw_the_same_images(tiny_dir):
+    # The preview prompts are encoded once, while the text encoders are on the device for the caches, so
+    # previews never bring the text encoders back: the images must be those of the pipeline's own encoding.
     from diffusers import StableDiffusionXLPipeline
 
-    from sdxl_lora.sdxl.preview import PreviewPrompt, render
+    from sdxl_lora.sdxl.preview import PreviewPrompt, encode_prompts, render
 
     pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_dir), torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     prompts = ["a red star", PreviewPrompt("a blue circle", negative="blurry", guidance=1.0, seed=7)]
     kw = dict(seed=3, steps=3, guidance=5.0, width=64, height=64)
-    order = []
-    encode = pipe.encode_prompt
-
-    def counted(*a, **k):
-        order.append("encode")
-        return encode(*a, **k)
-
-    pipe.encode_prompt = counted
-    two_stage = render(pipe, prompts, **kw, between=lambda: order.append("between"))
-    assert order[:3] == ["encode", "encode", "between"]
-    pipe.encode_prompt = encode
-    one_pass = render(pipe, prompts, **kw)
-    for a, b in zip(two_stage, one_pass):
+    texts = encode_prompts(pipe, prompts, guidance=kw["guidance"])
+    assert "negative_prompt_embeds" in texts[0] and "negative_prompt_embeds" not in texts[1]  # guidance 1: none
+    cached = render(pipe, prompts, **kw, texts=texts)
+    live = render(pipe, prompts, **kw)
+    for a, b in zip(cached, live):
         assert (np.asarray(a) == np.asarray(b)).all()

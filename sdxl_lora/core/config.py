@@ -61,6 +61,9 @@ class ModelConfig(Section):
         "Also keep the frozen UNet's convolutions (not conv_in/conv_out) in fp8: less memory, fp8's rounding "
         "error; works with any model.quantize."))
     quant_double: bool = Field(True, description="nf4/fp4: quantize the block scales too (a little less memory).")
+    tiled_vae_encode: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
+        "Encode images in tiles when caching latents: far less memory at full size; the latents differ slightly "
+        "near tile seams. train.vram_gb turns it on where the budget needs it."))
     quant_compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description=(
         "The dtype quantized layers compute in; 'auto' follows train.mixed_precision (fp32 when 'no')."))
 

@@ -289,16 +289,18 @@ class RunMemory:
 def run_memory(step: MemoryEstimate, *, vae_bytes: int, text_bytes: int, largest_pixels: int,
                preview_pixels: int, previews: bool, vae_tiling: bool = False, previews_mid_run: bool = False,
                graphs: bool = False, encoders_stay: bool = False, vae_stays: bool = False,
-               step_budget: int | None = None) -> RunMemory:
+               step_budget: int | None = None, tiled_encode: bool = False) -> RunMemory:
     """Each phase's whole-process peak from the step's estimate and the VAE's and text encoders' sizes as
     they are held (fp32). largest_pixels: the largest bucket's pixels (caching encodes one image at a time);
     preview_pixels: the largest preview's. previews_mid_run: previews also between steps (preview.every),
     when the optimizer state (and with CUDA graphs their memory pool, which other work cannot use) is held.
-    step_budget: train.checkpoint_budget_gb in bytes (the trainer checkpoints blocks until the step fits it)."""
+    step_budget: train.checkpoint_budget_gb in bytes (the trainer checkpoints blocks until the step fits it).
+    vae_tiling, tiled_encode: the VAE decodes (previews), encodes (caching) in VAE_DECODE_TILE tiles."""
     def whole(allocated: float) -> int:
         return int(CONTEXT + RESERVE * allocated)
 
-    caching = vae_bytes + max(VAE_ENCODE_PER_PIXEL * largest_pixels, text_bytes + TEXT_ACTIVATIONS)
+    encode_pixels = min(largest_pixels, VAE_DECODE_TILE ** 2) if tiled_encode else largest_pixels
+    caching = vae_bytes + max(VAE_ENCODE_PER_PIXEL * encode_pixels, text_bytes + TEXT_ACTIVATIONS)
     held = (text_bytes if encoders_stay else 0) + (vae_bytes if vae_stays else 0)
     step_total = min(step.total, step_budget) if step_budget else step.total
     phases = {"caching": whole(caching), "training": whole(step_total + held)}
@@ -308,9 +310,7 @@ def run_memory(step: MemoryEstimate, *, vae_bytes: int, text_bytes: int, largest
         if previews_mid_run:
             unet += step.optimizer + (step.activations if graphs else 0)
         render = max(UNET_INFER_PER_PIXEL * preview_pixels, VAE_DECODE_PER_PIXEL * decode_pixels)
-        # The prompts are encoded first, then the text encoders leave for the VAE (unless training keeps them).
-        encoding = unet + text_bytes + TEXT_ACTIVATIONS + (vae_bytes if vae_stays else 0)
-        sampling = unet + vae_bytes + render + (text_bytes if encoders_stay else 0)
-        phases["previews"] = whole(max(encoding, sampling))
+        # The prompts were encoded at set-up: the text encoders come only when they stay for training anyway.
+        phases["previews"] = whole(unet + vae_bytes + render + (text_bytes if encoders_stay else 0))
     phases["export"] = whole(step.weights_total + step.adapter)
     return RunMemory(step, phases)

@@ -79,7 +79,8 @@ def run_memory_for(cfg: Config, planned: UNetPlan, components: tuple[int, int], 
     return run_memory(planned.memory, vae_bytes=components[0], text_bytes=components[1],
                       largest_pixels=largest_pixels or square, preview_pixels=preview_pixels or square,
                       previews=previews,
-                      vae_tiling=cfg.preview.vae_tiling, previews_mid_run=cfg.preview.every > 0,
+                      vae_tiling=cfg.preview.vae_tiling, tiled_encode=cfg.model.tiled_vae_encode,
+                      previews_mid_run=cfg.preview.every > 0,
                       graphs=cfg.train.cuda_graphs,
                       encoders_stay=cfg.adapter.train_text_encoder or cfg.data.shuffle_tags,
                       vae_stays=cfg.data.crop == "random",
@@ -129,15 +130,19 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
     batches = [tc.batch_size]
     while batches[-1] > 1:
         batches.append(batches[-1] // 2)
-    tilings = [cfg.preview.vae_tiling] if "vae_tiling" in cfg.preview.model_fields_set else [False, True]
+    # (previews decoded in tiles, caching encoded in tiles): no cost to training; the previews' first (the
+    # tiled encode changes the latents a little). A lever the user set keeps its value.
+    tilings = [(d, e) for d, e in ((False, False), (True, False), (False, True), (True, True))
+               if ("vae_tiling" not in cfg.preview.model_fields_set or d == cfg.preview.vae_tiling)
+               and ("tiled_vae_encode" not in cfg.model.model_fields_set or e == cfg.model.tiled_vae_encode)]
 
     steps: dict[tuple, MemoryEstimate] = {}  # the step's estimate does not depend on the previews' tiling
 
-    def variant(quant: str, full: bool, batch: int, tiling: bool) -> tuple[Config, RunMemory]:
+    def variant(quant: str, full: bool, batch: int, tiling: tuple[bool, bool]) -> tuple[Config, RunMemory]:
         c = cfg.model_copy(deep=True)
         c.model.quantize = quant
         c.train.batch_size, c.train.grad_accum = batch, tc.grad_accum * (tc.batch_size // batch)
-        c.preview.vae_tiling = tiling
+        c.preview.vae_tiling, c.model.tiled_vae_encode = tiling
         if not ckpt_given:
             c.train.gradient_checkpointing = full
         key = (quant, full, batch)
@@ -184,7 +189,7 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
 
 def _changed(a: Config, b: Config) -> dict[str, tuple]:
     out = {}
-    for section, fields in (("model", ("quantize",)), ("train", ("batch_size", "grad_accum", "gradient_checkpointing",
+    for section, fields in (("model", ("quantize", "tiled_vae_encode")), ("train", ("batch_size", "grad_accum", "gradient_checkpointing",
                                                                  "checkpoint_budget_gb")),
                             ("preview", ("vae_tiling",))):
         for f in fields:

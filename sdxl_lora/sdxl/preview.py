@@ -17,7 +17,6 @@ import logging
 import time
 import tomllib
 from pathlib import Path
-from typing import Callable
 
 import torch
 from PIL import Image
@@ -147,32 +146,43 @@ def save_png(img: Image.Image, path: Path) -> Path:
     return atomic_save(path, lambda tmp: img.save(tmp, format="PNG"))
 
 
+def _entries(prompts: list[str | PreviewPrompt]) -> list[PreviewPrompt]:
+    return [p if isinstance(p, PreviewPrompt) else PreviewPrompt(p) for p in prompts]
+
+
+def encode_prompts(pipe, prompts: list[str | PreviewPrompt], *, guidance: float, negative: str | None = None,
+                   device=None) -> list[dict[str, torch.Tensor]]:
+    """Each prompt's text embeddings as the pipeline's keyword arguments (prompt_embeds, pooled_prompt_embeds
+    and, with guidance, the negative ones), computed by the pipeline's own text encoders."""
+    out = []
+    with torch.no_grad():
+        for p in _entries(prompts):
+            g = p.guidance if p.guidance is not None else guidance
+            embeds = pipe.encode_prompt(prompt=p.prompt, device=device or pipe.text_encoder_2.device,
+                                        num_images_per_prompt=1, do_classifier_free_guidance=g > 1,
+                                        negative_prompt=p.negative if p.negative is not None else negative)
+            out.append({k: v for k, v in zip(("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
+                                             "negative_pooled_prompt_embeds"), embeds) if v is not None})
+    return out
+
+
 def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, guidance: float, width: int,
            height: int, negative: str | None = None, autocast_dtype: torch.dtype | None = None,
-           guidance_rescale: float = 0.0, between: Callable[[], None] | None = None) -> list[Image.Image]:
+           guidance_rescale: float = 0.0, texts: list[dict[str, torch.Tensor]] | None = None) -> list[Image.Image]:
     """One image per prompt, each with its own settings where it has them; prompt i without its own seed
-    uses seed + i, on a CPU generator, so images do not depend on the device. between: every prompt is
-    encoded first, then between() runs (e.g. the text encoders leave the GPU and the VAE comes), then the
-    images are sampled from the embeddings: the text encoders and the sampling never hold memory together."""
+    uses seed + i, on a CPU generator, so images do not depend on the device. texts: the prompts' embeddings
+    (encode_prompts), made earlier; the text encoders are then not used."""
     device = pipe.unet.device
     ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
            else contextlib.nullcontext())
-    entries = [p if isinstance(p, PreviewPrompt) else PreviewPrompt(p) for p in prompts]
+    entries = _entries(prompts)
+    if texts is None:
+        texts = [{"prompt": p.prompt, "negative_prompt": p.negative if p.negative is not None else negative}
+                 for p in entries]
+    else:
+        texts = [{k: v.to(device) for k, v in t.items()} for t in texts]
     images = []
     with torch.no_grad(), ctx:
-        texts = []
-        for p in entries:
-            neg = p.negative if p.negative is not None else negative
-            g = p.guidance if p.guidance is not None else guidance
-            if between is None:
-                texts.append({"prompt": p.prompt, "negative_prompt": neg})
-                continue
-            embeds = pipe.encode_prompt(prompt=p.prompt, device=device, num_images_per_prompt=1,
-                                        do_classifier_free_guidance=g > 1, negative_prompt=neg)
-            texts.append(dict(zip(("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds",
-                                   "negative_pooled_prompt_embeds"), embeds)))
-        if between is not None:
-            between()
         for i, (p, text) in enumerate(zip(entries, texts)):
             gen = torch.Generator("cpu").manual_seed(p.seed if p.seed is not None else seed + i)
             out = pipe(**text, num_inference_steps=p.steps or steps,
@@ -231,9 +241,9 @@ def _cudnn_search(on: bool):
 
 
 @contextlib.contextmanager
-def _vae_tiles(vae, on: bool):
-    """diffusers' tiled VAE decode with VAE_DECODE_TILE-pixel tiles, for the duration (its default is the
-    VAE's own sample size, 1024 for SDXL, which tiles nothing at SDXL's sizes)."""
+def vae_tiles(vae, on: bool):
+    """diffusers' tiled VAE encode and decode with VAE_DECODE_TILE-pixel tiles, for the duration (its default
+    is the VAE's own sample size, 1024 for SDXL, which tiles nothing at SDXL's sizes)."""
     from .memory import VAE_DECODE_TILE as VAE_TILE
 
     if not on:
@@ -281,26 +291,19 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     started = time.perf_counter()
     mp = task.accelerator.mixed_precision
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
-    encoders = (p.text_encoder, p.text_encoder_2)
-
-    def between():  # the prompts are encoded: the text encoders make room for the VAE's decode
-        if device.type != "cpu":
-            for m in encoders:
-                if id(m) not in keep:
-                    m.to("cpu")
-            torch.cuda.empty_cache()
-        p.vae.to(device)
-
+    # The prompts' embeddings were made at set-up (task.preview_texts) unless the text encoders train: then
+    # they are encoded now, by the encoders being trained, which stay on the device anyway.
+    texts = task.preview_texts
     try:
-        for m in encoders:
+        for m in ((p.vae,) if texts is not None else aux):
             m.to(device)
         # cuDNN's algorithm search (train.* sets torch.backends.cudnn.benchmark for the training shapes) would
         # time every convolution of the pipeline at each preview size, the VAE decoder's included, for a few
         # images: its heuristic choice is cheaper (benchmarks/preview_cost.py).
-        with _cudnn_search(False), _vae_tiles(p.vae, cfg.preview.vae_tiling):
+        with _cudnn_search(False), vae_tiles(p.vae, cfg.preview.vae_tiling):
             images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps, guidance=cfg.preview.guidance,
                             width=task.resolution, height=task.resolution, autocast_dtype=dtype,
-                            guidance_rescale=rescale, between=between)
+                            guidance_rescale=rescale, texts=texts)
     finally:
         if device.type != "cpu":
             for m in aux:

@@ -28,7 +28,7 @@ from . import loss as diffusion
 from .cache import TensorCache, cache_key, file_digest
 from .model import load_pipeline, native_resolution, resolve_model_path
 from .plan import fit_budget, plan_unet, run_memory_for
-from .preview import PreviewPrompt, default_prompts, read_prompts, render_previews
+from .preview import PreviewPrompt, default_prompts, encode_prompts, read_prompts, render_previews, vae_tiles
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,7 @@ class SDXLTask(Task):
         self._speed_choices: dict[str, str] = {}
         self._identity: dict | None = None
         self._budget = None  # train.vram_gb: the fit (sdxl/plan.py: fit_budget)
+        self.preview_texts: list[dict] | None = None  # the preview prompts' embeddings, made at set-up
         self._explicit: set[str] = set(cfg.train.model_fields_set)
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
@@ -191,6 +192,7 @@ class SDXLTask(Task):
         self._read_data(run)
         self._fill_caches(run)
         self.preview_prompts = self._preview_prompts()
+        self.preview_texts = self._encode_previews()
         self._release_encoders()
         unet = self.pipe.unet
         self._plan(unet, run)
@@ -249,6 +251,16 @@ class SDXLTask(Task):
             return read_prompts(self.cfg.preview.prompts)
         n = len(self.dataset.items)  # training items first in all_items; the held-out ones are not previewed
         return default_prompts(self.cfg.model.path, self.all_items[:n], self.captions[:n])
+
+    def _encode_previews(self) -> list[dict] | None:
+        """The preview prompts' embeddings (on the host), made while the text encoders are on the device for the
+        caches: previews then never bring them back. None when the text encoders train (previews encode with
+        the encoders being trained) or this process renders no previews."""
+        if not self.preview_prompts or self.cfg.adapter.train_text_encoder or not self.accelerator.is_main_process:
+            return None
+        texts = encode_prompts(self.pipe, self.preview_prompts, guidance=self.cfg.preview.guidance,
+                               device=self.device)
+        return [{k: v.cpu() for k, v in t.items()} for t in texts]
 
     def _fill_caches(self, run: Run) -> None:
         """Latents (and masks) and text embeddings computed where the cache lacks them, the work split
@@ -649,6 +661,7 @@ class SDXLTask(Task):
         vae.to(self.device, dtype=torch.float32)
         vae_id = component_identity(self.model_path, "vae")
         flips = (False, True) if self.cfg.data.flip else (False,)
+        tiled = self.cfg.model.tiled_vae_encode
         self.latent_keys: list[dict[bool, str]] = []
         rng = random.Random(0)  # center crop and fixed flips: the rng is not consulted for the result
         source: dict[str, tuple[int, bool]] = {}
@@ -656,7 +669,7 @@ class SDXLTask(Task):
             keys = {}
             digest = file_digest(item.path)
             for flip in flips:
-                keys[flip] = cache_key("latent", digest, item.bucket, "center", flip, vae_id)
+                keys[flip] = cache_key("latent", digest, item.bucket, "center", flip, vae_id, *(["tiled"] * tiled))
                 source.setdefault(keys[flip], (idx, flip))
             self.latent_keys.append(keys)
 
@@ -671,7 +684,8 @@ class SDXLTask(Task):
                                  "or the VAE broken (try another VAE)")
             return {"mean": mean, "std": std, "time_ids": torch.tensor(time_ids, dtype=torch.float32)}
 
-        computed = self.cache.fill(list(source), encode, desc="caching latents", **self._cache_share())
+        with vae_tiles(vae, tiled):
+            computed = self.cache.fill(list(source), encode, desc="caching latents", **self._cache_share())
         if not computed:
             log.info("latent cache: every entry this process owns was reused (%d in all)", len(source))
         return computed
