@@ -196,8 +196,6 @@ class AdapterConfig(Section):
                     ("lora_bias", self.lora_bias, "a bias on B, which LoHa/LoKr have not"),
                     ("dropout", self.dropout, "dropout on LoRA's input, which peft's LoHa/LoKr layers have not"),
                     ("rslora", self.rslora, "LoRA's alpha / sqrt(rank) rule"),
-                    ("rank_budget", self.rank_budget, "LoRA's parameter count per rank"),
-                    ("rank_budget_mb", self.rank_budget_mb, "LoRA's parameter count per rank"),
                     ("rank_schedule", self.rank_schedule, "an SVD of LoRA's B x A")):
                 if value:
                     raise ValueError(f"adapter.{name}={value!r} is for lora and dora ({why}), not "

@@ -343,7 +343,8 @@ def format_plan(plan: Plan) -> str:
                      f"{r['rank']:>5} {r['alpha']:>6g} {r['params']:>12,} {r['params'] * 4 / 2**20:>8.2f}")
     n = plan.trainable_params
     lines.append("-" * len(head))
-    lines.append(f"total: {len(plan.targets)} modules, {n:,} trainable parameters, {n * 4 / 2**20:.2f} MB (fp32)"
+    kind = f"{plan.kind}{' (rsLoRA)' if plan.rslora else ''}"
+    lines.append(f"total: {len(plan.targets)} modules of {kind}, {n:,} trainable parameters, {n * 4 / 2**20:.2f} MB (fp32)"
                  + (f"; base rank {plan.base_rank} at resolution {plan.resolution}" if plan.resolution else ""))
     return "\n".join(lines)
 

@@ -13,10 +13,13 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
 from .config import Config
+
+log = logging.getLogger(__name__)
 
 
 def _bitsandbytes(name: str):
@@ -45,6 +48,8 @@ def loraplus_groups(param_groups: list[dict], model: torch.nn.Module, ratio: flo
         for params, mult, tag in ((a, 1.0, "A"), (b, ratio, "B")):
             if params:
                 out.append({**g, "params": params, "name": f"{name} {tag}", "lr": g.get("lr", lr) * mult})
+    log.info("train.loraplus_ratio=%g: %s", ratio, ", ".join(f"{g['name']} lr {g['lr']:.3g} ({len(g['params'])} "
+                                                              "tensors)" for g in out))
     return out
 
 

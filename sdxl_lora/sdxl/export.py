@@ -357,13 +357,14 @@ def kohya_metadata(adapter: Adapter, extra: Mapping[str, str] | None = None,
                    uniform_alpha: bool = False) -> dict[str, str]:
     """`ss_*` and `modelspec.*` metadata for a kohya file: what A1111/Forge need to list it as an SDXL
     LoRA, the adapter's carried-over description, then `extra` (which wins)."""
+    kinds = adapter.kinds()
+    lyco = [k for k in kinds if k in ("loha", "lokr")]
+    uniform_alpha = uniform_alpha and not lyco  # LoHa/LoKr layers keep their own alphas (kohya_state_dict)
     ranks = Counter(lay.rank for lay in adapter.layers.values() if lay.rank is not None) or Counter({1: 1})
     alphas = Counter(lay.alpha for lay in adapter.layers.values())
     folded = sorted(alphas) if uniform_alpha and len(alphas) > 1 else []
     if uniform_alpha:
         alphas = Counter({alphas.most_common(1)[0][0]: len(adapter.layers)})
-    kinds = adapter.kinds()
-    lyco = [k for k in kinds if k in ("loha", "lokr")]
     meta = {
         "ss_base_model_version": SS_BASE_MODEL_VERSION,
         # LoHa/LoKr files are LyCORIS' (kohya's sd-scripts trains them through that network module).
@@ -500,8 +501,9 @@ def save_kohya_lora(source, path: str | Path, *, metadata: bool | Mapping[str, s
 
 
 def _mixed_attention_alphas(adapter: Adapter) -> bool:
-    return len({lay.alpha for k, lay in adapter.layers.items()
-                if k.startswith("unet.") and re.search(r"\.attn\d\.", k)}) > 1
+    # What diffusers' kohya loader gets wrong; it loads no LoHa/LoKr layer at all.
+    return len({lay.alpha for k, lay in adapter.layers.items() if isinstance(lay, LoraLayer)
+                and k.startswith("unet.") and re.search(r"\.attn\d\.", k)}) > 1
 
 
 def unet_lora_state_dict(unet: torch.nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
@@ -910,8 +912,16 @@ def _span(values) -> str:
     return ", ".join(v if isinstance(v, str) else _num(v) for v in vals)
 
 
-# What each kind is called where users meet it.
+# What each kind is called where users meet it, and which tools read this file of it right (docs/export.md).
 KIND_NAMES = {"lora": "LoRA", "dora": "DoRA (LoRA + magnitude)", "loha": "LoHa (LyCORIS)", "lokr": "LoKr (LyCORIS)"}
+LOADS_IN = {
+    "lora": "ComfyUI, AUTOMATIC1111/Forge, kohya, InvokeAI, diffusers",
+    "dora": "ComfyUI and Forge (with their own norm, see docs/export.md), kohya/LyCORIS; diffusers from the "
+            "diffusers-format file (its kohya loader drops dora_scale); not AUTOMATIC1111 or InvokeAI (input-axis "
+            "DoRA only)",
+    "loha": "ComfyUI, AUTOMATIC1111/Forge, kohya/LyCORIS, InvokeAI; not diffusers",
+    "lokr": "ComfyUI, AUTOMATIC1111/Forge, kohya/LyCORIS, InvokeAI; not diffusers",
+}
 
 
 def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, title: str = "") -> str:
@@ -930,6 +940,7 @@ def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, ti
     lines = [f"adapter    : {title}" if title else None,
              f"format     : {adapter.format}",
              f"kind       : {', '.join(KIND_NAMES[k] for k in adapter.kinds())}",
+             *(f"loads in   : {LOADS_IN[k]}" for k in adapter.kinds()),
              f"base model : {base}",
              f"layers     : {len(adapter.layers)} ({', '.join(f'{c} {n}' for c, n in sorted(counts.items()))})",
              f"rank       : {_span(lay.rank for lay in adapter.layers.values())}",

@@ -314,6 +314,10 @@ class SDXLTask(Task):
             run.event("budget", budget=budget, trainable_params=self.plan.trainable_params,
                       sensitivity={k: round(v, 6) for k, v in sensitivity.items()})
         inject.apply_plan(unet, self.plan, dropout=cfg.adapter.dropout)
+        if cfg.adapter.kind in ("loha", "lokr") and cfg.train.fuse_qkv:
+            log.info("adapter.kind=%r: the attention projections run peft's %s layers (train.lora_matmul's fused "
+                     "products are LoRA's and DoRA's); the q/k/v base weights still share one buffer",
+                     cfg.adapter.kind, {"loha": "LoHa", "lokr": "LoKr"}[cfg.adapter.kind])
         self.planned = self.plan  # the plan before any rank schedule shrinks it
         if cfg.adapter.rank_schedule and accelerator.num_processes > 1:
             raise ConfigError("adapter.rank_schedule runs in one process (shrinking replaces parameters that DDP "
