@@ -45,12 +45,17 @@ def _inputs(unet, seed=11):
                                    "time_ids": torch.randn(2, 6, generator=g)})
 
 
-def _trained(tiny_dir, kind, **adapter):
+def _trained(tiny_dir, kind, quantize=None, **adapter):
     """The tiny UNet with a `kind` adapter (attention, feed-forward and ResNet convolutions) after a few AdamW
-    steps on a fixed target: every factor has moved off its initialisation."""
+    steps on a fixed target: every factor has moved off its initialisation. `quantize`: QLoRA's base first."""
     unet = _unet(tiny_dir)
     cfg = AdapterConfig(kind=kind, preset="locon", rank=4, alpha=3.0, conv_rank=2, conv_alpha=1.0, **adapter)
     plan = unet_slots.make_plan(unet, cfg)
+    if quantize:
+        from sdxl_lora.core.quantize import quantize_model
+        from sdxl_lora.sdxl.quantize import unet_skip
+
+        quantize_model(unet, quantize, compute_dtype=torch.float32, skip=unet_skip)
     torch.manual_seed(0)
     inject.apply_plan(unet, plan)
     params = inject.trainable_parameters(unet)
@@ -235,6 +240,21 @@ def test_each_kinds_keys_and_shapes_on_sdxl_base(kind):
         assert all(sd[k].shape[1:] in ((1,), (1, 1, 1)) for k in sd if k.endswith(".dora_scale"))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_plans_count_each_kinds_parameters_and_a_budget_holds_them(tiny_dir, kind):
+    """The plan's parameter count is what peft's layers of that kind hold, so a rank budget shares out ranks
+    that fit it once applied (LoKr's factors follow peft's factorisation, not the rank alone)."""
+    unet = _unet(tiny_dir)
+    plan = unet_slots.make_plan(unet, AdapterConfig(kind=kind, preset="locon", rank=8))
+    g = torch.Generator().manual_seed(0)
+    sensitivity = {s.name: float(torch.rand(1, generator=g)) for s in plan.targets}
+    budget = plan.trainable_params // 2
+    fitted = inject.budget_plan(plan, sensitivity, budget, 1, 64)
+    assert len(set(fitted.rank.values())) > 1 and fitted.trainable_params <= budget
+    inject.apply_plan(unet, fitted)
+    assert sum(p.numel() for p in inject.trainable_parameters(unet)) == fitted.trainable_params
+
+
 def test_rslora_exports_the_alpha_that_gives_its_scale(tiny_dir, tmp_path):
     """rsLoRA trains with scale alpha / sqrt(r), every layer with the same alpha; the file's alpha is the one
     that gives loaders (alpha / r) that scale, and it imports back to the same output."""
@@ -267,7 +287,7 @@ def test_loraplus_gives_b_its_multiple_of_a_learning_rate(tiny_dir):
 
 @pytest.mark.parametrize("settings, field", [
     ({"adapter.kind": "loha", "adapter.dropout": 0.1}, "adapter.dropout"),
-    ({"adapter.kind": "lokr", "adapter.rank_budget": 10_000}, "adapter.rank_budget"),
+    ({"adapter.kind": "lokr", "adapter.rslora": True}, "adapter.rslora"),
     ({"adapter.kind": "loha", "adapter.rank_schedule": {2: 4}}, "adapter.rank_schedule"),
     ({"adapter.kind": "lokr", "model.quantize": "nf4"}, "model.quantize"),
     ({"adapter.kind": "dora", "model.quantize": "fp8"}, "model.quantize"),
@@ -360,3 +380,118 @@ def test_the_demo_base_learns_with_each_kind(tmp_path, kind):
                              "train.save_every_minutes": 0})
     result = fit(new_job(cfg)).result
     assert result.eval_after < 0.97 * result.eval_before, (result.eval_before, result.eval_after)
+
+
+# ---------------------------------------------------------------- the fast path
+
+@pytest.mark.parametrize("way, compiled, quantize", [("merged", False, None), ("concat", False, None),
+                                                     ("peft", False, None), ("merged", True, None),
+                                                     ("merged", False, "nf4")],
+                         ids=["merged", "concat", "peft", "merged-compiled", "merged-nf4"])
+def test_dora_keeps_the_fused_projections_with_peft_loss_and_gradients(tiny_dir, monkeypatch, way, compiled, quantize):
+    """DoRA on the fused q/k/v path (train.fuse_qkv, each train.lora_matmul way, compiled, over a QLoRA base):
+    the loss and every adapter gradient, the magnitudes' included, are peft's own DoRA layers', and the
+    attention projections no longer run peft's forward."""
+    from diffusers.models.attention_processor import Attention
+    from test_speed import assert_same, batch_for, loss_and_grads
+
+    from sdxl_lora.core import lora_matmul, speed
+    from sdxl_lora.sdxl import speed as unet_speed
+
+    unet, _ = _trained(tiny_dir, "dora", quantize=quantize)
+    batch = batch_for(unet)
+    ref = loss_and_grads(unet, batch)
+    monkeypatch.setattr(lora_matmul, "LORA_WAY_MIN_ROWS_PER_COLUMN", 0.0)  # the tiny model's few tokens: every product
+    attns = [m for m in unet.modules() if isinstance(m, Attention)]
+    assert unet_speed.fuse_projections(unet, lora_matmul=way) == len(attns) > 0
+    peft_calls = []
+    for m in attns:
+        for layer in (m.to_q, m.to_k, m.to_v, m.to_out[0]):
+            layer.register_forward_hook(lambda *a, layer=layer: peft_calls.append(layer))
+    if compiled:
+        monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
+        speed.compile_regions(unet, classes=("BasicTransformerBlock",))  # where the fused projections are
+    got = loss_and_grads(unet, batch)
+    assert_same(ref, got, rtol=2e-4 if quantize else 1e-4)
+    assert any("lora_magnitude_vector" in n for n in got[1])
+    if way != "peft" and not compiled:  # (a compiled graph runs no module hooks)
+        assert not peft_calls
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind", ["dora", "loha", "lokr"])
+def test_each_kind_on_a_causal_lm_loads_in_peft_and_merges(tmp_path, kind):
+    """The LLM task trains the same kinds through the same injector: its PEFT folder loads with peft itself,
+    and the merged transformers folder, to the trained model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from sdxl_lora.core.config import ModelConfig
+    from sdxl_lora.llm.tiny import materialize_tiny_llm
+    from sdxl_lora.training import fit, new_job
+
+    cfg = load_config(extra={"task": "llm", "adapter.kind": kind, "output.runs_dir": str(tmp_path), "output.name": kind,
+                             "train.steps": 3, "train.lr": 3e-3, "llm.merge": True, "llm.max_length": 40,
+                             "llm.max_new_tokens": 4, "train.save_every": 0})
+    run_dir = fit(new_job(cfg)).result.run.dir
+    base = materialize_tiny_llm(ModelConfig().cache_dir)
+    ids = torch.tensor([[3, 89, 482, 203, 339, 305, 283, 275]])
+
+    def logits(model):
+        with torch.no_grad():
+            return model.eval()(input_ids=ids).logits
+
+    plain = logits(AutoModelForCausalLM.from_pretrained(str(base), local_files_only=True))
+    loaded = logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), local_files_only=True),
+                                              str(run_dir / "adapter")))
+    merged = logits(AutoModelForCausalLM.from_pretrained(str(run_dir / "merged"), local_files_only=True))
+    assert not torch.allclose(plain, loaded, atol=1e-4)  # the adapter changed the model
+    torch.testing.assert_close(merged, loaded, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind, rslora", [("lora", True), ("dora", False)])
+def test_lora_and_dora_diffusers_files_load_in_diffusers_with_the_trained_output(tiny_dir, tmp_path, kind, rslora):
+    """diffusers' load_lora_weights on the diffusers-format file (what a run writes beside the kohya one):
+    the trained UNet's output, convolutions, DoRA magnitudes and rsLoRA's scale included. (diffusers' kohya
+    loader drops dora_scale, with a warning: docs/export.md points DoRA users at this file.)"""
+    from diffusers import StableDiffusionXLPipeline
+
+    unet, _ = _trained(tiny_dir, kind, rslora=rslora)
+    x = _inputs(unet)
+    path = export.save_diffusers_lora(unet, tmp_path / "d.safetensors")
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_dir), local_files_only=True)
+    pipe.load_lora_weights(str(path))
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.unet(**x).sample, unet(**x).sample, rtol=0, atol=2e-5)
+
+
+def test_dora_trains_over_a_4bit_base_and_its_file_reads_back(tmp_path):
+    """QLoRA with DoRA (model.quantize=nf4): the run trains on the fused projections and writes a kohya file
+    whose layers all carry their magnitude."""
+    from sdxl_lora.training import fit, new_job
+
+    result = fit(new_job(_run_cfg(tmp_path, "q", "dora", **{"model.quantize": "nf4", "train.steps": 2,
+                                                           "adapter.train_text_encoder": False}))).result
+    adapter = export.load_adapter(result.adapter["kohya"])
+    assert adapter.kinds() == ["dora"] and not adapter.unknown
+    assert all(torch.isfinite(layer.magnitude).all() for layer in adapter.layers.values())
+
+
+def test_two_processes_train_dora_with_locon_as_one_process_with_the_whole_batch(tmp_path):
+    """`accelerate launch` with two processes (CPU, gloo: the N-GPU path) and batch 2 trains the DoRA + LoCon
+    adapter (magnitudes, convolutions, the fused projections) one process trains with batch 4."""
+    from test_multiprocess import COMMON, train
+
+    kind_args = ["--kind", "dora", "--set", "adapter.preset='locon'"]
+    cache = ["--set", f"data.cache_dir='{tmp_path / 'cache'}'"]
+    train(tmp_path, "--name", "two", "--batch-size", "2", *COMMON, *cache, *kind_args, processes=2)
+    train(tmp_path, "--name", "one", "--batch-size", "4", *COMMON, *cache, *kind_args)
+    two, one = (load_file(tmp_path / n / f"{n}.safetensors") for n in ("two", "one"))
+    assert two.keys() == one.keys() and any(k.endswith(".dora_scale") for k in two)
+    start = [k for k in two if k.endswith(".lora_up.weight")]  # zero at the start: all of their value is training
+    moved = torch.cat([two[k].flatten() for k in start])
+    assert moved.norm() > 0
+    # DDP sums two half-batch gradients where one process sums the whole batch: another order, ~1e-7
+    # relative, which Adam magnifies for entries with near-zero gradients (tests/test_multiprocess.py).
+    diff = torch.cat([(two[k] - one[k]).flatten() for k in start])
+    assert (diff.norm() / moved.norm()).item() < 1e-3
