@@ -324,9 +324,11 @@ def _run_cfg(tmp, name, kind, **extra):
                 "output.runs_dir": str(tmp), "output.name": name, "preview.prompts": "", "train.steps": 3,
                 "train.batch_size": 2, "train.save_every": 0, "train.save_every_minutes": 0, "train.seed": 7,
                 "adapter.rank": 4, "adapter.train_text_encoder": True, "train.ema": True, "train.ema_decay": 0.6,
-                # the kinds' own options ride along: LoCon + DoRA + LoRA+, rsLoRA + LoRA+
+                # the kinds' own options ride along: LoCon + DoRA + LoRA+, rsLoRA + LoRA+, and for both a rank
+                # schedule cut at step 2, where the resumed run restarts
                 **({"adapter.preset": "locon", "train.loraplus_ratio": 4.0} if kind == "dora" else {}),
                 **({"adapter.rslora": True, "train.loraplus_ratio": 4.0} if kind == "lora" else {}),
+                **({"adapter.rank_schedule": {2: 2}} if kind in ("lora", "dora") else {}),
                 **extra}
     return load_config(extra=settings)
 
@@ -367,6 +369,9 @@ def test_each_kind_trains_text_encoders_skips_a_nan_step_and_resumes_bit_identic
     adapter = export.load_adapter(full.adapter["kohya"])
     assert adapter.components() == ["text_encoder", "text_encoder_2", "unet"] and adapter.kinds() == [kind]
     assert not adapter.unknown
+    if kind in ("lora", "dora"):  # the export has the cut ranks: each planned rank halved (base rank 4 -> 2)
+        planned = {g["rank"] for e in full.run.events() if e["event"] == "plan" for g in e["groups"]}
+        assert {lay.rank for lay in adapter.component("unet").values()} == {max(1, round(r / 2)) for r in planned}
 
 
 @pytest.mark.parametrize("kind", KINDS)
