@@ -181,13 +181,21 @@ def test_each_kind_imports_inspects_and_merges_back(tiny_dir, tmp_path, kind, ca
         torch.testing.assert_close(fresh(**x).sample, ref, rtol=0, atol=2e-5)
     assert main(["inspect", str(path), "--model", str(tiny_dir)]) == 0
     assert f"kind       : {export.KIND_NAMES[kind]}" in capsys.readouterr().out
-    for strength in (1.0, 0.0):
+    weights = {}
+    for strength in (1.0, 0.0, 0.5):
         pipe = load_pipeline(ModelConfig(path=str(tiny_dir)))
         merge_adapter(pipe, adapter, strength)
-        with torch.no_grad():
-            got = pipe.unet(**x).sample
-            want = ref if strength else _unet(tiny_dir)(**x).sample
-        torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+        weights[strength] = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
+        if strength in (0.0, 1.0):
+            with torch.no_grad():
+                got = pipe.unet(**x).sample
+                want = ref if strength else _unet(tiny_dir)(**x).sample
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    # Strength blends the base and the trained weights linearly, for every kind (DoRA: as ComfyUI/Forge do).
+    changed = [k for k in weights[1.0] if not torch.equal(weights[1.0][k], weights[0.0][k])]
+    assert len(changed) >= len(adapter.layers)
+    for k in changed:
+        torch.testing.assert_close(weights[0.5][k], (weights[0.0][k] + weights[1.0][k]) / 2, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["dora", "loha", "lokr"])

@@ -691,18 +691,18 @@ def _read_kohya(sd: dict[str, torch.Tensor], table: kohya.LayerTable, adapter: A
             no_alpha += alpha is None
             adapter.layers[f"{comp}.{module}"] = layer
             used.update(parts[s] for s in ("alpha",) + lycoris.LOHA_KEYS + lycoris.LOKR_KEYS if s in parts)
-            continue
-        if where is None or not lora:
-            continue
-        comp, module = where
-        down, up = sd[parts["lora_down.weight"]], sd[parts["lora_up.weight"]]
-        if "alpha" in parts:
-            alpha = float(sd[parts["alpha"]].float().item())
+        elif where is not None and lora:
+            comp, module = where
+            down, up = sd[parts["lora_down.weight"]], sd[parts["lora_up.weight"]]
+            if "alpha" in parts:
+                alpha = float(sd[parts["alpha"]].float().item())
+            else:
+                alpha, no_alpha = float(down.shape[0]), no_alpha + 1
+            mag = sd[parts["dora_scale"]].reshape(-1) if "dora_scale" in parts else None
+            adapter.layers[f"{comp}.{module}"] = LoraLayer(down, up, alpha, mag)
+            used.update(parts[s] for s in _KOHYA_SUFFIXES if s in parts)
         else:
-            alpha, no_alpha = float(down.shape[0]), no_alpha + 1
-        mag = sd[parts["dora_scale"]].reshape(-1) if "dora_scale" in parts else None
-        adapter.layers[f"{comp}.{module}"] = LoraLayer(down, up, alpha, mag)
-        used.update(parts[s] for s in _KOHYA_SUFFIXES if s in parts)
+            continue
         if comp == "unet":
             sgm = re.match(r"lora_unet_(input_blocks|middle_block|output_blocks|out_|time_embed|label_emb)", name)
             styles.add("sgm" if sgm else "diffusers")
