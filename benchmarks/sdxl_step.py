@@ -36,6 +36,10 @@ runs) with the train.* / model.* values below; "+x" turns a lever on, "-x" turns
   ours+nf4+ckpt+graphs         model.quantize="nf4" (QLoRA), gradient_checkpointing, cuda_graphs: against
                                ours+ckpt+graphs
   ours+fp8+ckpt+graphs         the same with model.quantize="fp8"
+  ours+compile+graphs+dora     the fastest with adapter.kind="dora" (the adapter kinds, each against
+  ours+compile+graphs+locon    ours+compile+graphs: LoRA on the attention projections only), adapter.preset="locon"
+  ours+compile+graphs+loha     (attention, feed-forward, ResNet convolutions at the same rank), kind="loha",
+  ours+compile+graphs+lokr     kind="lokr"; adapter.* in --set changes them all, e.g. --set adapter.preset=locon
 
 --set KEY=VALUE applies a config value to every setting over its own (e.g. --set
 train.compile_activation_budget=0.4); the recipe reads train.gradient_checkpointing and adapter.rank only.
@@ -100,6 +104,10 @@ SETTINGS = {
     "ours+budget16+graphs": ("ours", [4], {"train.checkpoint_budget_gb": 16.0, **GRAPHS}),
     "ours+nf4+ckpt+graphs": ("ours", [1, 4], {"model.quantize": "nf4", **CKPT, **GRAPHS}),
     "ours+fp8+ckpt+graphs": ("ours", [4], {"model.quantize": "fp8", **CKPT, **GRAPHS}),
+    "ours+compile+graphs+dora": ("ours", [16], {**FASTEST, "adapter.kind": "dora"}),
+    "ours+compile+graphs+locon": ("ours", [16], {**FASTEST, "adapter.preset": "locon"}),
+    "ours+compile+graphs+loha": ("ours", [16], {**FASTEST, "adapter.kind": "loha"}),
+    "ours+compile+graphs+lokr": ("ours", [16], {**FASTEST, "adapter.kind": "lokr"}),
 }
 
 
@@ -473,7 +481,7 @@ def main():
             try:
                 cfg = setting_config(values, args.set, args.rank, cpu=device == "cpu")
                 prepare(unet, mode, cfg, device)
-                row = {"setting": name, "batch": batch,
+                row = {"setting": name, "batch": batch, "adapter": f"{cfg.adapter.kind}/{cfg.adapter.preset}",
                        **bench(unet, batch, args.steps, args.warmup, device, mode, cfg, args.profile, args.top,
                                args.shapes)}
             except torch.OutOfMemoryError as e:

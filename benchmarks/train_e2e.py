@@ -22,6 +22,9 @@ Settings (each a list of `--set` overrides on top of the defaults):
             UNet, as the diffusers training example runs it
   qlora     model.quantize="nf4"
   one-bucket the defaults on the square images only
+  dora, locon, loha, lokr
+            the defaults with adapter.kind="dora", adapter.preset="locon", kind="loha", kind="lokr": the
+            adapter kinds beside `defaults` (plain LoRA)
 
 --tiny builds the embedded tiny SDXL instead (the CPU smoke test of this script).
 """
@@ -49,6 +52,10 @@ SETTINGS = {
     "recipe": ["train.speed='off'", "train.fuse_qkv=false", "train.fused_geglu=false", "train.lora_matmul='peft'"],
     "qlora": ["model.quantize='nf4'"],
     "one-bucket": [],
+    "dora": ["adapter.kind='dora'"],
+    "locon": ["adapter.preset='locon'"],
+    "loha": ["adapter.kind='loha'"],
+    "lokr": ["adapter.kind='lokr'"],
 }
 # Three aspect buckets of about 1024x1024 pixels each, as a user's photos fall.
 BUCKETS = ((1024, 1024), (1152, 896), (896, 1152))

@@ -22,3 +22,15 @@ def tiny_dir():
     from sdxl_lora.sdxl.tiny import materialize_tiny
 
     return materialize_tiny(ModelConfig().cache_dir)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests: the tiny models gain nothing from a second, and when the other
+    core is busy its spin-waits make each UNet call up to 100x slower."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -25,14 +25,7 @@ from sdxl_lora.core.config import AdapterConfig
 PROMPT = "a red circle on a white background"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # These models are tiny: a second thread gains nothing, and when the other core is busy its
-    # spin-waits make each UNet call up to 100x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _randomize(model, seed: int) -> None:

@@ -138,14 +138,31 @@ class DataConfig(Section):
 
 
 class AdapterConfig(Section):
+    # What each kind is, when to use it and how each tool loads it: docs/training.md, docs/export.md.
+    kind: Literal["lora", "dora", "loha", "lokr"] = Field("lora", description=(
+        "The adapter: lora (B x A), dora (LoRA plus a trained magnitude per output), loha (Hadamard product of "
+        "two low-rank pairs), lokr (Kronecker product of two small factors: small files)."))
     # The presets' slots and weights: docs/injector.md.
-    preset: Literal["attn", "cross-attn", "topology", "full"] = Field("topology", description=(
-        "Which layers get LoRA: attn (attention projections, one rank), cross-attn (cross-attention only), "
-        "topology (attention, ranks weighted by layer), full (attention and feed-forward)."))
+    preset: Literal["attn", "cross-attn", "topology", "full", "locon"] = Field("topology", description=(
+        "Which layers: attn (attention projections), cross-attn (cross-attention only), topology (attention, "
+        "ranks weighted by layer), full (attention, feed-forward), locon (full + ResNet convolutions)."))
     rank: int = Field(16, ge=1, le=1024, description=(
         "The base LoRA rank (SDXL: at the model's native resolution, see scale_rank_with_resolution)."))
     alpha: float | None = Field(None, gt=0, description=(
-        "LoRA alpha; none means alpha = rank (scale 1). Every layer keeps the same alpha/rank ratio."))
+        "LoRA alpha; none means alpha = rank (scale 1). Every layer keeps the same alpha/rank ratio (with rslora: "
+        "the same alpha)."))
+    # A convolution's update sees 9x more inputs per output than a projection's; LyCORIS' conv_dim/conv_alpha.
+    conv_rank: int | None = Field(None, ge=1, le=1024, json_schema_extra=SDXL_ONLY, description=(
+        "The rank of the convolution layers the plan adapts (preset locon, or overrides naming convs), scaled "
+        "with resolution as rank is; none means adapter.rank."))
+    conv_alpha: float | None = Field(None, gt=0, json_schema_extra=SDXL_ONLY, description=(
+        "The convolutions' alpha; none keeps the alpha/rank ratio of adapter.alpha."))
+    rslora: bool = Field(False, description=(
+        "rsLoRA: scale the update by alpha / sqrt(rank) instead of alpha / rank, every layer with the same alpha, "
+        "so high ranks keep learning (lora and dora); exports carry the equivalent alpha."))
+    lokr_factor: int = Field(-1, ge=-1, description=(
+        "lokr: the size of the Kronecker product's small factor (-1: as close to the square root of each "
+        "dimension as it divides)."))
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input while training.")
     scale_rank_with_resolution: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
         "Scale the rank by sqrt(resolution / native resolution), rounded and kept in [min_rank, max_rank]."))
@@ -174,6 +191,23 @@ class AdapterConfig(Section):
         if bad:
             raise ValueError(f"steps and ranks must be at least 1, got {bad}; e.g. {{200 = 16}}")
         return dict(sorted(v.items()))
+    @model_validator(mode="after")
+    def _kind_options(self) -> "AdapterConfig":
+        # What peft's LoHa/LoKr layers do not have, and plans that assume LoRA's B x A factors.
+        if self.kind in ("loha", "lokr"):
+            for name, value, why in (
+                    ("lora_bias", self.lora_bias, "a bias on B, which LoHa/LoKr have not"),
+                    ("dropout", self.dropout, "dropout on LoRA's input, which peft's LoHa/LoKr layers have not"),
+                    ("rslora", self.rslora, "LoRA's alpha / sqrt(rank) rule"),
+                    ("rank_schedule", self.rank_schedule, "an SVD of LoRA's B x A")):
+                if value:
+                    raise ValueError(f"adapter.{name}={value!r} is for lora and dora ({why}), not "
+                                     f"adapter.kind={self.kind!r}: leave it unset or use kind='lora' or 'dora'")
+        if self.kind == "dora" and self.lora_bias:
+            raise ValueError("adapter.lora_bias=True with adapter.kind='dora': peft's DoRA layers have no LoRA "
+                             "bias; use kind='lora' or lora_bias=false")
+        return self
+
     train_text_encoder: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
         "LoRA on both text encoders' attention too (at train.text_encoder_lr); text embeddings are then "
         "computed each step, not cached."))
@@ -191,6 +225,11 @@ class TrainConfig(Section):
         "Learning rate of the UNet's adapters; none means train.lr."))
     text_encoder_lr: float | None = Field(None, gt=0, json_schema_extra=SDXL_ONLY, description=(
         "Learning rate of the text encoders' adapters; none means train.lr."))
+    # LoRA+ (Hayou et al. 2024): B starts at zero and needs a larger step than A; B's group is peft's (B's
+    # matrices, biases and DoRA's magnitudes: core/optim.py).
+    loraplus_ratio: float | None = Field(None, ge=1, description=(
+        "LoRA+: the learning rate of each adapter's B (up) matrix is this multiple of A's, e.g. 16; lora and "
+        "dora only. None: one learning rate."))
     lr_multipliers: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict, json_schema_extra=SDXL_ONLY, description=(
         "Per-layer lr factors: glob on a UNet module path or kohya block id -> multiplier; the last match wins. "
         "E.g. {\"OUT0[0-2]\" = 0.5}."))
@@ -397,6 +436,25 @@ class Config(Section):
         # The SDXL default model means "the embedded one": for an LLM run that is the tiny Llama.
         if self.task == "llm" and self.model.path in ("tiny-sdxl-demo", "tiny-sdxl"):
             self.model.path = "tiny-llm"
+        return self
+
+    @model_validator(mode="after")
+    def _kind_fits_the_base(self) -> "Config":
+        kind, quant = self.adapter.kind, self.model.quantize
+        # peft sizes LoHa/LoKr factors from the weight's shape, which a packed 4-bit weight does not have; its
+        # DoRA reads an LLM.int8 or fp8 weight's raw storage as the norm of the weight.
+        if kind in ("loha", "lokr") and quant in ("nf4", "fp4"):
+            raise ValueError(f"adapter.kind={kind!r} does not train over a 4-bit base (model.quantize={quant!r}): "
+                             "use model.quantize='int8' or 'fp8', or kind='lora' / 'dora'")
+        if kind == "dora" and quant in ("int8", "fp8"):
+            raise ValueError(f"adapter.kind='dora' needs the base weight's norm, which peft cannot read from "
+                             f"model.quantize={quant!r}: use model.quantize='nf4' or 'fp4', or kind='lora'")
+        if kind == "dora" and self.model.quantize_convs == "fp8" and self.adapter.preset == "locon":
+            raise ValueError("adapter.kind='dora' with preset='locon' needs the convolutions' weight norms, which "
+                             "peft cannot read from model.quantize_convs='fp8': set quantize_convs='none'")
+        if self.train.loraplus_ratio and kind not in ("lora", "dora"):
+            raise ValueError(f"train.loraplus_ratio={self.train.loraplus_ratio:g} gives LoRA's B matrix a larger "
+                             f"learning rate; adapter.kind={kind!r} has no B: leave it unset")
         return self
 
     def to_toml(self) -> str:

@@ -14,6 +14,7 @@ ranks are redistributed by each slot's measured sensitivity (calibrate, budget_p
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import re
@@ -26,7 +27,16 @@ from tqdm.auto import tqdm
 
 from .config import AdapterConfig
 
-PRESETS = ("attn", "cross-attn", "topology", "full")
+PRESETS = ("attn", "cross-attn", "topology", "full", "locon")
+# The adapter kinds (adapter.kind) and the prefix of their trainable tensors' names in peft's layers.
+KINDS = ("lora", "dora", "loha", "lokr")
+ADAPTER_PREFIXES = ("lora_", "hada_", "lokr_")
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a parameter name is an adapter's (LoRA's lora_A/B and DoRA's magnitude, LoHa's hada_*, LoKr's
+    lokr_*), not the frozen base's."""
+    return any(p in name for p in ADAPTER_PREFIXES)
 
 
 @dataclass(frozen=True)
@@ -41,10 +51,26 @@ class Slot:
     in_features: int
     out_features: int
     conv: bool = False
+    kernel: int = 1      # a convolution's kernel positions (kh x kw); in_features includes them
 
-    def params_at_rank(self, rank: int, bias: bool = False) -> int:
-        # LoRA A: in x r, B: r x out (for convs, A is the flattened kernel), plus B's bias with lora_bias.
-        return rank * (self.in_features + self.out_features) + (self.out_features if bias else 0)
+    def params_at_rank(self, rank: int, bias: bool = False, kind: str = "lora", lokr_factor: int = -1) -> int:
+        # LoRA A: in x r, B: r x out (for convs, A is the flattened kernel), plus B's bias with lora_bias;
+        # DoRA adds a magnitude per output, LoHa has two such pairs.
+        if kind == "lokr":
+            return _lokr_params(self.out_features, self.in_features // self.kernel, self.kernel, rank, lokr_factor)
+        pairs = 2 if kind == "loha" else 1
+        return (pairs * rank * (self.in_features + self.out_features) + (self.out_features if bias else 0)
+                + (self.out_features if kind == "dora" else 0))
+
+
+def _lokr_params(out: int, inp: int, kernel: int, rank: int, factor: int) -> int:
+    """peft's LoKr (decompose_both off) on an out x inp x kernel weight: W = w1 (a x c) kron w2 (b x d x kernel),
+    out = a*b, inp = c*d by peft's own factorization; w2 is two rank-r factors when r < max(b, d) / 2."""
+    from peft.tuners.lokr.layer import factorization
+
+    (a, b), (c, d) = factorization(out, factor), factorization(inp, factor)
+    w2 = b * d * kernel if rank >= max(b, d) / 2 else rank * (b + d * kernel)
+    return a * c + w2
 
 
 def layer_slot(name: str, module: nn.Module, **where) -> Slot | None:
@@ -54,12 +80,13 @@ def layer_slot(name: str, module: nn.Module, **where) -> Slot | None:
     if isinstance(module, nn.Linear):
         fin, fout, conv = module.in_features, module.out_features, False
     elif isinstance(module, nn.Conv2d):
-        fin, fout, conv = module.in_channels * module.kernel_size[0] * module.kernel_size[1], module.out_channels, True
+        kernel = module.kernel_size[0] * module.kernel_size[1]
+        fin, fout, conv = module.in_channels * kernel, module.out_channels, True
     else:
         return None
     place = {"part": "other", "index": None, "level": None, "block": "", "kind": "other",
              "proj": name.rsplit(".", 1)[-1], **where}
-    return Slot(name, in_features=fin, out_features=fout, conv=conv, **place)
+    return Slot(name, in_features=fin, out_features=fout, conv=conv, kernel=kernel if conv else 1, **place)
 
 
 class Topology(Protocol):
@@ -90,28 +117,27 @@ class Plan:
     bias: bool = False
     base_rank: int = 0
     resolution: int | None = None
+    kind: str = "lora"        # adapter.kind
+    rslora: bool = False      # adapter.rslora: scale alpha / sqrt(r) (lora, dora)
+    lokr_factor: int = -1     # adapter.lokr_factor
 
     @property
     def trainable_params(self) -> int:
-        return sum(s.params_at_rank(self.rank[s.name], self.bias) for s in self.targets)
+        return sum(s.params_at_rank(self.rank[s.name], self.bias, self.kind, self.lokr_factor) for s in self.targets)
 
     def lora_config(self, dropout: float = 0.0):
-        from peft import LoraConfig
-
+        """The peft config of the plan: LoraConfig (lora, dora), LoHaConfig or LoKrConfig, with one exact
+        rank and alpha pattern per module whose rank or alpha differs from the most common one."""
         ranks = [self.rank[s.name] for s in self.targets]
         base_r = max(set(ranks), key=ranks.count)  # the most common rank: the fewest pattern entries
         base_alpha = next(self.alpha[s.name] for s in self.targets if self.rank[s.name] == base_r)
         # Anchored full-path regexes: peft matches a list entry by suffix, which could catch a deeper
         # module of the same tail; an exact pattern per module cannot.
-        return LoraConfig(
-            # gaussian A (diffusers' training examples); peft allows lora_bias only with its default init.
-            r=base_r, lora_alpha=base_alpha, lora_dropout=dropout,
-            init_lora_weights=True if self.bias else "gaussian",
-            target_modules=[s.name for s in self.targets], lora_bias=self.bias,
-            rank_pattern={f"^{re.escape(s.name)}$": r for s in self.targets if (r := self.rank[s.name]) != base_r},
-            alpha_pattern={f"^{re.escape(s.name)}$": a for s in self.targets
-                           if (a := self.alpha[s.name]) != base_alpha},
-        )
+        rank_pattern = {f"^{re.escape(s.name)}$": r for s in self.targets if (r := self.rank[s.name]) != base_r}
+        alpha_pattern = {f"^{re.escape(s.name)}$": a for s in self.targets if (a := self.alpha[s.name]) != base_alpha}
+        return adapter_config(self.kind, base_r, base_alpha, [s.name for s in self.targets], dropout=dropout,
+                              bias=self.bias, rslora=self.rslora, lokr_factor=self.lokr_factor,
+                              rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
 
     def groups(self) -> list[dict]:
         """Rows for a table: slots grouped by part, level, block, kind and projection."""
@@ -123,8 +149,30 @@ class Plan:
                                         "proj": s.proj, "rank": self.rank[s.name], "alpha": self.alpha[s.name],
                                         "modules": 0, "params": 0})
             row["modules"] += 1
-            row["params"] += s.params_at_rank(self.rank[s.name], self.bias)
+            row["params"] += s.params_at_rank(self.rank[s.name], self.bias, self.kind, self.lokr_factor)
         return list(rows.values())
+
+
+def adapter_config(kind: str, r: int, alpha: float, targets: list[str], *, dropout: float = 0.0, bias: bool = False,
+                   rslora: bool = False, lokr_factor: int = -1, rank_pattern: dict | None = None,
+                   alpha_pattern: dict | None = None):
+    """peft's config for an adapter `kind` on `targets` (module paths or names): LoraConfig with use_dora for
+    dora, LoHaConfig, LoKrConfig. LoHa's and LoKr's convolutions keep their update as one flattened matrix
+    (use_effective_conv2d off), the shape LyCORIS files hold without a Tucker core."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+
+    patterns = dict(rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {})
+    if kind in ("lora", "dora"):
+        # gaussian A (diffusers' training examples); peft allows lora_bias only with its default init.
+        return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=True if bias else "gaussian",
+                          target_modules=targets, lora_bias=bias, use_dora=kind == "dora", use_rslora=rslora,
+                          **patterns)
+    if kind == "loha":
+        return LoHaConfig(r=r, alpha=alpha, target_modules=targets, **patterns)
+    if kind == "lokr":
+        # decompose_both off: the first factor stays one small full matrix (LyCORIS' default).
+        return LoKrConfig(r=r, alpha=alpha, target_modules=targets, decompose_factor=lokr_factor, **patterns)
+    raise ValueError(f"adapter.kind={kind!r}: must be one of {', '.join(KINDS)}")
 
 
 def slot_override(s: Slot, overrides: dict[str, float]) -> float | None:
@@ -145,10 +193,15 @@ def make_plan(model: nn.Module, cfg: AdapterConfig, topology: Topology, resoluti
     deepest = max((s.level for s in all_slots if s.level is not None), default=None)
     base = scaled_rank(cfg.rank, resolution, native, cfg.scale_rank_with_resolution, cfg.min_rank, cfg.max_rank)
     scale = (cfg.alpha if cfg.alpha is not None else cfg.rank) / cfg.rank  # alpha/rank, the same on every slot
+    # Convolutions (locon) at adapter.conv_rank, scaled the same way, with their own alpha/rank ratio.
+    conv_rank = cfg.conv_rank or cfg.rank
+    conv_base = scaled_rank(conv_rank, resolution, native, cfg.scale_rank_with_resolution, cfg.min_rank,
+                            cfg.max_rank)
+    conv_scale = cfg.conv_alpha / conv_rank if cfg.conv_alpha is not None else scale
     targets, rank, alpha = [], {}, {}
     for s in all_slots:
         w = topology.weight(s, cfg.preset, deepest)
-        r = max(cfg.min_rank, round(base * w)) if w > 0 else 0
+        r = max(cfg.min_rank, round((conv_base if s.conv else base) * w)) if w > 0 else 0
         o = slot_override(s, cfg.overrides)
         if o is not None:
             r = o
@@ -156,11 +209,15 @@ def make_plan(model: nn.Module, cfg: AdapterConfig, topology: Topology, resoluti
             continue
         targets.append(s)
         rank[s.name] = r
-        alpha[s.name] = float(r * scale)
+        if cfg.rslora:  # one alpha for every rank: the scale alpha / sqrt(r) is rsLoRA's rule across ranks
+            alpha[s.name] = float((cfg.conv_alpha if s.conv and cfg.conv_alpha else cfg.alpha) or cfg.rank)
+        else:
+            alpha[s.name] = float(r * (conv_scale if s.conv else scale))
     if not targets:
         raise ValueError(f"adapter.preset={cfg.preset!r} with adapter.overrides={cfg.overrides} selects no layer "
                          f"of {type(model).__name__}")
-    return Plan(targets, rank, alpha, cfg.lora_bias, base, resolution)
+    return Plan(targets, rank, alpha, cfg.lora_bias, base, resolution, kind=cfg.kind, rslora=cfg.rslora,
+                lokr_factor=cfg.lokr_factor)
 
 
 def budget_plan(plan: Plan, sensitivity: dict[str, float], budget: int, lo: int, hi: int) -> Plan:
@@ -174,7 +231,7 @@ def budget_plan(plan: Plan, sensitivity: dict[str, float], budget: int, lo: int,
         return {n: max(lo, min(hi, round(c * w))) for n, w in weight.items()}
 
     def cost(r: dict[str, int]) -> int:
-        return sum(s.params_at_rank(r[s.name], plan.bias) for s in plan.targets)
+        return sum(s.params_at_rank(r[s.name], plan.bias, plan.kind) for s in plan.targets)
 
     floor = cost(ranks(0.0))
     if floor > budget:
@@ -187,9 +244,10 @@ def budget_plan(plan: Plan, sensitivity: dict[str, float], budget: int, lo: int,
         mid = (a + b) / 2
         a, b = (mid, b) if cost(ranks(mid)) <= budget else (a, mid)
     chosen = ranks(a)
+    if plan.rslora:  # alpha stays: rsLoRA's scale alpha / sqrt(r) follows the rank by itself
+        return dataclasses.replace(plan, rank=chosen)
     scale = {n: plan.alpha[n] / plan.rank[n] for n in plan.rank}
-    return Plan(plan.targets, chosen, {n: float(chosen[n] * scale[n]) for n in chosen}, plan.bias,
-                plan.base_rank, plan.resolution)
+    return dataclasses.replace(plan, rank=chosen, alpha={n: float(chosen[n] * scale[n]) for n in chosen})
 
 
 def apply_plan(model: nn.Module, plan: Plan, dropout: float = 0.0, adapter_name: str = "default") -> None:
@@ -206,7 +264,7 @@ def apply_plan(model: nn.Module, plan: Plan, dropout: float = 0.0, adapter_name:
         inject_adapter_in_model(lcfg, model, adapter_name=adapter_name)
     # Adapters train in fp32 whatever the base's dtype: bf16 LoRA weights lose small updates.
     for n, p in model.named_parameters():
-        if "lora_" in n:
+        if is_adapter_param(n):
             p.data = p.data.float()
             p.requires_grad_(True)
 
@@ -243,12 +301,13 @@ def shrink_adapters(model: nn.Module, plan: Plan, new_rank: dict[str, int], adap
         new_down = (root[:, None] * vh[:r_new]).reshape(r_new, *down.weight.shape[1:])
         layer.lora_A[adapter_name] = _resized(down, out_features=r_new, weight=new_down)
         layer.lora_B[adapter_name] = _resized(up, in_features=r_new, weight=new_up)
-        scale = plan.alpha[slot.name] / plan.rank[slot.name]
+        # The layer's scaling stays: alpha follows the rank (rsLoRA: its square root) so alpha's rule gives it.
+        scale = layer.scaling[adapter_name]
+        new_alpha = float(scale * (math.sqrt(r_new) if plan.rslora else r_new))
         layer.r[adapter_name] = r_new
-        layer.lora_alpha[adapter_name] = r_new * scale
-        layer.scaling[adapter_name] = scale
-        rank[slot.name], alpha[slot.name] = r_new, float(r_new * scale)
-    shrunk = Plan(plan.targets, rank, alpha, plan.bias, plan.base_rank, plan.resolution)
+        layer.lora_alpha[adapter_name] = new_alpha
+        rank[slot.name], alpha[slot.name] = r_new, new_alpha
+    shrunk = dataclasses.replace(plan, rank=rank, alpha=alpha)
     if adapter_name in (getattr(model, "peft_config", None) or {}):
         model.peft_config[adapter_name] = shrunk.lora_config(dropout)
     return shrunk
@@ -284,7 +343,8 @@ def format_plan(plan: Plan) -> str:
                      f"{r['rank']:>5} {r['alpha']:>6g} {r['params']:>12,} {r['params'] * 4 / 2**20:>8.2f}")
     n = plan.trainable_params
     lines.append("-" * len(head))
-    lines.append(f"total: {len(plan.targets)} modules, {n:,} trainable parameters, {n * 4 / 2**20:.2f} MB (fp32)"
+    kind = f"{plan.kind}{' (rsLoRA)' if plan.rslora else ''}"
+    lines.append(f"total: {len(plan.targets)} modules of {kind}, {n:,} trainable parameters, {n * 4 / 2**20:.2f} MB (fp32)"
                  + (f"; base rank {plan.base_rank} at resolution {plan.resolution}" if plan.resolution else ""))
     return "\n".join(lines)
 

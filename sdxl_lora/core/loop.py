@@ -47,7 +47,7 @@ from . import checkpoint, tracking
 from .config import Config
 from .accel import device_type, gradient_sync, make_accelerator, world_size
 from .ema import EMA
-from .optim import build_optimizer, make_schedule
+from .optim import build_optimizer, loraplus_groups, make_schedule
 from .profile import StepProfiler
 from .runs import Run
 from .task import Task
@@ -282,7 +282,7 @@ class Trainer:
             self.run = _Replica(self.run.dir)
         set_seed(cfg.train.seed)
         self.task.setup(self.accelerator, self.run)
-        self.optimizer = build_optimizer(cfg, self.task.param_groups())
+        self.optimizer = build_optimizer(cfg, self._param_groups())
         # Not prepared: Accelerate's wrapper advances a schedule num_processes times a step, so its saved
         # state would mean something else on another process count. The loop steps it once per step.
         self.schedule = make_schedule(cfg, self.optimizer)
@@ -384,6 +384,11 @@ class Trainer:
                  per_image / 1e9, peak, name)
         return per_image, peak
 
+    def _param_groups(self) -> list[dict]:
+        """The task's parameter groups, with train.loraplus_ratio's B tensors split off at their own lr."""
+        tc = self.cfg.train
+        return loraplus_groups(self.task.param_groups(), self.task.model(), tc.loraplus_ratio, tc.lr)
+
     # ---- training state ----
     def _trainable(self) -> dict[str, torch.nn.Parameter]:
         model = self.accelerator.unwrap_model(self.model)
@@ -411,7 +416,7 @@ class Trainer:
         the schedule continuing where it was. Moments of the replaced parameters restart from zero, and
         the EMA (train.ema) restarts from the new weights."""
         sched_state = self.schedule.state_dict()
-        self.optimizer = self.accelerator.prepare_optimizer(build_optimizer(self.cfg, self.task.param_groups()))
+        self.optimizer = self.accelerator.prepare_optimizer(build_optimizer(self.cfg, self._param_groups()))
         self.schedule = make_schedule(self.cfg, self.optimizer)
         self.schedule.load_state_dict(sched_state)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]

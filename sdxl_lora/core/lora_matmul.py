@@ -16,6 +16,10 @@ the base layer's):
             fp32 as peft's (tests/test_speed.py). In fp32 both are exact. The default.
 The trainable parameters stay peft's own, so saving and export are unchanged. A task decides where to use
 them (sdxl/speed.py: the UNet's fused attention projections).
+
+DoRA takes the same products: peft's DoRA forward is (m / ||W + sBA||) * (x W^T + s x A^T B^T) + bias with
+the norm detached (the paper's section 4.3), so its projection is LoRA's times a per-output scale
+(dora_scale), and fused projections scale each one's columns by its own.
 """
 from __future__ import annotations
 
@@ -45,10 +49,11 @@ def _dequantized(bases: tuple, dtype: torch.dtype) -> torch.Tensor:
 _NO_LORA = ()
 
 
-def _lora_factors(layer: torch.nn.Module) -> tuple | None:
+def _lora_factors(layer: torch.nn.Module, dora: bool = False) -> tuple | None:
     """The active plain-LoRA factors of a projection as (A, B, scaling), _NO_LORA without LoRA, or None where
-    fusing would not reproduce its forward: dropout, DoRA or another variant, several adapters, a merged or
-    disabled adapter."""
+    fusing would not reproduce its forward: dropout, DoRA (unless `dora`) or another variant, several
+    adapters, a merged or disabled adapter. With `dora`, (A, B, scaling, magnitude), magnitude None for a
+    plain LoRA layer."""
     if not hasattr(layer, "lora_A"):
         return _NO_LORA if type(layer) is torch.nn.Linear else None
     if layer.merged or layer.disable_adapters:
@@ -57,10 +62,27 @@ def _lora_factors(layer: torch.nn.Module) -> tuple | None:
     if not names:
         return _NO_LORA
     a = names[0]
-    if len(names) > 1 or a in layer.lora_variant or not isinstance(layer.lora_dropout[a], torch.nn.Identity) \
-            or layer.lora_bias.get(a, False):
+    magnitude = layer.lora_magnitude_vector[a].weight if a in getattr(layer, "lora_magnitude_vector", {}) else None
+    if len(names) > 1 or (a in layer.lora_variant and not (dora and magnitude is not None)) \
+            or not isinstance(layer.lora_dropout[a], torch.nn.Identity) or layer.lora_bias.get(a, False):
         return None
+    if dora:
+        return layer.lora_A[a].weight, layer.lora_B[a].weight, layer.scaling[a], magnitude
     return layer.lora_A[a].weight, layer.lora_B[a].weight, layer.scaling[a]
+
+
+def dora_scale(w: torch.Tensor | tuple, a: torch.Tensor, b: torch.Tensor, magnitudes: list,
+               widths: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """DoRA's per-output scale m / ||W + B A|| for stacked projections (`w` a weight or a tuple of quantized
+    layers, `b` with each one's scaling in it, one magnitude per projection, None for a plain LoRA one: 1).
+    The norm is detached, as in peft; the magnitudes get their gradient through the division."""
+    with torch.no_grad():
+        full = _dequantized(w, dtype) if isinstance(w, tuple) else w.to(dtype)
+        full = torch.addmm(full, b.to(dtype), a.to(dtype))
+        norm = torch.linalg.vector_norm(full, dim=1, dtype=torch.float32)
+    parts = [n.new_ones(n.shape) if m is None else m.float().reshape(-1) / n
+             for m, n in zip(magnitudes, norm.split(widths))]
+    return torch.cat(parts)
 
 
 # train.lora_matmul's other ways read and write a weight-sized tensor per call: they pay only where the

@@ -13,10 +13,13 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
 from .config import Config
+
+log = logging.getLogger(__name__)
 
 
 def _bitsandbytes(name: str):
@@ -26,6 +29,28 @@ def _bitsandbytes(name: str):
     import bitsandbytes
 
     return bitsandbytes.optim
+
+
+def loraplus_groups(param_groups: list[dict], model: torch.nn.Module, ratio: float | None, lr: float) -> list[dict]:
+    """train.loraplus_ratio (LoRA+): each group split in two, its B tensors at `ratio` times the group's lr
+    (`lr` where the group sets none). B is peft's rule (peft/optimizers/loraplus.py: lora_B and the 1-D
+    tensors, LoRA-Bias's and DoRA's magnitudes), with a convolution's DoRA magnitude (4-D in peft) counted as
+    the Linear's is. Without a ratio the groups are returned as they are."""
+    if not ratio:
+        return param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for g in param_groups:
+        b = [p for p in g["params"] if p.ndim == 1 or any(k in names.get(id(p), "") for k in
+                                                          ("lora_B", "lora_magnitude_vector"))]
+        a = [p for p in g["params"] if not any(p is q for q in b)]
+        name = g.get("name", "adapter")
+        for params, mult, tag in ((a, 1.0, "A"), (b, ratio, "B")):
+            if params:
+                out.append({**g, "params": params, "name": f"{name} {tag}", "lr": g.get("lr", lr) * mult})
+    log.info("train.loraplus_ratio=%g: %s", ratio, ", ".join(f"{g['name']} lr {g['lr']:.3g} ({len(g['params'])} "
+                                                              "tensors)" for g in out))
+    return out
 
 
 def build_optimizer(cfg: Config, param_groups: list[dict]) -> torch.optim.Optimizer:

@@ -42,6 +42,9 @@ class DecoderTopology:
     def weight(self, s: Slot, preset: str, deepest: int | None) -> float:
         if preset not in inject.PRESETS:
             raise unknown_preset(preset)
+        if preset == "locon":
+            raise ValueError("adapter.preset='locon' adds the UNet's convolutions; a causal LM has none: use "
+                             "'full' (every projection) for the LLM task")
         if s.part != "layer":
             return 0.0
         if preset in ("attn", "cross-attn"):

@@ -7,7 +7,8 @@ up weights and its true alpha (the layer adds alpha / rank * up @ down), whateve
 from. Every conversion is read -> Adapter -> write, so a new format is one reader and one writer.
 
   kohya      `lora_unet_<sgm module>.lora_down.weight` / `.lora_up.weight` / `.alpha` (+ `.dora_scale`),
-             `ss_*` and `modelspec.*` metadata; or diffusers block names with names="diffusers"
+             `ss_*` and `modelspec.*` metadata; or diffusers block names with names="diffusers"; LoHa and
+             LoKr layers with LyCORIS' `.hada_*` / `.lokr_*` tensors under the same names (sdxl/lycoris.py)
   diffusers  `unet.<module>.lora_A.weight` / `.lora_B.weight`, the LoRA config (ranks, alphas) in the
              `lora_adapter_metadata` entry; `load_lora_weights` reads it
   peft       a folder: adapter_config.json + adapter_model.safetensors (`base_model.model.<module>...`)
@@ -30,7 +31,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import kohya
+from . import kohya, lycoris
+from .lycoris import LohaLayer, LokrLayer
 from ..core.fsutil import atomic_save, atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -89,26 +91,60 @@ class LoraLayer:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    @property
+    def kind(self) -> str:
+        return "dora" if self.magnitude is not None else "lora"
+
+    @property
+    def update_shape(self) -> tuple[int, ...]:
+        return (self.up.shape[0], *self.down.shape[1:])
+
     def delta(self) -> torch.Tensor:
-        """The change to the base weight (fp32), shaped like it."""
+        """The change B A * scale to the base weight (fp32), shaped like it (for DoRA: before the magnitude,
+        see `weight_with`)."""
         down, up = self.down.float(), self.up.float()
         d = up.flatten(1) @ down.flatten(1)
         return (d.reshape(up.shape[0], *down.shape[1:]) if down.dim() == 4 else d) * self.scale
 
+    def finite(self) -> bool:
+        return bool(torch.isfinite(self.down).all() and torch.isfinite(self.up).all())
+
+
+AnyLayer = LoraLayer | LohaLayer | LokrLayer
+
+
+def weight_with(weight: torch.Tensor, layer: AnyLayer, strength: float = 1.0) -> torch.Tensor:
+    """The base weight with the layer applied at `strength` (fp32). LoRA, LoHa, LoKr: W + strength * delta.
+    DoRA: W' = m * (W + delta) / ||W + delta||, each output channel's row normalised (peft's and LyCORIS'
+    rule), and strength blends linearly, W + strength * (W' - W), as ComfyUI and Forge apply it: 0 is the
+    base, 1 what was trained."""
+    w = weight.float()
+    delta = layer.delta().to(w.device).reshape(w.shape)
+    if layer.magnitude is None:
+        return w + strength * delta
+    v = w + delta
+    norm = v.reshape(v.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (v.dim() - 1))
+    dora = v * (layer.magnitude.float().to(w.device).reshape(norm.shape) / norm)
+    return w + strength * (dora - w)
+
 
 @dataclass
 class Adapter:
-    layers: dict[str, LoraLayer]                 # "unet.<module path>" / "text_encoder.<...>" -> layer
+    layers: dict[str, AnyLayer]                  # "unet.<module path>" / "text_encoder.<...>" -> layer
     metadata: dict[str, str] = field(default_factory=dict)
     format: str = "memory"                       # what it was read from
     unknown: list[str] = field(default_factory=list)   # keys of the file that name no layer of the model
     problems: list[str] = field(default_factory=list)
 
-    def component(self, name: str) -> dict[str, LoraLayer]:
+    def component(self, name: str) -> dict[str, AnyLayer]:
         return {k.split(".", 1)[1]: v for k, v in self.layers.items() if k.split(".", 1)[0] == name}
 
     def components(self) -> list[str]:
         return sorted({k.split(".", 1)[0] for k in self.layers})
+
+    def kinds(self) -> list[str]:
+        """The adapter kinds of its layers (lora, dora, loha, lokr)."""
+        return sorted({lay.kind for lay in self.layers.values()})
 
 
 def _rank_alpha(cfg: Mapping, module: str) -> tuple[int | None, float | None]:
@@ -143,6 +179,9 @@ def adapter_from_model(model: torch.nn.Module, component: str = "unet", adapter_
     layers = {}
     for name, mod in model.named_modules():
         if not isinstance(mod, PeftLoraLayer) or adapter_name not in mod.lora_A:
+            lyco = lycoris.from_peft(mod, adapter_name)
+            if lyco is not None:
+                layers[f"{component}.{name.removeprefix(PEFT_PREFIX)}"] = lyco
             continue
         name = name.removeprefix(PEFT_PREFIX)
         if cfg is not None:
@@ -167,6 +206,23 @@ def adapter_from_model(model: torch.nn.Module, component: str = "unet", adapter_
 
 def _as_adapter(source) -> Adapter:
     return source if isinstance(source, Adapter) else adapter_from_model(source)
+
+
+def _one_kind(layers: Mapping[str, AnyLayer], what: str) -> str:
+    """The one peft config kind ("lora" for lora and dora, "loha", "lokr") of `layers`; several refused."""
+    kinds = {"lora" if lay.kind == "dora" else lay.kind for lay in layers.values()}
+    if len(kinds) > 1:
+        raise AdapterError(f"{what}: the layers mix adapter kinds ({', '.join(sorted(kinds))}), which one peft "
+                           "adapter cannot hold")
+    return kinds.pop()
+
+
+def _lora_only(adapter: Adapter, fmt: str) -> None:
+    other = sorted(set(adapter.kinds()) - {"lora", "dora"})
+    if other:
+        raise AdapterError(f"the {fmt} format is written for LoRA and DoRA layers (diffusers loads no others); "
+                           f"this adapter has {', '.join(other)} layers: export --format kohya (LyCORIS keys, "
+                           "what ComfyUI, AUTOMATIC1111/Forge and kohya load)")
 
 
 def lora_config_for(layers: Mapping[str, LoraLayer]):
@@ -201,7 +257,12 @@ def apply_adapter(model: torch.nn.Module, adapter: Adapter, component: str = "un
     if missing:
         raise AdapterError(f"the {component} has no module {missing[0]!r} ({len(missing)} of {len(layers)} adapter "
                            "layers do not fit this model: was the adapter trained for another model?)")
-    cfg = lora_config_for(layers)
+    kind = _one_kind(layers, component)
+    try:
+        cfg = lora_config_for(layers) if kind == "lora" else lycoris.peft_config(kind, layers)
+    except ValueError as e:
+        raise AdapterError(f"the {component}'s {kind} layers cannot be rebuilt with peft: {e}; merge the adapter "
+                           "into a checkpoint instead (sdxl-lora merge)") from None
     from diffusers.loaders.peft import PeftAdapterMixin
 
     if isinstance(model, PeftAdapterMixin):  # diffusers' integration: its own save/load helpers then work
@@ -213,6 +274,12 @@ def apply_adapter(model: torch.nn.Module, adapter: Adapter, component: str = "un
     with torch.no_grad():
         for m, layer in layers.items():
             mod = named[m]
+            if kind != "lora":
+                try:
+                    lycoris.load_into(mod, layer, adapter_name)
+                except ValueError as e:
+                    raise AdapterError(f"{component}.{m}: {e}: the adapter was trained for another model") from None
+                continue
             pairs = ((mod.lora_A[adapter_name].weight, layer.down), (mod.lora_B[adapter_name].weight, layer.up))
             for target, value in pairs:
                 if target.shape != value.shape:
@@ -290,14 +357,18 @@ def kohya_metadata(adapter: Adapter, extra: Mapping[str, str] | None = None,
                    uniform_alpha: bool = False) -> dict[str, str]:
     """`ss_*` and `modelspec.*` metadata for a kohya file: what A1111/Forge need to list it as an SDXL
     LoRA, the adapter's carried-over description, then `extra` (which wins)."""
-    ranks = Counter(lay.rank for lay in adapter.layers.values())
+    kinds = adapter.kinds()
+    lyco = [k for k in kinds if k in ("loha", "lokr")]
+    uniform_alpha = uniform_alpha and not lyco  # LoHa/LoKr layers keep their own alphas (kohya_state_dict)
+    ranks = Counter(lay.rank for lay in adapter.layers.values() if lay.rank is not None) or Counter({1: 1})
     alphas = Counter(lay.alpha for lay in adapter.layers.values())
     folded = sorted(alphas) if uniform_alpha and len(alphas) > 1 else []
     if uniform_alpha:
         alphas = Counter({alphas.most_common(1)[0][0]: len(adapter.layers)})
     meta = {
         "ss_base_model_version": SS_BASE_MODEL_VERSION,
-        "ss_network_module": SS_NETWORK_MODULE,
+        # LoHa/LoKr files are LyCORIS' (kohya's sd-scripts trains them through that network module).
+        "ss_network_module": "lycoris.kohya" if lyco else SS_NETWORK_MODULE,
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": MODELSPEC_LORA_ARCHITECTURE,
         "modelspec.implementation": MODELSPEC_IMPLEMENTATION,
@@ -312,8 +383,12 @@ def kohya_metadata(adapter: Adapter, extra: Mapping[str, str] | None = None,
     except json.JSONDecodeError:
         args = None
     if isinstance(args, dict):
-        for k in ("mixed_ranks", "mixed_alphas", "training_alphas_folded"):
+        for k in ("mixed_ranks", "mixed_alphas", "training_alphas_folded", "algo", "dora_wd"):
             args.pop(k, None)
+        if lyco:
+            args["algo"] = lyco[0]  # LyCORIS' name for the kind
+        if "dora" in kinds:
+            args["dora_wd"] = "True"
         if len(ranks) > 1:
             args["mixed_ranks"] = sorted(ranks)
         if len(alphas) > 1:
@@ -371,7 +446,7 @@ def kohya_state_dict(adapter: Adapter, unet_config: Mapping | None = None, names
     common = Counter(lay.alpha for lay in adapter.layers.values()).most_common(1)[0][0] if adapter.layers else 1.0
     for key, layer in sorted(adapter.layers.items()):
         comp, module = key.split(".", 1)
-        if uniform_alpha and layer.alpha != common:
+        if isinstance(layer, LoraLayer) and uniform_alpha and layer.alpha != common:
             layer = LoraLayer(layer.down, layer.up.float() * (layer.alpha / common), common, layer.magnitude)
         try:
             name = kohya.kohya_name(comp, module, unet_map, names)
@@ -381,6 +456,10 @@ def kohya_state_dict(adapter: Adapter, unet_config: Mapping | None = None, names
         if name in owner:
             raise AdapterError(f"{key} and {owner[name]} both get the kohya name {name}")
         owner[name] = key
+        if not isinstance(layer, LoraLayer):  # LoHa / LoKr: LyCORIS' tensors, each layer with its own alpha
+            out.update({f"{name}.{k}": _saveable(t, dtype) for k, t in layer.tensors().items()})
+            out[f"{name}.alpha"] = torch.tensor(float(layer.alpha), dtype=torch.float32)
+            continue
         out[f"{name}.lora_down.weight"] = _saveable(layer.down, dtype)
         out[f"{name}.lora_up.weight"] = _saveable(layer.up, dtype)
         out[f"{name}.alpha"] = torch.tensor(float(layer.alpha), dtype=torch.float32)
@@ -422,8 +501,9 @@ def save_kohya_lora(source, path: str | Path, *, metadata: bool | Mapping[str, s
 
 
 def _mixed_attention_alphas(adapter: Adapter) -> bool:
-    return len({lay.alpha for k, lay in adapter.layers.items()
-                if k.startswith("unet.") and re.search(r"\.attn\d\.", k)}) > 1
+    # What diffusers' kohya loader gets wrong; it loads no LoHa/LoKr layer at all.
+    return len({lay.alpha for k, lay in adapter.layers.items() if isinstance(lay, LoraLayer)
+                and k.startswith("unet.") and re.search(r"\.attn\d\.", k)}) > 1
 
 
 def unet_lora_state_dict(unet: torch.nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
@@ -476,6 +556,7 @@ def save_diffusers_lora(unet, path: str | Path, overwrite: bool = False,
     path = Path(path)
     _check_dest(path, overwrite)
     adapter = _as_adapter(unet)
+    _lora_only(adapter, "diffusers")
     sd: dict[str, torch.Tensor] = {}
     packed: dict[str, object] = {}
     for comp in adapter.components():
@@ -516,6 +597,7 @@ def save_peft_adapter(source, folder: str | Path, *, component: str = "unet", me
     folder = Path(folder)
     _check_dest(folder, overwrite)
     adapter = _as_adapter(source)
+    _lora_only(adapter, "peft")
     others = [c for c in adapter.components() if c != component]
     if others:
         raise AdapterError(f"a PEFT folder holds one model's adapter; this one also has {', '.join(others)} "
@@ -596,17 +678,31 @@ def _read_kohya(sd: dict[str, torch.Tensor], table: kohya.LayerTable, adapter: A
     styles, no_alpha = set(), 0
     for name, parts in groups.items():
         where = table.lookup(name)
-        if where is None or not {"lora_down.weight", "lora_up.weight"} <= parts.keys():
-            continue
-        comp, module = where
-        down, up = sd[parts["lora_down.weight"]], sd[parts["lora_up.weight"]]
-        if "alpha" in parts:
-            alpha = float(sd[parts["alpha"]].float().item())
+        lora = {"lora_down.weight", "lora_up.weight"} <= parts.keys()
+        if where is not None and not lora and parts.keys() & set(lycoris.LOHA_KEYS + lycoris.LOKR_KEYS):
+            comp, module = where
+            alpha = float(sd[parts["alpha"]].float().item()) if "alpha" in parts else None
+            if "dora_scale" in parts:
+                continue  # DoRA over LoHa/LoKr: left unread, so it is reported as unknown
+            try:
+                layer = lycoris.from_keys({k: sd[v] for k, v in parts.items()}, alpha, table.shape(comp, module))
+            except ValueError:
+                continue  # a Tucker core or a half layer: its keys stay unknown, with the LyCORIS hint
+            no_alpha += alpha is None
+            adapter.layers[f"{comp}.{module}"] = layer
+            used.update(parts[s] for s in ("alpha",) + lycoris.LOHA_KEYS + lycoris.LOKR_KEYS if s in parts)
+        elif where is not None and lora:
+            comp, module = where
+            down, up = sd[parts["lora_down.weight"]], sd[parts["lora_up.weight"]]
+            if "alpha" in parts:
+                alpha = float(sd[parts["alpha"]].float().item())
+            else:
+                alpha, no_alpha = float(down.shape[0]), no_alpha + 1
+            mag = sd[parts["dora_scale"]].reshape(-1) if "dora_scale" in parts else None
+            adapter.layers[f"{comp}.{module}"] = LoraLayer(down, up, alpha, mag)
+            used.update(parts[s] for s in _KOHYA_SUFFIXES if s in parts)
         else:
-            alpha, no_alpha = float(down.shape[0]), no_alpha + 1
-        mag = sd[parts["dora_scale"]].reshape(-1) if "dora_scale" in parts else None
-        adapter.layers[f"{comp}.{module}"] = LoraLayer(down, up, alpha, mag)
-        used.update(parts[s] for s in _KOHYA_SUFFIXES if s in parts)
+            continue
         if comp == "unet":
             sgm = re.match(r"lora_unet_(input_blocks|middle_block|output_blocks|out_|time_embed|label_emb)", name)
             styles.add("sgm" if sgm else "diffusers")
@@ -722,7 +818,8 @@ def load_adapter(path: str | Path, model=None) -> Adapter:
     adapter.unknown = sorted(set(sd) - used)
     if adapter.unknown:
         lyco = [k for k in adapter.unknown if any(h in k for h in _LYCORIS_HINTS)]
-        hint = (" (LyCORIS LoHa/LoKr/OFT layers, which this tool does not read)" if lyco else
+        hint = (" (LyCORIS layers this tool does not read: OFT, Tucker cores, incomplete LoHa/LoKr layers or DoRA "
+                "over them)" if lyco else
                 " (layers of another model, or a format this tool does not read)")
         adapter.problems.insert(0, f"{len(adapter.unknown)} of {len(sd)} keys name no layer of the model{hint}, "
                                    f"e.g. {', '.join(adapter.unknown[:3])}")
@@ -761,6 +858,13 @@ def _check_shapes(adapter: Adapter, table: kohya.LayerTable) -> None:
     for key, layer in adapter.layers.items():
         comp, module = key.split(".", 1)
         shape = table.shape(comp, module)
+        if not isinstance(layer, LoraLayer):
+            if shape is not None and layer.update_numel() != math.prod(shape):
+                bad.append(f"{key}: the {layer.kind} update has {layer.update_numel()} entries, the layer "
+                           f"{list(shape)}")
+            if not layer.finite():
+                nonfinite.append(key)
+            continue
         if layer.up.shape[1] != layer.down.shape[0]:
             bad.append(f"{key}: up has rank {layer.up.shape[1]}, down {layer.down.shape[0]}")
         elif layer.magnitude is not None and layer.magnitude.numel() != layer.up.shape[0]:
@@ -787,7 +891,7 @@ _CROSS_WIDTHS = {2048: "SDXL", 768: "SD 1.x", 1024: "SD 2.x"}
 def _base_model(adapter: Adapter) -> tuple[str, list[str]]:
     meta, problems = adapter.metadata, []
     said = [f"{k}={meta[k]}" for k in ("ss_base_model_version", "modelspec.architecture") if meta.get(k)]
-    widths = sorted({int(lay.down.shape[1]) for k, lay in adapter.layers.items()
+    widths = sorted({int(lay.update_shape[1]) for k, lay in adapter.layers.items()
                      if k.startswith("unet.") and k.endswith(".attn2.to_k")})
     from_shapes = ", ".join(f"{_CROSS_WIDTHS.get(w, 'unknown')} (cross-attention width {w})" for w in widths)
     if not said and adapter.format.startswith("kohya"):
@@ -803,12 +907,25 @@ def _base_model(adapter: Adapter) -> tuple[str, list[str]]:
 
 
 def _span(values) -> str:
-    vals = sorted(set(values))
-    return _num(vals[0]) if len(vals) == 1 else ", ".join(_num(v) for v in vals)
+    # LoKr layers with no factored part have no rank: "full"
+    vals = sorted({"full" if v is None else v for v in values}, key=lambda v: (isinstance(v, str), v))
+    return ", ".join(v if isinstance(v, str) else _num(v) for v in vals)
+
+
+# What each kind is called where users meet it, and which tools read this file of it right (docs/export.md).
+KIND_NAMES = {"lora": "LoRA", "dora": "DoRA (LoRA + magnitude)", "loha": "LoHa (LyCORIS)", "lokr": "LoKr (LyCORIS)"}
+LOADS_IN = {
+    "lora": "ComfyUI, AUTOMATIC1111/Forge, kohya, InvokeAI, diffusers",
+    "dora": "ComfyUI and Forge (with their own norm, see docs/export.md), kohya/LyCORIS; diffusers from the "
+            "diffusers-format file (its kohya loader drops dora_scale); not AUTOMATIC1111 or InvokeAI (input-axis "
+            "DoRA only)",
+    "loha": "ComfyUI, AUTOMATIC1111/Forge, kohya/LyCORIS, InvokeAI; not diffusers",
+    "lokr": "ComfyUI, AUTOMATIC1111/Forge, kohya/LyCORIS, InvokeAI; not diffusers",
+}
 
 
 def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, title: str = "") -> str:
-    """A plain-text report: format, base model, per-block rank and alpha, metadata, problems."""
+    """A plain-text report: format, kind, base model, per-block rank and alpha, metadata, problems."""
     from .single_file import unet_diffusers_to_sgm
 
     table = table or kohya.LayerTable.from_config_dir(None)
@@ -822,6 +939,8 @@ def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, ti
     counts = Counter(k.split(".", 1)[0] for k in adapter.layers)
     lines = [f"adapter    : {title}" if title else None,
              f"format     : {adapter.format}",
+             f"kind       : {', '.join(KIND_NAMES[k] for k in adapter.kinds())}",
+             *(f"loads in   : {LOADS_IN[k]}" for k in adapter.kinds()),
              f"base model : {base}",
              f"layers     : {len(adapter.layers)} ({', '.join(f'{c} {n}' for c, n in sorted(counts.items()))})",
              f"rank       : {_span(lay.rank for lay in adapter.layers.values())}",

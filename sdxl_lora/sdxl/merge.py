@@ -1,9 +1,11 @@
 """Merge: bake one or more LoRA adapters, each at its own strength, into a full SDXL checkpoint
 (a diffusers folder, or one `.safetensors` in the original layout for ComfyUI/A1111/Forge).
 
-Each adapted weight becomes W + strength * alpha / rank * up @ down, computed in fp32 and stored in
-the checkpoint's dtype: what `load_lora_weights` + `set_adapters(weights=[strength])` computes on
-the fly. Adapters are read with `export.load_adapter` against the base model's own layers, so a key
+Each adapted weight becomes W + strength * delta, computed in fp32 and stored in the checkpoint's dtype:
+for LoRA delta = alpha / rank * up @ down, what `load_lora_weights` + `set_adapters(weights=[strength])`
+computes on the fly; LoHa's and LoKr's are their own products (sdxl/lycoris.py); DoRA's is the normalised
+weight minus the base, so strength blends base and trained weight linearly, as ComfyUI and Forge do
+(export.weight_with). Adapters are read with `export.load_adapter` against the base model's own layers, so a key
 that fits no layer stops the merge instead of vanishing from the result.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import kohya
-from .export import Adapter, AdapterError, ExportExistsError, _replace_folder, _umask, load_adapter
+from .export import Adapter, AdapterError, ExportExistsError, _replace_folder, _umask, load_adapter, weight_with
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +68,7 @@ def merge_adapter(pipe, adapter: Adapter, strength: float = 1.0) -> int:
             raise MergeError(f"{key}: the {comp} has no such layer; was the adapter trained for another model?")
         if hasattr(mod, "base_layer"):
             raise MergeError(f"{key}: the {comp} already holds an unmerged peft adapter; merge into a clean model")
-        if layer.magnitude is not None:
-            raise MergeError(f"{key}: DoRA layers do not merge linearly with a strength; merging them is not supported")
-        shape = (layer.up.shape[0], *layer.down.shape[1:])  # of the update, without computing it yet
+        shape = layer.update_shape  # of the update, without computing it yet
         if shape != tuple(mod.weight.shape):
             raise MergeError(f"{key}: the adapter's update has shape {list(shape)}, the layer's weight "
                              f"{list(mod.weight.shape)}: the adapter was trained for another model")
@@ -78,7 +78,7 @@ def merge_adapter(pipe, adapter: Adapter, strength: float = 1.0) -> int:
         todo.append((mod, layer))
     for mod, layer in todo:
         w = mod.weight
-        w.copy_((w.float() + strength * layer.delta().to(w.device)).to(w.dtype))
+        w.copy_(weight_with(w, layer, strength).to(w.dtype))
         if layer.bias is not None:
             b = mod.bias
             b.copy_((b.float() + strength * layer.scale * layer.bias.float().to(b.device)).to(b.dtype))

@@ -108,6 +108,9 @@ class UNetTopology:
             return TOPOLOGY_PROJ[(s.kind, s.proj)] * level
         if preset == "full":
             return 1.0 if s.kind in ("attn1", "attn2", "ff", "proj") and not s.conv else 0.0
+        if preset == "locon":  # full, and the ResNets' convolutions (at adapter.conv_rank: inject.make_plan)
+            return 1.0 if (s.kind in ("attn1", "attn2", "ff", "proj") and not s.conv) or (
+                s.kind == "resnet" and s.conv) else 0.0
         raise unknown_preset(preset)
 
 

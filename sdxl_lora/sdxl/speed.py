@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..core.lora_matmul import _base_linear, _dequantizable, _lora_factors, _lora_way, lora_linear
+from ..core.lora_matmul import _base_linear, _dequantizable, _lora_factors, _lora_way, dora_scale, lora_linear
 from ..core import speed as core_speed
 from ..core.speed import (CheckpointUnit, _compile_varying, _raise_recompile_limits, compile_options, compile_varying,
                           sdpa_context)
@@ -187,7 +187,7 @@ class _QuantizedProjections(torch.nn.Module):
 
 def _fused_projections(x: torch.Tensor, fused: torch.nn.Module, layers: tuple, matmul: str = "peft"
                        ) -> list[torch.Tensor]:
-    factors = [_lora_factors(layer) for layer in layers]
+    factors = [_lora_factors(layer, dora=True) for layer in layers]
     quantized = isinstance(fused, _QuantizedProjections)
     if any(f is None for f in factors) or (quantized and (
             not any(factors) or _lora_way(matmul, x, fused.in_features) != "merged")):
@@ -204,6 +204,9 @@ def _fused_projections(x: torch.Tensor, fused: torch.nn.Module, layers: tuple, m
             out = F.linear(x, fused.weight) + F.linear(F.linear(x, a), b)
         else:
             out = lora_linear(x, fused.weight, None, a, b, way)
+        if any(f and f[3] is not None for f in factors):  # DoRA: each projection's columns by its own scale
+            out = out * dora_scale(fused.bases if quantized else fused.weight, a, b,
+                                   [f[3] if f else None for f in factors], widths, out.dtype).to(out.dtype)
     return list(out.split(widths, dim=-1))
 
 
@@ -219,10 +222,15 @@ def _projection(layer: torch.nn.Module, x: torch.Tensor, matmul: str) -> torch.T
         weight = base.weight
     else:
         way = "peft"
-    factors = _lora_factors(layer) if way != "peft" else None
+    factors = _lora_factors(layer, dora=True) if way != "peft" else None
     if not factors:
         return layer(x)
-    return lora_linear(x, weight, base.bias, factors[0], factors[1] * factors[2], way)
+    a, b, magnitude = factors[0], factors[1] * factors[2], factors[3]
+    if magnitude is None:
+        return lora_linear(x, weight, base.bias, a, b, way)
+    y = lora_linear(x, weight, None, a, b, way)  # DoRA: the bias is added after the scale, as in peft
+    y = y * dora_scale(weight, a, b, [magnitude], [base.out_features], y.dtype).to(y.dtype)
+    return y if base.bias is None else y + base.bias.to(y.dtype)
 
 
 

@@ -207,7 +207,8 @@ class SDXLTask(Task):
         self._speed_setup(unet, run)
         log.info("adapter plan:\n%s", inject.format_plan(self.plan))
         run.event("plan", layers=len(self.plan.targets), trainable_params=self.plan.trainable_params,
-                  preset=cfg.adapter.preset, base_rank=self.plan.base_rank, groups=self.plan.groups())
+                  preset=cfg.adapter.preset, adapter_kind=cfg.adapter.kind, base_rank=self.plan.base_rank,
+                  groups=self.plan.groups())
 
     def _read_data(self, run: Run) -> None:
         """The dataset scanned and split: training draws from the training items only; the caches cover
@@ -360,6 +361,10 @@ class SDXLTask(Task):
             run.event("budget", budget=budget, trainable_params=self.plan.trainable_params,
                       sensitivity={k: round(v, 6) for k, v in sensitivity.items()})
         inject.apply_plan(unet, self.plan, dropout=cfg.adapter.dropout)
+        if cfg.adapter.kind in ("loha", "lokr") and cfg.train.fuse_qkv:
+            log.info("adapter.kind=%r: the attention projections run peft's %s layers (train.lora_matmul's fused "
+                     "products are LoRA's and DoRA's); the q/k/v base weights still share one buffer",
+                     cfg.adapter.kind, {"loha": "LoHa", "lokr": "LoKr"}[cfg.adapter.kind])
         self.planned = self.plan  # the plan before any rank schedule shrinks it
         if cfg.adapter.rank_schedule and accelerator.num_processes > 1:
             raise ConfigError("adapter.rank_schedule runs in one process (shrinking replaces parameters that DDP "
@@ -584,8 +589,9 @@ class SDXLTask(Task):
         return peak
 
     def _text_encoder_lora(self, run: Run) -> None:
-        """LoRA on both text encoders' attention projections (kohya's lora_te1_/lora_te2_ layers), fp32."""
-        from peft import LoraConfig, inject_adapter_in_model
+        """The adapter (adapter.kind) on both text encoders' attention projections (kohya's lora_te1_/lora_te2_
+        layers), fp32."""
+        from peft import inject_adapter_in_model
 
         a = self.cfg.adapter
         rank = a.text_encoder_rank or a.rank
@@ -594,14 +600,14 @@ class SDXLTask(Task):
         for name in ("text_encoder", "text_encoder_2"):
             te = getattr(self.pipe, name)
             te.requires_grad_(False)
-            inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=a.dropout,
-                                               target_modules=TE_TARGETS), te)
+            inject_adapter_in_model(inject.adapter_config(a.kind, rank, alpha, TE_TARGETS, dropout=a.dropout,
+                                                          rslora=a.rslora, lokr_factor=a.lokr_factor), te)
             for n, p in te.named_parameters():
-                if "lora_" in n:
+                if inject.is_adapter_param(n):
                     p.data = p.data.float()
                     p.requires_grad_(True)
             counts[name] = sum(p.numel() for p in te.parameters() if p.requires_grad)
-        log.info("text encoder LoRA: rank %d, alpha %g on %s; trainable parameters %s", rank, alpha,
+        log.info("text encoder %s: rank %d, alpha %g on %s; trainable parameters %s", a.kind, rank, alpha,
                  ", ".join(TE_TARGETS), counts)
         run.event("text_encoder_lora", rank=rank, alpha=alpha, trainable_params=counts)
 
@@ -875,7 +881,7 @@ class SDXLTask(Task):
                    "ss_network_dropout": str(cfg.adapter.dropout),
                    "ss_mixed_precision": str(self.accelerator.mixed_precision),
                    "sdxl_lora.steps": str(step), "sdxl_lora.resolution": str(self.resolution),
-                   "sdxl_lora.preset": cfg.adapter.preset,
+                   "sdxl_lora.preset": cfg.adapter.preset, "sdxl_lora.kind": cfg.adapter.kind,
                    # The base the adapter saw: merge warns when it was quantized (docs/qlora.md).
                    "sdxl_lora.quantize": cfg.model.quantize,
                    **({"sdxl_lora.quant_double": str(cfg.model.quant_double).lower()}
@@ -899,6 +905,8 @@ class SDXLTask(Task):
             return {"diffusers": save_diffusers_lora(adapter, main, extra_metadata=meta, overwrite=True)}
         # overwrite: these are the run's own files; a finished run resumed to train further replaces them.
         kohya = save_kohya_lora(adapter, main, unet_config=unet.config, metadata=meta, overwrite=True)
+        if cfg.adapter.kind in ("loha", "lokr"):  # diffusers loads no LyCORIS kind: the kohya file is the one
+            return {"kohya": kohya}
         diffusers = save_diffusers_lora(adapter, run.dir / f"{run.name}.diffusers.safetensors", extra_metadata=meta,
                                         overwrite=True)
         return {"kohya": kohya, "diffusers": diffusers}

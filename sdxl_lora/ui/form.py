@@ -18,9 +18,9 @@ from pydantic import BaseModel
 from sdxl_lora.core.config import TASKS, Config, ConfigError, _parse_value, field_tasks, load_config
 
 # Shown at the top of the form, in this order (those the schema has).
-MAIN_FIELDS = ("model.path", "data.dirs", "data.resolution", "data.trigger_word", "adapter.preset", "adapter.rank",
-               "train.steps", "train.batch_size", "train.lr", "train.optimizer", "train.device", "preview.every",
-               "output.name")
+MAIN_FIELDS = ("model.path", "data.dirs", "data.resolution", "data.trigger_word", "adapter.kind", "adapter.preset",
+               "adapter.rank", "train.steps", "train.batch_size", "train.lr", "train.optimizer", "train.device",
+               "preview.every", "output.name")
 LLM_MAIN_FIELDS = ("model.path", "llm.data", "llm.format", "llm.max_length", "adapter.rank", "train.steps",
                    "train.batch_size", "train.lr", "train.device", "output.name")
 # Paths: set by the UI from its folders (or picked from them), never typed as free text.
