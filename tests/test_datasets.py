@@ -1,0 +1,247 @@
+"""Datasets as people build them: several [[data.datasets]] tables with their own settings (repeats,
+resolution, captions, dropout), regularization images with their own loss weight, balanced as kohya does,
+caption tools, and the dataset doctor. Source folders stay byte-identical through every command."""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sdxl_lora.core.config import ConfigError, load_config
+from sdxl_lora.sdxl import data as sdxl_data
+from sdxl_lora.sdxl.task import SDXLTask, sample_key
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_data" / "images"
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def copy_samples(folder: Path, pattern: str, n: int) -> Path:
+    """n sample images matching pattern, with their captions."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for img in sorted(SAMPLES.glob(pattern))[:n]:
+        shutil.copy(img, folder / img.name)
+        shutil.copy(img.with_suffix(".txt"), folder / (img.stem + ".txt"))
+    return folder
+
+
+def data_cfg(*tables, **data):
+    return load_config(extra={"data.datasets": list(tables), **{f"data.{k}": v for k, v in data.items()}}).data
+
+
+# ------------------------------------------------------------------------ per-dataset settings
+
+def test_each_dataset_table_gives_its_images_its_own_repeats_resolution_and_captions(tmp_path):
+    stars = copy_samples(tmp_path / "stars", "*_star.png", 3)
+    shapes = copy_samples(tmp_path / "shapes", "prior*.png", 2)
+    cfg = data_cfg({"path": str(stars), "repeats": 4, "trigger_word": "ohwx", "caption_prefix": "photo of"},
+                   {"path": str(shapes), "resolution": 64, "caption_dropout": 1.0, "caption_extension": ".txt"},
+                   trigger_word="zzz", caption_dropout=0.0)
+    ds = sdxl_data.scan(cfg, 128)
+    star_items = [it for it in ds.items if it.dataset == stars]
+    shape_items = [it for it in ds.items if it.dataset == shapes]
+    assert [it.repeats for it in star_items] == [4, 4, 4] and [it.repeats for it in shape_items] == [1, 1]
+    assert len(ds) == 14
+    # Buckets at each dataset's own resolution (the sample images are square).
+    assert {it.bucket for it in star_items} == {(128, 128)} and {it.bucket for it in shape_items} == {(64, 64)}
+    rng = random.Random(0)
+    star = sdxl_data.make_caption(star_items[0], cfg, rng)
+    assert star.startswith("ohwx, photo of ") and "zzz" not in star
+    # The second table sets no trigger word: data.trigger_word is its default; its dropout is its own.
+    assert all(sdxl_data.make_caption(it, cfg, rng) == "" for it in shape_items for _ in range(5))
+    assert "zzz" in sdxl_data.make_caption(shape_items[0], cfg, rng, fixed=True)
+    # A batch never mixes resolutions: every batch is one bucket, one shape.
+    sampler = sdxl_data.BucketBatchSampler(ds, 4, seed=0)
+    for batch in sampler:
+        assert len({ds.items[ds.expanded()[p]].bucket for p in batch}) == 1
+    report = ds.report()
+    assert "data.datasets[0] stars" in report and "resolution 64" in report and "trigger 'ohwx'" in report
+    assert "buckets at resolution 128" in report and "buckets at resolution 64" in report
+
+
+def test_the_single_folder_config_scans_as_before(tmp_path):
+    folder = copy_samples(tmp_path / "10_stars", "*_star.png", 2)
+    ds = sdxl_data.scan(load_config(extra={"data.dirs": [str(folder)], "data.trigger_word": "sks"}).data, 128)
+    assert [it.repeats for it in ds.items] == [10, 10] and not any(it.is_reg for it in ds.items)
+    assert f"  {folder}: 2 images, repeats 10" in ds.report()
+
+
+def test_dataset_table_errors_name_the_table_and_field(tmp_path):
+    stars = copy_samples(tmp_path / "stars", "*_star.png", 2)
+    with pytest.raises(ConfigError, match=r"data\.datasets\[1\]\.repeats = 0: Input should be greater"):
+        data_cfg({"path": str(stars)}, {"path": str(stars), "repeats": 0})
+    with pytest.raises(ConfigError, match=r"data\.datasets\[0\]\.colour = 'red': unknown field; allowed here: path"):
+        data_cfg({"path": str(stars), "colour": "red"})
+    with pytest.raises(sdxl_data.DataError, match=r"data\.datasets\[1\]\.path: .*nowhere does not exist"):
+        sdxl_data.scan(data_cfg({"path": str(stars)}, {"path": str(tmp_path / "nowhere")}), 128)
+    other = tmp_path / "other"
+    other.mkdir()
+    for p in stars.iterdir():
+        shutil.copy(p, other / (p.stem + (".caption" if p.suffix == ".txt" else p.suffix)))
+    with pytest.raises(sdxl_data.DataError, match=r"set data\.datasets\[1\]\.caption_extension='\.caption'"):
+        sdxl_data.scan(data_cfg({"path": str(stars)}, {"path": str(other)}), 128)
+    # With its own extension the same folder is fine.
+    ds = sdxl_data.scan(data_cfg({"path": str(stars)}, {"path": str(other), "caption_extension": ".caption"}), 128)
+    assert all(it.has_caption for it in ds.items) and len(ds.items) == 4
+
+
+# ------------------------------------------------------------------------ captions
+
+def test_tag_dropout_prefix_suffix_and_keep_separator():
+    def item(caption, **settings):
+        cfg = load_config(extra={f"data.{k}": v for k, v in settings.items()}).data
+        return sdxl_data.Item(Path("x.png"), caption, 1, (64, 64), (64, 64), Path("."), bool(caption),
+                              settings=cfg), cfg
+    tags = "sks, star ||| " + ", ".join(f"t{i}" for i in range(10)) + " ||| best quality"
+    it, cfg = item(tags, keep_tokens_separator="|||", tag_dropout=0.5, shuffle_tags=True, caption_dropout=0.0)
+    outs = [sdxl_data.make_caption(it, cfg, random.Random(s)).split(", ") for s in range(50)]
+    for parts in outs:
+        assert parts[:2] == ["sks", "star"] and parts[-1] == "best quality"
+        assert set(parts[2:-1]) <= {f"t{i}" for i in range(10)}
+    kept = [len(p) - 3 for p in outs]
+    assert 2 < sum(kept) / len(kept) < 8  # about half of the ten free tags survive
+    assert len({tuple(p) for p in outs}) > 10
+    # Fixed (the text cache's caption): every tag, in order, the separators gone.
+    assert sdxl_data.make_caption(it, cfg, random.Random(0), fixed=True) == tags.replace(" |||", ",")
+    it, cfg = item("a star", caption_prefix="photo of", caption_suffix="masterpiece", trigger_word="sks",
+                   caption_dropout=0.0)
+    assert sdxl_data.make_caption(it, cfg, random.Random(0)) == "sks, photo of a star masterpiece"
+
+
+# ------------------------------------------------------------------------ regularization
+
+def test_regularization_images_are_balanced_to_the_training_samples_as_kohya_does(tmp_path):
+    stars = copy_samples(tmp_path / "stars", "*_star.png", 2)
+    few = copy_samples(tmp_path / "few", "prior*.png", 4)
+    ds = sdxl_data.scan(data_cfg({"path": str(stars), "repeats": 5},
+                                 {"path": str(few), "is_regularization": True}, trigger_word="sks"), 128)
+    reg = [it for it in ds.items if it.is_reg]
+    # 10 training samples: the 4 reg images once each, then one more repeat each in turn.
+    assert [it.repeats for it in reg] == [3, 3, 2, 2]
+    assert "balanced to 10 to match the 10 training sample(s)" in ds.report()
+    many = copy_samples(tmp_path / "many", "prior*.png", 12)
+    ds = sdxl_data.scan(data_cfg({"path": str(stars), "repeats": 5},
+                                 {"path": str(many), "is_regularization": True}), 128)
+    reg = [it for it in ds.items if it.is_reg]
+    assert len(reg) == 10 and all(it.repeats == 1 for it in reg)
+    assert "2 image(s) beyond that are not used" in ds.report()
+
+
+def test_regularization_images_never_get_the_trigger_word(tmp_path):
+    stars = copy_samples(tmp_path / "stars", "*_star.png", 2)
+    reg = copy_samples(tmp_path / "reg", "prior*.png", 3)
+    (reg / sorted(p.name for p in reg.glob("*.txt"))[0]).unlink()  # one without a caption: the fallback
+    cfg = data_cfg({"path": str(stars)}, {"path": str(reg), "is_regularization": True, "trigger_word": "sks"},
+                   trigger_word="sks", class_token="shape", caption_dropout=0.0)
+    ds = sdxl_data.scan(cfg, 128)
+    reg_items = [it for it in ds.items if it.is_reg]
+    captions = {sdxl_data.make_caption(it, cfg, random.Random(s)) for it in reg_items for s in range(3)}
+    assert "shape" in captions and not any("sks" in c for c in captions)
+    assert all(sdxl_data.make_caption(it, cfg, random.Random(0)).startswith("sks")
+               for it in ds.items if not it.is_reg)
+    with pytest.raises(sdxl_data.DataError, match="every \\[\\[data.datasets\\]\\] table has is_regularization"):
+        sdxl_data.scan(data_cfg({"path": str(reg), "is_regularization": True}), 128)
+
+
+class StubUNet(torch.nn.Module):
+    def forward(self, noisy, t, encoder_hidden_states=None, added_cond_kwargs=None):
+        return SimpleNamespace(sample=0.7 * noisy + 0.3 * torch.sin(noisy) + (t.float() / 1000).view(-1, 1, 1, 1))
+
+
+@pytest.mark.parametrize("gamma", [0.0, 5.0])
+def test_prior_loss_weight_multiplies_each_regularization_samples_loss(gamma):
+    from diffusers import DDPMScheduler
+
+    task = SDXLTask(load_config(extra={"train.prior_loss_weight": 0.25, "train.min_snr_gamma": gamma}))
+    task.pipe = SimpleNamespace(vae=SimpleNamespace(config=SimpleNamespace(scaling_factor=0.13)),
+                                scheduler=DDPMScheduler(num_train_timesteps=1000))
+    task.noise_scheduler = task._noise_scheduler()
+    g = torch.Generator().manual_seed(0)
+    n = 4
+    batch = {"latent_mean": torch.randn(n, 4, 8, 8, generator=g), "latent_std": 0.1 * torch.rand(n, 4, 8, 8, generator=g),
+             "prompt_embeds": torch.zeros(n, 7, 16), "pooled": torch.zeros(n, 16), "time_ids": torch.zeros(n, 6),
+             "sample_key": torch.tensor([sample_key(1, 0, i) for i in range(n)])}
+    unet = StubUNet()
+    # Each sample's own loss: its draws come from its key, whatever batch it is in.
+    alone = [task.loss(unet, {k: v[i:i + 1] for k, v in batch.items()}).item() for i in range(n)]
+    weights = torch.tensor([1.0, 0.25, 1.0, 0.25])  # samples 1 and 3 are regularization images
+    weighted = task.loss(unet, {**batch, "loss_weight": weights}).item()
+    # kohya: each sample's loss times its weight, then the mean over the batch.
+    assert weighted == pytest.approx(sum(w * x for w, x in zip(weights.tolist(), alone)) / n, rel=1e-5)
+    assert task.loss(unet, {**batch, "loss_weight": torch.ones(n)}).item() == pytest.approx(sum(alone) / n, rel=1e-5)
+
+
+def test_a_run_with_regularization_weights_its_samples_and_reports_each_dataset(tmp_path, monkeypatch):
+    from sdxl_lora.cli import main
+    from sdxl_lora.sdxl import loss as diffusion
+
+    stars = copy_samples(tmp_path / "stars", "*_star.png", 3)
+    reg = copy_samples(tmp_path / "reg", "prior*.png", 3)
+    before = {p: snapshot(p) for p in (stars, reg)}
+    config = tmp_path / "run.toml"
+    config.write_text(f"""
+[data]
+trigger_word = "sks"
+resolution = 64
+cache_dir = "{tmp_path / 'cache'}"
+[[data.datasets]]
+path = "{stars}"
+[[data.datasets]]
+path = "{reg}"
+is_regularization = true
+[train]
+prior_loss_weight = 0.5
+batch_size = 3
+[preview]
+prompts = ""
+""", encoding="utf-8")
+    seen = []
+    real = diffusion.diffusion_loss
+
+    def spy(*args, weight=None, **kw):
+        seen.append(weight.tolist())
+        return real(*args, weight=weight, **kw)
+
+    monkeypatch.setattr(diffusion, "diffusion_loss", spy)
+    assert main(["train", str(config), "--out", str(tmp_path), "--name", "r", "--steps", "2"]) == 0
+    flat = [w for batch in seen for w in batch]
+    assert set(flat) == {1.0, 0.5} and len(flat) == 6
+    events = [json.loads(line) for line in (tmp_path / "r" / "events.jsonl").read_text().splitlines()]
+    dataset = next(e for e in events if e["event"] == "dataset")
+    assert [(d["name"], d["images"], d["samples"], d["is_regularization"]) for d in dataset["datasets"]] == \
+        [("stars", 3, 3, False), ("reg", 3, 3, True)]
+    assert {p: snapshot(p) for p in (stars, reg)} == before
+
+
+def test_a_resume_is_refused_when_a_dataset_setting_or_the_prior_weight_changed(tmp_path):
+    from sdxl_lora.core.loop import identity_changes
+
+    stars = copy_samples(tmp_path / "stars", "*_star.png", 2)
+    reg = copy_samples(tmp_path / "reg", "prior*.png", 2)
+
+    def identity(reg_table, **train):
+        cfg = load_config(extra={"data.datasets": [{"path": str(stars), "trigger_word": "sks"}, reg_table],
+                                 **{f"train.{k}": v for k, v in train.items()}})
+        task = SDXLTask(cfg)
+        task.all_items = sdxl_data.scan(cfg.data, 128).items
+        task.has_reg = any(it.is_reg for it in task.all_items)
+        task.resolution, task.planned = 128, SimpleNamespace(targets=[], rank={})
+        return task.identity()
+
+    base = identity({"path": str(reg), "is_regularization": True})
+    assert identity_changes(base, identity({"path": str(reg), "is_regularization": True})) == []
+    assert any("prior_loss_weight" in c for c in identity_changes(
+        base, identity({"path": str(reg), "is_regularization": True}, prior_loss_weight=0.3)))
+    assert any("datasets" in c for c in identity_changes(
+        base, identity({"path": str(reg), "is_regularization": True, "caption_prefix": "photo of"})))
+    # The same folder as training images instead of regularization ones: other images, other data.
+    assert identity_changes(base, identity({"path": str(reg)}))
