@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from PIL import Image
 
 from sdxl_lora.core.config import ConfigError, load_config
 from sdxl_lora.sdxl import data as sdxl_data
@@ -245,3 +246,109 @@ def test_a_resume_is_refused_when_a_dataset_setting_or_the_prior_weight_changed(
         base, identity({"path": str(reg), "is_regularization": True, "caption_prefix": "photo of"})))
     # The same folder as training images instead of regularization ones: other images, other data.
     assert identity_changes(base, identity({"path": str(reg)}))
+
+
+# ------------------------------------------------------------------------ captions made on the spot
+
+def tiny_blip(folder: Path) -> Path:
+    """A BLIP captioner with random weights and a ten-word vocabulary, saved as a transformers folder; its
+    output layer favours "star", so it says something."""
+    from transformers import (BertTokenizerFast, BlipConfig, BlipForConditionalGeneration, BlipImageProcessor,
+                              BlipProcessor)
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "photo", "of", "star", "red", "shape", "[DEC]"]
+    folder.mkdir(parents=True)
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}, bos_token="[DEC]")
+    tiny = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 37}
+    cfg = BlipConfig(text_config={**tiny, "vocab_size": len(words), "max_position_embeddings": 64,
+                                  "bos_token_id": 11, "pad_token_id": 0, "sep_token_id": 3,
+                                  "encoder_hidden_size": 32},
+                     vision_config={**tiny, "image_size": 32, "patch_size": 8}, projection_dim=32)
+    torch.manual_seed(0)
+    model = BlipForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.text_decoder.cls.predictions.bias[words.index("star")] = 50.0
+    model.save_pretrained(folder)
+    BlipProcessor(BlipImageProcessor(size={"height": 32, "width": 32}), tokenizer).save_pretrained(folder)
+    return folder
+
+
+def test_caption_writes_sidecars_for_uncaptioned_images_and_keeps_the_rest(tmp_path, capsys):
+    from sdxl_lora.cli import main
+
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    Image.new("RGB", (48, 40), (200, 30, 30)).save(data / "a.png")
+    Image.new("RGB", (40, 48), (30, 30, 200)).save(data / "b.png")
+    (data / "b.txt").write_text("my own caption", encoding="utf-8")
+    Image.new("RGB", (40, 40), (30, 200, 30)).save(data / "sub" / "c.jpg")
+    model = tiny_blip(tmp_path / "blip")
+    images = {p: p.read_bytes() for p in data.rglob("*") if p.suffix in (".png", ".jpg")}
+    assert main(["dataset", "caption", str(data), "--model", str(model), "--prefix", "sks,"]) == 0
+    assert "captions written: 2; kept (already there): 1" in capsys.readouterr().out
+    for written in (data / "a.txt", data / "sub" / "c.txt"):
+        text = written.read_text(encoding="utf-8")
+        assert text.startswith("sks, ") and "star" in text
+    assert (data / "b.txt").read_text(encoding="utf-8") == "my own caption"
+    assert {p: p.read_bytes() for p in images} == images
+    assert sorted(p.name for p in data.rglob("*")) == ["a.png", "a.txt", "b.png", "b.txt", "c.jpg", "c.txt", "sub"]
+    # Training reads them as captions.
+    assert all(it.has_caption for it in sdxl_data.scan(load_config(extra={"data.dirs": [str(data)]}).data, 64).items)
+    # Again: nothing left to caption; with --overwrite the user's caption is replaced.
+    assert main(["dataset", "caption", str(data), "--model", str(model)]) == 0
+    assert "captions written: 0; kept (already there): 3" in capsys.readouterr().out
+    assert main(["dataset", "caption", str(data), "--model", str(model), "--overwrite"]) == 0
+    assert "star" in (data / "b.txt").read_text(encoding="utf-8")
+    assert {p: p.read_bytes() for p in images} == images
+
+
+def test_caption_needs_a_local_model_folder_with_safetensors(tmp_path, capsys):
+    from sdxl_lora.cli import main
+
+    data = copy_samples(tmp_path / "data", "*_star.png", 1)
+    (data / "00_red_star.txt").unlink()
+    assert main(["dataset", "caption", str(data), "--model", "Salesforce/blip-image-captioning-base"]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"x")
+    assert main(["dataset", "caption", str(data), "--model", str(tmp_path / "pickled")]) == 2
+    assert "no .safetensors weights" in capsys.readouterr().err
+    assert not list(data.glob("*.txt"))
+
+
+# ------------------------------------------------------------------------ the doctor
+
+def test_the_doctor_finds_planted_duplicates_missing_triggers_small_subjects_and_suggests_steps(tmp_path, capsys):
+    from sdxl_lora.cli import main
+
+    stars = copy_samples(tmp_path / "stars", "*_star.png", 4)
+    first = sorted(stars.glob("*.png"))[0]
+    shutil.copy(first, stars / "copy.png")  # an exact duplicate
+    # A near-duplicate: the same picture resized and re-saved as a JPEG.
+    Image.open(first).convert("RGB").resize((150, 150)).save(stars / "resaved.jpg", quality=80)
+    (stars / "resaved.txt").write_text("sks, a star", encoding="utf-8")
+    (stars / "copy.txt").write_text("a star without the word", encoding="utf-8")
+    Image.new("RGB", (40, 40), (0, 0, 0)).save(stars / "tiny.png")  # upscaled 3.2x to 128
+    (stars / "tiny.txt").write_text("sks, dark", encoding="utf-8")
+    reg = copy_samples(tmp_path / "reg", "prior*.png", 2)
+    (reg / sorted(p.name for p in reg.glob("*.txt"))[0]).write_text("sks, a circle", encoding="utf-8")
+    before = {p: snapshot(p) for p in (stars, reg)}
+    config = tmp_path / "c.toml"
+    config.write_text(f'[data]\nresolution = 128\n[[data.datasets]]\npath = "{stars}"\ntrigger_word = "sks"\n'
+                      f'repeats = 2\n[[data.datasets]]\npath = "{reg}"\nis_regularization = true\n'
+                      '[train]\nbatch_size = 4\n', encoding="utf-8")
+    assert main(["dataset", "inspect", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    dup = next(line for line in out.splitlines() if "copy.png" in line and "duplicates" not in line)
+    assert first.name in dup
+    near = out.split("near-duplicates:")[1].splitlines()[1]
+    assert "resaved.jpg" in near and first.name in near
+    # Only the planted ones: the other stars differ in colour or place.
+    assert out.count("star.png") <= 3 + out.count("lack the trigger")
+    assert "1 caption(s) in stars lack the trigger word 'sks'" in out and "copy.png" in out
+    assert "1 regularization caption(s) hold a training dataset's trigger word" in out
+    assert "tiny.png: 40x40 -> 128x128 (3.2x)" in out
+    # 7 training images x 2 repeats, balanced by 14 regularization samples: 28 a epoch, 7 steps at batch 4; each
+    # image seen 100 times is 50 epochs of repeats 2.
+    assert "suggested train.steps: about 350" in out
+    assert {p: snapshot(p) for p in (stars, reg)} == before

@@ -642,9 +642,15 @@ def balance_regularization(items: list[Item]) -> tuple[list[Item], str]:
     return [it for it in items if not it.is_reg or id(it) in kept], note
 
 
-def inspect_text(cfg: DataConfig, resolution: int) -> str:
-    """The dataset report `sdxl-lora dataset inspect` prints; DataError propagates with its fix."""
-    return scan(cfg, resolution).report()
+def inspect_text(cfg: DataConfig, resolution: int, doctor: bool = False, batch_size: int = 1) -> str:
+    """The dataset report `sdxl-lora dataset inspect` prints, with the doctor's findings (sdxl/doctor.py);
+    DataError propagates with its fix."""
+    dataset = scan(cfg, resolution)
+    if not doctor:
+        return dataset.report()
+    from .doctor import doctor_lines
+
+    return "\n".join([dataset.report(), *doctor_lines(dataset, batch_size)])
 
 
 # ------------------------------------------------------------------------------ pixels & captions
