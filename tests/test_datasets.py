@@ -181,6 +181,57 @@ def test_prior_loss_weight_multiplies_each_regularization_samples_loss(gamma):
     assert task.loss(unet, {**batch, "loss_weight": torch.ones(n)}).item() == pytest.approx(sum(alone) / n, rel=1e-5)
 
 
+class LoRAStub(torch.nn.Module):
+    """A 'UNet' of one peft LoRA'd Linear over the latent channels: its base is the prior, the adapter learns."""
+
+    def __init__(self):
+        from peft import LoraConfig, inject_adapter_in_model
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(4, 4)
+        inject_adapter_in_model(LoraConfig(r=2, target_modules=["proj"]), self)
+        self.proj.base_layer.requires_grad_(False)
+
+    def forward(self, noisy, t, encoder_hidden_states=None, added_cond_kwargs=None):
+        return SimpleNamespace(sample=self.proj(noisy.permute(0, 2, 3, 1)).permute(0, 3, 1, 2))
+
+
+def test_prior_prediction_makes_the_base_prediction_the_regularization_target():
+    from diffusers import DDPMScheduler
+
+    task = SDXLTask(load_config(extra={"train.prior_prediction": True}))
+    task.pipe = SimpleNamespace(vae=SimpleNamespace(config=SimpleNamespace(scaling_factor=0.13)),
+                                scheduler=DDPMScheduler(num_train_timesteps=1000))
+    task.noise_scheduler = task._noise_scheduler()
+    g = torch.Generator().manual_seed(0)
+    n = 4
+    batch = {"latent_mean": torch.randn(n, 4, 8, 8, generator=g), "latent_std": torch.zeros(n, 4, 8, 8),
+             "prompt_embeds": torch.zeros(n, 7, 16), "pooled": torch.zeros(n, 16), "time_ids": torch.zeros(n, 6),
+             "sample_key": torch.tensor([sample_key(1, 0, i) for i in range(n)]), "loss_weight": torch.ones(n)}
+    unet = LoRAStub()
+    reg = {**batch, "is_reg": torch.ones(n, dtype=torch.bool)}
+    # A fresh adapter (B = 0) predicts what the base does: nothing to learn on a regularization sample.
+    assert task.loss(unet, reg).item() == 0.0
+    with torch.no_grad():
+        unet.proj.lora_B["default"].weight.normal_()
+    loss = task.loss(unet, reg)
+    with torch.no_grad():
+        x = 0.13 * batch["latent_mean"]
+        drawn = task._keyed_draws(x, batch["sample_key"])
+        noisy = task.noise_scheduler.add_noise(x, drawn[1], drawn[2])
+        ours = unet(noisy, drawn[2]).sample
+        base = unet.proj.base_layer(noisy.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+    assert loss.item() == pytest.approx(((ours - base) ** 2).mean().item(), rel=1e-5)
+    loss.backward()  # the adapter learns from it, and is still trainable afterwards
+    assert unet.proj.lora_B["default"].weight.grad.abs().sum() > 0 and unet.proj.lora_A["default"].weight.requires_grad
+    # Training rows keep their noise target.
+    plain = {**batch, "is_reg": torch.zeros(n, dtype=torch.bool)}
+    off = SDXLTask(load_config())
+    off.pipe, off.noise_scheduler, off.timestep_max = task.pipe, task.noise_scheduler, task.timestep_max
+    assert task.loss(unet, plain).item() == pytest.approx(off.loss(unet, plain).item(), rel=1e-6)
+
+
 def test_a_run_with_regularization_weights_its_samples_and_reports_each_dataset(tmp_path, monkeypatch):
     from sdxl_lora.cli import main
     from sdxl_lora.sdxl import loss as diffusion
@@ -201,6 +252,7 @@ path = "{reg}"
 is_regularization = true
 [train]
 prior_loss_weight = 0.5
+prior_prediction = true
 batch_size = 3
 [preview]
 prompts = ""

@@ -276,6 +276,9 @@ class TrainConfig(Section):
     prior_loss_weight: float = Field(1.0, ge=0, json_schema_extra=SDXL_ONLY, description=(
         "Regularization images (a dataset with is_regularization): each one's loss is multiplied by this, as "
         "kohya does; 0 leaves them out of the loss."))
+    prior_prediction: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
+        "Regularization images learn the base model's own prediction (the adapter off) instead of their noise, as "
+        "OneTrainer's prior prediction: the images need not be good, only their captions matter."))
     noise_offset: float = Field(0.0, ge=0, json_schema_extra=SDXL_ONLY, description=(
         "Adds offset x N(0,1) per image and channel to the noise; ~0.05-0.1 helps very dark or bright images. "
         "0 is off."))

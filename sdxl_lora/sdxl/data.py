@@ -503,19 +503,21 @@ def scan(cfg: DataConfig, resolution: int,
     """
     specs = dataset_specs(cfg, resolution)
     problems: list[Problem] = []
-    seen: set[str] = set()
+    # An image is used once per role: a folder may be both training images and (say, with class captions of
+    # another extension) regularization inputs for train.prior_prediction.
+    seen: dict[bool, set[str]] = {False: set(), True: set()}
     notes: list[str] = []
     found: list[tuple[DatasetSpec, _Candidate]] = []
     if not cfg.datasets:
         # data.dirs: one set of settings for every folder, checked together (as before datasets tables).
-        candidates, notes = _find(cfg, [spec.root for spec in specs], problems, seen)
+        candidates, notes = _find(cfg, [spec.root for spec in specs], problems, seen[False])
         by_root = {}
         for spec in specs:
             by_root.setdefault(spec.root, spec)
         found = [(by_root[c.root], c) for c in candidates]
     else:
         for spec in specs:
-            candidates, more = _find(spec.settings, [spec.root], problems, seen, spec.field)
+            candidates, more = _find(spec.settings, [spec.root], problems, seen[spec.is_reg], spec.field)
             if not candidates and not any(p.path.is_relative_to(spec.root) for p in problems):
                 raise DataError(f"{spec.field}.path: no images found in {spec.root} (looked for "
                                 f"{' '.join(sorted(IMAGE_EXTENSIONS))}) — point it at a folder of images or "

@@ -6,6 +6,7 @@ leave the accelerator, so the UNet trains with the memory to itself.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -127,8 +128,10 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
         # or batch the sample lands in.
         extra["sample_key"] = torch.tensor(sample_key(t.cfg.train.seed, self.epoch, i))
         if t.has_reg:
-            # Regularization samples weigh train.prior_loss_weight in the loss (SDXLTask.loss).
+            # Regularization samples weigh train.prior_loss_weight in the loss, and with train.prior_prediction
+            # learn the base's own prediction (SDXLTask.loss).
             extra["loss_weight"] = torch.tensor(t.cfg.train.prior_loss_weight if item.is_reg else 1.0)
+            extra["is_reg"] = torch.tensor(item.is_reg)
         if t.cfg.adapter.train_text_encoder:
             # The text encoders train: captions go in as tokens, encoded in the forward with gradients.
             caption = sdxl_data.make_caption(item, t.cfg.data, rng)
@@ -145,6 +148,22 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
                 text = t.empty_text
         return {"latent_mean": lat["mean"], "latent_std": lat["std"], "time_ids": lat["time_ids"],
                 "prompt_embeds": text["prompt_embeds"], "pooled": text["pooled"], **extra}
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module):
+    """Every peft adapter layer of `model` computes its base layer's output alone, for the duration. peft's
+    enable_adapters(False) would also clear the adapters' requires_grad (and set_adapter restore it), which a
+    training step must not see, so the flag its forward reads is set directly."""
+    layers = [m for m in model.modules() if hasattr(m, "_disable_adapters")]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, before):
+            m._disable_adapters = flag
 
 
 def sample_key(seed: int, epoch: int, position: int) -> int:
@@ -765,6 +784,8 @@ class SDXLTask(Task):
         noisy = sched.add_noise(latents, noise, t)
         prediction_type = sched.config.prediction_type
         target = sched.get_velocity(latents, noise, t) if prediction_type == "v_prediction" else noise
+        if tc.prior_prediction and "is_reg" in batch and bool(batch["is_reg"].any()):
+            target = self._prior_target(model, noisy, t, batch, target)
         with speed.sdpa_context(tc.sdpa_backend):
             if "input_ids" in batch:  # text encoder LoRA: the model encodes the captions itself
                 if model is self.pipe.unet:
@@ -777,6 +798,18 @@ class SDXLTask(Task):
                                         huber_delta=tc.huber_delta, min_snr_gamma=tc.min_snr_gamma,
                                         prediction_type=prediction_type, mask=batch.get("mask"),
                                         weight=batch.get("loss_weight"))
+
+    def _prior_target(self, model, noisy, t, batch, target) -> torch.Tensor:
+        """train.prior_prediction (OneTrainer's prior prediction): the regularization rows' target is what the
+        base predicts for the same noisy latents and captions, the adapter off, so they keep the base's
+        behaviour for their captions whatever their pixels."""
+        if "input_ids" in batch:
+            raise ConfigError("train.prior_prediction needs the text encoders frozen (their LoRA would change the "
+                              "base's prediction too); set adapter.train_text_encoder=false or drop prior_prediction")
+        with torch.no_grad(), adapters_off(model):
+            base = self._unet(model, noisy, t, batch["prompt_embeds"], batch["pooled"], batch["time_ids"])
+        reg = batch["is_reg"].to(target.device).view(-1, *([1] * (target.dim() - 1)))
+        return torch.where(reg, base.to(target.dtype), target)
 
     def _text(self, model, idx: int) -> dict[str, torch.Tensor]:
         """Item idx's text embeddings: from the cache, or (text encoder LoRA) encoded now by the model's encoders."""
