@@ -268,6 +268,7 @@ class SDXLTask(Task):
             self._identity["datasets"] = hashlib.sha256(repr(tables).encode()).hexdigest()[:12]
         if self.has_reg:
             self._identity["prior_loss_weight"] = cfg.train.prior_loss_weight
+            self._identity["prior_prediction"] = cfg.train.prior_prediction
         return self._identity
 
     def _preview_prompts(self) -> list[PreviewPrompt]:
