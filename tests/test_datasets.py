@@ -95,6 +95,16 @@ def test_dataset_table_errors_name_the_table_and_field(tmp_path):
     assert all(it.has_caption for it in ds.items) and len(ds.items) == 4
 
 
+def test_dataset_tables_survive_the_runs_config_file(tmp_path):
+    # A run's config.toml is read again on resume and by the UI: the tables come back as they were.
+    stars = copy_samples(tmp_path / "stars", "*_star.png", 1)
+    cfg = load_config(extra={"data.datasets": [{"path": str(stars), "repeats": 3, "tag_dropout": 0.2},
+                                               {"path": str(stars), "is_regularization": True}]})
+    (tmp_path / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+    again = load_config(tmp_path / "config.toml")
+    assert again.data.datasets == cfg.data.datasets and again.data.datasets[1].repeats is None
+
+
 # ------------------------------------------------------------------------ captions
 
 def test_tag_dropout_prefix_suffix_and_keep_separator():

@@ -872,6 +872,9 @@ class SDXLTask(Task):
                    "ss_lr_scheduler": cfg.train.scheduler, "ss_seed": str(cfg.train.seed),
                    "ss_network_dropout": str(cfg.adapter.dropout),
                    "ss_mixed_precision": str(self.accelerator.mixed_precision),
+                   # kohya's own keys for regularization images (0 when there are none).
+                   "ss_num_reg_images": str(sum(it.is_reg for it in self.dataset.items)),
+                   "ss_prior_loss_weight": str(cfg.train.prior_loss_weight),
                    "sdxl_lora.steps": str(step), "sdxl_lora.resolution": str(self.resolution),
                    "sdxl_lora.preset": cfg.adapter.preset,
                    # The base the adapter saw: merge warns when it was quantized (docs/qlora.md).
