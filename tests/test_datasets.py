@@ -414,3 +414,9 @@ def test_the_doctor_finds_planted_duplicates_missing_triggers_small_subjects_and
     # image seen 100 times is 50 epochs of repeats 2.
     assert "suggested train.steps: about 350" in out
     assert {p: snapshot(p) for p in (stars, reg)} == before
+
+
+def test_folders_given_both_as_data_dirs_and_as_tables_are_refused(tmp_path):
+    stars = copy_samples(tmp_path / "stars", "*_star.png", 1)
+    with pytest.raises(ConfigError, match=r"both name the folders to train on — put each folder in a table"):
+        load_config(extra={"data.datasets": [{"path": str(stars)}], "data.dirs": [str(stars)]})

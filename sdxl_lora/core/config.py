@@ -143,6 +143,15 @@ class DataConfig(Section):
             raise ValueError("must be between 0 and 1")
         return v
 
+    @model_validator(mode="after")
+    def _one_way(self) -> "DataConfig":
+        # Folders from --data / data.dirs beside [[data.datasets]] tables: one of them would be ignored silently.
+        if self.datasets and self.dirs != type(self).model_fields["dirs"].default_factory():
+            raise ValueError(f"data.dirs = {self.dirs} and {len(self.datasets)} [[data.datasets]] table(s) both name "
+                             "the folders to train on — put each folder in a table (path = ...) and drop data.dirs "
+                             "(or --data), or drop the tables")
+        return self
+
 
 # The data.* fields a [[data.datasets]] table may override (the rest are about the whole run: buckets' step,
 # pixel limits, caches, masks, validation).
