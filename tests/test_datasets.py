@@ -128,6 +128,21 @@ def test_tag_dropout_prefix_suffix_and_keep_separator():
     assert sdxl_data.make_caption(it, cfg, random.Random(0)) == "sks, photo of a star masterpiece"
 
 
+def test_wildcards_pick_one_choice_each_time_and_the_cache_takes_the_first():
+    cfg = load_config(extra={"data.wildcards": True, "data.caption_dropout": 0.0}).data
+    it = sdxl_data.Item(Path("x.png"), "sks, a {red|blue|green} star, {{literal}}", 1, (64, 64), (64, 64),
+                        Path("."), True, settings=cfg)
+    seen = {sdxl_data.make_caption(it, cfg, random.Random(s)) for s in range(40)}
+    assert seen == {f"sks, a {c} star, {{literal}}" for c in ("red", "blue", "green")}
+    assert sdxl_data.make_caption(it, cfg, random.Random(0), fixed=True) == "sks, a red star, {literal}"
+    assert sdxl_data.live_caption(it, cfg)
+    plain = sdxl_data.Item(Path("y.png"), "sks, a star", 1, (64, 64), (64, 64), Path("."), True, settings=cfg)
+    assert not sdxl_data.live_caption(plain, cfg)  # nothing to choose: its embedding is cached
+    off = load_config().data
+    it.settings = off
+    assert sdxl_data.make_caption(it, off, random.Random(0), fixed=True) == it.caption
+
+
 # ------------------------------------------------------------------------ regularization
 
 def test_regularization_images_are_balanced_to_the_training_samples_as_kohya_does(tmp_path):

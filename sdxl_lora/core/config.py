@@ -101,6 +101,8 @@ class DataConfig(Section):
     keep_tokens_separator: str = Field("", description=(
         "With shuffle_tags or tag_dropout: the tags before this mark (e.g. '|||') stay in place instead of the "
         "first keep_tokens; a second mark keeps the tags after it at the end."))
+    wildcards: bool = Field(False, description=(
+        "A caption's {a|b|c} picks one of its choices each time it is used ({{ and }} are plain braces)."))
     caption_prefix: str = Field("", description="Text put before every caption (after dropout decides).")
     caption_suffix: str = Field("", description="Text put after every caption.")
     datasets: list["DatasetConfig"] = Field(default_factory=list, description=(
@@ -157,7 +159,7 @@ class DataConfig(Section):
 # pixel limits, caches, masks, validation).
 DATASET_OVERRIDES = ("caption_extension", "trigger_word", "class_token", "resolution", "flip", "shuffle_tags",
                      "keep_tokens", "keep_tokens_separator", "caption_dropout", "tag_dropout", "caption_prefix",
-                     "caption_suffix", "small_images")
+                     "caption_suffix", "small_images", "wildcards")
 
 
 class DatasetConfig(Section):
@@ -184,6 +186,7 @@ class DatasetConfig(Section):
     tag_dropout: float | None = None
     caption_prefix: str | None = None
     caption_suffix: str | None = None
+    wildcards: bool | None = None
     small_images: Literal["upscale", "skip"] | None = None
 
     @field_validator("caption_extension")

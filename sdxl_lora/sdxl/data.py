@@ -38,6 +38,8 @@ METADATA_CAPTION_FIELDS = ("text", "caption")
 # kohya's folder convention: "10_sks dog" means every image inside is seen 10 times an epoch.
 _REPEATS_PREFIX = re.compile(r"^([1-9][0-9]*)_(.+)$")
 _MAX_LISTED = 20
+# kohya's wildcard: {a|b|c}, one choice each time; {{ and }} are braces themselves.
+_WILDCARD = re.compile(r"\{([^{}]*\|[^{}]*)\}")
 
 
 @dataclass(frozen=True)
@@ -266,7 +268,13 @@ def live_text(cfg: DataConfig) -> bool:
 
 
 def _live(settings: DataConfig) -> bool:
-    return settings.shuffle_tags or settings.tag_dropout > 0
+    return settings.shuffle_tags or settings.tag_dropout > 0 or settings.wildcards
+
+
+def live_caption(item: Item, cfg: DataConfig) -> bool:
+    """Whether this image's caption changes from one use to the next, so it is encoded per sample."""
+    s = item.settings if item.settings is not None else cfg
+    return s.shuffle_tags or s.tag_dropout > 0 or (s.wildcards and _WILDCARD.search(item.caption) is not None)
 
 
 def _walk(root: Path) -> list[tuple[Path, list[str]]]:
@@ -752,6 +760,13 @@ def _tags(text: str, settings: DataConfig) -> tuple[list[str], list[str], list[s
     return tags[:keep], tags[keep:], []
 
 
+def _wildcards(text: str, rng: random.Random | None) -> str:
+    """Each {a|b|c} replaced by one of its choices (rng None: the first, for the text cache)."""
+    text = text.replace("{{", "\0").replace("}}", "\1")
+    text = _WILDCARD.sub(lambda m: (rng.choice if rng else (lambda c: c[0]))(m.group(1).split("|")).strip(), text)
+    return text.replace("\0", "{").replace("\1", "}")
+
+
 def make_caption(item: Item, cfg: DataConfig, rng: random.Random, fixed: bool = False) -> str:
     """The caption an image trains with this time, by its dataset's settings (item.settings; `cfg` for an item
     made without them). In order, as kohya's sd-scripts process a caption:
@@ -759,6 +774,7 @@ def make_caption(item: Item, cfg: DataConfig, rng: random.Random, fixed: bool = 
     - caption dropout: with probability caption_dropout the caption is "" (for classifier-free guidance);
     - no caption: "<trigger_word> <class_token>";
     - caption_prefix and caption_suffix around it;
+    - wildcards: each {a|b|c} becomes one of its choices;
     - tags: the kept ones (keep_tokens, or keep_tokens_separator) stay in place, each other tag is left out with
       probability tag_dropout, and with shuffle_tags the rest are shuffled;
     - a trigger word missing from the caption is put first, so every image teaches it (a regularization
@@ -771,6 +787,8 @@ def make_caption(item: Item, cfg: DataConfig, rng: random.Random, fixed: bool = 
         return ""
     text = item.caption if item.has_caption else fallback_caption(s)
     text = " ".join(part for part in (s.caption_prefix.strip(), text, s.caption_suffix.strip()) if part)
+    if s.wildcards:
+        text = _wildcards(text, None if fixed else rng)
     tagged = s.keep_tokens_separator and s.keep_tokens_separator in text
     if tagged or (not fixed and _live(s)):
         head, rest, tail = _tags(text, s)

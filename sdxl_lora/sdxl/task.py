@@ -137,7 +137,7 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
             caption = sdxl_data.make_caption(item, t.cfg.data, rng)
             return {"latent_mean": lat["mean"], "latent_std": lat["std"], "time_ids": lat["time_ids"],
                     **t.tokenize(caption), **extra}
-        if settings.shuffle_tags or settings.tag_dropout > 0:
+        if sdxl_data.live_caption(item, t.cfg.data):
             # A new caption each time: encoded now, with the text encoders kept on the device.
             caption = sdxl_data.make_caption(item, t.cfg.data, rng)
             with torch.no_grad():
@@ -309,7 +309,7 @@ class SDXLTask(Task):
             log.info("adapter.train_text_encoder: the text encoders train, so text embeddings are computed live "
                      "(with gradients) and not cached; the text encoders stay on %s", self.device)
         elif sdxl_data.live_text(cfg.data):
-            log.info("data.shuffle_tags or data.tag_dropout: text embeddings are computed per sample (not cached); "
+            log.info("data.shuffle_tags, data.tag_dropout or data.wildcards: text embeddings are computed per sample (not cached); "
                      "the text encoders stay on %s", self.device)
         else:
             done += [self.pipe.text_encoder, self.pipe.text_encoder_2]
