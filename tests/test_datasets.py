@@ -272,8 +272,13 @@ resolution = 64
 cache_dir = "{tmp_path / 'cache'}"
 [[data.datasets]]
 path = "{stars}"
+repeats = 2
 [[data.datasets]]
 path = "{reg}"
+is_regularization = true
+[[data.datasets]]
+class_prompt = "a green circle on a black background"
+class_images = 2
 is_regularization = true
 [train]
 prior_loss_weight = 0.5
@@ -281,6 +286,7 @@ prior_prediction = true
 batch_size = 3
 [preview]
 prompts = ""
+steps = 2
 """, encoding="utf-8")
     seen = []
     real = diffusion.diffusion_loss
@@ -295,9 +301,15 @@ prompts = ""
     assert set(flat) == {1.0, 0.5} and len(flat) == 6
     events = [json.loads(line) for line in (tmp_path / "r" / "events.jsonl").read_text().splitlines()]
     dataset = next(e for e in events if e["event"] == "dataset")
+    # 6 training samples: the 5 regularization images once, in table order, then one more repeat for the first.
     assert [(d["name"], d["images"], d["samples"], d["is_regularization"]) for d in dataset["datasets"]] == \
-        [("stars", 3, 3, False), ("reg", 3, 3, True)]
+        [("stars", 3, 6, False), ("reg", 3, 4, True), ("class images", 2, 2, True)]
     assert {p: snapshot(p) for p in (stars, reg)} == before
+    # The class images were made by the base, captioned with the prompt, in the cache.
+    made = sorted((tmp_path / "cache" / "class_images").glob("*/*.png"))
+    assert [p.name for p in made] == ["00000.png", "00001.png"]
+    assert made[0].with_suffix(".txt").read_text(encoding="utf-8") == "a green circle on a black background\n"
+    assert Image.open(made[0]).size == (64, 64)
 
 
 def test_a_resume_is_refused_when_a_dataset_setting_or_the_prior_weight_changed(tmp_path):
@@ -435,3 +447,43 @@ def test_folders_given_both_as_data_dirs_and_as_tables_are_refused(tmp_path):
     stars = copy_samples(tmp_path / "stars", "*_star.png", 1)
     with pytest.raises(ConfigError, match=r"both name the folders to train on — put each folder in a table"):
         load_config(extra={"data.datasets": [{"path": str(stars)}], "data.dirs": [str(stars)]})
+
+
+def test_class_images_are_made_once_and_an_interrupted_set_is_finished(tmp_path):
+    from sdxl_lora.sdxl import class_images
+
+    calls = []
+
+    class Part(torch.nn.Linear):
+        device = torch.device("cpu")  # as diffusers' models have
+
+    class FakePipe:  # what render() calls: one image per call, the seed from its generator
+        unet = vae = text_encoder = text_encoder_2 = Part(1, 1)
+
+        def __call__(self, prompt, generator, width, height, **kw):
+            calls.append(generator.initial_seed())
+            return SimpleNamespace(images=[Image.new("RGB", (width, height), (len(calls) * 40, 0, 0))])
+
+    folder = tmp_path / "class"
+    made = class_images.generate(FakePipe(), folder, "a circle", 3, 64, steps=2, guidance=5.0,
+                                 device=torch.device("cpu"), autocast_dtype=None, show=False)
+    assert made == 3 and calls == [0, 1, 2]
+    first = (folder / "00000.png").read_bytes()
+    (folder / "00002.txt").unlink()  # as if the run was killed between the image and its caption
+    made = class_images.generate(FakePipe(), folder, "a circle", 3, 64, steps=2, guidance=5.0,
+                                 device=torch.device("cpu"), autocast_dtype=None, show=False)
+    assert made == 1 and calls[3:] == [2] and (folder / "00000.png").read_bytes() == first
+    assert (folder / "00002.txt").read_text(encoding="utf-8") == "a circle\n"
+
+
+def test_class_prompt_tables_say_what_they_need(tmp_path):
+    stars = copy_samples(tmp_path / "stars", "*_star.png", 1)
+    for table, message in (({"class_prompt": "a man", "class_images": 4}, "set is_regularization = true"),
+                           ({"is_regularization": True}, "needs a path"),
+                           ({"path": str(stars), "class_prompt": "a man", "class_images": 4,
+                             "is_regularization": True}, "never into your folder")):
+        with pytest.raises(ConfigError, match=rf"data\.datasets\[1\]: Value error, .*{message}"):
+            data_cfg({"path": str(stars)}, table)
+    cfg = data_cfg({"path": str(stars)}, {"class_prompt": "a man", "class_images": 4, "is_regularization": True})
+    assert "data.datasets[1]: 4 image(s) of 'a man' are made by the base model when training starts" in \
+        sdxl_data.scan(cfg, 128).report()

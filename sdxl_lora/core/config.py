@@ -167,7 +167,12 @@ class DatasetConfig(Section):
     subsets, OneTrainer's concepts). A field left out takes data.*'s value."""
     model_config = ConfigDict(extra="forbid", validate_assignment=True, json_schema_extra=SDXL_ONLY)
 
-    path: str = Field(description="The dataset's folder of images with caption files.")
+    path: str | None = Field(None, description=(
+        "The dataset's folder of images with caption files (none: images generated from class_prompt)."))
+    class_prompt: str | None = Field(None, description=(
+        "Regularization images made by the base model from this prompt when training starts (no path), "
+        "cached like latents and captioned with the prompt (docs/data.md)."))
+    class_images: int = Field(0, ge=0, description="With class_prompt: how many images to generate.")
     repeats: int | None = Field(None, ge=1, description=(
         "Times each image counts per epoch; none means kohya folder names ('10_sks dog') decide, else 1."))
     is_regularization: bool = Field(False, description=(
@@ -198,6 +203,18 @@ class DatasetConfig(Section):
     @classmethod
     def _prob(cls, v: float | None) -> float | None:
         return None if v is None else DataConfig._prob(v)
+
+    @model_validator(mode="after")
+    def _source(self) -> "DatasetConfig":
+        if self.path is None and not (self.class_prompt and self.class_images):
+            raise ValueError("needs a path (a folder of images), or class_prompt and class_images > 0 for "
+                             "regularization images made by the base model")
+        if self.path is not None and self.class_prompt:
+            raise ValueError("has both a path and a class_prompt: images are generated into the cache, never into "
+                             "your folder — give one of them")
+        if self.class_prompt and not self.is_regularization:
+            raise ValueError("class_prompt makes regularization images: set is_regularization = true")
+        return self
 
     def settings(self, base: DataConfig) -> DataConfig:
         """data.* with this table's settings over it, for this folder alone."""

@@ -69,7 +69,7 @@ class Item:
 @dataclass
 class DatasetSpec:
     """One dataset as configured: a data.dirs entry, or a [[data.datasets]] table with its own settings."""
-    index: int
+    index: int  # its position in Dataset.specs (Item.source)
     name: str
     root: Path
     settings: DataConfig  # data.* with this dataset's table over it
@@ -248,12 +248,14 @@ def dataset_specs(cfg: DataConfig, resolution: int) -> list[DatasetSpec]:
     specs = []
     for i, d in enumerate(cfg.datasets):
         where = f"data.datasets[{i}]"
+        if d.path is None:
+            continue  # images the base model makes from class_prompt when training starts (sdxl/class_images.py)
         root = _root(d.path, f"{where}.path")
         settings = d.settings(cfg)
         if d.is_regularization:
             # A regularization image shows the class, not the concept: it never learns the trigger word.
             settings = settings.model_copy(update={"trigger_word": ""})
-        specs.append(DatasetSpec(i, d.name or root.name, root, settings, settings.resolution or resolution,
+        specs.append(DatasetSpec(len(specs), d.name or root.name, root, settings, settings.resolution or resolution,
                                  repeats=d.repeats, is_reg=d.is_regularization, field=where))
     if all(spec.is_reg for spec in specs):
         raise DataError("every [[data.datasets]] table has is_regularization=true, so nothing teaches the concept "
@@ -510,15 +512,18 @@ def scan(cfg: DataConfig, resolution: int,
     extension would, a metadata file is unusable, or no usable image remains.
     """
     specs = dataset_specs(cfg, resolution)
+    pending = [i for i, d in enumerate(cfg.datasets) if d.path is None]
     problems: list[Problem] = []
     # An image is used once per role: a folder may be both training images and (say, with class captions of
     # another extension) regularization inputs for train.prior_prediction.
     seen: dict[bool, set[str]] = {False: set(), True: set()}
-    notes: list[str] = []
+    notes: list[str] = [f"data.datasets[{i}]: {cfg.datasets[i].class_images} image(s) of "
+                         f"{cfg.datasets[i].class_prompt!r} are made by the base model when training starts"
+                         for i in pending]
     found: list[tuple[DatasetSpec, _Candidate]] = []
     if not cfg.datasets:
         # data.dirs: one set of settings for every folder, checked together (as before datasets tables).
-        candidates, notes = _find(cfg, [spec.root for spec in specs], problems, seen[False])
+        candidates, notes = _find(cfg, [spec.root for spec in specs], problems, seen[False])  # no tables: none pending
         by_root = {}
         for spec in specs:
             by_root.setdefault(spec.root, spec)

@@ -227,8 +227,12 @@ class SDXLTask(Task):
     def _read_data(self, run: Run) -> None:
         """The dataset scanned and split: training draws from the training items only; the caches cover
         all items, the held-out ones last."""
+        from .class_images import with_class_images
+
         cfg = self.cfg
-        scanned = sdxl_data.scan(cfg.data, self.resolution)
+        # Regularization tables with a class_prompt: their images made by the base (or read from the cache) first.
+        data = with_class_images(self, cfg.data, self.resolution)
+        scanned = sdxl_data.scan(data, self.resolution)
         log.info("dataset:\n%s", scanned.report())
         # Regularization images are not the concept: the held-out loss is measured on the training images only.
         train_items, val_items = _split([it for it in scanned.items if not it.is_reg], cfg.data.validation_split)
