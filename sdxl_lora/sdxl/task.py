@@ -869,8 +869,11 @@ class SDXLTask(Task):
         datasets: dict[str, list[tuple[str, int]]] = {}
         for item in self.dataset.items:
             datasets.setdefault(item.dataset.name, []).append((item.caption, item.repeats))
+        # Each training dataset's own trigger word ([[data.datasets]]); regularization ones have none.
+        triggers = sorted({s.settings.trigger_word.strip() for s in self.dataset.specs if not s.is_reg} - {""})
         meta = training_metadata(
-            title=run.name, steps=step, resolution=self.resolution, trigger_phrase=cfg.data.trigger_word,
+            title=run.name, steps=step, resolution=self.resolution,
+            trigger_phrase=", ".join(triggers) or cfg.data.trigger_word,
             base_model=cfg.model.path, datasets=datasets,
             extra={"ss_learning_rate": str(cfg.train.lr), "ss_batch_size_per_device": str(cfg.train.batch_size),
                    "ss_lr_scheduler": cfg.train.scheduler, "ss_seed": str(cfg.train.seed),
