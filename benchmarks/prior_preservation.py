@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,6 +51,27 @@ def configs(out: Path, stars: Path, prior: Path) -> dict[str, str]:
             "regularization": reg, "prior prediction": reg + "[train]\nprior_prediction = true\n"}
 
 
+def run(args, i: int, name: str, toml: str, prompts: Path) -> dict:
+    config = args.out / f"run{i}.toml"
+    config.write_text(toml, encoding="utf-8")
+    # The demo base's recommended settings (400 steps at 1e-3, conv LoRA, caption dropout) apply.
+    cmd = [sys.executable, "-m", "sdxl_lora.cli", "train", str(config), "--device", args.device,
+           "--out", str(args.out / "runs"), "--name", f"run{i}", "--overwrite",
+           "--set", f"preview.prompts='{prompts}'", "--set", f"data.cache_dir='{args.out / 'cache'}'",
+           "--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]
+    started = time.time()
+    with open(args.out / f"run{i}.log", "w", encoding="utf-8") as log:
+        rc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT).returncode
+    row = {"run": f"run{i}", "setting": name, "rc": rc, "seconds": round(time.time() - started)}
+    if rc == 0:
+        concept = sweep.summary(args.out / "runs" / f"run{i}")
+        base, end = concept["0"], concept[max(concept, key=int)]
+        row.update(base=base, end=end,
+                   own_shape_kept=round(end["own_shape"] / base["own_shape"], 3) if base["own_shape"] else None)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the datasets, runs, cache and logs")
@@ -61,34 +83,9 @@ def main() -> None:
     prompts = args.out / "prompts.txt"
     prompts.write_text("".join(f"{p} --d {d}\n" for p in sweep.TRIGGER + sweep.PLAIN for d in (0, 1, 2)),
                        encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    todo, running = list(enumerate(configs(args.out, stars, prior).items())), []
-    while todo or running:
-        while todo and len(running) < args.parallel:
-            i, (name, toml) = todo.pop(0)
-            config = args.out / f"run{i}.toml"
-            config.write_text(toml, encoding="utf-8")
-            # The demo base's recommended settings (400 steps at 1e-3, conv LoRA, caption dropout) apply.
-            cmd = [sys.executable, "-m", "sdxl_lora.cli", "train", str(config), "--device", args.device,
-                   "--out", str(args.out / "runs"), "--name", f"run{i}", "--overwrite",
-                   "--set", f"preview.prompts='{prompts}'", "--set", f"data.cache_dir='{args.out / 'cache'}'",
-                   "--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]
-            log = open(args.out / f"run{i}.log", "w", encoding="utf-8")
-            running.append((subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT),
-                            i, name, time.time(), log))
-        time.sleep(2)
-        for entry in list(running):
-            proc, i, name, t0, log = entry
-            if proc.poll() is None:
-                continue
-            running.remove(entry)
-            log.close()
-            row = {"run": f"run{i}", "setting": name, "rc": proc.returncode, "seconds": round(time.time() - t0)}
-            if proc.returncode == 0:
-                concept = sweep.summary(args.out / "runs" / f"run{i}")
-                base, end = concept["0"], concept[max(concept, key=int)]
-                row.update(base=base, end=end, own_shape_kept=round(end["own_shape"] / base["own_shape"], 3)
-                           if base["own_shape"] else None)
+    jobs = list(enumerate(configs(args.out, stars, prior).items()))
+    with ThreadPoolExecutor(args.parallel) as pool:
+        for row in pool.map(lambda job: run(args, job[0], *job[1], prompts), jobs):
             print(json.dumps(row), flush=True)
 
 
