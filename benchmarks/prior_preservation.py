@@ -8,6 +8,8 @@ and 3 plain ones, 3 seeds each):
   prior prediction   the same, with train.prior_prediction: their target is the base's own prediction
 
     python benchmarks/prior_preservation.py --out /tmp/prior
+    python benchmarks/prior_preservation.py --out /tmp/prior2 --only regularization "prior prediction" \
+        --set train.prior_loss_weight=2.0
 
 One JSON line per run: wall time and the concept events at step 0 (the base) and at the end: P(star) over the
 trigger renders, the plain prompts' own shape, and that own shape over the base's (what prior preservation
@@ -58,7 +60,8 @@ def run(args, i: int, name: str, toml: str, prompts: Path) -> dict:
     cmd = [sys.executable, "-m", "sdxl_lora.cli", "train", str(config), "--device", args.device,
            "--out", str(args.out / "runs"), "--name", f"run{i}", "--overwrite",
            "--set", f"preview.prompts='{prompts}'", "--set", f"data.cache_dir='{args.out / 'cache'}'",
-           "--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]
+           "--set", "train.save_every=0", "--set", "train.save_every_minutes=0",
+           *(a for kv in args.set for a in ("--set", kv))]
     started = time.time()
     with open(args.out / f"run{i}.log", "w", encoding="utf-8") as log:
         rc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, cwd=REPO,
@@ -77,13 +80,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="folder for the datasets, runs, cache and logs")
     ap.add_argument("--parallel", type=int, default=2, help="runs at a time")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--only", nargs="+", help="these settings only (by name)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     stars, prior = datasets(args.out)
     prompts = args.out / "prompts.txt"
     prompts.write_text("".join(f"{p} --d {d}\n" for p in sweep.TRIGGER + sweep.PLAIN for d in (0, 1, 2)),
                        encoding="utf-8")
-    jobs = list(enumerate(configs(args.out, stars, prior).items()))
+    jobs = [(i, job) for i, job in enumerate(configs(args.out, stars, prior).items())
+            if not args.only or job[0] in args.only]
     with ThreadPoolExecutor(args.parallel) as pool:
         for row in pool.map(lambda job: run(args, job[0], *job[1], prompts), jobs):
             print(json.dumps(row), flush=True)
