@@ -152,16 +152,31 @@ def cmd_plan(args) -> int:
 
 
 def cmd_dataset_inspect(args) -> int:
-    from .core.config import load_config
+    from .core.config import ConfigError, load_config
     from .sdxl.data import inspect_text
 
-    cfg = load_config(args.config, args.set, {"data.dirs": list(args.dirs)})
+    # Folders on the command line replace the config's datasets; without any, the config's own are inspected.
+    given = {"data.dirs": list(args.dirs), "data.datasets": []} if args.dirs else {}
+    if not args.dirs and not args.config:
+        raise ConfigError("dataset inspect: give dataset folder(s), or --config with [[data.datasets]] or data.dirs")
+    cfg = load_config(args.config, args.set, given)
     resolution = cfg.data.resolution or args.resolution
     if resolution is None:  # what training would use: the model's native resolution
         from .sdxl.model import unet_skeleton
 
         resolution = unet_skeleton(cfg.model)[1]
-    print(inspect_text(cfg.data, resolution))
+    print(inspect_text(cfg.data, resolution, doctor=not args.no_doctor, batch_size=cfg.train.batch_size))
+    return 0
+
+
+def cmd_dataset_caption(args) -> int:
+    from .sdxl.captioner import caption_folder
+
+    report = caption_folder(args.dir, args.model, extension=args.caption_extension, overwrite=args.overwrite,
+                            prompt=args.prompt, prefix=args.prefix, max_new_tokens=args.max_new_tokens,
+                            batch_size=args.batch_size, device=args.device)
+    for line in report.lines():
+        print(line)
     return 0
 
 
@@ -525,13 +540,26 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("dataset", help="dataset tools")
     dsub = d.add_subparsers(dest="dataset_command", required=True)
     di = dsub.add_parser("inspect", help="image count, caption coverage, bucket histogram, problems")
-    di.add_argument("dirs", nargs="+", help="dataset folder(s)")
-    di.add_argument("--config", help="TOML config whose [data] settings apply")
+    di.add_argument("dirs", nargs="*", help="dataset folder(s); none: the config's [[data.datasets]] or data.dirs")
+    di.add_argument("--config", help="TOML config whose [data] settings (and datasets) apply")
     di.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     di.add_argument("--resolution", type=int,
                     help="bucket resolution when the config sets none (default: the config's model's native one, "
                          "as training uses)")
+    di.add_argument("--no-doctor", action="store_true",
+                    help="leave out the doctor's checks (duplicates, trigger words, tags, small subjects, steps)")
     di.set_defaults(func=cmd_dataset_inspect)
+    dc = dsub.add_parser("caption", help="write sidecar captions with a local image-to-text model (BLIP, ...)")
+    dc.add_argument("dir", help="dataset folder (subfolders too)")
+    dc.add_argument("--model", required=True, help="local transformers folder of the captioning model (never downloaded)")
+    dc.add_argument("--caption-extension", default=".txt", help="extension of the caption files (default .txt)")
+    dc.add_argument("--overwrite", action="store_true", help="replace captions that are already there")
+    dc.add_argument("--prompt", help="text the caption starts from, for models that take one (BLIP: 'a photo of')")
+    dc.add_argument("--prefix", default="", help="text put before every caption written (e.g. the trigger word)")
+    dc.add_argument("--max-new-tokens", type=int, default=40, help="the longest caption, in tokens")
+    dc.add_argument("--batch-size", type=int, default=4, help="images per model call")
+    dc.add_argument("--device", default="cpu", help="cpu or cuda")
+    dc.set_defaults(func=cmd_dataset_caption)
 
     e = sub.add_parser("export", help="write an adapter as kohya (ComfyUI/A1111/Forge), diffusers or peft")
     e.add_argument("source", metavar="RUN_DIR_OR_FILE", help="a run folder, an adapter file or a PEFT folder")

@@ -155,7 +155,8 @@ def test_no_number_field_takes_inf_or_nan_and_each_refusal_names_the_field():
 
 # Number fields where 0 means something a user asks for: off, none, no held-out images, the first timestep.
 ZERO_MEANS_SOMETHING = {
-    "data.keep_tokens", "data.caption_dropout", "data.validation_split", "adapter.dropout", "train.weight_decay",
+    "data.keep_tokens", "data.caption_dropout", "data.tag_dropout", "data.validation_split", "adapter.dropout",
+    "train.weight_decay", "train.prior_loss_weight",
     "train.warmup_steps", "train.max_grad_norm", "train.noise_offset", "train.min_snr_gamma", "train.timestep_min",
     "train.timestep_max", "train.profile_steps", "train.seed", "train.save_every", "train.save_every_minutes",
     "preview.every", "preview.guidance", "preview.guidance_rescale", "preview.seed", "llm.validation_split"}

@@ -99,6 +99,18 @@ class DataConfig(Section):
     keep_tokens: int = Field(0, ge=0, description="With shuffle_tags: how many leading tags stay in place.")
     caption_dropout: float = Field(0.0, description=(
         "Chance an image trains with an empty caption, which keeps classifier-free guidance working."))
+    tag_dropout: float = Field(0.0, description=(
+        "Chance each comma-separated tag (after the first keep_tokens) is left out of a caption, each time."))
+    keep_tokens_separator: str = Field("", description=(
+        "With shuffle_tags or tag_dropout: the tags before this mark (e.g. '|||') stay in place instead of the "
+        "first keep_tokens; a second mark keeps the tags after it at the end."))
+    wildcards: bool = Field(False, description=(
+        "A caption's {a|b|c} picks one of its choices each time it is used ({{ and }} are plain braces)."))
+    caption_prefix: str = Field("", description="Text put before every caption (after dropout decides).")
+    caption_suffix: str = Field("", description="Text put after every caption.")
+    datasets: list["DatasetConfig"] = Field(default_factory=list, description=(
+        "Several datasets, each a [[data.datasets]] table with its own path and settings (docs/data.md); set, "
+        "it replaces data.dirs, and the data.* values above are the defaults each table overrides."))
     validation_split: float = Field(0.0, ge=0.0, lt=1.0, description=(
         "Fraction of images held out for the validation loss (fixed timesteps and noise); 0 is none."))
     cache_dir: str | None = Field(None, description=(
@@ -129,12 +141,91 @@ class DataConfig(Section):
             raise ValueError("must not be empty (it tells a mask from its image), e.g. '-masklabel' or '.mask'")
         return v
 
-    @field_validator("caption_dropout")
+    @field_validator("caption_dropout", "tag_dropout")
     @classmethod
     def _prob(cls, v: float) -> float:
         if not 0.0 <= v <= 1.0:
             raise ValueError("must be between 0 and 1")
         return v
+
+    @model_validator(mode="after")
+    def _one_way(self) -> "DataConfig":
+        # Folders from --data / data.dirs beside [[data.datasets]] tables: one of them would be ignored silently.
+        if self.datasets and self.dirs != type(self).model_fields["dirs"].default_factory():
+            raise ValueError(f"data.dirs = {self.dirs} and {len(self.datasets)} [[data.datasets]] table(s) both name "
+                             "the folders to train on — put each folder in a table (path = ...) and drop data.dirs "
+                             "(or --data), or drop the tables")
+        return self
+
+
+# The data.* fields a [[data.datasets]] table may override (the rest are about the whole run: buckets' step,
+# pixel limits, caches, masks, validation).
+DATASET_OVERRIDES = ("caption_extension", "trigger_word", "class_token", "resolution", "flip", "shuffle_tags",
+                     "keep_tokens", "keep_tokens_separator", "caption_dropout", "tag_dropout", "caption_prefix",
+                     "caption_suffix", "small_images", "wildcards")
+
+
+class DatasetConfig(Section):
+    """One [[data.datasets]] table: a folder and the settings that differ from data.*'s (kohya's dataset TOML
+    subsets, OneTrainer's concepts). A field left out takes data.*'s value."""
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, json_schema_extra=SDXL_ONLY)
+
+    path: str | None = Field(None, description=(
+        "The dataset's folder of images with caption files (none: images generated from class_prompt)."))
+    class_prompt: str | None = Field(None, description=(
+        "Regularization images made by the base model from this prompt when training starts (no path), "
+        "cached like latents and captioned with the prompt (docs/data.md)."))
+    class_images: int = Field(0, ge=0, description="With class_prompt: how many images to generate.")
+    repeats: int | None = Field(None, ge=1, description=(
+        "Times each image counts per epoch; none means kohya folder names ('10_sks dog') decide, else 1."))
+    is_regularization: bool = Field(False, description=(
+        "Regularization (class) images: never given the trigger word, their loss weighted by "
+        "train.prior_loss_weight, repeated to balance the training images per epoch (docs/data.md)."))
+    name: str | None = Field(None, description="What reports call the dataset; none means its folder's name.")
+    caption_extension: str | None = None
+    trigger_word: str | None = None
+    class_token: str | None = None
+    resolution: int | None = Field(None, ge=64, le=8192)
+    flip: bool | None = None
+    shuffle_tags: bool | None = None
+    keep_tokens: int | None = Field(None, ge=0)
+    keep_tokens_separator: str | None = None
+    caption_dropout: float | None = None
+    tag_dropout: float | None = None
+    caption_prefix: str | None = None
+    caption_suffix: str | None = None
+    wildcards: bool | None = None
+    small_images: Literal["upscale", "skip"] | None = None
+
+    @field_validator("caption_extension")
+    @classmethod
+    def _dot(cls, v: str | None) -> str | None:
+        return None if v is None else DataConfig._dot(v)
+
+    @field_validator("caption_dropout", "tag_dropout")
+    @classmethod
+    def _prob(cls, v: float | None) -> float | None:
+        return None if v is None else DataConfig._prob(v)
+
+    @model_validator(mode="after")
+    def _source(self) -> "DatasetConfig":
+        if self.path is None and not (self.class_prompt and self.class_images):
+            raise ValueError("needs a path (a folder of images), or class_prompt and class_images > 0 for "
+                             "regularization images made by the base model")
+        if self.path is not None and self.class_prompt:
+            raise ValueError("has both a path and a class_prompt: images are generated into the cache, never into "
+                             "your folder — give one of them")
+        if self.class_prompt and not self.is_regularization:
+            raise ValueError("class_prompt makes regularization images: set is_regularization = true")
+        return self
+
+    def settings(self, base: DataConfig) -> DataConfig:
+        """data.* with this table's settings over it, for this folder alone."""
+        update = {f: getattr(self, f) for f in DATASET_OVERRIDES if getattr(self, f) is not None}
+        return base.model_copy(update={**update, "dirs": [self.path], "datasets": []})
+
+
+DataConfig.model_rebuild()
 
 
 class AdapterConfig(Section):
@@ -253,6 +344,12 @@ class TrainConfig(Section):
         "linear beyond, so outliers pull less."))
     huber_delta: float = Field(1.0, gt=0, json_schema_extra=SDXL_ONLY, description=(
         "huber: the distance where the loss turns from quadratic to linear."))
+    prior_loss_weight: float = Field(1.0, ge=0, json_schema_extra=SDXL_ONLY, description=(
+        "Regularization images (a dataset with is_regularization): each one's loss is multiplied by this, as "
+        "kohya does; 0 leaves them out of the loss."))
+    prior_prediction: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
+        "Regularization images learn the base model's own prediction (the adapter off) instead of their noise, as "
+        "OneTrainer's prior prediction: the images need not be good, only their captions matter."))
     noise_offset: float = Field(0.0, ge=0, json_schema_extra=SDXL_ONLY, description=(
         "Adds offset x N(0,1) per image and channel to the noise; ~0.05-0.1 helps very dark or bright images. "
         "0 is off."))
@@ -497,6 +594,8 @@ def _drop_none(d: Any) -> Any:
     # TOML has no null; a missing key means "default", which is what None means here.
     if isinstance(d, dict):
         return {k: _drop_none(v) for k, v in d.items() if v is not None}
+    if isinstance(d, list):
+        return [_drop_none(v) for v in d]
     return d
 
 
@@ -522,7 +621,7 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"])
+        field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".")
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             section = _section_at(e["loc"][:-1])
@@ -537,12 +636,19 @@ def _format_errors(err: ValidationError, source: str) -> str:
 
 
 def _section_at(loc: tuple) -> type[BaseModel] | None:
+    from typing import get_origin
+
     model: type[BaseModel] = Config
     for p in loc:
+        if isinstance(p, int):
+            continue  # a position in a list of tables (data.datasets[1]): the table's own model
         f = model.model_fields.get(str(p))
-        if f is None or not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)):
+        annotation = f.annotation if f is not None else None
+        if get_origin(annotation) is list:
+            annotation = get_args(annotation)[0]
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return None
-        model = f.annotation
+        model = annotation
     return model
 
 

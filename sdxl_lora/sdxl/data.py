@@ -38,6 +38,8 @@ METADATA_CAPTION_FIELDS = ("text", "caption")
 # kohya's folder convention: "10_sks dog" means every image inside is seen 10 times an epoch.
 _REPEATS_PREFIX = re.compile(r"^([1-9][0-9]*)_(.+)$")
 _MAX_LISTED = 20
+# kohya's wildcard: {a|b|c}, one choice each time; {{ and }} are braces themselves.
+_WILDCARD = re.compile(r"\{([^{}]*\|[^{}]*)\}")
 
 
 @dataclass(frozen=True)
@@ -55,9 +57,26 @@ class Item:
     repeats: int
     size: tuple[int, int]  # (width, height) as displayed, i.e. after EXIF orientation
     bucket: tuple[int, int]  # (width, height), multiples of bucket_step
-    dataset: Path  # the data.dirs entry it came from
+    dataset: Path  # the data.dirs entry (or [[data.datasets]] path) it came from
     has_caption: bool
     mask: Path | None = None  # with data.masked_loss: its loss mask (white learns, black is ignored)
+    # Its dataset's settings (data.* with the [[data.datasets]] table over them); None: the caller's config.
+    settings: DataConfig | None = None
+    is_reg: bool = False  # a regularization image: no trigger word, loss times train.prior_loss_weight
+    source: int = 0  # the index of its DatasetSpec in Dataset.specs
+
+
+@dataclass
+class DatasetSpec:
+    """One dataset as configured: a data.dirs entry, or a [[data.datasets]] table with its own settings."""
+    index: int  # its position in Dataset.specs (Item.source)
+    name: str
+    root: Path
+    settings: DataConfig  # data.* with this dataset's table over it
+    resolution: int
+    repeats: int | None = None  # the table's repeats, over kohya folder names
+    is_reg: bool = False
+    field: str = "data.dirs"  # where errors point: "data.datasets[1]"
 
 
 class DataError(Exception):
@@ -73,6 +92,7 @@ class Dataset:
     roots: list[Path] = field(default_factory=list)
     # Things a user should know that are not errors (fallback captions, upscaled images...).
     notes: list[str] = field(default_factory=list)
+    specs: list[DatasetSpec] = field(default_factory=list)
 
     def __len__(self) -> int:
         return sum(item.repeats for item in self.items)
@@ -81,26 +101,54 @@ class Dataset:
         """Item index for every position of an epoch: item i appears items[i].repeats times."""
         return [i for i, item in enumerate(self.items) for _ in range(item.repeats)]
 
-    def bucket_histogram(self) -> dict[tuple[int, int], int]:
-        """Images per bucket (not counting repeats), narrowest (tallest) bucket first."""
-        counts = Counter(item.bucket for item in self.items)
+    def bucket_histogram(self, items: list[Item] | None = None) -> dict[tuple[int, int], int]:
+        """Images per bucket (not counting repeats), narrowest (tallest) bucket first. A bucket is a shape:
+        datasets at different resolutions have buckets of different areas, so they never share a batch."""
+        counts = Counter(item.bucket for item in (self.items if items is None else items))
         return dict(sorted(counts.items(), key=lambda kv: (kv[0][0] / kv[0][1], kv[0])))
+
+    def spec_items(self, spec: DatasetSpec) -> list[Item]:
+        return [it for it in self.items if it.source == spec.index]
+
+    def summary(self) -> list[dict]:
+        """Per dataset: what it holds and how it trains (the run's dataset event, the UI)."""
+        out = []
+        for spec in self.specs:
+            mine = self.spec_items(spec)
+            out.append({"name": spec.name, "path": str(spec.root), "images": len(mine),
+                        "samples": sum(it.repeats for it in mine), "resolution": spec.resolution,
+                        "is_regularization": spec.is_reg, "trigger_word": spec.settings.trigger_word,
+                        "buckets": {f"{w}x{h}": n for (w, h), n in self.bucket_histogram(mine).items()}})
+        return out
 
     def report(self) -> str:
         n = len(self.items)
-        lines = [f"{n} images ({len(self)} per epoch with repeats) from {len(self.roots)} folder(s); "
-                 f"resolution {self.resolution}, bucket sides in steps of {self.bucket_step}"]
-        for root in self.roots:
-            mine = [it for it in self.items if it.dataset == root]
+        resolutions = sorted({spec.resolution for spec in self.specs} or {self.resolution})
+        shown_res = ", ".join(map(str, resolutions))
+        lines = [f"{n} images ({len(self)} per epoch with repeats) from {len(self.specs or self.roots)} "
+                 f"dataset(s); resolution {shown_res}, bucket sides in steps of {self.bucket_step}"]
+        for spec in self.specs:
+            mine = self.spec_items(spec)
             repeats = sorted({it.repeats for it in mine})
             shown = "" if repeats in ([], [1]) else f", repeats {', '.join(map(str, repeats))}"
-            lines.append(f"  {root}: {len(mine)} images{shown}")
+            label = str(spec.root) if spec.field == "data.dirs" else f"{spec.field} {spec.name} ({spec.root})"
+            extra = []
+            if len(resolutions) > 1:
+                extra.append(f"resolution {spec.resolution}")
+            if spec.is_reg:
+                extra.append("regularization")
+            if spec.settings.trigger_word and spec.field != "data.dirs":
+                extra.append(f"trigger {spec.settings.trigger_word!r}")
+            lines.append(f"  {label}: {len(mine)} images{shown}" + "".join(f", {e}" for e in extra))
         captioned = sum(it.has_caption for it in self.items)
         pct = f" ({100 * captioned / n:.0f}%)" if n else ""
         lines.append(f"captions: {captioned} of {n} images have one{pct}")
-        hist = self.bucket_histogram()
-        if hist:
-            lines.append("buckets (width x height: images):")
+        for res in resolutions:
+            hist = self.bucket_histogram([it for it in self.items if self._resolution_of(it) == res])
+            if not hist:
+                continue
+            lines.append("buckets (width x height: images):" if len(resolutions) == 1 else
+                         f"buckets at resolution {res} (width x height: images):")
             top = max(hist.values())
             for (w, h), count in hist.items():
                 bar = "#" * max(1, round(30 * count / top))
@@ -112,6 +160,9 @@ class Dataset:
         else:
             lines.append("problems: none")
         return "\n".join(lines)
+
+    def _resolution_of(self, item: Item) -> int:
+        return self.specs[item.source].resolution if self.specs else self.resolution
 
 
 # ---------------------------------------------------------------------------------------- buckets
@@ -174,18 +225,58 @@ class _CaptionCount:
     other: Counter = field(default_factory=Counter)  # uncaptioned images with another extension's sidecar
 
 
+def _root(d: str, where: str) -> Path:
+    p = Path(d).expanduser().absolute()
+    if not p.exists():
+        raise DataError(f"{where}: {p} does not exist — check the path")
+    if not p.is_dir():
+        raise DataError(f"{where}: {p} is a file, not a folder — give the folder that holds the images")
+    return p
+
+
 def _roots(cfg: DataConfig) -> list[Path]:
     if not cfg.dirs:
         raise DataError("data.dirs is empty; give at least one folder of images")
-    roots = []
-    for d in cfg.dirs:
-        p = Path(d).expanduser().absolute()
-        if not p.exists():
-            raise DataError(f"data.dirs: {p} does not exist — check the path")
-        if not p.is_dir():
-            raise DataError(f"data.dirs: {p} is a file, not a folder — give the folder that holds the images")
-        roots.append(p)
-    return roots
+    return [_root(d, "data.dirs") for d in cfg.dirs]
+
+
+def dataset_specs(cfg: DataConfig, resolution: int) -> list[DatasetSpec]:
+    """The datasets a config trains on: its [[data.datasets]] tables, each with data.* under its own settings,
+    or else one per data.dirs entry with data.* as it is."""
+    if not cfg.datasets:
+        return [DatasetSpec(i, root.name, root, cfg, resolution) for i, root in enumerate(_roots(cfg))]
+    specs = []
+    for i, d in enumerate(cfg.datasets):
+        where = f"data.datasets[{i}]"
+        if d.path is None:
+            continue  # images the base model makes from class_prompt when training starts (sdxl/class_images.py)
+        root = _root(d.path, f"{where}.path")
+        settings = d.settings(cfg)
+        if d.is_regularization:
+            # A regularization image shows the class, not the concept: it never learns the trigger word.
+            settings = settings.model_copy(update={"trigger_word": ""})
+        specs.append(DatasetSpec(len(specs), d.name or root.name, root, settings, settings.resolution or resolution,
+                                 repeats=d.repeats, is_reg=d.is_regularization, field=where))
+    if all(spec.is_reg for spec in specs):
+        raise DataError("every [[data.datasets]] table has is_regularization=true, so nothing teaches the concept "
+                        "— add a dataset of your subject (is_regularization=false)")
+    return specs
+
+
+def live_text(cfg: DataConfig) -> bool:
+    """Whether some dataset's captions change from one use to the next (tag shuffle or tag dropout), so its
+    text embeddings are encoded per sample and the text encoders stay on the device."""
+    return any(_live(s) for s in [cfg, *(d.settings(cfg) for d in cfg.datasets)])
+
+
+def _live(settings: DataConfig) -> bool:
+    return settings.shuffle_tags or settings.tag_dropout > 0 or settings.wildcards
+
+
+def live_caption(item: Item, cfg: DataConfig) -> bool:
+    """Whether this image's caption changes from one use to the next, so it is encoded per sample."""
+    s = item.settings if item.settings is not None else cfg
+    return s.shuffle_tags or s.tag_dropout > 0 or (s.wildcards and _WILDCARD.search(item.caption) is not None)
 
 
 def _walk(root: Path) -> list[tuple[Path, list[str]]]:
@@ -276,7 +367,8 @@ def _read_metadata(path: Path, problems: list[Problem]) -> dict[str, tuple[str, 
     return out
 
 
-def _caption_extension_error(cfg: DataConfig, counts: dict[Path, _CaptionCount]) -> str | None:
+def _caption_extension_error(cfg: DataConfig, counts: dict[Path, _CaptionCount],
+                             where: str = "data") -> str | None:
     ext = cfg.caption_extension
     total = sum(c.images for c in counts.values())
     matched = sum(c.matched for c in counts.values())
@@ -285,7 +377,7 @@ def _caption_extension_error(cfg: DataConfig, counts: dict[Path, _CaptionCount])
         best, n = other.most_common(1)[0]
         also = "".join(f", {k} have '{e}'" for e, k in other.most_common()[1:])
         return (f"caption_extension='{ext}' matched 0 of {total} images; {n} have '{best}'{also} "
-                f"— set data.caption_extension='{best}'")
+                f"— set {where}.caption_extension='{best}'")
     for root, c in counts.items():
         if c.matched == 0 and c.other:
             best, n = c.other.most_common(1)[0]
@@ -296,12 +388,13 @@ def _caption_extension_error(cfg: DataConfig, counts: dict[Path, _CaptionCount])
     return None
 
 
-def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem]) -> tuple[list[_Candidate], list[str]]:
-    """Every image under the roots with its caption (or None); caption problems go to `problems`."""
+def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem], seen: set[str],
+          where: str = "data") -> tuple[list[_Candidate], list[str]]:
+    """Every image under the roots with its caption (or None); caption problems go to `problems`. `seen`
+    holds the images earlier datasets took (an image is used once)."""
     candidates: list[_Candidate] = []
     counts: dict[Path, _CaptionCount] = {}
     ignored: Counter = Counter()
-    seen: set[str] = set()
     duplicates = 0
     masks_seen = 0
     known = set(CAPTION_EXTENSIONS) | {cfg.caption_extension}
@@ -366,7 +459,7 @@ def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem]) -> tuple[
             if norm not in used:
                 what = "is not a supported image type" if os.path.exists(norm) else "was not found"
                 problems.append(Problem(meta_file[norm], f"line {line}: {norm} {what}; that line is ignored"))
-    error = _caption_extension_error(cfg, counts)
+    error = _caption_extension_error(cfg, counts, where)
     if error:
         raise DataError(error)
     notes = []
@@ -375,7 +468,7 @@ def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem]) -> tuple[
         notes.append(f"ignored {sum(ignored.values())} file(s) that are not images or captions ({kinds}); "
                      f"images must be one of {' '.join(sorted(IMAGE_EXTENSIONS))}")
     if duplicates:
-        notes.append(f"{duplicates} image(s) were reached through more than one data.dirs entry and are used once")
+        notes.append(f"{duplicates} image(s) were reached through more than one dataset folder and are used once")
     if masks_seen and not cfg.masked_loss:
         notes.append(f"{masks_seen} file(s) named '<image>{cfg.mask_suffix}.*' look like loss masks: they are not "
                      "trained as images, and not used as masks either (set data.masked_loss=true to use them)")
@@ -411,24 +504,52 @@ def fallback_caption(cfg: DataConfig) -> str:
 
 def scan(cfg: DataConfig, resolution: int,
          on_progress: Callable[[int, int], None] | None = None) -> Dataset:
-    """Find every image and caption under cfg.dirs, check each image decodes, and bucket the good ones.
+    """Find every image and caption of every dataset, check each image decodes, and bucket the good ones at
+    their dataset's resolution.
 
     on_progress(done, total) is called as images are checked (a terminal bar is shown otherwise).
     Raises DataError when a folder is missing, the caption setting matches nothing while another
     extension would, a metadata file is unusable, or no usable image remains.
     """
-    roots = _roots(cfg)
-    buckets = make_buckets(resolution, cfg.bucket_step, cfg.max_aspect)
+    specs = dataset_specs(cfg, resolution)
+    pending = [i for i, d in enumerate(cfg.datasets) if d.path is None]
     problems: list[Problem] = []
-    candidates, notes = _find(cfg, roots, problems)
-    if not candidates and not problems:
+    # An image is used once per role: a folder may be both training images and (say, with class captions of
+    # another extension) regularization inputs for train.prior_prediction.
+    seen: dict[bool, set[str]] = {False: set(), True: set()}
+    notes: list[str] = [f"data.datasets[{i}]: {cfg.datasets[i].class_images} image(s) of "
+                         f"{cfg.datasets[i].class_prompt!r} are made by the base model when training starts"
+                         for i in pending]
+    found: list[tuple[DatasetSpec, _Candidate]] = []
+    if not cfg.datasets:
+        # data.dirs: one set of settings for every folder, checked together (as before datasets tables).
+        candidates, notes = _find(cfg, [spec.root for spec in specs], problems, seen[False])  # no tables: none pending
+        by_root = {}
+        for spec in specs:
+            by_root.setdefault(spec.root, spec)
+        found = [(by_root[c.root], c) for c in candidates]
+    else:
+        for spec in specs:
+            candidates, more = _find(spec.settings, [spec.root], problems, seen[spec.is_reg], spec.field)
+            if not candidates and not any(p.path.is_relative_to(spec.root) for p in problems):
+                raise DataError(f"{spec.field}.path: no images found in {spec.root} (looked for "
+                                f"{' '.join(sorted(IMAGE_EXTENSIONS))}) — point it at a folder of images or "
+                                "remove the table")
+            notes += [f"{spec.field} ({spec.name}): {n}" for n in more]
+            found += [(spec, c) for c in candidates]
+    roots = [spec.root for spec in specs]
+    if not found and not problems:
         raise DataError(f"no images found in {', '.join(map(str, roots))} (looked for "
                         f"{' '.join(sorted(IMAGE_EXTENSIONS))}) — point data.dirs at a folder of images"
                         + (f"; {notes[0]}" if notes else ""))
-    small_side = resolution * cfg.min_size_fraction
+    buckets = {}
+    for spec in specs:
+        if spec.resolution not in buckets:
+            buckets[spec.resolution] = make_buckets(spec.resolution, cfg.bucket_step, cfg.max_aspect)
     items: list[Item] = []
-    upscaled = over_aspect = 0
-    for c, result in zip(candidates, _probe(candidates, cfg.max_pixels, on_progress)):
+    upscaled: Counter = Counter()
+    over_aspect = 0
+    for (spec, c), result in zip(found, _probe([c for _, c in found], cfg.max_pixels, on_progress)):
         if isinstance(result, ImageProblem):
             problems.append(Problem(c.path, str(result)))
             continue
@@ -437,45 +558,57 @@ def scan(cfg: DataConfig, resolution: int,
             problems.append(Problem(c.path, f"{w}x{h} is too small to train on (a side under "
                                             f"data.min_side={cfg.min_side} px)"))
             continue
+        small_side = spec.resolution * cfg.min_size_fraction
         if w * h < small_side * small_side:
-            if cfg.small_images == "skip":
+            if spec.settings.small_images == "skip":
                 problems.append(Problem(
                     c.path, f"{w}x{h} is under the {small_side:.0f}x{small_side:.0f} pixel count that "
-                            f"data.min_size_fraction={cfg.min_size_fraction} of resolution {resolution} asks "
+                            f"data.min_size_fraction={cfg.min_size_fraction} of resolution {spec.resolution} asks "
                             "for, and data.small_images='skip' (set 'upscale' to use it)"))
                 continue
-            upscaled += 1
+            upscaled[round(small_side)] += 1
         if max(w / h, h / w) > cfg.max_aspect:
             over_aspect += 1
         if c.mask is not None:
             _check_mask(c.mask, c.path, (w, h), cfg.max_pixels)
-        items.append(Item(path=c.path, caption=c.caption or "", repeats=c.repeats, size=(w, h),
-                          bucket=nearest_bucket((w, h), buckets), dataset=c.root,
-                          has_caption=bool(c.caption), mask=c.mask))
-    uncaptioned = sum(not it.has_caption for it in items)
-    if uncaptioned:
-        fallback = fallback_caption(cfg)
+        items.append(Item(path=c.path, caption=c.caption or "", repeats=spec.repeats or c.repeats, size=(w, h),
+                          bucket=nearest_bucket((w, h), buckets[spec.resolution]), dataset=c.root,
+                          has_caption=bool(c.caption), mask=c.mask, settings=spec.settings, is_reg=spec.is_reg,
+                          source=spec.index))
+    for spec in specs:
+        mine = [it for it in items if it.source == spec.index]
+        uncaptioned = sum(not it.has_caption for it in mine)
+        if not uncaptioned:
+            continue
+        where = "" if spec.field == "data.dirs" else f"{spec.field} ({spec.name}): "
+        fallback = fallback_caption(spec.settings)
         if fallback:
-            message = f"{uncaptioned} of {len(items)} images have no caption; they train with {fallback!r}"
+            message = f"{where}{uncaptioned} of {len(mine)} images have no caption; they train with {fallback!r}"
         else:
-            message = (f"{uncaptioned} of {len(items)} images have no caption and no fallback, so they train "
-                       "with an empty caption — set data.trigger_word or data.class_token to give them one")
+            fix = "data.trigger_word or data.class_token" if not where else f"{spec.field}.class_token"
+            message = (f"{where}{uncaptioned} of {len(mine)} images have no caption and no fallback, so they train "
+                       f"with an empty caption — set {fix} to give them one")
         log.warning(message)
         notes.append(message)
+        if not cfg.datasets:
+            break  # one set of settings: one note for every folder
     if cfg.masked_loss:
         unmasked = [it for it in items if it.mask is None]
         if unmasked:
             notes.append(f"data.masked_loss: {len(unmasked)} of {len(items)} images have no mask "
                          f"('<image>{cfg.mask_suffix}.png' beside it) and train on every pixel, e.g. "
                          f"{unmasked[0].path.name}")
-    if upscaled:
-        notes.append(f"{upscaled} image(s) are smaller than {small_side:.0f}x{small_side:.0f} pixels and "
+    for side, n in sorted(upscaled.items()):
+        notes.append(f"{n} image(s) are smaller than {side}x{side} pixels and "
                      "will be upscaled (data.small_images='skip' leaves them out)")
     if over_aspect:
         notes.append(f"{over_aspect} image(s) are more elongated than data.max_aspect={cfg.max_aspect} "
                      "and will be cropped to the nearest bucket")
+    if any(it.is_reg for it in items):
+        items, note = balance_regularization(items)
+        notes.append(note)
     dataset = Dataset(items=items, problems=problems, resolution=resolution,
-                      bucket_step=cfg.bucket_step, roots=roots, notes=notes)
+                      bucket_step=cfg.bucket_step, roots=roots, notes=notes, specs=specs)
     if problems:
         log.warning("%d problem(s) found and skipped; the dataset report lists each with its reason", len(problems))
     if not items:
@@ -486,9 +619,53 @@ def scan(cfg: DataConfig, resolution: int,
     return dataset
 
 
-def inspect_text(cfg: DataConfig, resolution: int) -> str:
-    """The dataset report `sdxl-lora dataset inspect` prints; DataError propagates with its fix."""
-    return scan(cfg, resolution).report()
+def balance_regularization(items: list[Item]) -> tuple[list[Item], str]:
+    """Regularization images repeated (or left out) so that an epoch holds as many regularization samples as
+    training samples, and a note saying so.
+
+    This is kohya's balance (sd-scripts, library/train_util.py, DreamBoothDataset.__init__, commit
+    48d368fa557731ad0488c07304dfeba8c07910eb): going through the regularization images in order, each is taken
+    with its own repeats until their count reaches the training samples'; when that is not reached yet after
+    all of them, the round goes on adding one repeat to each in turn. With more regularization samples than
+    training samples the last ones are not used. Order: the scan's (dataset tables, then paths), so it is the
+    same every run.
+    """
+    train = [it for it in items if not it.is_reg]
+    reg = [it for it in items if it.is_reg]
+    target = sum(it.repeats for it in train)
+    before = sum(it.repeats for it in reg)
+    used: list[Item] = []
+    total = 0
+    for it in reg:  # first round: each with its configured repeats
+        if total >= target:
+            break
+        used.append(it)
+        total += it.repeats
+    while total < target:  # later rounds: one more repeat each, in turn
+        for it in used:
+            it.repeats += 1
+            total += 1
+            if total >= target:
+                break
+    left = len(reg) - len(used)
+    note = (f"regularization: {len(reg)} image(s), {before} sample(s) per epoch as configured, balanced to "
+            f"{total} to match the {target} training sample(s) per epoch (as kohya does)")
+    if left:
+        note += f"; {left} image(s) beyond that are not used — fewer regularization images or more repeats on " \
+                "the training datasets would use them"
+    kept = {id(it) for it in used}
+    return [it for it in items if not it.is_reg or id(it) in kept], note
+
+
+def inspect_text(cfg: DataConfig, resolution: int, doctor: bool = False, batch_size: int = 1) -> str:
+    """The dataset report `sdxl-lora dataset inspect` prints, with the doctor's findings (sdxl/doctor.py);
+    DataError propagates with its fix."""
+    dataset = scan(cfg, resolution)
+    if not doctor:
+        return dataset.report()
+    from .doctor import doctor_lines
+
+    return "\n".join([dataset.report(), *doctor_lines(dataset, batch_size)])
 
 
 # ------------------------------------------------------------------------------ pixels & captions
@@ -573,24 +750,59 @@ def _has_word(text: str, word: str) -> bool:
     return re.search(rf"(?<!\w){re.escape(word)}(?!\w)", text) is not None
 
 
-def make_caption(item: Item, cfg: DataConfig, rng: random.Random) -> str:
-    """The caption an image trains with this time.
+def _tags(text: str, settings: DataConfig) -> tuple[list[str], list[str], list[str]]:
+    """A caption's comma-separated tags as (kept first, free, kept last): data.keep_tokens_separator marks the
+    kept parts when the caption has it (kohya's 'a, b ||| c, d ||| e'), else the first keep_tokens are kept."""
+    def split(part: str) -> list[str]:
+        return [t.strip() for t in part.split(",") if t.strip()]
+    sep = settings.keep_tokens_separator
+    if sep and sep in text:
+        head, rest = text.split(sep, 1)
+        rest, _, tail = rest.partition(sep)
+        return split(head), split(rest), split(tail)
+    tags = split(text)
+    keep = max(0, settings.keep_tokens)
+    return tags[:keep], tags[keep:], []
 
-    - caption dropout: with probability cfg.caption_dropout the caption is "" (for classifier-free guidance);
+
+def _wildcards(text: str, rng: random.Random | None) -> str:
+    """Each {a|b|c} replaced by one of its choices (rng None: the first, for the text cache)."""
+    text = text.replace("{{", "\0").replace("}}", "\1")
+    text = _WILDCARD.sub(lambda m: (rng.choice if rng else (lambda c: c[0]))(m.group(1).split("|")).strip(), text)
+    return text.replace("\0", "{").replace("\1", "}")
+
+
+def make_caption(item: Item, cfg: DataConfig, rng: random.Random, fixed: bool = False) -> str:
+    """The caption an image trains with this time, by its dataset's settings (item.settings; `cfg` for an item
+    made without them). In order, as kohya's sd-scripts process a caption:
+
+    - caption dropout: with probability caption_dropout the caption is "" (for classifier-free guidance);
     - no caption: "<trigger_word> <class_token>";
-    - tag shuffle: comma-separated tags are shuffled, the first cfg.keep_tokens staying in place;
-    - a trigger word missing from the caption is put first, so every image teaches it.
+    - caption_prefix and caption_suffix around it;
+    - wildcards: each {a|b|c} becomes one of its choices;
+    - tags: the kept ones (keep_tokens, or keep_tokens_separator) stay in place, each other tag is left out with
+      probability tag_dropout, and with shuffle_tags the rest are shuffled;
+    - a trigger word missing from the caption is put first, so every image teaches it (a regularization
+      dataset has none).
+
+    fixed=True: the caption without its random parts (no dropout, no shuffle), as the text cache holds it.
     """
-    if cfg.caption_dropout > 0 and rng.random() < cfg.caption_dropout:
+    s = item.settings if item.settings is not None else cfg
+    if not fixed and s.caption_dropout > 0 and rng.random() < s.caption_dropout:
         return ""
-    text = item.caption if item.has_caption else fallback_caption(cfg)
-    if cfg.shuffle_tags:
-        tags = [t.strip() for t in text.split(",") if t.strip()]
-        keep = max(0, cfg.keep_tokens)
-        rest = tags[keep:]
-        rng.shuffle(rest)
-        text = ", ".join(tags[:keep] + rest)
-    trigger = cfg.trigger_word.strip()
+    text = item.caption if item.has_caption else fallback_caption(s)
+    text = " ".join(part for part in (s.caption_prefix.strip(), text, s.caption_suffix.strip()) if part)
+    if s.wildcards:
+        text = _wildcards(text, None if fixed else rng)
+    tagged = s.keep_tokens_separator and s.keep_tokens_separator in text
+    if tagged or (not fixed and _live(s)):
+        head, rest, tail = _tags(text, s)
+        if not fixed and s.tag_dropout > 0:
+            rest = [t for t in rest if rng.random() >= s.tag_dropout]
+        if not fixed and s.shuffle_tags:
+            rng.shuffle(rest)
+        text = ", ".join(head + rest + tail)
+    trigger = s.trigger_word.strip()
     if trigger and not _has_word(text, trigger):
         text = f"{trigger}, {text}" if text else trigger
     return text

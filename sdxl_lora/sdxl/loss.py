@@ -50,8 +50,13 @@ def elementwise(pred: torch.Tensor, target: torch.Tensor, kind: str, huber_delta
 
 def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor, alphas_cumprod: torch.Tensor, *,
                    kind: str = "l2", huber_delta: float = 1.0, min_snr_gamma: float = 0.0,
-                   prediction_type: str = "epsilon", mask: torch.Tensor | None = None) -> torch.Tensor:
+                   prediction_type: str = "epsilon", mask: torch.Tensor | None = None,
+                   weight: torch.Tensor | None = None) -> torch.Tensor:
     """Mean per-element loss of each image, weighted per image (min-SNR-gamma), averaged over the batch.
+
+    `weight` ([B]) multiplies each image's loss before the batch mean, as kohya's per-sample loss_weights do
+    (train.prior_loss_weight for regularization images, 1 for the rest): the mean stays over the batch size,
+    so a weight of 0.5 halves that image's pull, and a batch of regularization images alone trains at half.
 
     With a mask ([B, 1, H, W] in [0, 1], at latent resolution) each element's loss is weighted by it and
     each image's loss divided by its mask's mean: a weighted mean, on the scale of an unmasked loss
@@ -61,10 +66,12 @@ def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor, al
     if mask is not None:
         m = mask.to(per.device, per.dtype)
         per_image = (per * m).mean(dim=dims) / m.mean(dim=dims).clamp_min(1e-8)
-    elif not min_snr_gamma:
+    elif not min_snr_gamma and weight is None:
         return per.mean()
     else:
         per_image = per.mean(dim=dims)
+    if weight is not None:
+        per_image = per_image * weight.to(per_image.device, per_image.dtype)
     if not min_snr_gamma:
         return per_image.mean()
     w = min_snr_weight(snr(alphas_cumprod, t), min_snr_gamma, prediction_type)

@@ -10,6 +10,7 @@ from torch import nn
 from ..core.config import Config
 from ..core.inject import Plan
 from ..core.memory import GiB
+from .data import live_text
 from .memory import MemoryEstimate, RunMemory, estimate_for_config, run_memory
 from .slots import make_plan
 
@@ -82,7 +83,7 @@ def run_memory_for(cfg: Config, planned: UNetPlan, components: tuple[int, int], 
                       vae_tiling=cfg.preview.vae_tiling, tiled_encode=cfg.model.tiled_vae_encode,
                       previews_mid_run=cfg.preview.every > 0,
                       graphs=cfg.train.cuda_graphs,
-                      encoders_stay=cfg.adapter.train_text_encoder or cfg.data.shuffle_tags,
+                      encoders_stay=cfg.adapter.train_text_encoder or live_text(cfg.data),
                       vae_stays=cfg.data.crop == "random",
                       step_budget=(int(cfg.train.checkpoint_budget_gb * GiB)
                                    if cfg.train.checkpoint_budget_gb and not cfg.train.gradient_checkpointing else None))

@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 
 from ..core.fsutil import atomic_save
+from .data import live_text
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +282,7 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     rescale = cfg.preview.guidance_rescale if cfg.preview.guidance_rescale is not None else (0.7 if ztsnr else 0.0)
     # Components training still uses stay on the device afterwards.
     keep = set()
-    if cfg.adapter.train_text_encoder or cfg.data.shuffle_tags:
+    if cfg.adapter.train_text_encoder or live_text(cfg.data):
         keep |= {id(p.text_encoder), id(p.text_encoder_2)}
     if cfg.data.crop == "random":
         keep.add(id(p.vae))

@@ -6,6 +6,7 @@ leave the accelerator, so the UNet trains with the memory to itself.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -101,10 +102,12 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         t = self.task
         item_idx = self.index[i]
+        item = t.dataset.items[item_idx]
+        settings = item.settings or t.cfg.data  # its dataset's settings ([[data.datasets]])
         # Flip and dropout decisions from (seed, epoch, sample) alone: no RNG state to carry, so a
         # resumed run (and a loader that reads ahead) makes the same decisions.
         rng = random.Random(f"{t.cfg.train.seed}:{self.epoch}:{i}")
-        flip = t.cfg.data.flip and rng.random() < 0.5
+        flip = settings.flip and rng.random() < 0.5
         if t.cfg.data.crop == "random":
             # A new crop each time: encoded now, with the VAE kept on the device (fp32).
             pixels, time_ids = sdxl_data.load_pixels(t.dataset.items[item_idx], "random", flip, rng)
@@ -124,22 +127,43 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
         # The key of this sample's noise and timestep draws (SDXLTask.loss): the same whichever process
         # or batch the sample lands in.
         extra["sample_key"] = torch.tensor(sample_key(t.cfg.train.seed, self.epoch, i))
+        if t.has_reg:
+            # Regularization samples weigh train.prior_loss_weight in the loss, and with train.prior_prediction
+            # learn the base's own prediction (SDXLTask.loss).
+            extra["loss_weight"] = torch.tensor(t.cfg.train.prior_loss_weight if item.is_reg else 1.0)
+            extra["is_reg"] = torch.tensor(item.is_reg)
         if t.cfg.adapter.train_text_encoder:
             # The text encoders train: captions go in as tokens, encoded in the forward with gradients.
-            caption = sdxl_data.make_caption(t.dataset.items[item_idx], t.cfg.data, rng)
+            caption = sdxl_data.make_caption(item, t.cfg.data, rng)
             return {"latent_mean": lat["mean"], "latent_std": lat["std"], "time_ids": lat["time_ids"],
                     **t.tokenize(caption), **extra}
-        if t.cfg.data.shuffle_tags:
-            # A new tag order each time: encoded now, with the text encoders kept on the device.
-            caption = sdxl_data.make_caption(t.dataset.items[item_idx], t.cfg.data, rng)
+        if sdxl_data.live_caption(item, t.cfg.data):
+            # A new caption each time: encoded now, with the text encoders kept on the device.
+            caption = sdxl_data.make_caption(item, t.cfg.data, rng)
             with torch.no_grad():
                 text = t.encode_text(caption)
         else:
             text = t.cache.get(t.text_keys[item_idx])
-            if t.cfg.data.caption_dropout and rng.random() < t.cfg.data.caption_dropout:
+            if settings.caption_dropout and rng.random() < settings.caption_dropout:
                 text = t.empty_text
         return {"latent_mean": lat["mean"], "latent_std": lat["std"], "time_ids": lat["time_ids"],
                 "prompt_embeds": text["prompt_embeds"], "pooled": text["pooled"], **extra}
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module):
+    """Every peft adapter layer of `model` computes its base layer's output alone, for the duration. peft's
+    enable_adapters(False) would also clear the adapters' requires_grad (and set_adapter restore it), which a
+    training step must not see, so the flag its forward reads is set directly."""
+    layers = [m for m in model.modules() if hasattr(m, "_disable_adapters")]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, before):
+            m._disable_adapters = flag
 
 
 def sample_key(seed: int, epoch: int, position: int) -> int:
@@ -162,6 +186,7 @@ class SDXLTask(Task):
         self._identity: dict | None = None
         self._budget = None  # train.vram_gb: the fit (sdxl/plan.py: fit_budget)
         self.preview_texts: list[dict] | None = None  # the preview prompts' embeddings, made at set-up
+        self.has_reg = False  # the data holds regularization images (set when it is read)
         self._explicit: set[str] = set(cfg.train.model_fields_set)
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
@@ -213,10 +238,17 @@ class SDXLTask(Task):
     def _read_data(self, run: Run) -> None:
         """The dataset scanned and split: training draws from the training items only; the caches cover
         all items, the held-out ones last."""
+        from .class_images import with_class_images
+
         cfg = self.cfg
-        scanned = sdxl_data.scan(cfg.data, self.resolution)
+        # Regularization tables with a class_prompt: their images made by the base (or read from the cache) first.
+        data = with_class_images(self, cfg.data, self.resolution)
+        scanned = sdxl_data.scan(data, self.resolution)
         log.info("dataset:\n%s", scanned.report())
-        train_items, val_items = _split(scanned.items, cfg.data.validation_split)
+        # Regularization images are not the concept: the held-out loss is measured on the training images only.
+        train_items, val_items = _split([it for it in scanned.items if not it.is_reg], cfg.data.validation_split)
+        train_items += [it for it in scanned.items if it.is_reg]
+        self.has_reg = any(it.is_reg for it in train_items)
         self.dataset = dataclasses.replace(scanned, items=train_items)
         self.all_items = train_items + val_items
         self.val_indices = list(range(len(train_items), len(self.all_items)))
@@ -225,7 +257,8 @@ class SDXLTask(Task):
         run.event("dataset", images=len(scanned.items), train_images=len(train_items),
                   held_out=[str(i.path) for i in val_items], samples=len(self.dataset),
                   problems=[{"path": str(p.path), "reason": p.reason} for p in scanned.problems],
-                  buckets={f"{w}x{h}": n for (w, h), n in scanned.bucket_histogram().items()})
+                  buckets={f"{w}x{h}": n for (w, h), n in scanned.bucket_histogram().items()},
+                  datasets=self.dataset.summary())
 
     def identity(self) -> dict:
         """The base (as configured, and how it is stored), the training resolution, the planned adapter
@@ -236,13 +269,21 @@ class SDXLTask(Task):
         cfg = self.cfg
         images = hashlib.sha256()
         for item in sorted(self.all_items, key=lambda it: str(it.path)):
-            images.update(f"{item.path.relative_to(item.dataset)}:{item.path.stat().st_size}:{item.repeats}\n"
+            reg = ":reg" if item.is_reg else ""
+            images.update(f"{item.path.relative_to(item.dataset)}:{item.path.stat().st_size}:{item.repeats}{reg}\n"
                           .encode())
         self._identity = {
             "model": cfg.model.path, "quantize": f"{cfg.model.quantize}/{cfg.model.quantize_convs}",
             "resolution": self.resolution, "images": f"{len(self.all_items)} images, {images.hexdigest()[:12]}",
             "adapter": {s.name: self.planned.rank[s.name] for s in self.planned.targets},
             "text_encoders": cfg.adapter.train_text_encoder}
+        if cfg.data.datasets:
+            # Each dataset's settings (resolution, captions, trigger word, regularization) change what trains.
+            tables = [d.model_dump(mode="json", exclude={"path", "name"}) for d in cfg.data.datasets]
+            self._identity["datasets"] = hashlib.sha256(repr(tables).encode()).hexdigest()[:12]
+        if self.has_reg:
+            self._identity["prior_loss_weight"] = cfg.train.prior_loss_weight
+            self._identity["prior_prediction"] = cfg.train.prior_prediction
         return self._identity
 
     def _preview_prompts(self) -> list[PreviewPrompt]:
@@ -292,8 +333,8 @@ class SDXLTask(Task):
         if cfg.adapter.train_text_encoder:
             log.info("adapter.train_text_encoder: the text encoders train, so text embeddings are computed live "
                      "(with gradients) and not cached; the text encoders stay on %s", self.device)
-        elif cfg.data.shuffle_tags:
-            log.info("data.shuffle_tags: text embeddings are computed per sample (not cached); "
+        elif sdxl_data.live_text(cfg.data):
+            log.info("data.shuffle_tags, data.tag_dropout or data.wildcards: text embeddings are computed per sample (not cached); "
                      "the text encoders stay on %s", self.device)
         else:
             done += [self.pipe.text_encoder, self.pipe.text_encoder_2]
@@ -666,7 +707,6 @@ class SDXLTask(Task):
         # fp32 VAE: SDXL's VAE overflows in fp16 and gives NaN latents.
         vae.to(self.device, dtype=torch.float32)
         vae_id = component_identity(self.model_path, "vae")
-        flips = (False, True) if self.cfg.data.flip else (False,)
         tiled = self.cfg.model.tiled_vae_encode
         self.latent_keys: list[dict[bool, str]] = []
         rng = random.Random(0)  # center crop and fixed flips: the rng is not consulted for the result
@@ -674,7 +714,7 @@ class SDXLTask(Task):
         for idx, item in enumerate(self.all_items):
             keys = {}
             digest = file_digest(item.path)
-            for flip in flips:
+            for flip in (False, True) if (item.settings or self.cfg.data).flip else (False,):
                 keys[flip] = cache_key("latent", digest, item.bucket, "center", flip, vae_id, *(["tiled"] * tiled))
                 source.setdefault(keys[flip], (idx, flip))
             self.latent_keys.append(keys)
@@ -710,10 +750,10 @@ class SDXLTask(Task):
         for m in (pipe.text_encoder, pipe.text_encoder_2):
             m.to(self.device)
         te_id = component_identity(self.model_path, "text_encoder") + component_identity(self.model_path, "text_encoder_2")
-        # Captions are fixed here (trigger word, class token); dropout happens per sample at train time.
-        fixed = self.cfg.data.model_copy(update={"caption_dropout": 0.0, "shuffle_tags": False})
+        # Captions are fixed here (trigger word, class token, prefix and suffix); dropout happens per sample at
+        # train time.
         rng = random.Random(0)
-        captions = [sdxl_data.make_caption(item, fixed, rng) for item in self.all_items]
+        captions = [sdxl_data.make_caption(item, self.cfg.data, rng, fixed=True) for item in self.all_items]
         self.captions = captions
         if self.cfg.adapter.train_text_encoder:
             return  # the encoders train: embeddings change every step, so none are cached
@@ -808,6 +848,8 @@ class SDXLTask(Task):
         noisy = sched.add_noise(latents, noise, t)
         prediction_type = sched.config.prediction_type
         target = sched.get_velocity(latents, noise, t) if prediction_type == "v_prediction" else noise
+        if tc.prior_prediction and "is_reg" in batch and bool(batch["is_reg"].any()):
+            target = self._prior_target(model, noisy, t, batch, target)
         with speed.sdpa_context(tc.sdpa_backend):
             if "input_ids" in batch:  # text encoder LoRA: the model encodes the captions itself
                 if model is self.pipe.unet:
@@ -818,7 +860,20 @@ class SDXLTask(Task):
                 pred = self._unet(model, noisy, t, batch["prompt_embeds"], batch["pooled"], batch["time_ids"])
         return diffusion.diffusion_loss(pred, target, t, sched.alphas_cumprod, kind=tc.loss,
                                         huber_delta=tc.huber_delta, min_snr_gamma=tc.min_snr_gamma,
-                                        prediction_type=prediction_type, mask=batch.get("mask"))
+                                        prediction_type=prediction_type, mask=batch.get("mask"),
+                                        weight=batch.get("loss_weight"))
+
+    def _prior_target(self, model, noisy, t, batch, target) -> torch.Tensor:
+        """train.prior_prediction (OneTrainer's prior prediction): the regularization rows' target is what the
+        base predicts for the same noisy latents and captions, the adapter off, so they keep the base's
+        behaviour for their captions whatever their pixels."""
+        if "input_ids" in batch:
+            raise ConfigError("train.prior_prediction needs the text encoders frozen (their LoRA would change the "
+                              "base's prediction too); set adapter.train_text_encoder=false or drop prior_prediction")
+        with torch.no_grad(), adapters_off(model):
+            base = self._unet(model, noisy, t, batch["prompt_embeds"], batch["pooled"], batch["time_ids"])
+        reg = batch["is_reg"].to(target.device).view(-1, *([1] * (target.dim() - 1)))
+        return torch.where(reg, base.to(target.dtype), target)
 
     def _text(self, model, idx: int) -> dict[str, torch.Tensor]:
         """Item idx's text embeddings: from the cache, or (text encoder LoRA) encoded now by the model's encoders."""
@@ -873,13 +928,19 @@ class SDXLTask(Task):
         datasets: dict[str, list[tuple[str, int]]] = {}
         for item in self.dataset.items:
             datasets.setdefault(item.dataset.name, []).append((item.caption, item.repeats))
+        # Each training dataset's own trigger word ([[data.datasets]]); regularization ones have none.
+        triggers = sorted({s.settings.trigger_word.strip() for s in self.dataset.specs if not s.is_reg} - {""})
         meta = training_metadata(
-            title=run.name, steps=step, resolution=self.resolution, trigger_phrase=cfg.data.trigger_word,
+            title=run.name, steps=step, resolution=self.resolution,
+            trigger_phrase=", ".join(triggers) or cfg.data.trigger_word,
             base_model=cfg.model.path, datasets=datasets,
             extra={"ss_learning_rate": str(cfg.train.lr), "ss_batch_size_per_device": str(cfg.train.batch_size),
                    "ss_lr_scheduler": cfg.train.scheduler, "ss_seed": str(cfg.train.seed),
                    "ss_network_dropout": str(cfg.adapter.dropout),
                    "ss_mixed_precision": str(self.accelerator.mixed_precision),
+                   # kohya's own keys for regularization images (0 when there are none).
+                   "ss_num_reg_images": str(sum(it.is_reg for it in self.dataset.items)),
+                   "ss_prior_loss_weight": str(cfg.train.prior_loss_weight),
                    "sdxl_lora.steps": str(step), "sdxl_lora.resolution": str(self.resolution),
                    "sdxl_lora.preset": cfg.adapter.preset, "sdxl_lora.kind": cfg.adapter.kind,
                    # The base the adapter saw: merge warns when it was quantized (docs/qlora.md).

@@ -26,9 +26,10 @@ LLM_MAIN_FIELDS = ("model.path", "llm.data", "llm.format", "llm.max_length", "ad
 # Paths: set by the UI from its folders (or picked from them), never typed as free text.
 #   model.path / data.dirs: picked from the models / datasets folder; model.cache_dir: the models folder;
 #   preview.prompts: the prompts box, written to a file under runs/.ui; data.cache_dir, output.runs_dir:
-#   the runs folder; output.overwrite: never from the page (it would delete a run).
-PATH_FIELDS = {"model.path", "data.dirs", "model.cache_dir", "model.tokenizer", "preview.prompts", "data.cache_dir",
-               "output.runs_dir", "output.overwrite"}
+#   the runs folder; output.overwrite: never from the page (it would delete a run); data.datasets: its tables
+#   name folders, so not from a free-text box (the page trains on the folders it picks).
+PATH_FIELDS = {"model.path", "data.dirs", "data.datasets", "model.cache_dir", "model.tokenizer", "preview.prompts",
+               "data.cache_dir", "output.runs_dir", "output.overwrite"}
 
 
 @dataclass
