@@ -251,9 +251,9 @@ class AdapterConfig(Section):
     rslora: bool = Field(False, description=(
         "rsLoRA: scale the update by alpha / sqrt(rank) instead of alpha / rank, every layer with the same alpha, "
         "so high ranks keep learning (lora and dora); exports carry the equivalent alpha."))
-    lokr_factor: int = Field(-1, ge=-1, description=(
-        "lokr: the size of the Kronecker product's small factor (-1: as close to the square root of each "
-        "dimension as it divides)."))
+    lokr_factor: int | None = Field(None, ge=1, description=(
+        "lokr: the size of the Kronecker product's small factor; none: as close to the square root of each "
+        "dimension as it divides."))
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input while training.")
     scale_rank_with_resolution: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
         "Scale the rank by sqrt(resolution / native resolution), rounded and kept in [min_rank, max_rank]."))

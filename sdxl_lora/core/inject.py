@@ -217,7 +217,7 @@ def make_plan(model: nn.Module, cfg: AdapterConfig, topology: Topology, resoluti
         raise ValueError(f"adapter.preset={cfg.preset!r} with adapter.overrides={cfg.overrides} selects no layer "
                          f"of {type(model).__name__}")
     return Plan(targets, rank, alpha, cfg.lora_bias, base, resolution, kind=cfg.kind, rslora=cfg.rslora,
-                lokr_factor=cfg.lokr_factor)
+                lokr_factor=-1 if cfg.lokr_factor is None else cfg.lokr_factor)
 
 
 def budget_plan(plan: Plan, sensitivity: dict[str, float], budget: int, lo: int, hi: int) -> Plan:

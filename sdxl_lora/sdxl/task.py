@@ -642,7 +642,8 @@ class SDXLTask(Task):
             te = getattr(self.pipe, name)
             te.requires_grad_(False)
             inject_adapter_in_model(inject.adapter_config(a.kind, rank, alpha, TE_TARGETS, dropout=a.dropout,
-                                                          rslora=a.rslora, lokr_factor=a.lokr_factor), te)
+                                                          rslora=a.rslora,
+                                                          lokr_factor=-1 if a.lokr_factor is None else a.lokr_factor), te)
             for n, p in te.named_parameters():
                 if inject.is_adapter_param(n):
                     p.data = p.data.float()
