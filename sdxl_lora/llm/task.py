@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 
 class LLMTask(Task):
+    unit_labels = {"tokens": "tok_s", "examples": "ex_s"}
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
 
@@ -133,6 +135,12 @@ class LLMTask(Task):
 
     def batch_size(self, batch) -> int:
         return int(batch["input_ids"].shape[0])
+
+    def units(self, batch) -> dict[str, torch.Tensor]:
+        """Tokens (every non-padding token: the model runs forward and backward over prompts and answers
+        alike) and examples (packed rows hold several; each starts at position 0)."""
+        real = batch["example"] >= 0
+        return {"tokens": real.sum(), "examples": (real & (batch["position_ids"] == 0)).sum()}
 
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
