@@ -131,3 +131,41 @@ def test_each_decoder_family_plans_trains_exports_and_merges(family, tmp_path, t
         torch.testing.assert_close(peft_model(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)
         merged = AutoModelForCausalLM.from_pretrained(run.dir / "merged").eval()
         torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("init,quantize", [("pissa", "none"), ("olora", "none"), ("loftq", "nf4")])
+def test_adapter_inits_train_and_export_a_lora_of_the_original_base(init, quantize, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(extra={"task": "llm", "output.runs_dir": str(tmp_path), "train.steps": 3, "train.lr": 3e-3,
+                             "adapter.init": init, "model.quantize": quantize, "llm.max_length": 64,
+                             "llm.preview_prompts": [], "llm.merge": True})
+    run = create_run(cfg)
+    trainer = Trainer(cfg, LLMTask(cfg), run)
+    trainer.setup()
+    trainer.fit()
+    ids = torch.tensor([[3, 89, 482, 203, 339, 305, 283, 275]])
+    from sdxl_lora.llm.export import load_with_adapter
+
+    with torch.no_grad():
+        want = trainer.task.lm.eval()(input_ids=ids).logits
+        # PiSSA/OLoRA: a LoRA of the original base, whose weights the run never kept; LoftQ: of the 4-bit
+        # base, loaded quantized and dequantized again as the merge does.
+        model, _ = load_with_adapter(trainer.task.model_path, run.dir / "adapter", quantize=trainer.task.quant)
+        got = model.eval()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(run.dir / "merged").eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+    torch.testing.assert_close(merged, want, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("extra,named", [
+    ({"adapter.init": "loftq"}, "model.quantize"),
+    ({"adapter.init": "pissa", "model.quantize": "nf4"}, "model.quantize"),
+    ({"adapter.init": "pissa", "adapter.rank_schedule": {10: 4}}, "adapter.rank_schedule"),
+    ({"adapter.init": "olora", "adapter.kind": "dora"}, "adapter.kind"),
+    ({"adapter.init": "pissa", "adapter.rank_budget": 1000}, "adapter.rank_budget"),
+])
+def test_adapter_inits_that_do_not_combine_are_refused_naming_the_field(extra, named):
+    with pytest.raises(Exception) as e:
+        load_config(extra={"task": "llm", **extra})
+    assert named in str(e.value) and "adapter.init" in str(e.value)
