@@ -161,10 +161,8 @@ class AdapterConfig(Section):
         "rsLoRA: scale the update by alpha / sqrt(rank) instead of alpha / rank, every layer with the same alpha, "
         "so high ranks keep learning (lora and dora); exports carry the equivalent alpha."))
     init: Literal["default", "pissa", "olora", "loftq"] = Field("default", json_schema_extra=LLM_ONLY, description=(
-        "How lora starts (peft's init_lora_weights): default (B = 0: the model starts as the base), pissa (A, B "
-        "from the weight's top singular vectors, the rest left in the base), olora (A, B from a QR of the "
-        "weight, likewise), loftq (A, B from the 4-bit quantization error: needs model.quantize='nf4' or 'fp4'). "
-        "The export is a plain LoRA of the original base either way."))
+        "How lora starts: default (B = 0), pissa (the weight's top singular vectors), olora (a QR of the weight) "
+        "or loftq (the 4-bit quantization error; needs model.quantize='nf4'). docs/llm.md."))
     lokr_factor: int = Field(-1, ge=-1, description=(
         "lokr: the size of the Kronecker product's small factor (-1: as close to the square root of each "
         "dimension as it divides)."))
