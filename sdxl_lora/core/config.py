@@ -251,6 +251,9 @@ class AdapterConfig(Section):
     rslora: bool = Field(False, description=(
         "rsLoRA: scale the update by alpha / sqrt(rank) instead of alpha / rank, every layer with the same alpha, "
         "so high ranks keep learning (lora and dora); exports carry the equivalent alpha."))
+    init: Literal["default", "pissa", "olora", "loftq"] = Field("default", json_schema_extra=LLM_ONLY, description=(
+        "How lora starts: default (B = 0), pissa (the weight's top singular vectors), olora (a QR of the weight) "
+        "or loftq (the 4-bit quantization error; needs model.quantize='nf4'). docs/llm.md."))
     lokr_factor: int | None = Field(None, ge=1, description=(
         "lokr: the size of the Kronecker product's small factor; none: as close to the square root of each "
         "dimension as it divides."))
@@ -294,6 +297,18 @@ class AdapterConfig(Section):
                 if value:
                     raise ValueError(f"adapter.{name}={value!r} is for lora and dora ({why}), not "
                                      f"adapter.kind={self.kind!r}: leave it unset or use kind='lora' or 'dora'")
+        if self.init != "default":
+            # PiSSA/OLoRA move part of the weight into A and B; LoftQ sets them from the quantization error.
+            for name, value, why in (
+                    ("kind", self.kind not in ("lora",) and self.kind, "it sets LoRA's B x A factors"),
+                    ("lora_bias", self.lora_bias, "peft allows the bias only with the default init"),
+                    ("rank_schedule", self.rank_schedule, "a cut rank no longer holds the part of the weight "
+                                                          "the init moved into the adapter"),
+                    ("rank_budget", self.rank_budget or self.rank_budget_mb, "the budget's probe adapters would "
+                                                                            "be initialised from the weights too")):
+                if value:
+                    raise ValueError(f"adapter.init={self.init!r} does not combine with adapter.{name}={value!r} "
+                                     f"({why}): leave adapter.{name} unset or use adapter.init='default'")
         if self.kind == "dora" and self.lora_bias:
             raise ValueError("adapter.lora_bias=True with adapter.kind='dora': peft's DoRA layers have no LoRA "
                              "bias; use kind='lora' or lora_bias=false")
@@ -549,6 +564,18 @@ class Config(Section):
         if kind == "dora" and self.model.quantize_convs == "fp8" and self.adapter.preset == "locon":
             raise ValueError("adapter.kind='dora' with preset='locon' needs the convolutions' weight norms, which "
                              "peft cannot read from model.quantize_convs='fp8': set quantize_convs='none'")
+        init = self.adapter.init
+        if init == "loftq" and quant not in ("nf4", "fp4"):
+            raise ValueError(f"adapter.init='loftq' starts the adapter from the error of a 4-bit base, and "
+                             f"model.quantize={quant!r}: set model.quantize='nf4' (or 'fp4'), or use adapter.init="
+                             "'pissa' / 'olora' on an unquantized base")
+        if init in ("pissa", "olora") and quant != "none":
+            raise ValueError(f"adapter.init={init!r} moves part of each weight into the adapter, which a quantized "
+                             f"base (model.quantize={quant!r}) cannot give back: use adapter.init='loftq' with a "
+                             "4-bit base, or model.quantize='none'")
+        if init != "default" and self.task != "llm":
+            raise ValueError(f"adapter.init={init!r} is for task='llm' (its PEFT export converts it back to a plain "
+                             "LoRA); SDXL adapters use adapter.init='default'")
         if self.train.loraplus_ratio and kind not in ("lora", "dora"):
             raise ValueError(f"train.loraplus_ratio={self.train.loraplus_ratio:g} gives LoRA's B matrix a larger "
                              f"learning rate; adapter.kind={kind!r} has no B: leave it unset")

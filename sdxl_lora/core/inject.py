@@ -120,6 +120,7 @@ class Plan:
     kind: str = "lora"        # adapter.kind
     rslora: bool = False      # adapter.rslora: scale alpha / sqrt(r) (lora, dora)
     lokr_factor: int = -1     # adapter.lokr_factor
+    init: str = "default"     # adapter.init: peft's init_lora_weights (loftq: set after injection, llm/init.py)
 
     @property
     def trainable_params(self) -> int:
@@ -137,7 +138,7 @@ class Plan:
         alpha_pattern = {f"^{re.escape(s.name)}$": a for s in self.targets if (a := self.alpha[s.name]) != base_alpha}
         return adapter_config(self.kind, base_r, base_alpha, [s.name for s in self.targets], dropout=dropout,
                               bias=self.bias, rslora=self.rslora, lokr_factor=self.lokr_factor,
-                              rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+                              rank_pattern=rank_pattern, alpha_pattern=alpha_pattern, init=self.init)
 
     def groups(self) -> list[dict]:
         """Rows for a table: slots grouped by part, level, block, kind and projection."""
@@ -155,7 +156,7 @@ class Plan:
 
 def adapter_config(kind: str, r: int, alpha: float, targets: list[str], *, dropout: float = 0.0, bias: bool = False,
                    rslora: bool = False, lokr_factor: int = -1, rank_pattern: dict | None = None,
-                   alpha_pattern: dict | None = None):
+                   alpha_pattern: dict | None = None, init: str = "default"):
     """peft's config for an adapter `kind` on `targets` (module paths or names): LoraConfig with use_dora for
     dora, LoHaConfig, LoKrConfig. LoHa's and LoKr's convolutions keep their update as one flattened matrix
     (use_effective_conv2d off), the shape LyCORIS files hold without a Tucker core."""
@@ -164,7 +165,9 @@ def adapter_config(kind: str, r: int, alpha: float, targets: list[str], *, dropo
     patterns = dict(rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {})
     if kind in ("lora", "dora"):
         # gaussian A (diffusers' training examples); peft allows lora_bias only with its default init.
-        return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=True if bias else "gaussian",
+        # pissa/olora: peft's own; loftq starts at the default and is set after injection (llm/init.py).
+        start = init if init in ("pissa", "olora") else True if bias else "gaussian"
+        return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=start,
                           target_modules=targets, lora_bias=bias, use_dora=kind == "dora", use_rslora=rslora,
                           **patterns)
     if kind == "loha":
@@ -217,7 +220,7 @@ def make_plan(model: nn.Module, cfg: AdapterConfig, topology: Topology, resoluti
         raise ValueError(f"adapter.preset={cfg.preset!r} with adapter.overrides={cfg.overrides} selects no layer "
                          f"of {type(model).__name__}")
     return Plan(targets, rank, alpha, cfg.lora_bias, base, resolution, kind=cfg.kind, rslora=cfg.rslora,
-                lokr_factor=-1 if cfg.lokr_factor is None else cfg.lokr_factor)
+                lokr_factor=-1 if cfg.lokr_factor is None else cfg.lokr_factor, init=cfg.init)
 
 
 def budget_plan(plan: Plan, sensitivity: dict[str, float], budget: int, lo: int, hi: int) -> Plan:

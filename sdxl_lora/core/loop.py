@@ -10,9 +10,10 @@ What a user gets from `Trainer`:
     logged; after train.max_nan_steps in a row the state is saved and the run stops, naming likely causes.
     With fused AdamW the optimizer skips the step on the device and the host reads the verdict a step
     later; with other optimizers it costs one host sync a step (train.nan_guard=false removes it);
-  - a progress bar, and an events file (step, loss, lr, grad norm, images/s, MFU on a GPU, eta) that
-    the UI reads; the same figures and the previews in TensorBoard with train.tensorboard. The figures
-    are summed on the device and read back only at log points, so a step does not wait for the GPU;
+  - a progress bar, and an events file (step, loss, lr, grad norm, throughput in the task's units
+    (Task.units: images/s, tokens/s), MFU on a GPU, eta) that the UI reads; the same figures and the
+    previews in TensorBoard with train.tensorboard. The figures are summed on the device and read back
+    only at log points, so a step does not wait for the GPU;
   - an exponential moving average of the adapter (train.ema): exported, previewed and evaluated at the end;
   - training states every N steps / M minutes (atomic, checksummed, last K kept), resume to the same
     adapter bit for bit, Ctrl-C/SIGTERM finishing the step and saving before it stops;
@@ -221,6 +222,12 @@ class _NanGuard:
         return msg
 
 
+def throughput_postfix(rates: dict[str, float], labels: dict[str, str]) -> dict[str, str]:
+    """The progress bar's fields for the units per second of a log window, under the task's short labels
+    (Task.unit_labels): {"img_s": "12.3"}."""
+    return {labels.get(name, f"{name}_s"): f"{v:.1f}" for name, v in rates.items()}
+
+
 class _LogWindow:
     """The figures between two log points, kept on the device (finite losses and gradient norms summed,
     and their counts) so that a step never waits for it; read back, one host sync, at flush."""
@@ -229,7 +236,8 @@ class _LogWindow:
         self.acc, self.step0, self.total = accelerator, step, total
         dev = accelerator.device
         self.losses, self.n_losses, self.norms, self.n_norms = (torch.zeros((), device=dev) for _ in range(4))
-        self.images = 0  # over all processes
+        self.samples = 0  # over all processes, for MFU (FLOPs are counted per sample)
+        self.units: dict[str, int | torch.Tensor] = {}  # the task's throughput units (Task.units), ditto
         self.started = self.opened = time.perf_counter()
 
     def add_norm(self, norm: torch.Tensor | None) -> None:
@@ -238,25 +246,30 @@ class _LogWindow:
             self.norms += torch.where(torch.isfinite(norm), norm, 0.0)
             self.n_norms += torch.isfinite(norm)
 
-    def add_loss(self, loss: torch.Tensor, finite: torch.Tensor, images: int) -> None:
-        """A micro-batch's loss (counted when finite) and the images all processes took with it."""
+    def add_loss(self, loss: torch.Tensor, finite: torch.Tensor, samples: int, units: dict) -> None:
+        """A micro-batch's loss (counted when finite), and the samples and units (ints, or device tensors
+        read at flush) all processes took with it."""
         self.losses += torch.where(finite, loss, 0.0)
         self.n_losses += finite
-        self.images += images
+        self.samples += samples
+        for name, n in units.items():
+            self.units[name] = self.units.get(name, 0) + n
 
-    def flush(self, step: int) -> tuple[float, float, float | None, float]:
-        """The window's mean loss over all processes, images/s, mean gradient norm (None when none was
-        finite) and the run's eta in seconds at `step`; then a new window opens."""
+    def flush(self, step: int) -> tuple[float, float, dict[str, float], float | None, float]:
+        """The window's mean loss over all processes, samples/s, each unit per second, mean gradient norm
+        (None when none was finite) and the run's eta in seconds at `step`; then a new window opens."""
         acc = self.acc
         mean = (acc.reduce(self.losses, "sum") / acc.reduce(self.n_losses, "sum")).item()
         now = time.perf_counter()
-        ips = self.images / max(now - self.opened, 1e-9)
+        seconds = max(now - self.opened, 1e-9)
+        rates = {name: float(n) / seconds for name, n in self.units.items()}
         eta = (now - self.started) / (step - self.step0) * (self.total - step)
         grad_norm = (self.norms / self.n_norms).item() if self.n_norms.item() else None
         for t in (self.losses, self.n_losses, self.norms, self.n_norms):
             t.zero_()
-        self.images, self.opened = 0, now
-        return mean, ips, grad_norm, eta
+        sps = self.samples / seconds
+        self.samples, self.units, self.opened = 0, {}, now
+        return mean, sps, rates, grad_norm, eta
 
 
 class Trainer:
@@ -648,7 +661,8 @@ class Trainer:
                         skip = guard.after_backward(bad, norm, step + 1, self.optimizer)
                     with profiler.phase("optimizer"):
                         self._optimizer_step(skip)
-                window.add_loss(loss.detach(), finite, self.task.batch_size(batch) * acc.num_processes)
+                window.add_loss(loss.detach(), finite, self.task.batch_size(batch) * acc.num_processes,
+                                {k: n * acc.num_processes for k, n in self.task.units(batch).items()})
             step = self.step = step + 1
             bar.update(1)
             if self.task.on_step(step, unwrapped):
@@ -702,18 +716,20 @@ class Trainer:
         """A log point: the window's figures in the progress bar, the events file and TensorBoard. Returns
         the mean loss."""
         acc = self.accelerator
-        mean, ips, grad_norm, eta = window.flush(step)
+        mean, sps, rates, grad_norm, eta = window.flush(step)
         lr = self.schedule.get_last_lr()[0]
         extra = {} if grad_norm is None else {"grad_norm": round(grad_norm, 6)}
         if self.flops_per_image:
-            extra["mfu"] = round(tracking.mfu(self.flops_per_image, ips, self.peak_tflops, acc.num_processes), 4)
-        bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}", img_s=f"{ips:.1f}",
+            extra["mfu"] = round(tracking.mfu(self.flops_per_image, sps, self.peak_tflops, acc.num_processes), 4)
+        bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}", **throughput_postfix(rates, self.task.unit_labels),
                         **({"mfu": f"{100 * extra['mfu']:.1f}%"} if "mfu" in extra else {}))
+        per_s = {f"{name}_per_s": v for name, v in rates.items()}
         if acc.is_main_process:
             self.run.event("step", step=step, total_steps=self.cfg.train.steps, loss=mean, lr=lr,
-                           images_per_s=round(ips, 3), eta_s=round(eta, 1), state="training", **extra)
-            self._track(step, **{"loss/train": mean, "lr": lr, "grad_norm": grad_norm,
-                                 "images_per_s": ips, "mfu": extra.get("mfu")})
+                           **{k: round(v, 3) for k, v in per_s.items()}, eta_s=round(eta, 1), state="training",
+                           **extra)
+            self._track(step, **{"loss/train": mean, "lr": lr, "grad_norm": grad_norm, **per_s,
+                                 "mfu": extra.get("mfu")})
         return mean
 
     def _save_due(self, step: int) -> bool:

@@ -20,6 +20,8 @@ class Task(ABC):
     # Batch keys that stay on the CPU when the loop moves a batch to the device (a task that reads them
     # on the host, such as per-sample RNG keys, then waits for nothing).
     host_keys: tuple[str, ...] = ()
+    # The progress bar's short label of each unit that `units` counts (others show as "<name>_s").
+    unit_labels: dict[str, str] = {"images": "img_s"}
 
     @abstractmethod
     def setup(self, accelerator, run: Run) -> None:
@@ -76,6 +78,13 @@ class Task(ABC):
         """After optimizer step `step`. True when the task replaced trainable parameters (the loop then
         builds a new optimizer over them)."""
         return False
+
+    def units(self, batch: Any) -> dict[str, int | torch.Tensor]:
+        """What the batch trains on, counted in the task's units of throughput: each name becomes
+        `<name>_per_s` in the step events and TensorBoard and a rate in the progress bar. A count may be a
+        device tensor (the loop reads it at the next log point, not every step). Default: the batch's
+        samples as images."""
+        return {"images": self.batch_size(batch)}
 
     def identity(self) -> dict[str, Any]:
         """What makes this run this run (its base model, adapter plan, data), in plain values: saved with

@@ -57,14 +57,21 @@ def atomic_dir(dest: Path, overwrite: bool = True) -> Iterator[Path]:
 
 
 def save_peft_adapter(model: torch.nn.Module, dest: Path, base_model: str, adapter_name: str = "default",
-                      metadata: dict[str, str] | None = None) -> Path:
-    """Write the model's LoRA as a PEFT adapter folder (fp32 weights, PEFT's key names)."""
+                      metadata: dict[str, str] | None = None, initial: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the model's LoRA as a PEFT adapter folder (fp32 weights, PEFT's key names). `initial`: the
+    factors a PiSSA/OLoRA adapter was injected with; the folder then holds a LoRA of the original base
+    (llm/init.py: as_plain_lora)."""
     from peft import get_peft_model_state_dict
 
     config = model.peft_config[adapter_name]
-    state = get_peft_model_state_dict(model, adapter_name=adapter_name)
-    tensors = {PEFT_PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
+    state = {k: v.detach().to("cpu", torch.float32) for k, v in
+             get_peft_model_state_dict(model, adapter_name=adapter_name).items()}
     cfg = config.to_dict()
+    if initial is not None:
+        from .init import as_plain_lora
+
+        state, cfg = as_plain_lora(state, initial, cfg)
+    tensors = {PEFT_PREFIX + k: v.contiguous() for k, v in state.items()}
     cfg.update(base_model_name_or_path=base_model, task_type="CAUSAL_LM", inference_mode=True)
     for k, v in cfg.items():  # sets (target_modules) are not JSON
         if isinstance(v, set):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.config import Config, ModelConfig
+from ..core.config import Config, LLMConfig, ModelConfig
 from ..core.weights import PickleWeights, WeightFileError, read_json, weight_files
 from .tiny import TINY_LLM, materialize_tiny_llm
 
@@ -98,6 +98,19 @@ def weight_dtype(cfg: Config, mixed_precision: str) -> torch.dtype:
     return opts["compute_dtype"] if method else DTYPES.get(mixed_precision, torch.float32)
 
 
+def attention_for(cfg: LLMConfig, config) -> str:
+    """llm.attn_implementation for this model: 'sdpa' becomes 'eager' for a model whose transformers class
+    has no SDPA path (Gemma 2: its attention logits are soft-capped); packed examples stay apart on both."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    if cfg.attn_implementation != "sdpa" or getattr(cls, "_supports_sdpa", True):
+        return cfg.attn_implementation
+    log.warning("llm.attn_implementation='sdpa': %s has no SDPA attention in transformers; it runs with 'eager' "
+                "(or set 'flash_attention_2' on a GPU with flash-attn installed)", cls.__name__)
+    return "eager"
+
+
 def load_llm(cfg: Config, device: torch.device, mixed_precision: str):
     """(model, tokenizer, folder): the causal LM on `device` in the training precision's dtype, its frozen
     base quantized (model.quantize) one layer at a time if asked."""
@@ -105,14 +118,14 @@ def load_llm(cfg: Config, device: torch.device, mixed_precision: str):
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = resolve_llm_path(cfg.model)
-    check_causal_lm_folder(path)
+    attention = attention_for(cfg.llm, check_causal_lm_folder(path))
     tokenizer = load_tokenizer(path)
     method, opts = quantize_settings(cfg, mixed_precision)
     dtype = weight_dtype(cfg, mixed_precision)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=dtype, local_files_only=True, use_safetensors=True,
-            attn_implementation=cfg.llm.attn_implementation, output_loading_info=True)
+            attn_implementation=attention, output_loading_info=True)
     except (OSError, RuntimeError) as e:  # transformers' word on weights that do not fit the config
         raise LLMModelError(f"{path}: its weights could not be loaded as the model its config.json describes "
                             f"({str(e).strip().splitlines()[0][:300]}); the folder mixes files of different models "

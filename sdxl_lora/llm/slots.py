@@ -11,12 +11,15 @@ from ..core import inject
 from ..core.config import AdapterConfig
 from ..core.inject import Plan, Slot, layer_slot, unknown_preset
 
-# The projections of a decoder layer, in transformers' names, and the slot's short name.
-LLM_PROJ = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
-            "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-# The `topology` preset: attention and MLP alike; v and o a little higher than q and k.
-TOPOLOGY_LLM = {"q": 0.75, "k": 0.5, "v": 1.0, "o": 1.0, "gate": 0.75, "up": 0.75, "down": 1.0}
+# The projections of a decoder layer, in transformers' names, and the slot's short name. Phi-3 fuses q/k/v
+# into one qkv_proj and gate/up into one gate_up_proj: each is a slot of its own.
+LLM_PROJ = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "qkv_proj": "qkv",
+            "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "gate_up_proj": "gate_up"}
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+# The `topology` preset: attention and MLP alike; v and o a little higher than q and k. A fused projection
+# gets the weight of its parts' middle (qkv: q's 0.75 between k's 0.5 and v's 1).
+TOPOLOGY_LLM = {"q": 0.75, "k": 0.5, "v": 1.0, "o": 1.0, "qkv": 0.75,
+                "gate": 0.75, "up": 0.75, "down": 1.0, "gate_up": 0.75}
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

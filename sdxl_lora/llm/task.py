@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 
 class LLMTask(Task):
+    unit_labels = {"tokens": "tok_s", "examples": "ex_s"}
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
 
@@ -59,6 +61,17 @@ class LLMTask(Task):
             run.event("budget", budget=budget, trainable_params=self.plan.trainable_params,
                       sensitivity={k: round(v, 6) for k, v in sensitivity.items()})
         inject.apply_plan(self.lm, self.plan, dropout=cfg.adapter.dropout)
+        self.initial = None  # PiSSA/OLoRA: the injected factors, which the export subtracts (llm/init.py)
+        if cfg.adapter.init in ("pissa", "olora"):
+            from peft import get_peft_model_state_dict
+
+            from .init import initial_factors
+
+            self.initial = initial_factors(get_peft_model_state_dict(self.lm))
+        elif cfg.adapter.init == "loftq":
+            from .init import loftq
+
+            loftq(self.lm, self.plan, self.model_path)
         if budget:
             from peft.functional import set_adapter
 
@@ -134,6 +147,12 @@ class LLMTask(Task):
     def batch_size(self, batch) -> int:
         return int(batch["input_ids"].shape[0])
 
+    def units(self, batch) -> dict[str, torch.Tensor]:
+        """Tokens (every non-padding token: the model runs forward and backward over prompts and answers
+        alike) and examples (packed rows hold several; each starts at position 0)."""
+        real = batch["example"] >= 0
+        return {"tokens": real.sum(), "examples": (real & (batch["position_ids"] == 0)).sum()}
+
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
@@ -168,8 +187,10 @@ class LLMTask(Task):
         cfg = self.cfg
         method, opts = self.quant
         meta = {"sdxl_lora.task": "llm", "sdxl_lora.steps": str(step), "sdxl_lora.preset": cfg.adapter.preset,
+                "sdxl_lora.init": cfg.adapter.init,
                 "sdxl_lora.quantize": method or "none", "sdxl_lora.quant_double": str(opts.get("double_quant", ""))}
-        out = {"peft": save_peft_adapter(model, run.dir / "adapter", str(self.model_path), metadata=meta)}
+        out = {"peft": save_peft_adapter(model, run.dir / "adapter", str(self.model_path), metadata=meta,
+                                         initial=self.initial)}
         if cfg.llm.merge:
             if method:
                 log.warning("llm.merge: the adapter was trained on a quantized base; it is merged into the base "

@@ -1,0 +1,171 @@
+"""The LLM path beyond the tiny Llama: throughput in the LLM's own units (tokens/s, examples/s), the
+decoder families people fine-tune (each a tiny random config built in-process), peft's adapter
+initialisations, and `llm plan`'s activation estimate."""
+import json
+
+import pytest
+import torch
+
+from sdxl_lora.core.config import load_config
+from sdxl_lora.core.loop import Trainer, throughput_postfix
+from sdxl_lora.core.runs import create_run, read_events
+from sdxl_lora.llm.task import LLMTask
+
+torch.set_num_threads(1)
+
+
+def test_llm_run_reports_tokens_and_examples_per_second(tmp_path, capsys):
+    cfg = load_config(extra={"task": "llm", "output.runs_dir": str(tmp_path), "output.name": "tps",
+                             "train.steps": 2, "train.log_every": 1, "llm.max_length": 64,
+                             "llm.preview_prompts": [], "train.batch_size": 2})
+    run = create_run(cfg)
+    trainer = Trainer(cfg, LLMTask(cfg), run)
+    trainer.setup()
+    trainer.fit()
+    steps = [e for e in read_events(run.dir / "events.jsonl") if e["event"] == "step"]
+    assert steps and all("images_per_s" not in e for e in steps)
+    for e in steps:
+        # Packed rows of up to 64 tokens, 2 a batch: more tokens than examples, and more examples than rows.
+        assert e["tokens_per_s"] > e["examples_per_s"] > 0
+    bar = capsys.readouterr().err
+    assert "tok_s=" in bar and "ex_s=" in bar and "img_s" not in bar
+
+
+def test_sdxl_progress_bar_still_counts_images():
+    from sdxl_lora.sdxl.task import SDXLTask
+
+    task = SDXLTask(load_config())
+    units = task.units({"latent_mean": torch.zeros(3, 4, 8, 8)})
+    assert units == {"images": 3}
+    assert throughput_postfix({"images": 12.34}, task.unit_labels) == {"img_s": "12.3"}
+
+
+# Each family's chat template in the shape of its own (turn markers, role names, where the end-of-turn
+# token sits), on the tiny tokenizer: the answers must still be found as spans of the rendered text. The
+# markers are plain text to this tokenizer (many tokens each), hence rows of 192 tokens.
+TEMPLATES = {
+    "chatml": None,  # the tokenizer's own (Qwen's ChatML)
+    "llama3": ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
+               " + m['content'] | trim + eos_token }}{% endfor %}{% if add_generation_prompt %}"
+               "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"),
+    "mistral": ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{{ ' ' + m['content'] + eos_token }}"
+                "{% else %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{% endif %}{% endfor %}"),
+    "gemma": ("{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
+              "{{ '<start_of_turn>' + role + '\\n' + m['content'] | trim + eos_token + '\\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"),
+    "phi3": ("{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + eos_token + '\\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"),
+}
+FAMILIES = {  # transformers config class, extra fields, chat template, projections per decoder layer
+    "llama": ("LlamaConfig", {}, "llama3", 7),
+    "mistral": ("MistralConfig", {"sliding_window": 32}, "mistral", 7),
+    "qwen2": ("Qwen2Config", {}, "chatml", 7),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}, "chatml", 7),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 32}, "gemma", 7),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 32}, "gemma", 7),
+    "phi3": ("Phi3Config", {}, "phi3", 4),  # fused qkv_proj and gate_up_proj
+    "olmo": ("OlmoConfig", {}, "chatml", 7),
+    "olmo2": ("Olmo2Config", {}, "chatml", 7),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    from sdxl_lora.core.config import ModelConfig
+    from sdxl_lora.llm.model import load_tokenizer
+    from sdxl_lora.llm.tiny import materialize_tiny_llm
+
+    return load_tokenizer(materialize_tiny_llm(ModelConfig().cache_dir))
+
+
+def _family_folder(tmp_path, family: str, tokenizer):
+    """A tiny random model of `family` saved as a transformers folder with the tiny tokenizer."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    cls, extra, _, _ = FAMILIES[family]
+    config = getattr(transformers, cls)(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    folder = tmp_path / family
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_decoder_family_plans_trains_exports_and_merges(family, tmp_path, tiny_tokenizer, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from sdxl_lora.cli import main
+
+    folder = _family_folder(tmp_path, family, tiny_tokenizer)
+    per_layer = FAMILIES[family][3]
+    # The plan covers every projection of every decoder layer, fused ones included.
+    assert main(["llm", "plan", "--json", "--model", str(folder), "--set", "adapter.preset='full'"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model_type"] == AutoModelForCausalLM.from_pretrained(folder).config.model_type
+    assert plan["modules"] == 2 * per_layer
+    template = TEMPLATES[FAMILIES[family][2]]
+    cfg = load_config(extra={"task": "llm", "model.path": str(folder), "output.runs_dir": str(tmp_path / "runs"),
+                             "train.steps": 3, "train.lr": 3e-3, "adapter.preset": "full", "llm.max_length": 192,
+                             "llm.merge": True, "llm.preview_prompts": ["Count from one to five."],
+                             "llm.max_new_tokens": 3, **({"llm.chat_template": template} if template else {})})
+    run = create_run(cfg)
+    trainer = Trainer(cfg, LLMTask(cfg), run)
+    trainer.setup()
+    trainer.fit()
+    events = read_events(run.dir / "events.jsonl")
+    assert next(e for e in events if e["event"] == "dataset")["label_tokens"] > 0  # answers found in the template
+    assert next(e for e in events if e["event"] == "plan")["layers"] == 2 * per_layer
+    ids = torch.tensor([tiny_tokenizer.encode("Reverse the word: garden")])
+    trained = trainer.task.lm.eval()
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(folder).eval()
+        assert not torch.allclose(base(input_ids=ids).logits, want, atol=1e-4)  # the adapter changed the model
+        peft_model = PeftModel.from_pretrained(base, str(run.dir / "adapter")).eval()
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)
+        merged = AutoModelForCausalLM.from_pretrained(run.dir / "merged").eval()
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("init,quantize", [("pissa", "none"), ("olora", "none"), ("loftq", "nf4")])
+def test_adapter_inits_train_and_export_a_lora_of_the_original_base(init, quantize, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(extra={"task": "llm", "output.runs_dir": str(tmp_path), "train.steps": 3, "train.lr": 3e-3,
+                             "adapter.init": init, "model.quantize": quantize, "llm.max_length": 64,
+                             "llm.preview_prompts": [], "llm.merge": True})
+    run = create_run(cfg)
+    trainer = Trainer(cfg, LLMTask(cfg), run)
+    trainer.setup()
+    trainer.fit()
+    ids = torch.tensor([[3, 89, 482, 203, 339, 305, 283, 275]])
+    from sdxl_lora.llm.export import load_with_adapter
+
+    with torch.no_grad():
+        want = trainer.task.lm.eval()(input_ids=ids).logits
+        # PiSSA/OLoRA: a LoRA of the original base, whose weights the run never kept; LoftQ: of the 4-bit
+        # base, loaded quantized and dequantized again as the merge does.
+        model, _ = load_with_adapter(trainer.task.model_path, run.dir / "adapter", quantize=trainer.task.quant)
+        got = model.eval()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(run.dir / "merged").eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+    torch.testing.assert_close(merged, want, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("extra,named", [
+    ({"adapter.init": "loftq"}, "model.quantize"),
+    ({"adapter.init": "pissa", "model.quantize": "nf4"}, "model.quantize"),
+    ({"adapter.init": "pissa", "adapter.rank_schedule": {10: 4}}, "adapter.rank_schedule"),
+    ({"adapter.init": "olora", "adapter.kind": "dora"}, "adapter.kind"),
+    ({"adapter.init": "pissa", "adapter.rank_budget": 1000}, "adapter.rank_budget"),
+])
+def test_adapter_inits_that_do_not_combine_are_refused_naming_the_field(extra, named):
+    with pytest.raises(Exception) as e:
+        load_config(extra={"task": "llm", **extra})
+    assert named in str(e.value) and "adapter.init" in str(e.value)
