@@ -421,7 +421,26 @@ def test_cli_inspect_shows_format_base_blocks_metadata_and_problems(run_dir, tmp
     assert "input_blocks.4.1" in text and "down_blocks.1.attentions.0" in text
     assert "rank       : 4, 8" in text and "alpha      : 3" in text
     assert "ss_steps = 3" in text
-    assert "SDXL's take 2048" in text  # the tiny model's adapter is flagged: it will not load on SDXL
+    # Checked against the model the run trained on (the tiny one): nothing wrong with it.
+    assert "problems   : none" in text and "do not fit" not in text and "SDXL's take" not in text
+    # Against SDXL base, its shapes and its cross-attention width are flagged: it will not load there.
+    assert main(["inspect", str(run_dir), "--model", "arch:sdxl"]) == 0
+    text = capsys.readouterr().out
+    assert "layers do not fit the model's shapes" in text and "SDXL's take 2048" in text
+
+
+def test_inspecting_a_runs_adapter_file_checks_it_against_the_model_the_run_trained_on(run_dir, tmp_path, capsys):
+    import shutil
+
+    for f in (run_dir / "r.safetensors", run_dir / "r.diffusers.safetensors"):
+        assert main(["inspect", str(f)]) == 0
+        text = capsys.readouterr().out
+        assert "problems   : none" in text, text[-600:]
+    # Copied out of its run, a file trained on a built-in model says which in its metadata.
+    alone = tmp_path / "alone.safetensors"
+    shutil.copyfile(run_dir / "r.safetensors", alone)
+    assert main(["inspect", str(alone)]) == 0
+    assert "problems   : none" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------- merge
