@@ -472,6 +472,30 @@ def test_merge_equals_base_plus_adapter_at_that_strength(trained, run_dir, tiny_
         merge_checkpoint(tiny_dir, [(trained.kohya, 1.0)], single)
 
 
+def test_a_single_file_merged_into_a_built_in_base_loads_back_in_generate(trained, tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    from sdxl_lora.core.config import ModelConfig
+    from sdxl_lora.sdxl.merge import merge_checkpoint
+    from sdxl_lora.sdxl.model import load_pipeline, unet_skeleton
+
+    # tiny-sdxl is not SDXL base's size: read as SDXL base, the file would not load.
+    single = merge_checkpoint("tiny-sdxl", [(trained.kohya, 0.7)], tmp_path / "merged.safetensors")
+    folder = merge_checkpoint("tiny-sdxl", [(trained.kohya, 0.7)], tmp_path / "merged")
+    pipe = load_pipeline(ModelConfig(path=str(single)))
+    want = UNet2DConditionModel.from_pretrained(str(folder / "unet")).state_dict()
+    got = pipe.unet.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
+    assert unet_skeleton(ModelConfig(path=str(single)))[0].config.block_out_channels == \
+        pipe.unet.config.block_out_channels  # plan and train read it the same way
+    out = tmp_path / "images"
+    assert main(["generate", "--model", str(single), "--prompt", "a red star", "--steps", "1", "--size", "64",
+                 "--out", str(out)]) == 0
+    assert (out / "seed0.png").is_file()
+
+
 def test_dora_magnitude_travels_as_dora_scale(tiny_dir, tmp_path):
     from peft import LoraConfig
 
