@@ -170,9 +170,9 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             # ---- Train: the form, the plan, Start
             page.get_by_role("tab", name="Train").click()
             # Plain words: fields by what the user decides, human labels (no schema paths), common ones on top.
-            expect(page.locator("#f-group-how-long")).to_contain_text("How long")
+            expect(page.locator("#f-group-how-long").first).to_contain_text("How long")
             expect(page.locator("#f-train-steps")).to_contain_text("Training steps")
-            expect(page.locator("#f-group-speed-and-memory #f-train-vram-gb")).to_contain_text("GPU memory budget")
+            expect(page.locator("#f-group-speed-and-memory #f-train-vram-gb").first).to_contain_text("GPU memory budget")
             expect(page.locator("#tab-train")).not_to_contain_text("train.steps")
             # The summary line before Start: what will train and the memory the whole run needs.
             expect(page.locator("#train-summary")).to_contain_text("trainable parameters in", timeout=WAIT)
