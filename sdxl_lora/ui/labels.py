@@ -242,6 +242,8 @@ LLM_LABELS: dict[str, Label] = {
     "model.path": _l("Base model", M, "The language model the adapter is trained on.", common=True),
     "train.batch_size": _l("Batch size", H, "Rows per step: bigger batches are smoother and need more memory.",
                            common=True),
+    "adapter.preset": _l("Layers to adapt", W, "Which parts of the model learn: attention only, attention and "
+                         "feed-forward weighted by kind, or all of them alike.", common=True),
 }
 
 
