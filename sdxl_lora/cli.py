@@ -194,7 +194,32 @@ def _adapter_source(source: str, model: str | None) -> tuple[Path, str | None]:
         raise FileNotFoundError(f"run folder {p} has no adapter ({p.name}.safetensors): has the run finished?")
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such adapter file, PEFT folder or run folder")
-    return p, model
+    return p, model or _trained_on(p)
+
+
+def _trained_on(adapter: Path) -> str | None:
+    """The model an adapter file says it was trained on, where that is known here: the run folder it sits in
+    (its config.toml), else a built-in model its metadata names (ss_sd_model_name); none means SDXL base."""
+    from .core.config import DEMO_NAME, load_config
+    from .sdxl.tiny import TINY_NAME
+
+    run_config = adapter.parent / "config.toml"
+    if adapter.is_file() and run_config.is_file():
+        try:
+            return load_config(run_config).model.path
+        except (ValueError, OSError):  # not a run's config: the metadata may still say
+            pass
+    if adapter.is_file() and adapter.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(adapter), "pt") as fh:
+                name = (fh.metadata() or {}).get("ss_sd_model_name")
+        except (SafetensorError, OSError):  # not a safetensors file: load_adapter says what it is
+            return None
+        if name in (DEMO_NAME, TINY_NAME):
+            return name
+    return None
 
 
 def _true_alpha_source(src: Path) -> Path:

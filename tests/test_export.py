@@ -414,7 +414,26 @@ def test_cli_inspect_shows_format_base_blocks_metadata_and_problems(run_dir, tmp
     assert "input_blocks.4.1" in text and "down_blocks.1.attentions.0" in text
     assert "rank       : 4, 8" in text and "alpha      : 3" in text
     assert "ss_steps = 3" in text
-    assert "SDXL's take 2048" in text  # the tiny model's adapter is flagged: it will not load on SDXL
+    # Checked against the model the run trained on (the tiny one): nothing wrong with it.
+    assert "problems   : none" in text and "do not fit" not in text and "SDXL's take" not in text
+    # Against SDXL base, its shapes and its cross-attention width are flagged: it will not load there.
+    assert main(["inspect", str(run_dir), "--model", "arch:sdxl"]) == 0
+    text = capsys.readouterr().out
+    assert "layers do not fit the model's shapes" in text and "SDXL's take 2048" in text
+
+
+def test_inspecting_a_runs_adapter_file_checks_it_against_the_model_the_run_trained_on(run_dir, tmp_path, capsys):
+    import shutil
+
+    for f in (run_dir / "r.safetensors", run_dir / "r.diffusers.safetensors"):
+        assert main(["inspect", str(f)]) == 0
+        text = capsys.readouterr().out
+        assert "problems   : none" in text, text[-600:]
+    # Copied out of its run, a file trained on a built-in model says which in its metadata.
+    alone = tmp_path / "alone.safetensors"
+    shutil.copyfile(run_dir / "r.safetensors", alone)
+    assert main(["inspect", str(alone)]) == 0
+    assert "problems   : none" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------- merge
@@ -444,6 +463,30 @@ def test_merge_equals_base_plus_adapter_at_that_strength(trained, run_dir, tiny_
     torch.testing.assert_close(w, want_w, rtol=0, atol=1e-6)
     with pytest.raises(FileExistsError):
         merge_checkpoint(tiny_dir, [(trained.kohya, 1.0)], single)
+
+
+def test_a_single_file_merged_into_a_built_in_base_loads_back_in_generate(trained, tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    from sdxl_lora.core.config import ModelConfig
+    from sdxl_lora.sdxl.merge import merge_checkpoint
+    from sdxl_lora.sdxl.model import load_pipeline, unet_skeleton
+
+    # tiny-sdxl is not SDXL base's size: read as SDXL base, the file would not load.
+    single = merge_checkpoint("tiny-sdxl", [(trained.kohya, 0.7)], tmp_path / "merged.safetensors")
+    folder = merge_checkpoint("tiny-sdxl", [(trained.kohya, 0.7)], tmp_path / "merged")
+    pipe = load_pipeline(ModelConfig(path=str(single)))
+    want = UNet2DConditionModel.from_pretrained(str(folder / "unet")).state_dict()
+    got = pipe.unet.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
+    assert unet_skeleton(ModelConfig(path=str(single)))[0].config.block_out_channels == \
+        pipe.unet.config.block_out_channels  # plan and train read it the same way
+    out = tmp_path / "images"
+    assert main(["generate", "--model", str(single), "--prompt", "a red star", "--steps", "1", "--size", "64",
+                 "--out", str(out)]) == 0
+    assert (out / "seed0.png").is_file()
 
 
 def test_dora_magnitude_travels_as_dora_scale(tiny_dir, tmp_path):

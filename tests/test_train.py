@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ from safetensors.torch import load_file
 
 from sdxl_lora.cli import main
 from sdxl_lora.core.runs import read_events
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +36,47 @@ def test_default_run_writes_config_events_adapter_and_previews(default_run):
     samples = sorted(p.name for p in (default_run / "samples").iterdir())
     assert "step-000000-grid.png" in samples  # before training
     assert any(n.startswith("step-") and n.endswith("-grid.png") and n != "step-000000-grid.png" for n in samples)
+
+
+def _written(band) -> bool:
+    """Dark writing on a white band (greyscale)."""
+    low, high = band.getextrema()
+    return low < 100 and high == 255
+
+
+def test_the_default_jobs_preview_grid_names_the_prompts_above_their_images(default_run):
+    from PIL import Image
+
+    samples = default_run / "samples"
+    tiles = sorted(samples.glob("step-000000-[0-9][0-9].png"))
+    w, h = Image.open(tiles[0]).size
+    grid = Image.open(samples / "step-000000-grid.png").convert("L")
+    rows = len({line.split(" --")[0] for line in (REPO / "sample_data" / "prompts.txt").read_text().splitlines()
+                if line.strip()})
+    assert grid.width == 2 * w and grid.height > rows * h  # a label band above each row of images
+    band = grid.crop((0, 0, grid.width, (grid.height - rows * h) // rows))
+    assert _written(band)
+
+
+def test_a_grid_writes_each_rows_prompt_once_and_each_images_own_where_they_differ():
+    from PIL import Image
+
+    from sdxl_lora.sdxl.preview import grid
+
+    tile = Image.new("RGB", (96, 96), (128, 128, 128))
+    plain = grid([tile] * 4, cols=2)
+    assert plain.size == (192, 192)
+    labelled = grid([tile] * 4, cols=2, labels=["a red star"] * 2 + ["a green triangle"] * 2)
+    band = (labelled.height - 192) // 2
+    assert labelled.width == 192 and band > 0
+    first, second = (labelled.crop((0, y, 192, y + band)).convert("L") for y in (0, band + 96))
+    assert _written(first) and _written(second)
+    assert first.tobytes() != second.tobytes()  # each row its own prompt
+    # One prompt a row: written once across the row, not again over the second image.
+    assert first.crop((96, 0, 192, band)).getextrema() == (255, 255)
+    mixed = grid([tile] * 2, cols=2, labels=["a cat", "a dog"])
+    left, right = (mixed.crop((x, 0, x + 96, mixed.height - 96)).convert("L") for x in (0, 96))
+    assert _written(left) and _written(right)  # each image under its own prompt
 
 
 def test_training_loss_falls_clearly(default_run):

@@ -169,19 +169,31 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
 
             # ---- Train: the form, the plan, Start
             page.get_by_role("tab", name="Train").click()
+            # Plain words: fields by what the user decides, human labels (no schema paths), common ones on top.
+            expect(page.locator("#f-group-how-long").first).to_contain_text("How long")
+            expect(page.locator("#f-train-steps")).to_contain_text("Training steps")
+            expect(page.locator("#f-group-speed-and-memory #f-train-vram-gb").first).to_contain_text("GPU memory budget")
+            expect(page.locator("#tab-train")).not_to_contain_text("train.steps")
+            # The summary line before Start: what will train and the memory the whole run needs.
+            expect(page.locator("#train-summary")).to_contain_text("trainable parameters in", timeout=WAIT)
+            _fill(page, "f-train-vram-gb", 8)
+            expect(page.locator("#train-summary")).to_contain_text("budget 8 GiB", timeout=WAIT)
+            _fill(page, "f-train-vram-gb", "")
+            expect(page.locator("#train-summary")).not_to_contain_text("budget", timeout=WAIT)
             _fill(page, "f-train-steps", 60)
             _fill(page, "f-data-resolution", 64)
             _fill(page, "f-train-batch-size", 1)
             _fill(page, "f-output-name", "ui-run")
-            page.locator("#f-acc-preview").get_by_text("preview (advanced)").click()
+            page.locator("#f-acc-previews").get_by_text("More: Previews").click()
             _fill(page, "f-preview-steps", 2)
-            page.locator("#f-acc-train").get_by_text("train (advanced)").click()
+            page.locator("#f-acc-saving-and-output").get_by_text("More: Saving and output").click()
             _fill(page, "f-train-log-every", 1)
-            # Each field's help is its description in the schema: what it does, no benchmark figures.
-            expect(page.locator("#f-train-fuse-qkv")).to_contain_text("in one matmul")
-            expect(page.locator("#f-acc-train")).not_to_contain_text("H200")
+            # Each folded field has its label and a one-line help in user terms, no benchmark figures.
+            page.locator("#f-acc-speed-and-memory").get_by_text("More: Speed and memory").click()
+            expect(page.locator("#f-train-fuse-qkv")).to_contain_text("Fuse attention projections")
+            expect(page.locator("#f-acc-speed-and-memory")).not_to_contain_text("H200")
             # A message about a glob shows its stars (not Markdown emphasis).
-            page.locator("#f-acc-adapter").get_by_text("adapter (advanced)").click()
+            page.locator("#f-acc-what-to-learn").get_by_text("More: What to learn").click()
             overrides = page.locator("#f-adapter-overrides textarea").input_value()
             _fill(page, "f-adapter-overrides", '{"*attn2*" = -1}')
             page.locator("#train-plan").click()
@@ -261,7 +273,8 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             # ---- LLM: the same schema-made form for the causal-LM task
             page.get_by_role("tab", name="LLM").click()
             expect(page.locator("#llm-model-path input")).to_have_value("tiny-llm")
-            expect(page.locator("#llm-acc-llm")).to_be_visible()
+            expect(page.locator("#llm-model-path")).to_contain_text("Base model")
+            expect(page.locator("#llm-acc-dataset")).to_be_visible()
             _shot(page, "5-llm")
         finally:
             browser.close()
@@ -473,3 +486,67 @@ def test_the_llm_form_starts_from_what_llm_train_uses_and_the_default_folders_ho
     assert differs == {}  # no SDXL demo settings (its steps, its ResNet override) in the LLM form
     datasets = Path(add_arguments(argparse.ArgumentParser()).parse_args([]).datasets)
     assert jsonl_files(datasets) and "images" in image_folders(datasets)  # both tabs have data to pick
+
+
+def _form_keys(task: str) -> tuple[list[str], dict]:
+    """The fields the task's form shows (the schema's and those the page picks itself) and their widgets."""
+    import gradio as gr
+
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.tab_train import Form
+
+    f = Folders.create(REPO / "sample_data", REPO / ".cache" / "models", REPO / "runs")
+    with gr.Blocks():
+        form = Form(f, task=task)
+        form.render()
+    keys = [s.key for s in form.specs] + ["model.path", form.data_key]
+    return keys + (["model.tokenizer", "preview.prompts"] if task == "sdxl" else []), form.widgets
+
+
+@pytest.mark.parametrize("task", ["sdxl", "llm"])
+def test_every_form_field_has_a_plain_label_a_group_and_one_line_of_help(task):
+    import re
+
+    from sdxl_lora.ui.labels import GROUPS, LABELS, label_for
+
+    keys, widgets = _form_keys(task)
+    assert "train.vram_gb" in keys or task == "llm"
+    assert {"train.vram_gb", "preview.vae_tiling"} <= set(LABELS)
+    missing = [k for k in keys if k not in LABELS]
+    assert missing == []  # a new schema field needs its words in sdxl_lora/ui/labels.py
+    for key in keys:
+        words = label_for(key, task)
+        assert words.group in GROUPS, key
+        assert "." not in words.text and "_" not in words.text and words.text.strip(), key
+        assert words.help and "\n" not in words.help and len(words.help) < 140, key
+        # User terms: no figures, no file references, no schema paths.
+        assert not re.search(r"\d|\.md\b|\.py\b|docs/|<|\b[a-z]+\.[a-z_]+\b", words.help), (key, words.help)
+        if key in widgets:
+            assert widgets[key].label == words.text and widgets[key].info == words.help
+    common = {label_for(k, task).group for k in keys if label_for(k, task).common}
+    assert {"Model", "Dataset", "How long", "Saving and output"} <= common
+    if task == "sdxl":
+        assert label_for("train.vram_gb").group == "Speed and memory" and label_for("train.vram_gb").common
+
+
+def test_the_summary_line_says_what_will_train_and_what_a_memory_budget_chose():
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.sdxl.plan import component_bytes, fit_budget, plan_config, run_memory_for
+    from sdxl_lora.ui.summary import run_summary
+
+    cfg = load_config(None, None, {"model.path": "arch:sdxl", "data.resolution": 1024})
+    planned = plan_config(cfg)
+    line = run_summary(cfg)
+    assert line.startswith(f"{round(planned.plan.trainable_params / 1e6)} M trainable parameters in "
+                           f"{len(planned.plan.targets)} layers; whole run peak on a GPU ~")
+    peak = run_memory_for(cfg, planned, component_bytes(cfg)).peak / 2**30
+    assert f"~{peak:.1f} GiB (training" in line and "budget" not in line
+    # A budget smaller than that peak: the levers it chose are named in words, and the peak shown fits it.
+    budget = int(peak / 2)
+    tight = load_config(None, None, {"model.path": "arch:sdxl", "data.resolution": 1024, "train.vram_gb": budget})
+    fit = fit_budget(tight, budget)
+    line = run_summary(tight)
+    assert f"budget {budget} GiB: chose " in line
+    assert ("tiled previews" in line) == fit.cfg.preview.vae_tiling
+    assert (f"{fit.cfg.model.quantize} base model" in line) == (fit.cfg.model.quantize != "none")
+    assert f"~{fit.memory.peak / 2**30:.1f} GiB" in line and fit.memory.peak / 2**30 < budget

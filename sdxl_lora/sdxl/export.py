@@ -836,7 +836,7 @@ def layer_table(model=None) -> kohya.LayerTable:
     folder or "tiny-sdxl" (configs only, no weights read), or None / a single file (SDXL base's configs)."""
     if isinstance(model, kohya.LayerTable):
         return model
-    if model is None:
+    if model is None or str(model) == "arch:sdxl":  # SDXL base's configs (model.ARCH_SDXL)
         return kohya.LayerTable.from_config_dir(None)
     if isinstance(model, (str, Path)):
         from ..core.config import ModelConfig
@@ -888,8 +888,11 @@ _BLOCK = re.compile(r"^((?:down_blocks|up_blocks)\.\d+\.[a-z_]+\.\d+|mid_block\.
 _CROSS_WIDTHS = {2048: "SDXL", 768: "SD 1.x", 1024: "SD 2.x"}
 
 
-def _base_model(adapter: Adapter) -> tuple[str, list[str]]:
+def _base_model(adapter: Adapter, table: kohya.LayerTable | None = None) -> tuple[str, list[str]]:
+    """What the adapter says and shows it was trained on, and its problems for the model of `table` (SDXL
+    base when none): cross-attention layers of another width will not load onto that model."""
     meta, problems = adapter.metadata, []
+    want = int((table.unet_config if table is not None else {}).get("cross_attention_dim") or 2048)
     said = [f"{k}={meta[k]}" for k in ("ss_base_model_version", "modelspec.architecture") if meta.get(k)]
     widths = sorted({int(lay.update_shape[1]) for k, lay in adapter.layers.items()
                      if k.startswith("unet.") and k.endswith(".attn2.to_k")})
@@ -897,11 +900,12 @@ def _base_model(adapter: Adapter) -> tuple[str, list[str]]:
     if not said and adapter.format.startswith("kohya"):
         problems.append("no ss_base_model_version or modelspec.architecture: AUTOMATIC1111/Forge cannot tell it "
                         "is an SDXL LoRA and may hide it")
-    elif not any("sdxl" in s or "stable-diffusion-xl" in s for s in said):
+    elif said and not any("sdxl" in s or "stable-diffusion-xl" in s for s in said):
         problems.append(f"its metadata says {', '.join(said)}, not SDXL")
-    if widths and widths != [2048]:
+    if widths and widths != [want]:
+        model, onto = ("SDXL", "SDXL base") if want == 2048 else ("the model it is checked against", "that model")
         problems.append(f"its cross-attention layers take {'/'.join(map(str, widths))}-wide text embeddings; "
-                        "SDXL's take 2048: it will not load onto SDXL base")
+                        f"{model}'s take {want}: it will not load onto {onto}")
     text = "; ".join(x for x in (", ".join(said), f"from the layer shapes: {from_shapes}" if from_shapes else "") if x)
     return text or "unknown", problems
 
@@ -930,7 +934,7 @@ def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, ti
 
     table = table or kohya.LayerTable.from_config_dir(None)
     unet_map = unet_diffusers_to_sgm(table.unet_config)
-    base, problems = _base_model(adapter)
+    base, problems = _base_model(adapter, table)
     problems = list(adapter.problems) + problems
     if adapter.format.startswith("kohya") and _mixed_attention_alphas(adapter):
         problems.append("its attention layers have different alphas: right in AUTOMATIC1111/Forge, ComfyUI and "

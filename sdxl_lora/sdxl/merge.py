@@ -154,8 +154,10 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
     as, the one trained, and a warning says so. `as_trained` instead quantizes the UNet the same way and
     dequantizes it before merging: the weights the adapter saw, quantization error included."""
     from ..core.config import ModelConfig
-    from .model import load_pipeline, resolve_model_path
+    from ..core.config import DEMO_NAME
+    from .model import CONFIGS_FROM, load_pipeline, resolve_model_path
     from .single_file import save_single_file
+    from .tiny import TINY_NAME
 
     out = Path(out)
     if out.exists() and not overwrite:
@@ -186,6 +188,8 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
         log.info("merged %s at strength %g: %d layers", Path(path).name, strength, n)
         merged.append({"lora": Path(path).name, "strength": strength, "layers": n})
     note = {"sdxl_lora.merged": json.dumps(merged)}
+    if str(model) in (DEMO_NAME, TINY_NAME):  # not SDXL base's shapes: the file says whose configs it needs
+        note[CONFIGS_FROM] = str(model)
     if out.suffix == ".safetensors":
         return save_single_file(pipe, out, overwrite=overwrite, dtype=target, metadata=note)
     if target != torch.float32:

@@ -41,6 +41,26 @@ def resolve_model_path(cfg: ModelConfig) -> Path:
     return Path(cfg.path).expanduser()
 
 
+# A single-file checkpoint's metadata: the built-in model whose configs and tokenizers describe it (a merge
+# into the demo base or tiny-sdxl writes it, sdxl/merge.py); without it a single file is read as SDXL base.
+CONFIGS_FROM = "sdxl_lora.configs_from"
+
+
+def single_file_configs(path: Path, cfg: ModelConfig) -> Path | None:
+    """The folder whose configs (and tokenizers) describe the single file at `path`: the built-in model its
+    metadata names (CONFIGS_FROM); None for SDXL base's."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as fh:
+            name = (fh.metadata() or {}).get(CONFIGS_FROM)
+    except (SafetensorError, OSError):  # not readable as safetensors: the loader says what it is
+        return None
+    if name in (DEMO_NAME, TINY_NAME):
+        return resolve_model_path(cfg.model_copy(update={"path": name}))
+    return None
+
+
 def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32):
     from diffusers import StableDiffusionXLPipeline
 
@@ -55,8 +75,9 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32):
             raise ModelError(f"{path}: pickle checkpoints can run code when loaded and are refused; "
                              "convert it to .safetensors first")
         from .single_file import load_single_file
-        tok = Path(cfg.tokenizer) if cfg.tokenizer else None
-        return load_single_file(path, tokenizer_dir=tok, torch_dtype=torch_dtype)
+        configs = single_file_configs(path, cfg)
+        tok = Path(cfg.tokenizer) if cfg.tokenizer else configs
+        return load_single_file(path, tokenizer_dir=tok, config_dir=configs, torch_dtype=torch_dtype)
     check_folder(path)
     # Each weighted component on its own, so a failure names its folder and what its library reported.
     parts = {name: _load_component(path, name, torch_dtype) for name in COMPONENTS}
@@ -145,8 +166,8 @@ def unet_skeleton(cfg: ModelConfig):
     from .single_file import SDXL_BASE_CONFIG_DIR
 
     path = SDXL_BASE_CONFIG_DIR if cfg.path == ARCH_SDXL else resolve_model_path(cfg)
-    if path.is_file():  # a single-file checkpoint is read as SDXL base (the configs its loading uses too)
-        path = SDXL_BASE_CONFIG_DIR
+    if path.is_file():  # a single-file checkpoint is read as its loading reads it: SDXL base, or what it names
+        path = single_file_configs(path, cfg) or SDXL_BASE_CONFIG_DIR
     if not (path / "unet" / "config.json").is_file():
         raise ModelError(f"{path} has no unet/config.json; give a diffusers SDXL folder, "
                          f"a single-file checkpoint, '{DEMO_NAME}', '{TINY_NAME}' or '{ARCH_SDXL}'")

@@ -54,12 +54,12 @@ def component_bytes(cfg: Config) -> tuple[int, int]:
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     from ..core.weights import read_json
-    from .model import ARCH_SDXL, resolve_model_path
+    from .model import ARCH_SDXL, resolve_model_path, single_file_configs
     from .single_file import SDXL_BASE_CONFIG_DIR
 
     path = SDXL_BASE_CONFIG_DIR if cfg.model.path == ARCH_SDXL else resolve_model_path(cfg.model)
     if path.is_file():
-        path = SDXL_BASE_CONFIG_DIR
+        path = single_file_configs(path, cfg.model) or SDXL_BASE_CONFIG_DIR
 
     def size(module) -> int:
         return sum(p.numel() for p in module.parameters()) * 4

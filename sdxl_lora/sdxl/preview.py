@@ -19,7 +19,7 @@ import tomllib
 from pathlib import Path
 
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw
 
 from ..core.fsutil import atomic_save
 from .data import live_text
@@ -132,15 +132,53 @@ def read_prompts(path: str | Path | None) -> list[PreviewPrompt]:
         raise ValueError(f"preview.prompts={str(p)!r}: {e}") from None
 
 
-def grid(images: list[Image.Image], cols: int | None = None) -> Image.Image:
+def grid(images: list[Image.Image], cols: int | None = None, labels: list[str] | None = None) -> Image.Image:
+    """The images in rows of `cols`. labels (one per image, e.g. its prompt): written above the images, once
+    across a row whose images share a label (one prompt, several seeds), else above each image."""
     cols = cols or len(images)
     rows = (len(images) + cols - 1) // cols
     # Cells as large as the largest image: prompts may set their own width and height.
     w, h = max(im.size[0] for im in images), max(im.size[1] for im in images)
-    out = Image.new("RGB", (cols * w, rows * h), (0, 0, 0))
-    for i, im in enumerate(images):
-        out.paste(im, ((i % cols) * w, (i // cols) * h))
+    bands: list[list[tuple[int, str]]] = [[] for _ in range(rows)]  # per row: (first column, label) spans
+    if labels:
+        for r in range(rows):
+            row = labels[r * cols:(r + 1) * cols]
+            bands[r] = [(0, row[0])] if len(set(row)) == 1 else list(enumerate(row))
+    font = _label_font(max(10, min(w, h) // 12)) if labels else None
+    wrapped = [[_wrap(text, font, (cols * w if len(b) == 1 else w) - 6) for _, text in b] for b in bands]
+    line_h = (font.getbbox("Ag")[3] + 3) if font else 0
+    band_h = [max((len(lines) for lines in wr), default=0) * line_h + (4 if wr else 0) for wr in wrapped]
+    out = Image.new("RGB", (cols * w, rows * h + sum(band_h)), (0, 0, 0))
+    draw = ImageDraw.Draw(out)
+    y = 0
+    for r in range(rows):
+        if band_h[r]:
+            draw.rectangle([0, y, cols * w - 1, y + band_h[r] - 1], fill=(255, 255, 255))
+            for (col, _), lines in zip(bands[r], wrapped[r]):
+                for n, line in enumerate(lines):
+                    draw.text((col * w + 3, y + 2 + n * line_h), line, fill=(0, 0, 0), font=font)
+        y += band_h[r]
+        for c, im in enumerate(images[r * cols:(r + 1) * cols]):
+            out.paste(im, (c * w, y))
+        y += h
     return out
+
+
+def _label_font(size: int):
+    from PIL import ImageFont
+
+    return ImageFont.load_default(size=size)
+
+
+def _wrap(text: str, font, width: int) -> list[str]:
+    """`text` in lines no wider than `width` pixels (a word longer than that gets a line of its own)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and font.getlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    return lines or [""]
 
 
 def save_png(img: Image.Image, path: Path) -> Path:
@@ -316,7 +354,8 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     # Each prompt on consecutive lines the same number of times (several seeds): one row per prompt.
     runs = {len(list(g)) for _, g in itertools.groupby(e.prompt for e in prompts)}
     cols = runs.pop() if len(runs) == 1 else None
-    paths.append(save_png(grid(images, cols=cols), run.samples_dir / f"step-{step:06d}-grid.png"))
+    paths.append(save_png(grid(images, cols=cols, labels=[e.prompt for e in prompts]),
+                          run.samples_dir / f"step-{step:06d}-grid.png"))
     if cfg.preview.concept:
         from .shapes import report_concept
 

@@ -56,7 +56,7 @@ def build_app(folders: Folders, jobs):
             with gr.Tab("Dataset", id="dataset", elem_id="tab-dataset"):
                 tab_dataset.build(folders)
             with gr.Tab("Train", id="train", elem_id="tab-train"):
-                run_pick = tab_train.build(folders, jobs)
+                run_pick = tab_train.build(folders, jobs, demo)
             if _has_llm():
                 from . import tab_llm
 

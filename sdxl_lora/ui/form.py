@@ -1,9 +1,9 @@
 """The Train form, generated from the config schema (core/config.py): one widget per field, the schema's
-defaults, and each field's description as its help text. Nothing here restates a default or an allowed value.
+defaults. Nothing here restates a default or an allowed value.
 
 Literal -> dropdown, bool -> checkbox, int/float -> number, anything else -> text (TOML literal for
-lists and tables). The main fields are shown; every section's others sit in an accordion. Fields that
-name files or folders are not free text: the page picks them inside the UI's folders (see PATH_FIELDS).
+lists and tables). Labels, help and grouping are the page's own words (labels.py). Fields that name files
+or folders are not free text: the page picks them inside the UI's folders (see PATH_FIELDS).
 """
 from __future__ import annotations
 
@@ -17,12 +17,6 @@ from pydantic import BaseModel
 
 from sdxl_lora.core.config import TASKS, Config, ConfigError, _parse_value, field_tasks, load_config
 
-# Shown at the top of the form, in this order (those the schema has).
-MAIN_FIELDS = ("model.path", "data.dirs", "data.resolution", "data.trigger_word", "adapter.kind", "adapter.preset",
-               "adapter.rank", "train.steps", "train.batch_size", "train.lr", "train.optimizer", "train.device",
-               "preview.every", "output.name")
-LLM_MAIN_FIELDS = ("model.path", "llm.data", "llm.format", "llm.max_length", "adapter.rank", "train.steps",
-                   "train.batch_size", "train.lr", "train.device", "output.name")
 # Paths: set by the UI from its folders (or picked from them), never typed as free text.
 #   model.path / data.dirs: picked from the models / datasets folder; model.cache_dir: the models folder;
 #   preview.prompts: the prompts box, written to a file under runs/.ui; data.cache_dir, output.runs_dir:
@@ -39,10 +33,6 @@ class FieldSpec:
     default: Any
     help: str              # the field's description
     tasks: tuple[str, ...] = TASKS  # the tasks the field does something for
-
-    @property
-    def label(self) -> str:
-        return self.key.split(".", 1)[1] if "." in self.key else self.key
 
     @property
     def base(self) -> Any:

@@ -16,17 +16,20 @@ from sdxl_lora.core.fsutil import atomic_write_text
 from sdxl_lora.core.runs import read_events
 
 from .folders import TINY, TINY_LLM, Folders, PathRefused, image_folders, jsonl_files, llm_model_choices, model_choices
-from .text import error_md
-from .form import LLM_MAIN_FIELDS, MAIN_FIELDS, PATH_FIELDS, FieldSpec, build_config, schema_fields, to_widget_value
+from .summary import run_summary
+from .text import error_md, md_text
+from .form import PATH_FIELDS, FieldSpec, build_config, schema_fields, to_widget_value
 from .jobs import Jobs, run_status
+from .labels import GROUPS, LABELS, label_for
 
 
 # ----------------------------------------------------------------------------------------- the form
 
-def _widget(spec: FieldSpec, elem_prefix: str = "f-"):
+def _widget(spec: FieldSpec, elem_prefix: str = "f-", task: str = "sdxl"):
     from typing import get_args
 
-    label, info, value = spec.key, spec.help or None, to_widget_value(spec, spec.default)
+    words = label_for(spec.key, task)
+    label, info, value = words.text, words.help or None, to_widget_value(spec, spec.default)
     elem_id = elem_prefix + spec.key.replace(".", "-").replace("_", "-")
     if spec.kind == "choice":
         return gr.Dropdown(list(get_args(spec.base)), value=value, label=label, info=info, elem_id=elem_id)
@@ -40,6 +43,10 @@ def _widget(spec: FieldSpec, elem_prefix: str = "f-"):
         return gr.Number(value=value, label=label, info=info, precision=0 if spec.kind == "int" else None,
                          elem_id=elem_id)
     return gr.Textbox(value=value, label=label, info=info, elem_id=elem_id)
+
+
+def _slug(group: str) -> str:
+    return group.lower().replace(" ", "-")
 
 
 def _default_prompts() -> str:
@@ -70,54 +77,61 @@ class Form:
         self.data_key = "data.dirs" if task == "sdxl" else "llm.data"
         # The task is the tab's; the other task's own sections are not shown.
         other = {"sdxl": ("llm.",), "llm": ("data.", "preview.")}.get(task, ())
+        # Only the fields that do something for the task (core/config.py: field_tasks).
         self.specs = [s for s in schema_fields(task=task) if s.key not in PATH_FIELDS and s.key != "task"
-                      and s.key != self.data_key and not s.key.startswith(other)]
+                      and s.key != self.data_key and not s.key.startswith(other) and task in s.tasks]
         self.widgets: dict[str, gr.components.Component] = {}
 
     def render(self) -> None:
-        f, p = self.f, self.prefix
-        if self.task == "sdxl":
+        """The fields by group (labels.GROUPS): each group's common fields on top under its heading, then one
+        folded "More: group" section per group with the rest."""
+        f, p, task = self.f, self.prefix, self.task
+        if task == "sdxl":
             models, data = model_choices(f.models), image_folders(f.datasets)
             data_value = _default_data(f, Config().data.dirs, data, 1)
-            main_keys = MAIN_FIELDS
-            model_info = f"tiny-sdxl, or a diffusers SDXL folder or single .safetensors under {f.models}"
-            data_info = f"dataset folders under {f.datasets}"
         else:
             models, data = llm_model_choices(f.models), jsonl_files(f.datasets)
             data_value = _default_data(f, Config().llm.data, data, 2)
-            main_keys = LLM_MAIN_FIELDS
-            model_info = f"tiny-llm, or a transformers causal-LM folder under {f.models}"
-            data_info = f"JSONL files (alpaca or chat lines) under {f.datasets}"
-        known = {s.key for s in self.specs} | {"model.path", self.data_key}
         by_key = {s.key: s for s in self.specs}
-        with gr.Group():
-            for key in (k for k in main_keys if k in known):
-                if key == "model.path":
-                    self.model = gr.Dropdown(models, value=models[0], allow_custom_value=True,
-                                             elem_id=f"{p}model-path", label="model.path", info=model_info)
-                elif key == self.data_key:
-                    self.dirs = gr.Dropdown(data, value=data_value, multiselect=True, allow_custom_value=True,
-                                            label=key, elem_id=f"{p}data", info=data_info)
-                else:
-                    self.widgets[key] = _widget(by_key[key], p)
-            self.prompts = gr.Textbox(_default_prompts() if self.task == "sdxl" else "", lines=3,
-                                      label="preview prompts (one per line; empty: no previews)",
-                                      elem_id=f"{p}prompts", visible=self.task == "sdxl")
-        sections: dict[str, list[FieldSpec]] = {}
-        for s in self.specs:
-            if s.key not in self.widgets:
-                sections.setdefault(s.key.split(".", 1)[0] if "." in s.key else "general", []).append(s)
-        self.tokenizer = None
-        for section, specs in sections.items():
-            with gr.Accordion(f"{section} (advanced)", open=False, elem_id=f"{p}acc-{section}"):
-                if section == "model" and self.task == "sdxl":
-                    self.tokenizer = gr.Textbox("", label="model.tokenizer", elem_id=f"{p}model-tokenizer",
-                                                info=f"folder with tokenizer/ and tokenizer_2/ under {f.models} "
-                                                     "(single-file checkpoints only)")
-                for s in specs:
-                    self.widgets[s.key] = _widget(s, p)
-        if self.tokenizer is None:
+        # The fields the page sets itself (picked from its folders) and the schema's, in label order.
+        shown = ["model.path", self.data_key, *(["model.tokenizer", "preview.prompts"] if task == "sdxl" else []),
+                 *by_key]
+        order = {k: i for i, k in enumerate(LABELS)}
+        shown.sort(key=lambda k: order.get(k, len(order)))
+
+        def make(key: str) -> None:
+            words = label_for(key, task)
+            if key == "model.path":
+                self.model = gr.Dropdown(models, value=models[0], allow_custom_value=True, elem_id=f"{p}model-path",
+                                         label=words.text, info=words.help)
+            elif key == self.data_key:
+                self.dirs = gr.Dropdown(data, value=data_value, multiselect=True, allow_custom_value=True,
+                                        label=words.text, elem_id=f"{p}data", info=words.help)
+            elif key == "model.tokenizer":
+                self.tokenizer = gr.Textbox("", label=words.text, elem_id=f"{p}model-tokenizer", info=words.help)
+            elif key == "preview.prompts":
+                # The demo base's prompts (what preview.prompts unset gives it) are shown to edit.
+                self.prompts = gr.Textbox(_default_prompts(), lines=3, label=words.text, info=words.help,
+                                          elem_id=f"{p}prompts")
+            else:
+                self.widgets[key] = _widget(by_key[key], p, task)
+
+        for group in GROUPS:
+            common = [k for k in shown if label_for(k, task).group == group and label_for(k, task).common]
+            if common:
+                with gr.Group(elem_id=f"{p}group-{_slug(group)}"):
+                    gr.Markdown(f"**{group}**", elem_classes="group-heading")
+                    for key in common:
+                        make(key)
+        for group in GROUPS:
+            rest = [k for k in shown if label_for(k, task).group == group and not label_for(k, task).common]
+            if rest:
+                with gr.Accordion(f"More: {group}", open=False, elem_id=f"{p}acc-{_slug(group)}"):
+                    for key in rest:
+                        make(key)
+        if task != "sdxl":
             self.tokenizer = gr.Textbox("", visible=False)
+            self.prompts = gr.Textbox("", visible=False)
 
     @property
     def inputs(self) -> list:
@@ -256,12 +270,14 @@ def start_run(form: Form, jobs: Jobs, values: list):
     return f"run **{name}** {where}", gr.update(value=name)
 
 
-def build(f: Folders, jobs: Jobs):
+def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
     form = Form(f)
     with gr.Row():
         with gr.Column(scale=5):
             gr.Markdown("### New run")
             form.render()
+            # What the run will train and need, kept up to date as the form changes (ui/summary.py).
+            summary_line = gr.Markdown(elem_id="train-summary")
             with gr.Row():
                 plan_btn = gr.Button("Show plan", elem_id="train-plan")
                 start_btn = gr.Button("Start", variant="primary", elem_id="train-start")
@@ -302,6 +318,12 @@ def build(f: Folders, jobs: Jobs):
             return gr.skip(), error_md(e)
         return rows, summary
 
+    def summarize(*values):
+        try:
+            return md_text(run_summary(make_config(list(values), None)))
+        except (ConfigError, PathRefused, FileNotFoundError, ValueError) as e:
+            return error_md(e)
+
     def start(*values):
         return start_run(form, jobs, list(values))
 
@@ -340,6 +362,10 @@ def build(f: Folders, jobs: Jobs):
         return f"{selected}: resuming" if started == selected else f"{selected}: queued to resume"
 
     plan_btn.click(show_plan, form.inputs, [plan_table, plan_summary])
+    plan_btn.click(summarize, form.inputs, summary_line, show_progress="hidden")
+    # Not blocking: the line follows the form; a burst of edits computes once for the last of them.
+    gr.on([*([demo.load] if demo is not None else []), *(c.change for c in form.inputs)], summarize, form.inputs,
+          summary_line, trigger_mode="always_last", show_progress="hidden")
     start_btn.click(start, form.inputs, [start_msg, run_pick])
     outputs = [runs_table, run_pick, progress, loss_plot, lr_plot, previews, log_box, seen]
     timer.tick(refresh, [run_pick, seen], outputs, show_progress="hidden")
