@@ -379,11 +379,11 @@ def test_every_path_the_ui_page_sends_is_confined_to_the_ui_folders(tmp_path):
     ok_image = [[str(tmp_path / "datasets/set/ok.png"), ""]]
     for p in probes["datasets"]:
         refuses(tab_dataset._scan, f, p, ".txt", 64, lambda *a, **k: None)             # dataset folder picker
-        refuses(tab_dataset._save, f, [[p, ""]], 0, "caption", ".txt")                  # caption save: the image
+        refuses(tab_dataset._save, f, [[p, ""]], 0, p, "caption", ".txt")               # caption save: the image
         refuses(sdxl.config, ["tiny-sdxl-demo", [p], "", ""], "n", None)                # the Train form's data
         refuses(llm.config, ["tiny-llm", [p], "", ""], "n", None)                       # the LLM form's data
     for ext in ("/../../outside", ".txt/../../../outside/x", "\\..\\..\\x", ".%2e%2f", ".txt\\..\\.."):
-        refuses(tab_dataset._save, f, ok_image, 0, "caption", ext,                     # caption save: extension
+        refuses(tab_dataset._save, f, ok_image, 0, ok_image[0][0], "caption", ext,     # caption save: extension
                 why=("outside", "encoded", "caption extension"))
     for p in probes["models"]:
         refuses(sdxl.config, [p, ["set"], "", ""], "n", None)                            # model picker

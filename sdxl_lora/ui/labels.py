@@ -39,6 +39,8 @@ LABELS: dict[str, Label] = {
                          "(QLoRA): much less memory, slightly slower steps."),
     "model.quantize_convs": _l("Also compress its convolutions", M, "Compress the base model's convolution "
                                "layers too: less memory, a little less precise."),
+    "model.tiled_vae_encode": _l("Prepare images in tiles", M, "Encode large images in pieces when preparing "
+                                 "them: far less memory, tiny differences at the seams."),
     "model.quant_double": _l("Compress the compression scales too", M, "Saves a little more memory with the "
                              "compact compression formats."),
     "model.quant_compute_dtype": _l("Compute precision of compressed layers", M, "Auto follows the training "
@@ -70,6 +72,16 @@ LABELS: dict[str, Label] = {
     "data.keep_tokens": _l("Tags kept in place", D, "When shuffling: how many leading tags stay first."),
     "data.caption_dropout": _l("Empty-caption share", D, "How often an image trains with no caption, which "
                                "keeps prompts without your word working."),
+    "data.tag_dropout": _l("Tag dropout", D, "How often each caption tag is left out, so no single tag carries "
+                           "the concept."),
+    "data.keep_tokens_separator": _l("Keep-in-place marker", D, "Tags before this marker in a caption stay first "
+                                     "and are never dropped."),
+    "data.wildcards": _l("Caption choices", D, "Pick one of the choices in braces in a caption each time it is "
+                         "used, for variety."),
+    "data.caption_prefix": _l("Caption start", D, "Text added before every caption."),
+    "data.caption_suffix": _l("Caption end", D, "Text added after every caption."),
+    "data.datasets": _l("Datasets", D, "Several folders, each with its own settings (repeats, size, trigger, "
+                        "regularization); set in a config file."),
     "data.validation_split": _l("Held-out share for validation", D, "Share of images kept aside to measure "
                                 "how well the adapter generalises; zero keeps none."),
     "data.cache_dir": _l("Cache folder", D, "Where prepared images and captions are kept between runs."),
@@ -77,6 +89,8 @@ LABELS: dict[str, Label] = {
                            "are ignored."),
     "data.mask_suffix": _l("Mask name ending", D, "What a mask's file name adds to its image's name."),
     # ---- what to learn
+    "adapter.kind": _l("Adapter kind", W, "lora is the usual; dora often learns closer to full fine-tuning; "
+                       "loha and lokr are compact alternatives.", common=True),
     "adapter.preset": _l("Layers to adapt", W, "Which parts of the model learn: attention only, cross-attention "
                          "only, attention weighted by layer, or everything.", common=True),
     "adapter.rank": _l("Adapter size (rank)", W, "Bigger learns more detail and makes a bigger file; smaller "
@@ -91,6 +105,16 @@ LABELS: dict[str, Label] = {
     "adapter.max_rank": _l("Largest layer rank", W, "No layer's rank goes above this."),
     "adapter.overrides": _l("Per-layer ranks", W, "Set the rank of chosen layers by name pattern; zero leaves "
                             "a layer out."),
+    "adapter.conv_rank": _l("Convolution adapter size", W, "With the locon layers: the rank of the "
+                            "convolution layers' adapters; empty means the adapter size."),
+    "adapter.conv_alpha": _l("Convolution adapter strength", W, "With the locon layers: their alpha; empty "
+                             "means the same as their size."),
+    "adapter.rslora": _l("Rank-stabilised scaling", W, "Scale each adapter by its rank's square root, which "
+                         "keeps large ranks learning."),
+    "adapter.lokr_factor": _l("LoKr factor size", W, "With lokr: the size of its small factor; empty picks one "
+                              "near the square root."),
+    "adapter.init": _l("How the adapter starts", W, "default starts from zero; pissa and olora from the "
+                       "weights themselves; loftq from a compressed base's error."),
     "adapter.lora_bias": _l("Learn a bias too", W, "Add a trainable bias to each adapter layer."),
     "adapter.rank_budget": _l("Parameter budget", W, "Share a total number of trainable parameters between "
                               "layers by how much each matters; empty: no budget."),
@@ -104,6 +128,10 @@ LABELS: dict[str, Label] = {
                                      "slower, since captions are then encoded every step."),
     "adapter.text_encoder_rank": _l("Text encoder adapter size", W, "Rank of the text encoders' adapters; "
                                     "empty means the adapter size."),
+    "train.prior_loss_weight": _l("Regularization weight", W, "How much the regularization images count beside "
+                                  "your own."),
+    "train.prior_prediction": _l("Keep the base model's answers", W, "For regularization images, learn the base "
+                                 "model's own prediction instead of their noise."),
     "train.loss": _l("Loss", W, "How errors are measured: the usual squared error, or huber, which lets odd "
                      "images pull less."),
     "train.huber_delta": _l("Huber threshold", W, "With huber: how far off an error may be before it counts "
@@ -129,6 +157,8 @@ LABELS: dict[str, Label] = {
                         "rate."),
     "train.text_encoder_lr": _l("Text encoder learning rate", H, "The text encoders' adapters' rate; empty: "
                                 "the learning rate."),
+    "train.loraplus_ratio": _l("LoRA+ ratio", H, "Give each adapter's second half this many times the learning "
+                               "rate; empty or one is off."),
     "train.lr_multipliers": _l("Per-layer learning rate factors", H, "Multiply the learning rate of chosen "
                                "layers by name pattern."),
     "train.optimizer": _l("Optimizer", H, "How updates are computed; adamw is a safe choice, prodigy picks its "
