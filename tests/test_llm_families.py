@@ -29,6 +29,12 @@ def test_llm_run_reports_tokens_and_examples_per_second(tmp_path, capsys):
         assert e["tokens_per_s"] > e["examples_per_s"] > 0
     bar = capsys.readouterr().err
     assert "tok_s=" in bar and "ex_s=" in bar and "img_s" not in bar
+    # The UI's run line, read from the run folder, says the same.
+    from sdxl_lora.ui.jobs import run_status
+    from sdxl_lora.ui.tab_train import _progress_html
+
+    line = _progress_html(run_status(run.dir))
+    assert "tokens/s" in line and "img/s" not in line
 
 
 def test_sdxl_progress_bar_still_counts_images():

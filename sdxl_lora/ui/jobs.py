@@ -66,6 +66,7 @@ class RunStatus:
     loss: float = math.nan
     eta_s: float | None = None
     images_per_s: float | None = None
+    tokens_per_s: float | None = None   # an LLM run's throughput (it has tokens, not images)
     pid: int | None = None
     message: str = ""
     started: float = 0.0
@@ -92,6 +93,7 @@ def run_status(run_dir: Path, events: list[dict] | None = None) -> RunStatus:
         if e.get("event") == "step":
             st.step, st.total = e.get("step", 0), e.get("total_steps", 0)
             st.loss, st.eta_s, st.images_per_s = e.get("loss", math.nan), e.get("eta_s"), e.get("images_per_s")
+            st.tokens_per_s = e.get("tokens_per_s")
         elif e.get("event") in ("start", "resume", "done", "interrupted"):
             st.step = e.get("step", st.step)
             st.total = e.get("total_steps", st.total)

@@ -201,6 +201,8 @@ def _progress_html(st) -> str:
         bits.append(f"loss {st.loss:.4f}")
     if st.images_per_s:
         bits.append(f"{st.images_per_s:.2f} img/s")
+    if st.tokens_per_s:
+        bits.append(f"{st.tokens_per_s:,.0f} tokens/s")
     if st.alive and st.eta_s is not None:
         bits.append(f"eta {st.eta_s:.0f} s")
     msg = f"<div>{html.escape(st.message)}</div>" if st.message else ""
