@@ -125,14 +125,14 @@ def cmd_plan(args) -> int:
                                 ("train.batch_size", args.batch_size), ("train.vram_gb", args.vram))
              if v is not None}
     cfg = load_config(args.config, args.set, extra)
-    choices = {}
+    # On the meta device: structure only. train.mixed_precision "auto" is taken as bf16 (a GPU run).
     if cfg.train.vram_gb:
         fit = fit_budget(cfg, cfg.train.vram_gb)
-        cfg, choices = fit.cfg, fit.choices
-    # On the meta device: structure only. train.mixed_precision "auto" is taken as bf16 (a GPU run).
-    planned = plan_config(cfg)
+        cfg, choices, planned, whole = fit.cfg, fit.choices, fit.planned, fit.memory
+    else:
+        choices, planned = {}, plan_config(cfg)
+        whole = run_memory_for(cfg, planned, component_bytes(cfg))
     plan, memory, resolution, native = planned.plan, planned.memory, planned.resolution, planned.native
-    whole = run_memory_for(cfg, planned, component_bytes(cfg))
     if args.json:
         print(json.dumps({"model": cfg.model.path, "preset": cfg.adapter.preset, "resolution": resolution,
                           "base_rank": plan.base_rank, "modules": len(plan.targets),

@@ -2,8 +2,10 @@
 The one path the CLI's `plan`, the UI's Train form and the training task all take, so they agree."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
@@ -49,17 +51,25 @@ def plan_config(cfg: Config) -> UNetPlan:
 def component_bytes(cfg: Config) -> tuple[int, int]:
     """(VAE, both text encoders) in bytes as the trainer holds them (fp32), from their configs on the meta
     device: no weights read."""
-    import torch
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    from ..core.weights import read_json
     from .model import ARCH_SDXL, resolve_model_path, single_file_configs
     from .single_file import SDXL_BASE_CONFIG_DIR
 
     path = SDXL_BASE_CONFIG_DIR if cfg.model.path == ARCH_SDXL else resolve_model_path(cfg.model)
     if path.is_file():
         path = single_file_configs(path, cfg.model) or SDXL_BASE_CONFIG_DIR
+    return _component_bytes(str(path))
+
+
+@functools.cache
+def _component_bytes(folder: str) -> tuple[int, int]:
+    # Per config folder: building the text encoders, even on the meta device, takes a moment.
+    import torch
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from ..core.weights import read_json
+
+    path = Path(folder)
 
     def size(module) -> int:
         return sum(p.numel() for p in module.parameters()) * 4
@@ -92,9 +102,14 @@ def run_memory_for(cfg: Config, planned: UNetPlan, components: tuple[int, int], 
 @dataclass
 class BudgetFit:
     cfg: Config                 # the config with the levers chosen
+    planned: UNetPlan           # its plan and step estimate
     memory: RunMemory
-    choices: dict[str, str]     # field -> what was chosen and why
+    changes: dict[str, tuple]   # field -> (as given, as chosen)
     slowdown: float             # the time per image against the config as given (a model, see below)
+
+    @property
+    def choices(self) -> dict[str, str]:
+        return {name: f"{after!r} (was {before!r})" for name, (before, after) in self.changes.items()}
 
 
 # Time per image of each lever against none, from benchmarks/RESULTS.md (QLoRA memory; batch 1 and 4 at
@@ -184,15 +199,17 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
             f"{max(memory.phases, key=memory.phases.get)}). Raise train.vram_gb, lower data.resolution, "
             "or turn the previews off (preview.prompts='')")
     c, memory, slow = best
-    choices = {name: f"{after!r} (was {before!r})" for name, (before, after) in _changed(cfg, c).items()}
-    return BudgetFit(c, memory, choices, round(slow, 3))
+    return BudgetFit(c, UNetPlan(base.plan, memory.step, base.resolution, native), memory, changes(cfg, c),
+                     round(slow, 3))
 
 
-def _changed(a: Config, b: Config) -> dict[str, tuple]:
+def changes(a: Config, b: Config) -> dict[str, tuple]:
+    """The memory levers config b sets otherwise than a: field -> (a's value, b's)."""
     out = {}
-    for section, fields in (("model", ("quantize", "tiled_vae_encode")), ("train", ("batch_size", "grad_accum", "gradient_checkpointing",
-                                                                 "checkpoint_budget_gb")),
-                            ("preview", ("vae_tiling",))):
+    levers = (("model", ("quantize", "tiled_vae_encode")),
+              ("train", ("batch_size", "grad_accum", "gradient_checkpointing", "checkpoint_budget_gb")),
+              ("preview", ("vae_tiling",)))
+    for section, fields in levers:
         for f in fields:
             x, y = getattr(getattr(a, section), f), getattr(getattr(b, section), f)
             if x != y:
@@ -201,4 +218,4 @@ def _changed(a: Config, b: Config) -> dict[str, tuple]:
 
 
 def _levers(a: Config, b: Config) -> str:
-    return ", ".join(f"{k} {v[1]!r}" for k, v in _changed(a, b).items())
+    return ", ".join(f"{k} {v[1]!r}" for k, v in changes(a, b).items())

@@ -22,35 +22,31 @@ def _gib(b: int) -> str:
     return f"{b / GiB:.1f}"
 
 
-def _chosen(before: Config, after: Config) -> list[str]:
-    """What the budget changed, in the form's words."""
-    out = []
-    if after.model.quantize != before.model.quantize:
-        out.append(f"{after.model.quantize} base model")
-    if after.train.batch_size != before.train.batch_size:
-        out.append(f"batch {after.train.batch_size} with {after.train.grad_accum} accumulated")
-    if after.train.gradient_checkpointing and not before.train.gradient_checkpointing:
-        out.append("recomputing (full)")
-    elif after.train.checkpoint_budget_gb != before.train.checkpoint_budget_gb:
-        out.append("recomputing (partial)")
-    if after.preview.vae_tiling and not before.preview.vae_tiling:
-        out.append("tiled previews")
-    return out
+# The budget's levers (sdxl/plan.py: changes) in the form's words.
+def _chosen(changes: dict[str, tuple]) -> list[str]:
+    words = {"model.quantize": lambda v: f"{v} base model",
+             "train.batch_size": lambda v: f"batch {v}",
+             "train.grad_accum": lambda v: f"{v} accumulated",
+             "train.gradient_checkpointing": lambda v: "recomputing (full)" if v else "",
+             "train.checkpoint_budget_gb": lambda v: "recomputing (partial)" if v else "",
+             "preview.vae_tiling": lambda v: "tiled previews" if v else "",
+             "model.tiled_vae_encode": lambda v: "tiled image preparation" if v else ""}
+    return [w for w in (words[k](after) for k, (_, after) in changes.items()) if w]
 
 
 def run_summary(cfg: Config) -> str:
-    """E.g. "15 M trainable parameters in 560 layers; whole run peak on a GPU ~7.2 GiB (training 6.1,
-    previews 7.2); budget 8 GiB: chose nf4 base model, tiled previews". Raises ConfigError (an impossible
-    budget names the smallest that works), FileNotFoundError for a model that is not there."""
+    """The trainable parameters and layers, the whole run's peak (and the training and preview phases'), and
+    with train.vram_gb what the budget chose. Raises ConfigError (an impossible budget names the smallest
+    that works), FileNotFoundError for a model that is not there."""
     from sdxl_lora.sdxl.plan import component_bytes, fit_budget, plan_config, run_memory_for
 
     budget = cfg.train.vram_gb
-    chosen: list[str] = []
     if budget:
         fit = fit_budget(cfg, budget)
-        chosen, cfg = _chosen(cfg, fit.cfg), fit.cfg
-    planned = plan_config(cfg)
-    whole = run_memory_for(cfg, planned, component_bytes(cfg))
+        chosen, planned, whole = _chosen(fit.changes), fit.planned, fit.memory
+    else:
+        chosen, planned = [], plan_config(cfg)
+        whole = run_memory_for(cfg, planned, component_bytes(cfg))
     plan = planned.plan
     phases = ", ".join(f"{name} {_gib(b)}" for name, b in whole.phases.items() if name in ("training", "previews"))
     line = (f"{_count(plan.trainable_params)} trainable parameters in {len(plan.targets)} layers; "
