@@ -227,7 +227,9 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(_state(page)).to_have_attribute("data-state", "finished", timeout=WAIT)
             expect(page.locator("#run-progress-text")).to_contain_text("step 60/60")
             expect(page.locator("#run-previews img")).to_have_count(2, timeout=WAIT)  # before and after
-            # The loss chart draws lines over a numeric step axis (a few ticks, not one label per step).
+            # The loss chart draws lines over a numeric step axis (a few ticks, not one label per step); the
+            # chart renders after the page's first refresh, so wait for its line first.
+            page.locator("#run-loss svg .mark-line path").first.wait_for(state="attached", timeout=WAIT)
             lines = _drawn(page, "#run-loss svg .mark-line path")
             assert lines and max(b["width"] for b in lines) > 100
             ticks = page.evaluate("() => [...document.querySelectorAll('#run-loss svg .role-axis-label text')]"
