@@ -25,6 +25,9 @@ Settings (each a list of `--set` overrides on top of the defaults):
   dora, locon, loha, lokr
             the defaults with adapter.kind="dora", adapter.preset="locon", kind="loha", kind="lokr": the
             adapter kinds beside `defaults` (plain LoRA)
+  vram8, vram12, vram24
+            the defaults under a memory budget (train.vram_gb = 8, 12, 24): the run plans its levers to fit
+            and caps torch's allocator; reported beside the run's own estimate of each phase
 
 --tiny builds the embedded tiny SDXL instead (the CPU smoke test of this script).
 """
@@ -56,6 +59,9 @@ SETTINGS = {
     "locon": ["adapter.preset='locon'"],
     "loha": ["adapter.kind='loha'"],
     "lokr": ["adapter.kind='lokr'"],
+    "vram8": ["train.vram_gb=8"],
+    "vram12": ["train.vram_gb=12"],
+    "vram24": ["train.vram_gb=24"],
 }
 # Three aspect buckets of about 1024x1024 pixels each, as a user's photos fall.
 BUCKETS = ((1024, 1024), (1152, 896), (896, 1152))
@@ -238,12 +244,19 @@ def measure(name: str, args, model: Path, data: Path, out: Path) -> dict:
     result["phases_s"] = {k: round(b - a, 1) for k, (a, b) in spans.items()}
     result["peak_gib"] = mem.peak()
     result["phase_peak_gib"] = {k: mem.peak(a, b) for k, (a, b) in spans.items()}
-    preview_s = sum(round(b - a, 1) for k, (a, b) in spans.items() if "previews" in k)
+    # The step-0 set, and the final set (after the adapter is written); "finish" holds eval and export too.
+    preview_s = spans["previews before"][1] - spans["previews before"][0] if "previews before" in spans else 0.0
     finish = [e for e in events if e["event"] == "samples" and e["step"] == result["steps"]]
     adapter = next((e for e in events if e["event"] == "adapter"), None)
     if finish and adapter:
         preview_s += finish[0]["time"] - adapter["time"]
     result["previews_share"] = round(preview_s / wall, 3)
+    estimate = next((e for e in events if e["event"] == "memory_estimate"), None)
+    if estimate:
+        result["estimate_gib"] = estimate["run"]
+    budget = next((e for e in events if e["event"] == "budget_plan"), None)
+    if budget:
+        result["budget"] = {k: budget[k] for k in ("vram_gb", "choices", "slowdown")}
     chosen = [e for e in events if e["event"] == "speed"]
     if chosen:
         result["speed"] = {k: v for k, v in chosen[0].items() if k not in ("event", "time")}
