@@ -378,11 +378,13 @@ class SDXLTask(Task):
         from .memory import CONTEXT
 
         gib = self.cfg.train.vram_gb
-        total = torch.cuda.get_device_properties(self.device).total_memory
+        # torch.device("cuda") names no index, which the cap needs: the device a run on "cuda" uses.
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
         if gib * 2**30 >= total:
             log.warning("train.vram_gb=%g is at least this GPU's %.1f GiB: nothing to cap", gib, total / 2**30)
             return
-        torch.cuda.set_per_process_memory_fraction((gib * 2**30 - CONTEXT) / total, self.device)
+        torch.cuda.set_per_process_memory_fraction((gib * 2**30 - CONTEXT) / total, index)
 
     def _inject_adapter(self, unet, run: Run) -> None:
         """The plan's LoRA layers in the UNet, their ranks first fitted to adapter.rank_budget where one is
