@@ -810,3 +810,33 @@ def test_graphs_warm_every_bucket_up_before_capturing_any(tmp_path, monkeypatch)
     last = sorted(expected)[-1]
     graphed(torch.randn(*last), *(a[:1].expand(last[0], *a.shape[1:]) for a in first[1:]))
     assert len([e for e in events if e[0] == "capture"]) == len(expected)  # replayed, not captured again
+
+
+def test_a_large_batch_is_measured_on_a_centre_crop_that_scales_to_the_same_activations(tiny_dir):
+    # Selective checkpointing measures one sample's activations with every one kept; at 1024 on SDXL that
+    # alone is more than an 8 GiB budget holds, so large latents are measured on a crop and scaled up.
+    from sdxl_lora.sdxl.task import measuring_sample
+
+    unet = tiny_unet_with_lora(tiny_dir)
+    side = 4 * unet.config.sample_size
+    g = torch.Generator().manual_seed(0)
+    batch = {"latent_mean": torch.randn(3, 4, side, side, generator=g), "latent_std": torch.ones(3, 4, side, side),
+             "mask": torch.ones(3, 1, side, side), "time_ids": torch.zeros(3, 6)}
+    one, scale = measuring_sample(batch, 3, limit=(side // 2) ** 2)
+    assert one["latent_mean"].shape[-2:] == (side // 2, side // 2) and one["mask"].shape[-2:] == (side // 2, side // 2)
+    assert one["time_ids"].shape == (1, 6) and scale == 3 * 4
+    # Small latents are measured whole.
+    whole, s1 = measuring_sample(batch, 3, limit=side * side)
+    assert whole["latent_mean"].shape[-2:] == (side, side) and s1 == 3
+
+    def measured(latents):
+        b = batch_for(unet, b=1)
+        b["sample"] = latents
+        units = unet_speed.checkpoint_units(unet)
+        speed.measure_units(unet, units, lambda: unet(**b).sample)
+        return {u.name: u.saved for u in units}
+
+    full = measured(batch["latent_mean"][:1])
+    crop = measured(one["latent_mean"])
+    for name, saved in full.items():
+        assert saved == 0 and crop[name] == 0 or abs(crop[name] * 4 - saved) <= 0.1 * saved, name

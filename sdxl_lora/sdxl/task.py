@@ -150,6 +150,33 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
                 "prompt_embeds": text["prompt_embeds"], "pooled": text["pooled"], **extra}
 
 
+# The measuring pass of selective checkpointing keeps every activation of one sample (SDXL at 1024: about
+# 7 GiB in bf16, more than an 8 GiB card has beside the weights); above this many latent pixels it measures
+# a centre crop instead.
+MEASURE_LATENT_PIXELS = 64 * 64
+
+
+def measuring_sample(batch: dict, n: int, limit: int = MEASURE_LATENT_PIXELS) -> tuple[dict, float]:
+    """One sample of `batch` (n samples), its latents centre-cropped to at most `limit` pixels (sides kept
+    multiples of 8), and the factor that scales what it measures to the whole batch. Saved activations scale
+    with the batch and the pixels; so do the FLOPs but attention's, which grow faster (they only order the
+    units, see speed.checkpoint_order)."""
+    one = {k: v[:1] for k, v in batch.items()}
+    h, w = one["latent_mean"].shape[-2:]
+    side = 1.0
+    while h * w / side ** 2 > limit:
+        side *= 2
+    ch, cw = max(8, int(h / side) // 8 * 8), max(8, int(w / side) // 8 * 8)
+    if (ch, cw) != (h, w):
+        top, left = (h - ch) // 2, (w - cw) // 2
+        for k in ("latent_mean", "latent_std", "mask"):
+            if k in one and one[k].dim() >= 3:
+                v = one[k]
+                fy, fx = v.shape[-2] // h, v.shape[-1] // w  # a mask at pixel resolution: the same share
+                one[k] = v[..., top * fy:(top + ch) * fy, left * fx:(left + cw) * fx]
+    return one, n * (h * w) / (ch * cw)
+
+
 @contextlib.contextmanager
 def adapters_off(model: torch.nn.Module):
     """Every peft adapter layer of `model` computes its base layer's output alone, for the duration. peft's
@@ -569,14 +596,11 @@ class SDXLTask(Task):
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             batch = next(iter(self.dataloader()))
             batch = {k: v if k in self.host_keys else v.to(self.device) for k, v in batch.items()}
-            n = self.batch_size(batch)
-            # One sample: the measuring pass keeps every activation, so at the full batch it could need more
-            # memory than the budget is meant to save. Activations and FLOPs scale with the batch.
-            one = {k: v[:1] for k, v in batch.items()}
+            one, scale = measuring_sample(batch, self.batch_size(batch))
             with self.accelerator.autocast():
                 speed.measure_units(unet, units, lambda: self.loss(unet, one))
             for u in units:
-                u.saved, u.flops = u.saved * n, u.flops * n
+                u.saved, u.flops = round(u.saved * scale), round(u.flops * scale)
             trainable = sum(p.numel() for p in unet.parameters() if p.requires_grad)
             optimizer = int(trainable * OPTIMIZER_BYTES.get(self.cfg.train.optimizer, 8.0))
             # Frozen weights as they are stored, plus the fp32 adapter's gradient and the optimizer state.
@@ -588,11 +612,25 @@ class SDXLTask(Task):
                 order = speed.checkpoint_order(units)
                 while True:
                     unet_speed.apply_selective_checkpointing(unet, chosen, graph_safe, self.cfg.train.sdpa_backend)
-                    peak = self._trial_peak(unet, batch, warm=not trials) + optimizer
+                    left = [u for u in order if u.name not in chosen]
+                    try:
+                        peak = self._trial_peak(unet, batch, warm=not trials) + optimizer
+                    except torch.OutOfMemoryError:
+                        # The allocator's cap (train.vram_gb) reached inside the trial: the same answer as a
+                        # peak over the budget, with no figure to size the excess by. Half the rest next.
+                        for p in unet.parameters():
+                            p.grad = None
+                        torch.cuda.empty_cache()
+                        trials.append({"units": len(chosen), "peak_gib": None})
+                        log.info("train.checkpoint_budget_gb=%g: %d of %d units checkpointed ran out of memory",
+                                 budget_gb, len(chosen), len(order))
+                        if not left:
+                            raise
+                        chosen += [u.name for u in left[:max(1, len(left) // 2)]]
+                        continue
                     trials.append({"units": len(chosen), "peak_gib": round(peak / 2**30, 2)})
                     log.info("train.checkpoint_budget_gb=%g: %d of %d units checkpointed, measured peak %.2f GiB "
                              "(optimizer state included)", budget_gb, len(chosen), len(order), peak / 2**30)
-                    left = [u for u in order if u.name not in chosen]
                     if peak <= budget or not left:
                         break
                     over = peak - budget
