@@ -11,6 +11,7 @@ from sdxl_lora.cli import main
 from sdxl_lora.core.config import ConfigError, load_config
 from sdxl_lora.sdxl.model import unet_skeleton
 from sdxl_lora.sdxl.plan import component_bytes, fit_budget
+from sdxl_lora.sdxl.preview import tiled_previews
 
 GIB = 2**30
 
@@ -24,8 +25,8 @@ def sdxl():
 
 def test_each_budget_gets_a_whole_run_that_fits_and_a_smaller_one_costs_more_time(sdxl):
     # The documented ladder (docs/qlora.md), batch 4 at 1024: at 24 GiB a smaller batch with accumulation
-    # keeps the effective batch; at 12 GiB selective checkpointing; at 8 GiB tiled preview decoding too; at
-    # 6 GiB a quantized base and tiled encoding while caching.
+    # keeps the effective batch; at 12 GiB selective checkpointing; at 8 GiB an fp8 base (previews then
+    # decode in tiles); at 6 GiB tiled encoding while caching too.
     cfg, unet, native, parts = sdxl
     fits = {b: fit_budget(cfg, b, unet, native, parts) for b in (80, 24, 12, 8, 6)}
     for budget, fit in fits.items():
@@ -35,7 +36,8 @@ def test_each_budget_gets_a_whole_run_that_fits_and_a_smaller_one_costs_more_tim
     assert fits[80].choices == {} and fits[80].slowdown == 1.0
     assert fits[24].cfg.train.batch_size < 4 and fits[24].cfg.model.quantize == "none"
     assert fits[12].cfg.train.checkpoint_budget_gb and fits[12].cfg.model.quantize == "none"
-    assert fits[8].cfg.preview.vae_tiling and fits[8].memory.phases["previews"] < fits[12].memory.phases["previews"]
+    assert fits[8].cfg.model.quantize == "fp8" and fits[8].cfg.train.checkpoint_budget_gb
+    assert tiled_previews(fits[8].cfg) and fits[8].memory.phases["previews"] < fits[12].memory.phases["previews"]
     assert fits[6].cfg.model.quantize != "none" and fits[6].cfg.model.tiled_vae_encode
     assert fits[6].memory.phases["caching"] < fits[8].memory.phases["caching"]
     slowdowns = [fits[b].slowdown for b in (80, 24, 12, 8, 6)]
@@ -70,7 +72,7 @@ def test_plan_prints_every_phase_of_the_run_and_what_the_budget_chose(capsys):
     phases = data["run_memory"]["phases_gib"]
     assert set(phases) == {"caching", "training", "previews", "export"}
     assert data["run_memory"]["peak_gib"] == max(phases.values()) <= 8
-    assert "preview.vae_tiling" in data["budget_choices"]
+    assert data["budget_choices"]["model.quantize"] == "'fp8' (was 'none')"
     assert main(["plan", "--model", "arch:sdxl"]) == 0
     out = capsys.readouterr().out
     assert "whole run" in out and "previews" in out and "caching" in out

@@ -476,8 +476,8 @@ class PreviewConfig(Section):
         "Also preview, and compute the validation loss, every N steps; 0: only before and after."))
     steps: int = Field(20, ge=1, json_schema_extra=SDXL_ONLY, description="Sampling steps of each preview image.")
     vae_tiling: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
-        "Decode previews in tiles: far less memory at full size, faint seams possible. train.vram_gb turns it "
-        "on where the budget needs it."))
+        "Decode previews in tiles: far less memory at full size, faint seams possible. On by itself with a "
+        "quantized base (model.quantize); train.vram_gb turns it on where the budget needs it."))
     guidance: float = Field(5.0, ge=0, json_schema_extra=SDXL_ONLY, description=(
         "Classifier-free guidance scale of the previews."))
     guidance_rescale: float | None = Field(None, ge=0, le=1, json_schema_extra=SDXL_ONLY, description=(

@@ -255,7 +255,7 @@ def estimate_for_config(unet: nn.Module, cfg, trainable_params: int, resolution:
 # the allocator's reserve included. Fitted to the full-size SDXL runs of benchmarks/train_e2e.py and
 # benchmarks/preview_cost.py (benchmarks/RESULTS.md); VAE_DECODE_TILE is diffusers' tiled decode with tiles
 # of this many pixels a side.
-CONTEXT = int(0.6 * GiB)          # CUDA context and library handles, outside torch's allocator
+CONTEXT = int(0.85 * GiB)         # CUDA context and library handles (cuBLAS, cuDNN), outside torch's allocator
 RESERVE = 1.05                    # the allocator's reserve over what is allocated at the peak
 VAE_ENCODE_PER_PIXEL = 4800       # bytes per image pixel at the peak of an fp32 VAE encode
 VAE_DECODE_PER_PIXEL = 5000       # bytes per image pixel at the peak of a VAE decode under bf16 autocast

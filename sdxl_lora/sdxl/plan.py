@@ -14,6 +14,7 @@ from ..core.inject import Plan
 from ..core.memory import GiB
 from .data import live_text
 from .memory import MemoryEstimate, RunMemory, estimate_for_config, run_memory
+from .preview import tiled_previews
 from .slots import make_plan
 
 
@@ -90,7 +91,7 @@ def run_memory_for(cfg: Config, planned: UNetPlan, components: tuple[int, int], 
     return run_memory(planned.memory, vae_bytes=components[0], text_bytes=components[1],
                       largest_pixels=largest_pixels or square, preview_pixels=preview_pixels or square,
                       previews=previews,
-                      vae_tiling=cfg.preview.vae_tiling, tiled_encode=cfg.model.tiled_vae_encode,
+                      vae_tiling=tiled_previews(cfg), tiled_encode=cfg.model.tiled_vae_encode,
                       previews_mid_run=cfg.preview.every > 0,
                       graphs=cfg.train.cuda_graphs,
                       encoders_stay=cfg.adapter.train_text_encoder or live_text(cfg.data),
@@ -114,11 +115,12 @@ class BudgetFit:
 
 # Time per image of each lever against none, from benchmarks/RESULTS.md (QLoRA memory; batch 1 and 4 at
 # 1024): fp8 storage 1.26x, nf4 1.54x, full checkpointing 1.76x; selective checkpointing in proportion to
-# the activations it recomputes. A smaller batch costs (B/b)**0.32 a image (compile + graphs: batch 1 against 4).
+# the activations it recomputes. A smaller batch costs (B/b)**0.49 an image (CUDA graphs without compilation,
+# what short runs use: batch 2 against 4 through the CLI, the memory-budget runs).
 SLOWDOWN = {"fp8": 1.26, "nf4": 1.54, "checkpointing": 1.76}
-BATCH_EXPONENT = 0.32
+BATCH_EXPONENT = 0.49
 # The share of a budget the plan fills: the estimates are within about this of measured peaks.
-BUDGET_FILL = 0.95
+BUDGET_FILL = 0.9
 
 
 def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, native: int | None = None,

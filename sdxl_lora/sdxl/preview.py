@@ -279,6 +279,12 @@ def _cudnn_search(on: bool):
         torch.backends.cudnn.benchmark = before
 
 
+
+def tiled_previews(cfg) -> bool:
+    """Whether previews decode in tiles: preview.vae_tiling, and always with a quantized base (a run that
+    quantizes to save memory would otherwise peak at the full-size decode, not at training)."""
+    return bool(cfg.preview.vae_tiling or cfg.model.quantize != "none")
+
 @contextlib.contextmanager
 def vae_tiles(vae, on: bool):
     """diffusers' tiled VAE encode and decode with VAE_DECODE_TILE-pixel tiles, for the duration (its default
@@ -339,7 +345,7 @@ def render_previews(task, model, run, step: int) -> list[Path]:
         # cuDNN's algorithm search (train.* sets torch.backends.cudnn.benchmark for the training shapes) would
         # time every convolution of the pipeline at each preview size, the VAE decoder's included, for a few
         # images: its heuristic choice is cheaper (benchmarks/preview_cost.py).
-        with _cudnn_search(False), vae_tiles(p.vae, cfg.preview.vae_tiling):
+        with _cudnn_search(False), vae_tiles(p.vae, tiled_previews(cfg)):
             images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps, guidance=cfg.preview.guidance,
                             width=task.resolution, height=task.resolution, autocast_dtype=dtype,
                             guidance_rescale=rescale, texts=texts)
