@@ -155,33 +155,51 @@ class GraphedCall:
         self.module, self.fn, self.warmup, self.others = module, fn, warmup, others
         self.graphs: dict[tuple, Callable] = {}
         self.pool = None  # the memory pool every capture shares, made at the first capture
+        self.eager = False  # the captures ran out of memory: every call runs fn as it is
 
     @staticmethod
     def _key(args) -> tuple:
         return tuple((tuple(a.shape), a.dtype) for a in args)
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        if self.eager:
+            return self.fn(*args)
         key = self._key(args)
         graphed = self.graphs.get(key)
         if graphed is None:
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            todo = {key: args}
-            if not self.graphs and self.others is not None:
-                for other in self.others(args):
-                    todo.setdefault(self._key(other), other)
-            if len(todo) > 1:
-                self._warm_up(list(todo.values()))
-            for k, sample in todo.items():
-                log.info("capturing CUDA graphs for input shapes %s", [s[0] for s in k])
-                self.graphs[k] = torch.cuda.make_graphed_callables(
-                    _Positional(self.module, self.fn), tuple(a.detach().clone() for a in sample),
-                    num_warmup_iters=0 if len(todo) > 1 else self.warmup, allow_unused_input=True, pool=self.pool)
-                # Warm-up ran in the ordinary pool and the captured passes live in the graphs' own: give the
-                # warm-up's (and any earlier eager pass's) cached blocks back to the device.
+            try:
+                graphed = self._capture(key, args)
+            except torch.OutOfMemoryError:
+                # A memory cap (train.vram_gb) or a full card: the graphs' pool cannot share blocks with
+                # ordinary memory, so capturing can need more than an eager step. Train on without graphs
+                # (slower per step, the same results) rather than lose the run.
+                log.warning("CUDA graphs did not fit in memory (%s); training on without them",
+                            ", ".join(str(tuple(a.shape)) for a in args))
+                self.graphs.clear()
+                self.pool, self.eager = None, True
                 torch.cuda.empty_cache()
-            graphed = self.graphs[key]
+                return self.fn(*args)
         return graphed(*args)
+
+    def _capture(self, key: tuple, args: tuple) -> Callable:
+        """The graphs for `key`, captured now, with every shape `others` names on the first capture."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        todo = {key: args}
+        if not self.graphs and self.others is not None:
+            for other in self.others(args):
+                todo.setdefault(self._key(other), other)
+        if len(todo) > 1:
+            self._warm_up(list(todo.values()))
+        for k, sample in todo.items():
+            log.info("capturing CUDA graphs for input shapes %s", [s[0] for s in k])
+            self.graphs[k] = torch.cuda.make_graphed_callables(
+                _Positional(self.module, self.fn), tuple(a.detach().clone() for a in sample),
+                num_warmup_iters=0 if len(todo) > 1 else self.warmup, allow_unused_input=True, pool=self.pool)
+            # Warm-up ran in the ordinary pool and the captured passes live in the graphs' own: give the
+            # warm-up's (and any earlier eager pass's) cached blocks back to the device.
+            torch.cuda.empty_cache()
+        return self.graphs[key]
 
     def _warm_up(self, samples: list[tuple]) -> None:
         # What make_graphed_callables' own warm-up does (lazy initialisation, cuDNN's algorithm search and
