@@ -10,6 +10,7 @@ positional tensors only, so a keyword call is wrapped here.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -175,8 +176,13 @@ class GraphedCall:
                 # (slower per step, the same results) rather than lose the run.
                 log.warning("CUDA graphs did not fit in memory (%s); training on without them",
                             ", ".join(str(tuple(a.shape)) for a in args))
+                self.eager = True
+            if self.eager:
+                # Out of the except block: its traceback held the failed capture's frames and, through
+                # them, the pool's memory. The frames form cycles, hence the collection.
                 self.graphs.clear()
-                self.pool, self.eager = None, True
+                self.pool = None
+                gc.collect()
                 torch.cuda.empty_cache()
                 return self.fn(*args)
         return graphed(*args)
