@@ -812,6 +812,32 @@ def test_graphs_warm_every_bucket_up_before_capturing_any(tmp_path, monkeypatch)
     assert len([e for e in events if e[0] == "capture"]) == len(expected)  # replayed, not captured again
 
 
+
+def test_graphs_that_do_not_fit_in_memory_leave_the_run_training_without_them(monkeypatch, caplog):
+    # Under a memory cap the graphs' own pool can need more than an eager step; the capture's out-of-memory
+    # error must not end the run: the call, and every later one, runs the function itself.
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    freed = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(True))
+    tries = []
+
+    def make_graphed_callables(fn, sample_args, **kw):
+        tries.append(tuple(sample_args[0].shape))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 240.00 MiB")
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
+    lin = torch.nn.Linear(3, 2)
+    graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1)
+    x = torch.randn(4, 3, requires_grad=True)
+    with caplog.at_level("WARNING"):
+        y = graphed(x)
+    assert torch.equal(y, lin(x)) and y.requires_grad
+    y.sum().backward()  # an ordinary autograd graph: the step trains
+    assert lin.weight.grad is not None
+    assert "CUDA graphs did not fit in memory" in caplog.text and freed and graphed.pool is None
+    assert torch.equal(graphed(torch.ones(2, 3)), lin(torch.ones(2, 3)))
+    assert tries == [(4, 3)]  # no second capture tried
+
 def test_a_large_batch_is_measured_on_a_centre_crop_that_scales_to_the_same_activations(tiny_dir):
     # Selective checkpointing measures one sample's activations with every one kept; at 1024 on SDXL that
     # alone is more than an 8 GiB budget holds, so large latents are measured on a crop and scaled up.
