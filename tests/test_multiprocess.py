@@ -1,7 +1,7 @@
 """Many processes through `accelerate launch` (docs/multigpu.md), proven with two CPU processes over gloo:
 the same launcher, config file and code path as N GPUs over NCCL.
 
-- Two processes with batch b train the adapter one process trains with batch 2b and the same seed: the
+- Two processes with batch b train the adapter (DoRA + LoCon) one process trains with batch 2b and the same seed: the
   global batch holds the same images at every step, and each sample's noise and timestep are keyed by
   (seed, epoch, sample), not drawn from a per-process RNG stream.
 - The two processes build the latent cache together (half each) and the main process alone writes
@@ -28,9 +28,11 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS = 4
 # The 32 sample images (16 stars, 16 prior shapes) are square: at resolution 64 they share one bucket, so
 # every global batch of 4 is full and one process with batch 4 and two with batch 2 see the same batches.
+# The adapter: DoRA with LoCon's convolutions (magnitudes, convolution adapters and the fused projections
+# besides plain LoRA's factors), so every kind of trainable tensor goes through DDP and the flat all-reduce.
 COMMON = ["--steps", str(STEPS), "--seed", "7", "--set", "data.resolution=64", "--set", "data.bucket_step=16",
           "--set", "preview.prompts=''", "--set", "train.log_every=1", "--set", "train.save_every=2",
-          "--set", "train.save_every_minutes=0"]
+          "--set", "train.save_every_minutes=0", "--kind", "dora", "--set", "adapter.preset='locon'"]
 # One thread per process: two processes on two cores, and the same thread count in every run.
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -109,6 +111,7 @@ def test_two_processes_with_batch_b_train_what_one_process_trains_with_batch_2b(
     for step in loss_one:  # the same images and draws at every step: the same loss
         assert loss_two[step] == pytest.approx(loss_one[step], rel=1e-5)
     assert_same_training(adapter(out / "two"), adapter(out / "one"))
+    assert any(k.endswith(".dora_scale") for k in adapter(out / "two"))
     # The run's adapter and its diffusers twin, written once, by the main process.
     assert sorted(p.name for p in (out / "two").glob("*.safetensors")) == ["two.diffusers.safetensors",
                                                                             "two.safetensors"]

@@ -731,39 +731,48 @@ def _bucketed_dataset(folder, sizes, n=4):
 
 
 def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_path, monkeypatch):
-    # Counting compilations (a backend that counts the graphs it is given, then runs aot_eager): a run over
-    # three aspect buckets with the step-0 and final previews and the eval loss on compiles as many graphs
-    # as a run over one bucket with none of them. A shape per bucket, or the check-ins' own shapes and
-    # no-grad graphs, would each add compilations.
+    # Counting compilations (a backend that counts the graphs it is given, then runs aot_eager) at each event
+    # of a run over three aspect buckets with the step-0 and final previews and the eval loss on: nothing
+    # compiles before training (the step-0 previews and eval), the first step compiles, and nothing after it
+    # (the other buckets, the final eval and previews) compiles again. A shape per bucket, or the check-ins'
+    # own shapes and no-grad graphs, would each add compilations.
     from torch._dynamo.backends.debugging import aot_eager
 
-    graphs = []
+    from sdxl_lora.core.runs import Run
+
+    graphs, at = [], []
 
     def counting(gm, example_inputs):
         graphs.append(gm)
         return aot_eager(gm, example_inputs)
 
+    event = Run.event
+
+    def counted(self, kind, **fields):
+        at.append((kind, fields.get("step"), len(graphs)))
+        return event(self, kind, **fields)
+
     monkeypatch.setattr(speed, "COMPILE_BACKEND", counting)
-    common = ["--model", "tiny-sdxl", "--steps", "4", "--batch-size", "1", "--device", "cpu",
-              "--set", "train.compile='regional'", "--set", "train.channels_last=true", "--set", "data.resolution=128", "--set", "data.bucket_step=32", "--set", "train.save_every=0",
-              "--set", "adapter.preset='attn'"]
-    one = _bucketed_dataset(tmp_path / "data-one", [(128, 128)])
+    monkeypatch.setattr(Run, "event", counted)
     three = _bucketed_dataset(tmp_path / "data-three", [(128, 128), (160, 96), (96, 160)], n=6)
-    assert main(["train", "--data", str(one), "--out", str(tmp_path), "--name", "one", *common,
-                 "--set", "preview.prompts=''"]) == 0
-    alone = len(graphs)
-    torch._dynamo.reset()
-    graphs.clear()
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("sks, a shape --s 2\n")
-    assert main(["train", "--data", str(three), "--out", str(tmp_path), "--name", "three", *common,
-                 "--set", f"preview.prompts='{prompts}'"]) == 0
+    torch._dynamo.reset()
+    assert main(["train", "--model", "tiny-sdxl", "--data", str(three), "--out", str(tmp_path), "--name", "three",
+                 "--steps", "4", "--batch-size", "1", "--device", "cpu",
+                 "--set", "train.compile='regional'", "--set", "train.channels_last=true", "--set", "data.resolution=128",
+                 "--set", "data.bucket_step=32", "--set", "train.save_every=0", "--set", "adapter.preset='attn'",
+                 "--set", "train.log_every=1", "--set", f"preview.prompts='{prompts}'"]) == 0
+    torch._dynamo.reset()
     events = read_events(tmp_path / "three" / "events.jsonl")
     assert len(next(e for e in events if e["event"] == "dataset")["buckets"]) == 3
     assert {e["step"] for e in events if e["event"] == "samples"} == {0, 4}
-    assert alone > 0 and len(graphs) == alone, (alone, len(graphs))
-    torch._dynamo.reset()
-
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4]  # 4 of 6 images in 3 buckets: at least two buckets
+    counts = {(kind, step): n for kind, step, n in at}
+    assert counts[("samples", 0)] == 0 and counts[("eval", 0)] == 0 and counts[("start", 0)] == 0
+    first = counts[("step", 1)]
+    assert first > 0 and len(graphs) == first, [(k, s, n) for k, s, n in at]
 
 def test_graphs_warm_every_bucket_up_before_capturing_any(tmp_path, monkeypatch):
     # A bucket warmed up (ordinary memory) after another was captured (the graphs' pool) would need its
