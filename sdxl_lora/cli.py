@@ -347,10 +347,11 @@ def cmd_llm_plan(args) -> int:
     from .core import inject
     from .core.memory import GiB, state_bytes, weight_bytes
     from .llm import slots as llm_slots
+    from .llm.memory import WORKSPACE, activation_bytes, format_activations
     from .llm.model import check_causal_lm_folder, keep_head, resolve_llm_path, weight_dtype
 
     cfg = _llm_config_from_args(args)
-    config = check_causal_lm_folder(resolve_llm_path(cfg.model))
+    config = check_causal_lm_folder(resolve_llm_path(cfg.model), weights=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     plan = llm_slots.make_plan(model, cfg.adapter)
@@ -360,23 +361,30 @@ def cmd_llm_plan(args) -> int:
     weights = weight_bytes(model, cfg.model.quantize, cfg.model.quant_double, weight_dtype(cfg, mp), skip=keep_head)
     n = plan.trainable_params
     adapter = state_bytes(n, cfg.train.optimizer)
+    compute = weight_dtype(cfg, mp)
+    ckpt = cfg.train.gradient_checkpointing
+    acts = activation_bytes(config, cfg.train.batch_size, cfg.llm.max_length, ckpt, compute, cfg.llm.loss_chunk)
     state = {"frozen weights": sum(weights.values()), "adapter (fp32)": adapter["adapter"],
-             "gradients": adapter["gradients"], "optimizer": adapter["optimizer"]}
+             "gradients": adapter["gradients"], "optimizer": adapter["optimizer"],
+             "activations": acts.total, "workspace": WORKSPACE}
     if args.json:
         print(json.dumps({"model": cfg.model.path, "model_type": config.model_type, "base_rank": plan.base_rank,
                           "modules": len(plan.targets), "trainable_params": n, "adapter_mb": round(n * 4 / 2**20, 3),
                           "groups": plan.groups(), "weights_gib": {k: round(v / GiB, 3) for k, v in weights.items()},
-                          "memory_gib": {k: round(v / GiB, 3) for k, v in state.items()}}, indent=1))
+                          "memory_gib": {k: round(v / GiB, 3) for k, v in state.items()},
+                          "peak_gib": round(sum(state.values()) / GiB, 3), "batch_size": cfg.train.batch_size,
+                          "max_length": cfg.llm.max_length, "gradient_checkpointing": ckpt}, indent=1))
         return 0
     print(f"model {cfg.model.path} ({config.model_type}), preset {cfg.adapter.preset}")
     print(inject.format_plan(plan))
-    print(f"memory without activations ({method or 'unquantized'} base, {cfg.train.optimizer}):")
+    print(f"memory estimate ({method or 'unquantized'} base, {cfg.train.optimizer}, batch {cfg.train.batch_size} "
+          f"x {cfg.llm.max_length} tokens, {'checkpointing' if ckpt else 'no checkpointing'}):")
     print(f"  frozen weights {state['frozen weights'] / GiB:8.2f} GiB  ("
           + ", ".join(f"{k} {v / GiB:.2f}" for k, v in weights.items()) + ")")
     for k in ("adapter (fp32)", "gradients", "optimizer"):
         print(f"  {k:14s} {state[k] / GiB:8.2f} GiB")
-    print(f"  total          {sum(state.values()) / GiB:8.2f} GiB, plus activations (they grow with batch x "
-          "llm.max_length; benchmarks/RESULTS.md has measured peaks)")
+    print("\n".join(format_activations(acts, ckpt, compute)))
+    print(f"  peak           {sum(state.values()) / GiB:8.2f} GiB (the accelerator's, CUDA context aside)")
     return 0
 
 

@@ -28,8 +28,9 @@ def resolve_llm_path(cfg: ModelConfig) -> Path:
     return Path(cfg.path).expanduser()
 
 
-def check_causal_lm_folder(path: Path):
-    """The folder's transformers config, if it is a causal LM folder with safetensors weights."""
+def check_causal_lm_folder(path: Path, weights: bool = True):
+    """The folder's transformers config, if it is a causal LM folder with safetensors weights (weights=False:
+    the config alone, as a plan needs it before the weights are downloaded)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -52,6 +53,8 @@ def check_causal_lm_folder(path: Path):
         raise LLMModelError(f"{path} holds a {config.model_type!r} model ({', '.join(config.architectures or [])}), "
                             "not a causal LM; the llm task trains decoder-only text generators (Llama, Mistral, "
                             "Qwen, Gemma, Phi...)")
+    if not weights:
+        return config
     try:
         weight_files(path, "model")  # safetensors only, each file whole
     except PickleWeights as e:  # its message says what to do
