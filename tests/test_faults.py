@@ -405,6 +405,13 @@ def test_every_path_the_ui_page_sends_is_confined_to_the_ui_folders(tmp_path):
     assert refused > 150
     assert _tree(outside) == before and sorted(p.name for p in outside.iterdir()) == \
         ["a.safetensors", "model_index.json", "x.png"]
+    # A symlinked image inside a scanned folder that leads out: not shown, not editable, and said so.
+    (tmp_path / "datasets/set/linked.png").symlink_to(outside / "x.png")
+    items, gallery, status, *_ = tab_dataset._scan(f, "set", ".txt", 64, lambda *a, **k: None)
+    assert [Path(i[0]).name for i in items] == ["ok.png"] and len(gallery) == 1
+    assert "1 image(s) are symlinks to files outside the datasets folder" in status
+    refuses(tab_dataset._save, f, [[str(tmp_path / "datasets/set/linked.png"), ""]], 0,
+            str(tmp_path / "datasets/set/linked.png"), "caption", ".txt")
     # What is inside still works: the guard refuses escapes, not paths.
     assert f.inside("set/ok.png", "datasets") == tmp_path / "datasets/set/ok.png"
     assert f.inside("set\\ok.png", "datasets") == tmp_path / "datasets/set/ok.png"

@@ -27,10 +27,20 @@ def _scan(f: Folders, folder: str, ext: str, resolution, progress):
         ds = scan(data, res, on_progress=lambda done, total: progress((done, total), desc="checking images"))
     except (PathRefused, ConfigError, DataError, ValueError) as e:
         return [], [], error_md(e), "", None, *_EDITOR_CLEARED
-    items = [[str(it.path), it.caption if it.has_caption else ""] for it in ds.items[:GALLERY_LIMIT]]
-    shown = "" if len(ds.items) <= GALLERY_LIMIT else f" (showing the first {GALLERY_LIMIT})"
+    # An image inside the folder may be a symlink to a file elsewhere: the page neither shows nor edits it.
+    inside, linked_out = [], 0
+    for it in ds.items:
+        try:
+            f.inside(it.path, "datasets")
+            inside.append(it)
+        except PathRefused:
+            linked_out += 1
+    items = [[str(it.path), it.caption if it.has_caption else ""] for it in inside[:GALLERY_LIMIT]]
+    shown = "" if len(inside) <= GALLERY_LIMIT else f" (showing the first {GALLERY_LIMIT})"
+    linked = (f" {linked_out} image(s) are symlinks to files outside the datasets folder and are not shown "
+              "here (training still reads them); copy them in to see and edit them." if linked_out else "")
     status = (f"{len(ds.items)} usable images in `{os.path.relpath(root, f.datasets)}`{shown}; "
-              f"{len(ds.problems)} problem(s). Click an image to edit its caption.")
+              f"{len(ds.problems)} problem(s). Click an image to edit its caption.{linked}")
     hist = pd.DataFrame([{"bucket": f"{w}x{h}", "images": n} for (w, h), n in ds.bucket_histogram().items()],
                         columns=["bucket", "images"]).astype({"bucket": "string", "images": "int64"})
     return items, _gallery(items), status, ds.report(), hist, *_EDITOR_CLEARED
