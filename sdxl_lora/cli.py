@@ -345,9 +345,9 @@ def cmd_llm_plan(args) -> int:
     from transformers import AutoModelForCausalLM
 
     from .core import inject
-    from .core.memory import GiB, state_bytes, weight_bytes
+    from .core.memory import GiB, weight_bytes
     from .llm import slots as llm_slots
-    from .llm.memory import WORKSPACE, activation_bytes, format_activations
+    from .llm.memory import format_activations, step_estimate
     from .llm.model import check_causal_lm_folder, keep_head, resolve_llm_path, weight_dtype
 
     cfg = _llm_config_from_args(args)
@@ -360,13 +360,12 @@ def cmd_llm_plan(args) -> int:
     method = cfg.model.quantize if cfg.model.quantize != "none" else None
     weights = weight_bytes(model, cfg.model.quantize, cfg.model.quant_double, weight_dtype(cfg, mp), skip=keep_head)
     n = plan.trainable_params
-    adapter = state_bytes(n, cfg.train.optimizer)
     compute = weight_dtype(cfg, mp)
     ckpt = cfg.train.gradient_checkpointing
-    acts = activation_bytes(config, cfg.train.batch_size, cfg.llm.max_length, ckpt, compute, cfg.llm.loss_chunk)
-    state = {"frozen weights": sum(weights.values()), "adapter (fp32)": adapter["adapter"],
-             "gradients": adapter["gradients"], "optimizer": adapter["optimizer"],
-             "activations": acts.total, "workspace": WORKSPACE}
+    state, acts = step_estimate(config, weights=sum(weights.values()), trainable_params=n,
+                                optimizer=cfg.train.optimizer, batch_size=cfg.train.batch_size,
+                                max_length=cfg.llm.max_length, checkpointing=ckpt, compute_dtype=compute,
+                                loss_chunk=cfg.llm.loss_chunk)
     if args.json:
         print(json.dumps({"model": cfg.model.path, "model_type": config.model_type, "base_rank": plan.base_rank,
                           "modules": len(plan.targets), "trainable_params": n, "adapter_mb": round(n * 4 / 2**20, 3),

@@ -74,6 +74,10 @@ def test_tiny_llm_trains_and_reports(trained):
     assert ds["truncated"] > 0 and ds["truncated_tokens"] > 0
     cfg = load_config(run_dir / "config.toml")
     assert cfg.task == "llm" and cfg.model.path == "tiny-llm"
+    # The run states the step's expected peak at start, as `llm plan` does for its config.
+    est = next(e for e in events if e["event"] == "memory_estimate")
+    assert est["parts_gib"]["activations"] > 0 and est["total_gib"] == pytest.approx(sum(est["parts_gib"].values()),
+                                                                                     abs=0.01)
 
 
 def test_adapter_loads_in_peft_with_the_same_logits(trained, tiny_llm, tmp_path, capsys):

@@ -65,3 +65,15 @@ def format_activations(a: LLMActivations, checkpointing: bool, compute_dtype: to
     return [f"  activations    {a.total / GiB:8.2f} GiB  ({a.tokens:,} tokens, {DTYPE_NAMES.get(compute_dtype)}; {how}"
             f" {(a.saved + a.recompute) / GiB:.2f}, loss chunk {a.loss / GiB:.2f})",
             f"  workspace      {WORKSPACE / GiB:8.2f} GiB"]
+
+
+def step_estimate(config, *, weights: int, trainable_params: int, optimizer: str, batch_size: int,
+                  max_length: int, checkpointing: bool, compute_dtype: torch.dtype,
+                  loss_chunk: int) -> tuple[dict[str, int], LLMActivations]:
+    """The step's expected peak on the accelerator by part (bytes), and the activations' detail."""
+    from ..core.memory import state_bytes
+
+    acts = activation_bytes(config, batch_size, max_length, checkpointing, compute_dtype, loss_chunk)
+    adapter = state_bytes(trainable_params, optimizer)
+    return ({"frozen weights": weights, "adapter (fp32)": adapter["adapter"], "gradients": adapter["gradients"],
+             "optimizer": adapter["optimizer"], "activations": acts.total, "workspace": WORKSPACE}, acts)

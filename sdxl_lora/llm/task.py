@@ -97,6 +97,25 @@ class LLMTask(Task):
         log.info("adapter plan:\n%s", inject.format_plan(self.plan))
         run.event("plan", layers=len(self.plan.targets), trainable_params=self.plan.trainable_params,
                   preset=cfg.adapter.preset, base_rank=self.plan.base_rank, groups=self.plan.groups())
+        self._estimate(run)
+
+    def _estimate(self, run: Run) -> None:
+        """The step's expected peak (llm/memory.py), from the weights as loaded: what `llm plan` prints."""
+        from ..core.memory import GiB
+        from .memory import step_estimate
+
+        cfg = self.cfg
+        frozen = sum(p.numel() * p.element_size() for n, p in self.lm.named_parameters() if not inject.is_adapter_param(n))
+        parts, _ = step_estimate(self.lm.config, weights=frozen, trainable_params=self.plan.trainable_params,
+                                 optimizer=cfg.train.optimizer, batch_size=cfg.train.batch_size,
+                                 max_length=cfg.llm.max_length, checkpointing=cfg.train.gradient_checkpointing,
+                                 compute_dtype=self.quant[1]["compute_dtype"] if self.quant[0] else self.dtype,
+                                 loss_chunk=cfg.llm.loss_chunk)
+        total = sum(parts.values())
+        log.info("memory estimate (batch %d x %d tokens): %s; peak %.2f GiB", cfg.train.batch_size,
+                 cfg.llm.max_length, ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items()), total / GiB)
+        run.event("memory_estimate", total_gib=round(total / GiB, 3),
+                  parts_gib={k: round(v / GiB, 3) for k, v in parts.items()})
 
     def _read_data(self, run: Run) -> None:
         """The chat template, the examples read and split: training, validation and evaluation rows."""
