@@ -29,6 +29,10 @@ TRAIN_FLAGS = [
 ]
 
 
+PRESET_HELP = ("recommended settings where yours are silent: a card (6gb, 8gb, 12gb, 16gb, 16gb-fast, 24gb, "
+               "24gb-fast, 48gb, none) and/or a goal (character, style, concept), e.g. 8gb,style [card, goal]")
+
+
 def _config_from_args(args, flags=None, **fixed) -> "Config":  # noqa: F821
     """The config of a train command line: the CONFIG file, then --set, then the flags (`flags`, default
     TRAIN_FLAGS) and `fixed` top-level fields (the LLM command's task="llm")."""
@@ -42,7 +46,27 @@ def _config_from_args(args, flags=None, **fixed) -> "Config":  # noqa: F821
         extra[field] = list(value) if field in ("data.dirs", "llm.data") else value
     if getattr(args, "overwrite", False):
         extra["output.overwrite"] = True
+    extra.update(_preset_fields(getattr(args, "preset", None)))
     return load_config(args.config, args.set, extra)
+
+
+def _preset_fields(names: list[str] | None) -> dict[str, str]:
+    """--preset 8gb,style as {"card": "8gb", "goal": "style"}; a layer preset's name points at --layers."""
+    from typing import get_args
+
+    from .core import presets
+    from .core.config import AdapterConfig, ConfigError
+
+    layers = [n.strip() for item in names or [] for n in item.split(",")
+              if n.strip() in get_args(AdapterConfig.model_fields["preset"].annotation)]
+    if layers:
+        raise ConfigError(f"--preset {layers[0]}: {layers[0]!r} names which layers get adapters (adapter.preset): "
+                          f"use --layers {layers[0]} (plan) or --set adapter.preset={layers[0]}; --preset takes "
+                          f"{presets.choices()}")
+    try:
+        return presets.split_names(names or [])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _resume_job(args) -> training.Job:
@@ -117,14 +141,10 @@ def cmd_plan(args) -> int:
     import json
 
     from .core import inject
-    from .core.config import load_config
     from .sdxl.plan import component_bytes, fit_budget, plan_config, run_memory_for
 
-    extra = {k: v for k, v in (("model.path", args.model), ("adapter.preset", args.preset),
-                                ("adapter.rank", args.rank), ("data.resolution", args.resolution),
-                                ("train.batch_size", args.batch_size), ("train.vram_gb", args.vram))
-             if v is not None}
-    cfg = load_config(args.config, args.set, extra)
+    cfg = _plan_config(args)
+    preset = _preset_report(cfg)
     # On the meta device: structure only. train.mixed_precision "auto" is taken as bf16 (a GPU run).
     if cfg.train.vram_gb:
         fit = fit_budget(cfg, cfg.train.vram_gb)
@@ -132,9 +152,11 @@ def cmd_plan(args) -> int:
     else:
         choices, planned = {}, plan_config(cfg)
         whole = run_memory_for(cfg, planned, component_bytes(cfg))
+    slowdown = fit.slowdown if cfg.train.vram_gb else 1.0
     plan, memory, resolution, native = planned.plan, planned.memory, planned.resolution, planned.native
     if args.json:
         print(json.dumps({"model": cfg.model.path, "preset": cfg.adapter.preset, "resolution": resolution,
+                          "card": cfg.card, "goal": cfg.goal, "preset_settings": preset, "slowdown": slowdown,
                           "base_rank": plan.base_rank, "modules": len(plan.targets),
                           "trainable_params": plan.trainable_params,
                           "adapter_mb": round(plan.trainable_params * 4 / 2**20, 3),
@@ -148,6 +170,60 @@ def cmd_plan(args) -> int:
         if cfg.train.vram_gb:
             print(f"train.vram_gb={cfg.train.vram_gb:g} chose: "
                   + ("; ".join(f"{k} {v}" for k, v in choices.items()) or "nothing (the settings fit as given)"))
+        if cfg.card or cfg.goal:
+            named = " + ".join(f"{k} {v}" for k, v in (("card", cfg.card), ("goal", cfg.goal)) if v)
+            print(f"preset {named}: " + "; ".join(f"{k} {v}" for k, v in preset.items()))
+            print(f"expected: whole run peak {whole.peak / 2**30:.1f} GiB, ~{slowdown:.2f}x the time per image of "
+                  "the same settings without a budget")
+    return 0
+
+
+def _plan_config(args) -> "Config":  # noqa: F821
+    """The config of a plan or presets command line: the CONFIG file, --set, then the flags."""
+    from .core.config import load_config
+
+    extra = {k: v for k, v in (("model.path", args.model), ("adapter.preset", getattr(args, "layers", None)),
+                                ("adapter.rank", args.rank), ("data.resolution", args.resolution),
+                                ("train.batch_size", args.batch_size), ("train.vram_gb", getattr(args, "vram", None)))
+             if v is not None}
+    extra.update(_preset_fields(getattr(args, "preset", None)))
+    return load_config(args.config, args.set, extra)
+
+
+def _preset_report(cfg) -> dict[str, str]:
+    """Each field the config's presets name, with its value in the config: the preset's, or yours where you set
+    another (which wins)."""
+    from .core import presets
+
+    out = {}
+    for key, value in presets.settings(cfg.card, cfg.goal).items():
+        section, field = key.split(".")
+        now = getattr(getattr(cfg, section), field)
+        out[key] = f"{now!r}" if now == value else f"{now!r} (yours; the preset says {value!r})"
+    return out
+
+
+def cmd_presets(args) -> int:
+    import json
+
+    from .core import presets
+    from .sdxl.plan import card_plans, format_cards
+
+    cfg = _plan_config(args)
+    plans = card_plans(cfg)
+    if args.json:
+        print(json.dumps({"model": cfg.model.path, "batch_size": cfg.train.batch_size,
+                          "resolution": cfg.data.resolution, "cards": [p.as_dict() for p in plans],
+                          "goals": {n: {"about": g.about, "settings": g.settings} for n, g in presets.GOALS.items()}},
+                         indent=1))
+        return 0
+    print(f"card presets for {cfg.model.path}, batch {cfg.train.batch_size}, resolution "
+          f"{cfg.data.resolution or 'native'} (planned from the model's config, no weights read):")
+    print(format_cards(plans))
+    print("\ngoal presets (combine with a card: --preset 8gb,style):")
+    for name, goal in presets.GOALS.items():
+        print(f"  {name:<10} {goal.about}")
+        print(f"  {'':<10} " + ", ".join(f"{k}={v!r}" for k, v in goal.settings.items()))
     return 0
 
 
@@ -533,6 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, field, typ, help_ in TRAIN_FLAGS:
         kw = {"action": "append"} if field == "data.dirs" else {}
         t.add_argument(flag, type=typ, help=f"{help_} [{field}]", **kw)
+    t.add_argument("--preset", action="append", metavar="NAME[,NAME]", help=PRESET_HELP)
     t.add_argument("--overwrite", action="store_true", help="replace an existing run folder of the same name")
     t.add_argument("--resume", metavar="RUN_DIR|latest",
                    help="continue a run from its newest complete training state (with its own config)")
@@ -561,13 +638,28 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     pl.add_argument("--model", help="tiny-sdxl-demo, tiny-sdxl, arch:sdxl (SDXL base's structure, no weights), "
                                     "a folder or file")
-    pl.add_argument("--preset", help="attn, cross-attn, topology or full [adapter.preset]")
+    pl.add_argument("--layers", help="which layers get adapters: attn, cross-attn, topology, full or locon "
+                                     "[adapter.preset]")
+    pl.add_argument("--preset", action="append", metavar="NAME[,NAME]", help=PRESET_HELP)
     pl.add_argument("--rank", type=int, help="base rank [adapter.rank]")
     pl.add_argument("--resolution", type=int, help="training resolution [data.resolution]")
     pl.add_argument("--batch-size", type=int, help="images per step [train.batch_size]")
     pl.add_argument("--vram", type=float, help="plan the run to fit this much GPU memory, GiB [train.vram_gb]")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=cmd_plan)
+
+    ps = sub.add_parser("presets", help="every card preset's whole-run peak and time per image for this model, "
+                                        "batch and resolution (no weights read), and the goal presets")
+    ps.add_argument("config", nargs="?", help="TOML config file")
+    ps.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ps.add_argument("--model", help="tiny-sdxl-demo, tiny-sdxl, arch:sdxl (SDXL base's structure), a folder or file")
+    ps.add_argument("--layers", help="which layers get adapters [adapter.preset]")
+    ps.add_argument("--preset", action="append", metavar="GOAL", help="a goal preset to plan the cards with")
+    ps.add_argument("--rank", type=int, help="base rank [adapter.rank]")
+    ps.add_argument("--resolution", type=int, help="training resolution [data.resolution]")
+    ps.add_argument("--batch-size", type=int, help="images per step [train.batch_size]")
+    ps.add_argument("--json", action="store_true", help="machine-readable output")
+    ps.set_defaults(func=cmd_presets)
 
     d = sub.add_parser("dataset", help="dataset tools")
     dsub = d.add_subparsers(dest="dataset_command", required=True)

@@ -123,7 +123,7 @@ def test_llm_slots_by_layer_and_projection():
 
 
 def test_plan_command_json_on_the_sdxl_architecture(capsys):
-    assert main(["plan", "--model", "arch:sdxl", "--preset", "attn", "--rank", "16", "--json"]) == 0
+    assert main(["plan", "--model", "arch:sdxl", "--layers", "attn", "--rank", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["modules"] == 560 and out["trainable_params"] == 23_224_320
     assert abs(out["adapter_mb"] - 23_224_320 * 4 / 2**20) < 0.01

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.cookiejar
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -180,6 +181,13 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(page.locator("#train-summary")).to_contain_text("budget 8 GiB", timeout=WAIT)
             _fill(page, "f-train-vram-gb", "")
             expect(page.locator("#train-summary")).not_to_contain_text("budget", timeout=WAIT)
+            # A card preset fills the form: its budget, with each choice's memory and time from the planner.
+            page.locator("#f-card input").first.click()
+            page.get_by_role("option", name=re.compile(r"^8gb · ~[\d.]+ GiB · [\d.]+x time per image$")).click()
+            expect(page.locator("#f-train-vram-gb textarea, #f-train-vram-gb input").first).to_have_value("8.0")
+            expect(page.locator("#train-summary")).to_contain_text("card preset 8gb", timeout=WAIT)
+            _pick(page, "f-card", "no card preset")
+            expect(page.locator("#f-train-vram-gb textarea, #f-train-vram-gb input").first).to_have_value("")
             _fill(page, "f-train-steps", 60)
             _fill(page, "f-data-resolution", 64)
             _fill(page, "f-train-batch-size", 1)
@@ -552,3 +560,29 @@ def test_the_summary_line_says_what_will_train_and_what_a_memory_budget_chose():
     assert ("tiled previews" in line) == fit.cfg.preview.vae_tiling
     assert (f"{fit.cfg.model.quantize} base model" in line) == (fit.cfg.model.quantize != "none")
     assert f"~{fit.memory.peak / 2**30:.1f} GiB" in line and fit.memory.peak / 2**30 < budget
+
+
+def test_a_card_preset_fills_the_form_with_what_fits_and_a_goal_preset_with_its_settings():
+    # The functions behind the Train form's preset dropdowns, on the form's config for SDXL base's architecture.
+    from sdxl_lora.ui.form import build_config, schema_fields, to_widget_value
+    from sdxl_lora.ui.summary import card_choices, card_fill, goal_fill, run_summary
+
+    _, widgets = _form_keys("sdxl")
+    specs = [s for s in schema_fields() if s.key in widgets]
+    values = {s.key: to_widget_value(s, s.default) for s in specs}
+    fixed = {"model.path": "arch:sdxl", "data.resolution": 1024}
+    cfg = build_config(specs, [values[s.key] for s in specs], fixed)
+    labels = dict((name, label) for label, name in card_choices(cfg))
+    assert labels[""] == "no card preset" and re.fullmatch(r"8gb · ~[\d.]+ GiB · [\d.]+x time per image", labels["8gb"])
+    # The form sets every field, yet the card's planner chooses the levers, and the filled form fits the card.
+    filled = {**values, **card_fill(cfg, "8gb"), "card": "8gb"}
+    assert filled["train.vram_gb"] == 8 and filled["model.quantize"] == "fp8"
+    line = run_summary(build_config(specs, [filled[s.key] for s in specs], fixed))
+    assert "budget 8 GiB: fits as set" in line and "card preset 8gb" in line
+    peak = float(re.search(r"~([\d.]+) GiB", line).group(1))
+    assert peak <= 8 and f"~{peak:.1f} GiB" in labels["8gb"]
+    # No card: the levers back to the schema's, no budget.
+    back = card_fill(build_config(specs, [filled[s.key] for s in specs], fixed), "")
+    assert back["train.vram_gb"] is None and back["model.quantize"] == "none" and back["train.checkpoint_budget_gb"] is None
+    style = goal_fill(cfg, "style")
+    assert style["adapter.preset"] == "locon" and style["adapter.rank"] == 32 and style["data.flip"] is True

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal, get_args
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import presets
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = REPO_ROOT / "sample_data"
 # The shipped demo base (model.path = "tiny-sdxl-demo"): the tiny SDXL pretrained on shapes.
@@ -535,6 +537,13 @@ class LLMConfig(Section):
 class Config(Section):
     task: Literal["sdxl", "llm"] = Field("sdxl", description=(
         "Which task trains: the SDXL UNet, or a causal LM (`sdxl-lora llm train` sets 'llm')."))
+    # Not adapter.preset (which layers get adapters): these fill other fields where the config is silent.
+    card: Literal[tuple(presets.CARDS)] | None = Field(None, json_schema_extra=SDXL_ONLY, description=(
+        "A card preset (--preset 8gb): the GPU memory budget of a card that size, the planner choosing what fits; "
+        "-fast cards also compile. none: no preset. docs/training.md, Presets."))
+    goal: Literal[tuple(presets.GOALS)] | None = Field(None, json_schema_extra=SDXL_ONLY, description=(
+        "A goal preset (--preset style): rank, alpha, learning rate, layers and caption dropout for a character, "
+        "a style or a concept, where the config sets none of them. docs/training.md, Presets."))
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
@@ -714,10 +723,48 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                                              "silent: %s", rec_path, ", ".join(applied))
             source = f"{source} + {rec_path}"
         tree = _merged(recommended, tree)
+    preset, named = preset_settings(tree)
+    if preset:
+        import logging
+
+        applied = sorted(set(_dotted_keys(preset)) - set(_dotted_keys(tree)))
+        kept = sorted(set(_dotted_keys(preset)) & set(_dotted_keys(tree)))
+        logging.getLogger(__name__).info("preset %s sets %s%s", named, ", ".join(
+            f"{k}={preset_value(preset, k)!r}" for k in applied) or "nothing",
+            f"; kept as the config or the model's recommended settings set them: {', '.join(kept)}" if kept else "")
+        source = f"{source} + preset {named}"
+        tree = _merged(preset, tree)
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source)) from None
+
+
+def preset_settings(tree: dict) -> tuple[dict, str]:
+    """The settings tree of the card and goal presets a (not yet validated) config tree names, and their names
+    as the log says them ("card 8gb + goal style"); ({}, "") when it names none. Raises ConfigError for an
+    unknown name (listing the choices) or a preset on the LLM task."""
+    card, goal = tree.get("card"), tree.get("goal")
+    if card is None and goal is None:
+        return {}, ""
+    if tree.get("task", "sdxl") != "sdxl":
+        raise ConfigError(f"card={card!r}, goal={goal!r}: presets are for the SDXL task; leave card and goal unset "
+                          "for task='llm'")
+    try:
+        flat = presets.settings(*(None if v is None else str(v) for v in (card, goal)))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    out: dict = {}
+    for key, value in flat.items():
+        _set_dotted(out, key, value)
+    return out, " + ".join(f"{k} {v}" for k, v in (("card", card), ("goal", goal)) if v is not None)
+
+
+def preset_value(tree: dict, dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node[part]
+    return node
 
 
 def recommended_settings(tree: dict) -> tuple[dict, Path | None]:

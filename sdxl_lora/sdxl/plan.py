@@ -221,3 +221,77 @@ def changes(a: Config, b: Config) -> dict[str, tuple]:
 
 def _levers(a: Config, b: Config) -> str:
     return ", ".join(f"{k} {v[1]!r}" for k, v in changes(a, b).items())
+
+
+# ---- card presets (core/presets.py): each card's budget planned by fit_budget ----
+
+@dataclass
+class CardPlan:
+    name: str
+    about: str
+    budget: float | None        # train.vram_gb; none: no budget
+    memory: RunMemory | None    # the whole run as planned; none when the budget cannot be met
+    fit: BudgetFit | None = None
+    error: str | None = None    # why the budget cannot be met (the planner's message)
+
+    @property
+    def slowdown(self) -> float | None:
+        """The time per image against the same settings without a budget (fit_budget's SLOWDOWN model)."""
+        return None if self.memory is None else self.fit.slowdown if self.fit else 1.0
+
+    def as_dict(self) -> dict:
+        return {"preset": self.name, "about": self.about, "vram_gb": self.budget,
+                "peak_gib": None if self.memory is None else round(self.memory.peak / GiB, 2),
+                "slowdown": self.slowdown, "choices": self.fit.choices if self.fit else {}, "error": self.error}
+
+
+def with_card(cfg: Config, name: str) -> Config:
+    """cfg with card preset `name`'s settings over it (the card is what varies; none: no budget)."""
+    from ..core.presets import CARDS
+
+    c = cfg.model_copy(deep=True)
+    c.card, c.train.vram_gb = name, None
+    for key, value in CARDS[name].settings.items():
+        section, field = key.split(".")
+        setattr(getattr(c, section), field, value)
+    return c
+
+
+def card_plans(cfg: Config) -> list[CardPlan]:
+    """Every card preset for this config's model, adapter, batch and resolution, planned from the model's config
+    alone (no weights read)."""
+    from ..core.config import ConfigError
+    from ..core.presets import CARDS
+    from .model import unet_skeleton
+
+    unet, native = unet_skeleton(cfg.model)
+    components = component_bytes(cfg)
+    out = []
+    for name, preset in CARDS.items():
+        c = with_card(cfg, name)
+        budget = c.train.vram_gb
+        if budget is None:
+            out.append(CardPlan(name, preset.about, None,
+                                run_memory_for(c, plan_unet(c, unet, native), components)))
+            continue
+        try:
+            fit = fit_budget(c, budget, unet, native, components)
+        except ConfigError as e:
+            out.append(CardPlan(name, preset.about, budget, None, error=str(e)))
+        else:
+            out.append(CardPlan(name, preset.about, budget, fit.memory, fit))
+    return out
+
+
+def format_cards(plans: list[CardPlan]) -> str:
+    lines = [f"{'preset':<10} {'budget':>7} {'peak':>9} {'time/image':>11}  what the planner chose"]
+    for p in plans:
+        budget = "none" if p.budget is None else f"{p.budget:g} GiB"
+        if p.memory is None:
+            lines.append(f"{p.name:<10} {budget:>7} {'-':>9} {'-':>11}  does not fit: {p.error}")
+            continue
+        chose = "; ".join(f"{k} {v[1]!r}" for k, v in p.fit.changes.items()) if p.fit else ""
+        lines.append(f"{p.name:<10} {budget:>7} {p.memory.peak / GiB:>5.1f} GiB {p.slowdown:>10.2f}x  "
+                     f"{chose or 'the settings as given'}")
+    lines.append("(peak: the whole run's largest phase; time/image: against the same settings without a budget)")
+    return "\n".join(lines)

@@ -29,6 +29,11 @@ def _l(text: str, group: str, help: str, common: bool = False) -> Label:
 M, D, W, H, S, P, O = GROUPS
 
 LABELS: dict[str, Label] = {
+    # ---- presets, shown above the groups
+    "card": _l("Card preset", M, "Your card's memory: the planner picks the fastest settings that fit; each "
+               "choice shows its memory peak and time per image.", common=True),
+    "goal": _l("Goal preset", M, "What you are teaching (a character, a style, a concept): fills rank, "
+               "learning rate, layers and caption dropout.", common=True),
     # ---- model
     "model.path": _l("Base model", M, "The model the adapter is trained on.", common=True),
     "model.tokenizer": _l("Tokenizer folder", M, "Only for a single-file checkpoint: a model folder whose "

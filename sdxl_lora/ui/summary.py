@@ -1,9 +1,11 @@
 """The one line the Train form shows before Start: what the run will train and the memory it will need, from the
 planner `sdxl-lora plan` uses (sdxl/plan.py: plan_config, run_memory_for, component_bytes, and fit_budget when
-train.vram_gb is set). No time estimate: the planner has a model of relative slowdowns, not of a step's time
-on a given GPU, so any minutes shown here would be made up."""
+train.vram_gb is set), and the card presets' choices with their memory and time per image (sdxl/plan.py:
+card_plans). Time is the planner's relative slowdown, never minutes: it has no model of a step's time on a
+given GPU, so any minutes shown here would be made up."""
 from __future__ import annotations
 
+from sdxl_lora.core import presets
 from sdxl_lora.core.config import Config
 from sdxl_lora.core.memory import GiB
 
@@ -53,4 +55,70 @@ def run_summary(cfg: Config) -> str:
             f"whole run peak on a GPU ~{_gib(whole.peak)} GiB ({phases})")
     if budget:
         line += f"; budget {budget:g} GiB: " + (f"chose {', '.join(chosen)}" if chosen else "fits as set")
-    return line
+    named = [f"{k} preset {v}" for k, v in (("card", cfg.card), ("goal", cfg.goal)) if v]
+    return line + (f"; {', '.join(named)}" if named else "")
+
+
+# ---- the presets' dropdowns (core/presets.py) -----------------------------------------------------------
+
+# The fields a card preset's plan decides: the budget's levers (sdxl/plan.py: changes) and what a card sets.
+CARD_FIELDS = ("train.vram_gb", "train.compile", "train.channels_last", "model.quantize", "model.tiled_vae_encode",
+               "train.batch_size", "train.grad_accum", "train.gradient_checkpointing", "train.checkpoint_budget_gb",
+               "preview.vae_tiling")
+
+
+# The fields a goal preset sets (any of them).
+GOAL_FIELDS = tuple(sorted({k for goal in presets.GOALS.values() for k in goal.settings}))
+
+
+def _get(cfg: Config, key: str):
+    section, field = key.split(".")
+    return getattr(getattr(cfg, section), field)
+
+
+def for_cards(cfg: Config) -> Config:
+    """The form's config as a card preset starts from it. The form sets every field, so its memory levers
+    would all count as the user's and no budget could choose them: they go back to unset, and the batch to
+    the images per optimizer step (the planner halves it with accumulation where it must)."""
+    drop: dict[str, set[str]] = {}
+    for key in CARD_FIELDS:
+        section, field = key.split(".")
+        if key != "train.batch_size":
+            drop.setdefault(section, set()).add(field)
+    tree = cfg.model_dump(exclude=drop)
+    tree["train"]["batch_size"] = cfg.train.batch_size * cfg.train.grad_accum
+    return Config.model_validate(tree)
+
+
+def card_choices(cfg: Config) -> list[tuple[str, str]]:
+    """The card dropdown's choices, (label, name): each card's whole-run peak and time per image for the form's
+    model, adapter, batch and resolution."""
+    from sdxl_lora.sdxl.plan import card_plans
+
+    out = [("no card preset", "")]
+    for p in card_plans(for_cards(cfg)):
+        shown = (f"{p.name} · does not fit" if p.memory is None else
+                 f"{p.name} · ~{_gib(p.memory.peak)} GiB · {p.slowdown:.2f}x time per image")
+        out.append((shown, p.name))
+    return out
+
+
+def card_fill(cfg: Config, name: str) -> dict[str, object]:
+    """The values card preset `name` ("" for none) puts in the form: its budget and what the planner chose."""
+    from sdxl_lora.sdxl.plan import fit_budget, with_card
+
+    base = for_cards(cfg)
+    if name:
+        base = with_card(base, name)
+        if base.train.vram_gb:
+            base = fit_budget(base, base.train.vram_gb).cfg
+    return {key: _get(base, key) for key in CARD_FIELDS}
+
+
+def goal_fill(cfg: Config, name: str) -> dict[str, object]:
+    """The values goal preset `name` ("" for none) puts in the form, as a config naming it resolves them for
+    the form's model (its own recommended settings first)."""
+    from sdxl_lora.core.config import load_config
+
+    resolved = load_config(None, None, {"model.path": cfg.model.path, **({"goal": name} if name else {})})
+    return {key: _get(resolved, key) for key in GOAL_FIELDS}

@@ -16,7 +16,7 @@ from sdxl_lora.core.fsutil import atomic_write_text
 from sdxl_lora.core.runs import read_events
 
 from .folders import TINY, TINY_LLM, Folders, PathRefused, image_folders, jsonl_files, llm_model_choices, model_choices
-from .summary import run_summary
+from .summary import CARD_FIELDS, GOAL_FIELDS, card_choices, card_fill, goal_fill, run_summary
 from .text import error_md, md_text
 from .form import PATH_FIELDS, FieldSpec, build_config, schema_fields, to_widget_value
 from .jobs import Jobs, run_status
@@ -24,6 +24,8 @@ from .labels import GROUPS, LABELS, label_for
 
 
 # ----------------------------------------------------------------------------------------- the form
+
+PRESET_FIELDS = ("card", "goal")
 
 def _widget(spec: FieldSpec, elem_prefix: str = "f-", task: str = "sdxl"):
     from typing import get_args
@@ -101,7 +103,13 @@ class Form:
 
         def make(key: str) -> None:
             words = label_for(key, task)
-            if key == "model.path":
+            if key in PRESET_FIELDS:
+                from typing import get_args
+
+                choices = [(f"no {key} preset", "")] + [(n, n) for n in get_args(by_key[key].base)]
+                self.widgets[key] = gr.Dropdown(choices, value="", label=words.text, info=words.help,
+                                                elem_id=f"{p}{key}")
+            elif key == "model.path":
                 self.model = gr.Dropdown(models, value=models[0], allow_custom_value=True, elem_id=f"{p}model-path",
                                          label=words.text, info=words.help)
             elif key == self.data_key:
@@ -116,6 +124,13 @@ class Form:
             else:
                 self.widgets[key] = _widget(by_key[key], p, task)
 
+        # The presets first: they fill the fields below (ui/summary.py: card_fill, goal_fill).
+        if any(k in by_key for k in PRESET_FIELDS):
+            with gr.Row(elem_id=f"{p}presets"):
+                for key in PRESET_FIELDS:
+                    if key in by_key:
+                        make(key)
+        shown = [k for k in shown if k not in PRESET_FIELDS]
         for group in GROUPS:
             common = [k for k in shown if label_for(k, task).group == group and label_for(k, task).common]
             if common:
@@ -329,6 +344,31 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
     def start(*values):
         return start_run(form, jobs, list(values))
 
+    by_key = {s.key: s for s in form.specs}
+    card_keys = [k for k in CARD_FIELDS if k in form.widgets]
+    goal_keys = [k for k in GOAL_FIELDS if k in form.widgets]
+
+    def shown(key: str, value):
+        spec = by_key[key]
+        if spec.optional and spec.kind in ("int", "float"):
+            return "" if value is None else str(value)
+        return to_widget_value(spec, value)
+
+    def fill(fill_fn, keys):
+        def handler(name, *values):
+            try:
+                filled = fill_fn(make_config(list(values), None), name or "")
+            except (ConfigError, PathRefused, FileNotFoundError, ValueError):
+                return [gr.skip()] * len(keys)  # the summary line says why
+            return [shown(k, filled[k]) for k in keys]
+        return handler
+
+    def card_labels(*values):
+        try:
+            return gr.update(choices=card_choices(make_config(list(values), None)))
+        except (ConfigError, PathRefused, FileNotFoundError, ValueError):
+            return gr.skip()
+
     def refresh(selected, seen_sig):
         runs = jobs.runs()
         table = [[s.name, s.state, f"{s.step}/{s.total}" if s.total else "",
@@ -369,6 +409,15 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
     gr.on([*([demo.load] if demo is not None else []), *(c.change for c in form.inputs)], summarize, form.inputs,
           summary_line, trigger_mode="always_last", show_progress="hidden")
     start_btn.click(start, form.inputs, [start_msg, run_pick])
+    if "card" in form.widgets:
+        card, goal = form.widgets["card"], form.widgets["goal"]
+        card.input(fill(card_fill, card_keys), [card, *form.inputs], [form.widgets[k] for k in card_keys])
+        goal.input(fill(goal_fill, goal_keys), [goal, *form.inputs], [form.widgets[k] for k in goal_keys])
+        # Each card's memory and time for the form's model, adapter, batch and resolution.
+        sizing = [form.widgets[k].change for k in ("data.resolution", "train.batch_size", "train.grad_accum",
+                                                   "adapter.rank", "adapter.preset") if k in form.widgets]
+        gr.on([*([demo.load] if demo is not None else []), form.model.change, *sizing], card_labels,
+              form.inputs, card, trigger_mode="always_last", show_progress="hidden")
     outputs = [runs_table, run_pick, progress, loss_plot, lr_plot, previews, log_box, seen]
     timer.tick(refresh, [run_pick, seen], outputs, show_progress="hidden")
     run_pick.input(lambda sel: refresh(sel, None), run_pick, outputs)
