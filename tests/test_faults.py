@@ -160,7 +160,7 @@ def test_a_state_whose_trainer_file_is_a_foreign_pickle_with_a_matching_checksum
     newest, marker = root / "step-00000002", tmp_path / "pickle-ran"
     (newest / "trainer.pt").write_bytes(pickle.dumps(_Boom(marker)))
     manifest = json.loads((newest / "manifest.json").read_text())
-    manifest["files"]["trainer.pt"] = checkpoint._sha256(newest / "trainer.pt")  # the checksum matches
+    manifest["files"]["trainer.pt"] = checkpoint.file_sha256(newest / "trainer.pt")  # the checksum matches
     (newest / "manifest.json").write_text(json.dumps(manifest))
     with caplog.at_level("WARNING"):
         assert checkpoint.newest_valid(root).name == "step-00000001"

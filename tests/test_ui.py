@@ -405,10 +405,10 @@ CLI_RUN = ["--set", "train.device=cpu", "--set", "data.resolution=64", "--set", 
            "--set", "preview.before=false", "--set", "train.log_every=1", "--batch-size", "1"]
 
 
-def _cli_train(runs: Path, name: str, steps: int, **env) -> subprocess.Popen:
+def _cli_train(runs: Path, name: str, steps: int, *extra: str, **env) -> subprocess.Popen:
     """`sdxl-lora train` in a terminal of its own: not started by any UI."""
     return subprocess.Popen([sys.executable, "-m", "sdxl_lora.cli", "train", "--out", str(runs), "--name", name,
-                             "--steps", str(steps), *CLI_RUN], cwd=runs.parent, stdout=subprocess.PIPE,
+                             "--steps", str(steps), *CLI_RUN, *extra], cwd=runs.parent, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **env,
                                  "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
@@ -552,3 +552,89 @@ def test_the_summary_line_says_what_will_train_and_what_a_memory_budget_chose():
     assert ("tiled previews" in line) == fit.cfg.preview.vae_tiling
     assert (f"{fit.cfg.model.quantize} base model" in line) == (fit.cfg.model.quantize != "none")
     assert f"~{fit.memory.peak / 2**30:.1f} GiB" in line and fit.memory.peak / 2**30 < budget
+
+
+
+@pytest.fixture(scope="module")
+def saved_run(folders):
+    """A short run trained from the CLI into the UI's runs folder: saved states at steps 2 and 4, the final
+    adapter at step 6, and its eval loss at the end."""
+    proc = _cli_train(folders["runs"], "cmp-run", 6, "--set", "train.save_every=2", "--set", "train.keep_checkpoints=5")
+    out, _ = proc.communicate(timeout=WAIT / 1000)
+    assert proc.returncode == 0, out[-3000:]
+    return folders["runs"] / "cmp-run"
+
+
+def test_compare_checkpoints_by_eye_and_export_the_chosen_one(folders, server, saved_run):
+    ui = server["ui"]
+    expect.set_options(timeout=WAIT)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+            _login(page, ui.url)
+            page.get_by_role("tab", name="Compare").click()
+            _pick(page, "cmp-run", "cmp-run")
+            # The checkpoints with the losses logged at them: the final one has its eval loss.
+            expect(page.locator("#cmp-table")).to_contain_text("step 6 (final)")
+            expect(page.locator("#cmp-table")).to_contain_text("step 2")
+            eval_after = next(e["loss"] for e in map(json.loads, (saved_run / "events.jsonl").read_text().splitlines())
+                              if e["event"] == "eval" and e["step"] == 6)
+            expect(page.locator("#cmp-table")).to_contain_text(f"{eval_after:.4f}")
+            _fill(page, "cmp-prompts", "a red circle on a white background --s 1 --w 64 --h 64 --d 3")
+            page.locator("#cmp-go").click()
+            # Three checkpoints (two states, the final adapter) at three strengths: nine renders, one grid.
+            expect(page.locator("#cmp-msg")).to_contain_text("0 image(s) from the cache, 9 rendered")
+            expect(page.locator("#cmp-grid img").first).to_be_visible()
+            src = page.locator("#cmp-grid img").first.get_attribute("src")
+            assert page.request.get(src).body()[:4] == b"\x89PNG"
+            cells = sorted((saved_run / "compare").glob("*.png"))
+            assert len([c for c in cells if not c.name.startswith("grid-")]) == 9
+            _shot(page, "6-compare")
+            # A second look at the same grid comes from the run's cache: nothing is rendered again.
+            page.locator("#cmp-go").click()
+            expect(page.locator("#cmp-msg")).to_contain_text("9 image(s) from the cache, 0 rendered")
+            # Bad input names its field.
+            _fill(page, "cmp-strengths", "0.5, strong")
+            page.locator("#cmp-go").click()
+            expect(page.locator("#cmp-msg")).to_contain_text("strengths: 'strong' is not a number")
+
+            # Export step 2 at half strength, as kohya: the file's update is half the checkpoint's.
+            _pick(page, "cmp-pick", "step 2")
+            _fill(page, "cmp-strength", 0.5)
+            page.locator("#cmp-export").click()
+            expect(page.locator("#cmp-export-msg")).to_contain_text("kohya adapter written", timeout=WAIT)
+            out = saved_run / "exports" / "cmp-run-step2-x50.safetensors"
+            assert out.is_file()
+            with safe_open(str(out), "pt") as fh:
+                meta = fh.metadata()
+            assert meta["sdxl_lora.steps"] == "2" and meta["sdxl_lora.strength"] == "0.5"
+            _half_of_the_state(out, saved_run)
+            # Never over an existing file unless asked.
+            before = out.stat().st_mtime_ns
+            page.locator("#cmp-export").click()
+            expect(page.locator("#cmp-export-msg")).to_contain_text("already exists")
+            assert out.stat().st_mtime_ns == before
+            _shot(page, "7-compare-export")
+        finally:
+            browser.close()
+
+
+def _half_of_the_state(exported: Path, run: Path) -> None:
+    """The exported layers' updates are half those of the run's step-2 state (its trained weights, with the
+    alphas of the run's own diffusers file)."""
+    from safetensors.torch import load_file
+
+    from sdxl_lora.sdxl.export import layer_table, load_adapter
+
+    table = layer_table("tiny-sdxl-demo")
+    got = load_adapter(exported, table).layers
+    alphas = load_adapter(run / "cmp-run.diffusers.safetensors", table).layers
+    state = load_file(str(run / "checkpoints" / "step-00000002" / "adapter.safetensors"))
+    assert len(got) == len(alphas)
+    for module in ("down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k", "mid_block.resnets.0.conv1"):
+        down = state[f"{module}.lora_A.default.weight"].flatten(1)
+        up = state[f"{module}.lora_B.default.weight"].flatten(1)
+        trained = alphas[f"unet.{module}"]
+        want = 0.5 * (up @ down) * trained.alpha / trained.rank
+        assert (got[f"unet.{module}"].delta().flatten(1) - want).abs().max() <= 1e-3 * want.abs().max()

@@ -32,6 +32,11 @@ def adapter_path(f: Folders, choice: str) -> Path:
     return f.inside(rel, kind)
 
 
+def is_builtin(model: str) -> bool:
+    """The shipped demo base or the random-weights tiny SDXL: made by the package, in no folder of the page."""
+    return model in (TINY, "tiny-sdxl")
+
+
 class Pipelines:
     """One loaded pipeline at a time (a second model replaces the first), shared by the renders; the
     lock keeps two renders from mixing adapters."""
@@ -48,7 +53,7 @@ class Pipelines:
         from sdxl_lora.core.config import ModelConfig
         from sdxl_lora.sdxl.model import load_pipeline
 
-        path = model if model == TINY else str(self.f.inside(model, "models"))
+        path = model if is_builtin(model) else str(self.f.inside(model, "models"))
         if self.key != path:
             self.pipe = None
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,9 +97,7 @@ def generate(f: Folders, pipes: Pipelines, model, prompt, negative, seed, steps,
     return base, tuned, f"seed {int(seed)}, {side}x{side}, {int(steps)} steps; adapters: {used}"
 
 
-def build(f: Folders):
-
-    pipes = Pipelines(f)
+def build(f: Folders, pipes: Pipelines):
     with gr.Row():
         with gr.Column(scale=2):
             model = gr.Dropdown(model_choices(f.models), value=TINY, allow_custom_value=True, label="base model",
