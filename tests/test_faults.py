@@ -340,7 +340,7 @@ def _escapes(tmp_path: Path, root: Path, kind_dir: str) -> list[str]:
 def test_every_path_the_ui_page_sends_is_confined_to_the_ui_folders(tmp_path):
     from PIL import Image
 
-    from sdxl_lora.ui import tab_dataset, tab_export, tab_generate
+    from sdxl_lora.ui import tab_compare, tab_dataset, tab_export, tab_generate
     from sdxl_lora.ui.folders import Folders, PathRefused
     from sdxl_lora.ui.jobs import Jobs
     from sdxl_lora.ui.tab_train import Form
@@ -399,6 +399,8 @@ def test_every_path_the_ui_page_sends_is_confined_to_the_ui_folders(tmp_path):
         refuses(jobs.enqueue_resume, p)
         refuses(jobs.log_tail, p)
         refuses(jobs.unique_name, p)                                                   # the run name field
+        refuses(tab_compare.pick_run, f, p)                                            # Compare's run picker
+        refuses(tab_compare.export, f, p, "step 2", 1.0, "kohya", "", False)
     for title in ("../../outside/t", "/tmp/t", "..\\..\\t", "%2e%2e%2ft"):             # export's file name
         refuses(tab_export.export, f, "runs/r", "kohya", title, "", "", "", "", True, "sgm", False, False,
                 why=("names the file", "encoded"))

@@ -109,9 +109,13 @@ def _login(page, url: str) -> None:
 
 
 def _fill(page, elem_id: str, value) -> None:
-    box = page.locator(f"#{elem_id} input, #{elem_id} textarea").first
+    box = _box(page, elem_id)
     box.fill(str(value))
     box.blur()
+
+
+def _box(page, elem_id: str):
+    return page.locator(f"#{elem_id} input, #{elem_id} textarea").first
 
 
 def _pick(page, elem_id: str, option: str) -> None:
@@ -557,15 +561,16 @@ def test_the_summary_line_says_what_will_train_and_what_a_memory_budget_chose():
 
 @pytest.fixture(scope="module")
 def saved_run(folders):
-    """A short run trained from the CLI into the UI's runs folder: saved states at steps 2 and 4, the final
-    adapter at step 6, and its eval loss at the end."""
-    proc = _cli_train(folders["runs"], "cmp-run", 6, "--set", "train.save_every=2", "--set", "train.keep_checkpoints=5")
+    """A short run trained from the CLI on the UI's dataset into its runs folder: saved states at steps 2 and 4,
+    the final adapter at step 6, and its eval loss at the end."""
+    proc = _cli_train(folders["runs"], "cmp-run", 6, "--data", str(folders["datasets"] / "shapes"),
+                      "--set", "train.save_every=2", "--set", "train.keep_checkpoints=5")
     out, _ = proc.communicate(timeout=WAIT / 1000)
     assert proc.returncode == 0, out[-3000:]
     return folders["runs"] / "cmp-run"
 
 
-def test_compare_checkpoints_by_eye_and_export_the_chosen_one(folders, server, saved_run):
+def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(folders, server, saved_run):
     ui = server["ui"]
     expect.set_options(timeout=WAIT)
     with sync_playwright() as pw:
@@ -616,6 +621,17 @@ def test_compare_checkpoints_by_eye_and_export_the_chosen_one(folders, server, s
             expect(page.locator("#cmp-export-msg")).to_contain_text("already exists")
             assert out.stat().st_mtime_ns == before
             _shot(page, "7-compare-export")
+
+            # Duplicate as new run: the New run form holds the run's settings under a new name.
+            page.get_by_role("tab", name="Train").click()
+            _pick(page, "run-pick", "cmp-run")
+            page.locator("#run-duplicate").click()
+            expect(page.locator("#run-action-msg")).to_contain_text("a copy of cmp-run as cmp-run-2")
+            expect(_box(page, "f-output-name")).to_have_value("cmp-run-2")
+            expect(_box(page, "f-train-steps")).to_have_value("6")
+            expect(_box(page, "f-data-resolution")).to_have_value("64")
+            expect(_box(page, "f-train-batch-size")).to_have_value("1")
+            _shot(page, "8-duplicate")
         finally:
             browser.close()
 
@@ -638,3 +654,30 @@ def _half_of_the_state(exported: Path, run: Path) -> None:
         trained = alphas[f"unet.{module}"]
         want = 0.5 * (up @ down) * trained.alpha / trained.rank
         assert (got[f"unet.{module}"].delta().flatten(1) - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+def test_a_duplicated_run_starts_from_the_same_config_under_a_new_name(folders, saved_run):
+    """What the form holds after Duplicate builds the run's own config again; only the name (and the paths the
+    page sets itself) differ, and the run's folder is left as it was."""
+    import gradio as gr
+
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.ui.duplicate import form_values
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.jobs import Jobs
+    from sdxl_lora.ui.tab_train import Form, _default_prompts
+
+    f = Folders.create(folders["datasets"], folders["models"], folders["runs"])
+    with gr.Blocks():
+        form = Form(f)
+        form.render()
+    files = sorted(p.name for p in saved_run.iterdir())
+    values, copy = form_values(form, Jobs(f), "cmp-run", _default_prompts())
+    assert copy == "cmp-run-2" and not (folders["runs"] / copy).exists()
+    got, want = form.config(values, copy, None).model_dump(), load_config(saved_run / "config.toml").model_dump()
+    assert got["output"]["name"] == "cmp-run-2" and got["data"]["dirs"] == want["data"]["dirs"]
+    for section, fields in (("output", ("name", "runs_dir")), ("model", ("cache_dir",)), ("preview", ("prompts",))):
+        for name in fields:
+            got[section].pop(name), want[section].pop(name)
+    assert got == want
+    assert sorted(p.name for p in saved_run.iterdir()) == files

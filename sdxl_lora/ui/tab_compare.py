@@ -7,8 +7,8 @@ import math
 
 import gradio as gr
 
-from .folders import Folders, PathRefused
-from .tab_generate import Pipelines, is_builtin
+from .folders import Folders, PathRefused, is_builtin
+from .tab_generate import Pipelines
 from .text import error_md, md_text
 
 DEFAULT_PROMPT = "a red circle on a white background"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from .folders import TINY, Folders, PathRefused, model_choices
+from .folders import TINY, Folders, PathRefused, is_builtin, model_choices
 from .text import error_md
 
 N_ADAPTERS = 3
@@ -30,11 +30,6 @@ def adapter_path(f: Folders, choice: str) -> Path:
     if kind not in ("runs", "models") or not rel:
         raise PathRefused(f"{choice}: pick an adapter from the list (runs/... or models/loras/...)")
     return f.inside(rel, kind)
-
-
-def is_builtin(model: str) -> bool:
-    """The shipped demo base or the random-weights tiny SDXL: made by the package, in no folder of the page."""
-    return model in (TINY, "tiny-sdxl")
 
 
 class Pipelines:
