@@ -160,7 +160,7 @@ def test_a_state_whose_trainer_file_is_a_foreign_pickle_with_a_matching_checksum
     newest, marker = root / "step-00000002", tmp_path / "pickle-ran"
     (newest / "trainer.pt").write_bytes(pickle.dumps(_Boom(marker)))
     manifest = json.loads((newest / "manifest.json").read_text())
-    manifest["files"]["trainer.pt"] = checkpoint._sha256(newest / "trainer.pt")  # the checksum matches
+    manifest["files"]["trainer.pt"] = checkpoint.file_sha256(newest / "trainer.pt")  # the checksum matches
     (newest / "manifest.json").write_text(json.dumps(manifest))
     with caplog.at_level("WARNING"):
         assert checkpoint.newest_valid(root).name == "step-00000001"
@@ -340,7 +340,7 @@ def _escapes(tmp_path: Path, root: Path, kind_dir: str) -> list[str]:
 def test_every_path_the_ui_page_sends_is_confined_to_the_ui_folders(tmp_path):
     from PIL import Image
 
-    from sdxl_lora.ui import tab_dataset, tab_export, tab_generate
+    from sdxl_lora.ui import tab_compare, tab_dataset, tab_export, tab_generate
     from sdxl_lora.ui.folders import Folders, PathRefused
     from sdxl_lora.ui.jobs import Jobs
     from sdxl_lora.ui.tab_train import Form
@@ -399,6 +399,8 @@ def test_every_path_the_ui_page_sends_is_confined_to_the_ui_folders(tmp_path):
         refuses(jobs.enqueue_resume, p)
         refuses(jobs.log_tail, p)
         refuses(jobs.unique_name, p)                                                   # the run name field
+        refuses(tab_compare.pick_run, f, p)                                            # Compare's run picker
+        refuses(tab_compare.export, f, p, "step 2", 1.0, "kohya", "", False)
     for title in ("../../outside/t", "/tmp/t", "..\\..\\t", "%2e%2e%2ft"):             # export's file name
         refuses(tab_export.export, f, "runs/r", "kohya", title, "", "", "", "", True, "sgm", False, False,
                 why=("names the file", "encoded"))

@@ -110,9 +110,13 @@ def _login(page, url: str) -> None:
 
 
 def _fill(page, elem_id: str, value) -> None:
-    box = page.locator(f"#{elem_id} input, #{elem_id} textarea").first
+    box = _box(page, elem_id)
     box.fill(str(value))
     box.blur()
+
+
+def _box(page, elem_id: str):
+    return page.locator(f"#{elem_id} input, #{elem_id} textarea").first
 
 
 def _pick(page, elem_id: str, option: str) -> None:
@@ -413,10 +417,10 @@ CLI_RUN = ["--set", "train.device=cpu", "--set", "data.resolution=64", "--set", 
            "--set", "preview.before=false", "--set", "train.log_every=1", "--batch-size", "1"]
 
 
-def _cli_train(runs: Path, name: str, steps: int, **env) -> subprocess.Popen:
+def _cli_train(runs: Path, name: str, steps: int, *extra: str, **env) -> subprocess.Popen:
     """`sdxl-lora train` in a terminal of its own: not started by any UI."""
     return subprocess.Popen([sys.executable, "-m", "sdxl_lora.cli", "train", "--out", str(runs), "--name", name,
-                             "--steps", str(steps), *CLI_RUN], cwd=runs.parent, stdout=subprocess.PIPE,
+                             "--steps", str(steps), *CLI_RUN, *extra], cwd=runs.parent, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **env,
                                  "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
@@ -586,3 +590,150 @@ def test_a_card_preset_fills_the_form_with_what_fits_and_a_goal_preset_with_its_
     assert back["train.vram_gb"] is None and back["model.quantize"] == "none" and back["train.checkpoint_budget_gb"] is None
     style = goal_fill(cfg, "style")
     assert style["adapter.preset"] == "locon" and style["adapter.rank"] == 32 and style["data.flip"] is True
+
+
+@pytest.fixture(scope="module")
+def saved_run(folders):
+    """A short run trained from the CLI on the UI's dataset into its runs folder: saved states at steps 2 and 4,
+    the final adapter at step 6, and its eval loss at the end."""
+    proc = _cli_train(folders["runs"], "cmp-run", 6, "--data", str(folders["datasets"] / "shapes"),
+                      "--set", "train.save_every=2", "--set", "train.keep_checkpoints=5")
+    out, _ = proc.communicate(timeout=WAIT / 1000)
+    assert proc.returncode == 0, out[-3000:]
+    return folders["runs"] / "cmp-run"
+
+
+def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(folders, server, saved_run):
+    ui = server["ui"]
+    expect.set_options(timeout=WAIT)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+            _login(page, ui.url)
+            page.get_by_role("tab", name="Compare").click()
+            _pick(page, "cmp-run", "cmp-run")
+            # The checkpoints with the losses logged at them: the final one has its eval loss.
+            expect(page.locator("#cmp-table")).to_contain_text("step 6 (final)")
+            expect(page.locator("#cmp-table")).to_contain_text("step 2")
+            eval_after = next(e["loss"] for e in map(json.loads, (saved_run / "events.jsonl").read_text().splitlines())
+                              if e["event"] == "eval" and e["step"] == 6)
+            expect(page.locator("#cmp-table")).to_contain_text(f"{eval_after:.4f}")
+            _fill(page, "cmp-prompts", "a red circle on a white background --s 1 --w 64 --h 64 --d 3")
+            page.locator("#cmp-go").click()
+            # Three checkpoints (two states, the final adapter) at three strengths: nine renders, one grid.
+            expect(page.locator("#cmp-msg")).to_contain_text("0 image(s) from the cache, 9 rendered")
+            expect(page.locator("#cmp-grid img").first).to_be_visible()
+            src = page.locator("#cmp-grid img").first.get_attribute("src")
+            assert page.request.get(src).body()[:4] == b"\x89PNG"
+            cells = sorted((saved_run / "compare").glob("*.png"))
+            assert len([c for c in cells if not c.name.startswith("grid-")]) == 9
+            _shot(page, "6-compare")
+            # A second look at the same grid comes from the run's cache: nothing is rendered again.
+            page.locator("#cmp-go").click()
+            expect(page.locator("#cmp-msg")).to_contain_text("9 image(s) from the cache, 0 rendered")
+            # Bad input names its field.
+            _fill(page, "cmp-strengths", "0.5, strong")
+            page.locator("#cmp-go").click()
+            expect(page.locator("#cmp-msg")).to_contain_text("strengths: 'strong' is not a number")
+
+            # Export step 2 at half strength, as kohya: the file's update is half the checkpoint's.
+            _pick(page, "cmp-pick", "step 2")
+            _fill(page, "cmp-strength", 0.5)
+            page.locator("#cmp-export").click()
+            expect(page.locator("#cmp-export-msg")).to_contain_text("kohya adapter written", timeout=WAIT)
+            out = saved_run / "exports" / "cmp-run-step2-x50.safetensors"
+            assert out.is_file()
+            with safe_open(str(out), "pt") as fh:
+                meta = fh.metadata()
+            assert meta["sdxl_lora.steps"] == "2" and meta["sdxl_lora.strength"] == "0.5"
+            _half_of_the_state(out, saved_run)
+            # Never over an existing file unless asked.
+            before = out.stat().st_mtime_ns
+            page.locator("#cmp-export").click()
+            expect(page.locator("#cmp-export-msg")).to_contain_text("already exists")
+            assert out.stat().st_mtime_ns == before
+            _shot(page, "7-compare-export")
+
+            # Duplicate as new run: the New run form holds the run's settings under a new name.
+            page.get_by_role("tab", name="Train").click()
+            _pick(page, "run-pick", "cmp-run")
+            page.locator("#run-duplicate").click()
+            expect(page.locator("#run-action-msg")).to_contain_text("a copy of cmp-run as cmp-run-2")
+            expect(_box(page, "f-output-name")).to_have_value("cmp-run-2")
+            expect(_box(page, "f-train-steps")).to_have_value("6")
+            expect(_box(page, "f-data-resolution")).to_have_value("64")
+            expect(_box(page, "f-train-batch-size")).to_have_value("1")
+            _shot(page, "8-duplicate")
+        finally:
+            browser.close()
+
+
+def _half_of_the_state(exported: Path, run: Path) -> None:
+    """The exported layers' updates are half those of the run's step-2 state (its trained weights, with the
+    alphas of the run's own diffusers file)."""
+    from safetensors.torch import load_file
+
+    from sdxl_lora.sdxl.export import layer_table, load_adapter
+
+    table = layer_table("tiny-sdxl-demo")
+    got = load_adapter(exported, table).layers
+    alphas = load_adapter(run / "cmp-run.diffusers.safetensors", table).layers
+    state = load_file(str(run / "checkpoints" / "step-00000002" / "adapter.safetensors"))
+    assert len(got) == len(alphas)
+    for module in ("down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k", "mid_block.resnets.0.conv1"):
+        down = state[f"{module}.lora_A.default.weight"].flatten(1)
+        up = state[f"{module}.lora_B.default.weight"].flatten(1)
+        trained = alphas[f"unet.{module}"]
+        want = 0.5 * (up @ down) * trained.alpha / trained.rank
+        assert (got[f"unet.{module}"].delta().flatten(1) - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+def test_a_duplicated_run_starts_from_the_same_config_under_a_new_name(folders, saved_run):
+    """What the form holds after Duplicate builds the run's own config again; only the name (and the paths the
+    page sets itself) differ, and the run's folder is left as it was."""
+    import gradio as gr
+
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.ui.duplicate import form_values
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.jobs import Jobs
+    from sdxl_lora.ui.tab_train import Form, _default_prompts
+
+    f = Folders.create(folders["datasets"], folders["models"], folders["runs"])
+    with gr.Blocks():
+        form = Form(f)
+        form.render()
+    files = sorted(p.name for p in saved_run.iterdir())
+    values, copy = form_values(form, Jobs(f), "cmp-run", _default_prompts())
+    assert copy == "cmp-run-2" and not (folders["runs"] / copy).exists()
+    got, want = form.config(values, copy, None).model_dump(), load_config(saved_run / "config.toml").model_dump()
+    assert got["output"]["name"] == "cmp-run-2" and got["data"]["dirs"] == want["data"]["dirs"]
+    for section, fields in (("output", ("name", "runs_dir")), ("model", ("cache_dir",)), ("preview", ("prompts",))):
+        for name in fields:
+            got[section].pop(name), want[section].pop(name)
+    assert got == want
+    assert sorted(p.name for p in saved_run.iterdir()) == files
+
+
+def test_progress_moves_every_step_between_log_points(tmp_path):
+    """With log_every far above the steps done, the run's state still shows the step it is at and the time
+    left (from progress.json), not the last logged step."""
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.jobs import Jobs
+
+    (tmp_path / "datasets").mkdir()
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    jobs = Jobs(f)
+    state = lambda: {s.name: s for s in jobs.runs()}.get("quiet")  # noqa: E731
+    proc = _cli_train(f.runs, "quiet", 400, "--set", "train.log_every=1000")
+    try:
+        _wait_for(lambda: (st := state()) is not None and st.state == "training" and st.step >= 4, proc,
+                  "steps between log points")
+        st = state()
+        logged = [e["step"] for e in map(json.loads, (f.runs / "quiet" / "events.jsonl").read_text().splitlines())
+                  if e["event"] == "step"]
+        assert logged == [1] and st.step > 1 and st.total == 400 and st.eta_s is not None and st.eta_s > 0
+    finally:
+        jobs.stop("quiet")
+        proc.wait(WAIT / 1000)

@@ -41,7 +41,7 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -100,7 +100,7 @@ def save_state(root: Path, step: int, adapter: dict[str, torch.Tensor], optimize
         manifest = {"step": step, "files": {}}
         for name in FILES:
             _fsync_file(tmp / name)
-            manifest["files"][name] = _sha256(tmp / name)
+            manifest["files"][name] = file_sha256(tmp / name)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         _fsync_file(tmp / "manifest.json")
         fsync_dir(tmp)
@@ -134,7 +134,7 @@ def verify(state: Path) -> dict:
         f = state / name
         if not f.is_file():
             raise CheckpointError(f"{f} is missing")
-        if _sha256(f) != digest:
+        if file_sha256(f) != digest:
             raise CheckpointError(f"{f} does not match its checksum (truncated or corrupted)")
     return manifest
 

@@ -255,6 +255,11 @@ class _LogWindow:
         for name, n in units.items():
             self.units[name] = self.units.get(name, 0) + n
 
+    def eta(self, step: int, now: float | None = None) -> float:
+        """Seconds left at `step`, at this session's mean pace so far."""
+        now = time.perf_counter() if now is None else now
+        return (now - self.started) / max(step - self.step0, 1) * (self.total - step)
+
     def flush(self, step: int) -> tuple[float, float, dict[str, float], float | None, float]:
         """The window's mean loss over all processes, samples/s, each unit per second, mean gradient norm
         (None when none was finite) and the run's eta in seconds at `step`; then a new window opens."""
@@ -263,7 +268,7 @@ class _LogWindow:
         now = time.perf_counter()
         seconds = max(now - self.opened, 1e-9)
         rates = {name: float(n) / seconds for name, n in self.units.items()}
-        eta = (now - self.started) / (step - self.step0) * (self.total - step)
+        eta = self.eta(step, now)
         grad_norm = (self.norms / self.n_norms).item() if self.n_norms.item() else None
         for t in (self.losses, self.n_losses, self.norms, self.n_norms):
             t.zero_()
@@ -676,6 +681,8 @@ class Trainer:
             due = self._save_due(step)
             if logged:
                 losses.append(self._log(step, window, bar))
+            elif acc.is_main_process:  # the step and eta for a watcher; reads nothing from the device
+                run.progress(step, total, window.eta(step))
             if cfg.preview.every and step % cfg.preview.every == 0 and step < total:
                 samples += self._check_in(unwrapped, step)
             if stop := self._save_or_stop(step, due, guard, read_now=logged):

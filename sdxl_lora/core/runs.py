@@ -8,6 +8,7 @@ Layout of runs/<name>/:
   checkpoints/     training states
   <name>.safetensors and exports
   train.pid        the id of the process training it, while it trains (whoever started it: CLI, UI, launch)
+  progress.json    the latest step and eta, replaced each step (between the log points of events.jsonl)
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .fsutil import fsync_dir
 
 
 PID_FILE = "train.pid"
+PROGRESS_FILE = "progress.json"
 
 
 class RunExistsError(FileExistsError):
@@ -67,6 +69,23 @@ class Run:
 
     def events(self) -> list[dict]:
         return read_events(self.events_path)
+
+    def progress(self, step: int, total_steps: int, eta_s: float) -> None:
+        """The latest step, for a watcher between log points (events.jsonl gets a line every
+        train.log_every steps). Replaced whole each step (a rename, no fsync: a lost update is rewritten
+        by the next step), so a reader sees one complete record."""
+        tmp = self.dir / f".{PROGRESS_FILE}.tmp"
+        tmp.write_text(json.dumps({"step": step, "total_steps": total_steps, "eta_s": round(eta_s, 1),
+                                   "time": round(time.time(), 3)}), encoding="utf-8")
+        os.replace(tmp, self.dir / PROGRESS_FILE)
+
+
+def read_progress(run_dir: Path) -> dict:
+    """The run's latest step record (Run.progress), or {} where there is none."""
+    try:
+        return json.loads((run_dir / PROGRESS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
 
 
 def read_events(path: Path) -> list[dict]:

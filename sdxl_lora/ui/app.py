@@ -1,4 +1,4 @@
-"""The Gradio app: tabs Dataset, Train, Generate, Export; `serve()` runs it.
+"""The Gradio app: tabs Dataset, Train, Generate, Compare, Export; `serve()` runs it.
 
 Safe by default: binds 127.0.0.1, no share link unless asked, optional password, reads and writes only
 under the three folders it is given (gradio's own cache included: runs/.ui/gradio), flagging off, no
@@ -44,7 +44,7 @@ def build_app(folders: Folders, jobs):
     _quiet_gradio(folders)
     import gradio as gr
 
-    from . import tab_dataset, tab_export, tab_generate, tab_train
+    from . import tab_compare, tab_dataset, tab_export, tab_generate, tab_train
 
     # Dataset images and run outputs are served from where they are (no copies into the cache).
     gr.set_static_paths([str(folders.datasets), str(folders.runs)])
@@ -62,8 +62,12 @@ def build_app(folders: Folders, jobs):
 
                 with gr.Tab("LLM", id="llm", elem_id="tab-llm"):
                     tab_llm.build(folders, jobs, run_pick)
+            # One loaded model for the tabs that render (a second model replaces the first).
+            pipes = tab_generate.Pipelines(folders)
             with gr.Tab("Generate", id="generate", elem_id="tab-generate"):
-                loaders.append(tab_generate.build(folders))
+                loaders.append(tab_generate.build(folders, pipes))
+            with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
+                loaders.append(tab_compare.build(folders, pipes))
             with gr.Tab("Export", id="export", elem_id="tab-export"):
                 loaders.append(tab_export.build(folders))
         for fn, outputs in loaders:

@@ -22,6 +22,11 @@ TINY = ModelConfig.model_fields["path"].default
 TINY_LLM = "tiny-llm"  # the embedded tiny causal LM (sdxl_lora/llm/tiny.py)
 
 
+def is_builtin(model: str) -> bool:
+    """The shipped demo base or the random-weights tiny SDXL: made by the package, in no folder of the page."""
+    return model in (TINY, "tiny-sdxl")
+
+
 class PathRefused(ValueError):
     """A path outside the folders the UI was given; the message names both."""
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from sdxl_lora.core.config import Config
 from sdxl_lora.core.fsutil import atomic_write_text
-from sdxl_lora.core.runs import PID_FILE, default_run_name, process_alive, read_events, training_pid
+from sdxl_lora.core.runs import PID_FILE, default_run_name, process_alive, read_events, read_progress, training_pid
 
 from .folders import Folders
 from .worker import EXIT_FILE
@@ -100,6 +100,11 @@ def run_status(run_dir: Path, events: list[dict] | None = None) -> RunStatus:
     pid = training_pid(run_dir)
     exit_code = _read_int(run_dir / EXIT_FILE)
     st.pid = pid
+    # Between log points the run replaces progress.json each step: newer than the last event, it is the step now.
+    latest = read_progress(run_dir) if pid is not None else {}
+    if latest.get("step", 0) > st.step and latest.get("time", 0) > (events[-1].get("time", 0) if events else 0):
+        st.step, st.eta_s = latest["step"], latest.get("eta_s", st.eta_s)
+        st.total = latest.get("total_steps", st.total)
     ended = ("done", "interrupted", "failed", "start", "resume")
     last = next((e for e in reversed(events) if e.get("event") in ended), {})
     # Alive until the process is gone: its exit file is written just before it ends.

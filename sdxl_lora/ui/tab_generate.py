@@ -7,7 +7,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from .folders import TINY, Folders, PathRefused, model_choices
+from .folders import TINY, Folders, PathRefused, is_builtin, model_choices
 from .text import error_md
 
 N_ADAPTERS = 3
@@ -48,7 +48,7 @@ class Pipelines:
         from sdxl_lora.core.config import ModelConfig
         from sdxl_lora.sdxl.model import load_pipeline
 
-        path = model if model == TINY else str(self.f.inside(model, "models"))
+        path = model if is_builtin(model) else str(self.f.inside(model, "models"))
         if self.key != path:
             self.pipe = None
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,9 +92,7 @@ def generate(f: Folders, pipes: Pipelines, model, prompt, negative, seed, steps,
     return base, tuned, f"seed {int(seed)}, {side}x{side}, {int(steps)} steps; adapters: {used}"
 
 
-def build(f: Folders):
-
-    pipes = Pipelines(f)
+def build(f: Folders, pipes: Pipelines):
     with gr.Row():
         with gr.Column(scale=2):
             model = gr.Dropdown(model_choices(f.models), value=TINY, allow_custom_value=True, label="base model",

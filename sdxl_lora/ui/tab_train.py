@@ -19,6 +19,7 @@ from .folders import TINY, TINY_LLM, Folders, PathRefused, image_folders, jsonl_
 from .summary import CARD_FIELDS, GOAL_FIELDS, card_choices, card_fill, goal_fill, run_summary
 from .text import error_md, md_text
 from .form import PATH_FIELDS, FieldSpec, build_config, schema_fields, to_widget_value
+from .duplicate import form_values
 from .jobs import Jobs, run_status
 from .labels import GROUPS, LABELS, label_for
 
@@ -311,6 +312,7 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
                 run_pick = gr.Dropdown([], label="run", allow_custom_value=True, elem_id="run-pick", scale=3)
                 stop_btn = gr.Button("Stop", elem_id="run-stop", scale=1)
                 resume_btn = gr.Button("Resume", elem_id="run-resume", scale=1)
+                duplicate_btn = gr.Button("Duplicate as new run", elem_id="run-duplicate", scale=1)
             action_msg = gr.Markdown(elem_id="run-action-msg")
             progress = gr.HTML(elem_id="run-progress-box")
             with gr.Row():
@@ -403,6 +405,14 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
         started = jobs.tick()
         return f"{selected}: resuming" if started == selected else f"{selected}: queued to resume"
 
+    def duplicate(selected):
+        try:
+            values, copy = form_values(form, jobs, selected, _default_prompts())
+        except (ValueError, PathRefused, FileNotFoundError) as e:
+            return *(gr.skip() for _ in form.inputs), error_md(e)
+        return *values, f"the New run form holds a copy of **{md_text(selected)}** as **{md_text(copy)}**; " \
+                        "change what you like and press Start"
+
     plan_btn.click(show_plan, form.inputs, [plan_table, plan_summary])
     plan_btn.click(summarize, form.inputs, summary_line, show_progress="hidden")
     # Not blocking: the line follows the form; a burst of edits computes once for the last of them.
@@ -423,4 +433,5 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
     run_pick.input(lambda sel: refresh(sel, None), run_pick, outputs)
     stop_btn.click(stop, run_pick, action_msg)
     resume_btn.click(resume, run_pick, action_msg)
+    duplicate_btn.click(duplicate, run_pick, [*form.inputs, action_msg])
     return run_pick

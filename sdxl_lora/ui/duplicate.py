@@ -1,0 +1,76 @@
+"""Duplicate as new run: a run's saved config put back into the New run form under a new name, to change a
+setting or two and start again. Nothing is written until Start; the run itself is never touched."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sdxl_lora.core.config import Config, load_config
+
+from .folders import Folders, PathRefused, is_builtin
+from .form import to_widget_value
+
+
+def _value(cfg: Config, key: str):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _relative(f: Folders, path: str, kind: str) -> str:
+    """A path as the form's pickers list it (relative to its folder) where it lies inside that folder."""
+    try:
+        return os.path.relpath(f.inside(path, kind), getattr(f, kind))
+    except PathRefused:
+        return path  # the form refuses it at Start, naming the folder
+
+
+def _prompts_text(f: Folders, cfg: Config, default: str) -> str:
+    path = cfg.preview.prompts
+    if path is None:
+        return default
+    if not path:
+        return ""
+    for kind in ("runs", "datasets"):
+        try:
+            return Path(f.inside(path, kind)).read_text(encoding="utf-8").strip()
+        except (PathRefused, OSError):
+            continue
+    return default
+
+
+def new_name(taken, name: str) -> str:
+    """`name-2`, `name-3`, ...: the first that no run and no queued run has. `taken(candidate)` raises
+    FileExistsError for a taken name (Jobs.unique_name)."""
+    n = 2
+    while True:
+        candidate = f"{name}-{n}"
+        try:
+            return taken(candidate)
+        except FileExistsError:
+            n += 1
+
+
+def form_values(form, jobs, name: str, default_prompts: str) -> tuple[list, str]:
+    """The form's values (in `form.inputs` order) for a copy of run `name`, and the copy's name."""
+    run = jobs.run_dir(name)
+    cfg_path = run / "config.toml"
+    if not cfg_path.is_file():
+        cfg_path = jobs.f.ui / "configs" / f"{run.name}.toml"  # a queued run that has not started
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"run {name!r} has no config.toml to copy")
+    cfg = load_config(cfg_path)
+    if getattr(cfg, "task", form.task) != form.task:
+        raise ValueError(f"run {name!r} is an {cfg.task.upper()} run; this form makes {form.task.upper()} runs")
+    f = form.f
+    copy = new_name(jobs.unique_name, name)
+    model = cfg.model.path if is_builtin(cfg.model.path) else _relative(f, cfg.model.path, "models")
+    dirs = [_relative(f, d, "datasets") for d in _value(cfg, form.data_key)]
+    tokenizer = _relative(f, cfg.model.tokenizer, "models") if getattr(cfg.model, "tokenizer", None) else ""
+    prompts = _prompts_text(f, cfg, default_prompts) if form.task == "sdxl" else ""
+    widgets = []
+    for spec in form.widgets_specs():
+        value = copy if spec.key == "output.name" else _value(cfg, spec.key)
+        widgets.append(to_widget_value(spec, value))
+    return [model, dirs, tokenizer, prompts, *widgets], copy
