@@ -446,9 +446,16 @@ def test_runs_started_from_the_cli_show_their_state_and_can_be_stopped_and_queue
     jobs = Jobs(f, python=str(fake))
     state = lambda name: {s.name: s for s in jobs.runs()}[name]  # noqa: E731
 
-    proc = _cli_train(f.runs, "cli-run", 400)
+    # log_every far above the steps it will do: the state still shows the step the run is at and the time
+    # left (progress.json), not the last logged step.
+    proc = _cli_train(f.runs, "cli-run", 400, "--set", "train.log_every=1000")
     _wait_for(lambda: (f.runs / "cli-run" / "config.toml").is_file(), proc, "the run folder")
-    _wait_for(lambda: state("cli-run").state == "training", proc, "training")
+    _wait_for(lambda: state("cli-run").state == "training" and state("cli-run").step >= 4, proc,
+              "training, steps between log points")
+    st = state("cli-run")
+    logged = [e["step"] for e in map(json.loads, (f.runs / "cli-run" / "events.jsonl").read_text().splitlines())
+              if e["event"] == "step"]
+    assert logged == [1] and st.step > 1 and st.total == 400 and st.eta_s is not None and st.eta_s > 0
     assert jobs.stop("cli-run").endswith("the state is saved")  # Stop works on a run the UI did not start
     assert proc.wait(WAIT / 1000) == 130
     st = state("cli-run")
@@ -714,26 +721,3 @@ def test_a_duplicated_run_starts_from_the_same_config_under_a_new_name(folders, 
             got[section].pop(name), want[section].pop(name)
     assert got == want
     assert sorted(p.name for p in saved_run.iterdir()) == files
-
-
-def test_progress_moves_every_step_between_log_points(tmp_path):
-    """With log_every far above the steps done, the run's state still shows the step it is at and the time
-    left (from progress.json), not the last logged step."""
-    from sdxl_lora.ui.folders import Folders
-    from sdxl_lora.ui.jobs import Jobs
-
-    (tmp_path / "datasets").mkdir()
-    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
-    jobs = Jobs(f)
-    state = lambda: {s.name: s for s in jobs.runs()}.get("quiet")  # noqa: E731
-    proc = _cli_train(f.runs, "quiet", 400, "--set", "train.log_every=1000")
-    try:
-        _wait_for(lambda: (st := state()) is not None and st.state == "training" and st.step >= 4, proc,
-                  "steps between log points")
-        st = state()
-        logged = [e["step"] for e in map(json.loads, (f.runs / "quiet" / "events.jsonl").read_text().splitlines())
-                  if e["event"] == "step"]
-        assert logged == [1] and st.step > 1 and st.total == 400 and st.eta_s is not None and st.eta_s > 0
-    finally:
-        jobs.stop("quiet")
-        proc.wait(WAIT / 1000)

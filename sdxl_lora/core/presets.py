@@ -24,15 +24,15 @@ _FAST = {"train.compile": "regional", "train.channels_last": True}
 
 CARDS: dict[str, Preset] = {
     "6gb": Preset("6 GB cards: a compressed base model and the least memory; the slowest", {"train.vram_gb": 6}),
-    "8gb": Preset("8 GB cards (RTX 3070/4060)", {"train.vram_gb": 8}),
-    "12gb": Preset("12 GB cards (RTX 3060/4070)", {"train.vram_gb": 12}),
-    "16gb": Preset("16 GB cards (RTX 4060 Ti 16 GB/4080)", {"train.vram_gb": 16}),
+    "8gb": Preset("8 GB cards", {"train.vram_gb": 8}),
+    "12gb": Preset("12 GB cards", {"train.vram_gb": 12}),
+    "16gb": Preset("16 GB cards", {"train.vram_gb": 16}),
     "16gb-fast": Preset("16 GB cards, long runs: compiled blocks, so a larger batch fits", {"train.vram_gb": 16,
                                                                                            **_FAST}),
-    "24gb": Preset("24 GB cards (RTX 3090/4090)", {"train.vram_gb": 24}),
+    "24gb": Preset("24 GB cards", {"train.vram_gb": 24}),
     "24gb-fast": Preset("24 GB cards, long runs: compiled blocks, so a larger batch fits", {"train.vram_gb": 24,
                                                                                            **_FAST}),
-    "48gb": Preset("48 GB cards and larger (A6000, L40S, A100)", {"train.vram_gb": 48}),
+    "48gb": Preset("48 GB cards and larger", {"train.vram_gb": 48}),
     "none": Preset("no memory budget: the settings as given", {}),
 }
 
