@@ -721,3 +721,36 @@ def test_a_duplicated_run_starts_from_the_same_config_under_a_new_name(folders, 
             got[section].pop(name), want[section].pop(name)
     assert got == want
     assert sorted(p.name for p in saved_run.iterdir()) == files
+
+
+def test_a_form_left_at_its_defaults_lets_the_run_choose_its_speed_and_memory_levers(tmp_path):
+    # The form holds every field; the ones a run decides when unset (CUDA graphs, compilation, checkpointing,
+    # quantization...) must reach the run unset, in the queued file too, or a UI run would never get the speed
+    # train.speed="auto" picks on a GPU, nor a memory budget's choices. A value the user changed stays theirs.
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.sdxl.plan import fit_budget
+    from sdxl_lora.sdxl.speed import auto_levers
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.form import DECIDED_WHEN_UNSET, build_config, schema_fields, to_widget_value
+    from sdxl_lora.ui.jobs import Jobs
+
+    _, widgets = _form_keys("sdxl")
+    specs = [s for s in schema_fields() if s.key in widgets]
+    assert set(DECIDED_WHEN_UNSET) <= {s.key for s in specs}  # each is on the form
+    values = {s.key: to_widget_value(s, s.default) for s in specs}
+    fixed = {"model.path": "arch:sdxl", "data.resolution": 1024, "output.name": "f", "output.runs_dir": str(tmp_path)}
+    cfg = build_config(specs, [values[s.key] for s in specs], {**fixed, "train.vram_gb": 8})
+    (tmp_path / "datasets").mkdir()
+    jobs = Jobs(Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path))
+    jobs.busy = lambda: "another-run"  # queued, not started
+    jobs.enqueue_train(cfg)
+    queued = load_config(tmp_path / ".ui" / "configs" / "f.toml")
+    for c in (cfg, queued):
+        chosen, why = auto_levers(c, "cuda", 1)
+        assert chosen.train.cuda_graphs and "as set" not in why["cuda_graphs"]
+        assert fit_budget(c, 8).cfg.model.quantize == "fp8"  # the budget chose the base's storage
+        assert c.train.lr == values["train.lr"] and c.train.steps == values["train.steps"]  # the rest as shown
+    # Ticked on the form: the user's choice, kept by the queue and by auto.
+    mine = build_config(specs, [True if s.key == "train.cuda_graphs" else values[s.key] for s in specs], fixed)
+    assert "cuda_graphs" in mine.train.model_fields_set
+    assert auto_levers(mine, "cuda", 1)[1]["cuda_graphs"] == "True, as set"

@@ -590,14 +590,17 @@ class Config(Section):
                              f"learning rate; adapter.kind={kind!r} has no B: leave it unset")
         return self
 
-    def to_toml(self) -> str:
+    def to_toml(self, leave_unset: tuple[str, ...] = ()) -> str:
         """The config as TOML, without the fields that do nothing for its task: the file is read again (a run's
-        config.toml on resume, a run the UI queued), where every field in it counts as the user's setting."""
+        config.toml on resume, a run the UI queued), where every field in it counts as the user's setting.
+        leave_unset: dotted fields left out where this config did not set them (a run decides them)."""
         tree = self.model_dump(mode="json")
         for name, info in type(self).model_fields.items():
             if isinstance(tree[name], dict):
+                section = getattr(self, name)
                 for f in info.annotation.model_fields:
-                    if self.task not in field_tasks(info.annotation, f):
+                    if self.task not in field_tasks(info.annotation, f) or (
+                            f"{name}.{f}" in leave_unset and f not in section.model_fields_set):
                         del tree[name][f]
         return tomli_w.dumps(_drop_none({k: v for k, v in tree.items() if v != {}}))
 

@@ -124,12 +124,26 @@ def from_widget_value(spec: FieldSpec, value: Any) -> Any:
     return value
 
 
+# Fields a run decides when its config leaves them unset: train.speed="auto" the speed levers, train.vram_gb
+# the memory levers. A form holds every field, so one left at the schema's default must stay unset in the
+# config (and in the file the queue runs), or the run would take it as the user's choice and decide nothing.
+DECIDED_WHEN_UNSET = ("train.cuda_graphs", "train.compile", "train.channels_last", "train.gradient_checkpointing",
+                      "train.checkpoint_budget_gb", "model.quantize", "model.tiled_vae_encode", "preview.vae_tiling")
+
+
+def schema_default(key: str) -> Any:
+    section, name = key.split(".", 1)
+    return Config.model_fields[section].annotation.model_fields[name].default
+
+
 def build_config(specs: list[FieldSpec], values: list[Any], fixed: dict[str, Any]) -> Config:
     """A validated Config from the form's values plus the fields the UI sets itself (`fixed`, dotted keys).
     Raises ConfigError naming the field."""
     extra: dict[str, Any] = {}
     for spec, value in zip(specs, values):
         v = from_widget_value(spec, value)
+        if spec.key in DECIDED_WHEN_UNSET and v == schema_default(spec.key):
+            continue
         if v is not None:
             extra[spec.key] = v
     extra.update(fixed)

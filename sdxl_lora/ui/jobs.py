@@ -31,6 +31,7 @@ from sdxl_lora.core.fsutil import atomic_write_text
 from sdxl_lora.core.runs import PID_FILE, default_run_name, process_alive, read_events, read_progress, training_pid
 
 from .folders import Folders
+from .form import DECIDED_WHEN_UNSET
 from .worker import EXIT_FILE
 
 log = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ class Jobs:
         with self._lock:
             name = cfg.output.name
             path = self.f.ui / "configs" / f"{name}.toml"
-            atomic_write_text(path, cfg.to_toml())
+            atomic_write_text(path, cfg.to_toml(leave_unset=DECIDED_WHEN_UNSET))
             self._enqueue(name, ["train", str(path)])
             return name
 
