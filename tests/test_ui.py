@@ -489,6 +489,26 @@ def test_a_run_that_fails_shows_failed_with_the_error(tmp_path):
     assert st.state == "failed" and "CUDA out of memory" in st.message
 
 
+def test_the_run_view_shows_the_gpu_memory_a_gpu_run_logs(tmp_path):
+    # A GPU run's step events carry the memory torch's allocator holds (core/loop.py); the run's line shows it.
+    # A CPU run logs none, and its line says nothing about GPU memory.
+    from sdxl_lora.core.runs import Run
+    from sdxl_lora.ui.jobs import run_status
+    from sdxl_lora.ui.tab_train import _progress_html
+
+    run = Run(tmp_path / "gpu")
+    run.dir.mkdir()
+    run.event("start", step=0, total_steps=10)
+    run.event("step", step=5, total_steps=10, loss=0.1, lr=1e-4, images_per_s=19.9, eta_s=3.0,
+              gpu_mem_gib=30.61, gpu_peak_gib=31.2)
+    line = _progress_html(run_status(run.dir))
+    assert "GPU memory 30.6 GiB (peak 31.2)" in line and "19.90 img/s" in line
+    cpu = Run(tmp_path / "cpu")
+    cpu.dir.mkdir()
+    cpu.event("step", step=5, total_steps=10, loss=0.1, lr=1e-4, images_per_s=1.5, eta_s=3.0)
+    assert "GPU memory" not in _progress_html(run_status(cpu.dir))
+
+
 def test_the_llm_form_starts_from_what_llm_train_uses_and_the_default_folders_hold_its_data():
     import argparse
 

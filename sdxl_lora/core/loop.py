@@ -728,6 +728,11 @@ class Trainer:
         extra = {} if grad_norm is None else {"grad_norm": round(grad_norm, 6)}
         if self.flops_per_image:
             extra["mfu"] = round(tracking.mfu(self.flops_per_image, sps, self.peak_tflops, acc.num_processes), 4)
+        if acc.device.type == "cuda":
+            # What torch's allocator holds now and at most so far (its own counters: no device sync); the
+            # CUDA context comes on top.
+            extra["gpu_mem_gib"] = round(torch.cuda.memory_reserved(acc.device) / 2**30, 2)
+            extra["gpu_peak_gib"] = round(torch.cuda.max_memory_reserved(acc.device) / 2**30, 2)
         bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}", **throughput_postfix(rates, self.task.unit_labels),
                         **({"mfu": f"{100 * extra['mfu']:.1f}%"} if "mfu" in extra else {}))
         per_s = {f"{name}_per_s": v for name, v in rates.items()}

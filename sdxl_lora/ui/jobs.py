@@ -68,6 +68,8 @@ class RunStatus:
     eta_s: float | None = None
     images_per_s: float | None = None
     tokens_per_s: float | None = None   # an LLM run's throughput (it has tokens, not images)
+    gpu_mem_gib: float | None = None    # GPU memory torch's allocator held at the last logged step
+    gpu_peak_gib: float | None = None   # and at most so far
     pid: int | None = None
     message: str = ""
     started: float = 0.0
@@ -95,6 +97,7 @@ def run_status(run_dir: Path, events: list[dict] | None = None) -> RunStatus:
             st.step, st.total = e.get("step", 0), e.get("total_steps", 0)
             st.loss, st.eta_s, st.images_per_s = e.get("loss", math.nan), e.get("eta_s"), e.get("images_per_s")
             st.tokens_per_s = e.get("tokens_per_s")
+            st.gpu_mem_gib, st.gpu_peak_gib = e.get("gpu_mem_gib"), e.get("gpu_peak_gib")
         elif e.get("event") in ("start", "resume", "done", "interrupted"):
             st.step = e.get("step", st.step)
             st.total = e.get("total_steps", st.total)

@@ -221,6 +221,8 @@ def _progress_html(st) -> str:
         bits.append(f"{st.tokens_per_s:,.0f} tokens/s")
     if st.alive and st.eta_s is not None:
         bits.append(f"eta {st.eta_s:.0f} s")
+    if st.gpu_mem_gib is not None:
+        bits.append(f"GPU memory {st.gpu_mem_gib:.1f} GiB (peak {st.gpu_peak_gib:.1f})")
     msg = f"<div>{html.escape(st.message)}</div>" if st.message else ""
     return (f'<div id="run-progress" data-state="{html.escape(st.state)}">'
             f'<progress max="100" value="{pct:.1f}" style="width:100%;height:1.2em"></progress>'
