@@ -56,12 +56,15 @@ def test_every_card_preset_fits_its_budget_and_the_docs_table_is_the_planners(sd
     assert ladder == sorted(ladder) and ladder[-1] > ladder[0]
 
 
-def test_a_fast_card_compiles_and_keeps_a_larger_batch_where_the_plain_card_halves_it():
+def test_a_fast_card_compiles_and_keeps_more_activations_than_the_plain_card():
+    # At batch 4 both 24 GiB cards recompute part of the step; the compiled blocks keep fewer activations, so
+    # the fast card recomputes less and is planned faster.
     cfg = load_config(extra={"model.path": "arch:sdxl", "train.batch_size": 4})
     plans = {p.name: p for p in card_plans(cfg)}
     plain, fast = plans["24gb"].fit, plans["24gb-fast"].fit
     assert fast.cfg.train.compile == "regional" and fast.cfg.train.channels_last
-    assert plain.cfg.train.batch_size == 2 and fast.cfg.train.batch_size == 4
+    assert plain.cfg.train.compile == "none" and plain.cfg.train.batch_size * plain.cfg.train.grad_accum == 4
+    assert fast.cfg.train.batch_size == 4
     assert fast.slowdown < plain.slowdown and fast.memory.peak <= 24 * GIB
 
 

@@ -25,6 +25,14 @@ from ..core.memory import DTYPE_NAMES, GiB, OPTIMIZER_BYTES, state_bytes, weight
 #   in, cross q and out, GEGLU's 8x projection, gelu and product (4x each), residuals              ~30
 #   Transformer2DModel around its layers: norm, proj_in, proj_out                                  ~4
 K_RESNET, K_LAYER, K_PROJ = 6.0, 30.0, 4.0
+# train.fused_geglu (eager blocks): the fused GEGLU keeps only its input, the 8x projection, and recomputes
+# gelu(gate) in backward, so a layer no longer keeps the gelu's 4x output.
+K_GEGLU_FUSED_SAVES = 4.0
+# The other adapter kinds keep more for backward than LoRA's factors (DoRA's weight-normed path, LoHa's and
+# LoKr's products; LoCon's convolution adapters keep their ResNets' inputs): their activations against LoRA's,
+# from the kinds' runs through the CLI at batch 4 on SDXL base (benchmarks/RESULTS.md, the adapter kinds).
+KIND_ACTIVATIONS = {"lora": 1.0, "dora": 1.19, "loha": 1.19, "lokr": 1.17}
+LOCON_ACTIVATIONS = 1.26
 # With model.quantize_convs="fp8" the two convolutions' inputs are not saved (Float8Conv2d's backward needs
 # only the weight, dequantized again): 4 a resnet, counted with saved_tensors_hooks on a diffusers ResnetBlock2D
 # under bf16 autocast; not fitted to a GPU peak (benchmarks/qlora_memory.py's fp8conv rows give one).
@@ -173,14 +181,17 @@ _K = {"resnet": K_RESNET, "layer": K_LAYER, "proj": K_PROJ}
 
 def activation_bytes(config, resolution: int, batch_size: int, checkpointing: bool, compute_dtype: torch.dtype,
                      latent_factor: int = 8, quantize_convs: str = "none", compile: str = "none",
-                     compile_activation_budget: float | None = None, channels_last: bool = False) -> int:
+                     compile_activation_budget: float | None = None, channels_last: bool = False,
+                     fused_geglu: bool = False, adapter_factor: float = 1.0) -> int:
     """Activations saved for backward at the peak, for one batch of square images of side `resolution`.
     With compile (and its activation budget) the compiled units keep less (COMPILED_KEEP; "regional" with
     channels_last less again, REGIONAL_LAYOUT_KEEP); compile together with checkpointing is counted as
     checkpointing alone (not fitted)."""
     elt = torch.empty((), dtype=compute_dtype).element_size()
     units = _units(config, max(1, resolution // latent_factor))
-    counts = {**_K, "resnet": K_RESNET_FP8CONV} if quantize_convs == "fp8" else _K
+    counts = {**_K, "resnet": K_RESNET_FP8CONV} if quantize_convs == "fp8" else dict(_K)
+    if fused_geglu and compile == "none":  # compiled blocks fuse it themselves (COMPILED_KEEP)
+        counts["layer"] -= K_GEGLU_FUSED_SAVES
     if not checkpointing:
         compiled = COMPILED_KINDS.get(compile, ())
         layout = REGIONAL_LAYOUT_KEEP if compile == "regional" and channels_last else 1.0
@@ -192,15 +203,17 @@ def activation_bytes(config, resolution: int, batch_size: int, checkpointing: bo
         # recomputed in backward.
         kept = K_CKPT_INPUT * sum(e for k, e, _ in units if k != "proj")
         per_image = kept + ACT_SCALE * max(counts[kind] * e for kind, e, _ in units)
-    return int(per_image * batch_size * elt)
+    return int(per_image * batch_size * elt * adapter_factor)
 
 
 def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_size: int, checkpointing: bool,
              quantize: str = "none", double_quant: bool = True, compute_dtype: torch.dtype = torch.bfloat16,
              optimizer: str = "adamw", latent_factor: int = 8, skip=None,
              quantize_convs: str = "none", compile: str = "none",
-             compile_activation_budget: float | None = None, channels_last: bool = False) -> MemoryEstimate:
-    """The estimate for a UNet (any device, meta included) and a planned adapter of `trainable_params`."""
+             compile_activation_budget: float | None = None, channels_last: bool = False,
+             fused_geglu: bool = False, adapter_factor: float = 1.0) -> MemoryEstimate:
+    """The estimate for a UNet (any device, meta included) and a planned adapter of `trainable_params`.
+    adapter_factor: the adapter kind's activations against LoRA's (adapter_activations)."""
     from .quantize import unet_conv_skip
 
     if skip is None and quantize != "none":
@@ -209,7 +222,8 @@ def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_s
         raise ValueError(f"train.optimizer={optimizer!r}: no memory model for it; known: {', '.join(OPTIMIZER_BYTES)}")
     cuda_like = compute_dtype != torch.float32
     activations = activation_bytes(unet.config, resolution, batch_size, checkpointing, compute_dtype, latent_factor,
-                                   quantize_convs, compile, compile_activation_budget, channels_last)
+                                   quantize_convs, compile, compile_activation_budget, channels_last,
+                                   fused_geglu, adapter_factor)
     overhead = 0
     if cuda_like and quantize != "none":
         overhead = QUANT_OVERHEAD
@@ -245,7 +259,14 @@ def estimate_for_config(unet: nn.Module, cfg, trainable_params: int, resolution:
                     optimizer=cfg.train.optimizer, latent_factor=latent_factor,
                     quantize_convs=cfg.model.quantize_convs, compile=cfg.train.compile,
                     compile_activation_budget=cfg.train.compile_activation_budget,
-                    channels_last=cfg.train.channels_last)
+                    channels_last=cfg.train.channels_last, fused_geglu=cfg.train.fused_geglu,
+                    adapter_factor=adapter_activations(cfg.adapter))
+
+
+def adapter_activations(adapter) -> float:
+    """The adapter kind's (and LoCon's convolution adapters') activations against plain LoRA's."""
+    locon = adapter.preset == "locon" or bool(adapter.conv_rank)
+    return KIND_ACTIVATIONS.get(adapter.kind, 1.0) * (LOCON_ACTIVATIONS if locon else 1.0)
 
 
 # ---- the whole run: each phase's peak, for the whole process ----------------------------------------
