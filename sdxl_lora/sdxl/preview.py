@@ -303,6 +303,38 @@ def vae_tiles(vae, on: bool):
         vae.use_tiling, vae.tile_sample_min_size, vae.tile_latent_min_size = before
 
 
+def _cached_images(store: Path, n: int) -> list[Image.Image] | None:
+    """The n images an earlier run stored under `store`, or None when any is missing or unreadable."""
+    paths = [store / f"{i:02d}.png" for i in range(n)]
+    if not all(p.is_file() for p in paths):
+        return None
+    try:
+        images = []
+        for path in paths:
+            with Image.open(path) as im:
+                images.append(im.convert("RGB"))
+        return images
+    except OSError:  # a damaged cache entry: render again (and store anew)
+        return None
+
+
+def _store_images(store: Path, images: list[Image.Image]) -> None:
+    """The images under `store`, all or none: written in a sibling folder, then renamed into place."""
+    import shutil
+    import tempfile
+
+    store.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=store.parent))
+    try:
+        for i, im in enumerate(images):
+            im.save(tmp / f"{i:02d}.png", format="PNG")
+        shutil.rmtree(store, ignore_errors=True)  # a damaged entry left by an earlier run
+        tmp.rename(store)
+    except OSError as e:  # the cache is a convenience: a full or read-only disk loses only the reuse
+        log.warning("could not store the step-0 previews in the cache (%s); the next run renders them again", e)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def render_previews(task, model, run, step: int) -> list[Path]:
     """Render the task's prompts with the model being trained; the VAE and text encoders visit the
     accelerator only for the duration."""
@@ -339,23 +371,34 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     # The prompts' embeddings were made at set-up (task.preview_texts) unless the text encoders train: then
     # they are encoded now, by the encoders being trained, which stay on the device anyway.
     texts = task.preview_texts
-    try:
-        for m in ((p.vae,) if texts is not None else aux):
-            m.to(device)
-        # cuDNN's algorithm search (train.* sets torch.backends.cudnn.benchmark for the training shapes) would
-        # time every convolution of the pipeline at each preview size, the VAE decoder's included, for a few
-        # images: its heuristic choice is cheaper (benchmarks/preview_cost.py).
-        with _cudnn_search(False), vae_tiles(p.vae, tiled_previews(cfg)):
-            images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps, guidance=cfg.preview.guidance,
-                            width=task.resolution, height=task.resolution, autocast_dtype=dtype,
-                            guidance_rescale=rescale, texts=texts)
-    finally:
-        if device.type != "cpu":
-            for m in aux:
-                if id(m) not in keep:
-                    m.to("cpu")
+    key = task.baseline_previews_key() if step == 0 and hasattr(task, "baseline_previews_key") else None
+    store = task.cache.root / "previews" / key if key and getattr(task, "cache", None) is not None else None
+    images = _cached_images(store, len(prompts)) if store is not None else None
+    if images is not None:
         model.train(was_training)
-    log.info("previews at step %d: %d images in %.1f s", step, len(images), time.perf_counter() - started)
+        log.info("previews at step 0: %d images of the base from the cache (an earlier run rendered the same "
+                 "base and previews: %s)", len(images), store)
+        run.event("previews_reused", step=0, images=len(images), cache=str(store))
+    else:
+        try:
+            for m in ((p.vae,) if texts is not None else aux):
+                m.to(device)
+            # cuDNN's algorithm search (train.* sets torch.backends.cudnn.benchmark for the training shapes)
+            # would time every convolution of the pipeline at each preview size, the VAE decoder's included,
+            # for a few images: its heuristic choice is cheaper (benchmarks/preview_cost.py).
+            with _cudnn_search(False), vae_tiles(p.vae, tiled_previews(cfg)):
+                images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps,
+                                guidance=cfg.preview.guidance, width=task.resolution, height=task.resolution,
+                                autocast_dtype=dtype, guidance_rescale=rescale, texts=texts)
+        finally:
+            if device.type != "cpu":
+                for m in aux:
+                    if id(m) not in keep:
+                        m.to("cpu")
+            model.train(was_training)
+        log.info("previews at step %d: %d images in %.1f s", step, len(images), time.perf_counter() - started)
+        if store is not None:
+            _store_images(store, images)
     paths = [save_png(im, run.samples_dir / f"step-{step:06d}-{i:02d}.png") for i, im in enumerate(images)]
     # Each prompt on consecutive lines the same number of times (several seeds): one row per prompt.
     runs = {len(list(g)) for _, g in itertools.groupby(e.prompt for e in prompts)}

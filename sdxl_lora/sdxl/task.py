@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import random
@@ -1015,3 +1016,32 @@ class SDXLTask(Task):
 
     def preview(self, model, run: Run, step: int) -> list[Path]:
         return render_previews(self, model, run, step)
+
+    # Bump when what the previews render changes, so earlier runs' step-0 previews are not reused.
+    PREVIEW_CACHE_VERSION = 1
+
+    def baseline_previews_key(self) -> str | None:
+        """The step-0 previews' cache key: what decides those images (the base's weights as this run holds
+        them, the prompts and preview settings, the levers the UNet renders with, the software), so a later
+        run on the same base with the same previews reuses them. The step-0 model is the base itself: LoRA's,
+        LoHa's and LoKr's updates start at exactly zero; DoRA's rescaling is the identity only up to rounding,
+        so its key holds the plan too. None where previews render nothing."""
+        import diffusers
+
+        from .. import __version__
+
+        cfg = self.cfg
+        if not self.preview_prompts:
+            return None
+        device = self.device.type + (f":{torch.cuda.get_device_name(self.device)}" if self.device.type == "cuda" else "")
+        train = {k: getattr(cfg.train, k) for k in ("fuse_qkv", "fused_geglu", "lora_matmul", "channels_last",
+                                                     "compile", "cuda_graphs", "sdpa_backend", "zero_terminal_snr")}
+        return cache_key("previews-step0", self.PREVIEW_CACHE_VERSION, __version__, torch.__version__,
+                         diffusers.__version__, device, self.accelerator.mixed_precision,
+                         [component_identity(self.model_path, c) for c in ("unet", "vae", "text_encoder", "text_encoder_2")],
+                         json.dumps(cfg.model.model_dump(mode="json", exclude={"cache_dir"}), sort_keys=True),
+                         json.dumps(cfg.preview.model_dump(mode="json"), sort_keys=True),
+                         [json.dumps(dataclasses.asdict(e), sort_keys=True) for e in self.preview_prompts],
+                         self.resolution, json.dumps(train, sort_keys=True), cfg.adapter.kind,
+                         cfg.adapter.train_text_encoder,
+                         json.dumps(self.plan.groups(), sort_keys=True, default=str) if cfg.adapter.kind == "dora" else None)
