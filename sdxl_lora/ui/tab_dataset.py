@@ -67,7 +67,7 @@ def _doctor_md(f: Folders, found, suggested: list[str], trigger: str) -> str:
         return ", ".join(md_text(edit.file_name(f, str(it.path))) for it in group[:10]) + (" ..." if len(group) > 10
                                                                                           else "")
 
-    lines = []
+    lines = ["**The doctor** (as of the last Scan; Scan again after editing to see the captions as they are now)"]
     for what, groups in (("identical files", found.duplicates), ("images that look the same", found.near)):
         if groups:
             lines.append(f"**{len(groups)} group(s) of {what}** (keep one of each unless they differ on purpose):")
