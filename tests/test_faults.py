@@ -340,7 +340,7 @@ def _escapes(tmp_path: Path, root: Path, kind_dir: str) -> list[str]:
 def test_every_path_the_ui_page_sends_is_confined_to_the_ui_folders(tmp_path):
     from PIL import Image
 
-    from sdxl_lora.ui import tab_compare, tab_dataset, tab_export, tab_generate
+    from sdxl_lora.ui import dataset_edit, tab_compare, tab_dataset, tab_export, tab_generate
     from sdxl_lora.ui.folders import Folders, PathRefused
     from sdxl_lora.ui.jobs import Jobs
     from sdxl_lora.ui.tab_train import Form
@@ -377,19 +377,38 @@ def test_every_path_the_ui_page_sends_is_confined_to_the_ui_folders(tmp_path):
 
     sdxl, llm = Form(f), Form(f, task="llm")
     ok_image = [[str(tmp_path / "datasets/set/ok.png"), ""]]
+    guarded = tab_dataset._guarded  # what the Dataset tab's buttons call: the error as the page shows it
+    prefix = dataset_edit.BulkEdit("add prefix", "sks")
+
+    def edited(items, caption="caption"):  # the table the page sends back, a caption typed in each row
+        return [[True, "", dataset_edit.file_name(f, path), caption] for path, _ in items]
+
     for p in probes["datasets"]:
         refuses(tab_dataset._scan, f, p, ".txt", 64, lambda *a, **k: None)             # dataset folder picker
-        refuses(tab_dataset._save, f, [[p, ""]], 0, p, "caption", ".txt")               # caption save: the image
+        refuses(guarded, dataset_edit.save_table, f, [[p, ""]], edited([[p, ""]]), ".txt")  # the table's captions
+        for scope in dataset_edit.SCOPES:                                              # bulk edit over the images
+            refuses(guarded, dataset_edit.bulk_apply, f, [[p, ""]], edited([[p, ""]], ""), prefix, scope, ".txt")
+        refuses(guarded, dataset_edit.upload, f, p, [("ok.png", ok_image[0][0])], ".txt", True)  # upload folder
+        refuses(guarded, dataset_edit.caption, f, p, "m", ".txt", True, "", None)      # captioning: the folder
         refuses(sdxl.config, ["tiny-sdxl-demo", [p], "", ""], "n", None)                # the Train form's data
         refuses(llm.config, ["tiny-llm", [p], "", ""], "n", None)                       # the LLM form's data
     for ext in ("/../../outside", ".txt/../../../outside/x", "\\..\\..\\x", ".%2e%2f", ".txt\\..\\.."):
-        refuses(tab_dataset._save, f, ok_image, 0, ok_image[0][0], "caption", ext,     # caption save: extension
+        refuses(guarded, dataset_edit.save_table, f, ok_image, edited(ok_image), ext,  # caption save: extension
                 why=("outside", "encoded", "caption extension"))
+        refuses(guarded, dataset_edit.bulk_apply, f, ok_image, edited(ok_image, ""), prefix, dataset_edit.SCOPES[0],
+                ext, why=("outside", "encoded", "caption extension"))
+        refuses(guarded, dataset_edit.upload, f, "set", [("ok.png", ok_image[0][0])], ext, True,
+                why=("outside", "encoded", "caption extension"))
+    # Upload names with path parts: refused by name, nothing written anywhere but the folder.
+    names = ["../../outside/y.png", "..\\..\\outside\\y.png", str(outside / "y.png"), "link/y.png", ".y.png"]
+    said = dataset_edit.upload(f, "set", [(n, ok_image[0][0]) for n in names], ".txt", True)
+    assert said.startswith("uploaded 0 file(s)") and said.count("a file name only") == len(names)
     for p in probes["models"]:
         refuses(sdxl.config, [p, ["set"], "", ""], "n", None)                            # model picker
         refuses(sdxl.config, ["tiny-sdxl-demo", ["set"], p, ""], "n", None)             # tokenizer folder
         refuses(llm.config, [p, ["set"], "", ""], "n", None)
         refuses(tab_generate.Pipelines(f).get, p)                                      # Generate's model
+        refuses(guarded, dataset_edit.caption, f, "set", p, ".txt", True, "", None)    # captioner model picker
         refuses(tab_generate.adapter_path, f, f"models/{p}")                           # adapter pickers
         refuses(tab_export.export, f, f"models/{p}", "kohya", "", "", "", "", "", True, "sgm", False, False)
     for p in probes["runs"]:
@@ -412,8 +431,8 @@ def test_every_path_the_ui_page_sends_is_confined_to_the_ui_folders(tmp_path):
     items, gallery, status, *_ = tab_dataset._scan(f, "set", ".txt", 64, lambda *a, **k: None)
     assert [Path(i[0]).name for i in items] == ["ok.png"] and len(gallery) == 1
     assert "1 image(s) are symlinks to files outside the datasets folder" in status
-    refuses(tab_dataset._save, f, [[str(tmp_path / "datasets/set/linked.png"), ""]], 0,
-            str(tmp_path / "datasets/set/linked.png"), "caption", ".txt")
+    linked = [[str(tmp_path / "datasets/set/linked.png"), ""]]
+    refuses(guarded, dataset_edit.save_table, f, linked, edited(linked), ".txt")
     # What is inside still works: the guard refuses escapes, not paths.
     assert f.inside("set/ok.png", "datasets") == tmp_path / "datasets/set/ok.png"
     assert f.inside("set\\ok.png", "datasets") == tmp_path / "datasets/set/ok.png"

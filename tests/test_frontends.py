@@ -135,12 +135,13 @@ def test_the_worker_takes_only_queue_entries(argv, capsys):
 
 
 def test_the_caption_editor_writes_beside_the_image_only(tmp_path):
-    # The Dataset tab's Save: the caption extension comes from the page; whatever it says, the file written
-    # is the image's own sidecar, and nothing is written (or made) elsewhere.
+    # The Dataset tab's Save captions: the caption extension comes from the page; whatever it says, the file
+    # written is the image's own sidecar, and nothing is written (or made) elsewhere.
     from PIL import Image
 
-    from sdxl_lora.ui.folders import Folders, PathRefused
-    from sdxl_lora.ui.tab_dataset import _save
+    from sdxl_lora.ui.dataset_edit import save_table, table
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.tab_dataset import _guarded
 
     datasets = tmp_path / "datasets" / "set"
     datasets.mkdir(parents=True)
@@ -148,15 +149,14 @@ def test_the_caption_editor_writes_beside_the_image_only(tmp_path):
     Image.new("RGB", (8, 8)).save(image)
     f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
     items = [[str(image), ""]]
+    rows = table(f, items)
+    rows[0][3] = "sks,  a red   star"
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     for ext in ("./../../../WRITTEN_OUTSIDE", ".txt/../../x", "/etc/passwd", "..txt", ".t x", "txt"):
-        try:
-            _, _, message = _save(f, items, 0, str(image), "sks, a red star", ext)
-        except PathRefused as e:
-            message = str(e)
-        assert "Error" in message or "not beside" in message, (ext, message)
+        _, message = _guarded(save_table, f, items, rows, ext)
+        assert "Error" in message, (ext, message)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written, nothing made
-    _, _, message = _save(f, items, 0, str(image), "sks,  a red   star", ".caption")
+    _, message = save_table(f, items, rows, ".caption")
     assert (datasets / "00_red_star.caption").read_text() == "sks, a red star\n" and "saved" in message
 
 

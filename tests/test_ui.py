@@ -124,6 +124,19 @@ def _pick(page, elem_id: str, option: str) -> None:
     page.get_by_role("option", name=option, exact=True).click()
 
 
+def _cell(page, row: int, col: int):
+    return page.locator(f"#ds-grid [data-testid=cell-{row}-{col}]")
+
+
+def _edit_cell(page, row: int, col: int, text: str) -> None:
+    """Type into a table cell as a person does: double-click it, type, Enter."""
+    _cell(page, row, col).dblclick()
+    box = page.locator(f"#ds-grid [data-testid=cell-{row}-{col}] textarea, "
+                       f"#ds-grid [data-testid=cell-{row}-{col}] input").first
+    box.fill(text)
+    box.press("Enter")
+
+
 def _shot(page, name: str) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
@@ -151,26 +164,86 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             _login(page, ui.url)
 
             # ---- Dataset: the images with their captions; edit one; the report; a folder outside is refused
+            shapes = folders["datasets"] / "shapes"
+            images = sorted(shapes.glob("*.png"))
+            _fill(page, "ds-trigger", "sks")
             page.locator("#ds-scan").click()
             expect(page.locator("#ds-status")).to_contain_text("4 usable images", timeout=WAIT)
-            expect(page.locator("#ds-gallery img")).to_have_count(4)
+            expect(page.locator("#ds-grid [role=gridcell] img")).to_have_count(4)
             expect(page.locator("#ds-report textarea")).to_have_value(
-                __import__("re").compile(r"captions: 4 of 4 images have one[\s\S]*problems: none"))
+                re.compile(r"captions: 4 of 4 images have one[\s\S]*problems: none"))
             # The bucket histogram draws its bar; the default resolution is the demo base's (no false upscaling).
             expect(page.locator("#ds-hist svg .mark-rect path")).to_have_count(1)
             assert _drawn(page, "#ds-hist svg .mark-rect path")[0]["height"] > 20
-            expect(page.locator("#ds-report textarea")).not_to_have_value(__import__("re").compile("upscaled"))
-            page.locator("#ds-gallery img").first.click()
-            first = sorted((folders["datasets"] / "shapes").glob("*.png"))[0]
-            expect(page.locator("#ds-caption textarea")).to_have_value(first.with_suffix(".txt").read_text().strip())
-            _fill(page, "ds-caption", "sks  red circle,\nwhite background")
+            expect(page.locator("#ds-report textarea")).not_to_have_value(re.compile("upscaled"))
+            expect(page.locator("#ds-doctor")).to_contain_text("Every caption holds the trigger word 'sks'")
+            expect(page.locator("#ds-tags")).to_contain_text("sks")
+            # Inline: the second row's caption cell edited in the table and saved beside that image only.
+            expect(_cell(page, 1, 2)).to_have_text(f"shapes/{images[1].name}")
+            before = {p: p.read_bytes() for p in shapes.iterdir()}
+            _edit_cell(page, 1, 3, "a  red circle,  white background")
             page.locator("#ds-save").click()
-            expect(page.locator("#ds-saved")).to_contain_text(f"saved {first.with_suffix('.txt').name}")
-            assert first.with_suffix(".txt").read_text(encoding="utf-8") == "sks red circle, white background\n"
+            expect(page.locator("#ds-saved")).to_contain_text(f"saved 1 caption(s): {images[1].with_suffix('.txt').name}")
+            assert images[1].with_suffix(".txt").read_text(encoding="utf-8") == "a red circle, white background\n"
+            assert {p: p.read_bytes() for p in shapes.iterdir() if p != images[1].with_suffix(".txt")} == \
+                {p: b for p, b in before.items() if p != images[1].with_suffix(".txt")}
+            # The doctor names the caption now without the trigger word; a bulk edit adds it: counted, then applied.
+            page.locator("#ds-scan").click()
+            expect(page.locator("#ds-doctor")).to_contain_text("1 caption(s) lack the trigger word 'sks'")
+            expect(page.locator("#ds-doctor")).to_contain_text(f"shapes/{images[1].name}")
+            _pick(page, "ds-bulk-op", "add the trigger word where missing")
+            _fill(page, "ds-bulk-text", "sks")
+            page.locator("#ds-bulk-apply").click()  # not counted yet: nothing written
+            expect(page.locator("#ds-bulk-msg")).to_contain_text("Preview this edit first")
+            page.locator("#ds-bulk-preview").click()
+            expect(page.locator("#ds-bulk-msg")).to_contain_text("1 of 4 caption(s) would change")
+            assert images[1].with_suffix(".txt").read_text(encoding="utf-8") == "a red circle, white background\n"
             _shot(page, "1-dataset")
+            page.locator("#ds-bulk-apply").click()
+            expect(page.locator("#ds-bulk-msg")).to_contain_text("1 caption(s) written")
+            assert images[1].with_suffix(".txt").read_text(encoding="utf-8") == "sks, a red circle, white background\n"
+            expect(_cell(page, 1, 3)).to_have_text("sks, a red circle, white background")
+            # A suffix on the ticked row only.
+            page.locator("#ds-grid [data-testid=cell-3-0] input[type=checkbox]").check()
+            page.locator("#ds-bulk-scope").get_by_text("the ticked rows").click()
+            _pick(page, "ds-bulk-op", "add suffix")
+            _fill(page, "ds-bulk-text", ", soft light")
+            page.locator("#ds-bulk-preview").click()
+            expect(page.locator("#ds-bulk-msg")).to_contain_text("1 of 1 caption(s) would change")
+            page.locator("#ds-bulk-apply").click()
+            expect(page.locator("#ds-bulk-msg")).to_contain_text("1 caption(s) written")
+            assert images[3].with_suffix(".txt").read_text(encoding="utf-8").endswith("background, soft light\n")
+            assert images[0].with_suffix(".txt").read_bytes() == before[images[0].with_suffix(".txt")]
+            assert all(p.read_bytes() == before[p] for p in images)  # the images themselves are never written
+
+            # ---- Uploads: images and captions into a new dataset folder; other files and existing names refused
+            page.locator("#ds-upload-acc").get_by_text("Upload images and captions").click()
+            _fill(page, "ds-up-folder", "uploaded")
+            staging = tmp_path / "to-upload"
+            staging.mkdir()
+            shutil.copy(images[0], staging / "circle.png")
+            (staging / "circle.txt").write_text("sks, an uploaded circle", encoding="utf-8")
+            (staging / "notes.sh").write_text("echo hi")
+            (staging / "broken.png").write_bytes(b"\x89PNG not really")
+            picked = [str(staging / n) for n in ("circle.png", "circle.txt", "notes.sh", "broken.png")]
+            page.locator("#ds-up-files input[type=file]").set_input_files(picked)
+            page.locator("#ds-up-go").click()
+            expect(page.locator("#ds-up-msg")).to_contain_text("uploaded 2 file(s) into uploaded: circle.png, circle.txt")
+            expect(page.locator("#ds-up-msg")).to_contain_text("notes.sh: not an image")
+            expect(page.locator("#ds-up-msg")).to_contain_text("broken.png:")
+            uploaded = folders["datasets"] / "uploaded"
+            assert sorted(p.name for p in uploaded.iterdir()) == ["circle.png", "circle.txt"]
+            assert (uploaded / "circle.png").read_bytes() == images[0].read_bytes()
+            (staging / "circle.txt").write_text("another caption", encoding="utf-8")
+            page.locator("#ds-up-files input[type=file]").set_input_files([str(staging / "circle.txt")])
+            page.locator("#ds-up-go").click()
+            expect(page.locator("#ds-up-msg")).to_contain_text("uploaded/circle.txt already exists; tick overwrite")
+            assert (uploaded / "circle.txt").read_text(encoding="utf-8") == "sks, an uploaded circle"
+            _shot(page, "1b-dataset-upload")
             _fill(page, "ds-folder", "/etc")
             page.locator("#ds-scan").click()
             expect(page.locator("#ds-status")).to_contain_text("is outside the datasets folder")
+            shutil.rmtree(uploaded)  # the run below trains on shapes alone
 
             # ---- Train: the form, the plan, Start
             page.get_by_role("tab", name="Train").click()
@@ -393,24 +466,101 @@ def _two_datasets(tmp_path):
     return Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
 
 
-def test_scanning_another_folder_clears_the_caption_editor_and_save_never_writes_beside_another_image(tmp_path):
+def test_a_table_from_another_scan_never_writes_a_caption_beside_another_image(tmp_path):
+    from sdxl_lora.ui import dataset_edit as edit
     from sdxl_lora.ui import tab_dataset
 
     f = _two_datasets(tmp_path)
     no_progress = lambda *a, **k: None  # noqa: E731
-    items_a = tab_dataset._scan(f, "a", ".txt", 64, no_progress)[0]
-    shown_a = items_a[1][0]  # the page shows a's second image in the editor
-    scanned_b = tab_dataset._scan(f, "b", ".txt", 64, no_progress)
-    items_b = scanned_b[0]
-    assert scanned_b[-3:] == (None, "", "")  # the editor no longer shows a's image
-    # A page that still sent the old selection: refused, nothing written in either folder.
-    _, _, msg = tab_dataset._save(f, items_b, 1, shown_a, "a new caption", ".txt")
-    assert "click the image again" in msg
+    items_a, rows_a = tab_dataset._scan(f, "a", ".txt", 64, no_progress)[:2]
+    rows_a[1][3] = "a new caption"  # edited in the table the page still shows
+    items_b = tab_dataset._scan(f, "b", ".txt", 64, no_progress)[0]
+    # The page sent a's table with b's images: refused, nothing written in either folder.
+    _, msg = tab_dataset._guarded(edit.save_table, f, items_b, rows_a, ".txt")
+    assert "Scan again" in msg
+    _, msg = tab_dataset._guarded(edit.bulk_apply, f, items_b, rows_a, edit.BulkEdit("add prefix", "x"),
+                                  edit.SCOPES[0], ".txt")
+    assert "Scan again" in msg
     assert not list((tmp_path / "datasets").rglob("*.txt"))
-    # The image shown is the one captioned.
-    _, _, msg = tab_dataset._save(f, items_b, 1, items_b[1][0], "a new caption", ".txt")
+    # The row edited is the image captioned; an unsaved edit stops a bulk edit until it is saved.
+    rows_b = edit.table(f, items_b)
+    rows_b[1][3] = "a  new\ncaption"
+    _, msg = tab_dataset._guarded(edit.bulk_preview, f, items_b, rows_b, edit.BulkEdit("add prefix", "x"),
+                                  edit.SCOPES[0])
+    assert "1 unsaved caption edit(s): Save captions first" in msg
+    items_b, msg = edit.save_table(f, items_b, rows_b, ".txt")
+    assert msg == "saved 1 caption(s): " + Path(items_b[1][0]).with_suffix(".txt").name
     assert Path(items_b[1][0]).with_suffix(".txt").read_text() == "a new caption\n"
     assert [p.name for p in (tmp_path / "datasets").rglob("*.txt")] == [Path(items_b[1][0]).with_suffix(".txt").name]
+
+
+def test_bulk_edits_change_only_the_captions_they_name(tmp_path):
+    from sdxl_lora.ui import dataset_edit as edit
+
+    f = _two_datasets(tmp_path)
+    imgs = sorted((tmp_path / "datasets" / "b").glob("*.png"))
+    items = [[str(imgs[0]), "sks, a red star"], [str(imgs[1]), "a green star"], [str(imgs[2]), ""]]
+    rows = edit.table(f, items, ticked={1})
+    every, ticked = edit.SCOPES
+    changes = lambda e, scope=every: [(Path(items[i][0]).name, after)  # noqa: E731
+                                      for i, _, after in edit.bulk_changes(f, items, rows, e, scope)]
+    assert changes(edit.BulkEdit("add the trigger word where missing", "sks")) == [
+        (imgs[1].name, "sks, a green star"), (imgs[2].name, "sks")]
+    assert changes(edit.BulkEdit("add prefix", "photo of")) == [
+        (imgs[0].name, "photo of sks, a red star"), (imgs[1].name, "photo of a green star"), (imgs[2].name, "photo of")]
+    assert changes(edit.BulkEdit("add suffix", ", 4k"), ticked) == [(imgs[1].name, "a green star, 4k")]
+    assert changes(edit.BulkEdit("find and replace", find="star", replace="circle")) == [
+        (imgs[0].name, "sks, a red circle"), (imgs[1].name, "a green circle")]
+    # Bad input names the field; nothing is written by a count.
+    for bad, field in ((edit.BulkEdit("find and replace"), "find: empty"), (edit.BulkEdit("add prefix"), "prefix: empty"),
+                       (edit.BulkEdit("add the trigger word where missing"), "trigger word: empty")):
+        with pytest.raises(ValueError, match=field):
+            edit.bulk_preview(f, items, rows, bad, every)
+    assert "3 of 3 caption(s) would change" in edit.bulk_preview(f, items, rows, edit.BulkEdit("add suffix", "x"),
+                                                                  every) and not list(tmp_path.rglob("*.txt"))
+    with pytest.raises(ValueError, match="apply to: no row is ticked"):
+        edit.bulk_changes(f, items, edit.table(f, items), edit.BulkEdit("add suffix", "x"), ticked)
+    items, msg = edit.bulk_apply(f, items, rows, edit.BulkEdit("add the trigger word where missing", "sks"), every, ".txt")
+    assert msg == "2 caption(s) written (add the trigger word where missing)"
+    assert {p.name: p.read_text() for p in tmp_path.rglob("*.txt")} == {
+        imgs[1].with_suffix(".txt").name: "sks, a green star\n", imgs[2].with_suffix(".txt").name: "sks\n"}
+
+
+def test_uploads_take_images_and_captions_only_and_never_overwrite_unasked(tmp_path):
+    from sdxl_lora.ui import dataset_edit as edit
+
+    f = _two_datasets(tmp_path)
+    src = sorted((tmp_path / "datasets" / "a").glob("*.png"))[0]
+    cap = tmp_path / "c.txt"
+    cap.write_bytes(b"caf\xe9")  # not UTF-8
+    msg = edit.upload(f, "a", [("../up.png", src), ("new.png", src), ("c.txt", cap), (".hidden.png", src),
+                               (src.name, src)], ".txt", False)
+    assert msg.startswith("uploaded 1 file(s) into a: new.png")
+    assert "../up.png: a file name only" in msg and ".hidden.png: a file name only" in msg
+    assert "c.txt: caption is not UTF-8" in msg and f"a/{src.name} already exists; tick overwrite" in msg
+    assert sorted(p.name for p in tmp_path.rglob("up.png")) == [] and not (tmp_path / "datasets/a/c.txt").exists()
+    with pytest.raises(ValueError, match="files: none chosen"):
+        edit.upload(f, "a", [], ".txt", False)
+
+
+def test_captioning_from_the_tab_writes_the_missing_captions_with_a_model_under_the_models_folder(tmp_path):
+    from test_datasets import tiny_blip
+
+    from sdxl_lora.ui import dataset_edit as edit
+
+    f = _two_datasets(tmp_path)
+    tiny_blip(f.models / "captioners" / "blip")
+    assert edit.captioner_choices(f.models) == ["captioners/blip"]
+    imgs = sorted((tmp_path / "datasets" / "b").glob("*.png"))
+    imgs[0].with_suffix(".txt").write_text("mine", encoding="utf-8")
+    seen = []
+    msg = edit.caption(f, "b", "captioners/blip", ".txt", False, "sks,", lambda done, total: seen.append((done, total)))
+    assert msg.startswith("captions written: 2; kept (already there): 1") and "ticking overwrite" in msg
+    assert seen and seen[-1] == (2, 2)
+    assert imgs[0].with_suffix(".txt").read_text(encoding="utf-8") == "mine"
+    assert all(p.with_suffix(".txt").read_text(encoding="utf-8").startswith("sks, ") for p in imgs[1:])
+    with pytest.raises(ValueError, match="captioning model: none picked"):
+        edit.caption(f, "b", "", ".txt", False, "", None)
 
 
 CLI_RUN = ["--set", "train.device=cpu", "--set", "data.resolution=64", "--set", "preview.prompts=",

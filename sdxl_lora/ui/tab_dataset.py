@@ -1,5 +1,7 @@
-"""Dataset tab: pick a folder, see its images with their captions, edit a caption (written to the image's
-sidecar file atomically), and the report of `sdxl-lora dataset inspect`: problems and bucket histogram."""
+"""Dataset tab: pick a folder and scan it; its images in a table with their captions, edited in place (each
+written to the image's sidecar file atomically) or in bulk; the report and the doctor's findings of
+`sdxl-lora dataset inspect`; uploads into a dataset folder; captions made by a local model. The writes are
+in ui/dataset_edit.py."""
 from __future__ import annotations
 
 import os
@@ -7,26 +9,30 @@ import os
 import gradio as gr
 
 from sdxl_lora.core.config import DataConfig, ConfigError, load_config
-from sdxl_lora.core.fsutil import atomic_write_text
 
+from . import dataset_edit as edit
 from .folders import Folders, PathRefused, image_folders
-from .text import error_md
+from .text import error_md, md_text
 
-GALLERY_LIMIT = 500  # a browser shows a few hundred thumbnails well; the report still counts them all
+TABLE_LIMIT = 500  # a browser shows a few hundred rows well; the report and the doctor still count them all
+_TAGS_SHOWN = 30
 
 
-def _scan(f: Folders, folder: str, ext: str, resolution, progress):
+def _scan(f: Folders, folder: str, ext: str, resolution, progress, trigger: str = ""):
+    """(items, table rows, status, report, histogram, doctor's findings, tag table)."""
     import pandas as pd
 
     from sdxl_lora.sdxl.data import DataError, scan
+    from sdxl_lora.sdxl.doctor import examine, suggestion
 
     try:
         root = f.inside(folder or ".", "datasets")
-        data = load_config(None, None, {"data.dirs": [str(root)], "data.caption_extension": ext.strip()}).data
+        data = load_config(None, None, {"data.dirs": [str(root)], "data.caption_extension": ext.strip(),
+                                        "data.trigger_word": (trigger or "").strip()}).data
         res = int(resolution or 1024)
         ds = scan(data, res, on_progress=lambda done, total: progress((done, total), desc="checking images"))
     except (PathRefused, ConfigError, DataError, ValueError) as e:
-        return [], [], error_md(e), "", None, *_EDITOR_CLEARED
+        return [], [], error_md(e), "", None, "", None
     # An image inside the folder may be a symlink to a file elsewhere: the page neither shows nor edits it.
     inside, linked_out = [], 0
     for it in ds.items:
@@ -35,19 +41,52 @@ def _scan(f: Folders, folder: str, ext: str, resolution, progress):
             inside.append(it)
         except PathRefused:
             linked_out += 1
-    items = [[str(it.path), it.caption if it.has_caption else ""] for it in inside[:GALLERY_LIMIT]]
-    shown = "" if len(inside) <= GALLERY_LIMIT else f" (showing the first {GALLERY_LIMIT})"
+    items = [[str(it.path), it.caption if it.has_caption else ""] for it in inside[:TABLE_LIMIT]]
+    shown = "" if len(inside) <= TABLE_LIMIT else f" (showing the first {TABLE_LIMIT})"
     linked = (f" {linked_out} image(s) are symlinks to files outside the datasets folder and are not shown "
               "here (training still reads them); copy them in to see and edit them." if linked_out else "")
     status = (f"{len(ds.items)} usable images in `{os.path.relpath(root, f.datasets)}`{shown}; "
-              f"{len(ds.problems)} problem(s). Click an image to edit its caption.{linked}")
+              f"{len(ds.problems)} problem(s). Edit captions in the table, then Save captions.{linked}")
     hist = pd.DataFrame([{"bucket": f"{w}x{h}", "images": n} for (w, h), n in ds.bucket_histogram().items()],
                         columns=["bucket", "images"]).astype({"bucket": "string", "images": "int64"})
-    return items, _gallery(items), status, ds.report(), hist, *_EDITOR_CLEARED
+    findings = examine(ds, show=False)
+    doctor = _doctor_md(f, findings, suggestion(ds, load_config().train.batch_size), data.trigger_word.strip())
+    # As the doctor's report: a tag table only for tagged captions (about two tags or more a caption).
+    tagged = findings.captioned and sum(findings.tags.values()) >= 2 * findings.captioned
+    tags = pd.DataFrame([[t, n, f"{100 * n / findings.captioned:.0f}%"]
+                         for t, n in (findings.tags.most_common(_TAGS_SHOWN) if tagged else [])],
+                        columns=["tag", "captions", "share"])
+    if findings.tags and not tagged:
+        doctor += "\n\nThe captions are sentences, not comma-separated tags: no tag table."
+    return items, edit.table(f, items), status, ds.report(), hist, doctor, tags
 
 
-# A scan shows another list of images: the editor forgets the image it showed (index, image, caption).
-_EDITOR_CLEARED = (None, "", "")
+def _doctor_md(f: Folders, found, suggested: list[str], trigger: str) -> str:
+    """The doctor's findings (sdxl/doctor.py, as `dataset inspect` reports them) in the page's words."""
+    def names(group) -> str:
+        return ", ".join(md_text(edit.file_name(f, str(it.path))) for it in group[:10]) + (" ..." if len(group) > 10
+                                                                                          else "")
+
+    lines = ["**The doctor** (as of the last Scan; Scan again after editing to see the captions as they are now)"]
+    for what, groups in (("identical files", found.duplicates), ("images that look the same", found.near)):
+        if groups:
+            lines.append(f"**{len(groups)} group(s) of {what}** (keep one of each unless they differ on purpose):")
+            lines += [f"- {names(g)}" for g in groups]
+    if not found.duplicates and not found.near:
+        lines.append("No duplicates (identical or near-identical images).")
+    missing = [it for group in found.no_trigger.values() for it in group]
+    if not trigger:
+        lines.append("Type the trigger word and Scan to find the captions that lack it.")
+    elif missing:
+        lines.append(f"**{len(missing)} caption(s) lack the trigger word {md_text(repr(trigger))}** (bulk edit "
+                     f"\"add the trigger word where missing\" adds it): {names(missing)}")
+    else:
+        lines.append(f"Every caption holds the trigger word {md_text(repr(trigger))}.")
+    if found.upscaled:
+        lines.append(f"**{len(found.upscaled)} image(s) upscaled more than 2x** to cover their bucket (use larger "
+                     f"images or a lower resolution): {names([it for it, _ in found.upscaled])}")
+    lines += [f"- {md_text(s)}" for s in suggested]
+    return "\n\n".join(lines)
 
 
 def default_resolution() -> int:
@@ -59,37 +98,12 @@ def default_resolution() -> int:
     return cfg.data.resolution or unet_skeleton(cfg.model)[1]
 
 
-def _gallery(items: list[list[str]]) -> list[tuple[str, str]]:
-    return [(path, caption or "(no caption)") for path, caption in items]
-
-
-def _select(items, evt: gr.SelectData):
-    path, caption = items[evt.index]
-    return evt.index, path, caption
-
-
-def _save(f: Folders, items, index, shown: str, text: str, ext: str):
-    """Write the caption beside the image the editor shows (`shown`), which must be the clicked one."""
-    if index is None or index >= len(items) or not shown:
-        return items, gr.skip(), "**Error:** click an image first"
-    if items[index][0] != shown:
-        return items, gr.skip(), (f"**Error:** the list of images changed since `{os.path.basename(shown)}` was "
-                                  "clicked; click the image again, then Save")
-    path = f.inside(shown, "datasets")
-    ext = ext.strip()
+def _guarded(fn, *args):
+    """fn(*args), or the error it raised as a message (a refused path, a field with a bad value)."""
     try:
-        DataConfig(caption_extension=ext)
-    except ValueError as e:
-        return items, gr.skip(), error_md(f"caption extension {ext!r}: {e}")
-    # Beside its image, in the image's own folder, and through the same folder check as every other path.
-    sidecar = f.inside(os.path.splitext(path)[0] + ext, "datasets")
-    if sidecar.parent != path.parent or not path.is_file():
-        raise PathRefused(f"{sidecar} is not beside {path.name}; a caption is written next to its image only")
-    caption = " ".join(text.split())
-    atomic_write_text(sidecar, caption + "\n")
-    items = [list(it) for it in items]
-    items[index][1] = caption
-    return items, _gallery(items), f"saved `{sidecar.name}`"
+        return fn(*args), None
+    except (PathRefused, ValueError, OSError) as e:
+        return None, error_md(e)
 
 
 def build(f: Folders) -> None:
@@ -99,33 +113,111 @@ def build(f: Folders) -> None:
                              label=f"Dataset folder (under {f.datasets})", elem_id="ds-folder", scale=3)
         ext = gr.Textbox(DataConfig.model_fields["caption_extension"].default, label="caption extension",
                          elem_id="ds-ext", scale=1)
+        trigger = gr.Textbox(label="trigger word", info="the word your captions should hold (the doctor checks it)",
+                             elem_id="ds-trigger", scale=1)
         res = gr.Number(default_resolution(), precision=0, label="bucket resolution", elem_id="ds-resolution",
                         scale=1)
         scan_btn = gr.Button("Scan", variant="primary", elem_id="ds-scan", scale=1)
     status = gr.Markdown(elem_id="ds-status")
     items = gr.State([])
-    index = gr.State(None)
-    gallery = gr.Gallery(label="images and captions", columns=8, height=360, allow_preview=False,
-                         elem_id="ds-gallery")
+    previewed = gr.State(None)  # the bulk edit whose count was shown; Apply writes only that one
+    grid = gr.Dataframe(headers=["tick", "image", "file", "caption"], datatype=["bool", "markdown", "str", "str"],
+                        interactive=True, static_columns=[1, 2], wrap=True, max_height=520,
+                        column_widths=["6%", "14%", "22%", "58%"], label="images and captions (edit a caption cell, "
+                        "then Save captions)", elem_id="ds-grid")
     with gr.Row():
-        path = gr.Textbox(label="image", interactive=False, scale=2, elem_id="ds-image")
-        caption = gr.Textbox(label="caption", lines=2, scale=4, elem_id="ds-caption")
-        save = gr.Button("Save caption", scale=1, elem_id="ds-save")
-    saved = gr.Markdown(elem_id="ds-saved")
+        save = gr.Button("Save captions", variant="primary", elem_id="ds-save", scale=1)
+        saved = gr.Markdown(elem_id="ds-saved")
+    with gr.Accordion("Bulk edit captions", open=True, elem_id="ds-bulk"):
+        with gr.Row():
+            op = gr.Dropdown(list(edit.OPERATIONS), value=edit.OPERATIONS[0], label="edit", elem_id="ds-bulk-op")
+            text = gr.Textbox(label="text to add (prefix, suffix or the trigger word)", elem_id="ds-bulk-text")
+            find = gr.Textbox(label="find", elem_id="ds-bulk-find")
+            replace = gr.Textbox(label="replace with", elem_id="ds-bulk-replace")
+            scope = gr.Radio(list(edit.SCOPES), value=edit.SCOPES[0], label="apply to", elem_id="ds-bulk-scope")
+        with gr.Row():
+            preview = gr.Button("Preview: how many change", elem_id="ds-bulk-preview")
+            apply = gr.Button("Apply", variant="stop", elem_id="ds-bulk-apply")
+        bulk_msg = gr.Markdown(elem_id="ds-bulk-msg")
+    with gr.Row():
+        with gr.Column(scale=2):
+            doctor = gr.Markdown(label="doctor", elem_id="ds-doctor")
+        tags = gr.Dataframe(headers=["tag", "captions", "share"], interactive=False, max_height=300,
+                            label="tags (comma-separated), by how many captions hold each", elem_id="ds-tags", scale=1)
     with gr.Row():
         hist = gr.BarPlot(x="bucket", y="images", title="images per bucket", y_lim=[0, None], y_axis_format="d",
                           elem_id="ds-hist", scale=1)
         report = gr.Textbox(label="report (dataset inspect)", lines=14, max_lines=30, elem_id="ds-report", scale=2)
+    with gr.Accordion("Upload images and captions", open=False, elem_id="ds-upload-acc"):
+        with gr.Row():
+            up_folder = gr.Textbox(value=folders[0] if folders else None,
+                                   label="into the dataset folder (new or existing, under the datasets folder)",
+                                   elem_id="ds-up-folder", scale=2)
+            up_overwrite = gr.Checkbox(False, label="overwrite files already there", elem_id="ds-up-overwrite", scale=1)
+        up_files = gr.File(file_count="multiple", type="filepath", label="images and their caption files",
+                           elem_id="ds-up-files")
+        up_go = gr.Button("Upload", elem_id="ds-up-go")
+        up_msg = gr.Markdown(elem_id="ds-up-msg")
+    with gr.Accordion("Caption with a local model", open=False, elem_id="ds-cap-acc"):
+        models = edit.captioner_choices(f.models)
+        with gr.Row():
+            cap_model = gr.Dropdown(models, value=models[0] if models else None, label=f"captioning model (a folder "
+                                    f"under {f.models})", elem_id="ds-cap-model", scale=2)
+            cap_prefix = gr.Textbox(label="put before each caption (e.g. the trigger word)", elem_id="ds-cap-prefix",
+                                    scale=2)
+            cap_overwrite = gr.Checkbox(False, label="replace existing captions", elem_id="ds-cap-overwrite", scale=1)
+        cap_go = gr.Button("Caption the images without one", elem_id="ds-cap-go")
+        cap_msg = gr.Markdown(elem_id="ds-cap-msg")
 
-    def do_scan(folder, ext, res, progress=gr.Progress()):
-        return _scan(f, folder, ext, res, progress)
+    scanned = [items, grid, status, report, hist, doctor, tags]
 
-    def do_save(items, index, shown, text, ext):
-        try:
-            return _save(f, items, index, shown, text, ext)
-        except PathRefused as e:
-            return items, gr.skip(), error_md(e)
+    def do_scan(folder, ext, res, trigger, progress=gr.Progress()):
+        return _scan(f, folder, ext, res, progress, trigger)
 
-    scan_btn.click(do_scan, [folder, ext, res], [items, gallery, status, report, hist, index, path, caption])
-    gallery.select(_select, items, [index, path, caption])
-    save.click(do_save, [items, index, path, caption, ext], [items, gallery, saved])
+    def do_save(items, rows, ext):
+        out, err = _guarded(edit.save_table, f, items, rows, ext)
+        return (items, gr.skip(), err) if err else (out[0], edit.table(f, out[0]), md_text(out[1]))
+
+    def bulk(op, text, find, replace):
+        return edit.BulkEdit(op, text, find, replace)
+
+    def do_preview(items, rows, op, text, find, replace, scope):
+        what = bulk(op, text, find, replace)
+        out, err = _guarded(edit.bulk_preview, f, items, rows, what, scope)
+        return (None, err) if err else ((what, scope, _ticked(rows)), md_text(out))
+
+    def do_apply(items, rows, previewed, op, text, find, replace, scope, ext):
+        what = bulk(op, text, find, replace)
+        if previewed != (what, scope, _ticked(rows)):
+            return items, gr.skip(), None, ("**Error:** Preview this edit first (the count of captions it changes), "
+                                            "then Apply")
+        out, err = _guarded(edit.bulk_apply, f, items, rows, what, scope, ext)
+        if err:
+            return items, gr.skip(), None, err
+        return out[0], edit.table(f, out[0], set(_ticked(rows))), None, md_text(out[1])
+
+    def do_upload(folder, files, ext, overwrite):
+        named = [(os.path.basename(p), p) for p in (files or [])]
+        out, err = _guarded(edit.upload, f, folder, named, ext, overwrite)
+        choices = image_folders(f.datasets)
+        # The list is emptied once sent, so the next upload sends only what is picked then.
+        return err or md_text(out), gr.update(choices=choices), (files if err else None)
+
+    def do_caption(folder, model, ext, overwrite, prefix, progress=gr.Progress()):
+        on = lambda done, total: progress((done, total), desc="captioning")  # noqa: E731
+        out, err = _guarded(edit.caption, f, folder, model, ext, overwrite, prefix, on)
+        return err or md_text(out)
+
+    scan_btn.click(do_scan, [folder, ext, res, trigger], scanned).then(lambda: None, None, previewed)
+    save.click(do_save, [items, grid, ext], [items, grid, saved])
+    preview.click(do_preview, [items, grid, op, text, find, replace, scope], [previewed, bulk_msg])
+    apply.click(do_apply, [items, grid, previewed, op, text, find, replace, scope, ext],
+                [items, grid, previewed, bulk_msg])
+    folder.change(lambda v: v, folder, up_folder)
+    up_go.click(do_upload, [up_folder, up_files, ext, up_overwrite], [up_msg, folder, up_files])
+    cap_go.click(do_caption, [folder, cap_model, ext, cap_overwrite, cap_prefix], cap_msg).then(
+        do_scan, [folder, ext, res, trigger], scanned)
+
+
+def _ticked(rows) -> tuple[int, ...]:
+    return tuple(i for i, r in enumerate(edit._rows(rows)) if bool(r[0]))
