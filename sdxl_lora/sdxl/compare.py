@@ -35,7 +35,7 @@ CACHE_DIR = "compare"
 GRID_CELL = 192  # px: the smallest cell side in a grid image
 ADAPTER_NAME = "compare"
 _STATE_KEY = re.compile(r"^(?:(unet|text_encoder|text_encoder_2)\.)?(?:base_model\.model\.)?(.*)\."
-                        r"(lora_A|lora_B)\.default\.weight$")
+                        r"(lora_A|lora_B|lora_magnitude_vector)\.default\.weight$")
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,7 @@ def state_adapter(ck: Checkpoint, run_dir: Path, cfg: Config, table) -> Adapter:
         if key not in scales:
             raise AdapterError(f"{ck.path.name}: layer {key} is not in the run's adapter plan; was the state saved by "
                                "another run?")
-        prefix = key.split(".", 1)[1]
-        mag = next((t for n, t in tensors.items() if n.endswith(f"{prefix}.lora_magnitude_vector.default.weight")),
-                   None)
+        mag = p.get("lora_magnitude_vector")  # DoRA's
         layers[key] = LoraLayer(down, up, scales[key] * down.shape[0], None if mag is None else mag.reshape(-1))
     return Adapter(layers, format="state")
 

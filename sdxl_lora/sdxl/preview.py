@@ -319,20 +319,13 @@ def _cached_images(store: Path, n: int) -> list[Image.Image] | None:
 
 
 def _store_images(store: Path, images: list[Image.Image]) -> None:
-    """The images under `store`, all or none: written in a sibling folder, then renamed into place."""
-    import shutil
-    import tempfile
-
-    store.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=store.parent))
+    """The images under `store`, each written atomically; a set cut short is incomplete, which
+    _cached_images treats as absent (the next run renders and writes it again)."""
     try:
         for i, im in enumerate(images):
-            im.save(tmp / f"{i:02d}.png", format="PNG")
-        shutil.rmtree(store, ignore_errors=True)  # a damaged entry left by an earlier run
-        tmp.rename(store)
+            save_png(im, store / f"{i:02d}.png")
     except OSError as e:  # the cache is a convenience: a full or read-only disk loses only the reuse
         log.warning("could not store the step-0 previews in the cache (%s); the next run renders them again", e)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def render_previews(task, model, run, step: int) -> list[Path]:
@@ -371,8 +364,8 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     # The prompts' embeddings were made at set-up (task.preview_texts) unless the text encoders train: then
     # they are encoded now, by the encoders being trained, which stay on the device anyway.
     texts = task.preview_texts
-    key = task.baseline_previews_key() if step == 0 and hasattr(task, "baseline_previews_key") else None
-    store = task.cache.root / "previews" / key if key and getattr(task, "cache", None) is not None else None
+    key = task.baseline_previews_key() if step == 0 else None
+    store = task.cache.root / "previews" / key if key else None
     images = _cached_images(store, len(prompts)) if store is not None else None
     if images is not None:
         model.train(was_training)

@@ -151,9 +151,9 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
                 "prompt_embeds": text["prompt_embeds"], "pooled": text["pooled"], **extra}
 
 
-# The measuring pass of selective checkpointing keeps every activation of one sample (SDXL at 1024: about
-# 7 GiB in bf16, more than an 8 GiB card has beside the weights); above this many latent pixels it measures
-# a centre crop instead.
+# The measuring pass of selective checkpointing keeps every activation of one sample, which at SDXL's full
+# size is more than a small card holds beside the weights; above this many latent pixels it measures a
+# centre crop instead.
 MEASURE_LATENT_PIXELS = 64 * 64
 
 
