@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = True  # fixed shapes all run long: let cuDNN pick its kernels
         print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
-    pipe = pretrain.build_pipeline(out / "_build", pc.demo.model_seed)
+    pipe = pretrain.build_pipeline(out / "_build", pc.demo.model_seed, pc.demo.top_attention)
     report: dict = {"config": pc.model_dump(mode="json")}
 
     report["vae"], device = stage("vae", pretrain.VAEStage, pc, pipe, out)

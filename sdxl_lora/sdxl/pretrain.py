@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors.torch import save_file
 
 from ..core.config import DEMO_DIR, Config, PreviewConfig, TrainConfig
@@ -47,6 +47,18 @@ class DemoConfig(BaseModel):
     caption_dropout: float = Field(0.1, ge=0, le=1)
     train_text_encoders: bool = True
     eval_images: int = Field(16, ge=1)
+    # The shapes the VAE learns to reconstruct: the new concept too (a LoRA can only teach what the VAE
+    # can decode), while the UNet's set stays shapes.BASE_SHAPES, so the base never draws a star.
+    vae_shapes: list[str] = Field(default_factory=lambda: list(shapes.SHAPES))
+    top_attention: bool = False              # cross-attention at the 16 x 16 level too (tiny.build_tiny_pipeline)
+
+    @field_validator("vae_shapes")
+    @classmethod
+    def _known_shapes(cls, v: list[str]) -> list[str]:
+        unknown = [s for s in v if s not in shapes.SHAPES]
+        if unknown or not v:
+            raise ValueError(f"demo.vae_shapes: {unknown or 'empty'}; the shapes are {', '.join(shapes.SHAPES)}")
+        return v
 
 
 class PretrainConfig(BaseModel):
@@ -110,9 +122,9 @@ def _loader(n: int, cfg: Config) -> torch.utils.data.DataLoader:
                                        collate_fn=torch.tensor, num_workers=0)
 
 
-def _pixels(seed: int, indices, size: int, device) -> torch.Tensor:
-    """Images in [-1, 1] (the VAE's range) for the given synthetic indices."""
-    specs = [shapes.spec(seed, int(i)) for i in indices]
+def _pixels(seed: int, indices, size: int, device, names: tuple[str, ...] = shapes.BASE_SHAPES) -> torch.Tensor:
+    """Images in [-1, 1] (the VAE's range) for the given synthetic indices, shapes drawn from `names`."""
+    specs = [shapes.spec(seed, int(i), names) for i in indices]
     return shapes.render(specs, size, device) * 2 - 1
 
 
@@ -163,7 +175,7 @@ class VAEStage(Task):
         _maybe_compile(self.net, self.cfg)
         # Held-out images for the figure: another seed than training draws from.
         self.eval_pixels = _pixels(self.demo.data_seed + 1, range(self.demo.eval_images), self.demo.resolution,
-                                   self.device)
+                                   self.device, tuple(self.demo.vae_shapes))
         n = sum(p.numel() for p in self.net.parameters())
         run.event("plan", stage="vae", trainable_params=n)
         log.info("stage 1 (VAE): %.2f M parameters, %d px", n / 1e6, self.demo.resolution)
@@ -182,7 +194,7 @@ class VAEStage(Task):
         return int(batch.shape[0])
 
     def loss(self, model, batch) -> torch.Tensor:
-        x = _pixels(self.demo.data_seed, batch.tolist(), self.demo.resolution, self.device)
+        x = _pixels(self.demo.data_seed, batch.tolist(), self.demo.resolution, self.device, tuple(self.demo.vae_shapes))
         rec, mean, logvar = model(x)
         rec = rec.float()
         kl = 0.5 * (mean.float() ** 2 + logvar.float().exp() - 1 - logvar.float()).mean()
@@ -351,12 +363,12 @@ class UNetStage(Task):
 
 # ------------------------------------------------------------------------------------------ the whole
 
-def build_pipeline(work: Path, seed: int):
+def build_pipeline(work: Path, seed: int, top_attention: bool = False):
     """The tiny SDXL pipeline (tiny.py's build, random weights) with its tokenizer files under work/."""
     from .tiny import build_tiny_pipeline, build_tokenizer_files
 
     build_tokenizer_files(work / "_tok")
-    return build_tiny_pipeline(work / "_tok", seed=seed)
+    return build_tiny_pipeline(work / "_tok", seed=seed, top_attention=top_attention)
 
 
 def save_base(pipe, dest: Path, dtype: torch.dtype = torch.float16) -> Path:

@@ -100,8 +100,10 @@ def build_tokenizer_files(folder: Path, n_merges: int = 300) -> None:
          "do_lower_case": True, "clean_up_tokenization_spaces": False}), encoding="utf-8")
 
 
-def build_tiny_pipeline(tokenizer_dir: Path, seed: int = 0):
-    """Build the tiny SDXL pipeline in memory (random weights, deterministic from `seed`)."""
+def build_tiny_pipeline(tokenizer_dir: Path, seed: int = 0, top_attention: bool = False):
+    """Build the tiny SDXL pipeline in memory (random weights, deterministic from `seed`). top_attention
+    puts cross-attention at the top level (16 x 16 latents) too, where SDXL has none: the demo base's
+    option for detail that the text decides at that level (docs/demo_base.md)."""
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
@@ -124,8 +126,10 @@ def build_tiny_pipeline(tokenizer_dir: Path, seed: int = 0):
     unet = UNet2DConditionModel(
         sample_size=16,  # 16 latents * 8 = 128 px native resolution
         in_channels=4, out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        down_block_types=("CrossAttnDownBlock2D" if top_attention else "DownBlock2D", "CrossAttnDownBlock2D",
+                          "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D",
+                        "CrossAttnUpBlock2D" if top_attention else "UpBlock2D"),
         block_out_channels=(32, 64, 128),
         layers_per_block=2,
         # SDXL: [1, 2, 10] transformer layers by level (level 0 has none); here deeper at the bottom too.
