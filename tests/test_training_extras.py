@@ -381,6 +381,24 @@ def test_mfu_arithmetic_and_peak_table():
     assert tracking.count_flops(lambda: a @ b) == 2 * 8 * 16 * 4
 
 
+def test_mfu_counts_grouped_query_attention_as_every_query_head_attending():
+    """Llama 3 and most LLMs have fewer key/value heads than query heads; the GPU's attention kernels take
+    them as they are. The count (what the MFU figure of an LLM run rests on) is that of keys and values
+    repeated to every query head, on each kernel the GPU may pick (shapes only: meta tensors)."""
+    from sdxl_lora.core import tracking
+
+    aten = torch.ops.aten
+    q = torch.empty(2, 8, 16, 32, device="meta")
+    kv_grouped, kv_full = torch.empty(2, 2, 16, 32, device="meta"), torch.empty(2, 8, 16, 32, device="meta")
+    expected = 2 * (2 * 2 * 8 * 16 * 16 * 32)  # Q K^T and the weights times V
+    kernels = {"flash": lambda k, v: aten._scaled_dot_product_flash_attention(q, k, v),
+               "efficient": lambda k, v: aten._scaled_dot_product_efficient_attention(q, k, v, None, False),
+               "cudnn": lambda k, v: aten._scaled_dot_product_cudnn_attention(q, k, v, None, False)}
+    for name, kernel in kernels.items():
+        assert tracking.count_flops(lambda: kernel(kv_grouped, kv_grouped)) == expected, name
+        assert tracking.count_flops(lambda: kernel(kv_full, kv_full)) == expected, name
+
+
 def test_missing_tensorboard_names_the_package(monkeypatch, tmp_path):
     import importlib.util
 

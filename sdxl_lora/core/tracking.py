@@ -38,12 +38,24 @@ def mfu(flops_per_image: float, images_per_s: float, peak_tflops_per_gpu: float,
     return flops_per_image * images_per_s / (peak_tflops_per_gpu * 1e12 * num_gpus)
 
 
+def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of one attention forward (Q K^T, then the weights times V), grouped-query attention included:
+    with fewer key/value heads than query heads (Llama 3, Mistral, Qwen...) every query head still does the
+    whole product. torch's own formula asserts equal heads on some versions, which would stop the run."""
+    b, h, s_q, d_qk = query_shape
+    s_k, d_v = key_shape[-2], value_shape[-1]
+    return 2 * b * h * s_q * s_k * d_qk + 2 * b * h * s_q * s_k * d_v
+
+
 def count_flops(fn) -> int:
     """Total FLOPs torch's FlopCounterMode counts while `fn()` runs (matmuls, convolutions, attention;
     the forward and, when fn calls backward, the backward)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
+    aten = torch.ops.aten
+    forward_attention = (aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention,
+                         aten._scaled_dot_product_cudnn_attention)
+    counter = FlopCounterMode(display=False, custom_mapping={op: _attention_flops for op in forward_attention})
     with counter:
         fn()
     return int(counter.get_total_flops())
