@@ -137,6 +137,19 @@ def _edit_cell(page, row: int, col: int, text: str) -> None:
     box.press("Enter")
 
 
+def _tick(page, row: int) -> None:
+    """Tick a row's checkbox as a person does: click it until it shows ticked. The table re-renders a moment
+    after an edit lands, and a click in that moment is undone by the new render (seen on a loaded machine)."""
+    box = page.locator(f"#ds-grid [data-testid=cell-{row}-0] input[type=checkbox]")
+    for _ in range(10):
+        if not box.is_checked():
+            box.click()
+        page.wait_for_timeout(300)
+        if box.is_checked():
+            return
+    raise AssertionError(f"row {row}'s checkbox never stayed ticked")
+
+
 def _shot(page, name: str) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
@@ -204,7 +217,7 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             assert images[1].with_suffix(".txt").read_text(encoding="utf-8") == "sks, a red circle, white background\n"
             expect(_cell(page, 1, 3)).to_have_text("sks, a red circle, white background")
             # A suffix on the ticked row only.
-            page.locator("#ds-grid [data-testid=cell-3-0] input[type=checkbox]").check()
+            _tick(page, 3)
             page.locator("#ds-bulk-scope").get_by_text("the ticked rows").click()
             _pick(page, "ds-bulk-op", "add suffix")
             _fill(page, "ds-bulk-text", ", soft light")
