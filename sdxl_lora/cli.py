@@ -395,6 +395,8 @@ LLM_FLAGS = [
     ("--name", "output.name", str, "run name (folder under --out)"),
     ("--seed", "train.seed", int, "random seed"),
     ("--device", "train.device", str, "cpu, cuda or auto"),
+    ("--vram", "train.vram_gb", float, "GPU memory the run may use, GiB: checkpointing, a smaller batch or an "
+                                       "nf4 base where needed"),
 ]
 
 
@@ -414,44 +416,45 @@ def task_of(argv: list[str]) -> str:
 
 def cmd_llm_plan(args) -> int:
     """The adapter plan for a causal LM, from its config.json alone (the model is built on the meta device:
-    no weights read), and the frozen weights, adapter, gradients and optimizer state it implies."""
+    no weights read), and the frozen weights, adapter, gradients, optimizer state and activations it implies;
+    with train.vram_gb, the settings the budget chose."""
     import json
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from .core import inject
-    from .core.memory import GiB, weight_bytes
-    from .llm import slots as llm_slots
-    from .llm.memory import format_activations, step_estimate
-    from .llm.model import check_causal_lm_folder, keep_head, resolve_llm_path, weight_dtype
+    from .core.memory import GiB
+    from .llm.memory import config_memory, fit_budget, format_activations
+    from .llm.model import check_causal_lm_folder, resolve_llm_path, weight_dtype
 
     cfg = _llm_config_from_args(args)
     config = check_causal_lm_folder(resolve_llm_path(cfg.model), weights=False)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    plan = llm_slots.make_plan(model, cfg.adapter)
-    # As a GPU run holds them: bf16 (train.mixed_precision "auto"), or quantized per model.quantize.
-    mp = "bf16" if cfg.train.mixed_precision == "auto" else cfg.train.mixed_precision
-    method = cfg.model.quantize if cfg.model.quantize != "none" else None
-    weights = weight_bytes(model, cfg.model.quantize, cfg.model.quant_double, weight_dtype(cfg, mp), skip=keep_head)
+    choices = None
+    if cfg.train.vram_gb:
+        fit = fit_budget(cfg, config, cfg.train.vram_gb)
+        cfg, choices = fit.cfg, fit.choices
+    plan, memory = config_memory(cfg, config)
+    state, acts, weights = memory.parts, memory.acts, memory.weights
     n = plan.trainable_params
-    compute = weight_dtype(cfg, mp)
+    compute = weight_dtype(cfg, "bf16" if cfg.train.mixed_precision == "auto" else cfg.train.mixed_precision)
     ckpt = cfg.train.gradient_checkpointing
-    state, acts = step_estimate(config, weights=sum(weights.values()), trainable_params=n,
-                                optimizer=cfg.train.optimizer, batch_size=cfg.train.batch_size,
-                                max_length=cfg.llm.max_length, checkpointing=ckpt, compute_dtype=compute,
-                                loss_chunk=cfg.llm.loss_chunk)
+    method = cfg.model.quantize if cfg.model.quantize != "none" else None
     if args.json:
         print(json.dumps({"model": cfg.model.path, "model_type": config.model_type, "base_rank": plan.base_rank,
                           "modules": len(plan.targets), "trainable_params": n, "adapter_mb": round(n * 4 / 2**20, 3),
                           "groups": plan.groups(), "weights_gib": {k: round(v / GiB, 3) for k, v in weights.items()},
                           "memory_gib": {k: round(v / GiB, 3) for k, v in state.items()},
-                          "peak_gib": round(sum(state.values()) / GiB, 3), "batch_size": cfg.train.batch_size,
-                          "max_length": cfg.llm.max_length, "gradient_checkpointing": ckpt}, indent=1))
+                          "peak_gib": round(sum(state.values()) / GiB, 3),
+                          "process_peak_gib": round(memory.peak / GiB, 3), "batch_size": cfg.train.batch_size,
+                          "grad_accum": cfg.train.grad_accum, "max_length": cfg.llm.max_length,
+                          "gradient_checkpointing": ckpt, "quantize": cfg.model.quantize,
+                          "vram_gb": cfg.train.vram_gb, "budget_choices": choices,
+                          "budget_slowdown": fit.slowdown if choices is not None else None}, indent=1))
         return 0
     print(f"model {cfg.model.path} ({config.model_type}), preset {cfg.adapter.preset}")
     print(inject.format_plan(plan))
+    if choices is not None:
+        print(f"train.vram_gb={cfg.train.vram_gb:g} chose: "
+              + (", ".join(f"{k}={v}" for k, v in choices.items()) or "the settings as given (they fit)")
+              + f" (~{fit.slowdown:.2f}x the time per token of the settings as given)")
     print(f"memory estimate ({method or 'unquantized'} base, {cfg.train.optimizer}, batch {cfg.train.batch_size} "
           f"x {cfg.llm.max_length} tokens, {'checkpointing' if ckpt else 'no checkpointing'}):")
     print(f"  frozen weights {state['frozen weights'] / GiB:8.2f} GiB  ("
@@ -459,7 +462,8 @@ def cmd_llm_plan(args) -> int:
     for k in ("adapter (fp32)", "gradients", "optimizer"):
         print(f"  {k:14s} {state[k] / GiB:8.2f} GiB")
     print("\n".join(format_activations(acts, ckpt, compute)))
-    print(f"  peak           {sum(state.values()) / GiB:8.2f} GiB (the accelerator's, CUDA context aside)")
+    print(f"  peak           {sum(state.values()) / GiB:8.2f} GiB (the accelerator's; the whole process with the "
+          f"CUDA context about {memory.peak / GiB:.2f} GiB)")
     return 0
 
 
@@ -561,6 +565,9 @@ def _add_llm_parser(sub) -> None:
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     pl.add_argument("--model", help="local transformers causal-LM folder, or tiny-llm [model.path]")
     pl.add_argument("--rank", type=int, help="LoRA rank [adapter.rank]")
+    pl.add_argument("--batch-size", type=int, help="rows per step [train.batch_size]")
+    pl.add_argument("--max-length", type=int, help="tokens per row [llm.max_length]")
+    pl.add_argument("--vram", type=float, help="plan the step to fit this much GPU memory, GiB [train.vram_gb]")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=cmd_llm_plan)
 

@@ -347,3 +347,52 @@ def test_llm_plan_reads_only_the_config_and_matches_the_8b_figures(tmp_path, cap
     # Without checkpointing every layer keeps all its activations: several times the checkpointed step's.
     assert main([*base, "--set", "train.batch_size=1", "--set", "llm.max_length=2048"]) == 0
     assert json.loads(capsys.readouterr().out)["memory_gib"]["activations"] > 4 * acts["none", 1]
+    # Without checkpointing, the step as `sdxl-lora llm train` ran it through benchmarks/llm_compare.py at
+    # batch 4 (torch's peaks): within 15% too.
+    for quant, peak in (("none", 70.4), ("nf4", 52.7)):
+        assert main([*base, "--set", f"model.quantize='{quant}'", "--set", "train.batch_size=4",
+                     "--set", "llm.max_length=2048"]) == 0
+        assert json.loads(capsys.readouterr().out)["peak_gib"] == pytest.approx(peak, rel=0.15), quant
+
+
+def test_llm_memory_budget_chooses_checkpointing_then_nf4_and_refuses_what_cannot_fit(tmp_path, capsys):
+    # train.vram_gb (--vram) for an LLM: the fastest settings whose whole process fits, from the config alone.
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False).save_pretrained(tmp_path)
+    base = ["llm", "plan", "--json", "--model", str(tmp_path), "--set", "adapter.preset='full'",
+            "--max-length", "2048", "--batch-size", "4"]
+
+    def fit(*extra):
+        assert main([*base, *extra]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["process_peak_gib"] <= 0.9 * got["vram_gb"]
+        return got["budget_choices"]
+
+    assert fit("--vram", "80") == {}  # every activation kept: it fits
+    assert fit("--vram", "40") == {"train.gradient_checkpointing": True}
+    # The bf16 base and its checkpointed batch of 4 do not fit 16 GiB: the base goes to nf4 (QLoRA).
+    assert fit("--vram", "16") == {"model.quantize": "nf4", "train.gradient_checkpointing": True}
+    # What the config sets itself is kept: no checkpointing asked for, so a smaller batch carries the rows.
+    assert fit("--vram", "40", "--set", "train.gradient_checkpointing=false") == {
+        "train.batch_size": 1, "train.grad_accum": 4}
+    assert main([*base, "--vram", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "train.vram_gb=8: this run needs at least about" in err and "lower llm.max_length" in err
+
+
+def test_llm_run_under_a_memory_budget_says_what_it_chose_and_trains(tmp_path, capsys):
+    from sdxl_lora.core.runs import read_events
+
+    out = tmp_path / "runs"
+    assert main(["llm", "train", "--out", str(out), "--name", "b", "--steps", "1", "--max-length", "2048",
+                 "--batch-size", "8", "--vram", "1.25", "--set", "train.save_every=0", "--set", "llm.preview_prompts=[]"]) == 0
+    events = read_events(out / "b" / "events.jsonl")
+    plan = next(e for e in events if e["event"] == "budget_plan")
+    assert plan["vram_gb"] == 1.25 and plan["choices"] and plan["peak_gib"] <= 0.9 * 1.25
+    assert events[-1]["event"] == "done"
+    # `llm plan` with the same flags says the same before anything is loaded.
+    capsys.readouterr()
+    assert main(["llm", "plan", "--json", "--max-length", "2048", "--batch-size", "8", "--vram", "1.25"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget_choices"] == plan["choices"]

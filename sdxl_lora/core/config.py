@@ -391,7 +391,7 @@ class TrainConfig(Section):
     speed: Literal["auto", "off"] = Field("auto", json_schema_extra=SDXL_ONLY, description=(
         "On a CUDA GPU, 'auto' turns on CUDA graphs, regional compilation and channels_last where they pay for "
         "the run's length, and logs what it chose; a lever you set yourself wins. 'off': only what you set."))
-    vram_gb: float | None = Field(None, gt=0, json_schema_extra=SDXL_ONLY, description=(
+    vram_gb: float | None = Field(None, gt=0, description=(
         "GPU memory the whole run may use, in GiB: the fastest settings that fit are chosen and logged, the "
         "process is capped there, and a budget that cannot be met is refused at start."))
     checkpoint_budget_gb: float | None = Field(None, gt=0, json_schema_extra=SDXL_ONLY, description=(

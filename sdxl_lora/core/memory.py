@@ -6,6 +6,12 @@ import torch
 from torch import nn
 
 GiB = 2**30
+# The whole process on a GPU, beyond what a task's estimate counts: the CUDA context and library handles
+# (cuBLAS, cuDNN) outside torch's allocator, and the allocator's reserve over what is allocated at the peak.
+CONTEXT = int(0.85 * GiB)
+RESERVE = 1.05
+# The share of a memory budget (train.vram_gb) a plan fills: the estimates are within about this of measured peaks.
+BUDGET_FILL = 0.9
 
 # Optimizer state in bytes per trainable parameter.
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw8bit": 2.0, "paged_adamw8bit": 2.0, "paged_adamw": 8.0,
@@ -67,3 +73,16 @@ def weight_bytes(unet: nn.Module, quantize: str, double_quant: bool, compute_dty
         if id(p) not in quantized and "lora_" not in name:
             out[plain_name] += p.numel() * elt
     return out
+
+
+def cap_process_memory(device: torch.device, gib: float) -> bool:
+    """train.vram_gb on a GPU: torch's allocator capped so that the process (its CUDA context besides) stays
+    within `gib`; a larger GPU then behaves as a card of that size, raising out-of-memory where that card
+    would instead of using more. False (and nothing capped) when the GPU is no larger than the budget."""
+    # torch.device("cuda") names no index, which the cap needs: the device a run on "cuda" uses.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    if gib * GiB >= total:
+        return False
+    torch.cuda.set_per_process_memory_fraction((gib * GiB - CONTEXT) / total, index)
+    return True

@@ -4,10 +4,14 @@ chunked loss's logits. From the model's config alone (no weights read)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..core.memory import DTYPE_NAMES, GiB
+
+if TYPE_CHECKING:
+    from ..core.inject import Plan
 
 WORKSPACE = int(0.14 * GiB)  # cuBLAS and attention workspaces
 
@@ -77,3 +81,114 @@ def step_estimate(config, *, weights: int, trainable_params: int, optimizer: str
     adapter = state_bytes(trainable_params, optimizer)
     return ({"frozen weights": weights, "adapter (fp32)": adapter["adapter"], "gradients": adapter["gradients"],
              "optimizer": adapter["optimizer"], "activations": acts.total, "workspace": WORKSPACE}, acts)
+
+
+# ---- the whole step in a memory budget (train.vram_gb) ----
+
+@dataclass
+class LLMMemory:
+    """A config's step on the accelerator: its parts (bytes), the activations' detail, and the whole
+    process's peak (CUDA context and the allocator's reserve included), which a budget is held to."""
+    parts: dict[str, int]
+    acts: LLMActivations
+    weights: dict[str, int]   # the frozen weights by storage
+
+    @property
+    def peak(self) -> int:
+        from ..core.memory import CONTEXT, RESERVE
+
+        return int(CONTEXT + RESERVE * sum(self.parts.values()))
+
+
+def config_memory(cfg, config, model=None) -> tuple[Plan, LLMMemory]:
+    """The adapter plan and the step's memory for `cfg` on the causal LM of transformers `config`, built on
+    the meta device (no weights read), as a GPU run holds it: bf16 under train.mixed_precision="auto", or
+    quantized per model.quantize; the output head in full precision."""
+    from transformers import AutoModelForCausalLM
+
+    from ..core.memory import weight_bytes
+    from .model import keep_head, weight_dtype
+    from .slots import make_plan
+
+    if model is None:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    plan = make_plan(model, cfg.adapter)
+    mp = "bf16" if cfg.train.mixed_precision == "auto" else cfg.train.mixed_precision
+    compute = weight_dtype(cfg, mp)
+    weights = weight_bytes(model, cfg.model.quantize, cfg.model.quant_double, compute, skip=keep_head)
+    parts, acts = step_estimate(config, weights=sum(weights.values()), trainable_params=plan.trainable_params,
+                                optimizer=cfg.train.optimizer, batch_size=cfg.train.batch_size,
+                                max_length=cfg.llm.max_length, checkpointing=cfg.train.gradient_checkpointing,
+                                compute_dtype=compute, loss_chunk=cfg.llm.loss_chunk)
+    return plan, LLMMemory(parts, acts, weights)
+
+
+@dataclass
+class LLMFit:
+    cfg: object                 # the config that fits
+    memory: LLMMemory
+    choices: dict[str, object]  # the fields the budget changed, dotted, with their new values
+    slowdown: float = 1.0       # the time per token against the settings as given, by the model below
+
+
+# The time per token the budget's levers cost, for choosing among the configs that fit: checkpointing
+# recomputes each layer's forward in backward (a step of forward + backward is about three forwards);
+# fewer rows per step cost (B/b)**LLM_BATCH_EXPONENT a token, fitted to benchmarks/llm_step.py at batch 1
+# and 4 (benchmarks/RESULTS.md, "Causal-LM" sections).
+CHECKPOINT_SLOWDOWN = 4 / 3
+LLM_BATCH_EXPONENT = 0.3
+
+
+def fit_budget(cfg, config, budget_gib: float) -> LLMFit:
+    """The fastest config, by the slowdown model above, whose whole process fits `budget_gib` (filled to
+    core/memory.py's BUDGET_FILL), from: gradient checkpointing; a smaller batch with gradient accumulation
+    keeping the rows per optimizer step; and only where the base as given fits in no way, an nf4 base
+    (QLoRA: it changes the frozen weights the adapter trains against). A lever the config sets itself
+    (train.gradient_checkpointing, model.quantize) is kept as set. No fit: a ConfigError naming the
+    smallest budget that works."""
+    from transformers import AutoModelForCausalLM
+
+    from ..core.config import ConfigError
+    from ..core.memory import BUDGET_FILL, GiB
+
+    budget = int(budget_gib * GiB * BUDGET_FILL)
+    quantize = [cfg.model.quantize]
+    if cfg.model.quantize == "none" and "quantize" not in cfg.model.model_fields_set:
+        quantize.append("nf4")
+    checkpointing = [cfg.train.gradient_checkpointing]
+    if not cfg.train.gradient_checkpointing and "gradient_checkpointing" not in cfg.train.model_fields_set:
+        checkpointing.append(True)
+    b = cfg.train.batch_size
+    batches = [d for d in range(b, 0, -1) if b % d == 0]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    smallest = None
+    for q in quantize:
+        best = None
+        for ck in checkpointing:
+            for batch in batches:
+                c = cfg.model_copy(deep=True)
+                c.model.quantize, c.train.gradient_checkpointing = q, ck
+                c.train.batch_size, c.train.grad_accum = batch, cfg.train.grad_accum * (b // batch)
+                _, memory = config_memory(c, config, model)
+                choices = {k: v for k, v, was in (("model.quantize", q, cfg.model.quantize),
+                                                  ("train.gradient_checkpointing", ck, cfg.train.gradient_checkpointing),
+                                                  ("train.batch_size", batch, b),
+                                                  ("train.grad_accum", c.train.grad_accum, cfg.train.grad_accum))
+                           if v != was}
+                slow = ((CHECKPOINT_SLOWDOWN if ck and not cfg.train.gradient_checkpointing else 1.0)
+                        * (b / batch) ** LLM_BATCH_EXPONENT)
+                if memory.peak <= budget and (best is None or slow < best[2] - 1e-9):
+                    best = (c, memory, slow, choices)
+                if smallest is None or memory.peak < smallest[1].peak:
+                    smallest = (choices, memory)
+        if best is not None:
+            return LLMFit(best[0], best[1], best[3], round(best[2], 3))
+    choices, memory = smallest
+    chose = ", ".join(f"{k}={v}" for k, v in choices.items()) or "the settings as given"
+    raise ConfigError(
+        f"train.vram_gb={budget_gib:g}: this run needs at least about {memory.peak / BUDGET_FILL / GiB:.1f} GiB "
+        f"(with {chose}; frozen weights {memory.parts['frozen weights'] / GiB:.1f} GiB, activations "
+        f"{memory.parts['activations'] / GiB:.1f} GiB). Raise train.vram_gb, lower llm.max_length, or "
+        "choose a smaller model")

@@ -42,12 +42,29 @@ class LLMTask(Task):
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self._budget = None  # train.vram_gb: the fit (llm/memory.py: fit_budget)
+
+    def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
+        """train.vram_gb: checkpointing, a smaller batch with accumulation or an nf4 base, where the budget
+        needs them, from the model's config alone (before any weight is read)."""
+        self._budget = None
+        if cfg.train.vram_gb:
+            from .memory import fit_budget
+            from .model import check_causal_lm_folder, resolve_llm_path
+
+            config = check_causal_lm_folder(resolve_llm_path(cfg.model), weights=False)
+            self._budget = fit_budget(cfg, config, cfg.train.vram_gb)
+            cfg = self._budget.cfg
+        self.cfg = cfg
+        return cfg
 
     def setup(self, accelerator, run: Run) -> None:
         """model -> tokenizer and data -> plan -> adapter -> speed levers."""
         cfg = self.cfg
         self.accelerator = accelerator
         self.device = accelerator.device
+        if self._budget is not None:
+            self._apply_budget(run)
         self.dtype = DTYPES.get(accelerator.mixed_precision, torch.float32)
         self.lm, self.tokenizer, self.model_path = load_llm(cfg, self.device, accelerator.mixed_precision)
         self.quant = quantize_settings(cfg, accelerator.mixed_precision)
@@ -98,6 +115,19 @@ class LLMTask(Task):
         run.event("plan", layers=len(self.plan.targets), trainable_params=self.plan.trainable_params,
                   preset=cfg.adapter.preset, base_rank=self.plan.base_rank, groups=self.plan.groups())
         self._estimate(run)
+
+    def _apply_budget(self, run: Run) -> None:
+        """train.vram_gb: say what was chosen, and cap the process there on a GPU."""
+        from ..core.memory import GiB, cap_process_memory
+
+        fit, gib = self._budget, self.cfg.train.vram_gb
+        chose = ", ".join(f"{k}={v}" for k, v in fit.choices.items()) or "the settings as given (they fit)"
+        log.info("train.vram_gb=%g: %s; step about %.1f GiB for the whole process, ~%.2fx the time per token of "
+                 "the settings as given", gib, chose, fit.memory.peak / GiB, fit.slowdown)
+        run.event("budget_plan", vram_gb=gib, choices=fit.choices, slowdown=fit.slowdown,
+                  peak_gib=round(fit.memory.peak / GiB, 3))
+        if self.device.type == "cuda" and not cap_process_memory(self.device, gib):
+            log.warning("train.vram_gb=%g is at least this GPU's memory: nothing to cap", gib)
 
     def _estimate(self, run: Run) -> None:
         """The step's expected peak (llm/memory.py), from the weights as loaded: what `llm plan` prints."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..core.memory import DTYPE_NAMES, GiB, OPTIMIZER_BYTES, state_bytes, weight_bytes
+from ..core.memory import CONTEXT, DTYPE_NAMES, GiB, OPTIMIZER_BYTES, RESERVE, state_bytes, weight_bytes
 
 # ---- the activation model ------------------------------------------------------------------------
 # Feature-map-sized tensors saved for backward, per element of a unit's output (a priori counts):
@@ -276,8 +276,6 @@ def adapter_activations(adapter) -> float:
 # the allocator's reserve included. Fitted to the full-size SDXL runs of benchmarks/train_e2e.py and
 # benchmarks/preview_cost.py (benchmarks/RESULTS.md); VAE_DECODE_TILE is diffusers' tiled decode with tiles
 # of this many pixels a side.
-CONTEXT = int(0.85 * GiB)         # CUDA context and library handles (cuBLAS, cuDNN), outside torch's allocator
-RESERVE = 1.05                    # the allocator's reserve over what is allocated at the peak
 VAE_ENCODE_PER_PIXEL = 4800       # bytes per image pixel at the peak of an fp32 VAE encode
 VAE_DECODE_PER_PIXEL = 5000       # bytes per image pixel at the peak of a VAE decode under bf16 autocast
 UNET_INFER_PER_PIXEL = 600        # bytes per image pixel of the UNet's no-grad pass with guidance (batch 2)

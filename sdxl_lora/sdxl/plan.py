@@ -11,7 +11,7 @@ from torch import nn
 
 from ..core.config import Config
 from ..core.inject import Plan
-from ..core.memory import GiB
+from ..core.memory import BUDGET_FILL, GiB
 from .data import live_text
 from .memory import MemoryEstimate, RunMemory, estimate_for_config, run_memory
 from .preview import tiled_previews
@@ -119,8 +119,6 @@ class BudgetFit:
 # what short runs use: batch 2 against 4 through the CLI, the memory-budget runs).
 SLOWDOWN = {"fp8": 1.26, "nf4": 1.54, "checkpointing": 1.76}
 BATCH_EXPONENT = 0.49
-# The share of a budget the plan fills: the estimates are within about this of measured peaks.
-BUDGET_FILL = 0.9
 
 
 def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, native: int | None = None,

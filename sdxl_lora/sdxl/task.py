@@ -400,19 +400,12 @@ class SDXLTask(Task):
                   peak_gib=round(self.run_memory.peak / 2**30, 3))
 
     def _cap_memory(self) -> None:
-        """train.vram_gb on a GPU: torch's allocator capped so that the process (its CUDA context besides)
-        stays within the budget; a larger GPU then behaves as a card of that size, raising out-of-memory
-        where that card would instead of using more."""
-        from .memory import CONTEXT
+        """train.vram_gb on a GPU: the process capped at the budget (core/memory.py: cap_process_memory)."""
+        from ..core.memory import cap_process_memory
 
         gib = self.cfg.train.vram_gb
-        # torch.device("cuda") names no index, which the cap needs: the device a run on "cuda" uses.
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        total = torch.cuda.get_device_properties(index).total_memory
-        if gib * 2**30 >= total:
-            log.warning("train.vram_gb=%g is at least this GPU's %.1f GiB: nothing to cap", gib, total / 2**30)
-            return
-        torch.cuda.set_per_process_memory_fraction((gib * 2**30 - CONTEXT) / total, index)
+        if not cap_process_memory(self.device, gib):
+            log.warning("train.vram_gb=%g is at least this GPU's memory: nothing to cap", gib)
 
     def _inject_adapter(self, unet, run: Run) -> None:
         """The plan's LoRA layers in the UNet, their ranks first fitted to adapter.rank_budget where one is
