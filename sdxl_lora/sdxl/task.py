@@ -563,9 +563,7 @@ class SDXLTask(Task):
         first batch's `args` (its dtypes, devices and memory formats): CUDA graphs capture them all at the
         first step."""
         noisy, *rest = args
-        acc = self.accelerator
-        sampler = sdxl_data.BucketBatchSampler(self.dataset, self.cfg.train.batch_size, self.cfg.train.seed,
-                                               num_replicas=acc.num_processes, rank=acc.process_index)
+        sampler = self._sampler()
         f = int(self.pipe.vae_scale_factor)
         layout = (torch.channels_last if noisy.dim() == 4 and not noisy.is_contiguous()
                   and noisy.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format)
@@ -840,11 +838,14 @@ class SDXLTask(Task):
         """This process's share of each global batch (BucketBatchSampler): the loop uses it as it is,
         without Accelerate re-sharding it. shard=False: every batch whole (calibration)."""
         ds = CachedSDXLDataset(self)
+        return torch.utils.data.DataLoader(ds, batch_sampler=self._sampler(shard), collate_fn=_collate, num_workers=0)
+
+    def _sampler(self, shard: bool = True) -> sdxl_data.BucketBatchSampler:
+        """The batches of this process (shard) or of all (shard=False), as the loop and the graphs see them."""
         acc = self.accelerator
         n, rank = (acc.num_processes, acc.process_index) if shard else (1, 0)
-        sampler = sdxl_data.BucketBatchSampler(self.dataset, self.cfg.train.batch_size, self.cfg.train.seed,
-                                               num_replicas=n, rank=rank)
-        return torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=_collate, num_workers=0)
+        return sdxl_data.BucketBatchSampler(self.dataset, self.cfg.train.batch_size, self.cfg.train.seed,
+                                            num_replicas=n, rank=rank)
 
     def batch_size(self, batch) -> int:
         return int(batch["latent_mean"].shape[0])
