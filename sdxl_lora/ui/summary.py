@@ -5,6 +5,8 @@ card_plans). Time is the planner's relative slowdown, never minutes: it has no m
 given GPU, so any minutes shown here would be made up."""
 from __future__ import annotations
 
+import functools
+
 from sdxl_lora.core import presets
 from sdxl_lora.core.config import Config
 from sdxl_lora.core.memory import GiB
@@ -93,14 +95,20 @@ def for_cards(cfg: Config) -> Config:
 def card_choices(cfg: Config) -> list[tuple[str, str]]:
     """The card dropdown's choices, (label, name): each card's whole-run peak and time per image for the form's
     model, adapter, batch and resolution."""
+    return list(_card_choices(for_cards(cfg).model_dump_json(exclude_unset=True)))
+
+
+@functools.lru_cache(maxsize=16)
+def _card_choices(config_json: str) -> tuple[tuple[str, str], ...]:
+    # Planning every card takes seconds; a page (re)loaded, or a form set back, asks again for the same config.
     from sdxl_lora.sdxl.plan import card_plans
 
     out = [("no card preset", "")]
-    for p in card_plans(for_cards(cfg)):
+    for p in card_plans(Config.model_validate_json(config_json)):
         shown = (f"{p.name} · does not fit" if p.memory is None else
                  f"{p.name} · ~{_gib(p.memory.peak)} GiB · {p.slowdown:.2f}x time per image")
         out.append((shown, p.name))
-    return out
+    return tuple(out)
 
 
 def card_fill(cfg: Config, name: str) -> dict[str, object]:
