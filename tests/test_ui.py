@@ -906,6 +906,52 @@ def test_a_duplicated_run_starts_from_the_same_config_under_a_new_name(folders, 
     assert sorted(p.name for p in saved_run.iterdir()) == files
 
 
+def test_an_llm_run_duplicated_fills_the_llm_form_and_the_copy_trains(tmp_path):
+    """Duplicate as new run on a causal-LM run (from the Train tab's runs): the LLM tab's form holds its config
+    under a new name and that tab is shown; Start trains the copy, with the run's config, beside the run."""
+    import gradio as gr
+
+    from sdxl_lora.core.config import ModelConfig, load_config
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.jobs import Jobs, run_status
+    from sdxl_lora.ui.tab_train import Form, FormTab, duplicated, start_run
+
+    f = Folders.create(REPO / "sample_data", ModelConfig().cache_dir, tmp_path / "runs")
+    proc = subprocess.run([sys.executable, "-m", "sdxl_lora.cli", "llm", "train", "--out", str(f.runs), "--name",
+                           "llm-run", "--steps", "2", "--device", "cpu"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=WAIT / 1000, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in (f.runs / "llm-run").iterdir())
+    with gr.Blocks():
+        tabs = [FormTab(Form(f), "train", gr.Markdown()), FormTab(Form(f, task="llm", prefix="llm-"), "llm", gr.Markdown())]
+        for t in tabs:
+            t.form.render()
+    jobs = Jobs(f)
+    out = duplicated(jobs, tabs, "llm-run")
+    msg, shown, sdxl_msg, llm_msg = out[:4]
+    assert "the LLM tab's form holds a copy of **llm-run** as **llm-run-2**" in msg and llm_msg == msg
+    assert shown.selected == "llm" and isinstance(sdxl_msg, type(gr.skip()))
+    sdxl_values, values = out[4:4 + len(tabs[0].form.inputs)], out[4 + len(tabs[0].form.inputs):]
+    assert all(isinstance(v, type(gr.skip())) for v in sdxl_values) and len(values) == len(tabs[1].form.inputs)
+    assert start_run(tabs[1].form, jobs, values)[0] == "run **llm-run-2** started"
+    copy = f.runs / "llm-run-2"
+    deadline = time.monotonic() + WAIT / 1000
+    while run_status(copy).state != "finished":
+        assert run_status(copy).state not in ("failed", "stopped"), jobs.log_tail("llm-run-2")
+        assert time.monotonic() < deadline, jobs.log_tail("llm-run-2")
+        time.sleep(0.5)
+    got, want = load_config(copy / "config.toml").model_dump(), load_config(f.runs / "llm-run" / "config.toml").model_dump()
+    assert got["task"] == "llm" and got["output"].pop("name") == "llm-run-2" and want["output"].pop("name") == "llm-run"
+    for section, name in (("model", "cache_dir"), ("preview", "prompts")):  # what the page sets itself
+        got[section].pop(name), want[section].pop(name)
+    assert got == want
+    assert any(e["event"] == "step" for e in map(json.loads, (copy / "events.jsonl").read_text().splitlines()))
+    assert sorted(p.name for p in (f.runs / "llm-run").iterdir()) == files
+    # A page without the LLM tab says so, naming what to do.
+    msg = duplicated(jobs, tabs[:1], "llm-run")[0]
+    assert "is an LLM run" in msg and "no LLM tab" in msg and "config.toml" in msg
+
+
 def test_a_form_left_at_its_defaults_lets_the_run_choose_its_speed_and_memory_levers(tmp_path):
     # The form holds every field; the ones a run decides when unset (CUDA graphs, compilation, checkpointing,
     # quantization...) must reach the run unset, in the queued file too, or a UI run would never get the speed
