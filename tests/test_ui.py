@@ -200,8 +200,7 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             assert images[1].with_suffix(".txt").read_text(encoding="utf-8") == "a red circle, white background\n"
             assert {p: p.read_bytes() for p in shapes.iterdir() if p != images[1].with_suffix(".txt")} == \
                 {p: b for p, b in before.items() if p != images[1].with_suffix(".txt")}
-            # The doctor names the caption now without the trigger word; a bulk edit adds it: counted, then applied.
-            page.locator("#ds-scan").click()
+            # The doctor, without a rescan, names the caption now without the trigger word; a bulk edit adds it.
             expect(page.locator("#ds-doctor")).to_contain_text("1 caption(s) lack the trigger word 'sks'")
             expect(page.locator("#ds-doctor")).to_contain_text(f"shapes/{images[1].name}")
             _pick(page, "ds-bulk-op", "add the trigger word where missing")
@@ -216,6 +215,7 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(page.locator("#ds-bulk-msg")).to_contain_text("1 caption(s) written")
             assert images[1].with_suffix(".txt").read_text(encoding="utf-8") == "sks, a red circle, white background\n"
             expect(_cell(page, 1, 3)).to_have_text("sks, a red circle, white background")
+            expect(page.locator("#ds-doctor")).to_contain_text("Every caption holds the trigger word 'sks'")
             # A suffix on the ticked row only.
             _tick(page, 3)
             page.locator("#ds-bulk-scope").get_by_text("the ticked rows").click()
@@ -505,6 +505,40 @@ def test_a_table_from_another_scan_never_writes_a_caption_beside_another_image(t
     assert msg == "saved 1 caption(s): " + Path(items_b[1][0]).with_suffix(".txt").name
     assert Path(items_b[1][0]).with_suffix(".txt").read_text() == "a new caption\n"
     assert [p.name for p in (tmp_path / "datasets").rglob("*.txt")] == [Path(items_b[1][0]).with_suffix(".txt").name]
+
+
+def test_the_doctor_and_report_follow_a_save_and_a_bulk_edit_without_a_rescan(tmp_path):
+    """What the Dataset tab's Save captions and Apply return: the captions written, the table as the user has it
+    (ticks kept), and the status, report and doctor as the folder is now."""
+    import gradio as gr
+
+    from sdxl_lora.ui import dataset_edit as edit
+    from sdxl_lora.ui import tab_dataset
+
+    f = _two_datasets(tmp_path)
+    for img in sorted((tmp_path / "datasets" / "b").glob("*.png"))[:2]:
+        img.with_suffix(".txt").write_text("a shape", encoding="utf-8")
+    no_progress = lambda *a, **k: None  # noqa: E731
+    items, rows, _, report, _, doctor, _ = tab_dataset._scan(f, "b", ".txt", 64, no_progress, "sks")
+    assert "captions: 2 of 3" in report and "2 caption(s) lack the trigger word 'sks'" in doctor
+    rows[0][3], rows[2][3] = "sks, a shape", "a star"
+    items, rows, msg, _, report, _, doctor, _ = tab_dataset.save_captions(f, items, rows, ".txt", "b", 64, "sks",
+                                                                          no_progress)
+    assert msg.startswith("saved 2 caption(s)") and [r[3] for r in rows] == ["sks, a shape", "a shape", "a star"]
+    assert "captions: 3 of 3" in report and "2 caption(s) lack the trigger word 'sks'" in doctor
+    lacking = doctor.split("lack the trigger word")[1].split("\n")[0]
+    assert "01\\_green\\_star" in lacking and "00\\_red\\_star" not in lacking
+    rows[2][0] = True  # ticked, then the trigger word added to every caption lacking it
+    what = edit.BulkEdit("add the trigger word where missing", "sks")
+    previewed = (what, edit.SCOPES[0], (2,))
+    items, rows, previewed, msg, status, report, _, doctor, _ = tab_dataset.apply_bulk(
+        f, items, rows, previewed, what, edit.SCOPES[0], ".txt", "b", 64, "sks", no_progress)
+    assert msg.startswith("2 caption(s) written") and previewed is None and [r[0] for r in rows] == [False, False, True]
+    assert "captions: 3 of 3" in report and "Every caption holds the trigger word 'sks'" in doctor
+    assert "3 usable images" in status
+    # Not previewed: nothing written, the panes as they were.
+    out = tab_dataset.apply_bulk(f, items, rows, None, what, edit.SCOPES[0], ".txt", "b", 64, "sks", no_progress)
+    assert "Preview this edit first" in out[3] and all(v == gr.skip() for v in out[4:])
 
 
 def test_bulk_edits_change_only_the_captions_they_name(tmp_path):
