@@ -200,8 +200,7 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             assert images[1].with_suffix(".txt").read_text(encoding="utf-8") == "a red circle, white background\n"
             assert {p: p.read_bytes() for p in shapes.iterdir() if p != images[1].with_suffix(".txt")} == \
                 {p: b for p, b in before.items() if p != images[1].with_suffix(".txt")}
-            # The doctor names the caption now without the trigger word; a bulk edit adds it: counted, then applied.
-            page.locator("#ds-scan").click()
+            # The doctor, without a rescan, names the caption now without the trigger word; a bulk edit adds it.
             expect(page.locator("#ds-doctor")).to_contain_text("1 caption(s) lack the trigger word 'sks'")
             expect(page.locator("#ds-doctor")).to_contain_text(f"shapes/{images[1].name}")
             _pick(page, "ds-bulk-op", "add the trigger word where missing")
@@ -216,6 +215,7 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(page.locator("#ds-bulk-msg")).to_contain_text("1 caption(s) written")
             assert images[1].with_suffix(".txt").read_text(encoding="utf-8") == "sks, a red circle, white background\n"
             expect(_cell(page, 1, 3)).to_have_text("sks, a red circle, white background")
+            expect(page.locator("#ds-doctor")).to_contain_text("Every caption holds the trigger word 'sks'")
             # A suffix on the ticked row only.
             _tick(page, 3)
             page.locator("#ds-bulk-scope").get_by_text("the ticked rows").click()
@@ -505,6 +505,40 @@ def test_a_table_from_another_scan_never_writes_a_caption_beside_another_image(t
     assert msg == "saved 1 caption(s): " + Path(items_b[1][0]).with_suffix(".txt").name
     assert Path(items_b[1][0]).with_suffix(".txt").read_text() == "a new caption\n"
     assert [p.name for p in (tmp_path / "datasets").rglob("*.txt")] == [Path(items_b[1][0]).with_suffix(".txt").name]
+
+
+def test_the_doctor_and_report_follow_a_save_and_a_bulk_edit_without_a_rescan(tmp_path):
+    """What the Dataset tab's Save captions and Apply return: the captions written, the table as the user has it
+    (ticks kept), and the status, report and doctor as the folder is now."""
+    import gradio as gr
+
+    from sdxl_lora.ui import dataset_edit as edit
+    from sdxl_lora.ui import tab_dataset
+
+    f = _two_datasets(tmp_path)
+    for img in sorted((tmp_path / "datasets" / "b").glob("*.png"))[:2]:
+        img.with_suffix(".txt").write_text("a shape", encoding="utf-8")
+    no_progress = lambda *a, **k: None  # noqa: E731
+    items, rows, _, report, _, doctor, _ = tab_dataset._scan(f, "b", ".txt", 64, no_progress, "sks")
+    assert "captions: 2 of 3" in report and "2 caption(s) lack the trigger word 'sks'" in doctor
+    rows[0][3], rows[2][3] = "sks, a shape", "a star"
+    items, rows, msg, _, report, _, doctor, _ = tab_dataset.save_captions(f, items, rows, ".txt", "b", 64, "sks",
+                                                                          no_progress)
+    assert msg.startswith("saved 2 caption(s)") and [r[3] for r in rows] == ["sks, a shape", "a shape", "a star"]
+    assert "captions: 3 of 3" in report and "2 caption(s) lack the trigger word 'sks'" in doctor
+    lacking = doctor.split("lack the trigger word")[1].split("\n")[0]
+    assert "01\\_green\\_star" in lacking and "00\\_red\\_star" not in lacking
+    rows[2][0] = True  # ticked, then the trigger word added to every caption lacking it
+    what = edit.BulkEdit("add the trigger word where missing", "sks")
+    previewed = (what, edit.SCOPES[0], (2,))
+    items, rows, previewed, msg, status, report, _, doctor, _ = tab_dataset.apply_bulk(
+        f, items, rows, previewed, what, edit.SCOPES[0], ".txt", "b", 64, "sks", no_progress)
+    assert msg.startswith("2 caption(s) written") and previewed is None and [r[0] for r in rows] == [False, False, True]
+    assert "captions: 3 of 3" in report and "Every caption holds the trigger word 'sks'" in doctor
+    assert "3 usable images" in status
+    # Not previewed: nothing written, the panes as they were.
+    out = tab_dataset.apply_bulk(f, items, rows, None, what, edit.SCOPES[0], ".txt", "b", 64, "sks", no_progress)
+    assert "Preview this edit first" in out[3] and all(v == gr.skip() for v in out[4:])
 
 
 def test_bulk_edits_change_only_the_captions_they_name(tmp_path):
@@ -904,6 +938,52 @@ def test_a_duplicated_run_starts_from_the_same_config_under_a_new_name(folders, 
             got[section].pop(name), want[section].pop(name)
     assert got == want
     assert sorted(p.name for p in saved_run.iterdir()) == files
+
+
+def test_an_llm_run_duplicated_fills_the_llm_form_and_the_copy_trains(tmp_path):
+    """Duplicate as new run on a causal-LM run (from the Train tab's runs): the LLM tab's form holds its config
+    under a new name and that tab is shown; Start trains the copy, with the run's config, beside the run."""
+    import gradio as gr
+
+    from sdxl_lora.core.config import ModelConfig, load_config
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.jobs import Jobs, run_status
+    from sdxl_lora.ui.tab_train import Form, FormTab, duplicated, start_run
+
+    f = Folders.create(REPO / "sample_data", ModelConfig().cache_dir, tmp_path / "runs")
+    proc = subprocess.run([sys.executable, "-m", "sdxl_lora.cli", "llm", "train", "--out", str(f.runs), "--name",
+                           "llm-run", "--steps", "2", "--device", "cpu"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=WAIT / 1000, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in (f.runs / "llm-run").iterdir())
+    with gr.Blocks():
+        tabs = [FormTab(Form(f), "train", gr.Markdown()), FormTab(Form(f, task="llm", prefix="llm-"), "llm", gr.Markdown())]
+        for t in tabs:
+            t.form.render()
+    jobs = Jobs(f)
+    out = duplicated(jobs, tabs, "llm-run")
+    msg, shown, sdxl_msg, llm_msg = out[:4]
+    assert "the LLM tab's form holds a copy of **llm-run** as **llm-run-2**" in msg and llm_msg == msg
+    assert shown.selected == "llm" and isinstance(sdxl_msg, type(gr.skip()))
+    sdxl_values, values = out[4:4 + len(tabs[0].form.inputs)], out[4 + len(tabs[0].form.inputs):]
+    assert all(isinstance(v, type(gr.skip())) for v in sdxl_values) and len(values) == len(tabs[1].form.inputs)
+    assert start_run(tabs[1].form, jobs, values)[0] == "run **llm-run-2** started"
+    copy = f.runs / "llm-run-2"
+    deadline = time.monotonic() + WAIT / 1000
+    while run_status(copy).state != "finished":
+        assert run_status(copy).state not in ("failed", "stopped"), jobs.log_tail("llm-run-2")
+        assert time.monotonic() < deadline, jobs.log_tail("llm-run-2")
+        time.sleep(0.5)
+    got, want = load_config(copy / "config.toml").model_dump(), load_config(f.runs / "llm-run" / "config.toml").model_dump()
+    assert got["task"] == "llm" and got["output"].pop("name") == "llm-run-2" and want["output"].pop("name") == "llm-run"
+    for section, name in (("model", "cache_dir"), ("preview", "prompts")):  # what the page sets itself
+        got[section].pop(name), want[section].pop(name)
+    assert got == want
+    assert any(e["event"] == "step" for e in map(json.loads, (copy / "events.jsonl").read_text().splitlines()))
+    assert sorted(p.name for p in (f.runs / "llm-run").iterdir()) == files
+    # A page without the LLM tab says so, naming what to do.
+    msg = duplicated(jobs, tabs[:1], "llm-run")[0]
+    assert "is an LLM run" in msg and "no LLM tab" in msg and "config.toml" in msg
 
 
 def test_a_form_left_at_its_defaults_lets_the_run_choose_its_speed_and_memory_levers(tmp_path):

@@ -3,9 +3,14 @@ grid (rows the checkpoints, columns the strengths), cached in the run folder, wi
 checkpoint's step; and the chosen checkpoint written out at the chosen strength (kohya or diffusers).
 
 A run's checkpoints are its saved training states (checkpoints/step-N/adapter.safetensors: the trained
-weights by parameter name, without their alphas) and its final adapter. A state's alphas are the final
-adapter's (the same layers; each layer keeps its scale alpha / rank), or the planner's where the run has no
-final adapter yet.
+weights by parameter name, without their alphas) and its final adapter. A state's scales (alpha / rank) are
+a LoRA or DoRA run's final diffusers adapter's (the same layers), else the planner's for the run's config.
+
+A strength s multiplies a layer's update as the loaders apply it: LoRA's, LoHa's and LoKr's are W + s * delta,
+so an export at s is the layer with its update scaled (`at_strength`); DoRA's blends the base and the trained
+weight (export.weight_with), which no DoRA file holds at another strength. LoRA renders as diffusers loads it;
+the other kinds (diffusers loads no LoHa or LoKr, and blends no DoRA) are merged into the pipeline's weights
+at each strength, as `sdxl-lora merge` does, and taken out again.
 
 Cache: RUN/compare/ holds one PNG per cell, named by a digest of what decides the image (the checkpoint's
 weights, the strength, the prompt with its kohya options, seed, steps, size, guidance, the base model), the
@@ -19,13 +24,17 @@ import json
 import logging
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.checkpoint import CheckpointError, complete_states, file_sha256, verify
 from ..core.config import Config, load_config
 from ..core.runs import read_events
-from .export import Adapter, AdapterError, LoraLayer, export_adapter, load_adapter, save_diffusers_lora
+from . import lycoris
+from .export import (Adapter, AdapterError, LoraLayer, export_adapter, load_adapter, peft_key_groups,
+                     save_diffusers_lora)
+from .merge import merged
 from .preview import PreviewPrompt, grid, parse_prompt_line, render, save_png
 
 log = logging.getLogger(__name__)
@@ -34,8 +43,8 @@ STRENGTHS = (0.5, 0.75, 1.0)
 CACHE_DIR = "compare"
 GRID_CELL = 192  # px: the smallest cell side in a grid image
 ADAPTER_NAME = "compare"
-_STATE_KEY = re.compile(r"^(?:(unet|text_encoder|text_encoder_2)\.)?(?:base_model\.model\.)?(.*)\."
-                        r"(lora_A|lora_B|lora_magnitude_vector)\.default\.weight$")
+# A state's parameter names: the UNet's bare (a run that trains only the UNet) or each model's under its name.
+_STATE_PREFIXES = {"": "unet", "unet.": "unet", "text_encoder.": "text_encoder", "text_encoder_2.": "text_encoder_2"}
 
 
 @dataclass(frozen=True)
@@ -101,39 +110,52 @@ def checkpoint_losses(events: list[dict], steps: list[int]) -> dict[int, dict[st
 
 
 def _scales(run_dir: Path, cfg: Config, table) -> dict[str, float]:
-    """Each layer's alpha / rank: the final adapter's, else the planner's for the run's config."""
+    """Each layer's alpha / rank as training scaled it: a LoRA or DoRA run's final diffusers adapter's, else the
+    planner's for the run's config (the text encoders' at the UNet's ratio). LoHa and LoKr runs have no
+    diffusers file, and their kohya file folds an unfactored LoKr layer's scale into its factor: the planner's."""
     final = run_dir / f"{run_dir.name}.diffusers.safetensors"
     if final.is_file():
         return {k: lay.alpha / lay.rank for k, lay in load_adapter(final, table).layers.items()
                 if isinstance(lay, LoraLayer)}
-    from .plan import plan_config
+    from .plan import plan_config, text_encoder_rank_alpha
 
     plan = plan_config(cfg).plan
-    return {f"unet.{n}": plan.alpha[n] / plan.rank[n] for n in plan.rank}
+    out = {f"unet.{n}": plan.alpha[n] / plan.rank[n] for n in plan.rank}
+    rank, alpha = text_encoder_rank_alpha(cfg.adapter)
+    for comp in ("text_encoder", "text_encoder_2"):
+        out.update({f"{comp}.{m}": alpha / rank for m in table.layers.get(comp, {})})
+    return out
 
 
 def state_adapter(ck: Checkpoint, run_dir: Path, cfg: Config, table) -> Adapter:
-    """A saved state's trained weights as an `Adapter` (LoRA and DoRA layers)."""
+    """A saved state's trained weights as an `Adapter`: each layer read at scale 1 (LoRA with alpha = rank,
+    LoHa and LoKr as their loaders read factors without an alpha), then given the scale training used."""
     from safetensors.torch import load_file
 
     tensors = load_file(str(ck.path / "adapter.safetensors"))
-    parts: dict[str, dict[str, object]] = {}
-    for name, t in tensors.items():
-        m = _STATE_KEY.match(name)
-        if m:
-            parts.setdefault(f"{m.group(1) or 'unet'}.{m.group(2)}", {})[m.group(3)] = t
-    if not parts:
-        raise AdapterError(f"{ck.path.name}: no LoRA weights in its adapter.safetensors (a {cfg.adapter.kind} run); "
-                           "compare its final adapter instead")
+    groups = peft_key_groups(tensors, _STATE_PREFIXES, adapter_name="default")
+    if not groups:
+        raise AdapterError(f"{ck.path.name}: no adapter weights in its adapter.safetensors (a {cfg.adapter.kind} "
+                           "run); compare its final adapter instead")
     scales = _scales(run_dir, cfg, table)
     layers = {}
-    for key, p in parts.items():
-        down, up = p["lora_A"], p["lora_B"]
+    for (comp, module), names in groups.items():
+        key = f"{comp}.{module}"
         if key not in scales:
             raise AdapterError(f"{ck.path.name}: layer {key} is not in the run's adapter plan; was the state saved by "
                                "another run?")
-        mag = p.get("lora_magnitude_vector")  # DoRA's
-        layers[key] = LoraLayer(down, up, scales[key] * down.shape[0], None if mag is None else mag.reshape(-1))
+        parts = {part: tensors[name] for part, name in names.items()}
+        try:
+            if "lora_A.weight" in parts:
+                down, up, mag = parts["lora_A.weight"], parts["lora_B.weight"], parts.get("lora_magnitude_vector")
+                layer = LoraLayer(down, up, float(down.shape[0]), None if mag is None else mag.reshape(-1),
+                                  parts.get("lora_B.bias"))
+            else:
+                layer = lycoris.from_keys(parts, None, table.shape(comp, module))
+        except (KeyError, ValueError) as e:
+            raise AdapterError(f"{ck.path.name}: layer {key} is incomplete ({e}); compare the run's other checkpoints "
+                               "or its final adapter") from None
+        layers[key] = layer.scaled(scales[key])
     return Adapter(layers, format="state")
 
 
@@ -142,17 +164,15 @@ def adapter_of(ck: Checkpoint, run_dir: Path, cfg: Config, table) -> Adapter:
 
 
 def at_strength(adapter: Adapter, strength: float) -> Adapter:
-    """The adapter whose update is `strength` times this one's (alpha scaled), as a tool applies it at that
-    strength."""
+    """The adapter that gives at strength 1 what this one gives at `strength`, each layer's update scaled."""
     if strength == 1:
         return adapter
-    layers = {}
-    for key, lay in adapter.layers.items():
-        if not isinstance(lay, LoraLayer) or lay.magnitude is not None:
-            raise AdapterError(f"strength {strength:g}: a {lay.kind} layer ({key}) does not scale by its alpha; "
-                               "export at strength 1 and set the strength where you load it")
-        layers[key] = dataclasses.replace(lay, alpha=lay.alpha * strength)
-    return dataclasses.replace(adapter, layers=layers)
+    dora = sorted(k for k, lay in adapter.layers.items() if lay.magnitude is not None)
+    if dora:
+        raise AdapterError(f"strength {strength:g}: a DoRA adapter ({len(dora)} layers, e.g. {dora[0]}) takes its "
+                           "strength in the loader, which blends the base and the trained weight; no DoRA file holds "
+                           "that blend. Export at strength 1 and set the strength where you load it")
+    return dataclasses.replace(adapter, layers={k: lay.scaled(strength) for k, lay in adapter.layers.items()})
 
 
 def parse_strengths(text: str) -> list[float]:
@@ -208,9 +228,15 @@ class Grid:
     rendered: int              # cells rendered now
 
 
-def _cell_key(ck: Checkpoint, strength: float, p: PreviewPrompt, model: str) -> str:
-    what = {"weights": ck.digest, "strength": strength, "prompt": dataclasses.asdict(p), "model": model}
+def _cell_key(ck: Checkpoint, strength: float, p: PreviewPrompt, model: str, merges: bool) -> str:
+    what = {"weights": ck.digest, "strength": strength, "prompt": dataclasses.asdict(p), "model": model,
+            **({"applied": "merged"} if merges else {})}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _merges(cfg: Config) -> bool:
+    """Whether the run's checkpoints render merged into the weights (every kind but LoRA: see the module's doc)."""
+    return cfg.adapter.kind != "lora"
 
 
 def _loadable(ck: Checkpoint, run_dir: Path, cfg: Config, table) -> Path:
@@ -223,6 +249,20 @@ def _loadable(ck: Checkpoint, run_dir: Path, cfg: Config, table) -> Path:
     return path
 
 
+@contextmanager
+def _applied(pipe, ck: Checkpoint, run_dir: Path, cfg: Config, table):
+    """Yields at(strength): checkpoint `ck` on the pipeline at that strength; the pipeline is as it was after."""
+    if not _merges(cfg):
+        pipe.load_lora_weights(str(_loadable(ck, run_dir, cfg, table)), adapter_name=ADAPTER_NAME)
+        try:
+            yield lambda s: pipe.set_adapters([ADAPTER_NAME], adapter_weights=[s])
+        finally:
+            pipe.unload_lora_weights()
+        return
+    with merged(pipe, adapter_of(ck, run_dir, cfg, table)) as merge:
+        yield merge
+
+
 def compare_grids(pipe, run_dir: Path, checkpoints: list[Checkpoint], prompts: list[PreviewPrompt],
                   strengths: list[float], settings: Settings, model: str, table,
                   losses: dict[int, dict[str, float]] | None = None, progress=None) -> list[Grid]:
@@ -233,7 +273,8 @@ def compare_grids(pipe, run_dir: Path, checkpoints: list[Checkpoint], prompts: l
     cfg = load_config(run_dir / "config.toml")
     cache = run_dir / CACHE_DIR
     resolved = [settings.resolve(p) for p in prompts]
-    cells = {(c, s, i): cache / f"{_cell_key(c, s, p, model)}.png" for c in checkpoints for s in strengths
+    merges = _merges(cfg)
+    cells = {(c, s, i): cache / f"{_cell_key(c, s, p, model, merges)}.png" for c in checkpoints for s in strengths
              for i, p in enumerate(resolved)}
     todo = [k for k, path in cells.items() if not path.is_file()]
     done = 0
@@ -241,10 +282,9 @@ def compare_grids(pipe, run_dir: Path, checkpoints: list[Checkpoint], prompts: l
         mine = [k for k in todo if k[0] == ck]
         if not mine:
             continue
-        pipe.load_lora_weights(str(_loadable(ck, run_dir, cfg, table)), adapter_name=ADAPTER_NAME)
-        try:
+        with _applied(pipe, ck, run_dir, cfg, table) as at:
             for _, s, i in mine:
-                pipe.set_adapters([ADAPTER_NAME], adapter_weights=[s])
+                at(s)
                 p = resolved[i]
                 image = render(pipe, [p], seed=p.seed, steps=p.steps, guidance=p.guidance, width=p.width,
                                height=p.height, negative=p.negative or None)[0]
@@ -252,8 +292,6 @@ def compare_grids(pipe, run_dir: Path, checkpoints: list[Checkpoint], prompts: l
                 done += 1
                 if progress is not None:
                     progress(done / len(todo), f"{ck.label} at strength {s:g}")
-        finally:
-            pipe.unload_lora_weights()
     out = []
     for i, p in enumerate(resolved):
         images, labels = [], []

@@ -15,6 +15,7 @@ from. Every conversion is read -> Adapter -> write, so a new format is one reade
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -108,6 +109,11 @@ class LoraLayer:
 
     def finite(self) -> bool:
         return bool(torch.isfinite(self.down).all() and torch.isfinite(self.up).all())
+
+    def scaled(self, factor: float) -> "LoraLayer":
+        """The layer whose update (bias included) is `factor` times this one's: its alpha scaled. For DoRA that
+        scales the update inside the norm, as peft's scale does, not a loader's strength (see `weight_with`)."""
+        return dataclasses.replace(self, alpha=self.alpha * factor)
 
 
 AnyLayer = LoraLayer | LohaLayer | LokrLayer
@@ -713,17 +719,38 @@ def _read_kohya(sd: dict[str, torch.Tensor], table: kohya.LayerTable, adapter: A
     return used
 
 
+# A layer's parts under peft's names: LoRA's (as its files hold them) and LyCORIS' factors.
+_PEFT_PARTS = ("lora_A.weight", "lora_B.weight", "lora_B.bias", "lora_magnitude_vector", "alpha",
+               *lycoris.LOHA_KEYS, *lycoris.LOKR_KEYS)
+_PEFT_KEY = re.compile(rf"^(.*)\.({'|'.join(re.escape(p) for p in _PEFT_PARTS)})$")
+
+
+def peft_key_groups(keys, prefixes: Mapping[str, str], adapter_name: str | None = None) -> dict[tuple[str, str], dict[str, str]]:
+    """Keys `<prefix><module>.<part>` (peft's part names, e.g. lora_A.weight, hada_w1_a) by (component, module):
+    part -> key. `prefixes` maps a key prefix to its component, the longest first ("" takes the rest). With
+    `adapter_name`, the keys are a peft model's parameter names, which hold it (`lora_A.default.weight`,
+    `hada_w1_a.default`), read as its files name them."""
+    order = sorted(prefixes, key=len, reverse=True)
+    groups: dict[tuple[str, str], dict[str, str]] = {}
+    for k in keys:
+        prefix = next((p for p in order if k.startswith(p)), None)
+        if prefix is None:
+            continue
+        name = k[len(prefix):]
+        if adapter_name is not None:
+            name = re.sub(rf"\.{re.escape(adapter_name)}(?=\.weight$|\.bias$|$)", "", name, count=1)
+            name = name.removesuffix(".weight") if name.endswith(".lora_magnitude_vector.weight") else name
+        m = _PEFT_KEY.match(name)
+        if m:
+            groups.setdefault((prefixes[prefix], m.group(1)), {})[m.group(2)] = k
+    return groups
+
+
 def _read_peft_keys(sd: dict[str, torch.Tensor], table: kohya.LayerTable, adapter: Adapter,
                     prefixes: Mapping[str, str], configs: Mapping[str, Mapping]) -> set[str]:
     """Keys `<prefix><module>.lora_A.weight` etc.; `prefixes` maps a key prefix to its component."""
     used: set[str] = set()
-    pat = re.compile(r"^(.*)\.(lora_A\.weight|lora_B\.weight|lora_B\.bias|lora_magnitude_vector|alpha)$")
-    groups: dict[tuple[str, str], dict[str, str]] = {}
-    for k in sd:
-        prefix = next((p for p in sorted(prefixes, key=len, reverse=True) if k.startswith(p)), None)
-        m = pat.match(k[len(prefix):]) if prefix is not None else None
-        if m:
-            groups.setdefault((prefixes[prefix], m.group(1)), {})[m.group(2)] = k
+    groups = peft_key_groups(sd, prefixes)
     no_config = set()
     for (comp, module), parts in groups.items():
         if not {"lora_A.weight", "lora_B.weight"} <= parts.keys():

@@ -16,6 +16,7 @@ convolution's update is one flattened matrix, no Tucker core), so writing is a c
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,10 @@ class LohaLayer:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return dict(zip(LOHA_KEYS, (self.w1_a, self.w1_b, self.w2_a, self.w2_b)))
+
+    def scaled(self, factor: float) -> "LohaLayer":
+        """The layer whose update is `factor` times this one's: its alpha scaled (the loaders scale by alpha / r)."""
+        return dataclasses.replace(self, alpha=self.alpha * factor)
 
     def finite(self) -> bool:
         return all(torch.isfinite(t).all() for t in self.tensors().values())
@@ -109,6 +114,13 @@ class LokrLayer:
         if w2.dim() == 4:
             w1 = w1[:, :, None, None]
         return (torch.kron(w1, w2) * self.scale).reshape(self.shape)
+
+    def scaled(self, factor: float) -> "LokrLayer":
+        """The layer whose update is `factor` times this one's: its alpha scaled where a factored part gives the
+        loaders a rank to scale by, else its first factor (they take an unfactored layer's scale as 1)."""
+        if self.rank:
+            return dataclasses.replace(self, alpha=self.alpha * factor)
+        return dataclasses.replace(self, w1=self.w1 * factor)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         parts = (self.w1, self.w1_a, self.w1_b, self.w2, self.w2_a, self.w2_b)

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -83,6 +84,40 @@ def merge_adapter(pipe, adapter: Adapter, strength: float = 1.0) -> int:
             b = mod.bias
             b.copy_((b.float() + strength * layer.scale * layer.bias.float().to(b.device)).to(b.dtype))
     return len(todo)
+
+
+@contextmanager
+def merged(pipe, adapter: Adapter):
+    """Yields merge(strength): the pipeline's weights as they were plus `strength` times the adapter's update
+    (`merge_adapter`), at one strength after another, for renders; when the block ends the weights the adapter
+    changes are as they were (kept on the CPU meanwhile)."""
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    named: dict[str, dict[str, torch.nn.Module]] = {}
+    for key, layer in adapter.layers.items():
+        comp, path = key.split(".", 1)
+        model = getattr(pipe, comp, None)
+        if model is not None and comp not in named:
+            named[comp] = dict(model.named_modules())
+        mod = _module(named.get(comp, {}), path)
+        if mod is None or not hasattr(mod, "weight"):
+            continue  # merge_adapter refuses the adapter, naming the layer, before it changes a weight
+        kept.append((mod.weight, mod.weight.detach().to("cpu", copy=True)))
+        if layer.bias is not None and getattr(mod, "bias", None) is not None:
+            kept.append((mod.bias, mod.bias.detach().to("cpu", copy=True)))
+
+    @torch.no_grad()
+    def put_back() -> None:
+        for target, value in kept:
+            target.copy_(value)
+
+    def merge(strength: float) -> None:
+        put_back()
+        merge_adapter(pipe, adapter, strength)
+
+    try:
+        yield merge
+    finally:
+        put_back()
 
 
 def parse_lora_arg(arg: str) -> tuple[Path, float]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..core.config import Config
+from ..core.config import AdapterConfig, Config
 from ..core.inject import Plan
 from ..core.memory import BUDGET_FILL, GiB
 from .data import live_text
@@ -37,6 +37,13 @@ def plan_unet(cfg: Config, unet: nn.Module, native: int, resolution: int | None 
     latent_factor = native // int(unet.config.sample_size)
     memory = estimate_for_config(unet, cfg, plan.trainable_params, resolution, mixed_precision, latent_factor)
     return UNetPlan(plan, memory, resolution, native)
+
+
+def text_encoder_rank_alpha(a: AdapterConfig) -> tuple[int, float]:
+    """The rank and alpha of the text encoders' adapters (adapter.train_text_encoder): text_encoder_rank, else
+    rank, at the UNet's alpha/rank ratio."""
+    rank = a.text_encoder_rank or a.rank
+    return rank, rank * (a.alpha / a.rank) if a.alpha is not None else float(rank)
 
 
 def plan_config(cfg: Config) -> UNetPlan:

@@ -29,7 +29,7 @@ from . import data as sdxl_data
 from . import loss as diffusion
 from .cache import TensorCache, cache_key, file_digest
 from .model import load_pipeline, native_resolution, resolve_model_path
-from .plan import fit_budget, plan_unet, run_memory_for
+from .plan import fit_budget, plan_unet, run_memory_for, text_encoder_rank_alpha
 from .preview import PreviewPrompt, default_prompts, encode_prompts, read_prompts, render_previews, vae_tiles
 
 log = logging.getLogger(__name__)
@@ -667,8 +667,7 @@ class SDXLTask(Task):
         from peft import inject_adapter_in_model
 
         a = self.cfg.adapter
-        rank = a.text_encoder_rank or a.rank
-        alpha = rank * (a.alpha / a.rank) if a.alpha is not None else float(rank)  # the UNet's alpha/rank ratio
+        rank, alpha = text_encoder_rank_alpha(a)
         counts = {}
         for name in ("text_encoder", "text_encoder_2"):
             te = getattr(self.pipe, name)

@@ -52,16 +52,18 @@ def build_app(folders: Folders, jobs):
     with gr.Blocks(title="sdxl-lora", analytics_enabled=False) as demo:
         gr.Markdown(f"## sdxl-lora &nbsp; <small>datasets `{folders.datasets}` · models `{folders.models}` · "
                     f"runs `{folders.runs}`</small>")
-        with gr.Tabs():
+        with gr.Tabs() as tabs:
             with gr.Tab("Dataset", id="dataset", elem_id="tab-dataset"):
                 tab_dataset.build(folders)
             with gr.Tab("Train", id="train", elem_id="tab-train"):
-                run_pick = tab_train.build(folders, jobs, demo)
+                runs = tab_train.build(folders, jobs, demo)
+            form_tabs = [runs.form_tab]
             if _has_llm():
                 from . import tab_llm
 
                 with gr.Tab("LLM", id="llm", elem_id="tab-llm"):
-                    tab_llm.build(folders, jobs, run_pick)
+                    form_tabs.append(tab_llm.build(folders, jobs, runs.pick))
+            tab_train.wire_duplicate(runs, jobs, tabs, form_tabs)
             # One loaded model for the tabs that render (a second model replaces the first).
             pipes = tab_generate.Pipelines(folders)
             with gr.Tab("Generate", id="generate", elem_id="tab-generate"):

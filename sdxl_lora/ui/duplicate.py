@@ -1,5 +1,6 @@
-"""Duplicate as new run: a run's saved config put back into the New run form under a new name, to change a
-setting or two and start again. Nothing is written until Start; the run itself is never touched."""
+"""Duplicate as new run: a run's saved config put back into the New run form of its task (the Train tab's for an
+SDXL run, the LLM tab's for a causal-LM run) under a new name, to change a setting or two and start again.
+Nothing is written until Start; the run itself is never touched."""
 from __future__ import annotations
 
 import os
@@ -52,16 +53,30 @@ def new_name(taken, name: str) -> str:
             n += 1
 
 
-def form_values(form, jobs, name: str, default_prompts: str) -> tuple[list, str]:
-    """The form's values (in `form.inputs` order) for a copy of run `name`, and the copy's name."""
+def saved_config(jobs, name: str) -> Config:
+    """Run `name`'s config: its config.toml, or the queue's copy for a run that has not started."""
     run = jobs.run_dir(name)
     cfg_path = run / "config.toml"
     if not cfg_path.is_file():
         cfg_path = jobs.f.ui / "configs" / f"{run.name}.toml"  # a queued run that has not started
     if not cfg_path.is_file():
         raise FileNotFoundError(f"run {name!r} has no config.toml to copy")
-    cfg = load_config(cfg_path)
-    if getattr(cfg, "task", form.task) != form.task:
+    return load_config(cfg_path)
+
+
+def form_for(forms: dict, jobs, name: str):
+    """Of `forms` (task -> form), the one that makes runs of run `name`'s task."""
+    task = saved_config(jobs, name).task
+    if task not in forms:
+        raise ValueError(f"run {name!r} is an {task.upper()} run (task = {task!r} in its config.toml) and this page "
+                         f"has no {task.upper()} tab: train a copy from the CLI with that config.toml")
+    return forms[task]
+
+
+def form_values(form, jobs, name: str, default_prompts: str) -> tuple[list, str]:
+    """The form's values (in `form.inputs` order) for a copy of run `name`, and the copy's name."""
+    cfg = saved_config(jobs, name)
+    if cfg.task != form.task:
         raise ValueError(f"run {name!r} is an {cfg.task.upper()} run; this form makes {form.task.upper()} runs")
     f = form.f
     copy = new_name(jobs.unique_name, name)

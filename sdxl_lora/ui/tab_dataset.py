@@ -61,13 +61,48 @@ def _scan(f: Folders, folder: str, ext: str, resolution, progress, trigger: str 
     return items, edit.table(f, items), status, ds.report(), hist, doctor, tags
 
 
+def _panes(f: Folders, folder: str, ext: str, resolution, progress, trigger: str) -> tuple:
+    """The scan's status, report, histogram, doctor's findings and tag table, for a folder whose table stays as
+    the user has it (after a Save or an Apply)."""
+    return _scan(f, folder, ext, resolution, progress, trigger)[2:]
+
+
+def _panes_kept() -> tuple:
+    return tuple(gr.skip() for _ in range(5))  # one a pane of `_panes`
+
+
+def save_captions(f: Folders, items, rows, ext: str, folder: str, resolution, trigger: str, progress):
+    """Save captions: (items, table, message, then the panes of `_panes` as the folder is now); a refused save
+    changes nothing on the page but its message."""
+    out, err = _guarded(edit.save_table, f, items, rows, ext)
+    if err:
+        return items, gr.skip(), err, *_panes_kept()
+    return out[0], edit.table(f, out[0]), md_text(out[1]), *_panes(f, folder, ext, resolution, progress, trigger)
+
+
+def apply_bulk(f: Folders, items, rows, previewed, what: edit.BulkEdit, scope: str, ext: str, folder: str,
+               resolution, trigger: str, progress):
+    """Apply a bulk edit whose count was previewed: (items, table with its ticks kept, the preview cleared,
+    message, then the panes of `_panes` as the folder is now)."""
+    unchanged = (items, gr.skip(), None)
+    if previewed != (what, scope, _ticked(rows)):
+        return (*unchanged, "**Error:** Preview this edit first (the count of captions it changes), then Apply",
+                *_panes_kept())
+    out, err = _guarded(edit.bulk_apply, f, items, rows, what, scope, ext)
+    if err:
+        return *unchanged, err, *_panes_kept()
+    return (out[0], edit.table(f, out[0], set(_ticked(rows))), None, md_text(out[1]),
+            *_panes(f, folder, ext, resolution, progress, trigger))
+
+
 def _doctor_md(f: Folders, found, suggested: list[str], trigger: str) -> str:
     """The doctor's findings (sdxl/doctor.py, as `dataset inspect` reports them) in the page's words."""
     def names(group) -> str:
         return ", ".join(md_text(edit.file_name(f, str(it.path))) for it in group[:10]) + (" ..." if len(group) > 10
                                                                                           else "")
 
-    lines = ["**The doctor** (as of the last Scan; Scan again after editing to see the captions as they are now)"]
+    lines = ["**The doctor** (as of the last Scan, Save captions or Apply; Scan again after changing files "
+             "outside this page)"]
     for what, groups in (("identical files", found.duplicates), ("images that look the same", found.near)):
         if groups:
             lines.append(f"**{len(groups)} group(s) of {what}** (keep one of each unless they differ on purpose):")
@@ -169,14 +204,15 @@ def build(f: Folders) -> None:
         cap_go = gr.Button("Caption the images without one", elem_id="ds-cap-go")
         cap_msg = gr.Markdown(elem_id="ds-cap-msg")
 
-    scanned = [items, grid, status, report, hist, doctor, tags]
+    shown = gr.State(None)  # the folder the table shows: a Save or an Apply refreshes its panes
+    panes = [status, report, hist, doctor, tags]
+    scanned = [items, grid, *panes, shown]
 
     def do_scan(folder, ext, res, trigger, progress=gr.Progress()):
-        return _scan(f, folder, ext, res, progress, trigger)
+        return *_scan(f, folder, ext, res, progress, trigger), folder
 
-    def do_save(items, rows, ext):
-        out, err = _guarded(edit.save_table, f, items, rows, ext)
-        return (items, gr.skip(), err) if err else (out[0], edit.table(f, out[0]), md_text(out[1]))
+    def do_save(items, rows, ext, shown, res, trigger, progress=gr.Progress()):
+        return save_captions(f, items, rows, ext, shown, res, trigger, progress)
 
     def bulk(op, text, find, replace):
         return edit.BulkEdit(op, text, find, replace)
@@ -186,15 +222,10 @@ def build(f: Folders) -> None:
         out, err = _guarded(edit.bulk_preview, f, items, rows, what, scope)
         return (None, err) if err else ((what, scope, _ticked(rows)), md_text(out))
 
-    def do_apply(items, rows, previewed, op, text, find, replace, scope, ext):
-        what = bulk(op, text, find, replace)
-        if previewed != (what, scope, _ticked(rows)):
-            return items, gr.skip(), None, ("**Error:** Preview this edit first (the count of captions it changes), "
-                                            "then Apply")
-        out, err = _guarded(edit.bulk_apply, f, items, rows, what, scope, ext)
-        if err:
-            return items, gr.skip(), None, err
-        return out[0], edit.table(f, out[0], set(_ticked(rows))), None, md_text(out[1])
+    def do_apply(items, rows, previewed, op, text, find, replace, scope, ext, shown, res, trigger,
+                 progress=gr.Progress()):
+        return apply_bulk(f, items, rows, previewed, bulk(op, text, find, replace), scope, ext, shown, res, trigger,
+                          progress)
 
     def do_upload(folder, files, ext, overwrite):
         named = [(os.path.basename(p), p) for p in (files or [])]
@@ -209,10 +240,10 @@ def build(f: Folders) -> None:
         return err or md_text(out)
 
     scan_btn.click(do_scan, [folder, ext, res, trigger], scanned).then(lambda: None, None, previewed)
-    save.click(do_save, [items, grid, ext], [items, grid, saved])
+    save.click(do_save, [items, grid, ext, shown, res, trigger], [items, grid, saved, *panes])
     preview.click(do_preview, [items, grid, op, text, find, replace, scope], [previewed, bulk_msg])
-    apply.click(do_apply, [items, grid, previewed, op, text, find, replace, scope, ext],
-                [items, grid, previewed, bulk_msg])
+    apply.click(do_apply, [items, grid, previewed, op, text, find, replace, scope, ext, shown, res, trigger],
+                [items, grid, previewed, bulk_msg, *panes])
     folder.change(lambda v: v, folder, up_folder)
     up_go.click(do_upload, [up_folder, up_files, ext, up_overwrite], [up_msg, folder, up_files])
     cap_go.click(do_caption, [folder, cap_model, ext, cap_overwrite, cap_prefix], cap_msg).then(

@@ -7,10 +7,10 @@ import gradio as gr
 
 from .folders import Folders
 from .jobs import Jobs
-from .tab_train import Form, start_run
+from .tab_train import Form, FormTab, start_run
 
 
-def build(f: Folders, jobs: Jobs, run_pick) -> None:
+def build(f: Folders, jobs: Jobs, run_pick) -> FormTab:
     gr.Markdown("Train a LoRA on a causal language model (docs/llm.md). The run appears in the Train tab's "
                 "**Runs**, with its progress, charts and log.")
     form = Form(f, task="llm", prefix="llm-")
@@ -18,3 +18,4 @@ def build(f: Folders, jobs: Jobs, run_pick) -> None:
     start = gr.Button("Start", variant="primary", elem_id="llm-start")
     msg = gr.Markdown(elem_id="llm-start-msg")
     start.click(lambda *values: start_run(form, jobs, list(values)), form.inputs, [msg, run_pick])
+    return FormTab(form, "llm", msg)

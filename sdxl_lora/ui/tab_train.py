@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
@@ -19,7 +20,7 @@ from .folders import TINY, TINY_LLM, Folders, PathRefused, image_folders, jsonl_
 from .summary import CARD_FIELDS, GOAL_FIELDS, card_choices, card_fill, goal_fill, run_summary
 from .text import error_md, md_text
 from .form import PATH_FIELDS, FieldSpec, build_config, schema_fields, to_widget_value
-from .duplicate import form_values
+from .duplicate import form_for, form_values
 from .jobs import Jobs, run_status
 from .labels import GROUPS, LABELS, label_for
 
@@ -407,14 +408,6 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
         started = jobs.tick()
         return f"{selected}: resuming" if started == selected else f"{selected}: queued to resume"
 
-    def duplicate(selected):
-        try:
-            values, copy = form_values(form, jobs, selected, _default_prompts())
-        except (ValueError, PathRefused, FileNotFoundError) as e:
-            return *(gr.skip() for _ in form.inputs), error_md(e)
-        return *values, f"the New run form holds a copy of **{md_text(selected)}** as **{md_text(copy)}**; " \
-                        "change what you like and press Start"
-
     plan_btn.click(show_plan, form.inputs, [plan_table, plan_summary])
     plan_btn.click(summarize, form.inputs, summary_line, show_progress="hidden")
     # Not blocking: the line follows the form; a burst of edits computes once for the last of them.
@@ -435,5 +428,44 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
     run_pick.input(lambda sel: refresh(sel, None), run_pick, outputs)
     stop_btn.click(stop, run_pick, action_msg)
     resume_btn.click(resume, run_pick, action_msg)
-    duplicate_btn.click(duplicate, run_pick, [*form.inputs, action_msg])
-    return run_pick
+    return Runs(FormTab(form, "train", start_msg), run_pick, duplicate_btn, action_msg)
+
+
+@dataclass
+class FormTab:
+    """A tab with a New run form: the tab's id in the page's gr.Tabs, and the message line under the form."""
+    form: Form
+    tab: str
+    message: gr.Markdown
+
+
+@dataclass
+class Runs:
+    """What the page wires across tabs: the Train tab's form, the runs picker, Duplicate and its message line."""
+    form_tab: FormTab
+    pick: gr.Dropdown
+    duplicate: gr.Button
+    message: gr.Markdown
+
+
+def duplicated(jobs: Jobs, form_tabs: list[FormTab], selected: str) -> list:
+    """Duplicate as new run on run `selected`: its config into the form of its task (one of `form_tabs`), that tab
+    shown, the message beside the runs and under that form; the outputs in `wire_duplicate`'s order."""
+    rest = 1 + len(form_tabs) + sum(len(t.form.inputs) for t in form_tabs)
+    try:
+        target = form_for({t.form.task: t for t in form_tabs}, jobs, selected)
+        values, copy = form_values(target.form, jobs, selected, _default_prompts())
+    except (ValueError, PathRefused, FileNotFoundError) as e:
+        return [error_md(e), *(gr.skip() for _ in range(rest))]
+    where = "New run form" if target.form.task == "sdxl" else f"{target.form.task.upper()} tab's form"
+    msg = f"the {where} holds a copy of **{md_text(selected)}** as **{md_text(copy)}**; change what you like and " \
+          "press Start"
+    out = [msg, gr.Tabs(selected=target.tab), *(msg if t is target else gr.skip() for t in form_tabs)]
+    for t in form_tabs:
+        out += values if t is target else [gr.skip() for _ in t.form.inputs]
+    return out
+
+
+def wire_duplicate(runs: Runs, jobs: Jobs, tabs: gr.Tabs, form_tabs: list[FormTab]) -> None:
+    outputs = [runs.message, tabs, *(t.message for t in form_tabs), *(c for t in form_tabs for c in t.form.inputs)]
+    runs.duplicate.click(lambda selected: duplicated(jobs, form_tabs, selected), runs.pick, outputs)
