@@ -1,5 +1,5 @@
 """The Train form's per-dataset settings, without a browser: the config the form makes from its folder picker and
-its table (one row per picked folder) and what Duplicate puts back in them."""
+its table (one row per picked folder), what Duplicate puts back in them, and the summary line's count."""
 from __future__ import annotations
 
 import re
@@ -102,3 +102,11 @@ def test_duplicate_puts_a_runs_datasets_back_in_the_table(form):
         {"path": str(ds / "ohwx"), "repeats": 3, "trigger_word": "ohwx", "resolution": 768},
         {"path": str(ds / "man_class"), "is_regularization": True}]
 
+
+def test_the_summary_line_counts_several_datasets_and_the_regularization_ones(form):
+    from sdxl_lora.ui.summary import run_summary
+
+    rows = [["ohwx", "3", "", False, "", ""], ["man_class", "", "", True, "", ""]]
+    assert run_summary(form.config(_values(["ohwx", "man_class"], rows), None, None)).endswith(
+        "; 2 datasets (1 regularization)")
+    assert "datasets" not in run_summary(form.config(_values(["ohwx"]), None, None))
