@@ -160,7 +160,9 @@ class Form:
             gr.Markdown(words.help)
             self.table = gr.Dataframe(dataset_table.follow(dirs, []), headers=dataset_table.HEADERS,
                                       datatype=dataset_table.DATATYPES, type="array", interactive=True,
-                                      static_columns=[0], show_label=False, elem_id=f"{self.prefix}datasets")
+                                      static_columns=[0], show_label=False, wrap=True,
+                                      column_widths=["14%", "13%", "14%", "28%", "17%", "14%"],
+                                      elem_id=f"{self.prefix}datasets")
         self.dirs.change(dataset_table.follow, [self.dirs, self.table], self.table, show_progress="hidden")
 
     @property
