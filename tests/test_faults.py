@@ -391,6 +391,7 @@ def test_every_path_the_ui_page_sends_is_confined_to_the_ui_folders(tmp_path):
         refuses(guarded, dataset_edit.upload, f, p, [("ok.png", ok_image[0][0])], ".txt", True)  # upload folder
         refuses(guarded, dataset_edit.caption, f, p, "m", ".txt", True, "", None)      # captioning: the folder
         refuses(sdxl.config, ["tiny-sdxl-demo", [p], "", ""], "n", None)                # the Train form's data
+        refuses(sdxl.config, ["tiny-sdxl-demo", ["set"], "", "", [[p, "3", "", False, "", ""]]], "n", None)  # its table
         refuses(llm.config, ["tiny-llm", [p], "", ""], "n", None)                       # the LLM form's data
     for ext in ("/../../outside", ".txt/../../../outside/x", "\\..\\..\\x", ".%2e%2f", ".txt\\..\\.."):
         refuses(guarded, dataset_edit.save_table, f, ok_image, edited(ok_image), ext,  # caption save: extension

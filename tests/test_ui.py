@@ -265,6 +265,10 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(page.locator("#f-train-steps")).to_contain_text("Training steps")
             expect(page.locator("#f-group-speed-and-memory #f-train-vram-gb").first).to_contain_text("GPU memory budget")
             expect(page.locator("#tab-train")).not_to_contain_text("train.steps")
+            # The picked folder has its row of per-dataset settings, folded under the picker.
+            page.locator("#f-acc-datasets").get_by_text("Per-dataset settings").click()
+            expect(page.locator("#f-datasets")).to_contain_text("shapes")
+            expect(page.locator("#f-datasets")).to_contain_text("regularization")
             # The summary line before Start: what will train and the memory the whole run needs.
             expect(page.locator("#train-summary")).to_contain_text("trainable parameters in", timeout=WAIT)
             _fill(page, "f-train-vram-gb", 8)

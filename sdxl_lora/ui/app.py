@@ -23,6 +23,7 @@ CSS = """
 #run-progress progress { accent-color: var(--color-accent); }
 #run-progress-text { font-variant-numeric: tabular-nums; margin-top: .25em; }
 #train-plan-summary pre, #train-plan-summary code { white-space: pre-wrap; overflow-wrap: anywhere; }
+#f-datasets th, #f-datasets th * { word-break: normal; overflow-wrap: normal; font-size: var(--text-sm); }
 """
 
 

@@ -21,7 +21,8 @@ from sdxl_lora.core.config import TASKS, Config, ConfigError, _parse_value, fiel
 #   model.path / data.dirs: picked from the models / datasets folder; model.cache_dir: the models folder;
 #   preview.prompts: the prompts box, written to a file under runs/.ui; data.cache_dir, output.runs_dir:
 #   the runs folder; output.overwrite: never from the page (it would delete a run); data.datasets: its tables
-#   name folders, so not from a free-text box (the page trains on the folders it picks).
+#   name folders, so not from a free-text box: the per-dataset table makes them for the picked folders
+#   (dataset_table.py).
 PATH_FIELDS = {"model.path", "data.dirs", "data.datasets", "model.cache_dir", "model.tokenizer", "preview.prompts",
                "data.cache_dir", "output.runs_dir", "output.overwrite"}
 

@@ -183,6 +183,14 @@ class Jobs:
     def run_dir(self, name: str) -> Path:
         return self.f.run(name)
 
+    def config_path(self, name: str) -> Path:
+        """The config run `name` trains: its folder's config.toml, or the queue's copy while it has not started."""
+        run = self.run_dir(name)
+        for path in (run / "config.toml", self.f.ui / "configs" / f"{run.name}.toml"):
+            if path.is_file():
+                return path
+        raise FileNotFoundError(f"run {name!r} has no config.toml")
+
     def queued(self) -> list[dict]:
         out = []
         for p in sorted((self.f.ui / "queue").glob("*.json")):

@@ -85,8 +85,8 @@ LABELS: dict[str, Label] = {
                          "used, for variety."),
     "data.caption_prefix": _l("Caption start", D, "Text added before every caption."),
     "data.caption_suffix": _l("Caption end", D, "Text added after every caption."),
-    "data.datasets": _l("Datasets", D, "Several folders, each with its own settings (repeats, size, trigger, "
-                        "regularization); set in a config file."),
+    "data.datasets": _l("Per-dataset settings", D, "One row per picked folder; an empty cell uses the run's "
+                        "setting. Tick regularization for class images (they never get the trigger word)."),
     "data.validation_split": _l("Held-out share for validation", D, "Share of images kept aside to measure "
                                 "how well the adapter generalises; zero keeps none."),
     "data.cache_dir": _l("Cache folder", D, "Where prepared images and captions are kept between runs."),
@@ -267,6 +267,13 @@ LABELS: dict[str, Label] = {
     "llm.validation_split": _l("Held-out share for validation", D, "Share of examples kept aside to measure "
                                "how well the adapter generalises; zero keeps none."),
 }
+
+# The per-dataset table's columns (the Train form's Per-dataset settings), by the field each one sets in a
+# [[data.datasets]] table; the words follow the form's labels of the run-wide fields they override.
+DATASET_COLUMNS: dict[str, str] = {"path": "folder", "repeats": "repeats", "trigger_word": "trigger word",
+                                   "is_regularization": "regularization", "resolution": "resolution",
+                                   "caption_dropout": "empty-caption share"}
+
 
 # The group of each section's fields that have no entry (a new schema field), until they get one.
 SECTION_GROUP = {"model": M, "data": D, "adapter": W, "train": H, "preview": P, "output": O, "llm": D}

@@ -39,9 +39,9 @@ def _chosen(changes: dict[str, tuple]) -> list[str]:
 
 
 def run_summary(cfg: Config) -> str:
-    """The trainable parameters and layers, the whole run's peak (and the training and preview phases'), and
-    with train.vram_gb what the budget chose. Raises ConfigError (an impossible budget names the smallest
-    that works), FileNotFoundError for a model that is not there."""
+    """The trainable parameters and layers, the whole run's peak (and the training and preview phases'), with
+    train.vram_gb what the budget chose, and the number of datasets where there are several. Raises ConfigError
+    (an impossible budget names the smallest that works), FileNotFoundError for a model that is not there."""
     from sdxl_lora.sdxl.plan import component_bytes, fit_budget, plan_config, run_memory_for
 
     budget = cfg.train.vram_gb
@@ -58,7 +58,17 @@ def run_summary(cfg: Config) -> str:
     if budget:
         line += f"; budget {budget:g} GiB: " + (f"chose {', '.join(chosen)}" if chosen else "fits as set")
     named = [f"{k} preset {v}" for k, v in (("card", cfg.card), ("goal", cfg.goal)) if v]
-    return line + (f"; {', '.join(named)}" if named else "")
+    return line + _datasets(cfg) + (f"; {', '.join(named)}" if named else "")
+
+
+def _datasets(cfg: Config) -> str:
+    """"; 3 datasets (1 regularization)" where the run trains on several."""
+    tables = cfg.data.datasets
+    n = len(tables) or len(cfg.data.dirs)
+    if n < 2:
+        return ""
+    regularization = sum(d.is_regularization for d in tables)
+    return f"; {n} datasets" + (f" ({regularization} regularization)" if regularization else "")
 
 
 # ---- the presets' dropdowns (core/presets.py) -----------------------------------------------------------

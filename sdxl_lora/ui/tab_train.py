@@ -12,10 +12,11 @@ from pathlib import Path
 
 import gradio as gr
 
-from sdxl_lora.core.config import Config, ConfigError, SAMPLE_DATA
+from sdxl_lora.core.config import Config, ConfigError, SAMPLE_DATA, load_config
 from sdxl_lora.core.fsutil import atomic_write_text
 from sdxl_lora.core.runs import read_events
 
+from . import dataset_table
 from .folders import TINY, TINY_LLM, Folders, PathRefused, image_folders, jsonl_files, llm_model_choices, model_choices
 from .summary import CARD_FIELDS, GOAL_FIELDS, card_choices, card_fill, goal_fill, run_summary
 from .text import error_md, md_text
@@ -85,6 +86,7 @@ class Form:
         self.specs = [s for s in schema_fields(task=task) if s.key not in PATH_FIELDS and s.key != "task"
                       and s.key != self.data_key and not s.key.startswith(other) and task in s.tasks]
         self.widgets: dict[str, gr.components.Component] = {}
+        self.table = None  # the per-dataset settings (SDXL): the last of the inputs
 
     def render(self) -> None:
         """The fields by group (labels.GROUPS): each group's common fields on top under its heading, then one
@@ -117,6 +119,8 @@ class Form:
             elif key == self.data_key:
                 self.dirs = gr.Dropdown(data, value=data_value, multiselect=True, allow_custom_value=True,
                                         label=words.text, elem_id=f"{p}data", info=words.help)
+                if task == "sdxl":
+                    self.render_table(data_value)
             elif key == "model.tokenizer":
                 self.tokenizer = gr.Textbox("", label=words.text, elem_id=f"{p}model-tokenizer", info=words.help)
             elif key == "preview.prompts":
@@ -150,21 +154,38 @@ class Form:
             self.tokenizer = gr.Textbox("", visible=False)
             self.prompts = gr.Textbox("", visible=False)
 
+    def render_table(self, dirs: list[str]) -> None:
+        """The per-dataset settings, folded under the folder picker: one row per picked folder, following it."""
+        words = label_for("data.datasets", self.task)
+        with gr.Accordion(words.text, open=False, elem_id=f"{self.prefix}acc-datasets"):
+            gr.Markdown(words.help)
+            self.table = gr.Dataframe(dataset_table.follow(dirs, []), headers=dataset_table.HEADERS,
+                                      datatype=dataset_table.DATATYPES, type="array", interactive=True,
+                                      static_columns=[0], show_label=False, wrap=True,
+                                      column_widths=["14%", "13%", "14%", "28%", "17%", "14%"],
+                                      elem_id=f"{self.prefix}datasets")
+        self.dirs.change(dataset_table.follow, [self.dirs, self.table], self.table, show_progress="hidden")
+
     @property
     def inputs(self) -> list:
-        return [self.model, self.dirs, self.tokenizer, self.prompts, *self.widgets.values()]
+        return [self.model, self.dirs, self.tokenizer, self.prompts, *self.widgets.values(),
+                *([self.table] if self.table is not None else [])]
 
     def config(self, values: list, name: str | None, prompts_file: Path | None) -> Config:
-        """The run's config from the form's values: paths resolved inside the UI's folders, runs in its runs
-        folder, the model cache in its models folder."""
+        """The run's config from the form's values (`inputs` order; without the per-dataset table's, every folder
+        takes the run's settings): paths resolved inside the UI's folders, runs in its runs folder, the model
+        cache in its models folder."""
         model, dirs, tokenizer, _prompts, *rest = values
+        rest, table = rest[:len(self.widgets)], rest[len(self.widgets):]
         if not dirs:
             raise ConfigError(f"{self.data_key}: pick at least one under the datasets folder")
         embedded = TINY if self.task == "sdxl" else TINY_LLM
+        paths = [str(self.f.inside(d, "datasets")) for d in dirs]
+        datasets = dataset_table.tables(self.f, dirs, table[0]) if table and self.task == "sdxl" else []
         fixed = {
             "model.path": model if model == embedded else str(self.f.inside(model, "models")),
             "model.cache_dir": str(self.f.models),
-            self.data_key: [str(self.f.inside(d, "datasets")) for d in dirs],
+            **({"data.datasets": datasets} if datasets else {self.data_key: paths}),
             "output.runs_dir": str(self.f.runs),
             "preview.prompts": str(prompts_file) if prompts_file else "",
         }
@@ -275,6 +296,16 @@ def form_config(form: Form, values: list, name: str | None) -> Config:
     elif name is None and prompts and prompts.strip():
         prompts_file = SAMPLE_DATA / "prompts.txt"  # the plan does not read it; any file will do
     return form.config(values, name, prompts_file)
+
+
+def duplicate_values(form: Form, jobs: Jobs, name: str) -> tuple[list, str, list[str]]:
+    """The form's values (`form.inputs` order) for a copy of run `name`, its per-dataset settings in the table, the
+    copy's name, and what the table has no column for (left out of the copy)."""
+    values, copy = form_values(form, jobs, name, _default_prompts())
+    if form.task != "sdxl":
+        return values, copy, []
+    values[1], rows, left_out = dataset_table.from_config(form.f, load_config(jobs.config_path(name)), values[1])
+    return [*values, rows], copy, left_out
 
 
 def start_run(form: Form, jobs: Jobs, values: list):
@@ -454,12 +485,13 @@ def duplicated(jobs: Jobs, form_tabs: list[FormTab], selected: str) -> list:
     rest = 1 + len(form_tabs) + sum(len(t.form.inputs) for t in form_tabs)
     try:
         target = form_for({t.form.task: t for t in form_tabs}, jobs, selected)
-        values, copy = form_values(target.form, jobs, selected, _default_prompts())
+        values, copy, left_out = duplicate_values(target.form, jobs, selected)
     except (ValueError, PathRefused, FileNotFoundError) as e:
         return [error_md(e), *(gr.skip() for _ in range(rest))]
     where = "New run form" if target.form.task == "sdxl" else f"{target.form.task.upper()} tab's form"
+    note = f"; not in the form, so not copied: {md_text('; '.join(left_out))}" if left_out else ""
     msg = f"the {where} holds a copy of **{md_text(selected)}** as **{md_text(copy)}**; change what you like and " \
-          "press Start"
+          f"press Start{note}"
     out = [msg, gr.Tabs(selected=target.tab), *(msg if t is target else gr.skip() for t in form_tabs)]
     for t in form_tabs:
         out += values if t is target else [gr.skip() for _ in t.form.inputs]

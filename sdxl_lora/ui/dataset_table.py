@@ -1,0 +1,136 @@
+"""The Train form's per-dataset settings: one row per picked image folder (its repeats, trigger word, whether it
+is a regularization set, its resolution and empty-caption share) and the [[data.datasets]] tables they make
+(core/config.py: DatasetConfig), as kohya's subsets and OneTrainer's concepts set each folder apart.
+
+An empty cell means the run's setting. While every row is empty the form trains on data.dirs, exactly as it
+does without the table; a row that sets something turns every picked folder into a table holding its path and
+only what its row sets. Rows are matched to the picked folders by path, each one through Folders.inside."""
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from sdxl_lora.core.config import Config, ConfigError, DatasetConfig
+
+from .duplicate import _relative
+from .folders import Folders
+from .labels import DATASET_COLUMNS
+
+# The columns after the folder, by the DatasetConfig field each one sets.
+FIELDS = ("repeats", "trigger_word", "is_regularization", "resolution", "caption_dropout")
+HEADERS = [DATASET_COLUMNS[k] for k in ("path", *FIELDS)]
+# Numbers are text cells: an empty one means "the run's setting", which a number cell cannot say.
+DATATYPES = ["str", "str", "str", "bool", "str", "str"]
+
+
+def blank(folder: str) -> list:
+    """A folder's row with every setting the run's."""
+    return [folder, "", "", False, "", ""]
+
+
+def _rows(data) -> list[list]:
+    # gr.Dataframe(type="array") hands lists; a pandas frame is taken too.
+    rows = data.values.tolist() if hasattr(data, "values") else [list(r) for r in (data or [])]
+    return [r[:len(HEADERS)] + blank("")[len(r):] for r in rows if r]
+
+
+def follow(dirs: list[str] | None, data) -> list[list]:
+    """The rows for the picked folders, in the picker's order: a folder keeps its row while it stays picked."""
+    kept = {str(r[0]): r for r in _rows(data)}
+    return [kept.get(d, blank(d)) for d in dirs or []]
+
+
+def _where(folder: str, field: str) -> str:
+    return f"Per-dataset settings, folder {folder!r}, {DATASET_COLUMNS[field]}"
+
+
+def _number(folder: str, field: str, raw, whole: bool) -> int | float | None:
+    text = "" if raw is None else str(raw).strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{_where(folder, field)} = {text!r}: not a number; type a number, or leave the cell "
+                          "empty for the run's setting") from None
+    if not whole:
+        return value
+    if not value.is_integer():
+        raise ConfigError(f"{_where(folder, field)} = {text!r}: must be a whole number")
+    return int(value)
+
+
+def _ticked(raw) -> bool:
+    return raw is True or str(raw).strip().lower() in ("true", "yes", "1")
+
+
+def _settings(folder: str, row: list) -> dict:
+    """What a row sets, as DatasetConfig fields; ConfigError naming the folder and the column."""
+    repeats, trigger, regularization, resolution, dropout = row[1:]
+    table = {"repeats": _number(folder, "repeats", repeats, whole=True),
+             "trigger_word": str(trigger or "").strip() or None,
+             "is_regularization": _ticked(regularization) or None,
+             "resolution": _number(folder, "resolution", resolution, whole=True),
+             "caption_dropout": _number(folder, "caption_dropout", dropout, whole=False)}
+    table = {k: v for k, v in table.items() if v is not None}
+    if table.get("is_regularization") and "trigger_word" in table:
+        raise ConfigError(f"{_where(folder, 'trigger_word')} = {table['trigger_word']!r}: a regularization set never "
+                          f"gets the trigger word; clear the cell, or untick "
+                          f"{DATASET_COLUMNS['is_regularization']} if these are images of your subject")
+    try:
+        DatasetConfig(path=folder, **table)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else "path"
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"{_where(folder, field)} = {table.get(field)!r}: {msg}; change it, or leave the cell "
+                          "empty for the run's setting") from None
+    return table
+
+
+def tables(f: Folders, dirs: list[str], data) -> list[dict]:
+    """The data.datasets tables of the picked folders (each folder's path inside the datasets folder and what its
+    row sets), or [] when no row sets anything. A row for a folder that is not picked is not used. Raises
+    ConfigError naming the folder and the column, PathRefused for a folder outside the datasets folder."""
+    rows = {}
+    for r in _rows(data):
+        if str(r[0] or "").strip():  # a row added in the page names no folder
+            rows[f.inside(str(r[0]), "datasets")] = r
+    paths = {f.inside(d, "datasets"): d for d in dirs}
+    settings = [_settings(shown, rows[p]) if p in rows else {} for p, shown in paths.items()]
+    if not any(settings):
+        return []
+    if all(s.get("is_regularization") for s in settings):
+        raise ConfigError(f"Per-dataset settings: every folder is ticked as {DATASET_COLUMNS['is_regularization']}, "
+                          "so nothing teaches your concept; untick the folder of your subject's images")
+    return [{"path": str(p), **s} for p, s in zip(paths, settings)]
+
+
+def from_config(f: Folders, cfg: Config, dirs: list[str]) -> tuple[list[str], list[list], list[str]]:
+    """What Duplicate puts in the folder picker and the table for a run's config: `dirs` (the picker's folders
+    from data.dirs) with empty rows, or, for a run with data.datasets, its tables' folders and rows; and what
+    the table has no column for (left out of the copy), in words."""
+    if not cfg.data.datasets:
+        return dirs, [blank(d) for d in dirs], []
+    picked, rows, left_out = [], [], []
+    default = DatasetConfig.model_construct()
+    for d in cfg.data.datasets:
+        if d.path is None:
+            left_out.append(f"the regularization images made from {d.class_prompt!r}")
+            continue
+        folder = _relative(f, d.path, "datasets")
+        other = [k for k in DatasetConfig.model_fields
+                 if k != "path" and k not in FIELDS and getattr(d, k) != getattr(default, k)]
+        if d.trigger_word == "" and not d.is_regularization:
+            other.append("trigger_word (none)")  # an empty cell means the run's trigger word
+        if other:
+            left_out.append(f"{folder}: {', '.join(other)}")
+        # A regularization set's trigger word does nothing (it never gets one): not shown, nothing lost.
+        trigger = None if d.is_regularization else d.trigger_word
+        rows.append([folder, _cell(d.repeats), _cell(trigger), d.is_regularization, _cell(d.resolution),
+                     _cell(d.caption_dropout)])
+        picked.append(folder)
+    return picked, rows, left_out
+
+
+def _cell(value) -> str:
+    return "" if value is None else str(value)
