@@ -70,6 +70,11 @@ def test_a_model_folder_recommends_settings_that_apply_where_the_config_is_silen
     assert cfg.train.steps == 7                        # the user's value wins
     assert cfg.adapter.overrides == {"y": 2}           # a table field wins whole, not merged key by key
     assert load_config(overrides=[f"model.path='{tmp_path}'"]).train.lr == Config().train.lr  # no file: defaults
+    # A timestep range is the user's whole: the base's recommended lower bound gives way to a user's upper one.
+    (model / "sdxl_lora.toml").write_text("[train]\ntimestep_min = 400\n")
+    assert load_config(overrides=[f"model.path='{model}'"]).train.timestep_min == 400
+    ranged = load_config(overrides=[f"model.path='{model}'", "train.timestep_max=300"]).train
+    assert (ranged.timestep_min, ranged.timestep_max) == (0, 300)
     (model / "sdxl_lora.toml").write_text("[model]\npath = 'elsewhere'\n")
     with pytest.raises(ConfigError, match=r"sdxl_lora.toml.*\[data\], \[adapter\], \[train\] and \[preview\]"):
         load_config(overrides=[f"model.path='{model}'"])

@@ -94,15 +94,14 @@ def test_training_loss_falls_clearly(default_run):
 
 def test_default_run_teaches_the_star_and_keeps_the_other_prompts(default_run):
     # The shapes detector on the previews (2 seeds each): P(star) on the trigger prompts, and the plain
-    # prompts' own shape. The base draws no star (P ~0.00); measured after the default job: 0.23 with
-    # own shape 0.98 -> 0.73 on this 2-core machine (docs/demo_base.md). The bounds leave room for other
-    # thread counts and CPUs: a third of that rise, and the plain prompts still mostly their shapes.
+    # prompts' own shape. The base draws no star (P ~0.00); after the default job the star is drawn
+    # (docs/demo_base.md has the figures of this machine) and the plain prompts keep their shapes.
     concept = [e for e in read_events(default_run / "events.jsonl") if e["event"] == "concept"]
     before, after = concept[0], concept[-1]
     assert before["step"] == 0 and after["step"] > 0
     assert before["score"] < 0.05
-    assert after["score"] > before["score"] + 0.08, (before["score"], after["score"])
-    assert after["others_score"] > 0.4, after["others"]
+    assert after["score"] > 0.5, after["prompts"]
+    assert after["others_score"] >= 0.85 * before["others_score"], after["others"]
 
 
 def test_adapter_loads_in_diffusers_in_another_process_and_changes_the_image(default_run, tmp_path):

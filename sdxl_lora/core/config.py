@@ -718,6 +718,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set_dotted(tree, key, value)
     recommended, rec_path = recommended_settings(tree)
     if recommended:
+        recommended = _without_linked(recommended, set(_dotted_keys(tree)))
         applied = sorted(set(_dotted_keys(recommended)) - set(_dotted_keys(tree)))
         if applied:
             import logging
@@ -811,6 +812,22 @@ def _table_fields() -> frozenset[str]:
 
     return frozenset(name for section in (DataConfig, AdapterConfig, TrainConfig, PreviewConfig)
                      for name, f in section.model_fields.items() if get_origin(f.annotation) is dict)
+
+
+# Fields that only make sense together: a model's recommended value of one is left out where the config sets
+# another of its group (a timestep range the user chose is theirs whole, the base's bound would not fit it).
+LINKED_FIELDS = (("train.timestep_min", "train.timestep_max"),)
+
+
+def _without_linked(recommended: dict, set_keys: set[str]) -> dict:
+    """`recommended` less the fields whose linked group (LINKED_FIELDS) the config sets any of."""
+    drop = {k for group in LINKED_FIELDS if set_keys & set(group) for k in group}
+    out = {}
+    for section, fields in recommended.items():
+        kept = {f: v for f, v in fields.items() if f"{section}.{f}" not in drop} if isinstance(fields, dict) else fields
+        if kept or not isinstance(fields, dict):
+            out[section] = kept
+    return out
 
 
 def _merged(base: dict, top: dict) -> dict:
