@@ -14,6 +14,8 @@ What each contender runs (the same model folder, the same JSONL data, the same s
                 adapter.preset="full" (every projection at one rank), model.quantize="nf4" for QLoRA, previews
                 and checkpoints off, train.log_every=1 (one host read a step, as TRL's per-step metrics make too).
   ours-compile  the same with train.compile="regional" (not in the default grid: --only adds it).
+  ours-ckpt     ours with train.gradient_checkpointing=true, as TRL's defaults checkpoint: the comparison at
+                about TRL's memory (not in the default grid); ours-ckpt-compile adds train.compile="regional".
   trl           SFTTrainer(model=FOLDER) with SFTConfig's defaults (its fused, chunked LM-head loss, gradient
                 checkpointing, bf16 autocast, AdamW), plus packing=True, max_length=seq, the batch size, bf16
                 weights (model_init_kwargs dtype; TRL loads fp32 otherwise), no saving, no reporting;
@@ -74,7 +76,8 @@ from train_e2e import MemorySampler
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
-CONTENDERS = ("ours", "ours-compile", "trl", "unsloth", "liger")
+OURS = ("ours", "ours-compile", "ours-ckpt", "ours-ckpt-compile")
+CONTENDERS = (*OURS, "trl", "unsloth", "liger")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1"}
 WORDS = ("river stone garden lamp orbit violin maple signal harbor copper lantern meadow cipher glacier "
@@ -168,7 +171,7 @@ def _versions(*names: str) -> dict:
     return out
 
 
-def run_ours(args, compile_layers: bool) -> dict:
+def run_ours(args, compile_layers: bool, checkpointing: bool = False) -> dict:
     """`sdxl-lora llm train` in this process; tokens/s from its step events (each step logged)."""
     import shutil
 
@@ -184,6 +187,8 @@ def run_ours(args, compile_layers: bool) -> dict:
         sets.append("model.quantize='nf4'")
     if compile_layers:
         sets.append("train.compile='regional'")
+    if checkpointing:
+        sets.append("train.gradient_checkpointing=true")
     argv = ["llm", "train", "--model", args.folder, "--data", args.data, "--steps", str(args.warmup + args.steps),
             "--rank", "16", "--batch-size", str(args.batch), "--max-length", str(args.seq), "--out", str(runs),
             "--name", name] + [x for s in sets for x in ("--set", s)]
@@ -291,8 +296,9 @@ def worker(args) -> None:
         return
     result = {}
     try:
-        if args.worker in ("ours", "ours-compile"):
-            result = run_ours(args, compile_layers=args.worker == "ours-compile")
+        if args.worker in OURS:
+            result = run_ours(args, compile_layers=args.worker.endswith("compile"),
+                              checkpointing="ckpt" in args.worker)
         else:
             result = run_sft(args, args.worker)
     except BaseException as e:  # noqa: BLE001 - the parent reports it beside the other runs

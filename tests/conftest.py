@@ -15,6 +15,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# The files whose tests take longest start first: pytest-xdist (--dist loadfile) hands out whole files in
+# collection order, and a long file handed out last keeps one worker busy while the other has nothing left.
+FIRST = ("test_train.py", "test_ui.py", "test_durability.py", "test_speed.py", "test_multiprocess.py",
+         "test_adapter_kinds.py", "test_faults.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def tiny_dir():
     """The embedded tiny SDXL as a diffusers folder (built once, in the repo's model cache)."""

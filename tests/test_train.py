@@ -197,8 +197,11 @@ def test_random_crop_trains_with_live_latents(tmp_path):
 
 
 def test_previews_every_n_steps_and_validation_loss_on_held_out_images(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("sks, a red star on a white background\n")
     args = ["train", "--out", str(tmp_path), "--name", "v", "--steps", "6", "--set", "preview.every=3",
-            "--set", "preview.steps=2", "--set", "data.validation_split=0.25", "--set", "train.save_every=3"]
+            "--set", "preview.steps=2", "--set", "data.validation_split=0.25", "--set", "train.save_every=3",
+            "--set", f"preview.prompts='{prompts}'"]
     assert main(args) == 0
     run = tmp_path / "v"
     names = {p.name for p in (run / "samples").iterdir()}
@@ -213,7 +216,8 @@ def test_previews_every_n_steps_and_validation_loss_on_held_out_images(tmp_path)
     assert ds["images"] == 32 and ds["train_images"] == 24 and len(ds["held_out"]) == 8
     assert ds["samples"] == 24
     assert next(e for e in events if e["event"] == "cache")["latents_total"] == 32
-    # Same validation images and noise: a second identical run gives the same figures.
-    assert main([*args[:4], "v2", *args[5:]]) == 0
+    # Same validation images and noise: a second identical run gives the same figures (previews left out:
+    # they draw on no training randomness).
+    assert main([*args[:4], "v2", *args[5:-2], "--set", "preview.prompts=''"]) == 0
     val2 = [e for e in read_events(tmp_path / "v2" / "events.jsonl") if e["event"] == "validation"]
     assert [e["loss"] for e in val2] == [e["loss"] for e in val]

@@ -66,7 +66,7 @@ def test_a_black_mask_region_gives_no_gradient():
 def test_the_task_loss_applies_the_batch_mask():
     from diffusers import DDPMScheduler
 
-    task = SDXLTask(load_config())
+    task = SDXLTask(load_config(extra={"model.path": "tiny-sdxl"}))  # a base that recommends no settings
     task.pipe = SimpleNamespace(vae=SimpleNamespace(config=SimpleNamespace(scaling_factor=0.13)),
                                 scheduler=DDPMScheduler(num_train_timesteps=1000))
     task.noise_scheduler = task._noise_scheduler()

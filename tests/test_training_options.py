@@ -30,6 +30,8 @@ def make_task(**train):
     model = train.pop("prediction_type", "auto")
     extra = {f"train.{k}": v for k, v in train.items()}
     extra["model.prediction_type"] = model
+    # The embedded random base: it recommends no training settings (the demo base's narrow the timesteps).
+    extra["model.path"] = "tiny-sdxl"
     task = SDXLTask(load_config(extra=extra))
     base = DDPMScheduler(num_train_timesteps=N_T, beta_start=BETA_START, beta_end=BETA_END,
                          beta_schedule="scaled_linear", prediction_type="epsilon")
