@@ -117,7 +117,10 @@ def test_ctrl_c_saves_the_state_and_resume_continues_from_the_next_step(tmp_path
 
 
 def test_resume_without_a_state_says_so(tmp_path):
-    train(tmp_path, "--name", "s", "--steps", "2", "--set", "preview.prompts=''", "--set", "train.save_every=0")
+    from sdxl_lora.cli import main
+
+    assert main(["train", "--out", str(tmp_path), "--name", "s", "--steps", "2", "--set", "preview.prompts=''",
+                 "--set", "train.save_every=0"]) == 0
     # Finished without a saved state: training it further has nothing to start from.
     p = train(tmp_path, "--resume", str(tmp_path / "s"), "--steps", "4", check=False)
     assert p.returncode == 2
