@@ -28,9 +28,18 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("sweep", REPO / "scripts" / "sweep_demo_settings.py")
-sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sweep)
+
+
+def _module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sweep = _module("sweep", REPO / "scripts" / "sweep_demo_settings.py")
+# datasets(): the sample set split into its stars and its prior shapes.
+prior_preservation = _module("prior_preservation", REPO / "benchmarks" / "prior_preservation.py")
 
 # The bases: --set overrides of scripts/pretrain_demo.toml.
 BASES = {
@@ -51,18 +60,6 @@ RECIPES = {
 }
 SMOKE = ["demo.resolution=64", "demo.latent_bank=16", "demo.eval_images=2", "vae.steps=2", "vae.batch_size=2",
          "vae.warmup_steps=0", "unet.steps=2", "unet.batch_size=4", "unet.warmup_steps=0"]
-
-
-def datasets(out: Path) -> tuple[Path, Path]:
-    """The sample set split into its stars and its prior shapes (two folders, captions beside)."""
-    stars, prior = out / "data" / "stars", out / "data" / "prior"
-    for folder in (stars, prior):
-        folder.mkdir(parents=True, exist_ok=True)
-    for img in sorted((REPO / "sample_data" / "images").glob("*.png")):
-        dest = prior if img.name.startswith("prior") else stars
-        for f in (img, img.with_suffix(".txt")):
-            shutil.copy(f, dest / f.name)
-    return stars, prior
 
 
 def recipe_toml(base: Path, r: dict, stars: Path, prior: Path, prompts: Path, cache: Path) -> str:
@@ -130,7 +127,7 @@ def main() -> int:
     args = ap.parse_args()
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
-    stars, prior = datasets(args.out)
+    stars, prior = prior_preservation.datasets(args.out / "data")
     prompts = args.out / "prompts.txt"
     prompts.write_text("".join(f"{p} --d {d}\n" for p in sweep.TRIGGER + sweep.PLAIN for d in (0, 1, 2)),
                        encoding="utf-8")

@@ -423,7 +423,7 @@ def cmd_llm_plan(args) -> int:
     from .core import inject
     from .core.memory import GiB
     from .llm.memory import config_memory, fit_budget, format_activations
-    from .llm.model import check_causal_lm_folder, resolve_llm_path, weight_dtype
+    from .llm.model import check_causal_lm_folder, resolve_llm_path
 
     cfg = _llm_config_from_args(args)
     config = check_causal_lm_folder(resolve_llm_path(cfg.model), weights=False)
@@ -433,8 +433,7 @@ def cmd_llm_plan(args) -> int:
         cfg, choices = fit.cfg, fit.choices
     plan, memory = config_memory(cfg, config)
     state, acts, weights = memory.parts, memory.acts, memory.weights
-    n = plan.trainable_params
-    compute = weight_dtype(cfg, "bf16" if cfg.train.mixed_precision == "auto" else cfg.train.mixed_precision)
+    n, compute = plan.trainable_params, memory.compute_dtype
     ckpt = cfg.train.gradient_checkpointing
     method = cfg.model.quantize if cfg.model.quantize != "none" else None
     if args.json:

@@ -92,6 +92,7 @@ class LLMMemory:
     parts: dict[str, int]
     acts: LLMActivations
     weights: dict[str, int]   # the frozen weights by storage
+    compute_dtype: torch.dtype
 
     @property
     def peak(self) -> int:
@@ -100,10 +101,11 @@ class LLMMemory:
         return int(CONTEXT + RESERVE * sum(self.parts.values()))
 
 
-def config_memory(cfg, config, model=None) -> tuple[Plan, LLMMemory]:
+def config_memory(cfg, config, model=None, plan=None) -> tuple[Plan, LLMMemory]:
     """The adapter plan and the step's memory for `cfg` on the causal LM of transformers `config`, built on
     the meta device (no weights read), as a GPU run holds it: bf16 under train.mixed_precision="auto", or
-    quantized per model.quantize; the output head in full precision."""
+    quantized per model.quantize; the output head in full precision. `model` and `plan`: already built for
+    this config (the budget's candidates share them)."""
     from transformers import AutoModelForCausalLM
 
     from ..core.memory import weight_bytes
@@ -113,7 +115,7 @@ def config_memory(cfg, config, model=None) -> tuple[Plan, LLMMemory]:
     if model is None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    plan = make_plan(model, cfg.adapter)
+    plan = plan or make_plan(model, cfg.adapter)
     mp = "bf16" if cfg.train.mixed_precision == "auto" else cfg.train.mixed_precision
     compute = weight_dtype(cfg, mp)
     weights = weight_bytes(model, cfg.model.quantize, cfg.model.quant_double, compute, skip=keep_head)
@@ -121,7 +123,7 @@ def config_memory(cfg, config, model=None) -> tuple[Plan, LLMMemory]:
                                 optimizer=cfg.train.optimizer, batch_size=cfg.train.batch_size,
                                 max_length=cfg.llm.max_length, checkpointing=cfg.train.gradient_checkpointing,
                                 compute_dtype=compute, loss_chunk=cfg.llm.loss_chunk)
-    return plan, LLMMemory(parts, acts, weights)
+    return plan, LLMMemory(parts, acts, weights, compute)
 
 
 @dataclass
@@ -163,6 +165,7 @@ def fit_budget(cfg, config, budget_gib: float) -> LLMFit:
     batches = [d for d in range(b, 0, -1) if b % d == 0]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    plan = None  # the levers change no adapter layer: one plan serves every candidate
     smallest = None
     for q in quantize:
         best = None
@@ -171,7 +174,7 @@ def fit_budget(cfg, config, budget_gib: float) -> LLMFit:
                 c = cfg.model_copy(deep=True)
                 c.model.quantize, c.train.gradient_checkpointing = q, ck
                 c.train.batch_size, c.train.grad_accum = batch, cfg.train.grad_accum * (b // batch)
-                _, memory = config_memory(c, config, model)
+                plan, memory = config_memory(c, config, model, plan)
                 choices = {k: v for k, v, was in (("model.quantize", q, cfg.model.quantize),
                                                   ("train.gradient_checkpointing", ck, cfg.train.gradient_checkpointing),
                                                   ("train.batch_size", batch, b),
