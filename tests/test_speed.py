@@ -847,6 +847,66 @@ def test_graphs_that_do_not_fit_in_memory_leave_the_run_training_without_them(mo
     assert torch.equal(graphed(torch.ones(2, 3)), lin(torch.ones(2, 3)))
     assert tries == [(4, 3)]  # no second capture tried
 
+def test_graphs_that_do_not_fit_beside_a_checkpoint_budget_checkpoint_more_and_capture_again(tiny_dir, monkeypatch,
+                                                                                            caplog):
+    # A budget's trial passes cannot see the graphs' pool: when the capture runs out of memory the task
+    # checkpoints half the units it had left out and the capture is tried again; with every unit
+    # checkpointed and still no room, the run trains on without graphs.
+    from types import SimpleNamespace
+
+    from sdxl_lora.sdxl.task import SDXLTask
+
+    unet = tiny_unet_with_lora(tiny_dir)
+    units = unet_speed.checkpoint_units(unet)
+    for i, u in enumerate(units):
+        u.saved, u.flops = 1000 * (i + 1), 10
+    order = [u.name for u in speed.checkpoint_order(units)]
+    task = SDXLTask(load_config(None, ["train.checkpoint_budget_gb=1", "train.cuda_graphs=true"]))
+    task.accelerator = SimpleNamespace(unwrap_model=lambda m: m)
+    events = []
+    task._run = SimpleNamespace(event=lambda kind, **kw: events.append((kind, kw)))
+    task._checkpointing = {"units": units, "chosen": order[:1], "graph_safe": True, "budget_gb": 1.0}
+    unet_speed.apply_selective_checkpointing(unet, order[:1], True)
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    fits_with = len(order) - 1  # the capture fits once all but one unit are checkpointed
+    tries = []
+
+    def make_graphed_callables(fn, sample_args, **kw):
+        on = sum(bool(u.switch.gradient_checkpointing) for u in units)
+        tries.append(on)
+        if on < fits_with:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 240.00 MiB")
+        return lambda *a: fn(*a) * 1  # "replayed"
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
+    lin = torch.nn.Linear(3, 2)
+    graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1, on_out_of_memory=lambda: task._checkpoint_more(unet))
+    with caplog.at_level("WARNING"):
+        graphed(torch.randn(4, 3))
+    # Each retry checkpoints half of what was left (at least one), in checkpoint order, until it fits.
+    expect, on = [1], 1
+    while on < fits_with:
+        on += max(1, (len(order) - on) // 2)
+        expect.append(on)
+    assert tries == expect and not graphed.eager and len(graphed.graphs) == 1
+    assert task._checkpointing["chosen"] == order[:expect[-1]]
+    assert "capturing again" in caplog.text and "training on without them" not in caplog.text
+    assert [kw["reason"] for kind, kw in events if kind == "checkpointing"] == ["cuda_graphs_out_of_memory"] * \
+        (len(expect) - 1)
+
+    # Nothing fits: every unit gets checkpointed, then the run goes on without graphs.
+    fits_with = len(order) + 1
+    graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1, on_out_of_memory=lambda: task._checkpoint_more(unet))
+    x = torch.randn(2, 3)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(graphed(x), lin(x))
+    assert graphed.eager and task._checkpointing["chosen"] == order
+    assert all(u.switch.gradient_checkpointing for u in units if u.name in order)
+    assert "training on without them" in caplog.text
+
+
 def test_a_large_batch_is_measured_on_a_centre_crop_that_scales_to_the_same_activations(tiny_dir):
     # Selective checkpointing measures one sample's activations with every one kept; at 1024 on SDXL that
     # alone is more than an 8 GiB budget holds, so large latents are measured on a crop and scaled up.

@@ -152,8 +152,12 @@ class GraphedCall:
     with its own warm-up."""
 
     def __init__(self, module: torch.nn.Module, fn: Callable[..., torch.Tensor], warmup: int = 3,
-                 others: Callable[[tuple], list[tuple]] | None = None):
+                 others: Callable[[tuple], list[tuple]] | None = None,
+                 on_out_of_memory: Callable[[], bool] | None = None):
         self.module, self.fn, self.warmup, self.others = module, fn, warmup, others
+        # Called when a capture runs out of memory: True once it made the step need less (the task
+        # checkpoints more of the model), and the capture is tried again; False: train on without graphs.
+        self.on_out_of_memory = on_out_of_memory
         self.graphs: dict[tuple, Callable] = {}
         self.pool = None  # the memory pool every capture shares, made at the first capture
         self.eager = False  # the captures ran out of memory: every call runs fn as it is
@@ -167,25 +171,31 @@ class GraphedCall:
             return self.fn(*args)
         key = self._key(args)
         graphed = self.graphs.get(key)
-        if graphed is None:
-            try:
-                graphed = self._capture(key, args)
-            except torch.OutOfMemoryError:
-                # A memory cap (train.vram_gb) or a full card: the graphs' pool cannot share blocks with
-                # ordinary memory, so capturing can need more than an eager step. Train on without graphs
-                # (slower per step, the same results) rather than lose the run.
+        while graphed is None:
+            graphed = self._try_capture(key, args)
+            if graphed is not None:
+                break
+            # A memory cap (train.vram_gb) or a full card: the graphs' pool cannot share blocks with ordinary
+            # memory, so capturing can need more than an eager step. Out of the except block: its traceback
+            # held the failed capture's frames and, through them, the pool's memory (the frames form cycles,
+            # hence the collection).
+            self.graphs.clear()
+            self.pool = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            if self.on_out_of_memory is None or not self.on_out_of_memory():
+                # Train on without graphs (slower per step, the same results) rather than lose the run.
                 log.warning("CUDA graphs did not fit in memory (%s); training on without them",
                             ", ".join(str(tuple(a.shape)) for a in args))
                 self.eager = True
-            if self.eager:
-                # Out of the except block: its traceback held the failed capture's frames and, through
-                # them, the pool's memory. The frames form cycles, hence the collection.
-                self.graphs.clear()
-                self.pool = None
-                gc.collect()
-                torch.cuda.empty_cache()
                 return self.fn(*args)
         return graphed(*args)
+
+    def _try_capture(self, key: tuple, args: tuple) -> Callable | None:
+        try:
+            return self._capture(key, args)
+        except torch.OutOfMemoryError:
+            return None
 
     def _capture(self, key: tuple, args: tuple) -> Callable:
         """The graphs for `key`, captured now, with every shape `others` names on the first capture."""

@@ -210,6 +210,8 @@ class SDXLTask(Task):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self._graphed = None  # train.cuda_graphs: True until the first training call builds the graphs
+        self._checkpointing: dict | None = None  # train.checkpoint_budget_gb's measured units and choice
+        self._run: Run | None = None
         self._speed_choices: dict[str, str] = {}
         self._identity: dict | None = None
         self._budget = None  # train.vram_gb: the fit (sdxl/plan.py: fit_budget)
@@ -554,9 +556,33 @@ class SDXLTask(Task):
 
         if self._graphed and torch.is_grad_enabled():
             if not isinstance(self._graphed, speed.GraphedCall) or self._graphed.module is not model:
-                self._graphed = speed.GraphedCall(model, call, others=self._graph_inputs)
+                self._graphed = speed.GraphedCall(model, call, others=self._graph_inputs,
+                                                  on_out_of_memory=lambda: self._checkpoint_more(model))
             return self._graphed(noisy, t, embeds, pooled, time_ids)
         return call(noisy, t, embeds, pooled, time_ids)
+
+    def _checkpoint_more(self, model) -> bool:
+        """CUDA graphs' capture ran out of memory: checkpoint half the units selective checkpointing left
+        out (train.checkpoint_budget_gb) and say so; False when there is nothing left to checkpoint. The
+        budget's trial passes run in ordinary memory and cannot see the graphs' own pool; graphs with more
+        recomputation are still much faster than the same step without graphs, whose launches the host
+        cannot keep up with."""
+        fit = self._checkpointing
+        if fit is None:
+            return False
+        left = [u.name for u in speed.checkpoint_order(fit["units"]) if u.name not in fit["chosen"]]
+        if not left:
+            return False
+        fit["chosen"] += left[:max(1, len(left) // 2)]
+        unet = self.accelerator.unwrap_model(model)
+        unet_speed.apply_selective_checkpointing(unet, fit["chosen"], fit["graph_safe"], self.cfg.train.sdpa_backend)
+        total = len(speed.checkpoint_order(fit["units"]))
+        log.warning("CUDA graphs did not fit in memory beside train.checkpoint_budget_gb=%g's step: checkpointing "
+                    "%d of %d units and capturing again", fit["budget_gb"], len(fit["chosen"]), total)
+        if self._run is not None:
+            self._run.event("checkpointing", budget_gb=fit["budget_gb"], blocks=list(fit["chosen"]),
+                            reason="cuda_graphs_out_of_memory")
+        return True
 
     def _graph_inputs(self, args: tuple) -> list[tuple]:
         """The UNet's inputs for every (bucket, batch size) this process's batches come in, made like the
@@ -632,6 +658,7 @@ class SDXLTask(Task):
                         if over <= 0:
                             break
         unet_speed.apply_selective_checkpointing(unet, chosen, graph_safe, self.cfg.train.sdpa_backend)
+        self._checkpointing = {"units": units, "chosen": chosen, "graph_safe": graph_safe, "budget_gb": budget_gb}
         flops = sum(u.flops for u in units)
         recompute = sum(u.flops for u in units if u.name in chosen) / max(flops, 1)
         log.info("train.checkpoint_budget_gb=%g: checkpointing %s (%.0f%% of the forward FLOPs recomputed); "
