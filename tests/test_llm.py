@@ -310,6 +310,32 @@ def test_sdxl_only_settings_set_for_an_llm_run_are_named_in_one_warning(tmp_path
     assert len(warned) == 1 and "train.fuse_qkv" in warned[0] and "train.channels_last" in warned[0]
 
 
+def test_llm_speed_auto_compiles_the_decoder_layers_of_a_long_run_on_a_gpu_and_keeps_what_the_user_set():
+    # train.speed is no longer SDXL-only: for a causal LM "auto" decides the compilation of its decoder layers.
+    from sdxl_lora.core.config import fields_for_other_tasks
+    from sdxl_lora.llm.task import COMPILE_MIN_TOKENS, auto_levers
+
+    def cfg(**extra):
+        return load_config(extra={"task": "llm", "llm.max_length": 2048, "train.batch_size": 4, **extra})
+
+    rows = 4 * 2048
+    long = cfg(**{"train.steps": COMPILE_MIN_TOKENS // rows + 1})
+    got, why = auto_levers(long, "cuda", 1)
+    assert got.train.compile == "regional" and why["compile"].startswith("'regional': the run trains up to")
+    short, why = auto_levers(cfg(**{"train.steps": COMPILE_MIN_TOKENS // rows - 1}), "cuda", 1)
+    assert short.train.compile == "none" and "fewer than compiling pays for" in why["compile"]
+    # Two processes train twice the tokens in the same steps.
+    assert auto_levers(cfg(**{"train.steps": COMPILE_MIN_TOKENS // rows // 2 + 1}), "cuda", 2)[0].train.compile == \
+        "regional"
+    # The user's setting wins; a CPU run, or speed="off", changes nothing.
+    kept, why = auto_levers(cfg(**{"train.steps": 10**6, "train.compile": "none"}), "cuda", 1)
+    assert kept.train.compile == "none" and why == {"compile": "'none', as set"}
+    assert auto_levers(long, "cpu", 1) == (long, {})
+    off = cfg(**{"train.steps": 10**6, "train.speed": "off"})
+    assert auto_levers(off, "cuda", 1) == (off, {})
+    assert fields_for_other_tasks(off) == []  # setting it on an LLM run is not "SDXL-only" any more
+
+
 def test_llm_plan_reads_only_the_config_and_matches_the_8b_figures(tmp_path, capsys):
     # A Llama-3-8B folder with its config and no real weights: `llm plan` builds the model on the meta
     # device. Rank 16 on every linear of the 8B is the 41.9 M trainable parameters issue 10 states, and its

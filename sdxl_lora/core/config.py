@@ -388,9 +388,9 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(False, description=(
         "Recompute activations in the backward instead of keeping them: less memory, slower steps."))
     # Speed and memory levers: docs/speed.md.
-    speed: Literal["auto", "off"] = Field("auto", json_schema_extra=SDXL_ONLY, description=(
-        "On a CUDA GPU, 'auto' turns on CUDA graphs, regional compilation and channels_last where they pay for "
-        "the run's length, and logs what it chose; a lever you set yourself wins. 'off': only what you set."))
+    speed: Literal["auto", "off"] = Field("auto", description=(
+        "On a CUDA GPU, 'auto' turns on the speed levers that pay for the run's length (CUDA graphs, "
+        "compilation, channels_last) and logs its choice; a lever you set wins. 'off': only what you set."))
     vram_gb: float | None = Field(None, gt=0, description=(
         "GPU memory the whole run may use, in GiB: the fastest settings that fit are chosen and logged, the "
         "process is capped there, and a budget that cannot be met is refused at start."))

@@ -36,6 +36,29 @@ from .slots import make_plan
 
 log = logging.getLogger(__name__)
 
+# train.speed="auto" compiles the decoder layers of a run that trains at least this many tokens: compiling
+# adds seconds to the first step and saves about a fifth of every later one, which a short run (or a small
+# model's short steps) does not win back (benchmarks/RESULTS.md).
+COMPILE_MIN_TOKENS = 2_000_000
+
+
+def auto_levers(cfg: Config, device_type: str, processes: int) -> tuple[Config, dict[str, str]]:
+    """train.speed="auto" for a causal LM: the config with train.compile chosen for this device and run, and
+    why, as {field: reason}. A compile setting of the user's is kept; off a CUDA GPU, or with speed="off",
+    nothing changes."""
+    tc = cfg.train
+    if tc.speed != "auto" or device_type != "cuda":
+        return cfg, {}
+    if "compile" in tc.model_fields_set:
+        return cfg, {"compile": f"{tc.compile!r}, as set"}
+    tokens = tc.steps * tc.batch_size * tc.grad_accum * processes * cfg.llm.max_length
+    if tokens < COMPILE_MIN_TOKENS:
+        return cfg, {"compile": f"'none': the run trains at most {tokens:,} tokens, fewer than compiling pays for "
+                                f"({COMPILE_MIN_TOKENS:,})"}
+    update = {"train": tc.model_copy(update={"compile": "regional"})}
+    return cfg.model_copy(update=update), {
+        "compile": f"'regional': the run trains up to {tokens:,} tokens, enough to repay compiling its decoder layers"}
+
 
 class LLMTask(Task):
     unit_labels = {"tokens": "tok_s", "examples": "ex_s"}
@@ -43,10 +66,12 @@ class LLMTask(Task):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self._budget = None  # train.vram_gb: the fit (llm/memory.py: fit_budget)
+        self._speed_choices: dict[str, str] = {}  # train.speed="auto": {field: why}
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
         """train.vram_gb: checkpointing, a smaller batch with accumulation or an nf4 base, where the budget
-        needs them, from the model's config alone (before any weight is read)."""
+        needs them, from the model's config alone (before any weight is read); then train.speed="auto"'s
+        choice of compilation for this device and run length."""
         self._budget = None
         if cfg.train.vram_gb:
             from .memory import fit_budget
@@ -55,6 +80,7 @@ class LLMTask(Task):
             config = check_causal_lm_folder(resolve_llm_path(cfg.model), weights=False)
             self._budget = fit_budget(cfg, config, cfg.train.vram_gb)
             cfg = self._budget.cfg
+        cfg, self._speed_choices = auto_levers(cfg, device_type, processes)
         self.cfg = cfg
         return cfg
 
@@ -102,6 +128,11 @@ class LLMTask(Task):
         if cfg.train.gradient_checkpointing:
             # Non-reentrant: works with a frozen embedding (no input-grad hook) and with LoRA inside the blocks.
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self._speed_choices:
+            log.info("train.speed='auto' on %s: %s", self.device,
+                     "; ".join(f"{k} {v}" for k, v in self._speed_choices.items()))
+            run.event("speed", auto=True, **{k: getattr(cfg.train, k) for k in self._speed_choices},
+                      reasons=self._speed_choices)
         if cfg.train.compile != "none":
             from ..core import speed
 
