@@ -220,7 +220,11 @@ def run_sft(args, kind: str) -> dict:
     config = SFTConfig(output_dir=str(Path(args.work) / f"{kind}-{args.base}-b{args.batch}"),
                        max_steps=args.warmup + args.steps, per_device_train_batch_size=args.batch,
                        max_length=args.seq, packing=True, bf16=cuda, report_to="none", save_strategy="no",
-                       model_init_kwargs={"dtype": dtype}, use_liger_kernel=kind == "liger", seed=0)
+                       model_init_kwargs={"dtype": dtype}, use_liger_kernel=kind == "liger", seed=0,
+                       # unsloth's patched SFTConfig defaults to 2: every contender steps on one batch.
+                       gradient_accumulation_steps=1,
+                       # unsloth's patched trainer leaves TRL's own token count at 0: the Trainer's is counted too.
+                       include_num_input_tokens_seen="non_padding")
 
     class StepClock(TrainerCallback):
         """The wall time and TRL's running token count at the end of each optimizer step."""
@@ -230,7 +234,8 @@ def run_sft(args, kind: str) -> dict:
         def on_step_end(self, args_, state, control, **kwargs):
             if cuda:
                 torch.cuda.synchronize()
-            self.marks.append((time.time(), self.trainer._total_train_tokens))
+            self.marks.append((time.time(), getattr(self.trainer, "_total_train_tokens", 0)
+                               or state.num_input_tokens_seen))
 
     clock = StepClock()
     if kind == "unsloth":
