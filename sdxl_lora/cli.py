@@ -101,6 +101,7 @@ def cmd_generate(args) -> int:
 
     from .core.config import ModelConfig
     from .core.runs import relpath
+    from .sdxl.merge import applied
     from .sdxl.model import load_pipeline, native_resolution
     from .sdxl.preview import grid, render, save_png
 
@@ -113,21 +114,19 @@ def cmd_generate(args) -> int:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     pipe = load_pipeline(ModelConfig(path=args.model, tokenizer=args.tokenizer), torch_dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=False)
-    for i, lora in enumerate(args.lora or []):
-        lp = Path(lora)
+    loras = [Path(lora) for lora in args.lora or []]
+    for lp in loras:
         if not lp.is_file():
-            raise FileNotFoundError(f"--lora {lora}: no such file")
-        pipe.load_lora_weights(str(lp), adapter_name=f"lora{i}")
-    if args.lora:
-        scales = args.scale or [1.0]
-        if len(scales) == 1:
-            scales = scales * len(args.lora)
-        if len(scales) != len(args.lora):
-            raise ValueError(f"--scale given {len(scales)} times for {len(args.lora)} --lora files; give one or one each")
-        pipe.set_adapters([f"lora{i}" for i in range(len(args.lora))], adapter_weights=scales)
+            raise FileNotFoundError(f"--lora {lp}: no such file")
+    scales = args.scale or [1.0]
+    if len(scales) == 1:
+        scales = scales * len(loras)
+    if loras and len(scales) != len(loras):
+        raise ValueError(f"--scale given {len(scales)} times for {len(loras)} --lora files; give one or one each")
     size = args.size or native_resolution(pipe)
-    images = render(pipe, [args.prompt] * args.num, seed=args.seed, steps=args.steps, guidance=args.guidance,
-                    width=size, height=size, negative=args.negative)
+    with applied(pipe, list(zip(loras, scales))):  # LoHa/LoKr merged for the render, the others loaded
+        images = render(pipe, [args.prompt] * args.num, seed=args.seed, steps=args.steps, guidance=args.guidance,
+                        width=size, height=size, negative=args.negative)
     out.mkdir(parents=True, exist_ok=True)
     for im, path in zip(images, paths):
         save_png(im, path)

@@ -174,3 +174,38 @@ def _pixels(image) -> torch.Tensor:
 
     image = Image.open(image) if isinstance(image, Path) else image
     return torch.from_numpy(np.asarray(image.convert("RGB")).copy())
+
+
+def test_generate_renders_a_loha_file_merged_at_its_strength_and_leaves_the_shared_pipeline_as_it_was(runs, tmp_path,
+                                                                                                       capsys):
+    # diffusers' load_lora_weights does not read LyCORIS LoHa/LoKr files: the Generate tab and `sdxl-lora
+    # generate` merge them into the weights for the render and put the weights back after.
+    from sdxl_lora.cli import main
+    from sdxl_lora.sdxl.merge import merge_adapter
+    from sdxl_lora.sdxl.preview import render
+    from sdxl_lora.ui import tab_generate
+    from sdxl_lora.ui.folders import Folders
+
+    f = Folders.create(SAMPLES.parent, ModelConfig().cache_dir, runs["loha"].parent)
+    assert "runs/loha/loha.safetensors" in tab_generate.adapter_choices(f)
+    pipes = tab_generate.Pipelines(f)
+    args = (MODEL, "a red circle", "", 3, 2, 5.0, 64)
+    base, tuned, msg = tab_generate.generate(f, pipes, *args, "runs/loha/loha.safetensors", 0.5,
+                                             progress=lambda *a, **k: None)
+    assert "adapters: loha.safetensors x 0.5" in msg
+    pipe = pipes.get(MODEL)
+    again, none, _ = tab_generate.generate(f, pipes, *args, progress=lambda *a, **k: None)
+    assert none is None and torch.equal(_pixels(again), _pixels(base))  # the shared pipeline is as it was
+    merge_adapter(pipe, load_adapter(runs["loha"] / "loha.safetensors", _table()), 0.5)
+    expect = render(pipe, ["a red circle"], seed=3, steps=2, guidance=5.0, width=64, height=64)[0]
+    assert torch.equal(_pixels(tuned), _pixels(expect)) and not torch.equal(_pixels(tuned), _pixels(base))
+
+    # The CLI: a LoKr file at strength 0 renders the base, at 1 another image.
+    images = {}
+    for scale in ("0", "1"):
+        out = tmp_path / f"lokr-{scale}"
+        assert main(["generate", "--model", MODEL, "--prompt", "a red circle", "--steps", "2", "--size", "64",
+                     "--seed", "3", "--out", str(out), "--lora", str(runs["lokr"] / "lokr.safetensors"),
+                     "--scale", scale]) == 0
+        images[scale] = _pixels(out / "seed3.png")
+    assert not torch.equal(images["0"], images["1"])

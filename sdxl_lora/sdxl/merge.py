@@ -86,29 +86,42 @@ def merge_adapter(pipe, adapter: Adapter, strength: float = 1.0) -> int:
     return len(todo)
 
 
-@contextmanager
-def merged(pipe, adapter: Adapter):
-    """Yields merge(strength): the pipeline's weights as they were plus `strength` times the adapter's update
-    (`merge_adapter`), at one strength after another, for renders; when the block ends the weights the adapter
-    changes are as they were (kept on the CPU meanwhile)."""
+def _kept_weights(pipe, adapters: Sequence[Adapter]):
+    """A function that puts back, in place, the weights (and biases) of the pipeline's layers that the
+    adapters change, as they are now (kept on the CPU meanwhile)."""
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     named: dict[str, dict[str, torch.nn.Module]] = {}
-    for key, layer in adapter.layers.items():
-        comp, path = key.split(".", 1)
-        model = getattr(pipe, comp, None)
-        if model is not None and comp not in named:
-            named[comp] = dict(model.named_modules())
-        mod = _module(named.get(comp, {}), path)
-        if mod is None or not hasattr(mod, "weight"):
-            continue  # merge_adapter refuses the adapter, naming the layer, before it changes a weight
-        kept.append((mod.weight, mod.weight.detach().to("cpu", copy=True)))
-        if layer.bias is not None and getattr(mod, "bias", None) is not None:
-            kept.append((mod.bias, mod.bias.detach().to("cpu", copy=True)))
+    seen: set[int] = set()
+    for adapter in adapters:
+        for key, layer in adapter.layers.items():
+            comp, path = key.split(".", 1)
+            model = getattr(pipe, comp, None)
+            if model is not None and comp not in named:
+                named[comp] = dict(model.named_modules())
+            mod = _module(named.get(comp, {}), path)
+            if mod is None or not hasattr(mod, "weight"):
+                continue  # merge_adapter refuses the adapter, naming the layer, before it changes a weight
+            params = [mod.weight] + ([mod.bias] if layer.bias is not None and getattr(mod, "bias", None) is not None
+                                     else [])
+            for t in params:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    kept.append((t, t.detach().to("cpu", copy=True)))
 
     @torch.no_grad()
     def put_back() -> None:
         for target, value in kept:
             target.copy_(value)
+
+    return put_back
+
+
+@contextmanager
+def merged(pipe, adapter: Adapter):
+    """Yields merge(strength): the pipeline's weights as they were plus `strength` times the adapter's update
+    (`merge_adapter`), at one strength after another, for renders; when the block ends the weights the adapter
+    changes are as they were (kept on the CPU meanwhile)."""
+    put_back = _kept_weights(pipe, [adapter])
 
     def merge(strength: float) -> None:
         put_back()
@@ -117,6 +130,47 @@ def merged(pipe, adapter: Adapter):
     try:
         yield merge
     finally:
+        put_back()
+
+
+@contextmanager
+def applied(pipe, loras: Sequence[tuple[str | Path, float]], name: str = "lora"):
+    """The pipeline with each (adapter file, strength) applied, for renders (`sdxl-lora generate`, the UI's
+    Generate tab); as it was when the block ends. LoRA and DoRA files go through diffusers'
+    `load_lora_weights` and `set_adapters` (adapters NAME0, NAME1, ...). LyCORIS LoHa and LoKr files, which
+    diffusers does not load, are merged into the weights at their strength (`merge_adapter`, the update
+    their loaders in ComfyUI and A1111/Forge apply) and the weights put back after."""
+    table = None
+    loaded: list[tuple[str, float]] = []
+    merging: list[tuple[Adapter, float]] = []
+    for path, strength in loras:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such adapter file")
+        if table is None:
+            table = kohya.LayerTable.from_pipeline(pipe)
+        adapter = load_adapter(path, table)
+        if set(adapter.kinds()) <= {"lora", "dora"}:
+            loaded.append((str(path), strength))
+            continue
+        if adapter.unknown:
+            raise MergeError(f"{path}: {adapter.problems[0]}; rendering without those layers would not show the "
+                             "adapter as trained")
+        merging.append((adapter, strength))
+    put_back = _kept_weights(pipe, [a for a, _ in merging])
+    names = []
+    try:
+        for adapter, strength in merging:
+            merge_adapter(pipe, adapter, strength)
+        for i, (path, _) in enumerate(loaded):
+            pipe.load_lora_weights(path, adapter_name=f"{name}{i}")
+            names.append(f"{name}{i}")
+        if names:
+            pipe.set_adapters(names, adapter_weights=[s for _, s in loaded])
+        yield pipe
+    finally:
+        if names:
+            pipe.unload_lora_weights()
         put_back()
 
 

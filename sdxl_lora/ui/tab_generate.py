@@ -61,6 +61,7 @@ class Pipelines:
 
 def generate(f: Folders, pipes: Pipelines, model, prompt, negative, seed, steps, guidance, size, *adapter_args,
              progress=gr.Progress()):
+    from sdxl_lora.sdxl.merge import applied
     from sdxl_lora.sdxl.model import native_resolution
     from sdxl_lora.sdxl.preview import render
 
@@ -77,17 +78,10 @@ def generate(f: Folders, pipes: Pipelines, model, prompt, negative, seed, steps,
         base = render(pipe, [prompt], **kw)[0]
         if not chosen:
             return base, None, f"base only (seed {int(seed)}, {side}x{side}); pick an adapter to compare"
-        names = []
-        try:
-            for i, (choice, _) in enumerate(chosen):
-                pipe.load_lora_weights(str(adapter_path(f, choice)), adapter_name=f"ui{i}")
-                names.append(f"ui{i}")
-            pipe.set_adapters(names, adapter_weights=[s for _, s in chosen])
+        # LoHa/LoKr files merged into the weights for this render, the others loaded (sdxl/merge.py: applied).
+        with applied(pipe, [(adapter_path(f, c), s) for c, s in chosen], name="ui"):
             progress(0.65, desc="with adapters")
             tuned = render(pipe, [prompt], **kw)[0]
-        finally:
-            if names:
-                pipe.unload_lora_weights()
     used = ", ".join(f"{Path(c).name} x {s:g}" for c, s in chosen)
     return base, tuned, f"seed {int(seed)}, {side}x{side}, {int(steps)} steps; adapters: {used}"
 
