@@ -1,4 +1,8 @@
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -45,3 +49,61 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@contextlib.contextmanager
+def _as_process(kill: str | None = None):
+    """For a front end's main() called in this process, what its own process would have: one torch thread
+    (the training subprocesses' OMP_NUM_THREADS=1; bit-exact comparisons between runs need the same count),
+    log lines on stderr as training.setup_logging formats them (pytest's log handlers make its basicConfig a
+    no-op), and `kill` as SDXL_LORA_TEST_KILL (core/checkpoint.py: test_fault). Undone after, the log
+    files the run attached included; the signal handlers must be pytest's again."""
+    import logging
+
+    import torch
+
+    from sdxl_lora.core import checkpoint
+
+    # SIGKILL (a fault point without "@SIGNAL") cannot be caught: it needs a process of its own.
+    assert kill is None or "@" in kill, kill
+    root = logging.getLogger()
+    handlers, level, threads, kill_at = list(root.handlers), root.level, torch.get_num_threads(), checkpoint._KILL_AT
+    signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    stderr = logging.StreamHandler(sys.stderr)
+    stderr.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root.addHandler(stderr)
+    root.setLevel(logging.INFO)
+    torch.set_num_threads(1)
+    checkpoint._KILL_AT = kill
+    try:
+        yield
+    finally:
+        checkpoint._KILL_AT = kill_at
+        torch.set_num_threads(threads)
+        root.setLevel(level)
+        for h in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(h)
+            h.close()
+    assert {s: signal.getsignal(s) for s in signals} == signals  # the trainer put the handlers back
+
+
+@pytest.fixture(scope="session")
+def as_process():
+    """`with as_process(kill=None): main([...])`: see _as_process."""
+    return _as_process
+
+
+@pytest.fixture
+def cli(capsys):
+    """cli(*ARGV, kill=None, main=sdxl_lora.cli.main): `sdxl-lora ARGV` run in this process instead of its
+    own (which spends seconds importing torch and diffusers), as a CompletedProcess: the exit code and
+    what it printed on stdout and stderr, its log lines included."""
+    def run(*argv: str, kill: str | None = None, main=None) -> subprocess.CompletedProcess:
+        if main is None:
+            from sdxl_lora.cli import main
+        capsys.readouterr()  # what came before is not this run's
+        with _as_process(kill):
+            rc = main(list(argv))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess([main.__module__, *argv], rc, out, err)
+    return run

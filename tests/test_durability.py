@@ -24,15 +24,18 @@ COMMON = ["--steps", str(STEPS), "--set", "train.save_every=3", "--set", "previe
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
-def train(out, *args, kill=None, check=True):
-    env = dict(ENV)
-    env.pop("SDXL_LORA_TEST_KILL", None)
-    if kill:
-        env["SDXL_LORA_TEST_KILL"] = kill
-    proc = subprocess.run([sys.executable, "-m", "sdxl_lora.cli", "train", "--out", str(out), *args],
-                          capture_output=True, text=True, env=env, timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+def train(out, *args, kill):
+    """`sdxl-lora train --out OUT ARGS` in its own process, which SIGKILL ends at the fault point `kill`
+    (core/checkpoint.py: test_fault)."""
+    return subprocess.run([sys.executable, "-m", "sdxl_lora.cli", "train", "--out", str(out), *args],
+                          capture_output=True, text=True, env={**ENV, "SDXL_LORA_TEST_KILL": kill}, timeout=600)
+
+
+def train_here(cli, out, *args):
+    """`sdxl-lora train --out OUT ARGS` to its end, in this process (conftest.py: cli): only a run that is
+    killed needs a process of its own."""
+    proc = cli("train", "--out", str(out), *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
@@ -47,45 +50,48 @@ def assert_same(a, b):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, as_process):
+    from sdxl_lora.cli import main
+
     out = tmp_path_factory.mktemp("ref")
-    train(out, "--name", "ref", *COMMON)
+    with as_process():  # one torch thread, as the training processes: the adapters compare bit for bit
+        assert main(["train", "--out", str(out), "--name", "ref", *COMMON]) == 0
     return adapter(out / "ref")
 
 
-def test_sigkill_during_a_save_and_during_a_step_then_resume_gives_the_same_adapter(tmp_path, reference):
+def test_sigkill_during_a_save_and_during_a_step_then_resume_gives_the_same_adapter(tmp_path, reference, cli):
     run = tmp_path / "k"
-    p = train(tmp_path, "--name", "k", *COMMON, kill="save:6", check=False)
+    p = train(tmp_path, "--name", "k", *COMMON, kill="save:6")
     assert p.returncode == -signal.SIGKILL
     states = run / "checkpoints"
     assert (states / ".tmp-step-00000006").exists()  # the torn save
     assert checkpoint.newest_valid(states).name == "step-00000003"
 
-    p = train(tmp_path, "--resume", str(run), kill="step:10", check=False)
+    p = train(tmp_path, "--resume", str(run), kill="step:10")
     assert p.returncode == -signal.SIGKILL
     assert checkpoint.newest_valid(states).name == "step-00000009"
     assert not (run / "k.safetensors").exists()
 
-    train(tmp_path, "--resume", str(run))
+    train_here(cli, tmp_path, "--resume", str(run))
     resumes = [e["step"] for e in read_events(run / "events.jsonl") if e["event"] == "resume"]
     assert resumes == [3, 9]
     assert_same(adapter(run), reference)
 
 
-def test_truncated_newest_state_falls_back_to_the_previous_one(tmp_path, reference):
+def test_truncated_newest_state_falls_back_to_the_previous_one(tmp_path, reference, cli):
     run = tmp_path / "t"
-    p = train(tmp_path, "--name", "t", *COMMON, kill="step:11", check=False)
+    p = train(tmp_path, "--name", "t", *COMMON, kill="step:11")
     assert p.returncode == -signal.SIGKILL
     newest = run / "checkpoints" / "step-00000009" / "adapter.safetensors"
     newest.write_bytes(newest.read_bytes()[:100])
-    p = train(tmp_path, "--resume", str(run))
+    p = train_here(cli, tmp_path, "--resume", str(run))
     assert "skipping checkpoint step-00000009" in p.stderr
     assert "does not match its checksum" in p.stderr
     assert [e["step"] for e in read_events(run / "events.jsonl") if e["event"] == "resume"] == [6]
     assert_same(adapter(run), reference)
 
 
-def test_ctrl_c_saves_the_state_and_resume_continues_from_the_next_step(tmp_path, reference):
+def test_ctrl_c_saves_the_state_and_resume_continues_from_the_next_step(tmp_path, reference, cli):
     run = tmp_path / "c"
     env = dict(ENV)
     proc = subprocess.Popen([sys.executable, "-m", "sdxl_lora.cli", "train", "--out", str(tmp_path), "--name", "c",
@@ -108,7 +114,7 @@ def test_ctrl_c_saves_the_state_and_resume_continues_from_the_next_step(tmp_path
     assert "resume with: sdxl-lora train --resume" in out
     assert checkpoint.newest_valid(run / "checkpoints").name == f"step-{n:08d}"
 
-    train(tmp_path, "--resume", str(run))
+    train_here(cli, tmp_path, "--resume", str(run))
     ev = read_events(events)
     assert [e["step"] for e in ev if e["event"] == "resume"] == [n]
     steps_after = [e["step"] for e in ev if e["event"] == "step" and ev.index(e) > ev.index(stopped[0])]
@@ -116,13 +122,11 @@ def test_ctrl_c_saves_the_state_and_resume_continues_from_the_next_step(tmp_path
     assert_same(adapter(run), reference)
 
 
-def test_resume_without_a_state_says_so(tmp_path):
-    from sdxl_lora.cli import main
-
-    assert main(["train", "--out", str(tmp_path), "--name", "s", "--steps", "2", "--set", "preview.prompts=''",
-                 "--set", "train.save_every=0"]) == 0
+def test_resume_without_a_state_says_so(tmp_path, cli):
+    train_here(cli, tmp_path, "--name", "s", "--steps", "2", "--set", "preview.prompts=''",
+               "--set", "train.save_every=0")
     # Finished without a saved state: training it further has nothing to start from.
-    p = train(tmp_path, "--resume", str(tmp_path / "s"), "--steps", "4", check=False)
+    p = cli("train", "--out", str(tmp_path), "--resume", str(tmp_path / "s"), "--steps", "4")
     assert p.returncode == 2
     assert "no complete training state" in p.stderr
 

@@ -255,23 +255,18 @@ def test_a_read_only_runs_folder_or_run_folder_is_exit_1_naming_it_and_nothing_i
 # ---- SIGTERM at each phase: before the first step a clean stop; after it a saved state and a resume command
 
 
-def _train_signalled(tmp_path: Path, at: str, *args: str):
-    """`sdxl-lora train ARGS` in its own process, sent SIGTERM at `at` (core/checkpoint.py: test_fault)."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SDXL_LORA_TEST_KILL": f"{at}@SIGTERM" if at else ""}
-    if not at:
-        env.pop("SDXL_LORA_TEST_KILL")
-    return subprocess.run([sys.executable, "-m", "sdxl_lora.cli", "train", *args], capture_output=True, text=True,
-                          env=env, timeout=600)
+def _train_signalled(cli, at: str, *args: str):
+    """`sdxl-lora train ARGS` sent SIGTERM at `at` (core/checkpoint.py: test_fault). In this process: the
+    signal goes to it as to a training process of its own, and the trainer's handlers take it at every
+    point tested here (training.py: _stop_at_once until the loop starts, then the loop's)."""
+    return cli("train", *args, kill=f"{at}@SIGTERM")
 
 
 def _stray_files(folder: Path) -> list[Path]:
     return [p for p in folder.rglob("*") if p.name.startswith(".") and ".tmp" in p.name]
 
 
-def test_sigterm_before_the_first_step_stops_at_once_with_nothing_half_written(tmp_path):
+def test_sigterm_before_the_first_step_stops_at_once_with_nothing_half_written(tmp_path, cli):
     # While caching (after the first latent is written) and during the step-0 previews.
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red star\n")
@@ -279,7 +274,7 @@ def test_sigterm_before_the_first_step_stops_at_once_with_nothing_half_written(t
               "--set", f"data.cache_dir='{tmp_path / 'cache'}'", "--set", f"preview.prompts='{prompts}'",
               "--set", "preview.steps=2"]
     for at, name in (("cache:1", "caching"), ("preview:0", "previews")):
-        p = _train_signalled(tmp_path, at, "--name", name, *common)
+        p = _train_signalled(cli, at, "--name", name, *common)
         assert p.returncode == 130, p.stderr[-2000:]
         msg = _one_paragraph(p.stderr)
         assert "stopped by SIGTERM before the first training step" in msg and "--overwrite" in msg, msg
@@ -290,7 +285,7 @@ def test_sigterm_before_the_first_step_stops_at_once_with_nothing_half_written(t
     assert not _stray_files(tmp_path)
 
 
-def test_sigterm_at_the_export_and_in_the_final_previews_each_saves_a_state_that_resumes(tmp_path):
+def test_sigterm_at_the_export_and_in_the_final_previews_each_saves_a_state_that_resumes(tmp_path, cli):
     # (A signal in training, and the resume from it: test_durability's Ctrl-C test; SIGTERM has the same handler.)
     from sdxl_lora.core import checkpoint
     from sdxl_lora.core.runs import read_events
@@ -299,7 +294,7 @@ def test_sigterm_at_the_export_and_in_the_final_previews_each_saves_a_state_that
     prompts.write_text("a red star\n")
     run = tmp_path / "runs" / "r"
     # At the export: the export is atomic and short, so it is finished; the previews after it are not made.
-    p = _train_signalled(tmp_path, "export:3", "--out", str(tmp_path / "runs"), "--name", "r", "--steps", "3",
+    p = _train_signalled(cli, "export:3", "--out", str(tmp_path / "runs"), "--name", "r", "--steps", "3",
                          "--data", str(_two_images(tmp_path)), "--set", f"data.cache_dir='{tmp_path / 'cache'}'",
                          "--set", f"preview.prompts='{prompts}'", "--set", "preview.steps=2",
                          "--set", "train.save_every=0")
@@ -308,14 +303,13 @@ def test_sigterm_at_the_export_and_in_the_final_previews_each_saves_a_state_that
     assert (run / "r.safetensors").is_file() and not list((run / "samples").glob("step-000003*"))
     assert checkpoint.newest_valid(run / "checkpoints").name == "step-00000003"
     # In the final previews: one signal stops the run at once (it used to wait for a second).
-    p = _train_signalled(tmp_path, "preview:3", "--resume", str(run))
+    p = _train_signalled(cli, "preview:3", "--resume", str(run))
     assert p.returncode == 130, p.stderr[-2000:]
     assert "resume with: sdxl-lora train --resume" in p.stdout
     assert not list((run / "samples").glob("step-000003*"))
     # The resume then only finishes: the previews rendered, the run done.
-    from sdxl_lora.cli import main
-
-    assert main(["train", "--resume", str(run)]) == 0
+    p = cli("train", "--resume", str(run))
+    assert p.returncode == 0, p.stderr[-2000:]
     assert list((run / "samples").glob("step-000003*grid.png"))
     events = read_events(run / "events.jsonl")
     assert [e["step"] for e in events if e["event"] == "interrupted"] == [3, 3]

@@ -49,6 +49,17 @@ def worker(run_dir: Path, *entry: str, wait: bool = True):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def worker_here(cli, monkeypatch, run_dir: Path, *entry: str) -> subprocess.CompletedProcess:
+    """The worker's main() in this process (conftest.py: cli), started in the runs folder: its exit code and
+    its log (ui/jobs.py sends the worker's stdout and stderr there). For what the worker decides, not what
+    its process does (a signal, its pid, the modules it imports)."""
+    from sdxl_lora.ui import worker as w
+
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(run_dir.parent)
+    return cli(str(run_dir), "--", *entry, main=w.main)
+
+
 def test_the_worker_trains_a_queued_config_stops_on_sigint_and_resumes_without_the_cli(tmp_path):
     config, run_dir = queued_config(tmp_path, "w", **{"train.steps": 12, "train.save_every": 0})
     proc = worker(run_dir, "train", str(config), wait=False)
@@ -74,26 +85,26 @@ def test_the_worker_trains_a_queued_config_stops_on_sigint_and_resumes_without_t
     assert "cli imported: False" in p.stdout
 
 
-def test_bad_input_in_the_worker_is_exit_code_2_with_the_message_in_its_log(tmp_path):
+def test_bad_input_in_the_worker_is_exit_code_2_with_the_message_in_its_log(tmp_path, cli, monkeypatch):
     (tmp_path / "empty").mkdir()
     config, run_dir = queued_config(tmp_path, "bad", **{"data.dirs": [str(tmp_path / "empty")]})
-    p = worker(run_dir, "train", str(config))
+    p = worker_here(cli, monkeypatch, run_dir, "train", str(config))
     assert p.returncode == 2
     assert "error: no images found in" in p.stderr and "Traceback" not in p.stderr
     assert (run_dir / "train.exit").read_text().strip() == "2"
 
 
-def test_the_worker_never_writes_into_another_runs_folder(tmp_path):
+def test_the_worker_never_writes_into_another_runs_folder(tmp_path, cli, monkeypatch):
     config, run_dir = queued_config(tmp_path, "taken")
     run_dir.mkdir(parents=True)
     (run_dir / "config.toml").write_text("# somebody else's run\n")
-    p = worker(run_dir, "train", str(config))
+    p = worker_here(cli, monkeypatch, run_dir, "train", str(config))
     assert p.returncode == 2 and "already holds a run" in p.stderr
     assert sorted(x.name for x in run_dir.iterdir()) == ["config.toml"]
 
     # A queue entry whose config trains elsewhere is refused before any folder is made.
     other = tmp_path / "runs" / "other"
-    p = worker(other, "train", str(config))
+    p = worker_here(cli, monkeypatch, other, "train", str(config))
     assert p.returncode == 2 and "not this worker's run folder" in p.stderr
     assert not other.exists()
 
