@@ -84,13 +84,22 @@ def assert_same_training(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert ((da - db).norm() / da.norm()).item() < 1e-3
 
 
+def train_here(as_process, out: Path, *args: str) -> None:
+    """One process's run, in this one (conftest.py: as_process): the same code path as pipelines/train.py
+    without a process's seconds of imports."""
+    from sdxl_lora.cli import main
+
+    with as_process():
+        assert main(["train", "--out", str(out), *args]) == 0
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, as_process):
     """Two processes with batch 2 (building the cache), then one process with batch 4 (reusing it)."""
     out = tmp_path_factory.mktemp("mp")
     cache = ["--set", f"data.cache_dir='{out / 'cache'}'"]
     train(out, "--name", "two", "--batch-size", "2", *COMMON, *cache, processes=2)
-    train(out, "--name", "one", "--batch-size", "4", *COMMON, *cache)
+    train_here(as_process, out, "--name", "one", "--batch-size", "4", *COMMON, *cache)
     return out, cache
 
 
@@ -133,7 +142,7 @@ def test_the_loops_flat_all_reduce_trains_what_ddp_trains(runs, tmp_path):
     assert_same_training(adapter(tmp_path / "flat"), adapter(out / "one"))
 
 
-def test_a_two_process_run_killed_mid_step_resumes_on_one_process(runs, tmp_path):
+def test_a_two_process_run_killed_mid_step_resumes_on_one_process(runs, tmp_path, as_process):
     out, cache = runs
     run = tmp_path / "k"
     # SIGKILL in the middle of step 3 (after the backward, before the optimizer step), in both processes.
@@ -143,14 +152,14 @@ def test_a_two_process_run_killed_mid_step_resumes_on_one_process(runs, tmp_path
     assert checkpoint.newest_valid(run / "checkpoints").name == "step-00000002"
     assert not (run / "k.safetensors").exists()
     # One process takes the same global batch (4 = 2 processes x 2) and continues exactly.
-    p = train(tmp_path, "--resume", str(run), "--set", "train.batch_size=4")
+    train_here(as_process, tmp_path, "--resume", str(run), "--set", "train.batch_size=4")
     events = read_events(run / "events.jsonl")
     assert [e["step"] for e in events if e["event"] == "resume"] == [2]
     assert events[-1]["event"] == "done" and events[-1]["step"] == STEPS
     assert_same_training(adapter(run), adapter(out / "one"))
 
 
-def test_nans_in_one_process_stop_both_at_the_same_step_with_a_state_to_resume(runs, tmp_path):
+def test_nans_in_one_process_stop_both_at_the_same_step_with_a_state_to_resume(runs, tmp_path, as_process):
     out, cache = runs
     run = tmp_path / "nan"
     # From step 3 on process 1's loss is NaN; the all-reduced gradients make every process's step bad.
@@ -169,7 +178,7 @@ def test_nans_in_one_process_stop_both_at_the_same_step_with_a_state_to_resume(r
     assert state.name == "step-00000004"
     s2, s4 = (load_file(run / "checkpoints" / f"step-0000000{k}" / "adapter.safetensors") for k in (2, 4))
     assert s2.keys() == s4.keys() and all(torch.equal(s2[k], s4[k]) for k in s2)
-    train(tmp_path, "--resume", str(run), "--set", "train.batch_size=4")
+    train_here(as_process, tmp_path, "--resume", str(run), "--set", "train.batch_size=4")
     events = read_events(run / "events.jsonl")
     assert [e["step"] for e in events if e["event"] == "resume"] == [4]
     assert events[-1]["event"] == "done" and events[-1]["step"] == 6
