@@ -231,6 +231,8 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
 
             # ---- Uploads: images and captions into a new dataset folder; other files and existing names refused
             page.locator("#ds-upload-acc").get_by_text("Upload images and captions").click()
+            # The upload folder follows the dataset folder (a change event): let it arrive before typing over it.
+            expect(_box(page, "ds-up-folder")).to_have_value("shapes")
             _fill(page, "ds-up-folder", "uploaded")
             staging = tmp_path / "to-upload"
             staging.mkdir()

@@ -40,18 +40,30 @@ def test_rows_follow_the_folder_picker_and_keep_what_was_typed(form):
     rows = dataset_table.follow(["ohwx"], [])
     rows[0][1] = "3"
     rows = dataset_table.follow(["man_class", "ohwx"], rows)
-    assert rows == [["man_class", "", "", False, "", ""], ["ohwx", "3", "", False, "", ""]]
-    assert dataset_table.follow(["man_class"], rows) == [["man_class", "", "", False, "", ""]]
+    assert rows == [dataset_table.blank("man_class"), ["ohwx", "3", *dataset_table.blank("")[2:]]]
+    assert dataset_table.follow(["man_class"], rows) == [dataset_table.blank("man_class")]
+    # A row as an older page sent it (fewer columns) reads as the rest left empty.
+    assert dataset_table.follow(["ohwx"], [["ohwx", "3"]]) == [["ohwx", "3", *dataset_table.blank("")[2:]]]
+
+
+def _row(folder: str, **cells) -> list:
+    """A table row setting `cells` (by DatasetConfig field), the rest empty."""
+    row = dataset_table.blank(folder)
+    for field, value in cells.items():
+        row[1 + dataset_table.FIELDS.index(field)] = value
+    return row
 
 
 def test_repeats_and_a_regularization_set_make_one_table_per_folder_with_only_what_differs(form, tmp_path):
     from sdxl_lora.sdxl.data import dataset_specs
 
-    rows = [["ohwx", "3", "", False, "", ""], ["man_class", "", "", True, "", "0.1"]]
+    rows = [_row("ohwx", repeats="3", tag_dropout="0.2", keep_tokens="1"),
+            _row("man_class", is_regularization=True, caption_dropout="0.1", caption_extension=".class")]
     cfg = form.config(_values(["ohwx", "man_class"], rows), "n", None)
     tables = [d.model_dump(exclude_defaults=True) for d in cfg.data.datasets]
-    assert tables == [{"path": str(form.f.datasets / "ohwx"), "repeats": 3},
-                      {"path": str(form.f.datasets / "man_class"), "is_regularization": True, "caption_dropout": 0.1}]
+    assert tables == [{"path": str(form.f.datasets / "ohwx"), "repeats": 3, "keep_tokens": 1, "tag_dropout": 0.2},
+                      {"path": str(form.f.datasets / "man_class"), "is_regularization": True,
+                       "caption_extension": ".class", "caption_dropout": 0.1}]
     assert all(Path(d.path).parent == form.f.datasets for d in cfg.data.datasets)
     # What the queue runs holds the same tables, and training reads them as the rows said.
     jobs = Jobs(form.f)
@@ -64,22 +76,24 @@ def test_repeats_and_a_regularization_set_make_one_table_per_folder_with_only_wh
 
 
 @pytest.mark.parametrize("row, said", [
-    (["ohwx", "0", "", False, "", ""], "folder 'ohwx', repeats = 0: Input should be greater than or equal to 1"),
-    (["ohwx", "", "", False, "big", ""], "folder 'ohwx', resolution = 'big': not a number"),
-    (["ohwx", "1.5", "", False, "", ""], "folder 'ohwx', repeats = '1.5': must be a whole number"),
-    (["ohwx", "", "", False, "", "2"], "folder 'ohwx', empty-caption share = 2.0: must be between 0 and 1"),
-    (["man_class", "", "sks", True, "", ""],
+    (_row("ohwx", repeats="0"), "folder 'ohwx', repeats = 0: Input should be greater than or equal to 1"),
+    (_row("ohwx", resolution="big"), "folder 'ohwx', resolution = 'big': not a number"),
+    (_row("ohwx", repeats="1.5"), "folder 'ohwx', repeats = '1.5': must be a whole number"),
+    (_row("ohwx", caption_dropout="2"), "folder 'ohwx', empty-caption share = 2.0: must be between 0 and 1"),
+    (_row("ohwx", tag_dropout="-1"), "folder 'ohwx', tag dropout = -1.0: must be between 0 and 1"),
+    (_row("ohwx", keep_tokens="-1"), "folder 'ohwx', kept leading tags = -1: Input should be greater than or equal"),
+    (_row("man_class", is_regularization=True, trigger_word="sks"),
      "folder 'man_class', trigger word = 'sks': a regularization set never gets the trigger word"),
 ])
 def test_a_bad_cell_is_refused_naming_its_folder_and_column(form, row, said):
-    other = ["man_class" if row[0] == "ohwx" else "ohwx", "", "", False, "", ""]
+    other = dataset_table.blank("man_class" if row[0] == "ohwx" else "ohwx")
     with pytest.raises(ConfigError, match=re.escape(f"Per-dataset settings, {said}")):
         form.config(_values(["ohwx", "man_class"], [row, other]), "n", None)
 
 
 def test_start_shows_the_error_and_queues_nothing(form):
     jobs = Jobs(form.f)
-    msg, _ = start_run(form, jobs, _values(["man_class"], [["man_class", "", "", True, "", ""]]))
+    msg, _ = start_run(form, jobs, _values(["man_class"], [_row("man_class", is_regularization=True)]))
     assert msg.startswith("**Error:** Per-dataset settings: every folder is ticked as regularization")
     assert jobs.queued() == []
 
@@ -91,22 +105,24 @@ def test_duplicate_puts_a_runs_datasets_back_in_the_table(form):
     ds = form.f.datasets
     cfg = load_config(None, None, {"output.name": "cli-run", "output.runs_dir": str(form.f.runs), "data.datasets": [
         {"path": str(ds / "ohwx"), "repeats": 3, "trigger_word": "ohwx", "resolution": 768},
-        {"path": str(ds / "man_class"), "is_regularization": True, "caption_extension": ".class"}]})
+        {"path": str(ds / "man_class"), "is_regularization": True, "caption_extension": ".class",
+         "shuffle_tags": True}]})
     jobs.enqueue_train(cfg)
     values, copy, left_out = duplicate_values(form, jobs, "cli-run")
     assert copy == "cli-run-2" and values[1] == ["ohwx", "man_class"]
-    assert values[-1] == [["ohwx", "3", "ohwx", False, "768", ""], ["man_class", "", "", True, "", ""]]
-    assert left_out == ["man_class: caption_extension"]
+    assert values[-1] == [_row("ohwx", repeats="3", trigger_word="ohwx", resolution="768"),
+                          _row("man_class", is_regularization=True, caption_extension=".class")]
+    assert left_out == ["man_class: shuffle_tags"]
     again = form.config(values, copy, None).data.datasets
     assert [d.model_dump(exclude_defaults=True) for d in again] == [
         {"path": str(ds / "ohwx"), "repeats": 3, "trigger_word": "ohwx", "resolution": 768},
-        {"path": str(ds / "man_class"), "is_regularization": True}]
+        {"path": str(ds / "man_class"), "is_regularization": True, "caption_extension": ".class"}]
 
 
 def test_the_summary_line_counts_several_datasets_and_the_regularization_ones(form):
     from sdxl_lora.ui.summary import run_summary
 
-    rows = [["ohwx", "3", "", False, "", ""], ["man_class", "", "", True, "", ""]]
+    rows = [_row("ohwx", repeats="3"), _row("man_class", is_regularization=True)]
     assert run_summary(form.config(_values(["ohwx", "man_class"], rows), None, None)).endswith(
         "; 2 datasets (1 regularization)")
     assert "datasets" not in run_summary(form.config(_values(["ohwx"]), None, None))

@@ -1,5 +1,6 @@
 """The Train form's per-dataset settings: one row per picked image folder (its repeats, trigger word, whether it
-is a regularization set, its resolution and empty-caption share) and the [[data.datasets]] tables they make
+is a regularization set, its resolution, empty-caption share, tag dropout, kept leading tags and caption file
+extension) and the [[data.datasets]] tables they make
 (core/config.py: DatasetConfig), as kohya's subsets and OneTrainer's concepts set each folder apart.
 
 An empty cell means the run's setting. While every row is empty the form trains on data.dirs, exactly as it
@@ -15,16 +16,20 @@ from .duplicate import _relative
 from .folders import Folders
 from .labels import DATASET_COLUMNS
 
-# The columns after the folder, by the DatasetConfig field each one sets.
-FIELDS = ("repeats", "trigger_word", "is_regularization", "resolution", "caption_dropout")
+# The columns after the folder: the DatasetConfig field each one sets, and its cell: a whole number, a number,
+# text or a tick box. Numbers are text cells: an empty one means "the run's setting", which a number cell
+# cannot say.
+COLUMNS = (("repeats", "int"), ("trigger_word", "str"), ("is_regularization", "bool"), ("resolution", "int"),
+           ("caption_dropout", "float"), ("tag_dropout", "float"), ("keep_tokens", "int"),
+           ("caption_extension", "str"))
+FIELDS = tuple(k for k, _ in COLUMNS)
 HEADERS = [DATASET_COLUMNS[k] for k in ("path", *FIELDS)]
-# Numbers are text cells: an empty one means "the run's setting", which a number cell cannot say.
-DATATYPES = ["str", "str", "str", "bool", "str", "str"]
+DATATYPES = ["str", *("bool" if kind == "bool" else "str" for _, kind in COLUMNS)]
 
 
 def blank(folder: str) -> list:
     """A folder's row with every setting the run's."""
-    return [folder, "", "", False, "", ""]
+    return [folder, *(False if kind == "bool" else "" for _, kind in COLUMNS)]
 
 
 def _rows(data) -> list[list]:
@@ -65,12 +70,14 @@ def _ticked(raw) -> bool:
 
 def _settings(folder: str, row: list) -> dict:
     """What a row sets, as DatasetConfig fields; ConfigError naming the folder and the column."""
-    repeats, trigger, regularization, resolution, dropout = row[1:]
-    table = {"repeats": _number(folder, "repeats", repeats, whole=True),
-             "trigger_word": str(trigger or "").strip() or None,
-             "is_regularization": _ticked(regularization) or None,
-             "resolution": _number(folder, "resolution", resolution, whole=True),
-             "caption_dropout": _number(folder, "caption_dropout", dropout, whole=False)}
+    table = {}
+    for (field, kind), raw in zip(COLUMNS, row[1:]):
+        if kind == "bool":
+            table[field] = _ticked(raw) or None
+        elif kind == "str":
+            table[field] = str(raw or "").strip() or None
+        else:
+            table[field] = _number(folder, field, raw, whole=kind == "int")
     table = {k: v for k, v in table.items() if v is not None}
     if table.get("is_regularization") and "trigger_word" in table:
         raise ConfigError(f"{_where(folder, 'trigger_word')} = {table['trigger_word']!r}: a regularization set never "
@@ -126,8 +133,9 @@ def from_config(f: Folders, cfg: Config, dirs: list[str]) -> tuple[list[str], li
             left_out.append(f"{folder}: {', '.join(other)}")
         # A regularization set's trigger word does nothing (it never gets one): not shown, nothing lost.
         trigger = None if d.is_regularization else d.trigger_word
-        rows.append([folder, _cell(d.repeats), _cell(trigger), d.is_regularization, _cell(d.resolution),
-                     _cell(d.caption_dropout)])
+        rows.append([folder, *(d.is_regularization if kind == "bool" else
+                               _cell(trigger if field == "trigger_word" else getattr(d, field))
+                               for field, kind in COLUMNS)])
         picked.append(folder)
     return picked, rows, left_out
 

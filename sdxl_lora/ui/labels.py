@@ -272,7 +272,8 @@ LABELS: dict[str, Label] = {
 # [[data.datasets]] table; the words follow the form's labels of the run-wide fields they override.
 DATASET_COLUMNS: dict[str, str] = {"path": "folder", "repeats": "repeats", "trigger_word": "trigger word",
                                    "is_regularization": "regularization", "resolution": "resolution",
-                                   "caption_dropout": "empty-caption share"}
+                                   "caption_dropout": "empty-caption share", "tag_dropout": "tag dropout",
+                                   "keep_tokens": "kept leading tags", "caption_extension": "caption file extension"}
 
 
 # The group of each section's fields that have no entry (a new schema field), until they get one.

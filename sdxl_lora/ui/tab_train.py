@@ -162,7 +162,7 @@ class Form:
             self.table = gr.Dataframe(dataset_table.follow(dirs, []), headers=dataset_table.HEADERS,
                                       datatype=dataset_table.DATATYPES, type="array", interactive=True,
                                       static_columns=[0], show_label=False, wrap=True,
-                                      column_widths=["14%", "13%", "14%", "28%", "17%", "14%"],
+                                      column_widths=["12%", "9%", "12%", "17%", "10%", "10%", "9%", "10%", "11%"],
                                       elem_id=f"{self.prefix}datasets")
         self.dirs.change(dataset_table.follow, [self.dirs, self.table], self.table, show_progress="hidden")
 
