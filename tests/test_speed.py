@@ -935,3 +935,23 @@ def test_a_large_batch_is_measured_on_a_centre_crop_that_scales_to_the_same_acti
     crop = measured(one["latent_mean"])
     for name, saved in full.items():
         assert saved == 0 and crop[name] == 0 or abs(crop[name] * 4 - saved) <= 0.1 * saved, name
+
+
+def test_the_memory_cap_leaves_the_cuda_context_room_inside_the_budget(monkeypatch):
+    # train.vram_gb on a larger card: torch's allocator gets the budget less what the CUDA context takes
+    # outside it, so the whole process (as nvidia-smi counts it) stays within the budget; a card no larger
+    # than the budget is left uncapped.
+    from types import SimpleNamespace
+
+    from sdxl_lora.core import memory
+
+    capped = []
+    total = 140 * memory.GiB
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: capped.append((f, i)))
+    assert memory.cap_process_memory(torch.device("cuda"), 8)
+    (fraction, index), = capped
+    assert index == 0 and fraction * total + memory.CAP_CONTEXT == pytest.approx(8 * memory.GiB)
+    assert memory.CAP_CONTEXT >= memory.CONTEXT  # the cap's room is no smaller than the estimate's
+    assert not memory.cap_process_memory(torch.device("cuda:0"), 200) and len(capped) == 1
