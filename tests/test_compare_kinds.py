@@ -176,10 +176,11 @@ def _pixels(image) -> torch.Tensor:
     return torch.from_numpy(np.asarray(image.convert("RGB")).copy())
 
 
-def test_generate_renders_a_loha_file_merged_at_its_strength_and_leaves_the_shared_pipeline_as_it_was(runs, tmp_path,
-                                                                                                       capsys):
-    # diffusers' load_lora_weights does not read LyCORIS LoHa/LoKr files: the Generate tab and `sdxl-lora
-    # generate` merge them into the weights for the render and put the weights back after.
+def test_generate_renders_loha_and_dora_files_merged_at_their_strengths_leaving_the_shared_pipeline_as_it_was(
+        runs, tmp_path):
+    # diffusers' load_lora_weights does not read LyCORIS LoHa/LoKr files and drops a kohya DoRA file's
+    # dora_scale: the Generate tab and `sdxl-lora generate` merge them into the weights for the render, in
+    # the order given, and put the weights back after.
     from sdxl_lora.cli import main
     from sdxl_lora.sdxl.merge import merge_adapter
     from sdxl_lora.sdxl.preview import render
@@ -191,12 +192,13 @@ def test_generate_renders_a_loha_file_merged_at_its_strength_and_leaves_the_shar
     pipes = tab_generate.Pipelines(f)
     args = (MODEL, "a red circle", "", 3, 2, 5.0, 64)
     base, tuned, msg = tab_generate.generate(f, pipes, *args, "runs/loha/loha.safetensors", 0.5,
-                                             progress=lambda *a, **k: None)
-    assert "adapters: loha.safetensors x 0.5" in msg
+                                             "runs/dora/dora.safetensors", 1.0, progress=lambda *a, **k: None)
+    assert "adapters: loha.safetensors x 0.5, dora.safetensors x 1" in msg
     pipe = pipes.get(MODEL)
     again, none, _ = tab_generate.generate(f, pipes, *args, progress=lambda *a, **k: None)
     assert none is None and torch.equal(_pixels(again), _pixels(base))  # the shared pipeline is as it was
     merge_adapter(pipe, load_adapter(runs["loha"] / "loha.safetensors", _table()), 0.5)
+    merge_adapter(pipe, load_adapter(runs["dora"] / "dora.safetensors", _table()), 1.0)  # its magnitudes too
     expect = render(pipe, ["a red circle"], seed=3, steps=2, guidance=5.0, width=64, height=64)[0]
     assert torch.equal(_pixels(tuned), _pixels(expect)) and not torch.equal(_pixels(tuned), _pixels(base))
 

@@ -136,10 +136,11 @@ def merged(pipe, adapter: Adapter):
 @contextmanager
 def applied(pipe, loras: Sequence[tuple[str | Path, float]], name: str = "lora"):
     """The pipeline with each (adapter file, strength) applied, for renders (`sdxl-lora generate`, the UI's
-    Generate tab); as it was when the block ends. LoRA and DoRA files go through diffusers'
-    `load_lora_weights` and `set_adapters` (adapters NAME0, NAME1, ...). LyCORIS LoHa and LoKr files, which
-    diffusers does not load, are merged into the weights at their strength (`merge_adapter`, the update
-    their loaders in ComfyUI and A1111/Forge apply) and the weights put back after."""
+    Generate tab); as it was when the block ends. Plain LoRA files go through diffusers' `load_lora_weights`
+    and `set_adapters` (adapters NAME0, NAME1, ...). The other kinds are merged into the weights at their
+    strength (`merge_adapter`, the update ComfyUI's and A1111/Forge's loaders apply, in the order given) and
+    the weights put back after: diffusers does not load LyCORIS LoHa or LoKr files, and from a kohya DoRA
+    file it drops dora_scale with a warning, which would render plain LoRA."""
     table = None
     loaded: list[tuple[str, float]] = []
     merging: list[tuple[Adapter, float]] = []
@@ -150,7 +151,7 @@ def applied(pipe, loras: Sequence[tuple[str | Path, float]], name: str = "lora")
         if table is None:
             table = kohya.LayerTable.from_pipeline(pipe)
         adapter = load_adapter(path, table)
-        if set(adapter.kinds()) <= {"lora", "dora"}:
+        if set(adapter.kinds()) <= {"lora"}:
             loaded.append((str(path), strength))
             continue
         if adapter.unknown:
