@@ -385,6 +385,8 @@ def test_llm_memory_budget_chooses_checkpointing_then_nf4_and_refuses_what_canno
     # train.vram_gb (--vram) for an LLM: the fastest settings whose whole process fits, from the config alone.
     from transformers import LlamaConfig
 
+    from sdxl_lora.llm.memory import LLM_BUDGET_FILL
+
     LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False).save_pretrained(tmp_path)
     base = ["llm", "plan", "--json", "--model", str(tmp_path), "--set", "adapter.preset='full'",
@@ -393,7 +395,7 @@ def test_llm_memory_budget_chooses_checkpointing_then_nf4_and_refuses_what_canno
     def fit(*extra):
         assert main([*base, *extra]) == 0
         got = json.loads(capsys.readouterr().out)
-        assert got["process_peak_gib"] <= 0.9 * got["vram_gb"]
+        assert got["process_peak_gib"] <= LLM_BUDGET_FILL * got["vram_gb"]
         return got["budget_choices"]
 
     assert fit("--vram", "80") == {}  # every activation kept: it fits
@@ -410,15 +412,16 @@ def test_llm_memory_budget_chooses_checkpointing_then_nf4_and_refuses_what_canno
 
 def test_llm_run_under_a_memory_budget_says_what_it_chose_and_trains(tmp_path, capsys):
     from sdxl_lora.core.runs import read_events
+    from sdxl_lora.llm.memory import LLM_BUDGET_FILL
 
     out = tmp_path / "runs"
     assert main(["llm", "train", "--out", str(out), "--name", "b", "--steps", "1", "--max-length", "2048",
-                 "--batch-size", "8", "--vram", "1.25", "--set", "train.save_every=0", "--set", "llm.preview_prompts=[]"]) == 0
+                 "--batch-size", "8", "--vram", "1.2", "--set", "train.save_every=0", "--set", "llm.preview_prompts=[]"]) == 0
     events = read_events(out / "b" / "events.jsonl")
     plan = next(e for e in events if e["event"] == "budget_plan")
-    assert plan["vram_gb"] == 1.25 and plan["choices"] and plan["peak_gib"] <= 0.9 * 1.25
+    assert plan["vram_gb"] == 1.2 and plan["choices"] and plan["peak_gib"] <= LLM_BUDGET_FILL * 1.2
     assert events[-1]["event"] == "done"
     # `llm plan` with the same flags says the same before anything is loaded.
     capsys.readouterr()
-    assert main(["llm", "plan", "--json", "--max-length", "2048", "--batch-size", "8", "--vram", "1.25"]) == 0
+    assert main(["llm", "plan", "--json", "--max-length", "2048", "--batch-size", "8", "--vram", "1.2"]) == 0
     assert json.loads(capsys.readouterr().out)["budget_choices"] == plan["choices"]
