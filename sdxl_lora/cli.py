@@ -124,7 +124,7 @@ def cmd_generate(args) -> int:
     if loras and len(scales) != len(loras):
         raise ValueError(f"--scale given {len(scales)} times for {len(loras)} --lora files; give one or one each")
     size = args.size or native_resolution(pipe)
-    with applied(pipe, list(zip(loras, scales))):  # LoHa/LoKr merged for the render, the others loaded
+    with applied(pipe, list(zip(loras, scales))):  # plain LoRA loaded, the other kinds merged for the render
         images = render(pipe, [args.prompt] * args.num, seed=args.seed, steps=args.steps, guidance=args.guidance,
                         width=size, height=size, negative=args.negative)
     out.mkdir(parents=True, exist_ok=True)

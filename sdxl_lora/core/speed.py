@@ -171,10 +171,7 @@ class GraphedCall:
             return self.fn(*args)
         key = self._key(args)
         graphed = self.graphs.get(key)
-        while graphed is None:
-            graphed = self._try_capture(key, args)
-            if graphed is not None:
-                break
+        while graphed is None and (graphed := self._try_capture(key, args)) is None:
             # A memory cap (train.vram_gb) or a full card: the graphs' pool cannot share blocks with ordinary
             # memory, so capturing can need more than an eager step. Out of the except block: its traceback
             # held the failed capture's frames and, through them, the pool's memory (the frames form cycles,
@@ -312,6 +309,13 @@ def checkpoint_order(units: list[CheckpointUnit]) -> list[CheckpointUnit]:
     """The order in which units are checkpointed: most bytes freed per FLOP recomputed first (ties by
     name); units that save nothing (no adapter in or before them) never."""
     return sorted((u for u in units if u.saved > 0), key=lambda u: (-u.bytes_per_flop, u.name))
+
+
+def checkpoint_more(units: list[CheckpointUnit], chosen: list[str]) -> list[str]:
+    """`chosen` plus half (at least one) of the units it leaves out, in checkpoint_order: the next try when a
+    step with `chosen` checkpointed ran out of memory. Empty when nothing is left to checkpoint."""
+    left = [u.name for u in checkpoint_order(units) if u.name not in chosen]
+    return left[:max(1, len(left) // 2)] if left else []
 
 
 def choose_checkpointed(units: list[CheckpointUnit], budget_bytes: int, other_bytes: int,

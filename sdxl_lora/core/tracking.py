@@ -16,7 +16,7 @@ import torch
 log = logging.getLogger(__name__)
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s, from the vendors' data sheets. Matched
-# as substrings of torch.cuda.get_device_name(), first match wins (so "H100" does not catch "H200").
+# as substrings of torch.cuda.get_device_name(), first match wins: a name is listed before any name it contains.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H200", 989.0), ("H100", 989.0), ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),
     ("RTX 4090", 165.0), ("RTX 3090", 71.0), ("V100", 125.0), ("T4", 65.0),

@@ -568,12 +568,10 @@ class SDXLTask(Task):
         recomputation are still much faster than the same step without graphs, whose launches the host
         cannot keep up with."""
         fit = self._checkpointing
-        if fit is None:
+        more = speed.checkpoint_more(fit["units"], fit["chosen"]) if fit is not None else []
+        if not more:
             return False
-        left = [u.name for u in speed.checkpoint_order(fit["units"]) if u.name not in fit["chosen"]]
-        if not left:
-            return False
-        fit["chosen"] += left[:max(1, len(left) // 2)]
+        fit["chosen"] += more
         unet = self.accelerator.unwrap_model(model)
         unet_speed.apply_selective_checkpointing(unet, fit["chosen"], fit["graph_safe"], self.cfg.train.sdpa_backend)
         total = len(speed.checkpoint_order(fit["units"]))
@@ -644,7 +642,7 @@ class SDXLTask(Task):
                                  budget_gb, len(chosen), len(order))
                         if not left:
                             raise
-                        chosen += [u.name for u in left[:max(1, len(left) // 2)]]
+                        chosen += speed.checkpoint_more(units, chosen)
                         continue
                     trials.append({"units": len(chosen), "peak_gib": round(peak / 2**30, 2)})
                     log.info("train.checkpoint_budget_gb=%g: %d of %d units checkpointed, measured peak %.2f GiB "

@@ -78,7 +78,7 @@ def generate(f: Folders, pipes: Pipelines, model, prompt, negative, seed, steps,
         base = render(pipe, [prompt], **kw)[0]
         if not chosen:
             return base, None, f"base only (seed {int(seed)}, {side}x{side}); pick an adapter to compare"
-        # LoHa/LoKr files merged into the weights for this render, the others loaded (sdxl/merge.py: applied).
+        # Plain LoRA files loaded, the other kinds merged into the weights for this render (sdxl/merge.py: applied).
         with applied(pipe, [(adapter_path(f, c), s) for c, s in chosen], name="ui"):
             progress(0.65, desc="with adapters")
             tuned = render(pipe, [prompt], **kw)[0]
