@@ -184,11 +184,10 @@ def build(f: Folders) -> None:
                           elem_id="ds-hist", scale=1)
         report = gr.Textbox(label="report (dataset inspect)", lines=14, max_lines=30, elem_id="ds-report", scale=2)
     with gr.Accordion("Upload images and captions", open=False, elem_id="ds-upload-acc"):
-        with gr.Row():
-            up_folder = gr.Textbox(value=folders[0] if folders else None,
-                                   label="into the dataset folder (new or existing, under the datasets folder)",
-                                   elem_id="ds-up-folder", scale=2)
-            up_overwrite = gr.Checkbox(False, label="overwrite files already there", elem_id="ds-up-overwrite", scale=1)
+        # Into the folder picked above (a new name typed there makes a new folder): one place names the folder,
+        # so an upload never goes where a second, stale copy of the name pointed.
+        gr.Markdown("Into the dataset folder picked above; type a new name there to make a new folder.")
+        up_overwrite = gr.Checkbox(False, label="overwrite files already there", elem_id="ds-up-overwrite")
         up_files = gr.File(file_count="multiple", type="filepath", label="images and their caption files",
                            elem_id="ds-up-files")
         up_go = gr.Button("Upload", elem_id="ds-up-go")
@@ -244,8 +243,7 @@ def build(f: Folders) -> None:
     preview.click(do_preview, [items, grid, op, text, find, replace, scope], [previewed, bulk_msg])
     apply.click(do_apply, [items, grid, previewed, op, text, find, replace, scope, ext, shown, res, trigger],
                 [items, grid, previewed, bulk_msg, *panes])
-    folder.change(lambda v: v, folder, up_folder)
-    up_go.click(do_upload, [up_folder, up_files, ext, up_overwrite], [up_msg, folder, up_files])
+    up_go.click(do_upload, [folder, up_files, ext, up_overwrite], [up_msg, folder, up_files])
     cap_go.click(do_caption, [folder, cap_model, ext, cap_overwrite, cap_prefix], cap_msg).then(
         do_scan, [folder, ext, res, trigger], scanned)
 
