@@ -954,27 +954,48 @@ class SDXLTask(Task):
         scale = self.pipe.vae.config.scaling_factor
         n_t = sched.config.num_train_timesteps
         timesteps = torch.tensor([n_t // 8, 3 * n_t // 8, 5 * n_t // 8, 7 * n_t // 8], device=self.device)
+        k = len(timesteps)
         gen = torch.Generator("cpu").manual_seed(0)
+        tc = self.cfg.train
+        # Images of one shape share a UNet call, up to the training batch (a call is then 4x the training
+        # batch, without gradients: less than a training step holds). Where the run plans its memory tightly
+        # (checkpointing, a budget) each image keeps its own call.
+        per_call = 1 if (tc.gradient_checkpointing or tc.checkpoint_budget_gb or tc.vram_gb) else tc.batch_size
+        losses: list[float] = []
+
+        def run(group: list[tuple[dict, dict, torch.Tensor]]) -> None:
+            def each(pick) -> torch.Tensor:  # one value per image (no batch dim), once per timestep
+                return torch.cat([pick(lat, text).expand(k, *pick(lat, text).shape) for lat, text, _ in group]
+                                 ).to(self.device)
+
+            latents = each(lambda lat, _: lat["mean"]) * scale
+            noise = torch.cat([n for _, _, n in group]).to(self.device)
+            t = timesteps.repeat(len(group))
+            target = (sched.get_velocity(latents, noise, t) if sched.config.prediction_type == "v_prediction"
+                      else noise)
+            with self.accelerator.autocast():
+                unet = model.unet if isinstance(model, SDXLAdapterModel) else model
+                pred = unet(sched.add_noise(latents, noise, t), t,
+                            encoder_hidden_states=each(lambda _, text: text["prompt_embeds"]),
+                            added_cond_kwargs={"text_embeds": each(lambda _, text: text["pooled"]),
+                                               "time_ids": each(lambda lat, _: lat["time_ids"])}).sample
+            err = (pred.float() - target.float()).pow(2).flatten(1).mean(1)  # per sample
+            losses.extend(err.view(len(group), k).mean(1).tolist())
+
         was_training = model.training
         model.eval()
-        losses = []
         try:
+            pending: dict[tuple, list] = {}
             for idx in (indices if indices is not None else range(min(8, len(self.dataset.items)))):
                 lat = self.cache.get(self.latent_keys[idx][False])
-                text = self._text(model, idx)
-                latents = (lat["mean"] * scale).expand(len(timesteps), -1, -1, -1).to(self.device)
-                noise = torch.randn(latents.shape, generator=gen).to(self.device)
-                batch = {"noisy": sched.add_noise(latents, noise, timesteps),
-                         "target": (sched.get_velocity(latents, noise, timesteps)
-                                    if sched.config.prediction_type == "v_prediction" else noise)}
-                k = len(timesteps)
-                with self.accelerator.autocast():
-                    unet = model.unet if isinstance(model, SDXLAdapterModel) else model
-                    pred = unet(batch["noisy"], timesteps,
-                                 encoder_hidden_states=text["prompt_embeds"].expand(k, -1, -1).to(self.device),
-                                 added_cond_kwargs={"text_embeds": text["pooled"].expand(k, -1).to(self.device),
-                                                    "time_ids": lat["time_ids"].expand(k, -1).to(self.device)}).sample
-                losses.append(F.mse_loss(pred.float(), batch["target"].float()).item())
+                # Drawn image by image, in order: the noise does not depend on how images share calls.
+                noise = torch.randn((k, *lat["mean"].shape), generator=gen)
+                group = pending.setdefault(tuple(lat["mean"].shape), [])
+                group.append((lat, self._text(model, idx), noise))
+                if len(group) >= per_call:
+                    run(pending.pop(tuple(lat["mean"].shape)))
+            for group in pending.values():
+                run(group)
         finally:
             model.train(was_training)
         return sum(losses) / len(losses)
