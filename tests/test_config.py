@@ -75,8 +75,16 @@ def test_a_model_folder_recommends_settings_that_apply_where_the_config_is_silen
     assert load_config(overrides=[f"model.path='{model}'"]).train.timestep_min == 400
     ranged = load_config(overrides=[f"model.path='{model}'", "train.timestep_max=300"]).train
     assert (ranged.timestep_min, ranged.timestep_max) == (0, 300)
+    # Settings for one adapter kind apply to runs of that kind only, and the user's still win.
+    (model / "sdxl_lora.toml").write_text("[train]\nlr = 1e-3\n[kind.lokr.train]\nlr = 1e-2\nsteps = 9\n")
+    assert load_config(overrides=[f"model.path='{model}'"]).train.lr == pytest.approx(1e-3)
+    lokr = load_config(overrides=[f"model.path='{model}'", "adapter.kind='lokr'", "train.steps=5"]).train
+    assert (lokr.lr, lokr.steps) == (pytest.approx(1e-2), 5)
+    (model / "sdxl_lora.toml").write_text("[kind.lycoris.train]\nlr = 1e-2\n")
+    with pytest.raises(ConfigError, match=r"\[kind.lycoris\] must name an adapter kind \(lora, dora, loha, lokr\)"):
+        load_config(overrides=[f"model.path='{model}'"])
     (model / "sdxl_lora.toml").write_text("[model]\npath = 'elsewhere'\n")
-    with pytest.raises(ConfigError, match=r"sdxl_lora.toml.*\[data\], \[adapter\], \[train\] and \[preview\]"):
+    with pytest.raises(ConfigError, match=r"sdxl_lora.toml.*\[data\], \[adapter\], \[train\], \[preview\]"):
         load_config(overrides=[f"model.path='{model}'"])
     (model / "sdxl_lora.toml").write_text("[train\n")
     with pytest.raises(ConfigError, match="sdxl_lora.toml.*not valid TOML"):
@@ -197,3 +205,18 @@ def test_a_config_file_that_is_not_utf8_text_is_a_clear_error(tmp_path):
     for p in (latin1, binary):
         with pytest.raises(ConfigError, match="not UTF-8"):
             load_config(p)
+
+
+def test_a_form_follows_the_models_settings_per_adapter_kind_and_keeps_what_the_user_typed(tmp_path):
+    from sdxl_lora.core.config import kind_recommendations
+    from sdxl_lora.ui.form import follow_kind
+
+    model = tmp_path / "base"
+    model.mkdir()
+    (model / "sdxl_lora.toml").write_text("[train]\nlr = 1e-3\nsteps = 50\n[kind.loha.train]\nlr = 2e-3\n")
+    recs = kind_recommendations(str(model))
+    assert recs["loha"] == {"train.lr": 2e-3} and recs["lora"] == recs["lokr"] == {"train.lr": 1e-3}
+    assert follow_kind(recs, "loha", {"train.lr": 1e-3}) == {"train.lr": 2e-3}  # the recommended value follows
+    assert follow_kind(recs, "lora", {"train.lr": 2e-3}) == {"train.lr": 1e-3}  # and back
+    assert follow_kind(recs, "loha", {"train.lr": 5e-4}) == {}                  # a rate the user typed stays
+    assert kind_recommendations(str(tmp_path)) == {}                            # no file: nothing follows

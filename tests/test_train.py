@@ -141,8 +141,8 @@ def test_adapter_loads_in_diffusers_in_another_process_and_changes_the_image(def
 
 
 def _short_run(out, name, seed=1):
-    args = ["train", "--out", str(out), "--name", name, "--steps", "12", "--seed", str(seed),
-            "--set", "preview.prompts=''", "--set", "train.log_every=4"]
+    args = ["train", "--out", str(out), "--name", name, "--steps", "4", "--seed", str(seed),
+            "--set", "preview.prompts=''", "--set", "train.log_every=2"]
     assert main(args) == 0
     return load_file(out / name / f"{name}.safetensors")
 

@@ -282,6 +282,11 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(page.locator("#train-summary")).to_contain_text("card preset 8gb", timeout=WAIT)
             _pick(page, "f-card", "no card preset")
             expect(page.locator("#f-train-vram-gb textarea, #f-train-vram-gb input").first).to_have_value("")
+            # The demo base recommends LoHa its own learning rate: picking the kind fills it, and back.
+            _pick(page, "f-adapter-kind", "loha")
+            expect(_box(page, "f-train-lr")).to_have_value("0.002")
+            _pick(page, "f-adapter-kind", "lora")
+            expect(_box(page, "f-train-lr")).to_have_value("0.001")
             _fill(page, "f-train-steps", 60)
             _fill(page, "f-data-resolution", 64)
             _fill(page, "f-train-batch-size", 1)

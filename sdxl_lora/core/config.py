@@ -787,11 +787,46 @@ def recommended_settings(tree: dict) -> tuple[dict, Path | None]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} (the model's recommended training settings) is not valid TOML: {e}; fix or "
                           "remove it") from e
-    bad = sorted(set(rec) - {"data", "adapter", "train", "preview"})
+    sections = {"data", "adapter", "train", "preview"}
+    bad = sorted(set(rec) - sections - {"kind"})
     if bad:
-        raise ConfigError(f"{path}: a model's recommended settings may hold [data], [adapter], [train] and "
-                          f"[preview] only, not {', '.join(bad)}; fix or remove the file")
-    return rec, path
+        raise ConfigError(f"{path}: a model's recommended settings may hold [data], [adapter], [train], "
+                          f"[preview] and [kind.<adapter kind>.*] only, not {', '.join(bad)}; fix or remove the file")
+    # [kind.loha.train] and the like: settings for one adapter kind (a learning rate LoHa or LoKr needs),
+    # over the rest where the run trains that kind.
+    by_kind = rec.pop("kind", {})
+    kinds = AdapterConfig.model_fields["kind"].annotation.__args__
+    for kind, settings in by_kind.items() if isinstance(by_kind, dict) else [("", by_kind)]:
+        if kind not in kinds or not isinstance(settings, dict) or set(settings) - sections:
+            raise ConfigError(f"{path}: [kind.{kind}] must name an adapter kind ({', '.join(kinds)}) and hold "
+                              f"[data], [adapter], [train] or [preview] tables; fix or remove it")
+    adapter = tree.get("adapter") if isinstance(tree.get("adapter"), dict) else {}
+    kind = adapter.get("kind", rec.get("adapter", {}).get("kind", AdapterConfig.model_fields["kind"].default))
+    return (_merged(rec, by_kind[kind]) if kind in by_kind else rec), path
+
+
+def kind_recommendations(model_path: str) -> dict[str, dict[str, Any]]:
+    """For a model whose recommended settings hold [kind.<kind>.*] sections: each adapter kind's value of
+    every field some kind section sets (the kind's own, else the model's general recommendation, else the
+    schema's default), so a form can follow a change of kind. {} when no kind has settings of its own."""
+    tree = {"model": {"path": model_path}}
+    rec, _ = recommended_settings(tree)
+    kinds = AdapterConfig.model_fields["kind"].annotation.__args__
+    per = {kind: recommended_settings({**tree, "adapter": {"kind": kind}})[0] for kind in kinds}
+    keys = sorted({k for kind in kinds for k in _dotted_keys(per[kind])} -
+                  {k for k in _dotted_keys(rec) if all(_get(per[kind], k) == _get(rec, k) for kind in kinds)})
+    sections = {name: info.annotation for name, info in Config.model_fields.items()}
+    return {kind: {k: _get(per[kind], k, sections[k.split(".")[0]].model_fields[k.split(".", 1)[1]].default)
+                   for k in keys} for kind in kinds} if keys else {}
+
+
+def _get(tree: dict, dotted: str, default: Any = None) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
 
 
 def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:

@@ -83,6 +83,15 @@ def schema_fields(model: type[BaseModel] = Config, prefix: str = "", defaults: B
     return out
 
 
+def follow_kind(recommended: dict[str, dict[str, Any]], kind: str, current: dict[str, Any]) -> dict[str, Any]:
+    """The fields to fill when a form's adapter kind becomes `kind`, from config.kind_recommendations: each
+    field the model recommends per kind takes the new kind's value where it still holds one kind's
+    recommendation; a value the user typed stays."""
+    new = recommended.get(kind, {})
+    return {k: new[k] for k, v in current.items()
+            if k in new and any(v == per.get(k) for per in recommended.values())}
+
+
 def _toml_literal(value: Any) -> str:
     """A value as a one-line TOML literal (what `--set` takes): inline tables, arrays, strings, numbers."""
     if isinstance(value, dict):

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import gradio as gr
 
-from sdxl_lora.core.config import Config, ConfigError, SAMPLE_DATA, load_config
+from sdxl_lora.core.config import (Config, ConfigError, SAMPLE_DATA, kind_recommendations, load_config,
+                                   preset_value)
 from sdxl_lora.core.fsutil import atomic_write_text
 from sdxl_lora.core.runs import read_events
 
@@ -20,7 +21,7 @@ from . import dataset_table
 from .folders import TINY, TINY_LLM, Folders, PathRefused, image_folders, jsonl_files, llm_model_choices, model_choices
 from .summary import CARD_FIELDS, GOAL_FIELDS, card_choices, card_fill, goal_fill, run_summary
 from .text import error_md, md_text
-from .form import PATH_FIELDS, FieldSpec, build_config, schema_fields, to_widget_value
+from .form import PATH_FIELDS, FieldSpec, build_config, follow_kind, schema_fields, to_widget_value
 from .duplicate import form_for, form_values
 from .jobs import Jobs, run_status
 from .labels import GROUPS, LABELS, label_for
@@ -454,6 +455,23 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
                                                    "adapter.rank", "adapter.preset") if k in form.widgets]
         gr.on([*([demo.load] if demo is not None else []), form.model.change, *sizing], card_labels,
               form.inputs, card, trigger_mode="always_last", show_progress="hidden")
+    if "adapter.kind" in form.widgets:
+        # A model may recommend settings per adapter kind (LoHa's learning rate on the demo base): picking a
+        # kind fills them, where the field still holds a recommended value.
+        followers = [k for k in form.widgets if k != "adapter.kind"]
+
+        def on_kind(kind, *values):
+            try:
+                cfg = make_config(list(values), None)
+                recs = kind_recommendations(cfg.model.path)
+            except (ConfigError, PathRefused, FileNotFoundError, ValueError):
+                return [gr.skip()] * len(followers)
+            filled = follow_kind(recs, kind, {k: preset_value(cfg.model_dump(), k) for k in followers
+                                              if k in recs.get(kind, {})})
+            return [shown(k, filled[k]) if k in filled else gr.skip() for k in followers]
+
+        form.widgets["adapter.kind"].input(on_kind, [form.widgets["adapter.kind"], *form.inputs],
+                                           [form.widgets[k] for k in followers])
     outputs = [runs_table, run_pick, progress, loss_plot, lr_plot, previews, log_box, seen]
     timer.tick(refresh, [run_pick, seen], outputs, show_progress="hidden")
     run_pick.input(lambda sel: refresh(sel, None), run_pick, outputs)
