@@ -27,16 +27,18 @@ def runs(tmp_path_factory, tiny_dir):
 
     out = tmp_path_factory.mktemp("runs")
     done = {}
-    for kind, extra in (("loha", {"adapter.train_text_encoder": True}), ("lokr", {}), ("dora", {})):
+    for name, extra in (("loha", {"adapter.train_text_encoder": True}), ("lokr", {}), ("dora", {}),
+                        ("rslora", {"adapter.kind": "lora", "adapter.rslora": True, "adapter.train_text_encoder": True})):
+        kind = extra.pop("adapter.kind", name)
         cfg = load_config(extra={
             "model.path": MODEL, "adapter.kind": kind, "adapter.preset": "locon", "adapter.rank": 6,
             "adapter.alpha": 3.0, "adapter.conv_rank": 2, "adapter.conv_alpha": 5.0, "data.dirs": [str(SAMPLES)],
             "data.resolution": 64, "data.cache_dir": str(out / "cache"), "output.runs_dir": str(out),
-            "output.name": kind, "preview.prompts": "", "preview.before": False, "train.device": "cpu",
+            "output.name": name, "preview.prompts": "", "preview.before": False, "train.device": "cpu",
             "train.steps": 3, "train.batch_size": 1, "train.lr": 1e-2, "train.save_every": 2,
             "train.keep_checkpoints": 5, "train.save_every_minutes": 0, **extra})
         fit(new_job(cfg))
-        done[kind] = out / kind
+        done[name] = out / name
     return done
 
 
@@ -59,8 +61,8 @@ def _trained_models(run: Path, state: Path) -> dict[str, torch.nn.Module]:
 
         rank, alpha = text_encoder_rank_alpha(cfg.adapter)
         for name in ("text_encoder", "text_encoder_2"):
-            models[name] = inject_adapter_in_model(inject.adapter_config(cfg.adapter.kind, rank, alpha, TE_TARGETS),
-                                                   getattr(pipe, name))
+            models[name] = inject_adapter_in_model(inject.adapter_config(cfg.adapter.kind, rank, alpha, TE_TARGETS,
+                                                                         rslora=cfg.adapter.rslora), getattr(pipe, name))
     holder = torch.nn.ModuleDict(models) if len(models) > 1 else pipe.unet
     _, unexpected = holder.load_state_dict(load_file(str(state / "adapter.safetensors")), strict=False)
     assert not unexpected
@@ -103,6 +105,20 @@ def test_a_saved_state_of_each_kind_reads_back_as_the_update_training_applied(ru
         assert {lay.rank is None for lay in adapter.layers.values()} == {True, False}
     for comp in adapter.components():  # trained (SDXL reads no text encoder's last layer: it stays at zero)
         assert any(not torch.equal(*truth[k]) for k in truth if k.startswith(f"{comp}.")), comp
+    for key, (base, trained) in truth.items():
+        assert _close(weight_with(base, adapter.layers[key]), trained), key
+
+
+def test_an_rslora_state_without_the_runs_diffusers_file_reads_back_at_rsloras_scale(runs):
+    # The scales come from the run's diffusers file where it has one; without it (deleted, or a run stopped
+    # before its end), from the plan: alpha / sqrt(rank) for rsLoRA, as peft scaled each layer in training.
+    run = runs["rslora"]
+    (run / f"{run.name}.diffusers.safetensors").unlink()
+    cfg = load_config(run / "config.toml")
+    state = next(c for c in compare.run_checkpoints(run) if not c.final)
+    adapter = compare.state_adapter(state, run, cfg, _table())
+    truth = _peft_weights(_trained_models(run, state.path))
+    assert set(adapter.layers) == set(truth) and {"text_encoder", "unet"} <= set(adapter.components())
     for key, (base, trained) in truth.items():
         assert _close(weight_with(base, adapter.layers[key]), trained), key
 

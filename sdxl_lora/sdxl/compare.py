@@ -119,11 +119,14 @@ def _scales(run_dir: Path, cfg: Config, table) -> dict[str, float]:
                 if isinstance(lay, LoraLayer)}
     from .plan import plan_config, text_encoder_rank_alpha
 
+    def scale(alpha: float, rank: int) -> float:  # rsLoRA (lora, dora): alpha / sqrt(r), as peft scales it
+        return alpha / (math.sqrt(rank) if cfg.adapter.rslora else rank)
+
     plan = plan_config(cfg).plan
-    out = {f"unet.{n}": plan.alpha[n] / plan.rank[n] for n in plan.rank}
+    out = {f"unet.{n}": scale(plan.alpha[n], plan.rank[n]) for n in plan.rank}
     rank, alpha = text_encoder_rank_alpha(cfg.adapter)
     for comp in ("text_encoder", "text_encoder_2"):
-        out.update({f"{comp}.{m}": alpha / rank for m in table.layers.get(comp, {})})
+        out.update({f"{comp}.{m}": scale(alpha, rank) for m in table.layers.get(comp, {})})
     return out
 
 
