@@ -965,8 +965,8 @@ class SDXLTask(Task):
 
         def run(group: list[tuple[dict, dict, torch.Tensor]]) -> None:
             def each(pick) -> torch.Tensor:  # one value per image (no batch dim), once per timestep
-                return torch.cat([pick(lat, text).expand(k, *pick(lat, text).shape) for lat, text, _ in group]
-                                 ).to(self.device)
+                values = [pick(lat, text) for lat, text, _ in group]
+                return torch.cat([v.expand(k, *v.shape) for v in values]).to(self.device)
 
             latents = each(lambda lat, _: lat["mean"]) * scale
             noise = torch.cat([n for _, _, n in group]).to(self.device)
