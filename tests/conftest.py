@@ -19,24 +19,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-# The files whose tests take longest start first: pytest-xdist (--dist loadgroup) hands out work in
+# The files whose tests take longest start first: pytest-xdist (--dist loadfile) hands out whole files in
 # collection order, and a long file handed out last keeps one worker busy while the other has nothing left.
 FIRST = ("test_train.py", "test_ui.py", "test_durability.py", "test_speed.py", "test_multiprocess.py",
          "test_adapter_kinds.py", "test_faults.py")
-# Files without module- or session-scoped fixtures: each of their tests is a unit of its own, so the two
-# workers share them and finish together. Every other file goes to one worker whole (its fixtures built once).
-SPLIT = ("test_adapter_kinds.py", "test_cache_reuse.py", "test_config.py", "test_data.py", "test_datasets.py",
-         "test_demo_base.py", "test_frontends.py", "test_layering.py", "test_plans_roundtrip.py", "test_speed.py",
-         "test_ui_datasets.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
-    for item in items:
-        if item.path.name in SPLIT:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid))
 
 
 @pytest.fixture(scope="session")

@@ -390,7 +390,7 @@ def test_the_demo_base_learns_with_each_kind(tmp_path, kind):
     loss on the training images, at fixed timesteps and noise, falls."""
     from sdxl_lora.training import fit, new_job
 
-    cfg = load_config(extra={"adapter.kind": kind, "train.steps": 12, "preview.prompts": "",
+    cfg = load_config(extra={"adapter.kind": kind, "train.steps": 8, "preview.prompts": "",
                              "output.runs_dir": str(tmp_path), "output.name": kind, "train.save_every": 0,
                              "train.save_every_minutes": 0})
     # The base's recommended settings for the kind apply (LoHa learns at a higher rate than the rest).

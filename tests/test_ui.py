@@ -287,7 +287,7 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(_box(page, "f-train-lr")).to_have_value("0.002")
             _pick(page, "f-adapter-kind", "lora")
             expect(_box(page, "f-train-lr")).to_have_value("0.001")
-            _fill(page, "f-train-steps", 60)
+            _fill(page, "f-train-steps", 40)
             _fill(page, "f-data-resolution", 64)
             _fill(page, "f-train-batch-size", 1)
             _fill(page, "f-output-name", "ui-run")
@@ -332,7 +332,7 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             page.get_by_role("tab", name="Train").click()
             expect(page.locator("#runs-table")).to_contain_text("ui-run", timeout=WAIT)
             expect(_state(page)).to_have_attribute("data-state", "finished", timeout=WAIT)
-            expect(page.locator("#run-progress-text")).to_contain_text("step 60/60")
+            expect(page.locator("#run-progress-text")).to_contain_text("step 40/40")
             expect(page.locator("#run-previews img")).to_have_count(2, timeout=WAIT)  # before and after
             # The loss chart draws lines over a numeric step axis (a few ticks, not one label per step); the
             # chart renders after the page's first refresh, so wait for its line first.
@@ -341,7 +341,7 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             assert lines and max(b["width"] for b in lines) > 100
             ticks = page.evaluate("() => [...document.querySelectorAll('#run-loss svg .role-axis-label text')]"
                                   ".map(t => t.textContent)")
-            assert "60" in ticks and len(ticks) < 30
+            assert "40" in ticks and len(ticks) < 30
             assert (run / "train.exit").read_text().strip() == "0"
             kinds = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
             assert "interrupted" in kinds and "resume" in kinds and kinds[-1] == "done"
