@@ -606,6 +606,7 @@ class Config(Section):
 
 
 TASKS: tuple[str, ...] = get_args(Config.model_fields["task"].annotation)
+ADAPTER_KINDS: tuple[str, ...] = get_args(AdapterConfig.model_fields["kind"].annotation)
 
 
 def field_tasks(section: type[BaseModel], name: str) -> tuple[str, ...]:
@@ -764,24 +765,28 @@ def preset_settings(tree: dict) -> tuple[dict, str]:
     return out, " + ".join(f"{k} {v}" for k, v in (("card", card), ("goal", goal)) if v is not None)
 
 
-def preset_value(tree: dict, dotted: str) -> Any:
+def preset_value(tree: dict, dotted: str, default: Any = None) -> Any:
+    """The value at a dotted key of a settings tree, or `default` where the tree does not set it."""
     node: Any = tree
     for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
         node = node[part]
     return node
 
 
-def recommended_settings(tree: dict) -> tuple[dict, Path | None]:
-    """The RECOMMENDED_SETTINGS file of the model a (not yet validated) config tree names, parsed: ({}, None)
-    when the model folder has none, or the task is not SDXL."""
+def _read_recommended(tree: dict) -> tuple[dict, dict, Path | None]:
+    """The RECOMMENDED_SETTINGS file of the model a (not yet validated) config tree names, parsed into its
+    general settings and its [kind.<kind>.*] ones: ({}, {}, None) when the model folder has none, or the task
+    is not SDXL."""
     if tree.get("task", "sdxl") != "sdxl":
-        return {}, None
+        return {}, {}, None
     model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
     name = str(model.get("path", ModelConfig.model_fields["path"].default))
     folder = DEMO_DIR if name == DEMO_NAME else Path(name).expanduser()
     path = folder / RECOMMENDED_SETTINGS
     if not path.is_file():
-        return {}, None
+        return {}, {}, None
     try:
         rec = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
@@ -795,38 +800,41 @@ def recommended_settings(tree: dict) -> tuple[dict, Path | None]:
     # [kind.loha.train] and the like: settings for one adapter kind (a learning rate LoHa or LoKr needs),
     # over the rest where the run trains that kind.
     by_kind = rec.pop("kind", {})
-    kinds = AdapterConfig.model_fields["kind"].annotation.__args__
-    for kind, settings in by_kind.items() if isinstance(by_kind, dict) else [("", by_kind)]:
-        if kind not in kinds or not isinstance(settings, dict) or set(settings) - sections:
-            raise ConfigError(f"{path}: [kind.{kind}] must name an adapter kind ({', '.join(kinds)}) and hold "
-                              f"[data], [adapter], [train] or [preview] tables; fix or remove it")
+    bad = ["kind"] if not isinstance(by_kind, dict) else [
+        f"kind.{kind}" for kind, settings in by_kind.items()
+        if kind not in ADAPTER_KINDS or not isinstance(settings, dict) or set(settings) - sections]
+    if bad:
+        raise ConfigError(f"{path}: [{'], ['.join(bad)}] must name an adapter kind ({', '.join(ADAPTER_KINDS)}) "
+                          "and hold [data], [adapter], [train] or [preview] tables; fix or remove it")
+    return rec, by_kind, path
+
+
+def _for_kind(rec: dict, by_kind: dict, kind: str) -> dict:
+    return _merged(rec, by_kind[kind]) if kind in by_kind else rec
+
+
+def recommended_settings(tree: dict) -> tuple[dict, Path | None]:
+    """The model's recommended settings for the run a config tree describes (its adapter kind's over the
+    general ones), and the file they came from: ({}, None) when there is none."""
+    rec, by_kind, path = _read_recommended(tree)
     adapter = tree.get("adapter") if isinstance(tree.get("adapter"), dict) else {}
     kind = adapter.get("kind", rec.get("adapter", {}).get("kind", AdapterConfig.model_fields["kind"].default))
-    return (_merged(rec, by_kind[kind]) if kind in by_kind else rec), path
+    return _for_kind(rec, by_kind, kind), path
 
 
 def kind_recommendations(model_path: str) -> dict[str, dict[str, Any]]:
     """For a model whose recommended settings hold [kind.<kind>.*] sections: each adapter kind's value of
     every field some kind section sets (the kind's own, else the model's general recommendation, else the
     schema's default), so a form can follow a change of kind. {} when no kind has settings of its own."""
-    tree = {"model": {"path": model_path}}
-    rec, _ = recommended_settings(tree)
-    kinds = AdapterConfig.model_fields["kind"].annotation.__args__
-    per = {kind: recommended_settings({**tree, "adapter": {"kind": kind}})[0] for kind in kinds}
-    keys = sorted({k for kind in kinds for k in _dotted_keys(per[kind])} -
-                  {k for k in _dotted_keys(rec) if all(_get(per[kind], k) == _get(rec, k) for kind in kinds)})
-    sections = {name: info.annotation for name, info in Config.model_fields.items()}
-    return {kind: {k: _get(per[kind], k, sections[k.split(".")[0]].model_fields[k.split(".", 1)[1]].default)
-                   for k in keys} for kind in kinds} if keys else {}
+    rec, by_kind, _ = _read_recommended({"model": {"path": model_path}})
+    keys = sorted({k for settings in by_kind.values() for k in _dotted_keys(settings)})
 
+    def default(key: str) -> Any:
+        section, name = key.split(".", 1)
+        return Config.model_fields[section].annotation.model_fields[name].default
 
-def _get(tree: dict, dotted: str, default: Any = None) -> Any:
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
+    return {kind: {k: preset_value(_for_kind(rec, by_kind, kind), k, default(k)) for k in keys}
+            for kind in ADAPTER_KINDS} if keys else {}
 
 
 def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:

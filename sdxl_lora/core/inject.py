@@ -73,6 +73,11 @@ def _lokr_params(out: int, inp: int, kernel: int, rank: int, factor: int) -> int
     return a * c + w2
 
 
+def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
+    """The factor peft applies to a LoRA/DoRA layer's B A: alpha / r, or rsLoRA's alpha / sqrt(r)."""
+    return alpha / (math.sqrt(rank) if rslora else rank)
+
+
 def layer_slot(name: str, module: nn.Module, **where) -> Slot | None:
     """A Linear or Conv2d as a slot (a conv's input width is its flattened kernel); None for other modules.
     `where` gives the slot's place (part, index, level, block, kind, proj); by default part and kind

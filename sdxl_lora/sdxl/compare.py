@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..core.checkpoint import CheckpointError, complete_states, file_sha256, verify
 from ..core.config import Config, load_config
+from ..core.inject import lora_scale
 from ..core.runs import read_events
 from . import lycoris
 from .export import (Adapter, AdapterError, LoraLayer, export_adapter, load_adapter, peft_key_groups,
@@ -119,14 +120,11 @@ def _scales(run_dir: Path, cfg: Config, table) -> dict[str, float]:
                 if isinstance(lay, LoraLayer)}
     from .plan import plan_config, text_encoder_rank_alpha
 
-    def scale(alpha: float, rank: int) -> float:  # rsLoRA (lora, dora): alpha / sqrt(r), as peft scales it
-        return alpha / (math.sqrt(rank) if cfg.adapter.rslora else rank)
-
     plan = plan_config(cfg).plan
-    out = {f"unet.{n}": scale(plan.alpha[n], plan.rank[n]) for n in plan.rank}
+    out = {f"unet.{n}": lora_scale(plan.alpha[n], plan.rank[n], cfg.adapter.rslora) for n in plan.rank}
     rank, alpha = text_encoder_rank_alpha(cfg.adapter)
     for comp in ("text_encoder", "text_encoder_2"):
-        out.update({f"{comp}.{m}": scale(alpha, rank) for m in table.layers.get(comp, {})})
+        out.update({f"{comp}.{m}": lora_scale(alpha, rank, cfg.adapter.rslora) for m in table.layers.get(comp, {})})
     return out
 
 

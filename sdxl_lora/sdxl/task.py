@@ -16,7 +16,6 @@ import random
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..core import inject, speed

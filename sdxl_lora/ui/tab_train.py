@@ -466,8 +466,8 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
                 recs = kind_recommendations(cfg.model.path)
             except (ConfigError, PathRefused, FileNotFoundError, ValueError):
                 return [gr.skip()] * len(followers)
-            filled = follow_kind(recs, kind, {k: preset_value(cfg.model_dump(), k) for k in followers
-                                              if k in recs.get(kind, {})})
+            tree = cfg.model_dump()
+            filled = follow_kind(recs, kind, {k: preset_value(tree, k) for k in recs.get(kind, {})})
             return [shown(k, filled[k]) if k in filled else gr.skip() for k in followers]
 
         form.widgets["adapter.kind"].input(on_kind, [form.widgets["adapter.kind"], *form.inputs],
