@@ -847,11 +847,9 @@ def test_graphs_that_do_not_fit_in_memory_leave_the_run_training_without_them(mo
     assert torch.equal(graphed(torch.ones(2, 3)), lin(torch.ones(2, 3)))
     assert tries == [(4, 3)]  # no second capture tried
 
-def test_graphs_that_do_not_fit_beside_a_checkpoint_budget_checkpoint_more_and_capture_again(tiny_dir, monkeypatch,
-                                                                                            caplog):
-    # A budget's trial passes cannot see the graphs' pool: when the capture runs out of memory the task
-    # checkpoints half the units it had left out and the capture is tried again; with every unit
-    # checkpointed and still no room, the run trains on without graphs.
+def _task_whose_graphs_do_not_fit(tiny_dir, monkeypatch, checkpointed: int | None = None):
+    """An SDXL task under a checkpoint budget whose tiny UNet's units have made-up sizes, `checkpointed` of
+    them (default all) checkpointed, its events collected; CUDA graphs' pool handle and cache faked."""
     from types import SimpleNamespace
 
     from sdxl_lora.sdxl.task import SDXLTask
@@ -865,11 +863,19 @@ def test_graphs_that_do_not_fit_beside_a_checkpoint_budget_checkpoint_more_and_c
     task.accelerator = SimpleNamespace(unwrap_model=lambda m: m)
     events = []
     task._run = SimpleNamespace(event=lambda kind, **kw: events.append((kind, kw)))
-    task._checkpointing = {"units": units, "chosen": order[:1], "graph_safe": True, "budget_gb": 1.0}
-    unet_speed.apply_selective_checkpointing(unet, order[:1], True)
-
+    task._checkpointing = {"units": units, "chosen": order[:checkpointed], "graph_safe": True, "budget_gb": 1.0}
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    return unet, units, order, task, events
+
+
+def test_graphs_that_do_not_fit_beside_a_checkpoint_budget_checkpoint_more_and_capture_again(tiny_dir, monkeypatch,
+                                                                                            caplog):
+    # A budget's trial passes cannot see the graphs' pool: when the capture runs out of memory the task
+    # checkpoints half the units it had left out and the capture is tried again; with every unit
+    # checkpointed and still no room, the run trains on without graphs.
+    unet, units, order, task, events = _task_whose_graphs_do_not_fit(tiny_dir, monkeypatch, checkpointed=1)
+    unet_speed.apply_selective_checkpointing(unet, order[:1], True)
     fits_with = len(order) - 1  # the capture fits once all but one unit are checkpointed
     tries = []
 
@@ -904,6 +910,56 @@ def test_graphs_that_do_not_fit_beside_a_checkpoint_budget_checkpoint_more_and_c
         assert torch.equal(graphed(x), lin(x))
     assert graphed.eager and task._checkpointing["chosen"] == order
     assert all(u.switch.gradient_checkpointing for u in units if u.name in order)
+    assert "training on without them" in caplog.text
+
+
+def test_graphs_that_do_not_fit_with_every_unit_checkpointed_split_the_batch_and_capture_smaller(tiny_dir,
+                                                                                                   monkeypatch, caplog):
+    # Every unit checkpointed and still no room for the graphs' pool: the task halves its micro-batches
+    # (the loop then trains each batch in parts) and the graphs are captured at the smaller size; the call
+    # that found it out, and any later call at the old size, runs without graphs. Single images that do not
+    # fit leave the run without graphs.
+    from types import SimpleNamespace
+
+    unet, units, order, task, events = _task_whose_graphs_do_not_fit(tiny_dir, monkeypatch)
+    task._sampler = lambda: SimpleNamespace(batch_shapes=lambda: [((64, 64), 4), ((64, 48), 3)])
+    fits = 2  # rows the capture fits
+    tries = []
+
+    def make_graphed_callables(fn, sample_args, **kw):
+        tries.append(sample_args[0].shape[0])
+        if sample_args[0].shape[0] > fits:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 240.00 MiB")
+        return lambda *a: fn(*a) * 1  # "replayed"
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
+    lin = torch.nn.Linear(3, 2)
+    graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1,
+                                on_out_of_memory=lambda: task._checkpoint_more(unet) or task._split_batches())
+    x = torch.randn(4, 3)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(graphed(x), lin(x))  # this call without graphs
+    assert task.micro_batches == 2 and not graphed.eager and tries == [4]
+    assert "4 now trains as 2 micro-batches of up to 2 images" in caplog.text
+    assert [kw for kind, kw in events if kind == "micro_batches"] == [
+        {"parts": 2, "images": 2, "reason": "cuda_graphs_out_of_memory"}]
+    graphed(x)  # the rest of that step, at the old size: no capture tried
+    assert tries == [4]
+    halves = task.split({"latent_mean": x, "sample_key": torch.arange(4), "shared": "caption"})
+    assert [(b["latent_mean"].shape[0], b["sample_key"].tolist(), b["shared"], share) for b, share in halves] == [
+        (2, [0, 1], "caption", 0.5), (2, [2, 3], "caption", 0.5)]
+    graphed(halves[0][0]["latent_mean"])
+    assert tries == [4, 2] and len(graphed.graphs) == 1  # captured at the micro-batch's size
+    # A bucket of 3 splits 2 + 1: the sizes its micro-batches come in.
+    assert [b["latent_mean"].shape[0] for b, _ in task.split({"latent_mean": x[:3]})] == [2, 1]
+
+    # Single images do not fit either: halving stops there and the run trains without graphs.
+    fits = 0
+    graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1,
+                                on_out_of_memory=lambda: task._checkpoint_more(unet) or task._split_batches())
+    for rows in (2, 1):
+        graphed(torch.randn(rows, 3))
+    assert task.micro_batches == 4 and graphed.eager
     assert "training on without them" in caplog.text
 
 

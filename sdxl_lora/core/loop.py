@@ -651,11 +651,18 @@ class Trainer:
                 with profiler.phase("data"):
                     batch = next(batches)
                 with acc.accumulate(self.model):
-                    with profiler.phase("forward"), self._autocast():
-                        loss = checkpoint.nan_fault(self.task.loss(self.model, batch), step + 1, acc.process_index)
-                    with profiler.phase("backward"):
-                        acc.backward(loss)
-                        if self._unsynced and acc.sync_gradients:
+                    loss = None
+                    for part, share in self.task.split(batch):  # one part unless the task's step needs more
+                        with profiler.phase("forward"), self._autocast():
+                            part_loss = checkpoint.nan_fault(self.task.loss(self.model, part), step + 1,
+                                                             acc.process_index)
+                            if share != 1.0:
+                                part_loss = part_loss * share
+                        with profiler.phase("backward"):
+                            acc.backward(part_loss)
+                        loss = part_loss.detach() if loss is None else loss + part_loss.detach()
+                    if self._unsynced and acc.sync_gradients:
+                        with profiler.phase("backward"):
                             self._average_unsynced()
                     checkpoint.test_fault("step", step + 1)
                     finite = torch.isfinite(loss.detach())

@@ -153,14 +153,17 @@ class GraphedCall:
 
     def __init__(self, module: torch.nn.Module, fn: Callable[..., torch.Tensor], warmup: int = 3,
                  others: Callable[[tuple], list[tuple]] | None = None,
-                 on_out_of_memory: Callable[[], bool] | None = None):
+                 on_out_of_memory: Callable[[], bool | str] | None = None):
         self.module, self.fn, self.warmup, self.others = module, fn, warmup, others
         # Called when a capture runs out of memory: True once it made the step need less (the task
-        # checkpoints more of the model), and the capture is tried again; False: train on without graphs.
+        # checkpoints more of the model), and the capture is tried again; "later" once the caller will pass
+        # smaller inputs from the next call on (the task splits its batches): this call runs without graphs
+        # and the next captures; False: train on without graphs.
         self.on_out_of_memory = on_out_of_memory
         self.graphs: dict[tuple, Callable] = {}
         self.pool = None  # the memory pool every capture shares, made at the first capture
         self.eager = False  # the captures ran out of memory: every call runs fn as it is
+        self.too_large: set[tuple] = set()  # shapes whose capture ran out of memory ("later"): run as they are
 
     @staticmethod
     def _key(args) -> tuple:
@@ -170,6 +173,8 @@ class GraphedCall:
         if self.eager:
             return self.fn(*args)
         key = self._key(args)
+        if key in self.too_large:
+            return self.fn(*args)
         graphed = self.graphs.get(key)
         while graphed is None and (graphed := self._try_capture(key, args)) is None:
             # A memory cap (train.vram_gb) or a full card: the graphs' pool cannot share blocks with ordinary
@@ -180,7 +185,11 @@ class GraphedCall:
             self.pool = None
             gc.collect()
             torch.cuda.empty_cache()
-            if self.on_out_of_memory is None or not self.on_out_of_memory():
+            answer = self.on_out_of_memory() if self.on_out_of_memory is not None else False
+            if answer == "later":
+                self.too_large.add(key)
+                return self.fn(*args)
+            if not answer:
                 # Train on without graphs (slower per step, the same results) rather than lose the run.
                 log.warning("CUDA graphs did not fit in memory (%s); training on without them",
                             ", ".join(str(tuple(a.shape)) for a in args))

@@ -22,6 +22,11 @@ class Task(ABC):
     host_keys: tuple[str, ...] = ()
     # The progress bar's short label of each unit that `units` counts (others show as "<name>_s").
     unit_labels: dict[str, str] = {"images": "img_s"}
+    # How many parts the loop splits each batch into, one forward and backward each (1: the batch at once).
+    # A task raises it when its step does not fit otherwise (sdxl: CUDA graphs under a memory cap). With a
+    # loss that is a mean over the batch's samples the parts' losses weighted by their share give the whole
+    # batch's gradient. Never raised with DDP, whose backward all-reduces each part.
+    micro_batches: int = 1
 
     @abstractmethod
     def setup(self, accelerator, run: Run) -> None:
@@ -79,6 +84,25 @@ class Task(ABC):
         builds a new optimizer over them)."""
         return False
 
+    def split(self, batch: Any) -> list[tuple[Any, float]]:
+        """The batch in `micro_batches` parts (as even as they go) with each part's share of its samples.
+        Default: a dict's tensors and lists whose first dim is the batch are sliced, other values shared."""
+        if self.micro_batches <= 1 or not isinstance(batch, dict):
+            return [(batch, 1.0)]
+        n = self.batch_size(batch)
+        parts = min(self.micro_batches, n)
+
+        def rows(v, lo: int, hi: int):
+            if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n or isinstance(v, list) and len(v) == n:
+                return v[lo:hi]
+            return v
+
+        out, lo = [], 0
+        for size in micro_sizes(n, parts):
+            out.append(({k: rows(v, lo, lo + size) for k, v in batch.items()}, size / n))
+            lo += size
+        return out
+
     def units(self, batch: Any) -> dict[str, int | torch.Tensor]:
         """What the batch trains on, counted in the task's units of throughput: each name becomes
         `<name>_per_s` in the step events and TensorBoard and a rate in the progress bar. A count may be a
@@ -96,3 +120,10 @@ class Task(ABC):
         """Before a resume at `step`, ahead of loading the saved weights: give the trainable parameters the
         shapes they had at that step. True when any was replaced."""
         return False
+
+
+def micro_sizes(n: int, parts: int) -> list[int]:
+    """A batch of n split into `parts` micro-batches, as even as they go, larger first (torch.tensor_split's
+    sizes)."""
+    parts = max(1, min(parts, n))
+    return [n // parts + (i < n % parts) for i in range(parts)]

@@ -23,7 +23,7 @@ from . import speed as unet_speed
 from ..core.config import Config, ConfigError
 from .export import save_diffusers_lora
 from ..core.runs import Run
-from ..core.task import Task
+from ..core.task import Task, micro_sizes
 from . import data as sdxl_data
 from . import loss as diffusion
 from .cache import TensorCache, cache_key, file_digest
@@ -556,7 +556,8 @@ class SDXLTask(Task):
         if self._graphed and torch.is_grad_enabled():
             if not isinstance(self._graphed, speed.GraphedCall) or self._graphed.module is not model:
                 self._graphed = speed.GraphedCall(model, call, others=self._graph_inputs,
-                                                  on_out_of_memory=lambda: self._checkpoint_more(model))
+                                                  on_out_of_memory=lambda: self._checkpoint_more(model)
+                                                  or self._split_batches())
             return self._graphed(noisy, t, embeds, pooled, time_ids)
         return call(noisy, t, embeds, pooled, time_ids)
 
@@ -581,6 +582,25 @@ class SDXLTask(Task):
                             reason="cuda_graphs_out_of_memory")
         return True
 
+    def _split_batches(self) -> bool | str:
+        """CUDA graphs' capture ran out of memory with every unit checkpointed that can be: from the next
+        step on each batch trains in twice as many micro-batches, one forward and backward each (the same
+        gradient: the loss is a mean over the batch), and the graphs are captured at the smaller shape. False
+        when the micro-batches are single images already. A step replayed from graphs at half the batch is
+        still much faster than the whole batch without them."""
+        largest = max(b for _, b in self._sampler().batch_shapes())
+        if self.micro_batches >= largest:
+            return False
+        self.micro_batches *= 2
+        sizes = micro_sizes(largest, self.micro_batches)
+        log.warning("CUDA graphs did not fit in memory with the checkpointing the step allows: each batch of %d "
+                    "now trains as %d micro-batches of up to %d images (the same gradient), captured at that "
+                    "size from the next step", largest, len(sizes), sizes[0])
+        if self._run is not None:
+            self._run.event("micro_batches", parts=self.micro_batches, images=sizes[0],
+                            reason="cuda_graphs_out_of_memory")
+        return "later"
+
     def _graph_inputs(self, args: tuple) -> list[tuple]:
         """The UNet's inputs for every (bucket, batch size) this process's batches come in, made like the
         first batch's `args` (its dtypes, devices and memory formats): CUDA graphs capture them all at the
@@ -591,7 +611,9 @@ class SDXLTask(Task):
         layout = (torch.channels_last if noisy.dim() == 4 and not noisy.is_contiguous()
                   and noisy.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format)
         out = []
-        for (w, h), b in sampler.batch_shapes():
+        shapes = {((w, h), size) for (w, h), b in sampler.batch_shapes()
+                  for size in micro_sizes(b, self.micro_batches)}  # the micro-batches' sizes (_split_batches)
+        for (w, h), b in sorted(shapes):
             x = torch.randn(b, noisy.shape[1], h // f, w // f, dtype=noisy.dtype, device=noisy.device)
             out.append((x.contiguous(memory_format=layout),
                         *(a[:1].expand(b, *a.shape[1:]).clone() for a in rest)))
