@@ -459,7 +459,7 @@ def cmd_llm_plan(args) -> int:
           + ", ".join(f"{k} {v / GiB:.2f}" for k, v in weights.items()) + ")")
     for k in ("adapter (fp32)", "gradients", "optimizer"):
         print(f"  {k:14s} {state[k] / GiB:8.2f} GiB")
-    print("\n".join(format_activations(acts, ckpt, compute)))
+    print("\n".join(format_activations(acts, ckpt, compute, cfg.llm.offload_activations)))
     print(f"  peak           {sum(state.values()) / GiB:8.2f} GiB (the accelerator's; the whole process with the "
           f"CUDA context about {memory.peak / GiB:.2f} GiB)")
     return 0

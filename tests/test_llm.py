@@ -379,6 +379,14 @@ def test_llm_plan_reads_only_the_config_and_matches_the_8b_figures(tmp_path, cap
         assert main([*base, "--set", f"model.quantize='{quant}'", "--set", "train.batch_size=4",
                      "--set", "llm.max_length=2048"]) == 0
         assert json.loads(capsys.readouterr().out)["peak_gib"] == pytest.approx(peak, rel=0.15), quant
+    # The checkpointed layers' inputs in host memory (llm.offload_activations): 32 layers x 4 x 2048 tokens x
+    # 4096 x 2 bytes (2 GiB) leave the device, one layer's stays.
+    ckpt4 = [*base, "--set", "train.batch_size=4", "--set", "llm.max_length=2048",
+             "--set", "train.gradient_checkpointing=true"]
+    assert main(ckpt4) == 0
+    kept = json.loads(capsys.readouterr().out)["memory_gib"]["activations"]
+    assert main([*ckpt4, "--set", "llm.offload_activations=true"]) == 0
+    assert kept - json.loads(capsys.readouterr().out)["memory_gib"]["activations"] == pytest.approx(31 / 16, abs=0.01)
 
 
 def test_llm_memory_budget_chooses_checkpointing_then_nf4_and_refuses_what_cannot_fit(tmp_path, capsys):
@@ -425,3 +433,58 @@ def test_llm_run_under_a_memory_budget_says_what_it_chose_and_trains(tmp_path, c
     capsys.readouterr()
     assert main(["llm", "plan", "--json", "--max-length", "2048", "--batch-size", "8", "--vram", "1.2"]) == 0
     assert json.loads(capsys.readouterr().out)["budget_choices"] == plan["choices"]
+
+
+def test_offloaded_checkpointing_frees_each_layers_input_and_gives_the_same_gradients(tiny_llm):
+    # llm.offload_activations: each decoder layer's input waits in host memory, not on the device, until
+    # backward recomputes the layer; the loss and gradients are those of the model as it is.
+    import gc
+    import weakref
+
+    from sdxl_lora.llm.offload import offload_layers
+
+    ids = IDS.repeat(2, 1)
+
+    def step(model):
+        inputs, forward = [], [True]  # the layers' inputs in the forward pass, not in the recomputation
+        hooks = [layer.register_forward_pre_hook(
+            lambda m, args, kw: inputs.append(weakref.ref(args[0] if args else kw["hidden_states"]))
+            if forward[0] else None, with_kwargs=True)
+            for layer in model.model.layers]
+        loss = model(input_ids=ids, labels=ids).loss
+        gc.collect()
+        alive = sum(r() is not None for r in inputs)
+        forward[0] = False
+        loss.backward()
+        for h in hooks:
+            h.remove()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, alive, len(inputs)
+
+    plain_loss, plain_grads, _, _ = step(_base(tiny_llm).train())
+    hf = _base(tiny_llm).train()
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, _, hf_alive, layers = step(hf)
+    assert layers == len(hf.model.layers) >= 2 and hf_alive == layers  # checkpointing keeps them on the device
+
+    model = _base(tiny_llm).train()
+    assert offload_layers(model, type(model.model.layers[0])) == layers
+    loss, grads, alive, seen = step(model)
+    assert seen == layers and alive == 0
+    assert torch.allclose(loss, plain_loss)
+    assert all(torch.allclose(grads[n], g, rtol=1e-4, atol=1e-6) for n, g in plain_grads.items() if g is not None)
+    # Not training, or no gradients: the layers run as they are.
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(input_ids=ids).logits, _base(tiny_llm)(input_ids=ids).logits)
+
+
+def test_offloaded_activations_train_through_the_cli_and_need_checkpointing(tmp_path, capsys, caplog):
+    common = ["llm", "train", "--out", str(tmp_path), "--steps", "2", "--set", "llm.preview_prompts=[]",
+              "--set", "llm.offload_activations=true"]
+    assert main([*common, "--name", "no-ckpt"]) == 2
+    err = capsys.readouterr().err
+    assert "llm.offload_activations" in err and "train.gradient_checkpointing = true" in err
+    with caplog.at_level("INFO"):
+        assert main([*common, "--name", "ckpt", "--set", "train.gradient_checkpointing=true"]) == 0
+    assert "decoder layers checkpointed, their inputs in host memory" in caplog.text
+    events = [json.loads(line) for line in (tmp_path / "ckpt" / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "done" and (tmp_path / "ckpt" / "adapter").is_dir()

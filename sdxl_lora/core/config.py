@@ -528,6 +528,9 @@ class LLMConfig(Section):
     max_new_tokens: int = Field(48, ge=1, description="The longest preview answer, in tokens.")
     loss_chunk: int = Field(1024, ge=16, description=(
         "Tokens per cross-entropy chunk, so the full fp32 logits are never held at once; lower saves memory."))
+    offload_activations: bool = Field(False, description=(
+        "With train.gradient_checkpointing: keep each checkpointed decoder layer's input in host memory "
+        "until backward needs it, not on the GPU (less GPU memory, a copy each way per layer and step)."))
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description=(
         "transformers' attention kernel; 'sdpa' keeps packed examples apart through the position ids."))
     merge: bool = Field(False, description=(

@@ -48,24 +48,28 @@ class LLMActivations:
 
 
 def activation_bytes(config, batch_size: int, max_length: int, checkpointing: bool,
-                     compute_dtype: torch.dtype = torch.bfloat16, loss_chunk: int = 1024) -> LLMActivations:
+                     compute_dtype: torch.dtype = torch.bfloat16, loss_chunk: int = 1024,
+                     offload: bool = False) -> LLMActivations:
     """The step's activations for rows padded to max_length. Checkpointed: each layer keeps its input,
-    and one layer at a time is recomputed whole in backward."""
+    and one layer at a time is recomputed whole in backward. Offloaded (llm.offload_activations): the
+    inputs wait in host memory, one at a time on the device."""
     elt = torch.empty((), dtype=compute_dtype).element_size()
     h, _, _, _, layers, vocab = _dims(config)
     tokens = batch_size * max_length
     per_layer = layer_bytes_per_token(config, elt) * tokens
     head_input = tokens * h * (elt + 4)  # the final norm's output and its fp32 copy
     if checkpointing:
-        saved, recompute = layers * tokens * h * elt + head_input, per_layer
+        saved, recompute = (1 if offload else layers) * tokens * h * elt + head_input, per_layer
     else:
         saved, recompute = layers * per_layer + head_input, 0
     loss = min(loss_chunk, tokens) * vocab * (elt + 4 + 4)
     return LLMActivations(saved, recompute, loss, tokens)
 
 
-def format_activations(a: LLMActivations, checkpointing: bool, compute_dtype: torch.dtype) -> list[str]:
-    how = "checkpointed: layer inputs, one layer recomputed" if checkpointing else "every layer's kept"
+def format_activations(a: LLMActivations, checkpointing: bool, compute_dtype: torch.dtype,
+                       offload: bool = False) -> list[str]:
+    how = ("checkpointed: layer inputs in host memory, one layer recomputed" if checkpointing and offload else
+           "checkpointed: layer inputs, one layer recomputed" if checkpointing else "every layer's kept")
     return [f"  activations    {a.total / GiB:8.2f} GiB  ({a.tokens:,} tokens, {DTYPE_NAMES.get(compute_dtype)}; {how}"
             f" {(a.saved + a.recompute) / GiB:.2f}, loss chunk {a.loss / GiB:.2f})",
             f"  workspace      {WORKSPACE / GiB:8.2f} GiB"]
@@ -73,11 +77,11 @@ def format_activations(a: LLMActivations, checkpointing: bool, compute_dtype: to
 
 def step_estimate(config, *, weights: int, trainable_params: int, optimizer: str, batch_size: int,
                   max_length: int, checkpointing: bool, compute_dtype: torch.dtype,
-                  loss_chunk: int) -> tuple[dict[str, int], LLMActivations]:
+                  loss_chunk: int, offload: bool = False) -> tuple[dict[str, int], LLMActivations]:
     """The step's expected peak on the accelerator by part (bytes), and the activations' detail."""
     from ..core.memory import state_bytes
 
-    acts = activation_bytes(config, batch_size, max_length, checkpointing, compute_dtype, loss_chunk)
+    acts = activation_bytes(config, batch_size, max_length, checkpointing, compute_dtype, loss_chunk, offload)
     adapter = state_bytes(trainable_params, optimizer)
     return ({"frozen weights": weights, "adapter (fp32)": adapter["adapter"], "gradients": adapter["gradients"],
              "optimizer": adapter["optimizer"], "activations": acts.total, "workspace": WORKSPACE}, acts)
@@ -122,7 +126,8 @@ def config_memory(cfg, config, model=None, plan=None) -> tuple[Plan, LLMMemory]:
     parts, acts = step_estimate(config, weights=sum(weights.values()), trainable_params=plan.trainable_params,
                                 optimizer=cfg.train.optimizer, batch_size=cfg.train.batch_size,
                                 max_length=cfg.llm.max_length, checkpointing=cfg.train.gradient_checkpointing,
-                                compute_dtype=compute, loss_chunk=cfg.llm.loss_chunk)
+                                compute_dtype=compute, loss_chunk=cfg.llm.loss_chunk,
+                                offload=cfg.llm.offload_activations)
     return plan, LLMMemory(parts, acts, weights, compute)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..core import inject
-from ..core.config import Config
+from ..core.config import Config, ConfigError
 from ..core.runs import Run
 from ..core.task import Task
 from . import data as llm_data
@@ -125,7 +125,17 @@ class LLMTask(Task):
         if unused := fields_for_other_tasks(cfg):  # only what the config sets: the defaults say nothing
             log.warning("SDXL-only settings do nothing for task='llm': %s; leave them out of the config",
                         ", ".join(unused))
-        if cfg.train.gradient_checkpointing:
+        if cfg.llm.offload_activations and not cfg.train.gradient_checkpointing:
+            raise ConfigError("llm.offload_activations keeps the checkpointed decoder layers' inputs in host memory: "
+                              "it needs train.gradient_checkpointing = true")
+        layer_class = type(next(m for n, m in self.lm.named_modules() if re.search(r"(^|\.)layers\.0$", n)))
+        if cfg.llm.offload_activations:
+            from .offload import offload_layers
+
+            n = offload_layers(self.lm, layer_class)
+            layer_class = type(next(m for m in self.lm.modules() if isinstance(m, layer_class)))
+            log.info("llm.offload_activations: %d decoder layers checkpointed, their inputs in host memory", n)
+        elif cfg.train.gradient_checkpointing:
             # Non-reentrant: works with a frozen embedding (no input-grad hook) and with LoRA inside the blocks.
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self._speed_choices:
@@ -137,8 +147,7 @@ class LLMTask(Task):
             from ..core import speed
 
             # The repeated decoder layers, compiled one graph for all (rows are padded to llm.max_length).
-            layer = next(m for n, m in self.lm.named_modules() if re.search(r"(^|\.)layers\.0$", n))
-            n = speed.compile_regions(self.lm, classes=(type(layer).__name__,),
+            n = speed.compile_regions(self.lm, classes=(layer_class.__name__,),
                                      activation_budget=cfg.train.compile_activation_budget)
             log.info("train.compile=%r: %d decoder layers compiled (the first steps include compilation)",
                      cfg.train.compile, n)
@@ -171,7 +180,7 @@ class LLMTask(Task):
                                  optimizer=cfg.train.optimizer, batch_size=cfg.train.batch_size,
                                  max_length=cfg.llm.max_length, checkpointing=cfg.train.gradient_checkpointing,
                                  compute_dtype=self.quant[1]["compute_dtype"] if self.quant[0] else self.dtype,
-                                 loss_chunk=cfg.llm.loss_chunk)
+                                 loss_chunk=cfg.llm.loss_chunk, offload=cfg.llm.offload_activations)
         total = sum(parts.values())
         log.info("memory estimate (batch %d x %d tokens): %s; peak %.2f GiB", cfg.train.batch_size,
                  cfg.llm.max_length, ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items()), total / GiB)

@@ -218,6 +218,8 @@ LABELS: dict[str, Label] = {
                             "your GPU up."),
     "llm.loss_chunk": _l("Loss chunk (tokens)", S, "Compute the loss in pieces of this many tokens; lower "
                          "saves memory."),
+    "llm.offload_activations": _l("Layer inputs in CPU memory", S, "With gradient checkpointing: keep what "
+                                  "the layers recompute from in CPU memory; less GPU memory."),
     "llm.attn_implementation": _l("Attention kernel", S, "Which attention code the model uses; sdpa keeps "
                                   "packed examples apart."),
     # ---- previews

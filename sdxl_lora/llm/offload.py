@@ -1,0 +1,83 @@
+"""Gradient checkpointing of the decoder layers with each layer's input kept in host memory until the
+backward pass recomputes that layer (llm.offload_activations).
+
+Checkpointing alone keeps every layer's input on the GPU (layers x tokens x hidden in the compute dtype:
+2 GiB for Llama-3-8B at 4 x 2048 tokens). Here the input is copied to pinned host memory on a side stream
+as the layer runs, and brought back when backward recomputes the layer. torch's non-reentrant checkpoint
+holds its inputs by reference, so it cannot offload them (`save_on_cpu` only sees saved tensors); the
+layer's input therefore reaches the checkpointed function through a holder that gives the tensor itself to
+the forward pass and the host copy to the recomputation. The gradient still flows through the forward
+pass's own graph; the recomputation only rebuilds the saved tensors, which are value-equal."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+_subclasses: dict[type, type] = {}
+
+
+class _HostCopy:
+    """A layer's input: the tensor itself once (the forward pass), then its host copy on the device again
+    (the recomputation in backward). On a CUDA device the copy runs on a side stream, overlapping the layer;
+    elsewhere it is a plain copy (the same code path, nothing saved)."""
+
+    def __init__(self, x: torch.Tensor):
+        self.first, self.device, self.grad = x, x.device, x.requires_grad
+        self.event = None
+        if x.device.type == "cuda":
+            stream = _streams.setdefault(x.device, torch.cuda.Stream(x.device))
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                self.host.copy_(x.detach(), non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(stream)
+            x.record_stream(stream)  # x's memory is not reused before the copy has read it
+        else:
+            self.host = x.detach().to("cpu", copy=True)
+
+    def get(self) -> torch.Tensor:
+        if self.first is not None:
+            x, self.first = self.first, None
+            return x
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+        # As the input required gradients: the recomputation then saves what the forward pass saved.
+        return self.host.to(self.device, non_blocking=True).requires_grad_(self.grad)
+
+
+def _offloaded_call(self, *args, **kwargs):
+    base = super(type(self), self).__call__
+    if not (self.training and torch.is_grad_enabled()):
+        return base(*args, **kwargs)
+    if args:
+        holder, rest = _HostCopy(args[0]), args[1:]
+
+        def run(_):
+            return base(holder.get(), *rest, **kwargs)
+    else:
+        holder = _HostCopy(kwargs.pop("hidden_states"))
+
+        def run(_):
+            return base(hidden_states=holder.get(), **kwargs)
+    # An empty tensor on the layer's device, not the input: the checkpoint keeps its arguments, and finds
+    # from them the device whose RNG state and autocast the recomputation restores.
+    return checkpoint(run, torch.empty(0, device=holder.device), use_reentrant=False)
+
+
+def offload_layers(model: nn.Module, layer_class: type) -> int:
+    """Every `layer_class` module of `model` checkpointed with its input in host memory; returns how many.
+    The modules keep their names and parameters (their class becomes a subclass that only adds the call),
+    so adapters, state dicts and exports are unchanged. transformers' own checkpointing must be off."""
+    sub = _subclasses.get(layer_class)
+    if sub is None:
+        sub = _subclasses[layer_class] = type(f"HostOffloaded{layer_class.__name__}", (layer_class,),
+                                              {"__call__": _offloaded_call})
+    n = 0
+    for module in model.modules():
+        if type(module) is layer_class:
+            module.__class__ = sub
+            n += 1
+    return n
