@@ -16,6 +16,8 @@ What each contender runs (the same model folder, the same JSONL data, the same s
   ours-compile  the same with train.compile="regional" (not in the default grid: --only adds it).
   ours-ckpt     ours with train.gradient_checkpointing=true, as TRL's defaults checkpoint: the comparison at
                 about TRL's memory (not in the default grid); ours-ckpt-compile adds train.compile="regional".
+  ours-offload-compile  ours-ckpt-compile with llm.offload_activations=true: the checkpointed layers' inputs in
+                host memory, as unsloth keeps them (not in the default grid).
   trl           SFTTrainer(model=FOLDER) with SFTConfig's defaults (its fused, chunked LM-head loss, gradient
                 checkpointing, bf16 autocast, AdamW), plus packing=True, max_length=seq, the batch size, bf16
                 weights (model_init_kwargs dtype; TRL loads fp32 otherwise), no saving, no reporting;
@@ -76,7 +78,7 @@ from train_e2e import MemorySampler
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
-OURS = ("ours", "ours-compile", "ours-ckpt", "ours-ckpt-compile")
+OURS = ("ours", "ours-compile", "ours-ckpt", "ours-ckpt-compile", "ours-offload-compile")
 CONTENDERS = (*OURS, "trl", "unsloth", "liger")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1"}
@@ -171,7 +173,7 @@ def _versions(*names: str) -> dict:
     return out
 
 
-def run_ours(args, compile_layers: bool, checkpointing: bool = False) -> dict:
+def run_ours(args, compile_layers: bool, checkpointing: bool = False, offload: bool = False) -> dict:
     """`sdxl-lora llm train` in this process; tokens/s from its step events (each step logged)."""
     import shutil
 
@@ -187,8 +189,10 @@ def run_ours(args, compile_layers: bool, checkpointing: bool = False) -> dict:
         sets.append("model.quantize='nf4'")
     if compile_layers:
         sets.append("train.compile='regional'")
-    if checkpointing:
+    if checkpointing or offload:
         sets.append("train.gradient_checkpointing=true")
+    if offload:
+        sets.append("llm.offload_activations=true")
     argv = ["llm", "train", "--model", args.folder, "--data", args.data, "--steps", str(args.warmup + args.steps),
             "--rank", "16", "--batch-size", str(args.batch), "--max-length", str(args.seq), "--out", str(runs),
             "--name", name] + [x for s in sets for x in ("--set", s)]
@@ -303,7 +307,7 @@ def worker(args) -> None:
     try:
         if args.worker in OURS:
             result = run_ours(args, compile_layers=args.worker.endswith("compile"),
-                              checkpointing="ckpt" in args.worker)
+                              checkpointing="ckpt" in args.worker, offload="offload" in args.worker)
         else:
             result = run_sft(args, args.worker)
     except BaseException as e:  # noqa: BLE001 - the parent reports it beside the other runs
