@@ -586,8 +586,8 @@ class SDXLTask(Task):
         """CUDA graphs' capture ran out of memory with every unit checkpointed that can be: from the next
         step on each batch trains in twice as many micro-batches, one forward and backward each (the same
         gradient: the loss is a mean over the batch), and the graphs are captured at the smaller shape. False
-        when the micro-batches are single images already. A step replayed from graphs at half the batch is
-        still much faster than the whole batch without them."""
+        when the micro-batches are single images already. Without graphs the checkpointed step is host-bound
+        (several times slower per image at these budgets); smaller batches cost the GPU's efficiency instead."""
         largest = max(b for _, b in self._sampler().batch_shapes())
         if self.micro_batches >= largest:
             return False
