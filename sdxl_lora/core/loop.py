@@ -665,7 +665,7 @@ class Trainer:
                         with profiler.phase("backward"):
                             self._average_unsynced()
                     checkpoint.test_fault("step", step + 1)
-                    finite = torch.isfinite(loss.detach())
+                    finite = torch.isfinite(loss)  # the parts' detached sum
                     bad = bad | ~finite
                     if acc.sync_gradients and (clip > 0 or guard.on):
                         norm = self._clip_gradients()
@@ -673,7 +673,7 @@ class Trainer:
                         skip = guard.after_backward(bad, norm, step + 1, self.optimizer)
                     with profiler.phase("optimizer"):
                         self._optimizer_step(skip)
-                window.add_loss(loss.detach(), finite, self.task.batch_size(batch) * acc.num_processes,
+                window.add_loss(loss, finite, self.task.batch_size(batch) * acc.num_processes,
                                 {k: n * acc.num_processes for k, n in self.task.units(batch).items()})
             step = self.step = step + 1
             bar.update(1)

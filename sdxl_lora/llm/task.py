@@ -128,12 +128,10 @@ class LLMTask(Task):
         if cfg.llm.offload_activations and not cfg.train.gradient_checkpointing:
             raise ConfigError("llm.offload_activations keeps the checkpointed decoder layers' inputs in host memory: "
                               "it needs train.gradient_checkpointing = true")
-        layer_class = type(next(m for n, m in self.lm.named_modules() if re.search(r"(^|\.)layers\.0$", n)))
         if cfg.llm.offload_activations:
             from .offload import offload_layers
 
-            n = offload_layers(self.lm, layer_class)
-            layer_class = type(next(m for m in self.lm.modules() if isinstance(m, layer_class)))
+            n = offload_layers(self.lm, type(self._first_layer()))
             log.info("llm.offload_activations: %d decoder layers checkpointed, their inputs in host memory", n)
         elif cfg.train.gradient_checkpointing:
             # Non-reentrant: works with a frozen embedding (no input-grad hook) and with LoRA inside the blocks.
@@ -146,8 +144,9 @@ class LLMTask(Task):
         if cfg.train.compile != "none":
             from ..core import speed
 
-            # The repeated decoder layers, compiled one graph for all (rows are padded to llm.max_length).
-            n = speed.compile_regions(self.lm, classes=(layer_class.__name__,),
+            # The repeated decoder layers, compiled one graph for all (rows are padded to llm.max_length); their
+            # class is the offloading subclass where llm.offload_activations swapped it in.
+            n = speed.compile_regions(self.lm, classes=(type(self._first_layer()).__name__,),
                                      activation_budget=cfg.train.compile_activation_budget)
             log.info("train.compile=%r: %d decoder layers compiled (the first steps include compilation)",
                      cfg.train.compile, n)
@@ -155,6 +154,10 @@ class LLMTask(Task):
         run.event("plan", layers=len(self.plan.targets), trainable_params=self.plan.trainable_params,
                   preset=cfg.adapter.preset, base_rank=self.plan.base_rank, groups=self.plan.groups())
         self._estimate(run)
+
+    def _first_layer(self) -> torch.nn.Module:
+        """The first decoder layer (`...layers.0`): its class is the one every layer repeats."""
+        return next(m for n, m in self.lm.named_modules() if re.search(r"(^|\.)layers\.0$", n))
 
     def _apply_budget(self, run: Run) -> None:
         """train.vram_gb: say what was chosen, and cap the process there on a GPU."""
