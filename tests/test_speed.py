@@ -847,6 +847,33 @@ def test_graphs_that_do_not_fit_in_memory_leave_the_run_training_without_them(mo
     assert torch.equal(graphed(torch.ones(2, 3)), lin(torch.ones(2, 3)))
     assert tries == [(4, 3)]  # no second capture tried
 
+
+def test_a_capture_cuda_refuses_leaves_the_run_training_without_graphs(monkeypatch, caplog):
+    # CUDA can abandon a capture for other reasons than memory (an operation the capture cannot hold): the
+    # run trains on without graphs and says why. A device error that is not about capturing still ends it.
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    error = "CUDA error: operation would make the legacy stream depend on a capturing blocking stream"
+    tries = []
+
+    def make_graphed_callables(fn, sample_args, **kw):
+        tries.append(tuple(sample_args[0].shape))
+        raise torch.AcceleratorError(error)
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
+    lin = torch.nn.Linear(3, 2)
+    graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1, on_out_of_memory=lambda: pytest.fail("not memory"))
+    x = torch.randn(4, 3)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(graphed(x), lin(x))
+    assert graphed.eager and "CUDA graphs could not be captured" in caplog.text and "legacy stream" in caplog.text
+    assert torch.equal(graphed(x[:2]), lin(x[:2])) and tries == [(4, 3)]
+
+    error = "CUDA error: an illegal memory access was encountered"
+    with pytest.raises(torch.AcceleratorError, match="illegal memory access"):
+        speed.GraphedCall(lin, lambda x: lin(x), warmup=1)(x)
+
+
 def _task_whose_graphs_do_not_fit(tiny_dir, monkeypatch, checkpointed: int | None = None):
     """An SDXL task under a checkpoint budget whose tiny UNet's units have made-up sizes, `checkpointed` of
     them (default all) checkpointed, its events collected; CUDA graphs' pool handle and cache faked."""

@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -159,11 +160,32 @@ def test_same_seed_gives_the_same_adapter(tmp_path, monkeypatch):
     from sdxl_lora.sdxl.task import SDXLTask
 
     monkeypatch.setattr(SDXLTask, "micro_batches", 2)
-    sizes, loss = [], SDXLTask.loss
-    monkeypatch.setattr(SDXLTask, "loss", lambda self, model, batch: sizes.append(self.batch_size(batch))
-                        or loss(self, model, batch))
+    sizes, alive, marks, loss = [], [], [], SDXLTask.loss
+
+    class Mark:
+        pass
+
+    class Marked(torch.autograd.Function):  # a node of the loss's graph that lives as long as the graph
+        @staticmethod
+        def forward(ctx, x):
+            ctx.mark = Mark()
+            marks.append(weakref.ref(ctx.mark))
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    def marked_loss(self, model, batch):
+        # A CUDA graph captured at this forward fails while an earlier part's autograd graph is alive.
+        alive.append(sum(m() is not None for m in marks))
+        sizes.append(self.batch_size(batch))
+        return Marked.apply(loss(self, model, batch))
+
+    monkeypatch.setattr(SDXLTask, "loss", marked_loss)
     d = _short_run(tmp_path, "d")
     assert sizes == [1] * 8  # 4 steps of 2 images
+    assert alive == [0] * 8
     assert all(torch.allclose(a[k], d[k], rtol=1e-3, atol=3e-4) for k in a)
     assert any(not torch.allclose(a[k], c[k], rtol=1e-3, atol=3e-4) for k in a)
 

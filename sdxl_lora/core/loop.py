@@ -661,6 +661,10 @@ class Trainer:
                         with profiler.phase("backward"):
                             acc.backward(part_loss)
                         loss = part_loss.detach() if loss is None else loss + part_loss.detach()
+                        # Nothing of this part's autograd graph may outlive its backward: a CUDA graph
+                        # captured at the next forward (a micro-batch's size, captured after an eager step)
+                        # fails while older graph nodes, made outside the capture, are still alive.
+                        del part_loss
                     if self._unsynced and acc.sync_gradients:
                         with profiler.phase("backward"):
                             self._average_unsynced()

@@ -164,6 +164,7 @@ class GraphedCall:
         self.pool = None  # the memory pool every capture shares, made at the first capture
         self.eager = False  # the captures ran out of memory: every call runs fn as it is
         self.too_large: set[tuple] = set()  # shapes whose capture ran out of memory ("later"): run as they are
+        self.refused: str | None = None  # why CUDA refused a capture (not for memory): every call runs eager
 
     @staticmethod
     def _key(args) -> tuple:
@@ -185,6 +186,10 @@ class GraphedCall:
             self.pool = None
             gc.collect()
             torch.cuda.empty_cache()
+            if self.refused:
+                log.warning("CUDA graphs could not be captured (%s); training on without them", self.refused)
+                self.eager = True
+                return self.fn(*args)
             answer = self.on_out_of_memory() if self.on_out_of_memory is not None else False
             if answer == "later":
                 self.too_large.add(key)
@@ -201,6 +206,14 @@ class GraphedCall:
         try:
             return self._capture(key, args)
         except torch.OutOfMemoryError:
+            return None
+        except torch.AcceleratorError as e:
+            # A capture CUDA refused (an operation that cannot be captured, a stream the capture does not
+            # own): the capture is abandoned and its stream usable again, so the run trains on without
+            # graphs instead of being lost. Any other device error is the run's to report.
+            if "captur" not in str(e).lower():
+                raise
+            self.refused = str(e).strip().splitlines()[0]
             return None
 
     def _capture(self, key: tuple, args: tuple) -> Callable:
