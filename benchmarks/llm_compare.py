@@ -195,7 +195,7 @@ def run_ours(args, compile_layers: bool, checkpointing: bool = False, offload: b
         sets.append("llm.offload_activations=true")
     argv = ["llm", "train", "--model", args.folder, "--data", args.data, "--steps", str(args.warmup + args.steps),
             "--rank", "16", "--batch-size", str(args.batch), "--max-length", str(args.seq), "--out", str(runs),
-            "--name", name] + [x for s in sets for x in ("--set", s)]
+            "--name", name] + [x for s in sets + list(args.set) for x in ("--set", s)]
     rc = cli.main(argv)
     if rc:
         raise RuntimeError(f"sdxl-lora {' '.join(argv)} exited {rc}")
@@ -296,7 +296,8 @@ def _env(contender: str) -> dict:
 
 def _common(args) -> list[str]:
     return ["--model-shape", args.model_shape, "--seq", str(args.seq), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--work", args.work, "--batches", *map(str, args.batches)]
+            "--warmup", str(args.warmup), "--work", args.work, "--batches", *map(str, args.batches),
+            *(x for s in args.set for x in ("--set", s))]
 
 
 def worker(args) -> None:
@@ -326,6 +327,8 @@ def run_one(args, contender: str, base: str, batch: int, deadline: float) -> dic
     result_path.unlink(missing_ok=True)
     row = {"contender": contender, "base": base, "batch": batch, "seq": args.seq, "model": args.model_shape,
            "steps": args.steps, "warmup": args.warmup}
+    if args.set and contender in OURS:
+        row["set"] = list(args.set)
     launch = time.time()
     cmd = [sys.executable, __file__, "--worker", contender, "--base", base, "--batch", str(batch),
            "--launch", str(launch), "--result", str(result_path), "--folder", str(args.folder),
@@ -391,6 +394,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=CONTENDERS, default=["ours", "trl", "unsloth"],
                     help="contenders; unsloth runs liger in its place where it does not import")
     ap.add_argument("--json", help="append each run's JSON line to this file as it finishes")
+    ap.add_argument("--set", action="append", default=[], help="another override for ours (an `sdxl-lora llm "
+                    "train --set`, e.g. llm.loss_chunk=256); the other contenders ignore it")
     ap.add_argument("--work", default="/tmp/llm_compare", help="model folder, data, runs and logs")
     ap.add_argument("--deadline", type=float, help="seconds from start after which no run starts and a running "
                     "one is stopped (default 560 on a GPU, none on a CPU)")
