@@ -304,6 +304,11 @@ steps = 2
     # 6 training samples: the 5 regularization images once, in table order, then one more repeat for the first.
     assert [(d["name"], d["images"], d["samples"], d["is_regularization"]) for d in dataset["datasets"]] == \
         [("stars", 3, 6, False), ("reg", 3, 4, True), ("class images", 2, 2, True)]
+    # The adapter's kohya metadata counts them apart, as kohya's own files do.
+    from safetensors import safe_open
+    with safe_open(tmp_path / "r" / "r.safetensors", "pt") as f:
+        meta = f.metadata()
+    assert (meta["ss_num_train_images"], meta["ss_num_reg_images"]) == ("6", "6")
     assert {p: snapshot(p) for p in (stars, reg)} == before
     # The class images were made by the base, captioned with the prompt, in the cache.
     made = sorted((tmp_path / "cache" / "class_images").glob("*/*.png"))

@@ -1040,8 +1040,10 @@ class SDXLTask(Task):
                    "ss_lr_scheduler": cfg.train.scheduler, "ss_seed": str(cfg.train.seed),
                    "ss_network_dropout": str(cfg.adapter.dropout),
                    "ss_mixed_precision": str(self.accelerator.mixed_precision),
-                   # kohya's own keys for regularization images (0 when there are none).
-                   "ss_num_reg_images": str(sum(it.is_reg for it in self.dataset.items)),
+                   # kohya's counts: samples of an epoch (images x repeats), the training datasets' and
+                   # the regularization ones' apart (0 when there are none).
+                   "ss_num_train_images": str(sum(it.repeats for it in self.dataset.items if not it.is_reg)),
+                   "ss_num_reg_images": str(sum(it.repeats for it in self.dataset.items if it.is_reg)),
                    "ss_prior_loss_weight": str(cfg.train.prior_loss_weight),
                    "sdxl_lora.steps": str(step), "sdxl_lora.resolution": str(self.resolution),
                    "sdxl_lora.preset": cfg.adapter.preset, "sdxl_lora.kind": cfg.adapter.kind,
