@@ -108,7 +108,7 @@ def test_default_run_teaches_the_star_and_keeps_the_other_prompts(default_run):
 def test_without_the_prior_shapes_the_other_prompts_lose_their_shapes(default_run, tmp_path):
     # The default job mixes 16 prior shapes (circles, triangles...) in with its 16 stars: prior preservation.
     # Trained on the stars alone the plain prompts drift, already in a quarter of the job's steps, where the
-    # default job above keeps them (issue 31: "with prior preservation ... kept; without it they drift").
+    # default job above keeps at least 0.9 of them.
     import shutil
 
     stars = tmp_path / "stars"
@@ -123,7 +123,7 @@ def test_without_the_prior_shapes_the_other_prompts_lose_their_shapes(default_ru
     assert len(list(stars.glob("*.png"))) == 16
     before, after = concept[0], concept[-1]
     assert after["others_score"] < 0.75 * before["others_score"], after["others"]
-    assert with_prior[-1]["others_score"] >= 0.85 * with_prior[0]["others_score"]
+    assert with_prior[-1]["others_score"] >= 0.9 * with_prior[0]["others_score"]
 
 
 def test_adapter_loads_in_diffusers_in_another_process_and_changes_the_image(default_run, tmp_path):

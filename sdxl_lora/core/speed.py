@@ -209,8 +209,9 @@ class GraphedCall:
             return None
         except torch.AcceleratorError as e:
             # A capture CUDA refused (an operation that cannot be captured, a stream the capture does not
-            # own): the capture is abandoned and its stream usable again, so the run trains on without
-            # graphs instead of being lost. Any other device error is the run's to report.
+            # own) ends that capture, not the device's state: the run trains on without graphs instead of
+            # being lost. Any other device error is the run's to report, and so is one that a refused
+            # capture left behind (the next eager operation raises it).
             if "captur" not in str(e).lower():
                 raise
             self.refused = str(e).strip().splitlines()[0]
