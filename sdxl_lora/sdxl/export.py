@@ -25,7 +25,7 @@ import re
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -311,10 +311,13 @@ def _num(x: float) -> str:
 def training_metadata(*, title: str, steps: int | None = None, resolution: int | None = None,
                       trigger_phrase: str = "", base_model: str | None = None,
                       datasets: Mapping[str, Sequence[tuple[str, int]]] | None = None,
+                      regularization: Collection[str] = (),
                       extra: Mapping[str, object] | None = None) -> dict[str, str]:
     """The descriptive `ss_*` / `modelspec.*` metadata of a trained adapter (the writer adds the keys
     computed from the weights). `datasets` maps a dataset folder's name (not its path) to
-    (caption, repeats) per image; `base_model` is reduced to its file or folder name."""
+    (caption, repeats) per image; `regularization` names those of them that are regularization datasets,
+    counted apart as kohya counts them (`ss_num_reg_images`, images x repeats); `base_model` is reduced to
+    its file or folder name."""
     meta: dict[str, str] = {"ss_output_name": title, "modelspec.title": title}
     if steps is not None:
         meta["ss_steps"] = meta["ss_max_train_steps"] = str(int(steps))
@@ -326,16 +329,20 @@ def training_metadata(*, title: str, steps: int | None = None, resolution: int |
     if base_model:
         meta["ss_sd_model_name"] = Path(str(base_model)).name
     if datasets is not None:
-        dirs, tags, total = {}, {}, 0
+        dirs, tags, total, reg = {}, {}, 0, 0
         for name, images in datasets.items():
             repeats = Counter(r for _, r in images)
             dirs[name] = {"n_repeats": repeats.most_common(1)[0][0] if repeats else 1, "img_count": len(images)}
-            total += sum(r for _, r in images)
+            if name in regularization:
+                reg += sum(r for _, r in images)
+            else:
+                total += sum(r for _, r in images)
             freq: Counter = Counter()
             for caption, _ in images:
                 freq.update(t.strip() for t in caption.split(",") if t.strip())
             tags[name] = dict(freq.most_common())
         meta["ss_num_train_images"] = str(total)
+        meta["ss_num_reg_images"] = str(reg)
         meta["ss_dataset_dirs"] = json.dumps(dirs, ensure_ascii=False)
         meta["ss_tag_frequency"] = json.dumps(tags, ensure_ascii=False)
     for k, v in (extra or {}).items():

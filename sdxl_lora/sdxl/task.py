@@ -1036,14 +1036,11 @@ class SDXLTask(Task):
             title=run.name, steps=step, resolution=self.resolution,
             trigger_phrase=", ".join(triggers) or cfg.data.trigger_word,
             base_model=cfg.model.path, datasets=datasets,
+            regularization={it.dataset.name for it in self.dataset.items if it.is_reg},
             extra={"ss_learning_rate": str(cfg.train.lr), "ss_batch_size_per_device": str(cfg.train.batch_size),
                    "ss_lr_scheduler": cfg.train.scheduler, "ss_seed": str(cfg.train.seed),
                    "ss_network_dropout": str(cfg.adapter.dropout),
                    "ss_mixed_precision": str(self.accelerator.mixed_precision),
-                   # kohya's counts: samples of an epoch (images x repeats), the training datasets' and
-                   # the regularization ones' apart (0 when there are none).
-                   "ss_num_train_images": str(sum(it.repeats for it in self.dataset.items if not it.is_reg)),
-                   "ss_num_reg_images": str(sum(it.repeats for it in self.dataset.items if it.is_reg)),
                    "ss_prior_loss_weight": str(cfg.train.prior_loss_weight),
                    "sdxl_lora.steps": str(step), "sdxl_lora.resolution": str(self.resolution),
                    "sdxl_lora.preset": cfg.adapter.preset, "sdxl_lora.kind": cfg.adapter.kind,
