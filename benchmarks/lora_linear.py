@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from lora_grad import lora_dy_products  # benchmarks/lora_grad.py
 from sdxl_lora.core.lora_matmul import _LoRAConcat, _LoRAMerged, lora_linear as trainer_lora_linear
-from timing import gpu_ms, timed  # benchmarks/timing.py (this script's folder is on the path)
+from timing import lora_variant_row  # benchmarks/timing.py (this script's folder is on the path)
 
 
 class _AddmmLoRA(torch.autograd.Function):
@@ -155,6 +155,8 @@ SHAPES = {
     "32 out": (1024, 1280, 1280, 1),
     "64 q/k/v fused": (4096, 640, 3 * 640, 3),
     "64 out": (4096, 640, 640, 1),
+    "32 ff in (GEGLU)": (1024, 1280, 8 * 1280, 1),
+    "32 ff out": (1024, 4 * 1280, 1280, 1),
 }
 
 
@@ -210,17 +212,9 @@ def main(argv=None) -> None:
                 y.backward(dy)
                 return y
 
-            y = step()
-            got = [y.float(), x.grad.float(), a.grad, b.grad]
             row = {"shape": name, "M": m, "K": k, "N": n, "r": r, "variant": vname}
-            if vname == "peft":
-                ref = got
-            elif ref is not None and vname != "base":
-                row["max_diff"] = [round((u - v).abs().max().item(), 5) for u, v in zip(got, ref)]
-                row["ref_max"] = [round(v.abs().max().item(), 3) for v in ref]
-            kernel_time = args.kernel_time and dev.type == "cuda"
-            row["gpu_ms_fwd_bwd" if kernel_time else "ms_fwd_bwd"] = round(
-                gpu_ms(step, args.iters) if kernel_time else timed(step, args.iters, sync), 4)
+            row, ref = lora_variant_row(row, step, x, a, b, ref, args.kernel_time and dev.type == "cuda", args.iters,
+                                        sync)
             print(json.dumps(row), flush=True)
 
 

@@ -32,3 +32,20 @@ def gpu_ms(fn, iters):
             fn()
         torch.cuda.synchronize()
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / iters
+
+
+def lora_variant_row(row: dict, step, x, a, b, ref: list | None, kernel_time: bool, iters: int, sync) -> tuple[dict, list]:
+    """One LoRA benchmark row (benchmarks/lora_linear.py, lora_conv.py): runs `step()` (forward + backward of the
+    variant `row["variant"]` over input x and factors a, b), compares its output and gradients with `ref` (peft's,
+    which becomes the reference when this row is peft's), and times it. Returns the row and the reference."""
+    y = step()
+    base = row["variant"] == "base"
+    got = [y.float(), x.grad.float()] + ([] if base else [a.grad, b.grad])
+    if row["variant"] == "peft":
+        ref = got
+    elif ref is not None and not base:
+        row["max_diff"] = [round((u - v).abs().max().item(), 5) for u, v in zip(got, ref)]
+        row["ref_max"] = [round(v.abs().max().item(), 3) for v in ref]
+    row["gpu_ms_fwd_bwd" if kernel_time else "ms_fwd_bwd"] = round(
+        gpu_ms(step, iters) if kernel_time else timed(step, iters, sync), 4)
+    return row, ref

@@ -437,6 +437,88 @@ def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, tmp_path, m
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_merged_lora_convolutions_and_linears_give_peft_loss_and_gradients(tiny_dir, monkeypatch, compiled):
+    """LoCon with train.lora_matmul="merged": the ResNets' LoRA'd convolutions as one convolution with W + sBA
+    each way, and the LoRA'd Linears outside the attentions (feed-forward, proj_in/out) merged too, give
+    peft's loss and gradients (channels_last, the convolutions' own input gradient, compiled); the layers
+    that cannot take it (dropout) or a feature map too small to pay run peft's."""
+    from diffusers.models.attention_processor import Attention
+
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
+    unet = tiny_unet_with_lora(tiny_dir, preset="locon")
+    convs = [m for b in unet.modules() if type(b).__name__ == "ResnetBlock2D" for m in b.modules()
+             if hasattr(m, "lora_A") and isinstance(m.base_layer, torch.nn.Conv2d)]
+    assert convs and any(m.base_layer.kernel_size == (1, 1) for m in convs)  # the shortcuts' 1x1 too
+    in_attention = {id(m) for a in unet.modules() if isinstance(a, Attention) for m in a.modules()}
+    linears = [m for m in unet.modules() if hasattr(m, "lora_A") and isinstance(m.base_layer, torch.nn.Linear)
+               and id(m) not in in_attention]
+    names = [n for n, m in unet.named_modules() if any(m is x for x in linears)]
+    assert any(".ff." in n for n in names) and any(n.endswith("proj_in") for n in names)
+    for layer in (convs[0], linears[0]):  # eval dropout: the same numbers, through peft's forward
+        layer.lora_dropout["default"] = torch.nn.Dropout(0.5).eval()
+    for i, m in enumerate(convs + linears):
+        m.scaling["default"] = 0.5 + i % 3
+    batch = batch_for(unet)
+    ref = loss_and_grads(unet, batch)
+    peft_calls = []
+    for m in convs + linears:
+        m.lora_B["default"].register_forward_hook(lambda *a, m=m: peft_calls.append(m))
+    speed.to_channels_last(unet)
+    assert unet_speed.conv_input_grad(unet) > 0
+    monkeypatch.setattr(lora_matmul, "LORA_WAY_MIN_ROWS_PER_COLUMN", 0.0)  # the tiny model's small maps: every one
+    assert unet_speed.merge_lora_convs(unet) == len(convs)
+    assert unet_speed.merge_lora_linears(unet) == len(linears)
+    if compiled:
+        speed.compile_regions(unet, classes=unet_speed.REGION_CLASSES)
+    assert_same(ref, loss_and_grads(unet, batch))
+    assert sorted(map(id, peft_calls)) == sorted(map(id, [convs[0], linears[0]]))
+    # At SDXL's sizes: the 32x32 stage (1280 channels, 3x3) pays at batch 16, not at batch 4.
+    monkeypatch.setattr(lora_matmul, "LORA_WAY_MIN_ROWS_PER_COLUMN", 1.0)
+    w = torch.empty(1280, 1280, 3, 3)
+    assert lora_matmul.lora_conv_pays(torch.empty(16, 1280, 32, 32), w, (1, 1))
+    assert not lora_matmul.lora_conv_pays(torch.empty(4, 1280, 32, 32), w, (1, 1))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("stride,padding,size", [((1, 1), (1, 1), 9), ((2, 2), (1, 1), 9), ((2, 2), (0, 0), 8)])
+def test_merged_lora_convolution_matches_peft_in_fp32_and_bf16(stride, padding, size):
+    """lora_conv2d against peft's three convolutions, strided too (the input's gradient keeps the input's size):
+    the same output and gradients in fp32, and in bf16 autocast as close to fp32 as peft's own products."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    cin, cout, r = 24, 32, 4
+    x = torch.randn(2, cin, size, size, generator=g)
+    w = 0.05 * torch.randn(cout, cin, 3, 3, generator=g)
+    bias = torch.randn(cout, generator=g)
+    a = torch.randn(r, cin, 3, 3, generator=g) / (cin * 9) ** 0.5
+    b = 0.02 * torch.randn(cout, r, 1, 1, generator=g)
+
+    def peft(x, w, a, b):
+        return F.conv2d(x, w, bias, stride, padding) + F.conv2d(F.conv2d(x, a, None, stride, padding), b)
+
+    def merged(x, w, a, b):
+        return lora_matmul.lora_conv2d(x, w, bias, a, b, stride, padding)
+
+    def run(fn, bf16, w=w):
+        xs, a_, b_ = x.clone().requires_grad_(), a.clone().requires_grad_(), b.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y = fn(xs, w, a_, b_)
+        y.backward(torch.ones_like(y) + torch.arange(y.numel()).reshape(y.shape).to(y.dtype) % 3)
+        return [t.float() for t in (y, xs.grad, a_.grad, b_.grad)]
+
+    exact = run(peft, bf16=False)
+    for got, want in zip(run(merged, bf16=False), exact):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    err = {fn.__name__: [((u - v).norm() / v.norm()).item() for u, v in zip(run(fn, True, w.bfloat16()), exact)]
+           for fn in (peft, merged)}
+    for name, got, ref in zip(("output", "x.grad", "A.grad", "B.grad"), err["merged"], err["peft"]):
+        assert got <= 1.5 * ref + 1e-3, (name, got, ref)
+    with pytest.raises(ValueError, match="frozen"):
+        lora_matmul.lora_conv2d(x, torch.nn.Parameter(w), None, a, b, stride, padding)
+
+
 @pytest.mark.parametrize("method", ["nf4", "fp8"])
 def test_merged_lora_over_a_quantized_base_gives_peft_loss_and_gradients(tiny_dir, monkeypatch, method):
     """QLoRA with train.lora_matmul="merged": the quantized q/k/v weights dequantized into one buffer, the LoRA

@@ -162,6 +162,111 @@ class _LoRAMergedQuantized(torch.autograd.Function):
         return dx, None, dh.t() @ x2, dy2.t() @ h, None
 
 
+class _LoRAConvMerged(torch.autograd.Function):
+    """"merged" for a LoRA'd 2-D convolution (LoCon) in peft's layout: A a rank-r convolution with the base's
+    kernel, stride and padding, B a 1x1 one back (scaling folded in). y = conv(x, W + B A): one convolution
+    each way where peft runs three (the base's, A's and B's) and adds two outputs the size of the base's. The
+    input's gradient is a transposed convolution with the same merged weight (an aten.convolution: compiled
+    backward graphs keep their channels_last layout, as with sdxl/speed.py's _Conv2dGrad).
+
+    A's own products (h = A x for B's gradient, and A's gradient) are GEMMs over the pixels, not cuDNN
+    convolutions: a convolution with r output channels, and its weight gradient, run far below the memory
+    bandwidth (benchmarks/lora_conv.py). x [pixels, C] @ A's taps [C, k*k*r] gives every tap's product at
+    every pixel; h sums each output pixel's k*k taps from their shifted positions, and A's gradient is x^T
+    @ dh spread back to the taps."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, a, b, stride, padding):
+        y = F.conv2d(x, _conv_merged(w, a, b), bias, stride, padding)
+        h = _taps_sum(_pixels(x) @ _taps(a), x.shape, a.shape, stride, padding, y.shape[2:])
+        ctx.save_for_backward(x, h, w, a, b)
+        ctx.conv = (stride, padding)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, h, w, a, b = ctx.saved_tensors
+        stride, padding = ctx.conv
+        dy2 = _pixels(dy)
+        dh = dy2 @ b.reshape(b.shape[0], -1)  # dy through B's 1x1 map: [pixels, r]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            # output_padding: what a strided convolution's output size leaves out of the input's
+            extra = [n - ((g - 1) * s - 2 * p + (k - 1) + 1) for n, g, s, p, k in zip(
+                x.shape[2:], dy.shape[2:], stride, padding, w.shape[2:])]
+            dx = F.conv_transpose2d(dy, _conv_merged(w, a, b), None, stride, padding, extra)
+        dz = _taps_spread(dh.reshape(dy.shape[0], *dy.shape[2:], -1), x.shape, a.shape, stride, padding)
+        r, c, kh, kw = a.shape
+        da = (_pixels(x).t() @ dz).reshape(c, kh, kw, r).permute(3, 0, 1, 2)
+        db = (dy2.t() @ h.reshape(-1, r)).reshape(b.shape)
+        return dx, None, None, da, db, None, None
+
+
+def _pixels(t: torch.Tensor) -> torch.Tensor:
+    """[N, C, H, W] as [N*H*W, C] (a view where t is channels_last)."""
+    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])
+
+
+def _taps(a: torch.Tensor) -> torch.Tensor:
+    """A [r, C, kh, kw] as [C, kh*kw*r]: every tap's r columns side by side."""
+    return a.permute(1, 2, 3, 0).reshape(a.shape[1], -1)
+
+
+def _tap_slices(a_shape, stride, padding, out_hw):
+    """For each tap (u, v): the output pixels' positions in the padded input, as slices of its rows and columns."""
+    (ho, wo), (s0, s1) = out_hw, stride
+    return [(u, v, slice(u, u + s0 * (ho - 1) + 1, s0), slice(v, v + s1 * (wo - 1) + 1, s1))
+            for u in range(a_shape[2]) for v in range(a_shape[3])]
+
+
+def _taps_sum(z: torch.Tensor, x_shape, a_shape, stride, padding, out_hw) -> torch.Tensor:
+    """h [N, Ho, Wo, r] = conv(x, A) from z = x @ taps [N*H*W, kh*kw*r]: each output pixel's taps summed."""
+    n, _, height, width = x_shape
+    r, _, kh, kw = a_shape
+    z = z.reshape(n, height, width, kh, kw, r)
+    zp = F.pad(z, (0, 0, 0, 0, 0, 0, padding[1], padding[1], padding[0], padding[0]))
+    return sum(zp[:, rows, cols, u, v] for u, v, rows, cols in _tap_slices(a_shape, stride, padding, out_hw))
+
+
+def _taps_spread(dh: torch.Tensor, x_shape, a_shape, stride, padding) -> torch.Tensor:
+    """The adjoint of _taps_sum: dh [N, Ho, Wo, r] spread to each tap's input pixel, as [N*H*W, kh*kw*r]."""
+    n, _, height, width = x_shape
+    r, _, kh, kw = a_shape
+    p0, p1 = padding
+    dzp = dh.new_zeros(n, height + 2 * p0, width + 2 * p1, kh, kw, r)
+    for u, v, rows, cols in _tap_slices(a_shape, stride, padding, dh.shape[1:3]):
+        dzp[:, rows, cols, u, v] = dh
+    return dzp[:, p0:p0 + height, p1:p1 + width].reshape(-1, kh * kw * r)
+
+
+def _conv_merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """W + B A for a convolution's weight [out, in, kh, kw], A [r, in, kh, kw] and B [out, r, 1, 1], in W's layout."""
+    return w + (b.reshape(b.shape[0], -1) @ a.reshape(a.shape[0], -1)).reshape(w.shape)
+
+
+def lora_conv_pays(x: torch.Tensor, weight: torch.Tensor, stride) -> bool:
+    """Whether "merged" pays for a convolution: the merged weight is read and written each way, so it pays where
+    the output has at least LORA_WAY_MIN_ROWS_PER_COLUMN pixels (batch x height x width) per weight column
+    (input channels x kernel size), as for a Linear's rows (_lora_way)."""
+    pixels = x.shape[0] * (x.shape[2] // stride[0]) * (x.shape[3] // stride[1])
+    return pixels >= LORA_WAY_MIN_ROWS_PER_COLUMN * weight[0].numel()
+
+
+def lora_conv2d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
+                stride, padding) -> torch.Tensor:
+    """F.conv2d(x, w, bias, stride, padding) + F.conv2d(F.conv2d(x, a, None, stride, padding), b) for a frozen w
+    and bias (b a 1x1 weight with the LoRA scaling in it), the "merged" way (_LoRAConvMerged); in autocast's
+    dtype as F.conv2d would run, the factors' gradients reaching them through the casts."""
+    if w.requires_grad or (bias is not None and bias.requires_grad):
+        raise ValueError("lora_conv2d computes no gradient for the base weight or bias: they must be frozen")
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    bias = None if bias is None else bias.to(dtype)
+    with torch.autocast(device, enabled=False):
+        return _LoRAConvMerged.apply(x.to(dtype), w.to(dtype), bias, a.to(dtype), b.to(dtype), tuple(stride),
+                                     tuple(padding))
+
+
 _LORA_MATMULS = {"concat": _LoRAConcat, "merged": _LoRAMerged}
 
 

@@ -10,7 +10,9 @@
   checkpoint_budget selective activation checkpointing over the UNet's units (checkpoint_units), chosen
                     by core/speed.py for a budget, instead of diffusers' all-or-nothing switch.
   fuse_qkv,         each attention's q/k/v (or k/v) projections as one matmul, and their LoRA (lora_matmul,
-  lora_matmul       core/lora_matmul.py) as one GEMM each way over the weight plus its delta.
+  lora_matmul       core/lora_matmul.py) as one GEMM each way over the weight plus its delta; the
+                    ResNets' LoRA'd convolutions (LoCon) as one convolution each way (merge_lora_convs),
+                    the other LoRA'd Linears (feed-forward, proj_in/out) merged too (merge_lora_linears).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..core.lora_matmul import _base_linear, _dequantizable, _lora_factors, _lora_way, dora_scale, lora_linear
+from ..core.lora_matmul import (_base_linear, _dequantizable, _lora_factors, _lora_way, dora_scale, lora_conv2d,
+                                lora_conv_pays, lora_linear)
 from ..core import speed as core_speed
 from ..core.speed import (CheckpointUnit, _compile_varying, _raise_recompile_limits, compile_options, compile_varying,
                           sdpa_context)
@@ -210,10 +213,11 @@ def _fused_projections(x: torch.Tensor, fused: torch.nn.Module, layers: tuple, m
     return list(out.split(widths, dim=-1))
 
 
-def _projection(layer: torch.nn.Module, x: torch.Tensor, matmul: str) -> torch.Tensor:
-    """A single projection of the fused processor (the cross-attention's to_q, to_out.0): peft's forward, or
-    train.lora_matmul's where the layer is a plain LoRA'd Linear with a frozen base ("merged" only, for a
-    quantized base)."""
+def _projection(layer: torch.nn.Module, x: torch.Tensor, matmul: str, peft: Callable | None = None) -> torch.Tensor:
+    """A single projection of the fused processor (the cross-attention's to_q, to_out.0) or a LoRA'd Linear
+    elsewhere (merge_lora_linears): peft's forward (`peft`, else the layer's call), or train.lora_matmul's where
+    the layer is a plain LoRA'd Linear with a frozen base ("merged" only, for a quantized base)."""
+    peft = peft or layer
     base = _base_linear(layer)
     way = _lora_way(matmul, x, base.in_features)
     if _dequantizable(base):
@@ -224,7 +228,7 @@ def _projection(layer: torch.nn.Module, x: torch.Tensor, matmul: str) -> torch.T
         way = "peft"
     factors = _lora_factors(layer, dora=True) if way != "peft" else None
     if not factors:
-        return layer(x)
+        return peft(x)
     a, b, magnitude = factors[0], factors[1] * factors[2], factors[3]
     if magnitude is None:
         return lora_linear(x, weight, base.bias, a, b, way)
@@ -304,6 +308,37 @@ def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
         attn.add_module("fused_kv" if attn.is_cross_attention else "fused_qkv", holder)
         attn.set_processor(FusedProjectionsProcessor(lora_matmul))
         n += 1
+    return n
+
+
+def _lora_linear_forward(self, x, *args, **kwargs):
+    if args or kwargs:
+        return type(self).forward(self, x, *args, **kwargs)
+    return _projection(self, x, self._lora_matmul, peft=lambda x: type(self).forward(self, x))
+
+
+def merge_lora_linears(model: torch.nn.Module, lora_matmul: str = "merged") -> int:
+    """train.lora_matmul for the LoRA'd Linears outside the attentions (the feed-forward's, the transformer
+    stages' proj_in/proj_out: presets full and locon), where the fused processor does not reach: peft's
+    forward adds an output-sized LoRA product to the base's (the GEGLU's is 8x the width), merged folds it
+    into the weight. "merged" only ("concat" copies the input: it pays only beside fused projections). Each
+    call takes _projection's way for its shape, DoRA included, and peft's where that cannot. Returns how
+    many."""
+    import types
+
+    from diffusers.models.attention_processor import Attention
+
+    if lora_matmul != "merged":
+        return 0
+    inside = {id(m) for attn in model.modules() if isinstance(attn, Attention) for m in attn.modules()}
+    n = 0
+    for m in model.modules():
+        base = getattr(m, "base_layer", None)
+        if (hasattr(m, "lora_A") and id(m) not in inside and base is not None
+                and (_dequantizable(base) or (type(base) is torch.nn.Linear and not base.weight.requires_grad))):
+            m._lora_matmul = lora_matmul
+            m.forward = types.MethodType(_lora_linear_forward, m)
+            n += 1
     return n
 
 
@@ -537,6 +572,43 @@ def conv_input_grad(model: torch.nn.Module) -> int:
         for m in block.modules():
             if type(m) is torch.nn.Conv2d and m.padding_mode == "zeros" and not isinstance(m.padding, str):
                 m.forward = types.MethodType(_conv_forward, m)
+                n += 1
+    return n
+
+
+# ---- the ResNets' LoRA'd convolutions (LoCon), merged ----
+#
+# peft computes a LoRA'd convolution as base(x) + B(A(x)) * s: three cuDNN convolutions each way, two of them
+# with r channels on one side (memory-bound at the UNet's large feature maps), and two adds of base-sized
+# tensors. train.lora_matmul="merged" computes it as one convolution with W + s B A each way
+# (core/lora_matmul.py: _LoRAConvMerged), where the feature map is large enough to repay the merged weight.
+
+def _lora_conv_forward(self, x, *args, **kwargs):
+    factors = _lora_factors(self) if not (args or kwargs) else None
+    base = self.base_layer
+    if not factors or not lora_conv_pays(x, base.weight, base.stride):
+        return type(self).forward(self, x, *args, **kwargs)
+    a, b, scaling = factors
+    return lora_conv2d(x, base.weight, base.bias, a, b * scaling, base.stride, base.padding)
+
+
+def merge_lora_convs(model: torch.nn.Module) -> int:
+    """train.lora_matmul="merged" for the LoRA'd convolutions inside ResNet blocks: peft's Conv2d LoRA layers
+    over a frozen plain zero-padded 2-D convolution (no groups, no dilation). The layer falls back to peft's
+    forward at each call it cannot take (dropout, DoRA, several or disabled adapters, a small feature map).
+    Returns how many."""
+    import types
+
+    n = 0
+    for block in model.modules():
+        if type(block).__name__ != "ResnetBlock2D":
+            continue
+        for m in block.modules():
+            base = getattr(m, "base_layer", None)
+            if (hasattr(m, "lora_A") and type(base) is torch.nn.Conv2d and not base.weight.requires_grad
+                    and base.groups == 1 and base.dilation == (1, 1) and base.padding_mode == "zeros"
+                    and not isinstance(base.padding, str)):
+                m.forward = types.MethodType(_lora_conv_forward, m)
                 n += 1
     return n
 

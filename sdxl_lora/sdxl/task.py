@@ -508,6 +508,11 @@ class SDXLTask(Task):
         if tc.fuse_qkv:
             n = unet_speed.fuse_projections(unet, lora_matmul=tc.lora_matmul)
             log.info("train.fuse_qkv: %d attention layers project q/k/v (or k/v) with one matmul", n)
+        if tc.lora_matmul == "merged" and self.device.type == "cuda":  # measured on CUDA; the CPU keeps peft's
+            n, m = unet_speed.merge_lora_linears(unet), unet_speed.merge_lora_convs(unet)
+            if n or m:
+                log.info("train.lora_matmul='merged': %d LoRA'd Linears outside the attentions and %d ResNet "
+                         "convolutions with their LoRA folded into the weight", n, m)
         if tc.fused_geglu and self.device.type == "cuda":  # the kernel is Triton's; the CPU keeps torch's ops
             from . import kernels as unet_kernels
 
