@@ -1025,3 +1025,37 @@ def test_a_form_left_at_its_defaults_lets_the_run_choose_its_speed_and_memory_le
     mine = build_config(specs, [True if s.key == "train.cuda_graphs" else values[s.key] for s in specs], fixed)
     assert "cuda_graphs" in mine.train.model_fields_set
     assert auto_levers(mine, "cuda", 1)[1]["cuda_graphs"] == "True, as set"
+
+
+def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_points(folders, server):
+    # The run logs every 10000 steps, so its events hold step 1 only; the page still shows the step it is at and
+    # the time left, moving, and its Stop button stops a run it did not start.
+    expect.set_options(timeout=WAIT)
+    runs = folders["runs"]
+    runs.mkdir(exist_ok=True)
+    proc = _cli_train(runs, "cli-steps", 5000, "--set", "train.log_every=10000")  # far longer than it is watched
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                _login(page, server["ui"].url)
+                page.get_by_role("tab", name="Train").click()
+                expect(page.locator("#runs-table")).to_contain_text("cli-steps")
+                _pick(page, "run-pick", "cli-steps")
+                text = page.locator("#run-progress-text")
+                expect(text).to_contain_text(re.compile(r"step ([3-9]|\d\d+)/5000 · .*eta \d+ s"))
+                first = int(re.search(r"step (\d+)/5000", text.inner_text())[1])
+                expect(text).not_to_contain_text(f"step {first}/5000")  # it moves on, still between log points
+                logged = [e["step"] for e in map(json.loads, (runs / "cli-steps" / "events.jsonl").read_text()
+                                                 .splitlines()) if e["event"] == "step"]
+                assert logged == [1]
+                _shot(page, "6-cli-run-between-log-points")
+                page.locator("#run-stop").click()
+                expect(_state(page)).to_have_attribute("data-state", "stopped")
+            finally:
+                browser.close()
+        assert proc.wait(WAIT / 1000) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
