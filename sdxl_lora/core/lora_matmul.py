@@ -263,6 +263,8 @@ def lora_conv2d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: 
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     bias = None if bias is None else bias.to(dtype)
     with torch.autocast(device, enabled=False):
+        if not torch.is_grad_enabled():  # previews, evaluation: the output alone, no h for a backward
+            return F.conv2d(x.to(dtype), _conv_merged(w.to(dtype), a.to(dtype), b.to(dtype)), bias, stride, padding)
         return _LoRAConvMerged.apply(x.to(dtype), w.to(dtype), bias, a.to(dtype), b.to(dtype), tuple(stride),
                                      tuple(padding))
 

@@ -578,9 +578,9 @@ def conv_input_grad(model: torch.nn.Module) -> int:
 
 # ---- the ResNets' LoRA'd convolutions (LoCon), merged ----
 #
-# peft computes a LoRA'd convolution as base(x) + B(A(x)) * s: three cuDNN convolutions each way, two of them
-# with r channels on one side (memory-bound at the UNet's large feature maps), and two adds of base-sized
-# tensors. train.lora_matmul="merged" computes it as one convolution with W + s B A each way
+# peft computes a LoRA'd convolution as base(x) + B(A(x)) * s: three cuDNN convolutions each way, A's with r
+# output channels (and its weight gradient) far below the memory bandwidth, and two adds of base-sized tensors.
+# train.lora_matmul="merged" computes it as one convolution with W + s B A each way and A's products as GEMMs
 # (core/lora_matmul.py: _LoRAConvMerged), where the feature map is large enough to repay the merged weight.
 
 def _lora_conv_forward(self, x, *args, **kwargs):
