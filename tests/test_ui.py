@@ -1050,7 +1050,7 @@ def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_p
                 logged = [e["step"] for e in map(json.loads, (runs / "cli-steps" / "events.jsonl").read_text()
                                                  .splitlines()) if e["event"] == "step"]
                 assert logged == [1]
-                _shot(page, "6-cli-run-between-log-points")
+                _shot(page, "9-cli-run-between-log-points")
                 page.locator("#run-stop").click()
                 expect(_state(page)).to_have_attribute("data-state", "stopped")
             finally:
