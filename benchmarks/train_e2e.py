@@ -29,6 +29,8 @@ Settings (each a list of `--set` overrides on top of the defaults):
             the defaults under a memory budget (train.vram_gb = 8, 12, 24): the run plans its levers to fit
             and caps torch's allocator; reported beside the run's own estimate of each phase
 
+--again runs each setting twice (the second launch finds inductor's and the latents' caches warm); --profile
+runs the CLI under cProfile (the top functions by cumulative time beside each run's log).
 --tiny builds the embedded tiny SDXL instead (the CPU smoke test of this script).
 """
 from __future__ import annotations
@@ -200,12 +202,14 @@ def steps_of(args) -> int:
     return args.run_steps or args.steps
 
 
-def measure(name: str, args, model: Path, data: Path, out: Path) -> dict:
-    run_name = f"{name}-b{args.batch}"
+def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = False) -> dict:
+    run_name = f"{name}-b{args.batch}" + ("-again" if again else "")
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / run_name, ignore_errors=True)
     steps = args.run_steps or args.steps
-    cmd = [sys.executable, "-m", "sdxl_lora.cli", "train", "--model", str(model), "--data", str(data),
+    # --profile: the run under cProfile, its functions by cumulative time written beside its log
+    prof = ["-m", "cProfile", "-o", str(out / f"{run_name}.prof")] if args.profile else []
+    cmd = [sys.executable, *prof, "-m", "sdxl_lora.cli", "train", "--model", str(model), "--data", str(data),
            "--batch-size", str(args.batch), "--steps", str(steps), "--out", str(out), "--name", run_name,
            "--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]
     for s in SETTINGS[name] + list(args.set):
@@ -228,9 +232,16 @@ def measure(name: str, args, model: Path, data: Path, out: Path) -> dict:
                     stopped = True
         proc.wait()
     wall = time.time() - launch
+    if args.profile and (out / f"{run_name}.prof").is_file():
+        import io
+        import pstats
+
+        text = io.StringIO()
+        pstats.Stats(str(out / f"{run_name}.prof"), stream=text).sort_stats("cumulative").print_stats(60)
+        (out / f"{run_name}.prof.txt").write_text(text.getvalue())
     events = _events(events_path) if events_path.is_file() else []
     steps = [e for e in events if e["event"] == "step"]
-    result = {"setting": name, "batch": args.batch, "steps": steps[-1]["step"] if steps else 0, "run_steps": steps_of(args),
+    result = {"setting": name + (" (again: caches warm)" if again else ""), "batch": args.batch, "steps": steps[-1]["step"] if steps else 0, "run_steps": steps_of(args),
               "rc": proc.returncode, "wall_s": round(wall, 1)}
     if proc.returncode not in ((0, 130) if stopped else (0,)) or not steps:
         result["error"] = (out / f"{run_name}.log").read_text()[-3000:]
@@ -276,6 +287,12 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], help="more overrides for every setting")
     ap.add_argument("--tiny", action="store_true", help="the tiny SDXL on the CPU: a smoke test of this script")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--again", action="store_true", help="run each setting a second time right after the first: "
+                                                           "inductor's cache and the latent cache warm, as a "
+                                                           "user's next run on the same machine")
+    ap.add_argument("--profile", action="store_true", help="run the CLI under cProfile; RUN.prof and the top "
+                                                             "functions by cumulative time (RUN.prof.txt) go "
+                                                             "beside the runs")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -285,9 +302,10 @@ def main() -> int:
     for name in args.settings:
         data = build_dataset(args.work / ("data-square" if name == "one-bucket" else "data"), args.images, args.tiny,
                              square_only=name == "one-bucket")
-        r = measure(name, args, model, data, args.work / "runs")
-        results.append(r)
-        print(json.dumps(r), flush=True)
+        for again in (False, True) if args.again else (False,):
+            r = measure(name, args, model, data, args.work / "runs", again=again)
+            results.append(r)
+            print(json.dumps(r), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0 if all(r["rc"] == 0 for r in results) else 1
