@@ -189,17 +189,23 @@ class _LoRAConvMerged(torch.autograd.Function):
         stride, padding = ctx.conv
         dy2 = _pixels(dy)
         dh = dy2 @ b.reshape(b.shape[0], -1)  # dy through B's 1x1 map: [pixels, r]
-        dx = None
-        if ctx.needs_input_grad[0]:
-            # output_padding: what a strided convolution's output size leaves out of the input's
-            extra = [n - ((g - 1) * s - 2 * p + (k - 1) + 1) for n, g, s, p, k in zip(
-                x.shape[2:], dy.shape[2:], stride, padding, w.shape[2:])]
-            dx = F.conv_transpose2d(dy, _conv_merged(w, a, b), None, stride, padding, extra)
+        dx = conv_input_gradient(dy, _conv_merged(w, a, b), x.shape[2:], stride, padding) \
+            if ctx.needs_input_grad[0] else None
         dz = _taps_spread(dh.reshape(dy.shape[0], *dy.shape[2:], -1), x.shape, a.shape, stride, padding)
         r, c, kh, kw = a.shape
         da = (_pixels(x).t() @ dz).reshape(c, kh, kw, r).permute(3, 0, 1, 2)
         db = (dy2.t() @ h.reshape(-1, r)).reshape(b.shape)
         return dx, None, None, da, db, None, None
+
+
+def conv_input_gradient(grad: torch.Tensor, weight: torch.Tensor, x_size, stride, padding, dilation=(1, 1),
+                        groups: int = 1) -> torch.Tensor:
+    """A 2-D convolution's input gradient as the transposed convolution of the output's gradient with the same
+    weight (cuDNN's dgrad kernel, as an aten.convolution); output_padding restores what a strided convolution's
+    output size leaves out of the input's."""
+    extra = [n - ((g - 1) * s - 2 * p + d * (k - 1) + 1) for n, g, s, p, d, k in zip(
+        x_size, grad.shape[2:], stride, padding, dilation, weight.shape[2:])]
+    return F.conv_transpose2d(grad, weight, None, stride, padding, extra, groups, dilation)
 
 
 def _pixels(t: torch.Tensor) -> torch.Tensor:

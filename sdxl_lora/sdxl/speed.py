@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..core.lora_matmul import (_base_linear, _dequantizable, _lora_factors, _lora_way, dora_scale, lora_conv2d,
-                                lora_conv_pays, lora_linear)
+from ..core.lora_matmul import (_base_linear, _dequantizable, _lora_factors, _lora_way, conv_input_gradient,
+                                dora_scale, lora_conv2d, lora_conv_pays, lora_linear)
 from ..core import speed as core_speed
 from ..core.speed import (CheckpointUnit, _compile_varying, _raise_recompile_limits, compile_options, compile_varying,
                           sdpa_context)
@@ -314,29 +314,25 @@ def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
 def _lora_linear_forward(self, x, *args, **kwargs):
     if args or kwargs:
         return type(self).forward(self, x, *args, **kwargs)
-    return _projection(self, x, self._lora_matmul, peft=lambda x: type(self).forward(self, x))
+    return _projection(self, x, "merged", peft=lambda x: type(self).forward(self, x))
 
 
-def merge_lora_linears(model: torch.nn.Module, lora_matmul: str = "merged") -> int:
-    """train.lora_matmul for the LoRA'd Linears outside the attentions (the feed-forward's, the transformer
-    stages' proj_in/proj_out: presets full and locon), where the fused processor does not reach: peft's
-    forward adds an output-sized LoRA product to the base's (the GEGLU's is 8x the width), merged folds it
-    into the weight. "merged" only ("concat" copies the input: it pays only beside fused projections). Each
-    call takes _projection's way for its shape, DoRA included, and peft's where that cannot. Returns how
-    many."""
+def merge_lora_linears(model: torch.nn.Module) -> int:
+    """train.lora_matmul="merged" for the LoRA'd Linears outside the attentions (the feed-forward's, the
+    transformer stages' proj_in/proj_out: presets full and locon), where the fused processor does not reach:
+    peft's forward adds an output-sized LoRA product to the base's (the GEGLU's is 8x the width), merged folds
+    it into the weight ("concat" copies the input: it pays only beside fused projections). Each call takes
+    _projection's way for its shape, DoRA included, and peft's where that cannot. Returns how many."""
     import types
 
     from diffusers.models.attention_processor import Attention
 
-    if lora_matmul != "merged":
-        return 0
     inside = {id(m) for attn in model.modules() if isinstance(attn, Attention) for m in attn.modules()}
     n = 0
     for m in model.modules():
         base = getattr(m, "base_layer", None)
         if (hasattr(m, "lora_A") and id(m) not in inside and base is not None
                 and (_dequantizable(base) or (type(base) is torch.nn.Linear and not base.weight.requires_grad))):
-            m._lora_matmul = lora_matmul
             m.forward = types.MethodType(_lora_linear_forward, m)
             n += 1
     return n
@@ -544,10 +540,7 @@ class _Conv2dGrad(torch.autograd.Function):
         weight = weight.to(grad.dtype)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            # output_padding: what a strided convolution's output size leaves out of the input's
-            extra = [n - ((g - 1) * s - 2 * p + d * (k - 1) + 1) for n, g, s, p, d, k in zip(
-                ctx.x_size, grad.shape[2:], stride, padding, dilation, weight.shape[2:])]
-            dx = F.conv_transpose2d(grad, weight, None, stride, padding, extra, groups, dilation)
+            dx = conv_input_gradient(grad, weight, ctx.x_size, stride, padding, dilation, groups)
         if ctx.needs_input_grad[1]:
             dw = torch.nn.grad.conv2d_weight(x.to(grad.dtype), weight.shape, grad, stride, padding, dilation, groups)
         if ctx.bias and ctx.needs_input_grad[2]:
