@@ -29,7 +29,8 @@ Settings (each a list of `--set` overrides on top of the defaults):
             the defaults under a memory budget (train.vram_gb = 8, 12, 24): the run plans its levers to fit
             and caps torch's allocator; reported beside the run's own estimate of each phase
 
---again runs each setting twice (the second launch finds inductor's and the latents' caches warm); --profile
+--after-compile N measures N steps after a background compilation's switch (the eager steps' rate before it is
+reported apart). --again runs each setting twice (the second launch finds inductor's and the latents' caches warm); --profile
 runs the CLI under cProfile (the top functions by cumulative time beside each run's log).
 --tiny builds the embedded tiny SDXL instead (the CPU smoke test of this script).
 """
@@ -198,6 +199,22 @@ def _events(path: Path) -> list[dict]:
     return out
 
 
+def _measured(events: list[dict], args) -> bool:
+    """Whether a long run has given what is measured: --steps steps, or with a background compilation
+    (the "compiled" event) --after-compile steps past the first step logged after the switch."""
+    steps = [e for e in events if e["event"] == "step"]
+    compiled = next((e for e in events if e["event"] == "compiled"), None)
+    if compiled is not None and args.after_compile:
+        after = [e for e in steps if e["time"] > compiled["time"]]
+        return bool(after) and after[-1]["step"] >= after[0]["step"] + args.after_compile
+    return bool(steps) and steps[-1]["step"] >= args.steps and not (args.after_compile and _compiling(events))
+
+
+def _compiling(events: list[dict]) -> bool:
+    on = next((e for e in events if e["event"] == "background_compile"), None)
+    return bool(on and on["on"]) and not any(e["event"] == "compiled" for e in events)
+
+
 def steps_of(args) -> int:
     return args.run_steps or args.steps
 
@@ -226,8 +243,7 @@ def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = F
             # A long run (its length decides what train.speed="auto" chooses) measured for --steps steps, then
             # stopped as a user would (Ctrl-C: the step finishes and the state is saved).
             if args.run_steps and not stopped and events_path.is_file():
-                done = [e for e in _events(events_path) if e["event"] == "step"]
-                if done and done[-1]["step"] >= args.steps:
+                if _measured(_events(events_path), args):
                     proc.send_signal(signal.SIGINT)
                     stopped = True
         proc.wait()
@@ -246,7 +262,23 @@ def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = F
     if proc.returncode not in ((0, 130) if stopped else (0,)) or not steps:
         result["error"] = (out / f"{run_name}.log").read_text()[-3000:]
         return result
-    steady = [e for e in steps if e["step"] > args.warmup]
+    compiled = next((e for e in events if e["event"] == "compiled"), None)
+    if compiled is not None:  # train.background_compile: eager steps, then the compiled ones
+        eager = [e for e in steps if e["time"] < compiled["time"]]
+        after = [e for e in steps if e["time"] > compiled["time"]]
+        result["compiled_after_s"] = round(compiled["time"] - launch, 1)
+        result["background_compile_s"] = compiled["seconds"]
+        result["peak_gib_while_compiling"] = mem.peak(launch, compiled["time"])
+        result["peak_gib_compiled"] = mem.peak(compiled["time"])
+        result["torch_at_switch_gib"] = {k: compiled[k] for k in ("max_allocated_gib", "max_reserved_gib") if k in compiled}
+        if len(eager) >= 2:
+            result["eager_images_per_s"] = round(args.batch * (eager[-1]["step"] - eager[0]["step"])
+                                                 / (eager[-1]["time"] - eager[0]["time"]), 2)
+        if after:
+            result["steps_before_switch"] = after[0]["step"] - 1 if not eager else eager[-1]["step"]
+        steady = after[1:]  # the first event after the switch holds the graphs' capture
+    else:
+        steady = [e for e in steps if e["step"] > args.warmup]
     if len(steady) >= 2:
         images = args.batch * (steady[-1]["step"] - steady[0]["step"])
         result["images_per_s"] = round(images / (steady[-1]["time"] - steady[0]["time"]), 2)
@@ -283,6 +315,9 @@ def main() -> int:
     ap.add_argument("--run-steps", type=int, help="the run's train.steps when longer than --steps: it is stopped "
                                                  "with Ctrl-C after --steps (what auto chooses depends on it)")
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the steady images/s")
+    ap.add_argument("--after-compile", type=int, default=0,
+                    help="with a background compilation: measure this many steps after the switch to the "
+                         "compiled blocks (the run goes on past --steps until then)")
     ap.add_argument("--images", type=int, default=48)
     ap.add_argument("--set", action="append", default=[], help="more overrides for every setting")
     ap.add_argument("--tiny", action="store_true", help="the tiny SDXL on the CPU: a smoke test of this script")

@@ -79,7 +79,13 @@ def identity_changes(saved: dict | None, now: dict) -> list[str]:
 def _eager():
     """Evaluation, validation and previews run the model's compiled regions as plain PyTorch: they see
     other shapes (and no gradients) than training, and compiling those would cost minutes for a few
-    passes and leave the training regions' compiled graphs as they were."""
+    passes and leave the training regions' compiled graphs as they were. While a background compilation runs
+    (core/speed.py: BACKGROUND) the regions are eager on this thread anyway, and the stance, which is
+    process-wide, would stop the compiling thread's compilation."""
+    from .speed import BACKGROUND
+
+    if BACKGROUND.active:
+        return contextlib.nullcontext()
     return torch.compiler.set_stance("force_eager")
 
 
@@ -337,6 +343,7 @@ class Trainer:
                             if cfg.train.tensorboard and self.accelerator.is_main_process else None)
         if self.resume is not None:
             self._load(self.resume)
+        self.task.start(self.model, self._autocast)
 
     def _prepare(self, *objects) -> tuple:
         out = self.accelerator.prepare(*objects)
@@ -592,6 +599,12 @@ class Trainer:
                     self._stop)
 
     def fit(self) -> Result:
+        try:
+            return self._fit()
+        finally:
+            self.task.finish()
+
+    def _fit(self) -> Result:
         cfg, acc, run = self.cfg, self.accelerator, self.run
         total = cfg.train.steps
         unwrapped = acc.unwrap_model(self.model)

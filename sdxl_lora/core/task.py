@@ -116,6 +116,13 @@ class Task(ABC):
         differs. Empty: no check."""
         return {}
 
+    def start(self, model: torch.nn.Module, autocast) -> None:
+        """Once the loop has prepared `model` (as it will call it, under `autocast()`), before the step-0
+        previews and evaluation: work the task runs beside them (sdxl: the regions' background compilation)."""
+
+    def finish(self) -> None:
+        """The loop is done (finished, stopped or failed): end what `start` began."""
+
     def restore_step(self, step: int, model: torch.nn.Module) -> bool:
         """Before a resume at `step`, ahead of loading the saved weights: give the trainable parameters the
         shapes they had at that step. True when any was replaced."""

@@ -22,6 +22,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from ..core.fsutil import atomic_save
+from ..core.speed import evaluation_mode
 from .data import live_text
 
 log = logging.getLogger(__name__)
@@ -357,7 +358,7 @@ def render_previews(task, model, run, step: int) -> list[Path]:
         keep.add(id(p.vae))
     aux = (p.vae, p.text_encoder, p.text_encoder_2)
     was_training = model.training
-    model.eval()
+    evaluation_mode(model)
     started = time.perf_counter()
     mp = task.accelerator.mixed_precision
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)

@@ -152,7 +152,7 @@ def _compiled_for_unet(fn: Callable, backend: str, varying: bool = False) -> Cal
     buckets), compiled as symbols."""
     _raise_recompile_limits()
     if not varying:
-        return torch.compile(fn, **compile_options(backend, unet_inductor_options()))
+        return core_speed.deferred(torch.compile(fn, **compile_options(backend, unet_inductor_options())), fn)
 
     def feature_maps(args, kw):  # a token sequence's length, a feature map's height and width
         return [(a, (1,) if a.ndim == 3 else (2, 3)) for a in args if isinstance(a, torch.Tensor) and a.ndim in (3, 4)]
@@ -499,6 +499,9 @@ def compile_edges(model: torch.nn.Module, backend: str | None = None, varying: b
             if varying:
                 _compile_varying(m, "hidden_states", 0, (2, 3),
                                  **compile_options(backend, unet_inductor_options(), dynamic=None))
+            elif core_speed.BACKGROUND.enabled:
+                m.forward = core_speed.deferred(
+                    torch.compile(m.forward, **compile_options(backend, unet_inductor_options())), m.forward)
             else:
                 m.compile(**compile_options(backend, unet_inductor_options()))
             n += 1

@@ -13,7 +13,9 @@ import json
 import logging
 import os
 import random
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -34,6 +36,13 @@ from .preview import PreviewPrompt, default_prompts, encode_prompts, read_prompt
 log = logging.getLogger(__name__)
 
 _DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# train.background_compile's memory check: the uncompiled steps save more activations than the compiled
+# ones, and the compiling thread's own stream keeps its cached blocks apart from the training thread's. Together
+# they were measured at this multiple of the training phase's estimate (batch 16 at 1024 over three buckets,
+# benchmarks/RESULTS.md), which must fit in BACKGROUND_FILL of the GPU.
+BACKGROUND_GROWTH = 1.55
+BACKGROUND_FILL = 0.95
 
 
 def component_identity(model_path: Path, component: str) -> str:
@@ -217,6 +226,8 @@ class SDXLTask(Task):
         self.preview_texts: list[dict] | None = None  # the preview prompts' embeddings, made at set-up
         self.has_reg = False  # the data holds regularization images (set when it is read)
         self._explicit: set[str] = set(cfg.train.model_fields_set)
+        self._background = False  # train.background_compile: the regions compile on a second thread
+        self._graphs_after_compile = False  # with it: CUDA graphs are built once the compiled code is in use
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
         """train.speed="auto": CUDA graphs, compilation and channels_last chosen for this device and run
@@ -528,6 +539,13 @@ class SDXLTask(Task):
         if tc.channels_last:
             speed.to_channels_last(unet)
             unet_speed.transformer_io(unet, compile=tc.compile != "none", varying=varying)
+        speed.BACKGROUND.reset()
+        if tc.compile != "none" or tc.background_compile:
+            self._background, why = self._background_compile()
+            log.info("train.background_compile=%s: %s", self._background, why)
+            run.event("background_compile", on=self._background, reason=why)
+            if self._background:
+                speed.BACKGROUND.enable()  # before the regions are compiled: they are made deferred
         if tc.compile != "none":
             classes = unet_speed.REGION_CLASSES if tc.compile == "regional" else unet_speed.TRANSFORMER_CLASSES
             n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget,
@@ -549,6 +567,8 @@ class SDXLTask(Task):
                 log.warning("train.cuda_graphs does not combine with train.gradient_sync='ddp' (DDP's gradient "
                             "hooks cannot be captured); running without graphs on %d processes",
                             self.accelerator.num_processes)
+            elif self._background:
+                self._graphs_after_compile = True  # eager steps until the switch (_switch_to_compiled)
             else:
                 self._graphed = True  # built on the first training call, on the prepared model
 
@@ -558,6 +578,8 @@ class SDXLTask(Task):
             return model(noisy, t, encoder_hidden_states=embeds,
                          added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
 
+        if self._background and speed.BACKGROUND.active and torch.is_grad_enabled() and speed.BACKGROUND.done():
+            self._switch_to_compiled()
         if self._graphed and torch.is_grad_enabled():
             if not isinstance(self._graphed, speed.GraphedCall) or self._graphed.module is not model:
                 self._graphed = speed.GraphedCall(model, call, others=self._graph_inputs,
@@ -565,6 +587,103 @@ class SDXLTask(Task):
                                                   or self._split_batches())
             return self._graphed(noisy, t, embeds, pooled, time_ids)
         return call(noisy, t, embeds, pooled, time_ids)
+
+    def _background_compile(self) -> tuple[bool, str]:
+        """train.background_compile: whether the regions compile on a second thread while the first steps train
+        eagerly, and why (core/speed.py: BackgroundCompile)."""
+        cfg, tc = self.cfg, self.cfg.train
+        asked = tc.background_compile
+        if asked is False:
+            return False, "as set"
+        why_not = None
+        if tc.compile == "none":
+            why_not = "train.compile is 'none': nothing to compile"
+        elif self.accelerator.num_processes > 1:
+            why_not = "several processes (one process only)"
+        elif tc.gradient_checkpointing or tc.checkpoint_budget_gb:
+            why_not = "checkpointed blocks compile their recomputation in the backward, which the compiling thread does not run"
+        elif cfg.adapter.train_text_encoder:
+            why_not = "adapter.train_text_encoder: the UNet is called through the text encoders' wrapper"
+        elif cfg.adapter.rank_schedule:
+            why_not = "adapter.rank_schedule replaces the adapter's parameters during the run"
+        elif any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.pipe.unet.modules()):
+            why_not = ("dropout (adapter.dropout or the UNet's own): evaluation switches it off, which the compiling "
+                       "thread's graphs would see")
+        if why_not is not None:
+            if asked:
+                log.warning("train.background_compile=true has no effect: %s", why_not)
+            return False, why_not
+        need = BACKGROUND_GROWTH * self.run_memory.phases["training"]
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            if cfg.train.vram_gb:
+                total = min(total, int(cfg.train.vram_gb * 2**30))  # the process is capped there
+            if need > BACKGROUND_FILL * total:
+                why = (f"the eager steps and the compiling thread need about {need / 2**30:.1f} GiB of the GPU's "
+                       f"{total / 2**30:.1f}")
+                if not asked:
+                    return False, why + ": the regions compile at the first step instead"
+                log.warning("train.background_compile=true: %s; it may run out of memory", why)
+        elif not asked:
+            return False, f"the device is {self.device.type} (a GPU's choice)"
+        if asked:
+            return True, "as set"
+        return True, ("the first steps train uncompiled while a second thread compiles the blocks for every bucket; "
+                      "then compiled" + (" with CUDA graphs" if tc.cuda_graphs else ""))
+
+    def start(self, model, autocast) -> None:
+        """train.background_compile: the compiling thread runs the model's forward once per (bucket, batch size)
+        this process trains, as training calls it (the UNet's inputs made like a real batch's), so every region
+        compiles for exactly the inputs it will get."""
+        if not self._background:
+            return
+        template = _collate([CachedSDXLDataset(self)[0]])
+        template = {k: v.to(self.device) if isinstance(v, torch.Tensor) and k not in self.host_keys else v
+                    for k, v in template.items()}
+        with torch.no_grad():
+            noisy, t, _ = self._noised(template)
+        shapes = self._graph_inputs((noisy, t, template["prompt_embeds"], template["pooled"], template["time_ids"]),
+                                    fill=torch.zeros)
+        sdpa = self.cfg.train.sdpa_backend
+        model.train()  # as the loop trains it: the graphs are guarded on the modules' training flags
+
+        def work():
+            for noisy, t, embeds, pooled, time_ids in shapes:
+                with autocast(), speed.sdpa_context(sdpa):
+                    model(noisy, t, encoder_hidden_states=embeds,
+                          added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids})
+            log.info("background compilation: %d input shapes compiled", len(shapes))
+
+        log.info("background compilation started: %d input shapes; training runs the uncompiled blocks meanwhile",
+                 len(shapes))
+        speed.BACKGROUND.start(work, self.device)
+
+    def _switch_to_compiled(self) -> None:
+        """The compiling thread is done: the regions run compiled from this call on (and CUDA graphs are built)."""
+        bg = speed.BACKGROUND
+        t0 = time.perf_counter()
+        bg.switch()
+        if self._graphs_after_compile:
+            self._graphed = True
+        peaks = {}
+        if self.device.type == "cuda":
+            # What the eager steps and the compiling thread held together (the memory check's figure), then
+            # their cached blocks freed: the graphs' pool is allocated next.
+            peaks = {"max_allocated_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2),
+                     "max_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / 2**30, 2)}
+            torch.cuda.empty_cache()
+        failed = f"; it failed ({type(bg.error).__name__}: {bg.error}), so what it missed compiles now" if bg.error else ""
+        log.info("background compilation done after %.0f s%s: training runs the compiled blocks%s from here",
+                 bg.seconds or 0.0, failed, " and CUDA graphs" if self._graphs_after_compile else "")
+        if self._run is not None:
+            self._run.event("compiled", seconds=round(bg.seconds or 0.0, 1), error=str(bg.error) if bg.error else None,
+                            switch_s=round(time.perf_counter() - t0, 3), **peaks)
+
+    def finish(self) -> None:
+        """A run that ends before the compiling thread does waits for it (see BackgroundCompile.wait)."""
+        if self._background:
+            speed.BACKGROUND.wait()
+            speed.BACKGROUND.reset()
 
     def _checkpoint_more(self, model) -> bool:
         """CUDA graphs' capture ran out of memory: checkpoint half the units selective checkpointing left
@@ -606,10 +725,10 @@ class SDXLTask(Task):
                             reason="cuda_graphs_out_of_memory")
         return "later"
 
-    def _graph_inputs(self, args: tuple) -> list[tuple]:
+    def _graph_inputs(self, args: tuple, fill: Callable = torch.randn) -> list[tuple]:
         """The UNet's inputs for every (bucket, batch size) this process's batches come in, made like the
         first batch's `args` (its dtypes, devices and memory formats): CUDA graphs capture them all at the
-        first step."""
+        first step. fill: how the latents are made (torch.zeros draws nothing from the RNG)."""
         noisy, *rest = args
         sampler = self._sampler()
         f = int(self.pipe.vae_scale_factor)
@@ -619,7 +738,7 @@ class SDXLTask(Task):
         shapes = {((w, h), size) for (w, h), b in sampler.batch_shapes()
                   for size in micro_sizes(b, self.micro_batches)}  # the micro-batches' sizes (_split_batches)
         for (w, h), b in sorted(shapes):
-            x = torch.randn(b, noisy.shape[1], h // f, w // f, dtype=noisy.dtype, device=noisy.device)
+            x = fill(b, noisy.shape[1], h // f, w // f, dtype=noisy.dtype, device=noisy.device)
             out.append((x.contiguous(memory_format=layout),
                         *(a[:1].expand(b, *a.shape[1:]).clone() for a in rest)))
         return out
@@ -922,18 +1041,8 @@ class SDXLTask(Task):
         """The diffusion loss with the train.* options (sdxl/loss.py); draws in a fixed order: latent
         sample, noise (and offset), timesteps."""
         tc, sched = self.cfg.train, self.noise_scheduler
-        scale = self.pipe.vae.config.scaling_factor
-        mean, std = batch["latent_mean"], batch["latent_std"]
-        if "sample_key" in batch:
-            eps, noise, t = self._keyed_draws(mean, batch["sample_key"])
-            latents = (mean + std * eps) * scale
-        else:  # a batch made elsewhere (tests, benchmarks): the global RNG, in the same order
-            latents = (mean + std * torch.randn_like(mean)) * scale
-            noise = diffusion.draw_noise(latents, tc.noise_offset)
-            t = diffusion.draw_timesteps(latents.shape[0], tc.timestep_min, self.timestep_max, latents.device)
-        noisy = sched.add_noise(latents, noise, t)
+        noisy, t, target = self._noised(batch)
         prediction_type = sched.config.prediction_type
-        target = sched.get_velocity(latents, noise, t) if prediction_type == "v_prediction" else noise
         if tc.prior_prediction and "is_reg" in batch and bool(batch["is_reg"].any()):
             target = self._prior_target(model, noisy, t, batch, target)
         with speed.sdpa_context(tc.sdpa_backend):
@@ -948,6 +1057,23 @@ class SDXLTask(Task):
                                         huber_delta=tc.huber_delta, min_snr_gamma=tc.min_snr_gamma,
                                         prediction_type=prediction_type, mask=batch.get("mask"),
                                         weight=batch.get("loss_weight"))
+
+    def _noised(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch's noisy latents, timesteps and the prediction's target (sdxl/loss.py), drawn in a fixed order:
+        latent sample, noise (and offset), timesteps."""
+        tc, sched = self.cfg.train, self.noise_scheduler
+        scale = self.pipe.vae.config.scaling_factor
+        mean, std = batch["latent_mean"], batch["latent_std"]
+        if "sample_key" in batch:
+            eps, noise, t = self._keyed_draws(mean, batch["sample_key"])
+            latents = (mean + std * eps) * scale
+        else:  # a batch made elsewhere (tests, benchmarks): the global RNG, in the same order
+            latents = (mean + std * torch.randn_like(mean)) * scale
+            noise = diffusion.draw_noise(latents, tc.noise_offset)
+            t = diffusion.draw_timesteps(latents.shape[0], tc.timestep_min, self.timestep_max, latents.device)
+        noisy = sched.add_noise(latents, noise, t)
+        target = sched.get_velocity(latents, noise, t) if sched.config.prediction_type == "v_prediction" else noise
+        return noisy, t, target
 
     def _prior_target(self, model, noisy, t, batch, target) -> torch.Tensor:
         """train.prior_prediction (OneTrainer's prior prediction): the regularization rows' target is what the
@@ -1009,7 +1135,7 @@ class SDXLTask(Task):
             losses.extend(err.view(len(group), k).mean(1).tolist())
 
         was_training = model.training
-        model.eval()
+        speed.evaluation_mode(model)
         try:
             pending: dict[tuple, list] = {}
             for idx in (indices if indices is not None else range(min(8, len(self.dataset.items)))):
