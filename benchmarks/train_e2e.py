@@ -21,6 +21,8 @@ Settings (each a list of `--set` overrides on top of the defaults):
   recipe    train.speed="off" and fuse_qkv, fused_geglu off, lora_matmul "peft": peft's LoRA on diffusers'
             UNet, as the diffusers training example runs it
   qlora     model.quantize="nf4"
+  background the defaults with train.background_compile=true: training starts uncompiled while a second
+            thread compiles (use --after-compile N to measure N steps after the switch)
   one-bucket the defaults on the square images only
   dora, locon, loha, lokr
             the defaults with adapter.kind="dora", adapter.preset="locon", kind="loha", kind="lokr": the
@@ -57,6 +59,7 @@ SETTINGS = {
     "eager": ["train.speed='off'"],
     "recipe": ["train.speed='off'", "train.fuse_qkv=false", "train.fused_geglu=false", "train.lora_matmul='peft'"],
     "qlora": ["model.quantize='nf4'"],
+    "background": ["train.background_compile=true"],
     "one-bucket": [],
     "dora": ["adapter.kind='dora'"],
     "locon": ["adapter.preset='locon'"],

@@ -409,10 +409,9 @@ class TrainConfig(Section):
         "recomputed; none keeps the compiler's choice."))
     cuda_graphs: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
         "Replay the UNet's forward and backward from CUDA graphs, one per bucket shape (CUDA only)."))
-    background_compile: bool | None = Field(None, json_schema_extra=SDXL_ONLY, description=(
-        "With compile: compile the blocks on a second thread while the first steps train uncompiled, then "
-        "switch to the compiled blocks (and CUDA graphs): training starts at once instead of after the "
-        "compilation. None: on where it fits (one process on a GPU, no checkpointing, the memory for both)."))
+    background_compile: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
+        "With compile: the blocks compile on a second thread while the first steps train uncompiled, then "
+        "training switches to them: it starts at once instead of after the compilation (one process)."))
     fuse_qkv: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
         "Compute each attention's q/k/v projections and their LoRA in one matmul instead of three: the same "
         "loss and gradients, fewer kernels."))

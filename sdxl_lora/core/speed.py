@@ -100,6 +100,11 @@ class BackgroundCompile:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.seconds: float | None = None
+        # torch.fx's tracer (which AOTAutograd traces with) patches torch.nn.Module.__call__ for the whole
+        # process while it traces: a module called on another thread meanwhile is traced into the graph (and
+        # fails). The compiling thread holds this lock while it traces (_locked_trace), the training thread
+        # while it calls modules (exclusive()).
+        self.lock = threading.RLock()
 
     def enable(self) -> None:
         self.enabled, self.ready, self.error, self.seconds = True, False, None, None
@@ -116,11 +121,17 @@ class BackgroundCompile:
     def compiling_here(self) -> bool:
         return getattr(self._here, "on", False)
 
+    def exclusive(self):
+        """Around code that calls modules on any thread but the compiling one, while the compilation runs."""
+        return self.lock if self.active else contextlib.nullcontext()
+
     def start(self, work: Callable[[], None], device: torch.device) -> None:
         """`work()` (the forward passes that compile every region) on a daemon thread, on its own CUDA stream."""
         import torch._functorch.config
 
+        self._lowering = torch._functorch.config.force_non_lazy_backward_lowering
         torch._functorch.config.force_non_lazy_backward_lowering = True
+        _locked_trace()
 
         def target():
             self._here.on = True
@@ -154,20 +165,47 @@ class BackgroundCompile:
         """From now on every thread runs the compiled code."""
         if self._thread is not None:
             self._thread.join()
-            sys.setswitchinterval(self._interval)
+            self._restore()
         self.ready = True
 
     def wait(self) -> None:
-        """The compiling thread finished (a run that ends before it does): a daemon thread killed inside the
-        compiler at exit can take the interpreter down with it."""
+        """Until the compiling thread is done (a run that ends before it: a daemon thread killed inside the
+        compiler at exit can take the interpreter down with it), then the process's settings restored."""
         if self._thread is not None and self._thread.is_alive():
             log.info("waiting for the background compilation to finish before exiting")
             self._thread.join()
         if self._thread is not None:
-            sys.setswitchinterval(self._interval)
+            self._restore()
+
+    def _restore(self) -> None:
+        """The process's settings as they were before start()."""
+        import torch._functorch.config
+
+        sys.setswitchinterval(self._interval)
+        torch._functorch.config.force_non_lazy_backward_lowering = self._lowering
 
 
 BACKGROUND = BackgroundCompile()
+
+
+def _locked_trace() -> None:
+    """torch.fx's Tracer.trace (where the process-wide patch of Module.__call__ lives) taken under BACKGROUND.lock
+    on the compiling thread; installed once, for the process."""
+    from torch.fx._symbolic_trace import Tracer
+
+    if getattr(Tracer.trace, "_under_background_lock", False):
+        return
+    trace = Tracer.trace
+
+    def locked(self, *args, **kwargs):
+        if BACKGROUND.compiling_here():
+            with BACKGROUND.lock:
+                return trace(self, *args, **kwargs)
+        return trace(self, *args, **kwargs)
+
+    locked._under_background_lock = True
+    Tracer.trace = locked
+
 # Python's thread switch interval while the compiling thread runs (its default is 5 ms).
 SWITCH_INTERVAL_S = 1e-4
 

@@ -540,7 +540,7 @@ class SDXLTask(Task):
             speed.to_channels_last(unet)
             unet_speed.transformer_io(unet, compile=tc.compile != "none", varying=varying)
         speed.BACKGROUND.reset()
-        if tc.compile != "none" or tc.background_compile:
+        if tc.background_compile:
             self._background, why = self._background_compile()
             log.info("train.background_compile=%s: %s", self._background, why)
             run.event("background_compile", on=self._background, reason=why)
@@ -551,8 +551,10 @@ class SDXLTask(Task):
             n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget,
                                       options=unet_speed.unet_inductor_options(),
                                       varying=unet_speed.BUCKET_VARYING if varying else None)
-            log.info("train.compile=%r: %d blocks compiled%s (the first steps include compilation)", tc.compile, n,
-                     ", their shapes varying across the buckets" if varying else "")
+            log.info("train.compile=%r: %d blocks compiled%s (%s)", tc.compile, n,
+                     ", their shapes varying across the buckets" if varying else "",
+                     "on a second thread while the first steps train uncompiled" if self._background else
+                     "the first steps include compilation; train.background_compile=true trains meanwhile")
             if tc.compile == "regional" and tc.channels_last:
                 # The compiled ResNets' surroundings in their layout (docs/speed.md): the up blocks' skip
                 # concatenation inside their graphs, the last GroupNorm and the upsamplers compiled, the
@@ -578,7 +580,10 @@ class SDXLTask(Task):
             return model(noisy, t, encoder_hidden_states=embeds,
                          added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
 
-        if self._background and speed.BACKGROUND.active and torch.is_grad_enabled() and speed.BACKGROUND.done():
+        if self._background and speed.BACKGROUND.active:
+            if not (torch.is_grad_enabled() and speed.BACKGROUND.done()):
+                with speed.BACKGROUND.exclusive():  # the eager forward beside the compiling thread
+                    return call(noisy, t, embeds, pooled, time_ids)
             self._switch_to_compiled()
         if self._graphed and torch.is_grad_enabled():
             if not isinstance(self._graphed, speed.GraphedCall) or self._graphed.module is not model:
@@ -590,10 +595,10 @@ class SDXLTask(Task):
 
     def _background_compile(self) -> tuple[bool, str]:
         """train.background_compile: whether the regions compile on a second thread while the first steps train
-        eagerly, and why (core/speed.py: BackgroundCompile)."""
+        eagerly, and why (core/speed.py: BackgroundCompile). Where it cannot work the run compiles as without
+        it, with a warning; where the memory estimate says both threads may not fit, it warns and goes on."""
         cfg, tc = self.cfg, self.cfg.train
-        asked = tc.background_compile
-        if asked is False:
+        if not tc.background_compile:
             return False, "as set"
         why_not = None
         if tc.compile == "none":
@@ -606,30 +611,25 @@ class SDXLTask(Task):
             why_not = "adapter.train_text_encoder: the UNet is called through the text encoders' wrapper"
         elif cfg.adapter.rank_schedule:
             why_not = "adapter.rank_schedule replaces the adapter's parameters during the run"
+        elif cfg.data.crop == "random" or sdxl_data.live_text(cfg.data):
+            why_not = ("data.crop='random' or per-sample captions: the data loader runs the VAE or the text encoders "
+                       "beside the training step")
         elif any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.pipe.unet.modules()):
             why_not = ("dropout (adapter.dropout or the UNet's own): evaluation switches it off, which the compiling "
                        "thread's graphs would see")
         if why_not is not None:
-            if asked:
-                log.warning("train.background_compile=true has no effect: %s", why_not)
+            log.warning("train.background_compile=true has no effect: %s", why_not)
             return False, why_not
-        need = BACKGROUND_GROWTH * self.run_memory.phases["training"]
         if self.device.type == "cuda":
+            need = BACKGROUND_GROWTH * self.run_memory.phases["training"]
             total = torch.cuda.get_device_properties(self.device).total_memory
-            if cfg.train.vram_gb:
-                total = min(total, int(cfg.train.vram_gb * 2**30))  # the process is capped there
+            if tc.vram_gb:
+                total = min(total, int(tc.vram_gb * 2**30))  # the process is capped there
             if need > BACKGROUND_FILL * total:
-                why = (f"the eager steps and the compiling thread need about {need / 2**30:.1f} GiB of the GPU's "
-                       f"{total / 2**30:.1f}")
-                if not asked:
-                    return False, why + ": the regions compile at the first step instead"
-                log.warning("train.background_compile=true: %s; it may run out of memory", why)
-        elif not asked:
-            return False, f"the device is {self.device.type} (a GPU's choice)"
-        if asked:
-            return True, "as set"
-        return True, ("the first steps train uncompiled while a second thread compiles the blocks for every bucket; "
-                      "then compiled" + (" with CUDA graphs" if tc.cuda_graphs else ""))
+                log.warning("train.background_compile=true: the eager steps and the compiling thread need about "
+                            "%.1f GiB of the GPU's %.1f; it may run out of memory (without it the run needs about "
+                            "%.1f)", need / 2**30, total / 2**30, self.run_memory.phases["training"] / 2**30)
+        return True, "as set"
 
     def start(self, model, autocast) -> None:
         """train.background_compile: the compiling thread runs the model's forward once per (bucket, batch size)
