@@ -152,7 +152,8 @@ def _tick(page, row: int) -> None:
 
 def _shot(page, name: str) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    # The same ceiling as the page's waits: on two busy cores a full-page shot has taken over playwright's 30 s.
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True, timeout=WAIT)
 
 
 def _drawn(page, selector: str) -> list[dict]:

@@ -186,6 +186,8 @@ class BackgroundCompile:
 
 
 BACKGROUND = BackgroundCompile()
+# Python's thread switch interval while the compiling thread runs (its default is 5 ms).
+SWITCH_INTERVAL_S = 1e-4
 
 
 def _locked_trace() -> None:
@@ -205,9 +207,6 @@ def _locked_trace() -> None:
 
     locked._under_background_lock = True
     Tracer.trace = locked
-
-# Python's thread switch interval while the compiling thread runs (its default is 5 ms).
-SWITCH_INTERVAL_S = 1e-4
 
 
 def evaluation_mode(model: torch.nn.Module) -> None:
