@@ -186,7 +186,7 @@ class BackgroundCompile:
 
 
 BACKGROUND = BackgroundCompile()
-# Python's thread switch interval while the compiling thread runs (its default is 5 ms).
+# Python's thread switch interval while the compiling thread runs (shorter than Python's own default).
 SWITCH_INTERVAL_S = 1e-4
 
 

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import random
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -227,7 +226,6 @@ class SDXLTask(Task):
         self.has_reg = False  # the data holds regularization images (set when it is read)
         self._explicit: set[str] = set(cfg.train.model_fields_set)
         self._background = False  # train.background_compile: the regions compile on a second thread
-        self._graphs_after_compile = False  # with it: CUDA graphs are built once the compiled code is in use
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
         """train.speed="auto": CUDA graphs, compilation and channels_last chosen for this device and run
@@ -569,10 +567,10 @@ class SDXLTask(Task):
                 log.warning("train.cuda_graphs does not combine with train.gradient_sync='ddp' (DDP's gradient "
                             "hooks cannot be captured); running without graphs on %d processes",
                             self.accelerator.num_processes)
-            elif self._background:
-                self._graphs_after_compile = True  # eager steps until the switch (_switch_to_compiled)
             else:
-                self._graphed = True  # built on the first training call, on the prepared model
+                # Built on the first training call, on the prepared model (with train.background_compile: the
+                # first after the switch, _unet's uncompiled calls come first)
+                self._graphed = True
 
     def _unet(self, model, noisy, t, embeds, pooled, time_ids) -> torch.Tensor:
         """The UNet's prediction for a training batch; replayed from CUDA graphs with train.cuda_graphs."""
@@ -661,10 +659,7 @@ class SDXLTask(Task):
     def _switch_to_compiled(self) -> None:
         """The compiling thread is done: the regions run compiled from this call on (and CUDA graphs are built)."""
         bg = speed.BACKGROUND
-        t0 = time.perf_counter()
         bg.switch()
-        if self._graphs_after_compile:
-            self._graphed = True
         peaks = {}
         if self.device.type == "cuda":
             # What the eager steps and the compiling thread held together (the memory check's figure), then
@@ -674,10 +669,10 @@ class SDXLTask(Task):
             torch.cuda.empty_cache()
         failed = f"; it failed ({type(bg.error).__name__}: {bg.error}), so what it missed compiles now" if bg.error else ""
         log.info("background compilation done after %.0f s%s: training runs the compiled blocks%s from here",
-                 bg.seconds or 0.0, failed, " and CUDA graphs" if self._graphs_after_compile else "")
+                 bg.seconds or 0.0, failed, " and CUDA graphs" if self._graphed else "")
         if self._run is not None:
             self._run.event("compiled", seconds=round(bg.seconds or 0.0, 1), error=str(bg.error) if bg.error else None,
-                            switch_s=round(time.perf_counter() - t0, 3), **peaks)
+                            **peaks)
 
     def finish(self) -> None:
         """A run that ends before the compiling thread does waits for it (see BackgroundCompile.wait)."""
