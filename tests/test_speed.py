@@ -781,6 +781,13 @@ def test_auto_speed_picks_the_levers_for_the_device_and_the_run_and_explicit_set
     nf4 = load_config(extra={"train.steps": steps, "train.batch_size": 4, "model.quantize": "nf4"})
     cfg, why = auto_levers(nf4, "cuda", 1)
     assert cfg.train.cuda_graphs and cfg.train.compile == "none" and "quantized" in why["compile"]
+    # A compiled run trains while it compiles (on one process; set-up checks that it fits), a short one does not.
+    assert auto_levers(long, "cuda", 1)[0].train.background_compile is True
+    assert auto_levers(short, "cuda", 1)[0].train.background_compile is False
+    assert auto_levers(long, "cuda", 2)[0].train.background_compile is False
+    mine = load_config(extra={"train.steps": steps, "train.batch_size": 4, "train.background_compile": False})
+    cfg, why = auto_levers(mine, "cuda", 1)
+    assert cfg.train.compile == "regional" and cfg.train.background_compile is False and "as set" in why["background_compile"]
 
 
 def test_graphs_of_every_bucket_share_one_memory_pool(monkeypatch):
@@ -914,8 +921,8 @@ def test_background_compilation_compiles_on_its_own_thread_and_training_switches
 def test_modules_called_beside_the_compiling_thread_are_not_traced_into_its_graphs():
     # torch.fx's tracer patches torch.nn.Module.__call__ for the whole process while it traces (inductor traces
     # with it): a module called meanwhile on the training thread went into the compiling thread's graph and
-    # failed ("module is not installed as a submodule", seen in a GPU run). Under the compilation's lock the
-    # training thread's calls wait for the trace instead, and both threads finish.
+    # failed ("module is not installed as a submodule", seen in a GPU run). The compiling thread's patches act
+    # on that thread only: both threads run at once, the training thread's calls are plain, the traces whole.
     net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
 
     def long_trace(x):
@@ -925,13 +932,17 @@ def test_modules_called_beside_the_compiling_thread_are_not_traced_into_its_grap
 
     speed.BACKGROUND.enable()
     try:
-        speed.BACKGROUND.start(lambda: [torch.fx.symbolic_trace(long_trace) for _ in range(20)], torch.device("cpu"))
+        traced = []
+        speed.BACKGROUND.start(lambda: traced.extend(torch.fx.symbolic_trace(long_trace) for _ in range(20)),
+                               torch.device("cpu"))
         calls = 0
+        x = torch.randn(2, 8)
         while not speed.BACKGROUND.done():
-            with speed.BACKGROUND.exclusive():
-                net(torch.randn(2, 8))
+            assert torch.equal(net(x), net[1:](net[0](x)))
             calls += 1
         assert calls > 0 and speed.BACKGROUND.error is None
+        assert len(traced) == 20 and all(torch.equal(g(x), long_trace(x)) for g in traced)
+        assert torch.nn.Module.__call__ is torch.nn.Module._wrapped_call_impl  # every patch reverted
     finally:
         speed.BACKGROUND.wait()
         speed.BACKGROUND.reset()
@@ -949,9 +960,12 @@ def test_background_compilation_runs_where_it_can_and_warns_where_it_may_not_fit
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
 
-    def decide(*overrides, training_gib=40.0, device="cuda", dropout=0.0):
-        cfg = load_config(overrides=["train.compile='regional'", "train.background_compile=true", *overrides])
+    def decide(*overrides, training_gib=40.0, device="cuda", dropout=0.0, auto=False):
+        cfg = load_config(overrides=["train.compile='regional'", *overrides] if auto else
+                          ["train.compile='regional'", "train.background_compile=true", *overrides])
         t = sdxl_task.SDXLTask(cfg)
+        if auto:  # as train.speed="auto" chose it: not one of the user's settings
+            t.cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"background_compile": True})})
         t.accelerator = SimpleNamespace(num_processes=1)
         t.device = torch.device(device)
         t.pipe = SimpleNamespace(unet=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(dropout)))
@@ -959,8 +973,8 @@ def test_background_compilation_runs_where_it_can_and_warns_where_it_may_not_fit
         return t._background_compile()
 
     with caplog.at_level(logging.WARNING):
-        assert decide() == (True, "as set") and not caplog.records
-        assert decide(training_gib=50.0) == (True, "as set")  # 1.55 x 50 = 77.5 GiB > 0.95 x 80
+        assert decide() == (True, "as set (about 62.0 GiB of the GPU's 80.0)") and not caplog.records
+        assert decide(training_gib=50.0)[0] is True  # 1.55 x 50 = 77.5 GiB > 0.95 x 80: warned, kept as set
         assert "77.5 GiB" in caplog.text and "may run out of memory" in caplog.text
     assert decide("train.background_compile=false") == (False, "as set")
     assert decide(device="cpu") == (True, "as set")
@@ -969,6 +983,16 @@ def test_background_compilation_runs_where_it_can_and_warns_where_it_may_not_fit
                     ("nothing to compile", {"overrides": ["train.compile='none'"]})]:
         on, reason = decide(*kw.get("overrides", []), **{k: v for k, v in kw.items() if k != "overrides"})
         assert on is False and why in reason, reason
+    # Chosen by auto: on where it fits, off without a warning where it may not (or cannot work), the reason told.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        on, reason = decide(auto=True)
+        assert on is True and "auto" in reason and "62.0 GiB" in reason
+        on, reason = decide(training_gib=50.0, auto=True)
+        assert on is False and "77.5 GiB" in reason
+        on, reason = decide("train.gradient_checkpointing=true", auto=True)
+        assert on is False and "checkpointed" in reason
+        assert not caplog.records
 
 
 def test_graphs_warm_every_bucket_up_before_capturing_any(tmp_path, monkeypatch):

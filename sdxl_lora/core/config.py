@@ -411,7 +411,7 @@ class TrainConfig(Section):
         "Replay the UNet's forward and backward from CUDA graphs, one per bucket shape (CUDA only)."))
     background_compile: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
         "With compile: the blocks compile on a second thread while the first steps train uncompiled, then "
-        "training switches to them: it starts at once instead of after the compilation (one process)."))
+        "training switches to them (one process; speed='auto' turns it on where both fit the GPU)."))
     fuse_qkv: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
         "Compute each attention's q/k/v projections and their LoRA in one matmul instead of three: the same "
         "loss and gradients, fewer kernels."))

@@ -81,12 +81,11 @@ def _eager():
     other shapes (and no gradients) than training, and compiling those would cost minutes for a few
     passes and leave the training regions' compiled graphs as they were. While a background compilation runs
     (core/speed.py: BACKGROUND) the regions are eager on this thread anyway, and the stance, which is
-    process-wide, would stop the compiling thread's compilation: the block holds the compilation's lock
-    instead, as everything that calls modules beside it does."""
+    process-wide, would stop the compiling thread's compilation: nothing is set then."""
     from .speed import BACKGROUND
 
     if BACKGROUND.active:
-        return BACKGROUND.exclusive()
+        return contextlib.nullcontext()
     return torch.compiler.set_stance("force_eager")
 
 

@@ -9,7 +9,9 @@ positional tensors only, so a keyword call is wrapped here.
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
+import functools
 import gc
 import logging
 import sys
@@ -100,12 +102,6 @@ class BackgroundCompile:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.seconds: float | None = None
-        # torch.fx's tracer (which AOTAutograd traces with) patches torch.nn.Module.__call__ for the whole
-        # process while it traces: a module called on another thread meanwhile is traced into the graph (and
-        # fails). The compiling thread holds this lock while it traces (_locked_trace), the training thread
-        # while it calls modules (exclusive()).
-        self.lock = threading.RLock()
-
     def enable(self) -> None:
         self.enabled, self.ready, self.error, self.seconds = True, False, None, None
 
@@ -121,17 +117,13 @@ class BackgroundCompile:
     def compiling_here(self) -> bool:
         return getattr(self._here, "on", False)
 
-    def exclusive(self):
-        """Around code that calls modules on any thread but the compiling one, while the compilation runs."""
-        return self.lock if self.active else contextlib.nullcontext()
-
     def start(self, work: Callable[[], None], device: torch.device) -> None:
         """`work()` (the forward passes that compile every region) on a daemon thread, on its own CUDA stream."""
         import torch._functorch.config
 
         self._lowering = torch._functorch.config.force_non_lazy_backward_lowering
         torch._functorch.config.force_non_lazy_backward_lowering = True
-        _locked_trace()
+        _thread_guarded_fx_patches()
 
         def target():
             self._here.on = True
@@ -172,7 +164,8 @@ class BackgroundCompile:
         """Until the compiling thread is done (a run that ends before it: a daemon thread killed inside the
         compiler at exit can take the interpreter down with it), then the process's settings restored."""
         if self._thread is not None and self._thread.is_alive():
-            log.info("waiting for the background compilation to finish before exiting")
+            log.info("waiting for the background compilation to finish before exiting (what the run wrote is "
+                     "saved; Ctrl-C again exits now)")
             self._thread.join()
         if self._thread is not None:
             self._restore()
@@ -190,23 +183,43 @@ BACKGROUND = BackgroundCompile()
 SWITCH_INTERVAL_S = 1e-4
 
 
-def _locked_trace() -> None:
-    """torch.fx's Tracer.trace (where the process-wide patch of Module.__call__ lives) taken under BACKGROUND.lock
-    on the compiling thread; installed once, for the process."""
-    from torch.fx._symbolic_trace import Tracer
+def _thread_guarded_fx_patches() -> None:
+    """torch.fx's tracer (which AOTAutograd traces with) patches torch.nn.Module.__call__ and __getattr__ (and
+    a few functions) for the whole process while it traces: a module called on the training thread meanwhile
+    went into the compiling thread's graph and failed ("module is not installed as a submodule"). torch has
+    no per-thread switch for it, so each patch the compiling thread installs is wrapped to act only on that
+    thread: every other thread gets the function the patch replaced. Installed once, for the process; patches
+    made on other threads are torch's own."""
+    from torch.fx._symbolic_trace import _Patcher
 
-    if getattr(Tracer.trace, "_under_background_lock", False):
+    if getattr(_Patcher.patch, "_thread_guarded", False):
         return
-    trace = Tracer.trace
+    patch, patch_method = _Patcher.patch, _Patcher.patch_method
 
-    def locked(self, *args, **kwargs):
+    def only_here(new_fn, old_fn):
+        owner = threading.get_ident()
+
+        def guarded(*args, **kwargs):
+            if threading.get_ident() == owner:
+                return new_fn(*args, **kwargs)
+            return old_fn(*args, **kwargs)
+
+        return functools.wraps(new_fn)(guarded)
+
+    def guarded_patch(self, frame_dict, name, new_fn, deduplicate=True):
         if BACKGROUND.compiling_here():
-            with BACKGROUND.lock:
-                return trace(self, *args, **kwargs)
-        return trace(self, *args, **kwargs)
+            old_fn = frame_dict[name] if name in frame_dict else getattr(builtins, name, None)
+            if old_fn is not None and not getattr(old_fn, "__fx_already_patched", False):
+                new_fn = only_here(new_fn, old_fn)
+        return patch(self, frame_dict, name, new_fn, deduplicate)
 
-    locked._under_background_lock = True
-    Tracer.trace = locked
+    def guarded_patch_method(self, cls, name, new_fn, deduplicate=True):
+        if BACKGROUND.compiling_here() and not getattr(getattr(cls, name), "__fx_already_patched", False):
+            new_fn = only_here(new_fn, getattr(cls, name))
+        return patch_method(self, cls, name, new_fn, deduplicate)
+
+    guarded_patch._thread_guarded = True
+    _Patcher.patch, _Patcher.patch_method = guarded_patch, guarded_patch_method
 
 
 def evaluation_mode(model: torch.nn.Module) -> None:

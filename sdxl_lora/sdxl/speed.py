@@ -80,6 +80,15 @@ def auto_levers(cfg, device_type: str, processes: int):
     compiled = update.get("compile", tc.compile) == "regional"
     choose("channels_last", compiled, "the compiled blocks' layout levers" if compiled
            else "it pays together with regional compilation")
+    if not compiled:
+        choose("background_compile", False, "nothing is compiled")
+    elif processes > 1:
+        choose("background_compile", False, "several processes compile on their training threads")
+    else:
+        # Set-up still turns it off where the two threads may not fit, or the run cannot use it
+        # (SDXLTask._background_compile).
+        choose("background_compile", True, "the first steps train uncompiled while the blocks compile on a "
+                                           "second thread, where memory allows")
     return cfg.model_copy(update={"train": tc.model_copy(update=update)}), why
 
 

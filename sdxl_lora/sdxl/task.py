@@ -580,8 +580,7 @@ class SDXLTask(Task):
 
         if self._background and speed.BACKGROUND.active:
             if not (torch.is_grad_enabled() and speed.BACKGROUND.done()):
-                with speed.BACKGROUND.exclusive():  # the eager forward beside the compiling thread
-                    return call(noisy, t, embeds, pooled, time_ids)
+                return call(noisy, t, embeds, pooled, time_ids)  # eager, beside the compiling thread
             self._switch_to_compiled()
         if self._graphed and torch.is_grad_enabled():
             if not isinstance(self._graphed, speed.GraphedCall) or self._graphed.module is not model:
@@ -594,10 +593,12 @@ class SDXLTask(Task):
     def _background_compile(self) -> tuple[bool, str]:
         """train.background_compile: whether the regions compile on a second thread while the first steps train
         eagerly, and why (core/speed.py: BackgroundCompile). Where it cannot work the run compiles as without
-        it, with a warning; where the memory estimate says both threads may not fit, it warns and goes on."""
+        it. Set by the user: with a warning, and where the memory estimate says both threads may not fit it
+        warns and goes on. Chosen by train.speed="auto": off without a warning wherever either holds."""
         cfg, tc = self.cfg, self.cfg.train
         if not tc.background_compile:
             return False, "as set"
+        asked = "background_compile" in self._explicit
         why_not = None
         if tc.compile == "none":
             why_not = "train.compile is 'none': nothing to compile"
@@ -616,18 +617,24 @@ class SDXLTask(Task):
             why_not = ("dropout (adapter.dropout or the UNet's own): evaluation switches it off, which the compiling "
                        "thread's graphs would see")
         if why_not is not None:
-            log.warning("train.background_compile=true has no effect: %s", why_not)
-            return False, why_not
+            if asked:
+                log.warning("train.background_compile=true has no effect: %s", why_not)
+            return False, why_not if asked else f"auto: off: {why_not}"
+        fits = ""
         if self.device.type == "cuda":
             need = BACKGROUND_GROWTH * self.run_memory.phases["training"]
             total = torch.cuda.get_device_properties(self.device).total_memory
             if tc.vram_gb:
                 total = min(total, int(tc.vram_gb * 2**30))  # the process is capped there
             if need > BACKGROUND_FILL * total:
+                if not asked:
+                    return False, (f"auto: off: the uncompiled steps and the compiling thread would need about "
+                                   f"{need / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f}")
                 log.warning("train.background_compile=true: the eager steps and the compiling thread need about "
                             "%.1f GiB of the GPU's %.1f; it may run out of memory (without it the run needs about "
                             "%.1f)", need / 2**30, total / 2**30, self.run_memory.phases["training"] / 2**30)
-        return True, "as set"
+            fits = f" (about {need / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f})"
+        return True, ("as set" if asked else "auto: one process, the two threads fit the GPU") + fits
 
     def start(self, model, autocast) -> None:
         """train.background_compile: the compiling thread runs the model's forward once per (bucket, batch size)
