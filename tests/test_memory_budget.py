@@ -104,3 +104,30 @@ def test_previews_from_embeddings_made_at_set_up_draw_the_same_images(tiny_dir):
     live = render(pipe, prompts, **kw)
     for a, b in zip(cached, live):
         assert (np.asarray(a) == np.asarray(b)).all()
+
+
+def test_previews_with_the_same_settings_render_as_one_batch_on_a_cpu_and_draw_the_same_images(tiny_dir, monkeypatch):
+    # On a CPU the prompts that share their settings go through the pipeline as one batch (faster previews),
+    # each image with its own seed's noise: the same images as one prompt at a time (to a level of rounding),
+    # in the prompts' order; a prompt with settings of its own gets a call of its own.
+    from diffusers import StableDiffusionXLPipeline
+
+    from sdxl_lora.sdxl import preview
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_dir), torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    prompts = ["a red star", "a red star", preview.PreviewPrompt("a blue circle", steps=2), "a green square",
+               "a grey triangle"]
+    kw = dict(seed=3, steps=3, guidance=5.0, width=64, height=64)
+    calls = []
+    call = type(pipe).__call__
+    monkeypatch.setattr(type(pipe), "__call__", lambda self, **k: calls.append(len(k["generator"])) or call(self, **k))
+    batched = preview.render(pipe, prompts, **kw)
+    assert calls == [2, 1, 2]
+    monkeypatch.setattr(preview, "CPU_PREVIEW_BATCH", 1)
+    calls.clear()
+    single = preview.render(pipe, prompts, **kw)
+    assert calls == [1] * 5
+    diff = [np.abs(np.asarray(a, int) - np.asarray(b, int)).max() for a, b in zip(batched, single)]
+    assert max(diff) <= 1, diff
+    assert np.abs(np.asarray(batched[0], int) - np.asarray(batched[1], int)).max() > 10  # seeds 3 and 4

@@ -206,12 +206,29 @@ def encode_prompts(pipe, prompts: list[str | PreviewPrompt], *, guidance: float,
     return out
 
 
+# Prompts with the same settings render as one batch on a CPU: several images' GEMMs use the cores better than
+# one image's (the same images, to float rounding). On a GPU one at a time: a batch's activations and its VAE
+# decode would add to the previews' memory, which the run's estimate counts for one image.
+CPU_PREVIEW_BATCH = 8
+
+
+def _batched(texts: list[dict]) -> dict:
+    """Several prompts' pipeline arguments as one call's: tensors concatenated, strings listed (None where
+    every one is None: render groups prompts by that)."""
+    def joined(values: list):
+        if isinstance(values[0], torch.Tensor):
+            return torch.cat(values)
+        return None if values[0] is None else values
+
+    return {k: joined([t[k] for t in texts]) for k in texts[0]}
+
+
 def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, guidance: float, width: int,
            height: int, negative: str | None = None, autocast_dtype: torch.dtype | None = None,
            guidance_rescale: float = 0.0, texts: list[dict[str, torch.Tensor]] | None = None) -> list[Image.Image]:
     """One image per prompt, each with its own settings where it has them; prompt i without its own seed
-    uses seed + i, on a CPU generator, so images do not depend on the device. texts: the prompts' embeddings
-    (encode_prompts), made earlier; the text encoders are then not used."""
+    uses seed + i, on a CPU generator, so images do not depend on the device or on how prompts are batched.
+    texts: the prompts' embeddings (encode_prompts), made earlier; the text encoders are then not used."""
     device = pipe.unet.device
     ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
            else contextlib.nullcontext())
@@ -221,15 +238,27 @@ def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, g
                  for p in entries]
     else:
         texts = [{k: v.to(device) for k, v in t.items()} for t in texts]
+    limit = CPU_PREVIEW_BATCH if device.type == "cpu" else 1
+
+    def settings(i: int) -> tuple:
+        p, t = entries[i], texts[i]
+        return (p.steps or steps, p.guidance if p.guidance is not None else guidance, p.width or width,
+                p.height or height, tuple(sorted(t)), t.get("negative_prompt") is None)
+
     images = []
     with torch.no_grad(), ctx:
-        for i, (p, text) in enumerate(zip(entries, texts)):
-            gen = torch.Generator("cpu").manual_seed(p.seed if p.seed is not None else seed + i)
-            out = pipe(**text, num_inference_steps=p.steps or steps,
-                       guidance_scale=p.guidance if p.guidance is not None else guidance,
-                       guidance_rescale=guidance_rescale,
-                       width=p.width or width, height=p.height or height, generator=gen, output_type="pil")
-            images.append(out.images[0])
+        i = 0
+        while i < len(entries):
+            j = i + 1
+            while j < len(entries) and j - i < limit and settings(j) == settings(i):
+                j += 1
+            n_steps, g, w, h, _, _ = settings(i)
+            gens = [torch.Generator("cpu").manual_seed(p.seed if p.seed is not None else seed + k)
+                    for k, p in zip(range(i, j), entries[i:j])]
+            out = pipe(**_batched(texts[i:j]), num_inference_steps=n_steps, guidance_scale=g,
+                       guidance_rescale=guidance_rescale, width=w, height=h, generator=gens, output_type="pil")
+            images.extend(out.images)
+            i = j
     return images
 
 

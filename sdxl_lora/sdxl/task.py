@@ -1210,7 +1210,7 @@ class SDXLTask(Task):
         return render_previews(self, model, run, step)
 
     # Bump when what the previews render changes, so earlier runs' step-0 previews are not reused.
-    PREVIEW_CACHE_VERSION = 1
+    PREVIEW_CACHE_VERSION = 2
 
     def baseline_previews_key(self) -> str | None:
         """The step-0 previews' cache key: what decides those images (the base's weights as this run holds
