@@ -121,7 +121,8 @@ def test_previews_with_the_same_settings_render_as_one_batch_on_a_cpu_and_draw_t
     kw = dict(seed=3, steps=3, guidance=5.0, width=64, height=64)
     calls = []
     call = type(pipe).__call__
-    monkeypatch.setattr(type(pipe), "__call__", lambda self, **k: calls.append(len(k["generator"])) or call(self, **k))
+    monkeypatch.setattr(type(pipe), "__call__", lambda self, **k: calls.append(
+        len(k["generator"]) if isinstance(k["generator"], list) else 1) or call(self, **k))
     batched = preview.render(pipe, prompts, **kw)
     assert calls == [2, 1, 2]
     monkeypatch.setattr(preview, "CPU_PREVIEW_BATCH", 1)

@@ -255,8 +255,10 @@ def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, g
             n_steps, g, w, h, _, _ = settings(i)
             gens = [torch.Generator("cpu").manual_seed(p.seed if p.seed is not None else seed + k)
                     for k, p in zip(range(i, j), entries[i:j])]
-            out = pipe(**_batched(texts[i:j]), num_inference_steps=n_steps, guidance_scale=g,
-                       guidance_rescale=guidance_rescale, width=w, height=h, generator=gens, output_type="pil")
+            one = j - i == 1  # a prompt alone is called as the pipeline's single-prompt call
+            out = pipe(**(texts[i] if one else _batched(texts[i:j])), num_inference_steps=n_steps, guidance_scale=g,
+                       guidance_rescale=guidance_rescale, width=w, height=h, generator=gens[0] if one else gens,
+                       output_type="pil")
             images.extend(out.images)
             i = j
     return images
