@@ -390,7 +390,7 @@ class TrainConfig(Section):
     # Speed and memory levers: docs/speed.md.
     speed: Literal["auto", "off"] = Field("auto", description=(
         "On a CUDA GPU, 'auto' turns on the speed levers that pay for the run's length (CUDA graphs, "
-        "compilation, channels_last) and logs its choice; a lever you set wins. 'off': only what you set."))
+        "compilation on a second thread, channels_last) and logs why; a lever you set wins. 'off': only yours."))
     vram_gb: float | None = Field(None, gt=0, description=(
         "GPU memory the whole run may use, in GiB: the fastest settings that fit are chosen and logged, the "
         "process is capped there, and a budget that cannot be met is refused at start."))
