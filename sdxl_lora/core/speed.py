@@ -206,15 +206,15 @@ def _thread_guarded_fx_patches() -> None:
 
         return functools.wraps(new_fn)(guarded)
 
+    # A patch over a patch (a trace inside a trace) wraps the outer one: other threads still reach the original.
     def guarded_patch(self, frame_dict, name, new_fn, deduplicate=True):
-        if BACKGROUND.compiling_here():
-            old_fn = frame_dict[name] if name in frame_dict else getattr(builtins, name, None)
-            if old_fn is not None and not getattr(old_fn, "__fx_already_patched", False):
-                new_fn = only_here(new_fn, old_fn)
+        old_fn = frame_dict[name] if name in frame_dict else getattr(builtins, name, None)
+        if BACKGROUND.compiling_here() and old_fn is not None:
+            new_fn = only_here(new_fn, old_fn)
         return patch(self, frame_dict, name, new_fn, deduplicate)
 
     def guarded_patch_method(self, cls, name, new_fn, deduplicate=True):
-        if BACKGROUND.compiling_here() and not getattr(getattr(cls, name), "__fx_already_patched", False):
+        if BACKGROUND.compiling_here():
             new_fn = only_here(new_fn, getattr(cls, name))
         return patch_method(self, cls, name, new_fn, deduplicate)
 
