@@ -27,6 +27,7 @@ from ..core.runs import Run
 from ..core.task import Task, micro_sizes
 from . import data as sdxl_data
 from . import loss as diffusion
+from . import memory as sdxl_memory
 from .cache import TensorCache, cache_key, file_digest
 from .model import load_pipeline, native_resolution, resolve_model_path
 from .plan import fit_budget, plan_unet, run_memory_for, text_encoder_rank_alpha
@@ -39,7 +40,8 @@ _DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # train.background_compile's memory check: the uncompiled steps save more activations than the compiled
 # ones, and the compiling thread's own stream keeps its cached blocks apart from the training thread's. Together
 # they were measured at this multiple of the training phase's estimate (batch 16 at 1024 over three buckets,
-# benchmarks/RESULTS.md), which must fit in BACKGROUND_FILL of the GPU.
+# benchmarks/RESULTS.md), plus what the uncompiled steps keep for feed-forward adapters where the preset has
+# them (_uncompiled_adapter_inputs), which must fit in BACKGROUND_FILL of the GPU.
 BACKGROUND_GROWTH = 1.55
 BACKGROUND_FILL = 0.95
 
@@ -622,7 +624,7 @@ class SDXLTask(Task):
             return False, why_not if asked else f"auto: off: {why_not}"
         fits = ""
         if self.device.type == "cuda":
-            need = BACKGROUND_GROWTH * self.run_memory.phases["training"]
+            need = BACKGROUND_GROWTH * self.run_memory.phases["training"] + self._uncompiled_adapter_inputs()
             total = torch.cuda.get_device_properties(self.device).total_memory
             if tc.vram_gb:
                 total = min(total, int(tc.vram_gb * 2**30))  # the process is capped there
@@ -635,6 +637,16 @@ class SDXLTask(Task):
                             "%.1f)", need / 2**30, total / 2**30, self.run_memory.phases["training"] / 2**30)
             fits = f" (about {need / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f})"
         return True, ("as set" if asked else "auto: one process, the two threads fit the GPU") + fits
+
+    def _uncompiled_adapter_inputs(self) -> int:
+        """What the uncompiled steps keep for the feed-forward and projection adapters beyond the training
+        estimate (sdxl/memory.py: uncompiled_adapter_inputs); 0 for a UNet without a diffusers config."""
+        config = getattr(self.pipe.unet, "config", None)
+        if config is None:
+            return 0
+        dtype = _DTYPES.get(getattr(self.accelerator, "mixed_precision", "bf16"), torch.bfloat16)
+        return sdxl_memory.uncompiled_adapter_inputs(config, self.resolution, self.cfg.train.batch_size,
+                                                     self.cfg.adapter.preset, dtype)
 
     def start(self, model, autocast) -> None:
         """train.background_compile: the compiling thread runs the model's forward once per (bucket, batch size)
