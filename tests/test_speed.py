@@ -867,7 +867,7 @@ def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_
 
 def test_background_compilation_compiles_on_its_own_thread_and_training_switches_to_it(tmp_path, monkeypatch):
     # train.background_compile: a second thread compiles every region for every bucket (two here) while the
-    # training thread runs the step-0 evaluation and its first steps uncompiled. Counting the graphs the compiler is
+    # training thread runs its first steps uncompiled (the step-0 evaluation before the thread starts). Counting the graphs the compiler is
     # given, and on which thread: all on the compiling one, none on the training thread, neither before the
     # switch (the evaluation's no-grad passes, the first steps) nor after it (the other buckets, the final
     # evaluation). The switch waits here for the thread at the third step (on a real GPU the steps run on
@@ -894,6 +894,14 @@ def test_background_compilation_compiles_on_its_own_thread_and_training_switches
         return done(self)
 
     monkeypatch.setattr(speed.BackgroundCompile, "done", done_at_third_step)
+    started_after = []  # the run's events when the compiling thread starts: after the step-0 evaluation
+    start = speed.BackgroundCompile.start
+
+    def recording_start(self, work, device):
+        started_after.append([e["event"] for e in read_events(tmp_path / "background" / "events.jsonl")])
+        return start(self, work, device)
+
+    monkeypatch.setattr(speed.BackgroundCompile, "start", recording_start)
     two = _bucketed_dataset(tmp_path / "data", [(128, 128), (160, 96)], n=4)
     common = ["--model", "tiny-sdxl", "--data", str(two), "--out", str(tmp_path), "--steps", "4", "--batch-size", "1",
               "--device", "cpu", "--set", "data.resolution=128", "--set", "data.bucket_step=32",
@@ -905,6 +913,7 @@ def test_background_compilation_compiles_on_its_own_thread_and_training_switches
     torch._dynamo.reset()
     events = read_events(tmp_path / "background" / "events.jsonl")
     assert next(e for e in events if e["event"] == "background_compile")["on"] is True
+    assert len(started_after) == 1 and "eval" in started_after[0] and "step" not in started_after[0], started_after
     compiled = next(e for e in events if e["event"] == "compiled")
     assert compiled["error"] is None
     kinds = [e["event"] for e in events if e["event"] in ("step", "compiled")]

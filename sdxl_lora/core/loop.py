@@ -343,7 +343,6 @@ class Trainer:
                             if cfg.train.tensorboard and self.accelerator.is_main_process else None)
         if self.resume is not None:
             self._load(self.resume)
-        self.task.start(self.model, self._autocast)
 
     def _prepare(self, *objects) -> tuple:
         out = self.accelerator.prepare(*objects)
@@ -627,6 +626,9 @@ class Trainer:
                 self._track(0, validation=val)
         else:  # resumed: the run's own starting figure
             eval_before = next((e["loss"] for e in run.events() if e["event"] == "eval"), math.nan)
+        # After the step-0 previews and evaluation: beside the task's work (sdxl: the compiling thread, whose
+        # Python holds the interpreter) they took 2.5-3x as long (benchmarks/RESULTS.md).
+        self.task.start(self.model, self._autocast)
         sync = gradient_sync(cfg, acc.num_processes, acc.device.type)
         run.event("start", step=self.step, total_steps=total, state="training", processes=acc.num_processes,
                   **({"gradient_sync": sync} if sync else {}))

@@ -117,8 +117,9 @@ class Task(ABC):
         return {}
 
     def start(self, model: torch.nn.Module, autocast) -> None:
-        """Once the loop has prepared `model` (as it will call it, under `autocast()`), before the step-0
-        previews and evaluation: work the task runs beside them (sdxl: the regions' background compilation)."""
+        """Once the loop has prepared `model` (as it will call it, under `autocast()`) and run the step-0 previews
+        and evaluation, before the first step: work the task runs beside the training steps (sdxl: the regions'
+        background compilation)."""
 
     def finish(self) -> None:
         """The loop is done (finished, stopped or failed): end what `start` began."""
