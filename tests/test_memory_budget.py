@@ -132,3 +132,39 @@ def test_previews_with_the_same_settings_render_as_one_batch_on_a_cpu_and_draw_t
     diff = [np.abs(np.asarray(a, int) - np.asarray(b, int)).max() for a, b in zip(batched, single)]
     assert max(diff) <= 1, diff
     assert np.abs(np.asarray(batched[0], int) - np.asarray(batched[1], int)).max() > 10  # seeds 3 and 4
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_training_loads_the_frozen_unet_in_its_compute_dtype_and_a_base_to_quantize_as_before(
+        tiny_dir, monkeypatch, quantize):
+    # A bf16 run's UNet was read as fp32 (10 GiB of host memory for SDXL's 2.6B weights, and a cast of each)
+    # only to be cast to bf16 at set-up. It is read in bf16 now, the same values; the text encoders and the VAE
+    # stay fp32. A base to quantize is read as before, so its 4-bit blocks come from the file's values.
+    from types import SimpleNamespace
+
+    from sdxl_lora.core.config import ModelConfig
+    from sdxl_lora.sdxl import task as sdxl_task
+    from sdxl_lora.sdxl.model import load_pipeline
+
+    fp32 = load_pipeline(ModelConfig(path=str(tiny_dir)))
+    bf16 = load_pipeline(ModelConfig(path=str(tiny_dir)), unet_dtype=torch.bfloat16)
+    assert {p.dtype for p in bf16.unet.parameters()} == {torch.bfloat16}
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        assert {p.dtype for p in getattr(bf16, name).parameters()} == {torch.float32}, name
+    for (k, a), b in zip(fp32.unet.state_dict().items(), bf16.unet.state_dict().values()):
+        assert torch.equal(a.to(torch.bfloat16), b), k
+
+    asked = []
+
+    class Loaded(Exception):
+        pass
+
+    def recording(cfg, **kw):
+        asked.append(kw.get("unet_dtype"))
+        raise Loaded
+
+    monkeypatch.setattr(sdxl_task, "load_pipeline", recording)
+    t = sdxl_task.SDXLTask(load_config(extra={"model.path": str(tiny_dir), "model.quantize": quantize}))
+    with pytest.raises(Loaded):
+        t.setup(SimpleNamespace(device=torch.device("cpu"), mixed_precision="bf16"), run=None)
+    assert asked == [torch.bfloat16 if quantize == "none" else None]

@@ -251,7 +251,11 @@ class SDXLTask(Task):
         if self._budget is not None and self.device.type == "cuda":
             self._cap_memory()
         self.model_path = resolve_model_path(cfg.model)
-        self.pipe = load_pipeline(cfg.model)
+        # The frozen UNet in the dtype it trains in, from the start; a base to quantize is read as before (fp32:
+        # its 4-bit blocks are made from the file's values, not from a rounded copy).
+        quantized = cfg.model.quantize != "none" or cfg.model.quantize_convs != "none"
+        frozen = _DTYPES.get(accelerator.mixed_precision, torch.float32)
+        self.pipe = load_pipeline(cfg.model, unet_dtype=None if quantized else frozen)
         self.resolution = cfg.data.resolution or native_resolution(self.pipe)
         self.noise_scheduler = self._noise_scheduler()
         self._read_data(run)

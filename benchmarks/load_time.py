@@ -1,0 +1,35 @@
+"""How long the training set-up takes to read a model folder, and the host memory it peaks at: the pipeline
+loaded as `sdxl-lora train` loads it, with the UNet read as fp32 (`fp32`) or in a compute dtype (`bf16`,
+`fp16`). Run each in its own process (the peak is the process's):
+
+    python3 benchmarks/train_e2e.py --work /tmp/e2e --settings defaults --steps 1   # builds the folder once
+    python3 benchmarks/load_time.py /tmp/e2e/sdxl-random fp32
+    python3 benchmarks/load_time.py /tmp/e2e/sdxl-random bf16
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a diffusers SDXL folder or a single-file checkpoint")
+    ap.add_argument("unet_dtype", choices=("fp32", "bf16", "fp16"))
+    args = ap.parse_args()
+    from sdxl_lora.core.config import ModelConfig
+    from sdxl_lora.sdxl.model import load_pipeline
+
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.unet_dtype]
+    t = time.perf_counter()
+    load_pipeline(ModelConfig(path=args.model), unet_dtype=dtype)
+    seconds = time.perf_counter() - t
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+    print(f"unet {args.unet_dtype}: load {seconds:.1f} s, peak RSS {rss:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
