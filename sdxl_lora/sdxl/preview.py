@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import shutil
 import time
 import tomllib
 from pathlib import Path
@@ -350,14 +351,20 @@ def _cached_images(store: Path, n: int) -> list[Image.Image] | None:
         return None
 
 
-def _store_images(store: Path, images: list[Image.Image]) -> None:
-    """The images under `store`, each written atomically; a set cut short is incomplete, which
-    _cached_images treats as absent (the next run renders and writes it again)."""
+def _store_images(store: Path, run_files: list[Path], grid_file: Path) -> None:
+    """The images under `store`, each written atomically (copies of the run's PNGs, the grid's too); a set cut
+    short is incomplete, which _cached_images treats as absent (the next run renders and writes it again)."""
     try:
-        for i, im in enumerate(images):
-            save_png(im, store / f"{i:02d}.png")
+        for i, src in enumerate(run_files):
+            _copy(src, store / f"{i:02d}.png")
+        _copy(grid_file, store / "grid.png")
     except OSError as e:  # the cache is a convenience: a full or read-only disk loses only the reuse
         log.warning("could not store the step-0 previews in the cache (%s); the next run renders them again", e)
+
+
+def _copy(src: Path, dest: Path) -> Path:
+    """A PNG copied as it is (encoding a 1024x1024 image again costs about as much as decoding it ten times)."""
+    return atomic_save(dest, lambda tmp: shutil.copyfile(src, tmp))
 
 
 def render_previews(task, model, run, step: int) -> list[Path]:
@@ -399,7 +406,8 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     key = task.baseline_previews_key() if step == 0 else None
     store = task.cache.root / "previews" / key if key else None
     images = _cached_images(store, len(prompts)) if store is not None else None
-    if images is not None:
+    reused = images is not None
+    if reused:
         model.train(was_training)
         log.info("previews at step 0: %d images of the base from the cache (an earlier run rendered the same "
                  "base and previews: %s)", len(images), store)
@@ -422,14 +430,21 @@ def render_previews(task, model, run, step: int) -> list[Path]:
                         m.to("cpu")
             model.train(was_training)
         log.info("previews at step %d: %d images in %.1f s", step, len(images), time.perf_counter() - started)
-        if store is not None:
-            _store_images(store, images)
-    paths = [save_png(im, run.samples_dir / f"step-{step:06d}-{i:02d}.png") for i, im in enumerate(images)]
-    # Each prompt on consecutive lines the same number of times (several seeds): one row per prompt.
-    runs = {len(list(g)) for _, g in itertools.groupby(e.prompt for e in prompts)}
-    cols = runs.pop() if len(runs) == 1 else None
-    paths.append(save_png(grid(images, cols=cols, labels=[e.prompt for e in prompts]),
-                          run.samples_dir / f"step-{step:06d}-grid.png"))
+    names = [run.samples_dir / f"step-{step:06d}-{i:02d}.png" for i in range(len(images))]
+    grid_path = run.samples_dir / f"step-{step:06d}-grid.png"
+    if reused:  # the cache's files as they are
+        paths = [_copy(store / f"{i:02d}.png", dest) for i, dest in enumerate(names)]
+    else:
+        paths = [save_png(im, dest) for im, dest in zip(images, names)]
+    if reused and (store / "grid.png").is_file():
+        paths.append(_copy(store / "grid.png", grid_path))
+    else:
+        # Each prompt on consecutive lines the same number of times (several seeds): one row per prompt.
+        runs = {len(list(g)) for _, g in itertools.groupby(e.prompt for e in prompts)}
+        cols = runs.pop() if len(runs) == 1 else None
+        paths.append(save_png(grid(images, cols=cols, labels=[e.prompt for e in prompts]), grid_path))
+    if store is not None and not reused:
+        _store_images(store, paths[:-1], paths[-1])
     if cfg.preview.concept:
         from .shapes import report_concept
 
