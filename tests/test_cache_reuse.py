@@ -51,6 +51,14 @@ def test_cache_and_step0_previews_reused_when_unchanged_and_redone_for_what_chan
     assert step0["b"] == step0["a"] and len(step0["a"]) == 2  # the same images, byte for byte
     assert step0["c"] != step0["a"]
 
+    # The step-0 eval loss, likewise: the second run reports the first run's figure without measuring it; an
+    # edited image among those it is measured on (the first eight) measures it again.
+    evals = {r: [e for e in read_events(out / r / "events.jsonl") if e["event"] in ("eval", "eval_reused")
+                 and e["step"] == 0] for r in "abc"}
+    assert [e["event"] for e in evals["a"]] == ["eval"] and [e["event"] for e in evals["c"]] == ["eval"]
+    assert [e["event"] for e in evals["b"]] == ["eval_reused", "eval"]
+    assert evals["b"][0]["loss"] == evals["b"][1]["loss"] == evals["a"][0]["loss"]
+
     # Another resolution is another bucket: everything is encoded again, nothing stale is served.
     assert main([*args, "--name", "d", "--resolution", "192", "--set", "preview.prompts=''"]) == 0
     assert _computed(out, "d")[0] == n

@@ -618,7 +618,7 @@ class Trainer:
         if self.step == 0:
             # Measured by the main process alone, whose figures the run reports.
             with _eager():
-                eval_before = self.task.evaluate(unwrapped) if acc.is_main_process else math.nan
+                eval_before = self.task.evaluate_before(unwrapped) if acc.is_main_process else math.nan
                 val = self.task.validate(unwrapped) if acc.is_main_process else None
             run.event("eval", step=0, loss=eval_before)
             if val is not None:

@@ -56,6 +56,10 @@ class Task(ABC):
     def evaluate(self, model: torch.nn.Module) -> float:
         """A fixed-draw loss on training data: the same number for the same weights (before/after)."""
 
+    def evaluate_before(self, model: torch.nn.Module) -> float:
+        """evaluate() at step 0, before training; a task may reuse an earlier run's figure for the same base."""
+        return self.evaluate(model)
+
     @abstractmethod
     def validate(self, model: torch.nn.Module) -> float | None:
         """The loss on held-out data, or None when the task holds none out."""

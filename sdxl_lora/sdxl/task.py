@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 from pathlib import Path
@@ -1115,6 +1116,13 @@ class SDXLTask(Task):
             embeds, pooled = wrapper.encode(ids["input_ids"], ids["input_ids_2"])
         return {"prompt_embeds": embeds[0].float(), "pooled": pooled[0].float()}
 
+    def _eval_per_call(self) -> int:
+        """Images of one shape share a UNet call in evaluate(), up to the training batch (a call is then 4x the
+        training batch, without gradients: less than a training step holds). Where the run plans its memory
+        tightly (checkpointing, a budget) each image keeps its own call."""
+        tc = self.cfg.train
+        return 1 if (tc.gradient_checkpointing or tc.checkpoint_budget_gb or tc.vram_gb) else tc.batch_size
+
     @torch.no_grad()
     def evaluate(self, model, indices: list[int] | None = None) -> float:
         """Loss on the given images (default: up to 8 training images) at fixed timesteps and fixed
@@ -1126,11 +1134,7 @@ class SDXLTask(Task):
         timesteps = torch.tensor([n_t // 8, 3 * n_t // 8, 5 * n_t // 8, 7 * n_t // 8], device=self.device)
         k = len(timesteps)
         gen = torch.Generator("cpu").manual_seed(0)
-        tc = self.cfg.train
-        # Images of one shape share a UNet call, up to the training batch (a call is then 4x the training
-        # batch, without gradients: less than a training step holds). Where the run plans its memory tightly
-        # (checkpointing, a budget) each image keeps its own call.
-        per_call = 1 if (tc.gradient_checkpointing or tc.checkpoint_budget_gb or tc.vram_gb) else tc.batch_size
+        per_call = self._eval_per_call()
         losses: list[float] = []
 
         def run(group: list[tuple[dict, dict, torch.Tensor]]) -> None:
@@ -1228,28 +1232,61 @@ class SDXLTask(Task):
     # Bump when what the previews render changes, so earlier runs' step-0 previews are not reused.
     PREVIEW_CACHE_VERSION = 2
 
-    def baseline_previews_key(self) -> str | None:
-        """The step-0 previews' cache key: what decides those images (the base's weights as this run holds
-        them, the prompts and preview settings, the levers the UNet renders with, the software), so a later
-        run on the same base with the same previews reuses them. The step-0 model is the base itself: LoRA's,
-        LoHa's and LoKr's updates start at exactly zero; DoRA's rescaling is the identity only up to rounding,
-        so its key holds the plan too. None where previews render nothing."""
+    def _step0_identity(self) -> tuple:
+        """What decides the step-0 model's outputs: the base's weights as this run holds them, the levers the UNet
+        runs with, the software and device. The step-0 model is the base itself: LoRA's, LoHa's and LoKr's
+        updates start at exactly zero; DoRA's rescaling is the identity only up to rounding, so it holds the
+        plan too."""
         import diffusers
 
         from .. import __version__
 
         cfg = self.cfg
-        if not self.preview_prompts:
-            return None
         device = self.device.type + (f":{torch.cuda.get_device_name(self.device)}" if self.device.type == "cuda" else "")
         train = {k: getattr(cfg.train, k) for k in ("fuse_qkv", "fused_geglu", "lora_matmul", "channels_last",
                                                      "compile", "cuda_graphs", "sdpa_backend", "zero_terminal_snr")}
-        return cache_key("previews-step0", self.PREVIEW_CACHE_VERSION, __version__, torch.__version__,
-                         diffusers.__version__, device, self.accelerator.mixed_precision,
-                         [component_identity(self.model_path, c) for c in ("unet", "vae", "text_encoder", "text_encoder_2")],
-                         json.dumps(cfg.model.model_dump(mode="json", exclude={"cache_dir"}), sort_keys=True),
-                         json.dumps(cfg.preview.model_dump(mode="json"), sort_keys=True),
-                         [json.dumps(dataclasses.asdict(e), sort_keys=True) for e in self.preview_prompts],
-                         self.resolution, json.dumps(train, sort_keys=True), cfg.adapter.kind,
-                         cfg.adapter.train_text_encoder,
-                         json.dumps(self.plan.groups(), sort_keys=True, default=str) if cfg.adapter.kind == "dora" else None)
+        return (__version__, torch.__version__, diffusers.__version__, device, self.accelerator.mixed_precision,
+                [component_identity(self.model_path, c) for c in ("unet", "vae", "text_encoder", "text_encoder_2")],
+                json.dumps(cfg.model.model_dump(mode="json", exclude={"cache_dir"}), sort_keys=True),
+                self.resolution, json.dumps(train, sort_keys=True), cfg.adapter.kind, cfg.adapter.train_text_encoder,
+                json.dumps(self.plan.groups(), sort_keys=True, default=str) if cfg.adapter.kind == "dora" else None)
+
+    def baseline_previews_key(self) -> str | None:
+        """The step-0 previews' cache key: the step-0 model (_step0_identity), the prompts and preview settings,
+        so a later run on the same base with the same previews reuses them. None where previews render
+        nothing."""
+        if not self.preview_prompts:
+            return None
+        return cache_key("previews-step0", self.PREVIEW_CACHE_VERSION, *self._step0_identity(),
+                         json.dumps(self.cfg.preview.model_dump(mode="json"), sort_keys=True),
+                         [json.dumps(dataclasses.asdict(e), sort_keys=True) for e in self.preview_prompts])
+
+    # Bump when what evaluate() computes changes, so earlier runs' step-0 figures are not reused.
+    EVAL_CACHE_VERSION = 1
+
+    def baseline_eval_key(self) -> str | None:
+        """The step-0 eval loss's cache key: the step-0 model (_step0_identity), the images and captions it is
+        measured on (their latent and text cache entries), the noise schedule, and how many images share a call.
+        None with text-encoder LoRA (the captions are encoded by the encoders being trained)."""
+        if self.cfg.adapter.train_text_encoder:
+            return None
+        indices = range(min(8, len(self.dataset.items)))
+        return cache_key("eval-step0", self.EVAL_CACHE_VERSION, *self._step0_identity(),
+                         json.dumps(dict(self.noise_scheduler.config), sort_keys=True, default=str),
+                         self._eval_per_call(), [self.latent_keys[i][False] for i in indices],
+                         [self.text_keys[i] for i in indices])
+
+    def evaluate_before(self, model) -> float:
+        """The step-0 eval loss, from the cache where an earlier run measured the same base on the same images."""
+        key = self.baseline_eval_key()
+        hit = self.cache.get(key) if key is not None else None
+        if hit is not None and "loss" in hit:
+            loss = float(hit["loss"].item())
+            log.info("eval loss at step 0: %.4f from the cache (an earlier run measured the same base on the same "
+                     "images)", loss)
+            self._run.event("eval_reused", step=0, loss=loss)
+            return loss
+        loss = self.evaluate(model)
+        if key is not None and math.isfinite(loss):
+            self.cache.put(key, {"loss": torch.tensor([loss], dtype=torch.float64)})
+        return loss
