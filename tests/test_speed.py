@@ -291,6 +291,34 @@ def test_measuring_the_units_leaves_no_activation_alive(tiny_dir):
     assert sum(u.saved for u in units) > 0
 
 
+def test_the_profiles_memory_peak_is_told_by_the_code_that_allocated_it():
+    # --profile on a GPU records every allocation of the profiled steps (torch's memory history) and names what
+    # was live at their peak by the innermost frame outside torch: here the attention's scores, freed before
+    # the MLP's larger but later buffer, and never counted twice for a reused address.
+    from sdxl_lora.core.profile import peak_sites
+
+    torch_frame = {"filename": "/usr/lib/python3/site-packages/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"}
+    attn = [{"filename": "/usr/lib/python3/site-packages/diffusers/models/attention.py", "line": 10, "name": "forward"}, torch_frame]
+    mlp = [torch_frame, {"filename": "/work/sdxl_lora/sdxl/kernels.py", "line": 20, "name": "geglu"}]
+    mib = 2**20
+    trace = [{"action": "alloc", "addr": 1, "size": 100 * mib, "frames": attn},
+             {"action": "alloc", "addr": 2, "size": 50 * mib, "frames": mlp},
+             {"action": "free_requested", "addr": 1, "size": 100 * mib},
+             {"action": "free_completed", "addr": 1, "size": 100 * mib},
+             {"action": "alloc", "addr": 1, "size": 80 * mib, "frames": mlp},  # the address again: a new block
+             {"action": "alloc", "addr": 3, "size": 10 * mib, "frames": [torch_frame]},
+             {"action": "free_completed", "addr": 2, "size": 50 * mib},
+             {"action": "free_completed", "addr": 1, "size": 80 * mib}]
+    peak, sites = peak_sites(trace)
+    assert peak == 150 * mib  # the first two blocks together; 50 + 80 + 10 = 140 later
+    assert sites == [("diffusers/models/attention.py:10 forward", 100 * mib), ("sdxl_lora/sdxl/kernels.py:20 geglu", 50 * mib)]
+    trace[4]["size"] = 95 * mib  # now the later moment is the peak: 50 + 95 + 10
+    peak, sites = peak_sites(trace)
+    assert peak == 155 * mib
+    assert sites == [("sdxl_lora/sdxl/kernels.py:20 geglu", 145 * mib), ("(torch's own code, or no Python stack)", 10 * mib)]
+    assert peak_sites([]) == (0, [])
+
+
 def test_budgeted_run_and_profile_land_in_the_run_folder(tmp_path):
     from sdxl_lora.cli import main
 

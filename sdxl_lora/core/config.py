@@ -436,7 +436,7 @@ class TrainConfig(Section):
         "all-reduce after it; 'auto' is allreduce with cuda_graphs, else ddp."))
     profile_steps: int = Field(0, ge=0, description=(
         "Record this many steps with torch's profiler into <run>/profile (opens in Perfetto) and log where the "
-        "step time goes; 0 is off."))
+        "step time goes, and on a GPU what holds the memory at their peak; 0 is off."))
     seed: int = Field(42, ge=0, le=2**32 - 1, description="Random seed of the data order, the noise and the adapter's initial weights.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
         "Where to train; 'auto' uses a CUDA GPU if there is one."))

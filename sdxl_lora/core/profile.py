@@ -36,6 +36,10 @@ class StepProfiler:
         if self.device is not None and self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
+        if self.device is not None and self.device.type == "cuda":
+            # Every allocation of the profiled steps with its Python stack: where their memory peak is held.
+            self.held_before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES, stacks="python")
         self.prof.__enter__()
         self.start = step
 
@@ -51,9 +55,29 @@ class StepProfiler:
         trace = self.out_dir / "trace.json"
         self.prof.export_chrome_trace(str(trace))
         self.summary = self._summary()
+        if self.device is not None and self.device.type == "cuda":
+            self.summary += "\n" + self._memory(self.out_dir / "memory.pickle")
         log.info("profile of %d steps written to %s\n%s", self.steps, trace, self.summary)
         self.prof, self.done = None, True
         return trace
+
+    def _memory(self, path: Path) -> str:
+        """The allocation history written to `path` (open it at pytorch.org/memory_viz) and, as text, what was
+        live at the profiled steps' peak by where it was allocated."""
+        import pickle
+
+        from .fsutil import atomic_write_bytes
+
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        atomic_write_bytes(path, pickle.dumps(snapshot))
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        traces = snapshot.get("device_traces") or []
+        peak, sites = peak_sites(traces[index] if index < len(traces) else [])
+        lines = [f"GPU memory: {self.held_before / GIB:.2f} GiB held before the profiled steps (weights, state, "
+                 f"caches), {peak / GIB:.2f} GiB more at their peak, allocated at ({path.name}, pytorch.org/memory_viz):"]
+        lines.extend(f"  {size / GIB:9.3f} GiB  {site}" for site, size in sites[:MEMORY_SITES])
+        return "\n".join(lines)
 
     def _summary(self) -> str:
         events = self.prof.key_averages()
@@ -78,6 +102,59 @@ class StepProfiler:
         for e in ops:
             lines.append(f"  {total_us(e) / 1000 / self.steps:9.2f} ms  {e.count // self.steps:5d}x  {e.key[:70]}")
         return "\n".join(lines)
+
+
+GIB = 2**30
+# torch's allocation history keeps this many events (a few profiled SDXL steps make tens of thousands).
+MEMORY_HISTORY_ENTRIES = 500_000
+MEMORY_SITES = 12
+
+
+def peak_sites(trace: list[dict]) -> tuple[int, list[tuple[str, int]]]:
+    """From one device's allocation history (torch.cuda.memory._snapshot()'s device trace: alloc and
+    free_completed events with addr, size and frames): the most bytes live at once among the blocks it saw
+    allocated, and those bytes at that moment by allocation site (largest first). A site is the innermost
+    frame outside torch's own files: the model or trainer code that asked for the memory."""
+    live: dict[int, int] = {}
+    total = best = best_at = 0
+    for i, e in enumerate(trace):
+        if e.get("action") == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+            if total > best:
+                best, best_at = total, i
+        elif e.get("action") == "free_completed" and e.get("addr") in live:
+            total -= live.pop(e["addr"])
+    held: dict[int, dict] = {}
+    for e in trace[:best_at + 1]:
+        if e.get("action") == "alloc":
+            held[e["addr"]] = e
+        elif e.get("action") == "free_completed":
+            held.pop(e.get("addr"), None)
+    sites: dict[str, int] = {}
+    for e in held.values():
+        site = _site(e.get("frames") or [])
+        sites[site] = sites.get(site, 0) + e["size"]
+    return best, sorted(sites.items(), key=lambda kv: -kv[1])
+
+
+def _site(frames: list[dict]) -> str:
+    for f in frames:  # innermost first
+        name = f.get("filename", "")
+        if name and "/torch/" not in name and not name.startswith("??") and "<" not in name:
+            return f"{_short(name)}:{f.get('line')} {f.get('name')}"
+    return "(torch's own code, or no Python stack)"
+
+
+def _short(path: str) -> str:
+    """The path from the package folder on (site-packages/diffusers/... -> diffusers/...)."""
+    parts = Path(path).parts
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            return "/".join(parts[parts.index(anchor) + 1:])
+    if "sdxl_lora" in parts:
+        return "/".join(parts[parts.index("sdxl_lora"):])
+    return Path(path).name
 
 
 # Kernel names (cuBLAS, cuDNN, flash/cuDNN attention, inductor's Triton) to what they do; first match wins:
