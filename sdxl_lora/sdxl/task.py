@@ -1272,7 +1272,9 @@ class SDXLTask(Task):
             return None
         indices = range(min(8, len(self.dataset.items)))
         return cache_key("eval-step0", self.EVAL_CACHE_VERSION, *self._step0_identity(),
-                         json.dumps(dict(self.noise_scheduler.config), sort_keys=True, default=str),
+                         # Not diffusers' own "_..." entries: _use_default_values is a set's order, another each process.
+                         json.dumps({k: v for k, v in self.noise_scheduler.config.items() if not k.startswith("_")},
+                                    sort_keys=True, default=str),
                          self._eval_per_call(), [self.latent_keys[i][False] for i in indices],
                          [self.text_keys[i] for i in indices])
 
