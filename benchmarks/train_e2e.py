@@ -181,6 +181,12 @@ def phases(events: list[dict], launch: float) -> dict[str, tuple[float, float]]:
     steps = [e for e in events if e["event"] == "step"]
     first_step = steps[0]["time"] if steps else start
     spans = {"load+cache": (launch, t.get("plan", start))}
+    # Its parts: imports and reading the model (to the dataset's report), the latent and text caches (to the
+    # memory estimate), the UNet to the device with its adapter and levers (to the plan).
+    if "dataset" in t and "memory_estimate" in t and "plan" in t:
+        spans["  load"] = (launch, t["dataset"])
+        spans["  cache"] = (t["dataset"], t["memory_estimate"])
+        spans["  to device, adapter, levers"] = (t["memory_estimate"], t["plan"])
     if "samples@0" in t:
         spans["previews before"] = (t.get("plan", launch), t["samples@0"])
     spans["eval before"] = (t.get("samples@0", t.get("plan", launch)), start)
