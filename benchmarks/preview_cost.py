@@ -6,6 +6,12 @@ move the text encoders and the VAE to the GPU and back, which each preview set d
 
     python3 benchmarks/train_e2e.py --work /tmp/e2e --settings defaults --steps 1   # builds the folder once
     python3 benchmarks/preview_cost.py --model /tmp/e2e/sdxl-random
+    python3 benchmarks/preview_cost.py --model /tmp/e2e/sdxl-random --levers
+
+--levers then times the set (search off, as the trainer renders) as a training run's UNet renders it: with the
+default adapter plan injected and the default levers (fused q/k/v, merged LoRA products), then with its weights
+channels_last as well (a compiled run's eager previews). --device cpu with the tiny model is this script's smoke
+test.
 """
 from __future__ import annotations
 
@@ -21,38 +27,64 @@ BUCKETS = ((1024, 1024), (1152, 896), (896, 1152))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
+    ap.add_argument("--levers", action="store_true", help="also time the set with the trainer's adapter and levers")
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     from sdxl_lora.core.config import load_config
     from sdxl_lora.sdxl.model import load_pipeline
     from sdxl_lora.sdxl.preview import PreviewPrompt, preview_scheduler, render
 
+    cuda = args.device == "cuda"
     cfg = load_config(extra={"model.path": args.model})
     pipe = load_pipeline(cfg.model)
-    pipe.unet.to("cuda", dtype=torch.bfloat16)  # as the trainer holds it
+    pipe.unet.to(args.device, dtype=torch.bfloat16 if cuda else torch.float32)  # as the trainer holds it
     pipe.scheduler = preview_scheduler(pipe.scheduler.config, zero_terminal_snr=False)
     pipe.set_progress_bar_config(disable=True)
     aux = (pipe.vae, pipe.text_encoder, pipe.text_encoder_2)
-    sync = torch.cuda.synchronize
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     t = time.perf_counter()
     for m in aux:
-        m.to("cuda")
+        m.to(args.device)
     sync()
     to_gpu = time.perf_counter() - t
     prompts = [PreviewPrompt(f"a sks dog, picture {i}", width=w, height=h) for i, (w, h) in enumerate(BUCKETS)]
+    if not cuda:  # the smoke test: the tiny model at small sizes
+        prompts = [PreviewPrompt(p.prompt, width=p.width // 8, height=p.height // 8, steps=2) for p in prompts]
     pc = cfg.preview
-    for name, bench in (("benchmark off", False), ("benchmark on, first", True), ("benchmark on, again", True)):
+
+    def time_set(name: str, bench: bool) -> None:
         torch.backends.cudnn.benchmark = bench
         times = []
         for p in prompts:
             sync()
             t = time.perf_counter()
             render(pipe, [p], seed=pc.seed, steps=pc.steps, guidance=pc.guidance, width=1024, height=1024,
-                   autocast_dtype=torch.bfloat16)
+                   autocast_dtype=torch.bfloat16 if cuda else None)
             sync()
             times.append(round(time.perf_counter() - t, 2))
         print(json.dumps({"mode": name, "seconds_per_image": times, "set_s": round(sum(times), 2),
-                          "steps": pc.steps, "guidance": pc.guidance,
-                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}), flush=True)
+                          "steps": prompts[0].steps or pc.steps, "guidance": pc.guidance,
+                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}),
+              flush=True)
+
+    for name, bench in (("benchmark off", False), ("benchmark on, first", True), ("benchmark on, again", True)):
+        time_set(name, bench)
+    if args.levers:
+        from sdxl_lora.core import inject
+        from sdxl_lora.core.speed import evaluation_mode, to_channels_last
+        from sdxl_lora.sdxl import speed as unet_speed
+        from sdxl_lora.sdxl.slots import make_plan
+
+        unet = pipe.unet
+        native = int(unet.config.sample_size) * 8
+        inject.apply_plan(unet, make_plan(unet, cfg.adapter, resolution=native, native=native), dropout=0.0)
+        unet_speed.fuse_projections(unet, lora_matmul=cfg.train.lora_matmul)
+        if cuda and cfg.train.lora_matmul == "merged":  # as the trainer: on CUDA only
+            unet_speed.merge_lora_linears(unet), unet_speed.merge_lora_convs(unet)
+        evaluation_mode(unet)
+        time_set("adapter (the default plan, fused q/k/v, merged products), benchmark off", False)
+        to_channels_last(unet)
+        time_set("the same with channels_last weights, benchmark off", False)
     t = time.perf_counter()
     for m in aux:
         m.to("cpu")
