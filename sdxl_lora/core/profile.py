@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .memory import GiB
+
 log = logging.getLogger(__name__)
 
 class StepProfiler:
@@ -74,9 +76,9 @@ class StepProfiler:
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         traces = snapshot.get("device_traces") or []
         peak, sites = peak_sites(traces[index] if index < len(traces) else [])
-        lines = [f"GPU memory: {self.held_before / GIB:.2f} GiB held before the profiled steps (weights, state, "
-                 f"caches), {peak / GIB:.2f} GiB more at their peak, allocated at ({path.name}, pytorch.org/memory_viz):"]
-        lines.extend(f"  {size / GIB:9.3f} GiB  {site}" for site, size in sites[:MEMORY_SITES])
+        lines = [f"GPU memory: {self.held_before / GiB:.2f} GiB held before the profiled steps (weights, state, "
+                 f"caches), {peak / GiB:.2f} GiB more at their peak, allocated at ({path.name}, pytorch.org/memory_viz):"]
+        lines.extend(f"  {size / GiB:9.3f} GiB  {site}" for site, size in sites[:MEMORY_SITES])
         return "\n".join(lines)
 
     def _summary(self) -> str:
@@ -104,7 +106,6 @@ class StepProfiler:
         return "\n".join(lines)
 
 
-GIB = 2**30
 # torch's allocation history keeps this many events (a few profiled SDXL steps make tens of thousands).
 MEMORY_HISTORY_ENTRIES = 500_000
 MEMORY_SITES = 12

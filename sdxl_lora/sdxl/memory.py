@@ -210,8 +210,8 @@ def activation_bytes(config, resolution: int, batch_size: int, checkpointing: bo
 # ff.net.2: the layer's input and GEGLU's 4x-wide output) and each adapted proj_in/proj_out, that Linear's input
 # for its adapter's gradient: tensors the frozen layers alone do not keep. The fitted model above adapts the
 # attention only. Counted from the layer shapes per transformer layer / Transformer2DModel, in elements of
-# their feature map: 16.9 GiB at batch 16 and 1024 on SDXL base, where the `full` preset's uncompiled step kept
-# 17.5 GiB more than `topology`'s (benchmarks/RESULTS.md, the adapter kinds at batch 16).
+# their feature map; checked against the `full` and `topology` presets' uncompiled steps on SDXL base
+# (benchmarks/RESULTS.md, the adapter kinds at batch 16).
 K_FF_INPUTS, K_PROJ_INPUTS = 5.0, 2.0
 PRESETS_ADAPTING_FF = ("full", "locon")
 

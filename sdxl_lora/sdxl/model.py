@@ -64,7 +64,7 @@ def single_file_configs(path: Path, cfg: ModelConfig) -> Path | None:
 def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, unet_dtype: torch.dtype | None = None):
     """The SDXL pipeline of model.path, every component in torch_dtype except the UNet where unet_dtype is
     given: training loads its frozen UNet straight in the compute dtype (half the host memory of fp32, and no
-    fp32 copy of 2.6B weights made only to be cast again)."""
+    fp32 copy of every weight made only to be cast again)."""
     from diffusers import StableDiffusionXLPipeline
 
     # Belt and braces: nothing in this process may reach a hub.
