@@ -994,7 +994,12 @@ def test_background_compilation_runs_where_it_can_and_warns_where_it_may_not_fit
 
     from sdxl_lora.sdxl import task as sdxl_task
 
+    import json
+
+    from sdxl_lora.sdxl.single_file import SDXL_BASE_CONFIG_DIR
+
     gib = 2**30
+    unet_config = json.loads((SDXL_BASE_CONFIG_DIR / "unet" / "config.json").read_text())
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
 
     def decide(*overrides, training_gib=40.0, device="cuda", dropout=0.0, auto=False):
@@ -1003,9 +1008,10 @@ def test_background_compilation_runs_where_it_can_and_warns_where_it_may_not_fit
         t = sdxl_task.SDXLTask(cfg)
         if auto:  # as train.speed="auto" chose it: not one of the user's settings
             t.cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"background_compile": True})})
-        t.accelerator = SimpleNamespace(num_processes=1)
-        t.device = torch.device(device)
+        t.accelerator = SimpleNamespace(num_processes=1, mixed_precision="bf16")
+        t.device, t.resolution = torch.device(device), 1024
         t.pipe = SimpleNamespace(unet=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(dropout)))
+        t.pipe.unet.config = unet_config
         t.run_memory = SimpleNamespace(phases={"training": int(training_gib * gib)})
         return t._background_compile()
 
@@ -1034,11 +1040,6 @@ def test_background_compilation_runs_where_it_can_and_warns_where_it_may_not_fit
     # The uncompiled steps also keep the inputs of feed-forward adapters, which the training estimate (a compiled
     # step's) does not hold: on SDXL base at batch 16 the `full` preset's run peaked at 133.5 of the H200's
     # 139.8 GiB where the check counted 128.0 GiB. With its layers' shapes counted it stays off; `topology` on.
-    import json
-
-    from sdxl_lora.sdxl.single_file import SDXL_BASE_CONFIG_DIR
-
-    unet_config = json.loads((SDXL_BASE_CONFIG_DIR / "unet" / "config.json").read_text())
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=int(139.8 * gib)))
 
     def on_sdxl(preset):

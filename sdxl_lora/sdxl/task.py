@@ -645,13 +645,9 @@ class SDXLTask(Task):
 
     def _uncompiled_adapter_inputs(self) -> int:
         """What the uncompiled steps keep for the feed-forward and projection adapters beyond the training
-        estimate (sdxl/memory.py: uncompiled_adapter_inputs); 0 for a UNet without a diffusers config."""
-        config = getattr(self.pipe.unet, "config", None)
-        if config is None:
-            return 0
-        dtype = _DTYPES.get(getattr(self.accelerator, "mixed_precision", "bf16"), torch.bfloat16)
-        return sdxl_memory.uncompiled_adapter_inputs(config, self.resolution, self.cfg.train.batch_size,
-                                                     self.cfg.adapter.preset, dtype)
+        estimate (sdxl/memory.py: uncompiled_adapter_inputs)."""
+        return sdxl_memory.uncompiled_adapter_inputs(self.pipe.unet.config, self.resolution, self.cfg.train.batch_size,
+                                                     self.cfg.adapter.preset, _DTYPES[self.accelerator.mixed_precision])
 
     def start(self, model, autocast) -> None:
         """train.background_compile: the compiling thread runs the model's forward once per (bucket, batch size)
