@@ -337,9 +337,10 @@ def vae_tiles(vae, on: bool):
 
 
 def _cached_images(store: Path, n: int) -> list[Image.Image] | None:
-    """The n images an earlier run stored under `store`, or None when any is missing or unreadable."""
+    """The n images an earlier run stored under `store`, or None when any of them or their grid is missing, or
+    one is unreadable."""
     paths = [store / f"{i:02d}.png" for i in range(n)]
-    if not all(p.is_file() for p in paths):
+    if not all(p.is_file() for p in (*paths, store / "grid.png")):
         return None
     try:
         images = []
@@ -363,7 +364,7 @@ def _store_images(store: Path, run_files: list[Path], grid_file: Path) -> None:
 
 
 def _copy(src: Path, dest: Path) -> Path:
-    """A PNG copied as it is (encoding a 1024x1024 image again costs about as much as decoding it ten times)."""
+    """A PNG copied as it is: encoding a full-size image again costs far more than copying its file."""
     return atomic_save(dest, lambda tmp: shutil.copyfile(src, tmp))
 
 
@@ -434,17 +435,15 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     grid_path = run.samples_dir / f"step-{step:06d}-grid.png"
     if reused:  # the cache's files as they are
         paths = [_copy(store / f"{i:02d}.png", dest) for i, dest in enumerate(names)]
-    else:
-        paths = [save_png(im, dest) for im, dest in zip(images, names)]
-    if reused and (store / "grid.png").is_file():
         paths.append(_copy(store / "grid.png", grid_path))
     else:
+        paths = [save_png(im, dest) for im, dest in zip(images, names)]
         # Each prompt on consecutive lines the same number of times (several seeds): one row per prompt.
         runs = {len(list(g)) for _, g in itertools.groupby(e.prompt for e in prompts)}
         cols = runs.pop() if len(runs) == 1 else None
         paths.append(save_png(grid(images, cols=cols, labels=[e.prompt for e in prompts]), grid_path))
-    if store is not None and not reused:
-        _store_images(store, paths[:-1], paths[-1])
+        if store is not None:
+            _store_images(store, paths[:-1], paths[-1])
     if cfg.preview.concept:
         from .shapes import report_concept
 
