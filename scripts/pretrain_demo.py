@@ -3,6 +3,7 @@
     python scripts/pretrain_demo.py --out OUT            # one GPU: a few minutes (the figures below)
     python scripts/pretrain_demo.py --smoke --out /tmp/x # CPU: a few steps at tiny sizes, end to end
     python scripts/pretrain_demo.py --set unet.steps=6000 --set demo.latent_bank=32768 ...
+    python scripts/pretrain_demo.py --vae sdxl_lora/assets/tiny-sdxl-demo --out OUT   # UNet stage only
 
 Writes OUT/tiny-sdxl-demo (a diffusers SDXL folder, fp16 safetensors), OUT/renders.png (one row per
 shape), OUT/report.json (losses, evaluations, concept scores, timings) and OUT/runs/{vae,unet} (the
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="output folder (created; its files are replaced)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. unet.steps=2000")
     ap.add_argument("--smoke", action="store_true", help="a few CPU steps at tiny sizes (checks the wiring)")
+    ap.add_argument("--vae", type=Path, metavar="FOLDER",
+                    help="take the VAE (and its latent scale) from this pipeline folder and skip stage 1, "
+                         "e.g. the shipped base's, to retrain only the UNet and text encoders")
     ap.add_argument("--per-shape", type=int, default=None, help="renders per shape for the scores [8; smoke 1]")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -104,10 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     pipe = pretrain.build_pipeline(out / "_build", pc.demo.model_seed, pc.demo.top_attention)
     report: dict = {"config": pc.model_dump(mode="json")}
 
-    report["vae"], device = stage("vae", pretrain.VAEStage, pc, pipe, out)
-    scale = pretrain.measure_latent_scale(pipe.vae, pc.demo.data_seed, pc.demo.resolution, device,
-                                          n=64 if args.smoke else 1024)
-    pipe.vae.register_to_config(scaling_factor=scale)
+    if args.vae:
+        from diffusers import AutoencoderKL
+
+        pipe.vae = AutoencoderKL.from_pretrained(args.vae / "vae", torch_dtype=torch.float32)
+        scale = pipe.vae.config.scaling_factor
+        report["vae"] = {"from": str(args.vae)}
+        print(f"[vae] from {args.vae}: stage 1 skipped", flush=True)
+    else:
+        report["vae"], device = stage("vae", pretrain.VAEStage, pc, pipe, out)
+        scale = pretrain.measure_latent_scale(pipe.vae, pc.demo.data_seed, pc.demo.resolution, device,
+                                              n=64 if args.smoke else 1024)
+        pipe.vae.register_to_config(scaling_factor=scale)
     report["latent_scaling_factor"] = scale
     print(f"[vae] latent scaling_factor = {scale:.4f}", flush=True)
     report["unet"], device = stage("unet", pretrain.UNetStage, pc, pipe, out)

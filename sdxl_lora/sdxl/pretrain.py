@@ -421,7 +421,10 @@ def render_and_score(pipe, *, per_shape: int, size: int, steps: int, guidance: f
         imgs = render(p, [sp.caption for sp in specs], seed=seed, steps=steps, guidance=guidance, width=size,
                       height=size, autocast_dtype=dtype)
         colour = [shapes.concept_scores([im], sp.colour)[0] for im, sp in zip(imgs, specs)]
-        scores[s] = {"shape": shapes.concept_score(imgs, s), "colour": sum(colour) / len(colour)}
+        own = shapes.concept_scores(imgs, s)
+        by_bg = {bg: [p for p, sp in zip(own, specs) if sp.background == bg] for bg in backgrounds}
+        scores[s] = {"shape": sum(own) / len(own), "colour": sum(colour) / len(colour),
+                     "by_background": {bg: sum(v) / len(v) for bg, v in by_bg.items() if v}}
         images.append(imgs)
     return scores, images
 
@@ -432,4 +435,6 @@ def chance() -> float:
 
 
 def fmt_scores(scores: dict) -> str:
-    return "\n".join(f"  {s:<9} P(shape) {v['shape']:.2f}   P(colour) {v['colour']:.2f}" for s, v in scores.items())
+    return "\n".join(f"  {s:<9} P(shape) {v['shape']:.2f}   P(colour) {v['colour']:.2f}   P(shape) by background: "
+                     + ", ".join(f"{bg} {p:.2f}" for bg, p in v.get("by_background", {}).items())
+                     for s, v in scores.items())
