@@ -34,8 +34,8 @@ def test_cache_and_step0_previews_reused_when_unchanged_and_redone_for_what_chan
             "--set", "preview.after=false", "--set", "train.save_every=0", "--set", "preview.concept=''"]
     # Runs a and b in processes whose hash seeds order sets differently (PYTHONHASHSEED 1 and 2 list diffusers'
     # _use_default_values in other orders): no cache key may depend on that.
-    def run_in_process_with_hash_seed(name, seed):
-        done = subprocess.run([sys.executable, "-m", "sdxl_lora.cli", *args, "--name", name],
+    def run_in_process_with_hash_seed(name, seed, *extra):
+        done = subprocess.run([sys.executable, "-m", "sdxl_lora.cli", *args, *extra, "--name", name],
                               env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
 
@@ -44,7 +44,8 @@ def test_cache_and_step0_previews_reused_when_unchanged_and_redone_for_what_chan
     assert _computed(out, "a") == (n, n)
 
     before = _digest(data)
-    run_in_process_with_hash_seed("b", "2")
+    # When to preview is not what a preview draws: run b previews every 7 steps too and still reuses a's set.
+    run_in_process_with_hash_seed("b", "2", "--set", "preview.every=7")
     assert _computed(out, "b") == (0, n)
     assert _digest(data) == before  # training never touches the sources
 

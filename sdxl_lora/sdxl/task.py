@@ -1247,14 +1247,19 @@ class SDXLTask(Task):
                 self.resolution, json.dumps(train, sort_keys=True), cfg.adapter.kind, cfg.adapter.train_text_encoder,
                 json.dumps(self.plan.groups(), sort_keys=True, default=str) if cfg.adapter.kind == "dora" else None)
 
+    # The preview settings that change what a step-0 image looks like; the prompts' own text and options are in
+    # the key apart. When to preview (every, before, after) and the concept score do not change the images.
+    PREVIEW_RENDER_FIELDS = {"steps", "vae_tiling", "guidance", "guidance_rescale", "seed"}
+
     def baseline_previews_key(self) -> str | None:
-        """The step-0 previews' cache key: the step-0 model (_step0_identity), the prompts and preview settings,
-        so a later run on the same base with the same previews reuses them. None where previews render
-        nothing."""
+        """The step-0 previews' cache key: the step-0 model (_step0_identity), the prompts and the settings they
+        render with, so a later run on the same base with the same previews reuses them. None where previews
+        render nothing."""
         if not self.preview_prompts:
             return None
         return cache_key("previews-step0", self.PREVIEW_CACHE_VERSION, *self._step0_identity(),
-                         json.dumps(self.cfg.preview.model_dump(mode="json"), sort_keys=True),
+                         json.dumps(self.cfg.preview.model_dump(mode="json", include=self.PREVIEW_RENDER_FIELDS),
+                                    sort_keys=True),
                          [json.dumps(dataclasses.asdict(e), sort_keys=True) for e in self.preview_prompts])
 
     # Bump when what evaluate() computes changes, so earlier runs' step-0 figures are not reused.
