@@ -160,6 +160,39 @@ def test_each_kind_gives_the_loaders_the_weights_training_used(tiny_dir, tmp_pat
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_previews_run_each_kind_merged_and_training_resumes_on_the_same_weights(tiny_dir, kind):
+    """Previews (sdxl/preview.py) render with the adapter merged into copies of the weights it adapts
+    (inject.merged_for_inference), one product a layer as the tools users render with: the UNet gives the
+    adapter's output, and afterwards every weight the training step reads is the tensor it was, value for
+    value, the fused q/k/v weights still views of their one buffer."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from sdxl_lora.sdxl import speed as unet_speed
+
+    unet, _ = _trained(tiny_dir, kind)
+    assert unet_speed.fuse_projections(unet) > 0  # train.fuse_qkv, on by default
+    tuners = [m for m in unet.modules() if isinstance(m, BaseTunerLayer)]
+    x = _inputs(unet)
+    with torch.no_grad():
+        want = unet(**x).sample
+    state = {n: (t, t.detach().clone()) for n, t in [*unet.named_parameters(), *unet.named_buffers()]}
+    with inject.merged_for_inference(unet) as merged, torch.no_grad():
+        assert merged == len(tuners) and all(m.merged for m in tuners)  # peft's forward skips the adapter
+        got = unet(**x).sample
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not any(m.merged for m in tuners)
+    for name, (tensor, value) in state.items():
+        now = dict([*unet.named_parameters(), *unet.named_buffers()])[name]
+        assert now.data_ptr() == tensor.data_ptr() and torch.equal(now, value), name
+    attn = next(m for m in unet.modules() if hasattr(m, "fused_qkv"))
+    fused = attn.fused_qkv.weight
+    assert all(layer.get_base_layer().weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+               for layer in (attn.to_q, attn.to_k, attn.to_v))
+    with torch.no_grad():
+        assert torch.equal(unet(**x).sample, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_each_kind_imports_inspects_and_merges_back(tiny_dir, tmp_path, kind, capsys):
     """The file read back (import) gives the trained UNet's output on a fresh UNet; `inspect` names the kind;
     `merge` at strength 1 bakes the same output into a checkpoint, at 0 leaves the base as it was."""

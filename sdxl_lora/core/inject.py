@@ -14,6 +14,7 @@ ranks are redistributed by each slot's measured sensitivity (calibrate, budget_p
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import math
@@ -412,3 +413,44 @@ def remove_adapter(model: nn.Module, adapter_name: str) -> None:
         configs.pop(adapter_name, None)
         if not configs:
             del model.peft_config
+
+
+@contextlib.contextmanager
+def merged_for_inference(model: nn.Module):
+    """The adapters folded into copies of their frozen base weights for the duration of a no-grad use (previews):
+    each adapted layer then runs one product, as ComfyUI and AUTOMATIC1111 run a LoRA, instead of the base's and
+    the adapter's with a Python call per layer, which costs about as much as the base's whole forward at full
+    size (benchmarks/RESULTS.md). peft merges (each kind its own way, DoRA's rescaling included) into a copy; the
+    layer's own weight tensor is put back afterwards untouched, so training resumes on exactly the weights it
+    had. Layers over quantized weights keep their adapter path (a 4-bit merge is lossy). Where the copies do not
+    fit in the device's free memory nothing is merged. Yields how many layers are merged."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = []
+    for layer in model.modules():
+        if not isinstance(layer, BaseTunerLayer) or layer.merged or layer.disable_adapters or not layer.active_adapters:
+            continue
+        base = layer.get_base_layer()
+        if type(base) in (nn.Linear, nn.Conv2d) and base.weight.is_floating_point():
+            layers.append((layer, base))
+    need = sum(base.weight.numel() * base.weight.element_size() for _, base in layers)
+    device = layers[0][1].weight.device if layers else None
+    if device is not None and device.type == "cuda" and need > torch.cuda.mem_get_info(device)[0] * 0.8:
+        layers = []
+    swapped = []
+    try:
+        with torch.no_grad():
+            for layer, base in layers:
+                kept = {name: getattr(base, name).data for name in ("weight", "bias") if getattr(base, name) is not None}
+                for name, tensor in kept.items():
+                    getattr(base, name).data = tensor.clone()
+                swapped.append((layer, base, kept))
+                layer.merge()
+        yield len(swapped)
+    finally:
+        with torch.no_grad():
+            for layer, base, kept in reversed(swapped):
+                if layer.merged:
+                    layer.unmerge()  # peft's bookkeeping (merged_adapters, DoRA's cached norms), on the copy
+                for name, tensor in kept.items():
+                    getattr(base, name).data = tensor

@@ -23,6 +23,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from ..core.fsutil import atomic_save
+from ..core.inject import merged_for_inference
 from ..core.speed import evaluation_mode
 from .data import live_text
 
@@ -420,7 +421,8 @@ def render_previews(task, model, run, step: int) -> list[Path]:
             # cuDNN's algorithm search (train.* sets torch.backends.cudnn.benchmark for the training shapes)
             # would time every convolution of the pipeline at each preview size, the VAE decoder's included,
             # for a few images: its heuristic choice is cheaper (benchmarks/preview_cost.py).
-            with _cudnn_search(False), vae_tiles(p.vae, tiled_previews(cfg)):
+            # The adapter merged into copies of the weights it adapts for the set, as the tools users render with apply it.
+            with _cudnn_search(False), vae_tiles(p.vae, tiled_previews(cfg)), merged_for_inference(model):
                 images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps,
                                 guidance=cfg.preview.guidance, width=task.resolution, height=task.resolution,
                                 autocast_dtype=dtype, guidance_rescale=rescale, texts=texts)
