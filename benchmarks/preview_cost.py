@@ -9,8 +9,9 @@ move the text encoders and the VAE to the GPU and back, which each preview set d
     python3 benchmarks/preview_cost.py --model /tmp/e2e/sdxl-random --levers
 
 --levers then times the set (search off, as the trainer renders) as a training run's UNet renders it: with the
-default adapter plan injected and the default levers (fused q/k/v, merged LoRA products), then with its weights
-channels_last as well (a compiled run's eager previews). --device cpu with the tiny model is this script's smoke
+default adapter plan injected and the default levers (fused q/k/v, merged LoRA products), with the adapter
+merged into copies of the weights for the set (inject.merged_for_inference: how the trainer's previews render),
+then with its weights channels_last as well (a compiled run's eager previews). --device cpu with the tiny model is this script's smoke
 test.
 """
 from __future__ import annotations
@@ -83,6 +84,16 @@ def main() -> None:
             unet_speed.merge_lora_linears(unet), unet_speed.merge_lora_convs(unet)
         evaluation_mode(unet)
         time_set("adapter (the default plan, fused q/k/v, merged products), benchmark off", False)
+        sync()
+        t = time.perf_counter()
+        with inject.merged_for_inference(unet) as merged:
+            sync()
+            merge_s = time.perf_counter() - t
+            time_set(f"the adapter merged into copies of {merged} weights for the set, as the trainer's previews "
+                     "render, benchmark off", False)
+            t = time.perf_counter()
+        sync()
+        print(json.dumps({"merge_s": round(merge_s, 2), "restore_s": round(time.perf_counter() - t, 2)}), flush=True)
         to_channels_last(unet)
         time_set("the same with channels_last weights, benchmark off", False)
     t = time.perf_counter()
