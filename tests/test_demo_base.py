@@ -86,7 +86,7 @@ def test_sample_data_is_the_generators_demo_concept(tmp_path):
     captions = [p.with_suffix(".txt").read_text() for p in paths]
     assert sum(c.startswith(f"{shapes.DEMO_TRIGGER}, ") for c in captions) == 16  # the stars
     prior = [c for c in captions if shapes.DEMO_TRIGGER not in c]
-    assert len(prior) == 16 and not any(shapes.DEMO_CONCEPT in c for c in prior)
+    assert len(prior) == 48 and not any(shapes.DEMO_CONCEPT in c for c in prior)  # three to a star
     assert {c.split()[2] for c in prior} <= set(shapes.BASE_SHAPES)
     shapes.write_demo_prompts(tmp_path / "prompts.txt")
     made = sorted(p.name for p in (tmp_path / "images").iterdir())
@@ -186,7 +186,9 @@ def test_pretraining_stages_train_every_parameter_and_learn(tmp_path):
 def test_shipped_demo_base_draws_its_shapes():
     """The shipped base draws the shape and the colour a prompt asks for: for each training shape, the
     detector's P(asked shape) is above chance and above every other shape's, the clearest shape scores
-    well above chance, and the asked colour wins (chance 1/6)."""
+    well above chance, and the asked colour wins (chance 1/6). Six renders a shape, two on each background:
+    the detector's square is strict (rounded corners cost it its fill), and one render of a square may read
+    as a circle."""
     folder = pretrain.SHIPPED
     if not (folder / "model_index.json").is_file():
         pytest.fail(f"the demo base weights are absent: {folder} has no model_index.json. Make them with "
@@ -196,7 +198,7 @@ def test_shipped_demo_base_draws_its_shapes():
 
     assert pretrain.weights_size(folder) <= 30e6
     pipe = load_pipeline(ModelConfig(path=str(folder)))
-    scores, images = pretrain.render_and_score(pipe, per_shape=3, size=128, steps=20, guidance=5.0, device="cpu")
+    scores, images = pretrain.render_and_score(pipe, per_shape=6, size=128, steps=20, guidance=5.0, device="cpu")
     for shape, imgs in zip(shapes.BASE_SHAPES, images):
         found = shapes.detect(imgs)
         mean = {s: sum(d.shape[s] for d in found) / len(found) for s in shapes.SHAPES}

@@ -383,7 +383,7 @@ def test_a_run_writes_kohya_as_main_file_and_diffusers_beside_it(run_dir, traine
     with safe_open(str(run_dir / "r.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["ss_steps"] == "3" and meta["ss_output_name"] == "r" and meta["modelspec.trigger_phrase"] == "ohwx"
-    assert json.loads(meta["ss_dataset_dirs"]) == {"images": {"n_repeats": 1, "img_count": 32}}
+    assert json.loads(meta["ss_dataset_dirs"]) == {"images": {"n_repeats": 1, "img_count": 64}}
     assert meta["ss_sd_model_name"] == "tiny-sdxl-demo" and meta["ss_base_model_version"] == "sdxl_base_v1-0"
     assert not any(v.startswith("/") or "/work/" in v for v in meta.values())
 

@@ -26,7 +26,7 @@ from sdxl_lora.core.runs import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 4
-# The 32 sample images (16 stars, 16 prior shapes) are square: at resolution 64 they share one bucket, so
+# The 64 sample images (16 stars, 48 prior shapes) are square: at resolution 64 they share one bucket, so
 # every global batch of 4 is full and one process with batch 4 and two with batch 2 see the same batches.
 # The adapter: DoRA with LoCon's convolutions (magnitudes, convolution adapters and the fused projections
 # besides plain LoRA's factors), so every kind of trainable tensor goes through DDP and the flat all-reduce.
@@ -108,7 +108,7 @@ def test_two_processes_with_batch_b_train_what_one_process_trains_with_batch_2b(
     two, one = read_events(out / "two" / "events.jsonl"), read_events(out / "one" / "events.jsonl")
     # The cache was built half by each process, and the one-process run found it complete and valid.
     cache_two = next(e for e in two if e["event"] == "cache")
-    assert cache_two["latents_by_process"] == [16, 16] and cache_two["latents_total"] == 32
+    assert cache_two["latents_by_process"] == [32, 32] and cache_two["latents_total"] == 64
     assert next(e for e in one if e["event"] == "cache")["latents_computed"] == 0
     # The main process alone writes events: each happens once, each step once.
     kinds = [e["event"] for e in two]

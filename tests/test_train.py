@@ -163,7 +163,7 @@ def test_adapter_loads_in_diffusers_in_another_process_and_changes_the_image(def
 
 
 def _short_run(out, name, seed=1):
-    args = ["train", "--out", str(out), "--name", name, "--steps", "4", "--seed", str(seed),
+    args = ["train", "--out", str(out), "--name", name, "--steps", "4", "--seed", str(seed), "--batch-size", "2",
             "--set", "preview.prompts=''", "--set", "train.log_every=2"]
     assert main(args) == 0
     return load_file(out / name / f"{name}.safetensors")
@@ -266,11 +266,11 @@ def test_previews_every_n_steps_and_validation_loss_on_held_out_images(tmp_path)
     val = [e for e in events if e["event"] == "validation"]
     assert [e["step"] for e in val] == [0, 3, 6]
     assert all(e["loss"] > 0 for e in val)
-    # 8 of the 32 sample images are held out: training batches never see them.
+    # 16 of the 64 sample images are held out: training batches never see them.
     ds = next(e for e in events if e["event"] == "dataset")
-    assert ds["images"] == 32 and ds["train_images"] == 24 and len(ds["held_out"]) == 8
-    assert ds["samples"] == 24
-    assert next(e for e in events if e["event"] == "cache")["latents_total"] == 32
+    assert ds["images"] == 64 and ds["train_images"] == 48 and len(ds["held_out"]) == 16
+    assert ds["samples"] == 48
+    assert next(e for e in events if e["event"] == "cache")["latents_total"] == 64
     # Same validation images and noise: a second identical run gives the same figures (previews left out:
     # they draw on no training randomness).
     assert main([*args[:4], "v2", *args[5:-2], "--set", "preview.prompts=''"]) == 0

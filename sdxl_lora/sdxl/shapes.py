@@ -413,7 +413,7 @@ def write_demo_concept(folder: str | Path, n: int = 16, seed: int = 1234, size: 
     return write_set(folder, [demo_spec(seed, i) for i in range(n)], size=size, trigger=DEMO_TRIGGER)
 
 
-def demo_prior_specs(n: int = 16, seed: int = 99) -> list[Spec]:
+def demo_prior_specs(n: int = 48, seed: int = 99) -> list[Spec]:
     """The prior-preservation images of the demo set: n shapes the base knows (spec(), its pretraining
     distribution), on white or black as the stars are, captioned without the trigger word."""
     out: list[Spec] = []
@@ -426,10 +426,12 @@ def demo_prior_specs(n: int = 16, seed: int = 99) -> list[Spec]:
     return out
 
 
-def write_demo_set(folder: str | Path, n: int = 16, prior: int = 16, size: int = 128) -> list[Path]:
+def write_demo_set(folder: str | Path, n: int = 16, prior: int = 48, size: int = 128) -> list[Path]:
     """The default job's data (sample_data/images): the n stars with the trigger word (write_demo_concept),
     and `prior` shapes the base already knows, without it (DreamBooth's prior preservation: training on
-    both keeps the plain prompts drawing what the base drew while the trigger learns the star)."""
+    both keeps the plain prompts drawing what the base drew while the trigger learns the star). Three prior
+    shapes to a star: with as many as the stars the plain prompts' images moved about twice as far from the
+    base's (docs/demo_base.md)."""
     return write_demo_concept(folder, n=n, size=size) + write_set(folder, demo_prior_specs(prior), size=size,
                                                                   prefix="prior")
 
