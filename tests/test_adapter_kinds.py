@@ -427,7 +427,7 @@ def test_the_demo_base_learns_with_each_kind(tmp_path, kind):
                              "output.runs_dir": str(tmp_path), "output.name": kind, "train.save_every": 0,
                              "train.save_every_minutes": 0})
     # The base's recommended settings for the kind apply (LoHa learns at a higher rate than the rest).
-    assert cfg.train.lr == pytest.approx({"loha": 2e-3, "lokr": 7e-3}.get(kind, 1e-3))
+    assert cfg.train.lr == pytest.approx({"loha": 4e-3, "lokr": 1e-2}.get(kind, 2e-3))
     result = fit(new_job(cfg)).result
     assert result.eval_after < 0.97 * result.eval_before, (result.eval_before, result.eval_after)
 

@@ -285,9 +285,9 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(page.locator("#f-train-vram-gb textarea, #f-train-vram-gb input").first).to_have_value("")
             # The demo base recommends LoHa its own learning rate: picking the kind fills it, and back.
             _pick(page, "f-adapter-kind", "loha")
-            expect(_box(page, "f-train-lr")).to_have_value("0.002")
+            expect(_box(page, "f-train-lr")).to_have_value("0.004")
             _pick(page, "f-adapter-kind", "lora")
-            expect(_box(page, "f-train-lr")).to_have_value("0.001")
+            expect(_box(page, "f-train-lr")).to_have_value("0.002")
             _fill(page, "f-train-steps", 40)
             _fill(page, "f-data-resolution", 64)
             _fill(page, "f-train-batch-size", 1)
