@@ -97,17 +97,20 @@ def test_default_run_teaches_the_star_and_keeps_the_other_prompts(default_run):
     # The shapes detector on the previews (2 seeds each): P(star) on the trigger prompts, and the plain
     # prompts' own shape. The base draws no star (P ~0.00); after the default job the star is drawn
     # (docs/demo_base.md has the figures of this machine) and the plain prompts keep their shapes.
+    # Issue 34's goals for the first run: every trigger prompt at 0.6 or more, the plain prompts at 0.9 of the
+    # base's own-shape score or more and their images moved less than 0.05 (mean pixel change).
     concept = [e for e in read_events(default_run / "events.jsonl") if e["event"] == "concept"]
     before, after = concept[0], concept[-1]
     assert before["step"] == 0 and after["step"] > 0
     assert before["score"] < 0.05
-    assert after["score"] > 0.5, after["prompts"]
-    assert after["others_score"] >= 0.85 * before["others_score"], after["others"]
+    assert after["score"] > 0.5 and min(after["prompts"].values()) >= 0.6, after["prompts"]
+    assert after["others_score"] >= 0.9 * before["others_score"], after["others"]
+    assert after["others_change"] < 0.05, after["others"]
 
 
 def test_without_the_prior_shapes_the_other_prompts_lose_their_shapes(default_run, tmp_path):
     # The default job mixes 16 prior shapes (circles, triangles...) in with its 16 stars: prior preservation.
-    # Trained on the stars alone the plain prompts drift, already in a quarter of the job's steps, where the
+    # Trained on the stars alone the plain prompts drift, already in a tenth of the job's steps, where the
     # default job above keeps at least 0.9 of them.
     import shutil
 
