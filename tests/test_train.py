@@ -109,7 +109,7 @@ def test_default_run_teaches_the_star_and_keeps_the_other_prompts(default_run):
 
 
 def test_without_the_prior_shapes_the_other_prompts_lose_their_shapes(default_run, tmp_path):
-    # The default job mixes 16 prior shapes (circles, triangles...) in with its 16 stars: prior preservation.
+    # The default job mixes 48 prior shapes (circles, triangles...) in with its 16 stars: prior preservation.
     # Trained on the stars alone the plain prompts drift, already in a tenth of the job's steps, where the
     # default job above keeps at least 0.9 of them.
     import shutil
