@@ -114,6 +114,11 @@ class BackgroundCompile:
         """Enabled and not yet switched: the deferred functions are eager outside the compiling thread."""
         return self.enabled and not self.ready
 
+    @property
+    def running(self) -> bool:
+        """The compiling thread is at work (started, not yet finished)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def compiling_here(self) -> bool:
         return getattr(self._here, "on", False)
 

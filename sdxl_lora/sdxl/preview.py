@@ -24,7 +24,7 @@ from PIL import Image, ImageDraw
 
 from ..core.fsutil import atomic_save
 from ..core.inject import merged_for_inference
-from ..core.speed import evaluation_mode
+from ..core.speed import BACKGROUND, evaluation_mode
 from .data import live_text
 
 log = logging.getLogger(__name__)
@@ -421,8 +421,11 @@ def render_previews(task, model, run, step: int) -> list[Path]:
             # cuDNN's algorithm search (train.* sets torch.backends.cudnn.benchmark for the training shapes)
             # would time every convolution of the pipeline at each preview size, the VAE decoder's included,
             # for a few images: its heuristic choice is cheaper (benchmarks/preview_cost.py).
-            # The adapter merged into copies of the weights it adapts for the set, as the tools users render with apply it.
-            with _cudnn_search(False), vae_tiles(p.vae, tiled_previews(cfg)), merged_for_inference(model):
+            # The adapter merged into copies of the weights it adapts for the set, as the tools users render with
+            # apply it; not while a second thread compiles the same modules (peft's merged flag would enter its
+            # graphs' guards, and training would compile them again after the switch).
+            merged = contextlib.nullcontext() if BACKGROUND.running else merged_for_inference(model)
+            with _cudnn_search(False), vae_tiles(p.vae, tiled_previews(cfg)), merged:
                 images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps,
                                 guidance=cfg.preview.guidance, width=task.resolution, height=task.resolution,
                                 autocast_dtype=dtype, guidance_rescale=rescale, texts=texts)
