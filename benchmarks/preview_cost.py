@@ -11,8 +11,8 @@ move the text encoders and the VAE to the GPU and back, which each preview set d
 --levers then times the set (search off, as the trainer renders) as a training run's UNet renders it: with the
 default adapter plan injected and the default levers (fused q/k/v, merged LoRA products), with the adapter
 merged into copies of the weights for the set (inject.merged_for_inference: how the trainer's previews render),
-then with its weights channels_last as well (a compiled run's eager previews). --device cpu with the tiny model is this script's smoke
-test.
+then with its weights channels_last as well (a compiled run's eager previews). --device cpu with the tiny model
+is this script's smoke test.
 """
 from __future__ import annotations
 
