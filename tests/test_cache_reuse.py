@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from PIL import Image
 
 from sdxl_lora.cli import main
@@ -48,6 +49,20 @@ def test_cache_and_step0_previews_reused_when_unchanged_and_redone_for_what_chan
     run_in_process_with_hash_seed("b", "2", "--set", "preview.every=7")
     assert _computed(out, "b") == (0, n)
     assert _digest(data) == before  # training never touches the sources
+
+    # A relaunch whose caches are complete (latents, the captions' and the preview prompts' embeddings, the step-0
+    # previews and eval loss) never runs the VAE's encoder or the text encoders: they stay on the host.
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    def forbidden(*a, **k):
+        raise AssertionError("an encoder ran although every cache entry was there")
+
+    with pytest.MonkeyPatch.context() as mp:
+        for cls, name in ((AutoencoderKL, "encode"), (CLIPTextModel, "forward"), (CLIPTextModelWithProjection, "forward")):
+            mp.setattr(cls, name, forbidden)
+        assert main([*args, "--name", "b2"]) == 0
+    assert _computed(out, "b2") == (0, n)
 
     edited = sorted(data.glob("*.png"))[3]
     img = Image.open(edited).convert("RGB")

@@ -345,9 +345,28 @@ class SDXLTask(Task):
         the encoders being trained) or this process renders no previews."""
         if not self.preview_prompts or self.cfg.adapter.train_text_encoder or not self.accelerator.is_main_process:
             return None
-        texts = encode_prompts(self.pipe, self.preview_prompts, guidance=self.cfg.preview.guidance,
-                               device=self.device)
-        return [{k: v.cpu() for k, v in t.items()} for t in texts]
+        guidance = self.cfg.preview.guidance
+        # Cached like the captions' embeddings: a relaunch with the text cache complete never moves the encoders.
+        keys = [cache_key("preview-text", p.prompt, p.negative, (p.guidance if p.guidance is not None else guidance) > 1,
+                          self.text_encoders_id) for p in self.preview_prompts]
+        prompts = dict(zip(keys, self.preview_prompts))  # a prompt listed again (other seeds) is encoded once
+
+        def encode(key: str) -> dict[str, torch.Tensor]:
+            self._on_device(self.pipe.text_encoder, self.pipe.text_encoder_2)
+            texts = encode_prompts(self.pipe, [prompts[key]], guidance=guidance, device=self.device)
+            return {k: v.cpu() for k, v in texts[0].items()}
+
+        self.cache.fill(keys, encode, desc="caching preview prompts")
+        texts = {k: self.cache.get(k) for k in prompts}
+        return [texts[k] for k in keys]
+
+    def _on_device(self, *modules: torch.nn.Module) -> None:
+        """Modules moved to the device where they are not there yet: the VAE and the text encoders go there
+        when something is to be encoded, so a run whose caches are complete leaves them on the host."""
+        for m in modules:
+            where = next(m.parameters()).device
+            if where.type != self.device.type or (self.device.index is not None and where.index != self.device.index):
+                m.to(self.device)
 
     def _fill_caches(self, run: Run) -> None:
         """Latents (and masks) and text embeddings computed where the cache lacks them, the work split
@@ -921,8 +940,11 @@ class SDXLTask(Task):
     def _cache_latents(self) -> int:
         """Encode what the cache lacks; returns how many latents were computed."""
         vae = self.pipe.vae
-        # fp32 VAE: SDXL's VAE overflows in fp16 and gives NaN latents.
-        vae.to(self.device, dtype=torch.float32)
+        # fp32 VAE: SDXL's VAE overflows in fp16 and gives NaN latents. On the device only where something is
+        # encoded: per sample (data.crop='random') or what the cache lacks.
+        vae.to(dtype=torch.float32)
+        if self.cfg.data.crop == "random":
+            self._on_device(vae)
         vae_id = component_identity(self.model_path, "vae")
         tiled = self.cfg.model.tiled_vae_encode
         self.latent_keys: list[dict[bool, str]] = []
@@ -937,6 +959,7 @@ class SDXLTask(Task):
             self.latent_keys.append(keys)
 
         def encode(key: str) -> dict[str, torch.Tensor]:
+            self._on_device(vae)
             idx, flip = source[key]
             item = self.all_items[idx]
             pixels, time_ids = sdxl_data.load_pixels(item, "center", flip, rng)
@@ -964,9 +987,12 @@ class SDXLTask(Task):
     @torch.no_grad()
     def _cache_text(self) -> None:
         pipe = self.pipe
-        for m in (pipe.text_encoder, pipe.text_encoder_2):
-            m.to(self.device)
+        cfg = self.cfg
+        encoders = (pipe.text_encoder, pipe.text_encoder_2)
+        if cfg.adapter.train_text_encoder or sdxl_data.live_text(cfg.data):
+            self._on_device(*encoders)  # they encode during training; otherwise only what the cache lacks
         te_id = component_identity(self.model_path, "text_encoder") + component_identity(self.model_path, "text_encoder_2")
+        self.text_encoders_id = te_id
         # Captions are fixed here (trigger word, class token, prefix and suffix); dropout happens per sample at
         # train time.
         rng = random.Random(0)
@@ -978,8 +1004,12 @@ class SDXLTask(Task):
         unique = {k: c for k, c in zip(self.text_keys, captions)}
         empty_key = cache_key("text", "", te_id)
         unique[empty_key] = ""
-        self.cache.fill(list(unique), lambda key: self.encode_text(unique[key]), desc="caching text",
-                        **self._cache_share())
+
+        def encode(key: str) -> dict[str, torch.Tensor]:
+            self._on_device(*encoders)
+            return self.encode_text(unique[key])
+
+        self.cache.fill(list(unique), encode, desc="caching text", **self._cache_share())
         self.empty_text = self.cache.get(empty_key)
 
     def encode_text(self, caption: str) -> dict[str, torch.Tensor]:
