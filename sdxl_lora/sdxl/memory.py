@@ -330,18 +330,22 @@ class RunMemory:
 def run_memory(step: MemoryEstimate, *, vae_bytes: int, text_bytes: int, largest_pixels: int,
                preview_pixels: int, previews: bool, vae_tiling: bool = False, previews_mid_run: bool = False,
                graphs: bool = False, encoders_stay: bool = False, vae_stays: bool = False,
-               step_budget: int | None = None, tiled_encode: bool = False) -> RunMemory:
+               step_budget: int | None = None, tiled_encode: bool = False,
+               unet_while_caching: bool = False) -> RunMemory:
     """Each phase's whole-process peak from the step's estimate and the VAE's and text encoders' sizes as
     they are held (fp32). largest_pixels: the largest bucket's pixels (caching encodes one image at a time);
     preview_pixels: the largest preview's. previews_mid_run: previews also between steps (preview.every),
     when the optimizer state (and with CUDA graphs their memory pool, which other work cannot use) is held.
     step_budget: train.checkpoint_budget_gb in bytes (the trainer checkpoints blocks until the step fits it).
-    vae_tiling, tiled_encode: the VAE decodes (previews), encodes (caching) in VAE_DECODE_TILE tiles."""
+    vae_tiling, tiled_encode: the VAE decodes (previews), encodes (caching) in VAE_DECODE_TILE tiles.
+    unet_while_caching: the frozen UNet is on the device from the start (plan.py: unet_read_on_device)."""
     def whole(allocated: float) -> int:
         return int(CONTEXT + RESERVE * allocated)
 
     encode_pixels = min(largest_pixels, VAE_DECODE_TILE ** 2) if tiled_encode else largest_pixels
     caching = vae_bytes + max(VAE_ENCODE_PER_PIXEL * encode_pixels, text_bytes + TEXT_ACTIVATIONS)
+    if unet_while_caching:
+        caching += step.weights_total
     held = (text_bytes if encoders_stay else 0) + (vae_bytes if vae_stays else 0)
     step_total = min(step.total, step_budget) if step_budget else step.total
     phases = {"caching": whole(caching), "training": whole(step_total + held)}

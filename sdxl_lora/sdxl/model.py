@@ -61,10 +61,13 @@ def single_file_configs(path: Path, cfg: ModelConfig) -> Path | None:
     return None
 
 
-def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, unet_dtype: torch.dtype | None = None):
+def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, unet_dtype: torch.dtype | None = None,
+                  unet_device: torch.device | None = None):
     """The SDXL pipeline of model.path, every component in torch_dtype except the UNet where unet_dtype is
     given: training loads its frozen UNet straight in the compute dtype (half the host memory of fp32, and no
-    fp32 copy of every weight made only to be cast again)."""
+    fp32 copy of every weight made only to be cast again). unet_device: the UNet of a diffusers folder is read
+    straight onto that device and cast there (a host cast of 2.6 billion weights from the file's dtype takes
+    seconds; the GPU's, milliseconds)."""
     from diffusers import StableDiffusionXLPipeline
 
     # Belt and braces: nothing in this process may reach a hub.
@@ -81,12 +84,13 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, un
         configs = single_file_configs(path, cfg)
         tok = Path(cfg.tokenizer) if cfg.tokenizer else configs
         pipe = load_single_file(path, tokenizer_dir=tok, config_dir=configs, torch_dtype=torch_dtype)
-        if unet_dtype is not None:
-            pipe.unet.to(unet_dtype)
+        if unet_dtype is not None or unet_device is not None:
+            pipe.unet.to(unet_device, dtype=unet_dtype)
         return pipe
     check_folder(path)
     # Each weighted component on its own, so a failure names its folder and what its library reported.
-    parts = {name: _load_component(path, name, unet_dtype if name == "unet" and unet_dtype else torch_dtype)
+    parts = {name: _load_component(path, name, unet_dtype if name == "unet" and unet_dtype else torch_dtype,
+                                   unet_device if name == "unet" else None)
              for name in COMPONENTS}
     return StableDiffusionXLPipeline.from_pretrained(str(path), dtype=torch_dtype, local_files_only=True,
                                                      use_safetensors=True, **parts)
@@ -137,15 +141,17 @@ def _meta_unet(config: dict, where: Path):
         raise WeightFileError(f"{where} does not describe a UNet diffusers can build ({e})") from None
 
 
-def _load_component(path: Path, name: str, torch_dtype: torch.dtype):
-    """One weighted component of the folder (COMPONENTS), refused unless every weight came from its file."""
+def _load_component(path: Path, name: str, torch_dtype: torch.dtype, device: torch.device | None = None):
+    """One weighted component of the folder (COMPONENTS), refused unless every weight came from its file;
+    read onto `device` where one is given (the host otherwise)."""
     import importlib
 
     library, cls_name, _ = COMPONENTS[name]
     cls = getattr(importlib.import_module(library), cls_name)
+    placed = {"device_map": {"": device}} if device is not None and device.type != "cpu" else {}
     try:
         model, info = cls.from_pretrained(str(path), subfolder=name, dtype=torch_dtype, local_files_only=True,
-                                          use_safetensors=True, output_loading_info=True)
+                                          use_safetensors=True, output_loading_info=True, **placed)
     except (OSError, ValueError, RuntimeError) as e:  # the library's word on weights that do not fit
         cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise _folder_error(path, f"{path / name} could not be loaded as the {cls_name} its config.json "
@@ -156,6 +162,10 @@ def _load_component(path: Path, name: str, torch_dtype: torch.dtype):
         shown = ", ".join(str(k) for k in (missing or mismatched)[:2])
         raise _folder_error(path, f"{path / name} does not hold the {cls_name} its config.json describes: "
                                   f"{len(missing)} tensors missing, {len(mismatched)} of another shape (e.g. {shown})")
+    if placed:
+        # A one-device map leaves the model as a plain one on that device; the attribute would tell peft and
+        # Accelerate that it is dispatched over several.
+        model.__dict__.pop("hf_device_map", None)
     return model
 
 

@@ -89,6 +89,14 @@ def _component_bytes(folder: str) -> tuple[int, int]:
     return vae, text
 
 
+def unet_read_on_device(cfg: Config) -> bool:
+    """Whether training on a GPU reads the frozen UNet straight onto it, before the caches are filled
+    (sdxl/model.py: load_pipeline's unet_device): not a base to quantize (its 4-bit layers are made from the
+    file's values on the host, one at a time), nor under train.vram_gb (caching then holds only the VAE and
+    the text encoders, as the budget's fit counts it)."""
+    return cfg.model.quantize == "none" and cfg.model.quantize_convs == "none" and not cfg.train.vram_gb
+
+
 def run_memory_for(cfg: Config, planned: UNetPlan, components: tuple[int, int], largest_pixels: int | None = None,
                    preview_pixels: int | None = None) -> RunMemory:
     """The whole run's phases for a config whose step estimate is planned.memory; images (the largest bucket)
@@ -104,7 +112,8 @@ def run_memory_for(cfg: Config, planned: UNetPlan, components: tuple[int, int], 
                       encoders_stay=cfg.adapter.train_text_encoder or live_text(cfg.data),
                       vae_stays=cfg.data.crop == "random",
                       step_budget=(int(cfg.train.checkpoint_budget_gb * GiB)
-                                   if cfg.train.checkpoint_budget_gb and not cfg.train.gradient_checkpointing else None))
+                                   if cfg.train.checkpoint_budget_gb and not cfg.train.gradient_checkpointing else None),
+                      unet_while_caching=unet_read_on_device(cfg))
 
 
 @dataclass

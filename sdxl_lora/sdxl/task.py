@@ -31,7 +31,7 @@ from . import loss as diffusion
 from . import memory as sdxl_memory
 from .cache import TensorCache, cache_key, file_digest
 from .model import load_pipeline, native_resolution, resolve_model_path
-from .plan import fit_budget, plan_unet, run_memory_for, text_encoder_rank_alpha
+from .plan import fit_budget, plan_unet, run_memory_for, text_encoder_rank_alpha, unet_read_on_device
 from .preview import PreviewPrompt, default_prompts, encode_prompts, read_prompts, render_previews, vae_tiles
 
 log = logging.getLogger(__name__)
@@ -256,7 +256,8 @@ class SDXLTask(Task):
         # its 4-bit blocks are made from the file's values, not from a rounded copy).
         quantized = cfg.model.quantize != "none" or cfg.model.quantize_convs != "none"
         frozen = _DTYPES.get(accelerator.mixed_precision, torch.float32)
-        self.pipe = load_pipeline(cfg.model, unet_dtype=None if quantized else frozen)
+        on_device = self.device if self.device.type == "cuda" and unet_read_on_device(cfg) else None
+        self.pipe = load_pipeline(cfg.model, unet_dtype=None if quantized else frozen, unet_device=on_device)
         self.resolution = cfg.data.resolution or native_resolution(self.pipe)
         self.noise_scheduler = self._noise_scheduler()
         self._read_data(run)
