@@ -77,6 +77,10 @@ def test_plan_prints_every_phase_of_the_run_and_what_the_budget_chose(capsys):
     assert main(["plan", "--model", "arch:sdxl"]) == 0
     out = capsys.readouterr().out
     assert "whole run" in out and "previews" in out and "caching" in out
+    # Without a budget the UNet is read onto the GPU before caching: that phase holds its bf16 weights too.
+    assert main(["plan", "--model", "arch:sdxl", "--batch-size", "1", "--json"]) == 0
+    unbudgeted = json.loads(capsys.readouterr().out)["run_memory"]["phases_gib"]
+    assert unbudgeted["caching"] > phases["caching"] + 4.5  # SDXL's UNet: 2.6 billion weights, 4.8 GiB in bf16
 
 
 def test_train_refuses_an_impossible_budget_before_loading_the_model(tiny_dir, tmp_path, capsys):
@@ -153,6 +157,11 @@ def test_training_loads_the_frozen_unet_in_its_compute_dtype_and_a_base_to_quant
         assert {p.dtype for p in getattr(bf16, name).parameters()} == {torch.float32}, name
     for (k, a), b in zip(fp32.unet.state_dict().items(), bf16.unet.state_dict().values()):
         assert torch.equal(a.to(torch.bfloat16), b), k
+    # On a GPU the UNet is read straight onto the device and cast there (Accelerate's one-device map, the path a
+    # GPU takes, here onto the host): the same values, and a plain module, not one dispatched over devices.
+    placed = load_pipeline(ModelConfig(path=str(tiny_dir)), unet_dtype=torch.bfloat16, unet_device=torch.device("cpu"))
+    assert not hasattr(placed.unet, "hf_device_map")
+    assert all(torch.equal(a, b) for a, b in zip(bf16.unet.state_dict().values(), placed.unet.state_dict().values()))
 
     asked = []
 
@@ -160,11 +169,17 @@ def test_training_loads_the_frozen_unet_in_its_compute_dtype_and_a_base_to_quant
         pass
 
     def recording(cfg, **kw):
-        asked.append(kw.get("unet_dtype"))
+        asked.append((kw.get("unet_dtype"), kw.get("unet_device")))
         raise Loaded
 
     monkeypatch.setattr(sdxl_task, "load_pipeline", recording)
-    t = sdxl_task.SDXLTask(load_config(extra={"model.path": str(tiny_dir), "model.quantize": quantize}))
-    with pytest.raises(Loaded):
-        t.setup(SimpleNamespace(device=torch.device("cpu"), mixed_precision="bf16"), run=None)
-    assert asked == [torch.bfloat16 if quantize == "none" else None]
+    for device, budget in (("cpu", None), ("cuda", None), ("cuda", 12)):
+        t = sdxl_task.SDXLTask(load_config(extra={"model.path": str(tiny_dir), "model.quantize": quantize}))
+        t._budget = None  # set-up alone, with the budget's field as the config gives it
+        t.cfg.train.vram_gb = budget
+        with pytest.raises(Loaded):
+            t.setup(SimpleNamespace(device=torch.device(device), mixed_precision="bf16"), run=None)
+    # The UNet goes to a GPU at once unless it is to be quantized (from the file's values, on the host) or the
+    # run has a memory budget (its caching phase holds the VAE and the text encoders alone).
+    dtype = torch.bfloat16 if quantize == "none" else None
+    assert asked == [(dtype, None), (dtype, torch.device("cuda") if quantize == "none" else None), (dtype, None)]

@@ -148,7 +148,7 @@ def _load_component(path: Path, name: str, torch_dtype: torch.dtype, device: tor
 
     library, cls_name, _ = COMPONENTS[name]
     cls = getattr(importlib.import_module(library), cls_name)
-    placed = {"device_map": {"": device}} if device is not None and device.type != "cpu" else {}
+    placed = {"device_map": {"": device}} if device is not None else {}
     try:
         model, info = cls.from_pretrained(str(path), subfolder=name, dtype=torch_dtype, local_files_only=True,
                                           use_safetensors=True, output_loading_info=True, **placed)
