@@ -162,6 +162,53 @@ def test_frozen_base_is_bit_identical_after_training(tiny_dir, method):
     assert any(not torch.equal(a, p) for a, p in zip(start, params))  # the adapter did train
 
 
+@pytest.mark.parametrize("method", ["nf4", "int8", "fp8"])
+def test_a_base_stored_in_fp16_quantizes_from_its_file_as_from_an_fp32_copy(tiny_dir, tmp_path, monkeypatch, method):
+    """A 16-bit training run reads a base to quantize in the dtype its files store (half the host memory of an
+    fp32 copy, no cast of every weight on the host): the quantized layers, and the layers kept, come out bit for
+    bit as from the fp32 copy it used to read."""
+    import shutil
+    from types import SimpleNamespace
+
+    from diffusers import UNet2DConditionModel
+
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.core.quantize import quantize_convs
+    from sdxl_lora.sdxl import task as sdxl_task
+    from sdxl_lora.sdxl.model import stored_unet_dtype
+
+    folder = tmp_path / "fp16-base"
+    shutil.copytree(tiny_dir, folder)
+    _tiny_unet(tiny_dir).half().save_pretrained(folder / "unet", safe_serialization=True)
+    assert stored_unet_dtype(ModelConfig(path=str(folder))) == torch.float16
+
+    def quantized(dtype):
+        unet = UNet2DConditionModel.from_pretrained(str(folder / "unet"), dtype=dtype, local_files_only=True)
+        quantize_model(unet, method, compute_dtype=torch.bfloat16, skip=unet_skip)
+        quantize_convs(unet, "fp8" if method == "fp8" else "none", compute_dtype=torch.bfloat16)
+        return _frozen_state(unet.to(dtype=torch.bfloat16))
+
+    from_fp32, from_file = quantized(torch.float32), quantized(torch.float16)
+    assert from_fp32.keys() == from_file.keys()
+    assert [k for k in from_fp32 if not torch.equal(from_fp32[k], from_file[k])] == []
+
+    asked = []
+
+    class Loaded(Exception):
+        pass
+
+    def recording(cfg, **kw):
+        asked.append(kw.get("unet_dtype"))
+        raise Loaded
+
+    monkeypatch.setattr(sdxl_task, "load_pipeline", recording)
+    for precision in ("bf16", "no"):
+        t = sdxl_task.SDXLTask(load_config(extra={"model.path": str(folder), "model.quantize": method}))
+        with pytest.raises(Loaded):
+            t.setup(SimpleNamespace(device=torch.device("cpu"), mixed_precision=precision), run=None)
+    assert asked == [torch.float16, None]  # in fp32 training, an fp32 copy as before
+
+
 @pytest.mark.parametrize("method", ["nf4", "fp4", "int8", "fp8"])
 def test_each_method_quantizes_trains_lora_and_dequantizes(method):
     torch.manual_seed(0)

@@ -48,6 +48,21 @@ def header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
                               "copy or download that stopped part-way)") from None
 
 
+def stored_float_dtype(files: list[Path]) -> "torch.dtype | None":
+    """The one floating dtype every floating tensor of these .safetensors files is stored in (from their
+    headers alone), or None where they mix several."""
+    import torch
+    from safetensors import safe_open
+
+    names = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+    found = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            found |= {f.get_slice(k).get_dtype() for k in f.keys()}
+    floats = {names[d] for d in found if d in names}
+    return floats.pop() if len(floats) == 1 else None
+
+
 def weight_files(folder: Path, stem: str) -> list[Path]:
     """The safetensors files a loader reads for `stem` (transformers' "model", diffusers'
     "diffusion_pytorch_model") in `folder`: STEM.safetensors, or the shards STEM.safetensors.index.json

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..core.config import DEMO_DIR, DEMO_NAME, ModelConfig
-from ..core.weights import PickleWeights, WeightFileError, read_json, shape_problems, weight_files
+from ..core.weights import PickleWeights, WeightFileError, read_json, shape_problems, stored_float_dtype, weight_files
 from .tiny import TINY_NAME, materialize_tiny
 
 # diffusers folder layout of an SDXL pipeline: what must be there for from_pretrained to work.
@@ -94,6 +94,15 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, un
              for name in COMPONENTS}
     return StableDiffusionXLPipeline.from_pretrained(str(path), dtype=torch_dtype, local_files_only=True,
                                                      use_safetensors=True, **parts)
+
+
+def stored_unet_dtype(cfg: ModelConfig) -> torch.dtype | None:
+    """The dtype a diffusers folder's UNet weights are stored in (from the files' headers); None for a
+    single-file checkpoint, or weights stored in several dtypes."""
+    path = resolve_model_path(cfg)
+    if not path.is_dir():
+        return None
+    return stored_float_dtype(weight_files(path / "unet", COMPONENTS["unet"][2]))
 
 
 def _folder_error(path: Path, problem: str | WeightFileError) -> ModelError:

@@ -30,7 +30,7 @@ from . import data as sdxl_data
 from . import loss as diffusion
 from . import memory as sdxl_memory
 from .cache import TensorCache, cache_key, file_digest
-from .model import load_pipeline, native_resolution, resolve_model_path
+from .model import load_pipeline, native_resolution, resolve_model_path, stored_unet_dtype
 from .plan import fit_budget, plan_unet, run_memory_for, text_encoder_rank_alpha, unet_read_on_device
 from .preview import PreviewPrompt, default_prompts, encode_prompts, read_prompts, render_previews, vae_tiles
 
@@ -252,12 +252,18 @@ class SDXLTask(Task):
         if self._budget is not None and self.device.type == "cuda":
             self._cap_memory()
         self.model_path = resolve_model_path(cfg.model)
-        # The frozen UNet in the dtype it trains in, from the start; a base to quantize is read as before (fp32:
-        # its 4-bit blocks are made from the file's values, not from a rounded copy).
+        # The frozen UNet in the dtype it trains in, from the start. A base to quantize is read in the 16-bit dtype
+        # its files store, where training computes in 16 bits: every quantizer then makes its blocks from exactly
+        # the file's values (as from an fp32 copy, without the host's cast and its 4 bytes a weight); otherwise
+        # in fp32, as before.
         quantized = cfg.model.quantize != "none" or cfg.model.quantize_convs != "none"
         frozen = _DTYPES.get(accelerator.mixed_precision, torch.float32)
+        unet_dtype = frozen
+        if quantized:
+            stored = stored_unet_dtype(cfg.model) if frozen != torch.float32 else None
+            unet_dtype = stored if stored in (torch.float16, torch.bfloat16) else None
         on_device = self.device if self.device.type == "cuda" and unet_read_on_device(cfg) else None
-        self.pipe = load_pipeline(cfg.model, unet_dtype=None if quantized else frozen, unet_device=on_device)
+        self.pipe = load_pipeline(cfg.model, unet_dtype=unet_dtype, unet_device=on_device)
         self.resolution = cfg.data.resolution or native_resolution(self.pipe)
         self.noise_scheduler = self._noise_scheduler()
         self._read_data(run)
