@@ -91,9 +91,9 @@ def _component_bytes(folder: str) -> tuple[int, int]:
 
 def unet_read_on_device(cfg: Config) -> bool:
     """Whether training on a GPU reads the frozen UNet straight onto it, before the caches are filled
-    (sdxl/model.py: load_pipeline's unet_device): not a base to quantize (its 4-bit layers are made from the
-    file's values on the host, one at a time), nor under train.vram_gb (caching then holds only the VAE and
-    the text encoders, as the budget's fit counts it)."""
+    (sdxl/model.py: load_pipeline's unet_device): not a base to quantize (its layers wait on the host and go
+    to the device one at a time, quantized), nor under train.vram_gb (caching then holds only the VAE and the
+    text encoders, as the budget's fit counts it)."""
     return cfg.model.quantize == "none" and cfg.model.quantize_convs == "none" and not cfg.train.vram_gb
 
 
