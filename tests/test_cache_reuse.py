@@ -59,7 +59,8 @@ def test_cache_and_step0_previews_reused_when_unchanged_and_redone_for_what_chan
         raise AssertionError("an encoder ran although every cache entry was there")
 
     with pytest.MonkeyPatch.context() as mp:
-        for cls, name in ((AutoencoderKL, "encode"), (CLIPTextModel, "forward"), (CLIPTextModelWithProjection, "forward")):
+        for cls, name in ((AutoencoderKL, "encode"), (CLIPTextModel, "forward"),
+                          (CLIPTextModelWithProjection, "forward")):
             mp.setattr(cls, name, forbidden)
         assert main([*args, "--name", "b2"]) == 0
     assert _computed(out, "b2") == (0, n)

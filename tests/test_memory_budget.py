@@ -179,7 +179,7 @@ def test_training_loads_the_frozen_unet_in_its_compute_dtype_and_a_base_to_quant
         t.cfg.train.vram_gb = budget
         with pytest.raises(Loaded):
             t.setup(SimpleNamespace(device=torch.device(device), mixed_precision="bf16"), run=None)
-    # The UNet goes to a GPU at once unless it is to be quantized (its layers wait on the host and go one at a time) or the
-    # run has a memory budget (its caching phase holds the VAE and the text encoders alone).
+    # The UNet goes to a GPU at once unless it is to be quantized (its layers wait on the host and go one at a
+    # time) or the run has a memory budget (its caching phase holds the VAE and the text encoders alone).
     dtype = torch.bfloat16 if quantize == "none" else None
     assert asked == [(dtype, None), (dtype, torch.device("cuda") if quantize == "none" else None), (dtype, None)]

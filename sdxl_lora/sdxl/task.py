@@ -354,7 +354,7 @@ class SDXLTask(Task):
             return None
         guidance = self.cfg.preview.guidance
         # Cached like the captions' embeddings: a relaunch with the text cache complete never moves the encoders.
-        keys = [cache_key("preview-text", p.prompt, p.negative, (p.guidance if p.guidance is not None else guidance) > 1,
+        keys = [cache_key("preview-text", p.prompt, p.negative, (guidance if p.guidance is None else p.guidance) > 1,
                           self.text_encoders_id) for p in self.preview_prompts]
         prompts = dict(zip(keys, self.preview_prompts))  # a prompt listed again (other seeds) is encoded once
 
