@@ -70,6 +70,7 @@ def with_class_images(task, data: DataConfig, resolution: int) -> DataConfig:
     cfg, acc = task.cfg, task.accelerator
     cache_root = Path(data.cache_dir) if data.cache_dir else Path(cfg.output.runs_dir) / ".cache"
     p = task.pipe
+    task.to_encode(p.text_encoder, p.text_encoder_2)  # in fp32, as the captions are encoded
     pipe = StableDiffusionXLPipeline(
         vae=p.vae, text_encoder=p.text_encoder, text_encoder_2=p.text_encoder_2, tokenizer=p.tokenizer,
         tokenizer_2=p.tokenizer_2, unet=p.unet,

@@ -62,12 +62,14 @@ def single_file_configs(path: Path, cfg: ModelConfig) -> Path | None:
 
 
 def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, unet_dtype: torch.dtype | None = None,
-                  unet_device: torch.device | None = None):
+                  unet_device: torch.device | None = None, encoders_as_stored: bool = False):
     """The SDXL pipeline of model.path, every component in torch_dtype except the UNet where unet_dtype is
     given: training loads its frozen UNet straight in the compute dtype (half the host memory of fp32, and no
     fp32 copy of every weight made only to be cast again). unet_device: the UNet of a diffusers folder is read
     straight onto that device and cast there (a host cast of 2.6 billion weights from the file's dtype takes
-    seconds; the GPU's, milliseconds)."""
+    seconds; the GPU's, milliseconds). encoders_as_stored: a diffusers folder's text encoders stay in the 16-bit
+    dtype their files store, for the caller to cast when it runs them (training runs them only for what its
+    text cache lacks)."""
     from diffusers import StableDiffusionXLPipeline
 
     # Belt and braces: nothing in this process may reach a hub.
@@ -89,8 +91,14 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, un
         return pipe
     check_folder(path)
     # Each weighted component on its own, so a failure names its folder and what its library reported.
-    parts = {name: _load_component(path, name, unet_dtype if name == "unet" and unet_dtype else torch_dtype,
-                                   unet_device if name == "unet" else None)
+    dtypes = {name: torch_dtype for name in COMPONENTS}
+    if unet_dtype:
+        dtypes["unet"] = unet_dtype
+    for name in ("text_encoder", "text_encoder_2") if encoders_as_stored else ():
+        stored = stored_float_dtype(weight_files(path / name, COMPONENTS[name][2]))
+        if stored in (torch.float16, torch.bfloat16):
+            dtypes[name] = stored
+    parts = {name: _load_component(path, name, dtypes[name], unet_device if name == "unet" else None)
              for name in COMPONENTS}
     return StableDiffusionXLPipeline.from_pretrained(str(path), dtype=torch_dtype, local_files_only=True,
                                                      use_safetensors=True, **parts)

@@ -385,8 +385,14 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     ztsnr = cfg.train.zero_terminal_snr
     scheduler = preview_scheduler(p.scheduler.config, zero_terminal_snr=ztsnr,
                                   prediction_type=cfg.model.prediction_type)
+    # The prompts' embeddings were made at set-up (task.preview_texts) unless the text encoders train: then
+    # they are encoded now, by the encoders being trained, which stay on the device anyway. With the embeddings
+    # made, the pipeline gets no text encoders: it would cast the embeddings to their dtype, which is the files'
+    # 16 bits where they never had to encode (SDXLTask.to_encode).
+    texts = task.preview_texts
+    encoders = (None, None) if texts is not None else (p.text_encoder, p.text_encoder_2)
     pipe = StableDiffusionXLPipeline(
-        vae=p.vae, text_encoder=p.text_encoder, text_encoder_2=p.text_encoder_2, tokenizer=p.tokenizer,
+        vae=p.vae, text_encoder=encoders[0], text_encoder_2=encoders[1], tokenizer=p.tokenizer,
         tokenizer_2=p.tokenizer_2, unet=unet, scheduler=scheduler)
     pipe.set_progress_bar_config(disable=True)
     rescale = cfg.preview.guidance_rescale if cfg.preview.guidance_rescale is not None else (0.7 if ztsnr else 0.0)
@@ -402,9 +408,6 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     started = time.perf_counter()
     mp = task.accelerator.mixed_precision
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
-    # The prompts' embeddings were made at set-up (task.preview_texts) unless the text encoders train: then
-    # they are encoded now, by the encoders being trained, which stay on the device anyway.
-    texts = task.preview_texts
     key = task.baseline_previews_key() if step == 0 else None
     store = task.cache.root / "previews" / key if key else None
     images = _cached_images(store, len(prompts)) if store is not None else None

@@ -263,7 +263,8 @@ class SDXLTask(Task):
             stored = stored_unet_dtype(cfg.model) if frozen != torch.float32 else None
             unet_dtype = stored if stored in (torch.float16, torch.bfloat16) else None
         on_device = self.device if self.device.type == "cuda" and unet_read_on_device(cfg) else None
-        self.pipe = load_pipeline(cfg.model, unet_dtype=unet_dtype, unet_device=on_device)
+        # The text encoders as their files store them: cast to fp32 only if they encode (to_encode).
+        self.pipe = load_pipeline(cfg.model, unet_dtype=unet_dtype, unet_device=on_device, encoders_as_stored=True)
         self.resolution = cfg.data.resolution or native_resolution(self.pipe)
         self.noise_scheduler = self._noise_scheduler()
         self._read_data(run)
@@ -359,7 +360,7 @@ class SDXLTask(Task):
         prompts = dict(zip(keys, self.preview_prompts))  # a prompt listed again (other seeds) is encoded once
 
         def encode(key: str) -> dict[str, torch.Tensor]:
-            self._on_device(self.pipe.text_encoder, self.pipe.text_encoder_2)
+            self.to_encode(self.pipe.text_encoder, self.pipe.text_encoder_2)
             texts = encode_prompts(self.pipe, [prompts[key]], guidance=guidance, device=self.device)
             return {k: v.cpu() for k, v in texts[0].items()}
 
@@ -367,13 +368,15 @@ class SDXLTask(Task):
         texts = {k: self.cache.get(k) for k in prompts}
         return [texts[k] for k in keys]
 
-    def _on_device(self, *modules: torch.nn.Module) -> None:
-        """Modules moved to the device where they are not there yet: the VAE and the text encoders go there
-        when something is to be encoded, so a run whose caches are complete leaves them on the host."""
+    def to_encode(self, *modules: torch.nn.Module) -> None:
+        """The VAE or text encoders on the device in fp32, where they are not yet: they go there when something
+        is to be encoded, so a run whose caches are complete leaves them on the host as they were read."""
         for m in modules:
-            where = next(m.parameters()).device
-            if where.type != self.device.type or (self.device.index is not None and where.index != self.device.index):
-                m.to(self.device)
+            p = next(m.parameters())
+            elsewhere = p.device.type != self.device.type or (self.device.index is not None
+                                                              and p.device.index != self.device.index)
+            if elsewhere or p.dtype != torch.float32:
+                m.to(self.device, dtype=torch.float32)
 
     def _fill_caches(self, run: Run) -> None:
         """Latents (and masks) and text embeddings computed where the cache lacks them, the work split
@@ -951,7 +954,7 @@ class SDXLTask(Task):
         # encoded: per sample (data.crop='random') or what the cache lacks.
         vae.to(dtype=torch.float32)
         if self.cfg.data.crop == "random":
-            self._on_device(vae)
+            self.to_encode(vae)
         vae_id = component_identity(self.model_path, "vae")
         tiled = self.cfg.model.tiled_vae_encode
         self.latent_keys: list[dict[bool, str]] = []
@@ -966,7 +969,7 @@ class SDXLTask(Task):
             self.latent_keys.append(keys)
 
         def encode(key: str) -> dict[str, torch.Tensor]:
-            self._on_device(vae)
+            self.to_encode(vae)
             idx, flip = source[key]
             item = self.all_items[idx]
             pixels, time_ids = sdxl_data.load_pixels(item, "center", flip, rng)
@@ -997,7 +1000,7 @@ class SDXLTask(Task):
         cfg = self.cfg
         encoders = (pipe.text_encoder, pipe.text_encoder_2)
         if cfg.adapter.train_text_encoder or sdxl_data.live_text(cfg.data):
-            self._on_device(*encoders)  # they encode during training; otherwise only what the cache lacks
+            self.to_encode(*encoders)  # they encode during training; otherwise only what the cache lacks
         te_id = component_identity(self.model_path, "text_encoder") + component_identity(self.model_path, "text_encoder_2")
         self.text_encoders_id = te_id
         # Captions are fixed here (trigger word, class token, prefix and suffix); dropout happens per sample at
@@ -1013,7 +1016,7 @@ class SDXLTask(Task):
         unique[empty_key] = ""
 
         def encode(key: str) -> dict[str, torch.Tensor]:
-            self._on_device(*encoders)
+            self.to_encode(*encoders)
             return self.encode_text(unique[key])
 
         self.cache.fill(list(unique), encode, desc="caching text", **self._cache_share())
