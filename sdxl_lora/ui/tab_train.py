@@ -470,8 +470,10 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
             filled = follow_kind(recs, kind, {k: preset_value(tree, k) for k in recs.get(kind, {})})
             return [shown(k, filled[k]) if k in filled else gr.skip() for k in followers]
 
+        # always_last: a kind picked while the last pick's values are still being filled is applied after it
+        # (gradio's default drops a trigger while its listener's event is pending).
         form.widgets["adapter.kind"].input(on_kind, [form.widgets["adapter.kind"], *form.inputs],
-                                           [form.widgets[k] for k in followers])
+                                           [form.widgets[k] for k in followers], trigger_mode="always_last")
     outputs = [runs_table, run_pick, progress, loss_plot, lr_plot, previews, log_box, seen]
     timer.tick(refresh, [run_pick, seen], outputs, show_progress="hidden")
     run_pick.input(lambda sel: refresh(sel, None), run_pick, outputs)
