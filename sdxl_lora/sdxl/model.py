@@ -67,8 +67,8 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, un
     given: training loads its frozen UNet straight in the compute dtype (half the host memory of fp32, and no
     fp32 copy of every weight made only to be cast again). unet_device: the UNet of a diffusers folder is read
     straight onto that device and cast there (a host cast of 2.6 billion weights from the file's dtype takes
-    seconds; the GPU's, milliseconds). encoders_as_stored: a diffusers folder's text encoders stay in the 16-bit
-    dtype their files store, for the caller to cast when it runs them (training runs them only for what its
+    seconds; the GPU's, milliseconds). encoders_as_stored: a diffusers folder's text encoders stay in the dtype
+    their checkpoints hold, for the caller to cast when it runs them (training runs them only for what its
     text cache lacks)."""
     from diffusers import StableDiffusionXLPipeline
 
@@ -94,10 +94,8 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, un
     dtypes = {name: torch_dtype for name in COMPONENTS}
     if unet_dtype:
         dtypes["unet"] = unet_dtype
-    for name in ("text_encoder", "text_encoder_2") if encoders_as_stored else ():
-        stored = stored_float_dtype(weight_files(path / name, COMPONENTS[name][2]))
-        if stored in (torch.float16, torch.bfloat16):
-            dtypes[name] = stored
+    if encoders_as_stored:
+        dtypes["text_encoder"] = dtypes["text_encoder_2"] = "auto"  # transformers: the checkpoint's own dtype
     parts = {name: _load_component(path, name, dtypes[name], unet_device if name == "unet" else None)
              for name in COMPONENTS}
     return StableDiffusionXLPipeline.from_pretrained(str(path), dtype=torch_dtype, local_files_only=True,
@@ -158,7 +156,7 @@ def _meta_unet(config: dict, where: Path):
         raise WeightFileError(f"{where} does not describe a UNet diffusers can build ({e})") from None
 
 
-def _load_component(path: Path, name: str, torch_dtype: torch.dtype, device: torch.device | None = None):
+def _load_component(path: Path, name: str, torch_dtype: torch.dtype | str, device: torch.device | None = None):
     """One weighted component of the folder (COMPONENTS), refused unless every weight came from its file;
     read onto `device` where one is given (the host otherwise)."""
     import importlib

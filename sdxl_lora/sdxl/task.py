@@ -950,9 +950,8 @@ class SDXLTask(Task):
     def _cache_latents(self) -> int:
         """Encode what the cache lacks; returns how many latents were computed."""
         vae = self.pipe.vae
-        # fp32 VAE: SDXL's VAE overflows in fp16 and gives NaN latents. On the device only where something is
-        # encoded: per sample (data.crop='random') or what the cache lacks.
-        vae.to(dtype=torch.float32)
+        # fp32 VAE (to_encode): SDXL's VAE overflows in fp16 and gives NaN latents. On the device only where
+        # something is encoded: per sample (data.crop='random') or what the cache lacks.
         if self.cfg.data.crop == "random":
             self.to_encode(vae)
         vae_id = component_identity(self.model_path, "vae")
