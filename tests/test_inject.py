@@ -95,6 +95,23 @@ def test_glob_and_kohya_block_overrides(sdxl_unet):
     assert lcfg.r == 8 and all(v == 32 for v in lcfg.rank_pattern.values())
 
 
+def test_sdxl_default_plan_gives_every_layer_its_rank_and_scale_through_few_patterns():
+    # The default plan at 1024 mixes ranks over SDXL's 560 layers. Each must get its own rank and alpha/rank in
+    # peft, and the config carries one pattern per distinct value: peft tries every pattern on every layer.
+    unet, _ = unet_skeleton(ModelConfig(path="arch:sdxl"))
+    plan = unet_slots.make_plan(unet, AdapterConfig(), resolution=1024, native=1024)
+    assert len(set(plan.rank.values())) > 1
+    lcfg = plan.lora_config()
+    assert len(lcfg.rank_pattern) < len(set(plan.rank.values()))
+    assert len(lcfg.alpha_pattern) < len(set(plan.alpha.values()))
+    inject.apply_plan(unet, plan)
+    modules = dict(unet.named_modules())
+    for s in plan.targets:
+        layer = modules[s.name]
+        assert layer.r["default"] == plan.rank[s.name], s.name
+        assert layer.scaling["default"] == pytest.approx(plan.alpha[s.name] / plan.rank[s.name]), s.name
+
+
 def test_mixed_rank_plan_and_lora_bias_reach_peft(tiny_dir):
     from diffusers import UNet2DConditionModel
 

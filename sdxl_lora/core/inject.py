@@ -138,10 +138,9 @@ class Plan:
         ranks = [self.rank[s.name] for s in self.targets]
         base_r = max(set(ranks), key=ranks.count)  # the most common rank: the fewest pattern entries
         base_alpha = next(self.alpha[s.name] for s in self.targets if self.rank[s.name] == base_r)
-        # Anchored full-path regexes: peft matches a list entry by suffix, which could catch a deeper
-        # module of the same tail; an exact pattern per module cannot.
-        rank_pattern = {f"^{re.escape(s.name)}$": r for s in self.targets if (r := self.rank[s.name]) != base_r}
-        alpha_pattern = {f"^{re.escape(s.name)}$": a for s in self.targets if (a := self.alpha[s.name]) != base_alpha}
+        names = [s.name for s in self.targets]
+        rank_pattern = exact_patterns({n: self.rank[n] for n in names}, base_r)
+        alpha_pattern = exact_patterns({n: self.alpha[n] for n in names}, base_alpha)
         return adapter_config(self.kind, base_r, base_alpha, [s.name for s in self.targets], dropout=dropout,
                               bias=self.bias, rslora=self.rslora, lokr_factor=self.lokr_factor,
                               rank_pattern=rank_pattern, alpha_pattern=alpha_pattern, init=self.init)
@@ -158,6 +157,19 @@ class Plan:
             row["modules"] += 1
             row["params"] += s.params_at_rank(self.rank[s.name], self.bias, self.kind, self.lokr_factor)
         return list(rows.values())
+
+
+def exact_patterns(values: dict[str, object], default: object = None) -> dict[str, object]:
+    """peft rank_pattern / alpha_pattern entries that give each module path its value: one anchored
+    alternation of full paths per distinct value (modules at `default` left out). Anchored, because peft
+    matches a pattern by suffix, which could catch a deeper module of the same tail. One pattern per value,
+    not per module, because peft tries every pattern against every module, twice (a per-module pattern
+    set on SDXL's UNet costs a second of the launch)."""
+    by_value: dict[object, list[str]] = {}
+    for name, v in values.items():
+        if v != default:
+            by_value.setdefault(v, []).append(name)
+    return {"^(?:" + "|".join(re.escape(n) for n in sorted(names)) + ")$": v for v, names in by_value.items()}
 
 
 def adapter_config(kind: str, r: int, alpha: float, targets: list[str], *, dropout: float = 0.0, bias: bool = False,

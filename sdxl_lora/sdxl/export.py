@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from . import kohya, lycoris
 from .lycoris import LohaLayer, LokrLayer
 from ..core.fsutil import atomic_save, atomic_write_text, fsync_dir
+from ..core.inject import exact_patterns
 
 log = logging.getLogger(__name__)
 
@@ -240,11 +241,10 @@ def lora_config_for(layers: Mapping[str, LoraLayer]):
     alphas = Counter(layer.alpha for layer in layers.values())
     r = ranks.most_common(1)[0][0]
     alpha = alphas.most_common(1)[0][0]
-    # Anchored full-path regexes: peft matches a pattern by suffix, which could catch a deeper module.
     return LoraConfig(
         r=r, lora_alpha=alpha, target_modules=sorted(layers),
-        rank_pattern={f"^{re.escape(m)}$": lay.rank for m, lay in sorted(layers.items()) if lay.rank != r},
-        alpha_pattern={f"^{re.escape(m)}$": lay.alpha for m, lay in sorted(layers.items()) if lay.alpha != alpha},
+        rank_pattern=exact_patterns({m: lay.rank for m, lay in layers.items()}, r),
+        alpha_pattern=exact_patterns({m: lay.alpha for m, lay in layers.items()}, alpha),
         use_dora=any(lay.magnitude is not None for lay in layers.values()),
         lora_bias=any(lay.bias is not None for lay in layers.values()),
     )

@@ -183,17 +183,14 @@ def from_keys(parts: dict[str, torch.Tensor], alpha: float | None, shape: tuple[
 def peft_config(kind: str, layers: dict[str, LohaLayer | LokrLayer]):
     """A peft LoHaConfig/LoKrConfig that recreates these layers' shapes (module paths as exact patterns), with
     each layer's r and alpha; raises ValueError where peft's layers cannot hold one."""
-    import re
-
     from peft import LoHaConfig, LoKrConfig
 
-    def exact(m: str) -> str:
-        return f"^{re.escape(m)}$"
+    from ..core.inject import exact_patterns
 
     if kind == "loha":
         return LoHaConfig(r=1, alpha=1.0, target_modules=sorted(layers),
-                          rank_pattern={exact(m): lay.rank for m, lay in layers.items()},
-                          alpha_pattern={exact(m): lay.alpha for m, lay in layers.items()})
+                          rank_pattern=exact_patterns({m: lay.rank for m, lay in layers.items()}),
+                          alpha_pattern=exact_patterns({m: lay.alpha for m, lay in layers.items()}))
     factor = _lokr_factor(layers)
     ranks, alphas = {}, {}
     for m, lay in layers.items():
@@ -208,8 +205,7 @@ def peft_config(kind: str, layers: dict[str, LohaLayer | LokrLayer]):
         else:
             raise ValueError(f"{m}: lokr_w2 is factored at rank {lay.rank}, where peft keeps it whole")
     return LoKrConfig(r=1, alpha=1.0, target_modules=sorted(layers), decompose_factor=factor,
-                      rank_pattern={exact(m): r for m, r in ranks.items()},
-                      alpha_pattern={exact(m): a for m, a in alphas.items()})
+                      rank_pattern=exact_patterns(ranks), alpha_pattern=exact_patterns(alphas))
 
 
 def _kernel(shape: tuple[int, ...]) -> int:
