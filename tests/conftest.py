@@ -19,10 +19,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-# The files whose tests take longest start first: pytest-xdist (--dist loadfile) hands out whole files in
-# collection order, and a long file handed out last keeps one worker busy while the other has nothing left.
-FIRST = ("test_train.py", "test_ui.py", "test_durability.py", "test_speed.py", "test_multiprocess.py",
-         "test_adapter_kinds.py", "test_faults.py")
+# The files whose tests take longest start first, longest first: pytest-xdist (--dist loadfile, with
+# --no-loadscope-reorder in pyproject's addopts, or it sorts the files by their number of tests) hands out
+# whole files in collection order, and a long file handed out last keeps one worker busy while the other has
+# nothing left.
+FIRST = ("test_train.py", "test_speed.py", "test_ui.py", "test_adapter_kinds.py", "test_multiprocess.py",
+         "test_durability.py", "test_frontends.py", "test_compare_kinds.py", "test_qlora.py",
+         "test_plans_roundtrip.py", "test_demo_base.py", "test_cache_reuse.py", "test_export.py")
 
 
 def pytest_collection_modifyitems(config, items):
