@@ -529,7 +529,7 @@ class LLMConfig(Section):
         "What colour is a ripe banana?", "Reverse the word: garden", "Count from one to five."], description=(
         "Prompts answered greedily before and after training (and every preview.every steps)."))
     max_new_tokens: int = Field(48, ge=1, description="The longest preview answer, in tokens.")
-    loss_chunk: int = Field(1024, ge=16, description=(
+    loss_chunk: int = Field(256, ge=16, description=(
         "Tokens per cross-entropy chunk, so the full fp32 logits are never held at once; lower saves memory."))
     offload_activations: bool = Field(False, description=(
         "With train.gradient_checkpointing: keep each checkpointed decoder layer's input in host memory "

@@ -48,8 +48,8 @@ class LLMActivations:
 
 
 def activation_bytes(config, batch_size: int, max_length: int, checkpointing: bool,
-                     compute_dtype: torch.dtype = torch.bfloat16, loss_chunk: int = 1024,
-                     offload: bool = False) -> LLMActivations:
+                     compute_dtype: torch.dtype = torch.bfloat16, loss_chunk: int = 256,
+                     offload: bool = False, head_trained: bool = False) -> LLMActivations:
     """The step's activations for rows padded to max_length. Checkpointed: each layer keeps its input,
     and one layer at a time is recomputed whole in backward. Offloaded (llm.offload_activations): the
     inputs wait in host memory, one at a time on the device."""
@@ -62,7 +62,12 @@ def activation_bytes(config, batch_size: int, max_length: int, checkpointing: bo
         saved, recompute = (1 if offload else layers) * tokens * h * elt + head_input, per_layer
     else:
         saved, recompute = layers * per_layer + head_input, 0
-    loss = min(loss_chunk, tokens) * vocab * (elt + 4 + 4)
+    # One chunk's logits at a time. A frozen head (llm/loss.py's head_cross_entropy): the head's output and
+    # its fp32 copy, then that copy and the gradient in the head's dtype. A trained head (checkpointed
+    # chunks, recomputed in the backward): the output's fp32 copy, the log-softmax kept for the backward and
+    # the gradient coming back through it, all fp32. Both as torch's MemTracker counts them
+    # (benchmarks/llm_loss_memory.py, tests/test_llm.py).
+    loss = min(loss_chunk, tokens) * vocab * (4 + 4 + 4 if head_trained else elt + 4)
     return LLMActivations(saved, recompute, loss, tokens)
 
 
@@ -77,11 +82,13 @@ def format_activations(a: LLMActivations, checkpointing: bool, compute_dtype: to
 
 def step_estimate(config, *, weights: int, trainable_params: int, optimizer: str, batch_size: int,
                   max_length: int, checkpointing: bool, compute_dtype: torch.dtype,
-                  loss_chunk: int, offload: bool = False) -> tuple[dict[str, int], LLMActivations]:
+                  loss_chunk: int, offload: bool = False,
+                  head_trained: bool = False) -> tuple[dict[str, int], LLMActivations]:
     """The step's expected peak on the accelerator by part (bytes), and the activations' detail."""
     from ..core.memory import state_bytes
 
-    acts = activation_bytes(config, batch_size, max_length, checkpointing, compute_dtype, loss_chunk, offload)
+    acts = activation_bytes(config, batch_size, max_length, checkpointing, compute_dtype, loss_chunk, offload,
+                            head_trained)
     adapter = state_bytes(trainable_params, optimizer)
     return ({"frozen weights": weights, "adapter (fp32)": adapter["adapter"], "gradients": adapter["gradients"],
              "optimizer": adapter["optimizer"], "activations": acts.total, "workspace": WORKSPACE}, acts)
@@ -127,8 +134,16 @@ def config_memory(cfg, config, model=None, plan=None) -> tuple[Plan, LLMMemory]:
                                 optimizer=cfg.train.optimizer, batch_size=cfg.train.batch_size,
                                 max_length=cfg.llm.max_length, checkpointing=cfg.train.gradient_checkpointing,
                                 compute_dtype=compute, loss_chunk=cfg.llm.loss_chunk,
-                                offload=cfg.llm.offload_activations)
+                                offload=cfg.llm.offload_activations, head_trained=trains_head(plan))
     return plan, LLMMemory(parts, acts, weights, compute)
+
+
+def trains_head(plan: Plan) -> bool:
+    """Whether the plan puts an adapter on the output head (an override can): its loss then runs the
+    checkpointed chunks, which hold more per chunk (llm/loss.py)."""
+    from .model import keep_head
+
+    return any(keep_head(s.name) for s in plan.targets)
 
 
 @dataclass

@@ -175,7 +175,7 @@ class LLMTask(Task):
     def _estimate(self, run: Run) -> None:
         """The step's expected peak (llm/memory.py), from the weights as loaded: what `llm plan` prints."""
         from ..core.memory import GiB
-        from .memory import step_estimate
+        from .memory import step_estimate, trains_head
 
         cfg = self.cfg
         frozen = sum(p.numel() * p.element_size() for n, p in self.lm.named_parameters() if not inject.is_adapter_param(n))
@@ -183,7 +183,8 @@ class LLMTask(Task):
                                  optimizer=cfg.train.optimizer, batch_size=cfg.train.batch_size,
                                  max_length=cfg.llm.max_length, checkpointing=cfg.train.gradient_checkpointing,
                                  compute_dtype=self.quant[1]["compute_dtype"] if self.quant[0] else self.dtype,
-                                 loss_chunk=cfg.llm.loss_chunk, offload=cfg.llm.offload_activations)
+                                 loss_chunk=cfg.llm.loss_chunk, offload=cfg.llm.offload_activations,
+                                 head_trained=trains_head(self.plan))
         total = sum(parts.values())
         log.info("memory estimate (batch %d x %d tokens): %s; peak %.2f GiB", cfg.train.batch_size,
                  cfg.llm.max_length, ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items()), total / GiB)
