@@ -181,8 +181,9 @@ def test_previews_run_each_kind_merged_and_training_resumes_on_the_same_weights(
         got = unet(**x).sample
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert not any(m.merged for m in tuners)
+    after = dict([*unet.named_parameters(), *unet.named_buffers()])
     for name, (tensor, value) in state.items():
-        now = dict([*unet.named_parameters(), *unet.named_buffers()])[name]
+        now = after[name]
         assert now.data_ptr() == tensor.data_ptr() and torch.equal(now, value), name
     attn = next(m for m in unet.modules() if hasattr(m, "fused_qkv"))
     fused = attn.fused_qkv.weight
