@@ -270,6 +270,10 @@ def run_sft(args, kind: str) -> dict:
     return {"tokens_per_s": (n1 - n0) / (t1 - t0) if t1 > t0 else math.nan,
             "tokens_per_step": round((n1 - n0) / (len(marks) - args.warmup)), "first_step_s": marks[0][0] - args.launch,
             "loss": losses[-1] if losses else mean_loss,
+            # What the trainer stepped with: unsloth's patched SFTConfig changes TRL's defaults (it did for
+            # gradient accumulation), and an 8-bit optimizer's state is a quarter of AdamW's.
+            "optim": str(trainer.args.optim), "adapter_dtype": str(next(
+                p.dtype for n, p in trainer.model.named_parameters() if p.requires_grad)),
             "versions": _versions("torch", "transformers", "peft", "accelerate", "bitsandbytes", "trl", "datasets",
                                   "liger-kernel", "unsloth", "unsloth_zoo")}
 
