@@ -159,15 +159,18 @@ class Plan:
         return list(rows.values())
 
 
-def exact_patterns(values: dict[str, object], default: object = None) -> dict[str, object]:
+_EVERY = object()
+
+
+def exact_patterns(values: dict[str, object], default: object = _EVERY) -> dict[str, object]:
     """peft rank_pattern / alpha_pattern entries that give each module path its value: one anchored
-    alternation of full paths per distinct value (modules at `default` left out). Anchored, because peft
-    matches a pattern by suffix, which could catch a deeper module of the same tail. One pattern per value,
-    not per module, because peft tries every pattern against every module, twice (a per-module pattern
-    set on SDXL's UNet costs a second of the launch)."""
+    alternation of full paths per distinct value (modules at `default`, the config's own r or alpha, left
+    out). Anchored, because peft matches a pattern by suffix, which could catch a deeper module of the same
+    tail. One pattern per value, not per module, because peft tries every pattern against every module,
+    twice, at every injection (benchmarks/inject_time.py)."""
     by_value: dict[object, list[str]] = {}
     for name, v in values.items():
-        if v != default:
+        if default is _EVERY or v != default:
             by_value.setdefault(v, []).append(name)
     return {"^(?:" + "|".join(re.escape(n) for n in sorted(names)) + ")$": v for v, names in by_value.items()}
 

@@ -68,8 +68,9 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 probs.div_(total)                                 # softmax
                 probs.scatter_add_(1, target, torch.full_like(target, -1, dtype=probs.dtype))
                 probs.mul_(kept[:, None])                         # ignored positions: no gradient
-                # In the head output's dtype, as autograd would take the logits' gradient through it.
-                grad[start:end] = probs.to(out_dtype) @ weight.to(out_dtype)
+                # In the head output's dtype, as autograd would take the logits' gradient through it (under
+                # autocast the matmul casts the weight as F.linear did).
+                grad[start:end] = probs.to(out_dtype) @ weight
             del logits, probs
         ctx.save_for_backward(grad)
         return losses
