@@ -101,6 +101,43 @@ def _family_folder(tmp_path, family: str, tokenizer):
     return folder
 
 
+@pytest.mark.parametrize("head", ["frozen", "trained"])
+def test_gemma2s_soft_capped_logits_get_transformers_loss_and_gradients_a_chunk_at_a_time(head, tmp_path,
+                                                                                       tiny_tokenizer):
+    # Gemma 2 soft-caps its logits (cap * tanh(logits / cap)) inside its forward. The loss takes the hidden
+    # states and caps each chunk itself, so Gemma 2 trains without the full logits, with transformers' own
+    # loss and gradients; the model's forward caps as before once the loss is done.
+    from transformers import AutoModelForCausalLM
+
+    from sdxl_lora.llm.loss import response_loss
+
+    folder = _family_folder(tmp_path, "gemma2", tiny_tokenizer)
+    torch.manual_seed(0)
+    ids = torch.randint(3, len(tiny_tokenizer), (2, 40))
+    labels = ids.clone()
+    labels[:, :9] = -100
+    batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(40)[None].repeat(2, 1)}
+
+    def grads(ours: bool):
+        model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").train()
+        assert model.config.final_logit_softcapping
+        model.lm_head.requires_grad_(head == "trained")
+        if ours:
+            loss = response_loss(model, model, batch, chunk=16)
+        else:
+            loss = model(input_ids=ids, position_ids=batch["position_ids"], labels=labels, use_cache=False).loss
+        loss.backward()
+        return model, loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    (model, loss, got), (_, want_loss, want) = grads(True), grads(False)
+    assert loss == pytest.approx(float(want_loss), rel=1e-5)
+    assert ("lm_head.weight" in got) == (head == "trained")
+    for n, g in want.items():
+        assert torch.allclose(got[n], g, rtol=1e-4, atol=1e-7), n
+    with torch.no_grad():  # the forward caps its logits again
+        assert model(input_ids=ids).logits.abs().max() <= model.config.final_logit_softcapping
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_each_decoder_family_plans_trains_exports_and_merges(family, tmp_path, tiny_tokenizer, capsys):
     from peft import PeftModel

@@ -7,8 +7,9 @@ the cross-entropy then run over chunks of llm.loss_chunk tokens, so at most one 
 time. A frozen head (the usual case: the adapter leaves it alone) goes through `head_cross_entropy`, which
 takes each chunk's gradient with respect to the hidden states in the forward pass, while its logits exist,
 and keeps only that; a head with trainable weights (an override put an adapter on it) runs each chunk under
-activation checkpointing instead, recomputed in the backward pass. The forward still goes through the
-(possibly DDP-wrapped) model's own __call__, so gradient sync works as usual.
+activation checkpointing instead, recomputed in the backward pass. Logit soft-capping (Gemma 2) is applied
+by the loss, chunk by chunk, not by the model. The forward still goes through the (possibly DDP-wrapped)
+model's own __call__, so gradient sync works as usual.
 """
 from __future__ import annotations
 
@@ -24,16 +25,26 @@ from .data import IGNORE
 
 @contextlib.contextmanager
 def _hidden_only(lm):
+    """The model's forward returning its final hidden states: the head an identity, and logit soft-capping
+    (Gemma 2 caps the logits after the head, inside forward) left to the loss."""
     head = lm.get_output_embeddings()
+    cap = getattr(lm.config, "final_logit_softcapping", None)
     lm.set_output_embeddings(nn.Identity())
+    if cap:
+        lm.config.final_logit_softcapping = None
     try:
-        yield head
+        yield head, cap
     finally:
         lm.set_output_embeddings(head)
+        if cap:
+            lm.config.final_logit_softcapping = cap
 
 
-def _chunk_ce(head: nn.Module, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(h).float(), y, ignore_index=IGNORE, reduction="none")
+def _chunk_ce(head: nn.Module, h: torch.Tensor, y: torch.Tensor, cap: float | None = None) -> torch.Tensor:
+    logits = head(h).float()
+    if cap:  # Gemma 2's soft-capping: cap * tanh(logits / cap)
+        logits = torch.tanh(logits / cap) * cap
+    return F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="none")
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
@@ -42,12 +53,13 @@ class _HeadCrossEntropy(torch.autograd.Function):
     times the loss's incoming gradient at t: the forward computes the first factor while the chunk's fp32
     logits exist, in place in them, and saves it (tokens x hidden, h's dtype); the backward only scales it.
     Against checkpointed chunks (`_chunk_ce`) this holds one fp32 logits buffer per chunk, not the logits,
-    their log-softmax and its gradient, and skips the head's second forward in the backward pass.
+    their log-softmax and its gradient, and skips the head's second forward in the backward pass. With
+    soft-capping (`cap`: logits = cap * tanh(z / cap)), a second buffer holds tanh(z / cap) for the chain rule.
     Written here because torch and transformers have no loss that leaves the logits unsaved (Liger's and
     cut-cross-entropy's are Triton kernels outside the stack)."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, y, chunk):
+    def forward(ctx, h, weight, bias, y, chunk, cap):
         losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         for start in range(0, h.shape[0], chunk):
@@ -55,6 +67,10 @@ class _HeadCrossEntropy(torch.autograd.Function):
             out = F.linear(h[start:end], weight, bias)
             out_dtype, logits = out.dtype, out.float()
             del out
+            slope = None
+            if cap:
+                slope = logits.div_(cap).tanh_()                  # in place: tanh(z / cap)
+                logits = slope * cap
             yc = y[start:end]
             kept = yc != IGNORE
             target = yc.clamp(min=0)[:, None]
@@ -68,23 +84,27 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 probs.div_(total)                                 # softmax
                 probs.scatter_add_(1, target, torch.full_like(target, -1, dtype=probs.dtype))
                 probs.mul_(kept[:, None])                         # ignored positions: no gradient
+                if slope is not None:                             # through the cap: d/dz = 1 - tanh^2
+                    probs.mul_(slope.mul_(slope).neg_().add_(1))
                 # In the head output's dtype, as autograd would take the logits' gradient through it (under
                 # autocast the matmul casts the weight as F.linear did).
                 grad[start:end] = probs.to(out_dtype) @ weight
-            del logits, probs
+            del logits, probs, slope
         ctx.save_for_backward(grad)
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses):
         (grad,) = ctx.saved_tensors
-        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None
+        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None, None
 
 
-def head_cross_entropy(h: torch.Tensor, head: nn.Linear, y: torch.Tensor, chunk: int) -> torch.Tensor:
+def head_cross_entropy(h: torch.Tensor, head: nn.Linear, y: torch.Tensor, chunk: int,
+                       cap: float | None = None) -> torch.Tensor:
     """Per-token cross-entropy (0 where y is IGNORE) of `head` (a frozen nn.Linear) on hidden states
-    h (tokens x hidden), `chunk` tokens at a time; see _HeadCrossEntropy."""
-    return _HeadCrossEntropy.apply(h, head.weight, head.bias, y, chunk)
+    h (tokens x hidden), `chunk` tokens at a time, the logits soft-capped at `cap` if given; see
+    _HeadCrossEntropy."""
+    return _HeadCrossEntropy.apply(h, head.weight, head.bias, y, chunk, cap)
 
 
 def _frozen_linear(head: nn.Module) -> bool:
@@ -96,24 +116,19 @@ def token_losses(model: nn.Module, lm: nn.Module, batch: dict[str, torch.Tensor]
     (0 where token t+1 carries no label). `model` is what to call (the prepared model), `lm` the
     transformers model inside it."""
     ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
-    # Logit soft-capping (Gemma 2) happens after the head inside forward: there the plain path is right.
-    if getattr(lm.config, "final_logit_softcapping", None):
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, :-1]
-        y = labels[:, 1:]
-        return F.cross_entropy(logits.float().transpose(1, 2), y, ignore_index=IGNORE, reduction="none")
-    with _hidden_only(lm) as head:
+    with _hidden_only(lm) as (head, cap):
         hidden = model(input_ids=ids, position_ids=pos, use_cache=False).logits
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     y = labels[:, 1:].reshape(-1)
     if _frozen_linear(head):
-        return head_cross_entropy(h, head, y, chunk).view(ids.shape[0], -1)
+        return head_cross_entropy(h, head, y, chunk, cap).view(ids.shape[0], -1)
     parts = []
     for start in range(0, h.shape[0], chunk):
         hc, yc = h[start:start + chunk], y[start:start + chunk]
         if torch.is_grad_enabled():
-            parts.append(checkpoint(_chunk_ce, head, hc, yc, use_reentrant=False))
+            parts.append(checkpoint(_chunk_ce, head, hc, yc, cap, use_reentrant=False))
         else:
-            parts.append(_chunk_ce(head, hc, yc))
+            parts.append(_chunk_ce(head, hc, yc, cap))
     return torch.cat(parts).view(ids.shape[0], -1)
 
 

@@ -65,9 +65,10 @@ def activation_bytes(config, batch_size: int, max_length: int, checkpointing: bo
     # One chunk's logits at a time. A frozen head (llm/loss.py's head_cross_entropy): the head's output and
     # its fp32 copy, then that copy and the gradient in the head's dtype. A trained head (checkpointed
     # chunks, recomputed in the backward): the output's fp32 copy, the log-softmax kept for the backward and
-    # the gradient coming back through it, all fp32. Both as torch's MemTracker counts them
-    # (benchmarks/llm_loss_memory.py, tests/test_llm.py).
-    loss = min(loss_chunk, tokens) * vocab * (4 + 4 + 4 if head_trained else elt + 4)
+    # the gradient coming back through it, all fp32. Logit soft-capping (Gemma 2) keeps one more fp32 buffer
+    # (the tanh) either way. As torch's MemTracker counts them (benchmarks/llm_loss_memory.py, tests/test_llm.py).
+    capped = 4 if getattr(config, "final_logit_softcapping", None) else 0
+    loss = min(loss_chunk, tokens) * vocab * ((4 + 4 + 4 if head_trained else elt + 4) + capped)
     return LLMActivations(saved, recompute, loss, tokens)
 
 
