@@ -4,7 +4,7 @@ after AOTAutograd's min-cut partition, what inductor's partitioner also keeps; c
 `llm plan`'s count (llm/memory.py: layer_bytes_per_token). With checkpointing this is what one layer's
 recomputation holds during the backward, the step's peak at batch 4 x 2048 on Llama-3-8B.
 
-    python3 benchmarks/llm_layer_memory.py --shape 8b --tokens 64
+    python3 benchmarks/llm_layer_memory.py --shape 8b --tokens 2048 --budgets 1.0 0.8 0.6 0.4
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def eager_saved(layer, x, pos) -> int:
 
     def pack(t):
         st = t.untyped_storage()
-        if st.data_ptr() not in weights:  # the frozen weights are kept for the input's gradient, not activations
+        # per token: tensors with a token dim (not the frozen weights, nor the adapter's weight casts)
+        if st.data_ptr() not in weights and x.shape[1] in t.shape:
             seen[st.data_ptr()] = st.nbytes()
         return t
 
@@ -58,40 +59,47 @@ def eager_saved(layer, x, pos) -> int:
     return sum(seen.values())
 
 
-def compiled_saved(layer, x, pos, budget: float = 1.0) -> tuple[int, int]:
+class _Partitioned(Exception):
+    """Raised by the backward's compiler once both graphs are known: nothing needs to run."""
+
+
+def compiled_saved(layer, x, pos, budget: float = 1.0) -> tuple[int, int, bool]:
+    """(bytes per token the forward graph hands its backward, the backward's matmul FLOPs per token, whether
+    the backward runs the attention's forward again) for the layer compiled at `budget`. Only the partition is made (the
+    partitioner's choices depend on the sequence length, so this runs at the real one without executing it):
+    saved tensors with a token dim count; the weights and the layer's input are graph inputs and do not."""
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
-    counted = []
+    tokens = x.shape[1]
+    got: dict[str, object] = {}
 
-    def fw(gm, example_inputs):
-        out = next(n for n in gm.graph.nodes if n.op == "output")
-        results = out.args[0]
-        # The forward returns the layer's outputs first, then what the backward needs.
-        saved = results[1:] if len(results) > 1 else []
-        total = 0
-        for node in saved:
-            v = node.meta.get("val") if hasattr(node, "meta") else None
-            # graph inputs handed on (the weights, the layer's input, the rotary tables) are not activations
-            if isinstance(v, torch.Tensor) and node.op != "placeholder":
-                total += v.numel() * v.element_size()
-        counted.append((total, gm))
-        return gm
+    def partition(joint, inputs, **kwargs):
+        fw_module, bw_module = min_cut_rematerialization_partition(joint, inputs, **kwargs)
+        got["flops"] = _matmul_flops(bw_module)
+        # attention's forward run again in the backward (its own backward op is another)
+        got["attention_again"] = any("_scaled_dot_product" in str(n.target) and "backward" not in str(n.target)
+                                     for n in bw_module.graph.nodes if n.op == "call_function")
+        out = next(n for n in fw_module.graph.nodes if n.op == "output")
+        saved = 0
+        for node in out.args[0][1:]:  # the layer's output first, then what the backward needs
+            v = node.meta.get("val")
+            if isinstance(v, torch.Tensor) and node.op != "placeholder" and tokens in v.shape:
+                saved += v.numel() * v.element_size()
+        got["saved"] = saved
+        raise _Partitioned()
 
     torch._dynamo.reset()
     torch._functorch.config.activation_memory_budget = budget  # train.compile_activation_budget's knob
-    def bw(gm, example_inputs):
-        flops.append(_matmul_flops(gm))
-        return gm
-
-    flops: list[int] = []
-    backend = aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=min_cut_rematerialization_partition)
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=lambda gm, _: gm, partition_fn=partition)
     compiled = torch.compile(layer, backend=backend, fullgraph=False)
-    with torch.autocast("cpu", torch.bfloat16):
-        out = compiled(x, position_embeddings=pos)
-    out = out[0] if isinstance(out, tuple) else out
-    out.float().sum().backward()
-    return sum(t for t, _ in counted), sum(flops)
+    try:
+        with torch.autocast("cpu", torch.bfloat16):
+            compiled(x, position_embeddings=pos)
+    except Exception:  # dynamo wraps the partition's _Partitioned
+        if "saved" not in got:
+            raise
+    return got["saved"] // tokens, got["flops"] // tokens, got["attention_again"]
 
 
 def _matmul_flops(gm) -> int:
@@ -107,31 +115,27 @@ def _matmul_flops(gm) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
-    ap.add_argument("--tokens", type=int, default=64, help="measured at this many tokens and twice as many: the "
-                    "difference is per token (the adapter's weight casts, the same at any length, drop out)")
+    ap.add_argument("--tokens", type=int, default=2048, help="the sequence length (one row)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[1.0], help="compiled: activation memory budgets")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager count (it runs the layer)")
     a = ap.parse_args()
     from sdxl_lora.llm.memory import layer_bytes_per_token
 
     config, layer, rope = build(a.shape, torch.bfloat16)
-
-    def inputs(n):
-        x = torch.randn(1, n, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-        return x, rope(x, torch.arange(n)[None])
-
-    def per_token(measure) -> float:
-        lo, hi = measure(*inputs(a.tokens)), measure(*inputs(2 * a.tokens))
-        return (hi - lo) / a.tokens
-
-    print(f"{a.shape}: hidden {config.hidden_size}, MLP {config.intermediate_size}, bf16 autocast, "
+    x = torch.randn(1, a.tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    pos = rope(x, torch.arange(a.tokens)[None])
+    print(f"{a.shape}: hidden {config.hidden_size}, MLP {config.intermediate_size}, {a.tokens} tokens, bf16 autocast, "
           f"LoRA r16 on all 7 linears; KiB per token kept for the backward")
     print(f"  planned (llm plan)               {layer_bytes_per_token(config, 2) / 1024:8.1f}")
-    print(f"  eager                            {per_token(lambda x, p: eager_saved(layer, x, p)) / 1024:8.1f}")
+    if not a.no_eager:
+        print(f"  eager                            {eager_saved(layer, x, pos) / a.tokens / 1024:8.1f}")
+    base = None
     for b in a.budgets:
-        got = per_token(lambda x, p: compiled_saved(layer, x, p, b)[0])
-        flops = per_token(lambda x, p: compiled_saved(layer, x, p, b)[1])
-        print(f"  compiled, activation budget {b:<4g} {got / 1024:8.1f}   (backward matmuls {flops / 1e6:.1f} MFLOP per token)")
-
+        saved, flops, again = compiled_saved(layer, x, pos, b)
+        base = flops if base is None else base
+        print(f"  compiled, activation budget {b:<4g} {saved / 1024:8.1f}   backward matmuls {flops / 1e6:6.1f} MFLOP "
+              f"per token ({(flops - base) / 1e6:+.1f} against the first budget)"
+              f"{'; the attention recomputed' if again else ''}", flush=True)
 
 if __name__ == "__main__":
     main()
