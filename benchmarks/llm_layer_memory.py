@@ -128,7 +128,11 @@ def main() -> None:
           f"LoRA r16 on all 7 linears; KiB per token kept for the backward")
     print(f"  planned (llm plan)               {layer_bytes_per_token(config, 2) / 1024:8.1f}")
     if not a.no_eager:
-        print(f"  eager                            {eager_saved(layer, x, pos) / a.tokens / 1024:8.1f}")
+        from sdxl_lora.core.inject import adapters_take_autocast_inputs
+
+        print(f"  eager, peft casting each input   {eager_saved(layer, x, pos) / a.tokens / 1024:8.1f}")
+        adapters_take_autocast_inputs(layer)
+        print(f"  eager, autocast casting (now)    {eager_saved(layer, x, pos) / a.tokens / 1024:8.1f}")
     base = None
     for b in a.budgets:
         saved, flops, again = compiled_saved(layer, x, pos, b)

@@ -208,6 +208,55 @@ def test_the_frozen_heads_loss_holds_one_chunk_of_logits_as_llm_plan_counts(cap)
     assert planned(False) <= 1.15 * fused and planned(True) <= 1.15 * ckpt, (fused, ckpt)
 
 
+def test_under_autocast_the_adapters_keep_each_input_once_with_the_same_gradients(tiny_llm, tmp_path):
+    # A bf16 run (a GPU's, or train.mixed_precision='bf16' here) trains the fp32 adapter under autocast. peft's
+    # own cast of each adapter's input to fp32 made a copy per layer that autocast cast back, and each layer
+    # kept its copy for the backward (q, k and v three of one input). The run turns it off: the step keeps less,
+    # the gradients are the same bit for bit (the bf16 -> fp32 -> bf16 round trip is exact).
+    from sdxl_lora.core import inject
+    from sdxl_lora.core.config import AdapterConfig
+    from sdxl_lora.llm import slots as llm_slots
+
+    ids = torch.randint(3, 400, (2, 45), generator=torch.Generator().manual_seed(0))
+
+    def step(take: bool):
+        model = _base(tiny_llm).to(torch.bfloat16).train()
+        torch.manual_seed(0)
+        inject.apply_plan(model, llm_slots.make_plan(model, AdapterConfig(preset="full", rank=4)))
+        if take:
+            assert inject.adapters_take_autocast_inputs(model) > 0
+        kept: dict[int, int] = {}
+
+        def pack(t):
+            if ids.shape[1] in t.shape or ids.numel() in t.shape:  # activations (a token dim), not weights
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return sum(kept.values()), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    (before, want), (after, got) = step(False), step(True)
+    assert after < 0.9 * before, (before, after)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+    # A bf16 run sets it up so; its previews, evaluation and export run as before.
+    from sdxl_lora.core.loop import Trainer
+    from sdxl_lora.core.runs import create_run
+    from sdxl_lora.llm.task import LLMTask
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    cfg = load_config(extra={"task": "llm", "output.runs_dir": str(tmp_path), "output.name": "bf16", "train.steps": 2,
+                             "train.mixed_precision": "bf16", "llm.max_length": 64, "llm.max_new_tokens": 4})
+    trainer = Trainer(cfg, LLMTask(cfg), create_run(cfg))
+    trainer.setup()
+    layers = [m for m in trainer.task.lm.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers and not any(m.cast_input_dtype_enabled for m in layers)
+    trainer.fit()
+    assert (tmp_path / "bf16" / "adapter" / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_rows_keep_examples_apart(tiny_llm, tokenizer, attn):
     cfg = load_config(extra={"task": "llm"}).llm

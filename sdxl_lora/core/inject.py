@@ -293,6 +293,19 @@ def apply_plan(model: nn.Module, plan: Plan, dropout: float = 0.0, adapter_name:
             p.requires_grad_(True)
 
 
+def adapters_take_autocast_inputs(model: nn.Module) -> int:
+    """Stop peft's adapter layers casting their input to their fp32 weights' dtype, for a model whose every
+    forward runs under autocast: there the cast is a copy per layer that autocast casts back for the matmul,
+    and that copy is what the layer keeps for its backward, so q, k and v each keep a copy of one input
+    (benchmarks/llm_layer_memory.py). Autocast casts the weights instead; the same products. Returns how many."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for m in layers:
+        m.cast_input_dtype_enabled = False
+    return len(layers)
+
+
 def scheduled_ranks(plan: Plan, original: Plan, target_base: int, lo: int) -> dict[str, int]:
     """Each slot's rank when the base rank shrinks to `target_base`: its rank in the original plan times
     target_base / original base, rounded, at least `lo`, and never above its current rank."""

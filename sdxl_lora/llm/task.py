@@ -104,6 +104,8 @@ class LLMTask(Task):
             run.event("budget", budget=budget, trainable_params=self.plan.trainable_params,
                       sensitivity={k: round(v, 6) for k, v in sensitivity.items()})
         inject.apply_plan(self.lm, self.plan, dropout=cfg.adapter.dropout)
+        if self.dtype != torch.float32:  # every forward of the task runs under the accelerator's autocast
+            inject.adapters_take_autocast_inputs(self.lm)
         self.initial = None  # PiSSA/OLoRA: the injected factors, which the export subtracts (llm/init.py)
         if cfg.adapter.init in ("pissa", "olora"):
             from peft import get_peft_model_state_dict
