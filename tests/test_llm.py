@@ -241,19 +241,34 @@ def test_under_autocast_the_adapters_keep_each_input_once_with_the_same_gradient
     assert after < 0.9 * before, (before, after)
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
 
-    # A bf16 run sets it up so; its previews, evaluation and export run as before.
-    from sdxl_lora.core.loop import Trainer
-    from sdxl_lora.core.runs import create_run
-    from sdxl_lora.llm.task import LLMTask
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    # A bf16 run sets it up so; its previews, evaluation and export run as before. (Its own process: the
+    # accelerator's precision is fixed for a process at its first use.)
+    import os
+    import subprocess
+    import sys
+    import textwrap
 
-    cfg = load_config(extra={"task": "llm", "output.runs_dir": str(tmp_path), "output.name": "bf16", "train.steps": 2,
-                             "train.mixed_precision": "bf16", "llm.max_length": 64, "llm.max_new_tokens": 4})
-    trainer = Trainer(cfg, LLMTask(cfg), create_run(cfg))
-    trainer.setup()
-    layers = [m for m in trainer.task.lm.modules() if isinstance(m, BaseTunerLayer)]
-    assert layers and not any(m.cast_input_dtype_enabled for m in layers)
-    trainer.fit()
+    script = textwrap.dedent(f"""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from sdxl_lora.core.config import load_config
+        from sdxl_lora.core.loop import Trainer
+        from sdxl_lora.core.runs import create_run
+        from sdxl_lora.llm.task import LLMTask
+
+        cfg = load_config(extra={{"task": "llm", "output.runs_dir": {str(tmp_path)!r}, "output.name": "bf16",
+                                  "train.steps": 2, "train.mixed_precision": "bf16", "llm.max_length": 64,
+                                  "llm.max_new_tokens": 4}})
+        trainer = Trainer(cfg, LLMTask(cfg), create_run(cfg))
+        trainer.setup()
+        layers = [m for m in trainer.task.lm.modules() if isinstance(m, BaseTunerLayer)]
+        print("layers", len(layers), "casting", sum(m.cast_input_dtype_enabled for m in layers))
+        trainer.fit()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = next(line for line in done.stdout.splitlines() if line.startswith("layers")).split()
+    assert int(counts[1]) > 0 and counts[3] == "0"
     assert (tmp_path / "bf16" / "adapter" / "adapter_model.safetensors").is_file()
 
 
