@@ -297,7 +297,9 @@ def adapters_take_autocast_inputs(model: nn.Module) -> int:
     """Stop peft's adapter layers casting their input to their fp32 weights' dtype, for a model whose every
     forward runs under autocast: there the cast is a copy per layer that autocast casts back for the matmul,
     and that copy is what the layer keeps for its backward, so q, k and v each keep a copy of one input
-    (benchmarks/llm_layer_memory.py). Autocast casts the weights instead; the same products. Returns how many."""
+    (benchmarks/llm_layer_memory.py). Autocast casts the weights instead; the same products. Returns how many.
+    Not peft.helpers.disable_input_dtype_casting: it holds for a with-block only, and a checkpointed layer is
+    recomputed in the backward, outside it (with other saved tensors, which checkpointing refuses)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
