@@ -210,13 +210,17 @@ def _events(path: Path) -> list[dict]:
 
 def _measured(events: list[dict], args) -> bool:
     """Whether a long run has given what is measured: --steps steps, or with a background compilation
-    (the "compiled" event) --after-compile steps past the first step logged after the switch."""
+    (the "compiled" event) --after-compile steps past the first step logged after the switch (whose window
+    holds the graphs' capture). Either way at least two step events of the steady window measure() times:
+    step events come every train.log_every steps, so a window of fewer steps than that needs more."""
     steps = [e for e in events if e["event"] == "step"]
     compiled = next((e for e in events if e["event"] == "compiled"), None)
     if compiled is not None and args.after_compile:
-        after = [e for e in steps if e["time"] > compiled["time"]]
-        return bool(after) and after[-1]["step"] >= after[0]["step"] + args.after_compile
-    return bool(steps) and steps[-1]["step"] >= args.steps and not (args.after_compile and _compiling(events))
+        steady = [e for e in steps if e["time"] > compiled["time"]][1:]
+        return len(steady) >= 2 and steady[-1]["step"] >= steady[0]["step"] + args.after_compile
+    steady = [e for e in steps if e["step"] > args.warmup]
+    return (len(steady) >= 2 and steps[-1]["step"] >= args.steps
+            and not (args.after_compile and _compiling(events)))
 
 
 def _compiling(events: list[dict]) -> bool:
@@ -330,7 +334,7 @@ def main() -> int:
     ap.add_argument("--images", type=int, default=48)
     ap.add_argument("--set", action="append", default=[], help="more overrides for every setting")
     ap.add_argument("--tiny", action="store_true", help="the tiny SDXL on the CPU: a smoke test of this script")
-    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--json", type=Path, help="also append each run's result here, one JSON line each")
     ap.add_argument("--again", action="store_true", help="run each setting a second time right after the first: "
                                                            "inductor's cache and the latent cache warm, as a "
                                                            "user's next run on the same machine")
@@ -350,8 +354,9 @@ def main() -> int:
             r = measure(name, args, model, data, args.work / "runs", again=again)
             results.append(r)
             print(json.dumps(r), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+            if args.json:  # appended as each run ends: calls that share a file keep every run's line
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(r) + "\n")
     return 0 if all(r["rc"] == 0 for r in results) else 1
 
 
