@@ -11,7 +11,7 @@ move the text encoders and the VAE to the GPU and back, which each preview set d
 --levers then times the set (search off, as the trainer renders) as a training run's UNet renders it: with the
 default adapter plan injected and the default levers (fused q/k/v, merged LoRA products), with the adapter
 merged into copies of the weights for the set (inject.merged_for_inference: how the trainer's previews render),
-then with its weights channels_last as well (a compiled run's eager previews). --device cpu with the tiny model
+then with its weights channels_last, unmerged and merged (the latter: a compiled run's eager previews). --device cpu with the tiny model
 is this script's smoke test.
 """
 from __future__ import annotations
@@ -95,7 +95,9 @@ def main() -> None:
         sync()
         print(json.dumps({"merge_s": round(merge_s, 2), "restore_s": round(time.perf_counter() - t, 2)}), flush=True)
         to_channels_last(unet)
-        time_set("the same with channels_last weights, benchmark off", False)
+        time_set("the adapter unmerged, channels_last weights, benchmark off", False)
+        with inject.merged_for_inference(unet):
+            time_set("merged for the set, channels_last weights (a compiled run's previews), benchmark off", False)
     t = time.perf_counter()
     for m in aux:
         m.to("cpu")
