@@ -893,6 +893,16 @@ def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_
     first = counts[("step", 1)]
     assert first > 0 and len(graphs) == first, [(k, s, n) for k, s, n in at]
 
+def _two_bucket_run(tmp_path) -> list[str]:
+    """`sdxl-lora train` arguments (but the name and the levers) for 4 steps of the tiny model on the CPU over two
+    buckets, every step logged, no previews: the background compilation's runs."""
+    two = _bucketed_dataset(tmp_path / "data", [(128, 128), (160, 96)], n=4)
+    return ["--model", "tiny-sdxl", "--data", str(two), "--out", str(tmp_path), "--steps", "4", "--batch-size", "1",
+            "--device", "cpu", "--set", "data.resolution=128", "--set", "data.bucket_step=32",
+            "--set", "train.save_every=0", "--set", "adapter.preset='attn'", "--set", "train.log_every=1",
+            "--set", "preview.prompts=''"]
+
+
 def test_background_compilation_compiles_on_its_own_thread_and_training_switches_to_it(tmp_path, monkeypatch):
     # train.background_compile: a second thread compiles every region for every bucket (two here) while the
     # training thread runs its first steps uncompiled (the step-0 evaluation before the thread starts). Counting the graphs the compiler is
@@ -930,11 +940,7 @@ def test_background_compilation_compiles_on_its_own_thread_and_training_switches
         return start(self, work, device)
 
     monkeypatch.setattr(speed.BackgroundCompile, "start", recording_start)
-    two = _bucketed_dataset(tmp_path / "data", [(128, 128), (160, 96)], n=4)
-    common = ["--model", "tiny-sdxl", "--data", str(two), "--out", str(tmp_path), "--steps", "4", "--batch-size", "1",
-              "--device", "cpu", "--set", "data.resolution=128", "--set", "data.bucket_step=32",
-              "--set", "train.save_every=0", "--set", "adapter.preset='attn'", "--set", "train.log_every=1",
-              "--set", "preview.prompts=''"]
+    common = _two_bucket_run(tmp_path)
     torch._dynamo.reset()
     assert main(["train", *common, "--name", "background", "--set", "train.compile='regional'",
                  "--set", "train.background_compile=true"]) == 0
@@ -953,6 +959,76 @@ def test_background_compilation_compiles_on_its_own_thread_and_training_switches
     assert bg.keys() == plain.keys()
     for k in bg:  # fp32 rounding apart (Adam scales tiny gradient differences up): a step of lr is 1e-3
         torch.testing.assert_close(bg[k], plain[k], rtol=1e-3, atol=1e-4, msg=k)
+
+
+def test_graphs_while_compiling_capture_the_uncompiled_model_first_then_the_compiled_one(tmp_path, monkeypatch):
+    # train.graphs_while_compiling: the uncompiled steps replay CUDA graphs while the blocks compile. A capture
+    # refuses CUDA work from another thread, so the compiling thread must start only after the uncompiled
+    # model's graphs exist; at the switch those graphs go and the compiled model's are captured. CUDA graphs
+    # cannot run on a CPU: a stand-in records when each set of graphs is made and calls the model as it is.
+    from safetensors.torch import load_file
+    from sdxl_lora.sdxl.task import SDXLTask
+    from torch._dynamo.backends.debugging import aot_eager
+
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", lambda gm, inputs: aot_eager(gm, inputs))
+    made = []  # per set of graphs: was the compiling thread started when it was made, and its calls
+
+    class Graphs:
+        def __init__(self, module, fn, **kw):
+            self.module, self.fn, self.calls = module, fn, 0
+            made.append({"compiler_started": speed.BACKGROUND.started, "graphs": self})
+
+        def __call__(self, *args):
+            self.calls += 1
+            return self.fn(*args)
+
+    monkeypatch.setattr(speed, "GraphedCall", Graphs)
+    start = SDXLTask.start
+
+    def on_cuda(self, model, autocast):  # as set-up decides on a CUDA GPU with train.cuda_graphs
+        self._graphed = True
+        return start(self, model, autocast)
+
+    monkeypatch.setattr(SDXLTask, "start", on_cuda)
+    at_start = []
+    bg_start = speed.BackgroundCompile.start
+
+    def recording_start(self, work, device):
+        at_start.append([(m["compiler_started"], m["graphs"].calls) for m in made])
+        return bg_start(self, work, device)
+
+    monkeypatch.setattr(speed.BackgroundCompile, "start", recording_start)
+    done = speed.BackgroundCompile.done
+    steps = []
+
+    def done_at_third_step(self):  # two steps replay the uncompiled graphs, then the switch waits for the thread
+        if len(steps) >= 2 and self._thread is not None:
+            self._thread.join()
+        steps.append(1)
+        return done(self)
+
+    monkeypatch.setattr(speed.BackgroundCompile, "done", done_at_third_step)
+    common = _two_bucket_run(tmp_path)
+    torch._dynamo.reset()
+    assert main(["train", *common, "--name", "graphed", "--set", "train.compile='regional'",
+                 "--set", "train.background_compile=true", "--set", "train.graphs_while_compiling=true"]) == 0
+    torch._dynamo.reset()
+    # The compiler started once, after the uncompiled model's graphs were made and had run the first step.
+    assert at_start == [[(False, 1)]], at_start
+    # Then, at the switch, the compiled model's graphs: two sets in all, the first one used for two steps.
+    assert [m["compiler_started"] for m in made] == [False, True], made
+    assert made[0]["graphs"].calls == 2 and made[1]["graphs"].calls == 2
+    events = read_events(tmp_path / "graphed" / "events.jsonl")
+    kinds = [e["event"] for e in events if e["event"] in ("step", "compiled")]
+    assert kinds == ["step", "step", "compiled", "step", "step"], kinds
+    assert next(e for e in events if e["event"] == "compiled")["error"] is None
+    # Without train.background_compile the switch says it does nothing; the weights are the same run's.
+    assert main(["train", *common, "--name", "plain", "--set", "train.graphs_while_compiling=true"]) == 0
+    assert "train.graphs_while_compiling has no effect" in (tmp_path / "plain" / "train.log").read_text()
+    graphed, plain = (load_file(str(tmp_path / n / f"{n}.safetensors")) for n in ("graphed", "plain"))
+    assert graphed.keys() == plain.keys()
+    for k in graphed:  # fp32 rounding apart (Adam scales tiny gradient differences up): a step of lr is 1e-3
+        torch.testing.assert_close(graphed[k], plain[k], rtol=1e-3, atol=1e-4, msg=k)
 
 
 def test_modules_called_beside_the_compiling_thread_are_not_traced_into_its_graphs():

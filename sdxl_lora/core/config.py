@@ -412,6 +412,9 @@ class TrainConfig(Section):
     background_compile: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
         "With compile: the blocks compile on a second thread while the first steps train uncompiled, then "
         "training switches to them (one process; speed='auto' turns it on where both fit the GPU)."))
+    graphs_while_compiling: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
+        "With background_compile and cuda_graphs: the uncompiled steps replay CUDA graphs while the blocks "
+        "compile (the compiling thread starts after their capture), then the compiled ones are captured."))
     fuse_qkv: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
         "Compute each attention's q/k/v projections and their LoRA in one matmul instead of three: the same "
         "loss and gradients, fewer kernels."))

@@ -115,6 +115,11 @@ class BackgroundCompile:
         return self.enabled and not self.ready
 
     @property
+    def started(self) -> bool:
+        """start() was called (the thread may have finished since)."""
+        return self._thread is not None
+
+    @property
     def running(self) -> bool:
         """The compiling thread is at work (started, not yet finished)."""
         return self._thread is not None and self._thread.is_alive()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -229,6 +230,9 @@ class SDXLTask(Task):
         self.has_reg = False  # the data holds regularization images (set when it is read)
         self._explicit: set[str] = set(cfg.train.model_fields_set)
         self._background = False  # train.background_compile: the regions compile on a second thread
+        # train.graphs_while_compiling: the compiling thread's work and device, held back until the uncompiled
+        # model's graphs are captured (a capture refuses CUDA work from another thread)
+        self._compile_after_capture: tuple | None = None
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
         """train.speed="auto": CUDA graphs, compilation and channels_last chosen for this device and run
@@ -607,6 +611,10 @@ class SDXLTask(Task):
                 # Built on the first training call, on the prepared model (with train.background_compile: the
                 # first after the switch, _unet's uncompiled calls come first)
                 self._graphed = True
+        if tc.graphs_while_compiling and not (self._background and self._graphed):
+            log.warning("train.graphs_while_compiling has no effect: it needs train.background_compile and "
+                        "train.cuda_graphs on a CUDA GPU (here: background_compile %s, CUDA graphs %s)",
+                        self._background, bool(self._graphed))
 
     def _unet(self, model, noisy, t, embeds, pooled, time_ids) -> torch.Tensor:
         """The UNet's prediction for a training batch; replayed from CUDA graphs with train.cuda_graphs."""
@@ -616,15 +624,30 @@ class SDXLTask(Task):
 
         if self._background and speed.BACKGROUND.active:
             if not (torch.is_grad_enabled() and speed.BACKGROUND.done()):
-                return call(noisy, t, embeds, pooled, time_ids)  # eager, beside the compiling thread
+                if self._compile_after_capture is None or not torch.is_grad_enabled():
+                    return call(noisy, t, embeds, pooled, time_ids)  # eager, beside the compiling thread
+                # train.graphs_while_compiling: the uncompiled model's graphs for every bucket, captured at
+                # the first training call, then the compiling thread starts; replays need the host (and so
+                # the interpreter the compiler shares) once per step instead of once per kernel.
+                out = self._graphed_call(model, call, noisy, t, embeds, pooled, time_ids)
+                work, device = self._compile_after_capture
+                if not speed.BACKGROUND.started:
+                    log.info("background compilation started after the uncompiled steps' graphs were captured; "
+                             "training replays them meanwhile")
+                    speed.BACKGROUND.start(work, device)
+                return out
             self._switch_to_compiled()
         if self._graphed and torch.is_grad_enabled():
-            if not isinstance(self._graphed, speed.GraphedCall) or self._graphed.module is not model:
-                self._graphed = speed.GraphedCall(model, call, others=self._graph_inputs,
-                                                  on_out_of_memory=lambda: self._checkpoint_more(model)
-                                                  or self._split_batches())
-            return self._graphed(noisy, t, embeds, pooled, time_ids)
+            return self._graphed_call(model, call, noisy, t, embeds, pooled, time_ids)
         return call(noisy, t, embeds, pooled, time_ids)
+
+    def _graphed_call(self, model, call, *args) -> torch.Tensor:
+        """`call(*args)` replayed from this model's CUDA graphs (train.cuda_graphs), captured on first use."""
+        if not isinstance(self._graphed, speed.GraphedCall) or self._graphed.module is not model:
+            self._graphed = speed.GraphedCall(model, call, others=self._graph_inputs,
+                                              on_out_of_memory=lambda: self._checkpoint_more(model)
+                                              or self._split_batches())
+        return self._graphed(*args)
 
     def _background_compile(self) -> tuple[bool, str]:
         """train.background_compile: whether the regions compile on a second thread while the first steps train
@@ -701,6 +724,11 @@ class SDXLTask(Task):
                           added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids})
             log.info("background compilation: %d input shapes compiled", len(shapes))
 
+        if self._graphed and self.cfg.train.graphs_while_compiling:
+            self._compile_after_capture = (work, self.device)
+            log.info("background compilation of %d input shapes waits for the uncompiled steps' CUDA graphs "
+                     "(train.graphs_while_compiling)", len(shapes))
+            return
         log.info("background compilation started: %d input shapes; training runs the uncompiled blocks meanwhile",
                  len(shapes))
         speed.BACKGROUND.start(work, self.device)
@@ -709,6 +737,13 @@ class SDXLTask(Task):
         """The compiling thread is done: the regions run compiled from this call on (and CUDA graphs are built)."""
         bg = speed.BACKGROUND
         bg.switch()
+        if self._compile_after_capture is not None:
+            # The uncompiled model's graphs (train.graphs_while_compiling) give their pool back before the
+            # compiled model's are captured into a new one, below.
+            self._compile_after_capture = None
+            if isinstance(self._graphed, speed.GraphedCall):
+                self._graphed = True
+                gc.collect()
         peaks = {}
         if self.device.type == "cuda":
             # What the eager steps and the compiling thread held together (the memory check's figure), then
