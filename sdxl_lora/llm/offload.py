@@ -1,9 +1,14 @@
-"""Gradient checkpointing of the decoder layers with each layer's input kept in host memory until the
-backward pass recomputes that layer (llm.offload_activations).
+"""Gradient checkpointing of the decoder layers (train.gradient_checkpointing), with each layer's input kept
+in host memory until the backward pass recomputes that layer (llm.offload_activations).
+
+The checkpoint wraps each layer's call from outside, so a compiled layer (train.compile) compiles whole inside
+it. transformers' own checkpointing cannot be used with compiled layers: its newer versions checkpoint inside
+the layer's forward, which then puts torch's checkpoint inside the compiled region, where dynamo gives up on
+the whole layer (transformers' output-capturing state is changed inside it) and the layer runs uncompiled.
 
 Checkpointing alone keeps every layer's input on the GPU (layers x tokens x hidden in the compute dtype:
-2 GiB for Llama-3-8B at 4 x 2048 tokens). Here the input is copied to pinned host memory on a side stream
-as the layer runs, and brought back when backward recomputes the layer. torch's non-reentrant checkpoint
+2 GiB for Llama-3-8B at 4 x 2048 tokens). With offload the input is copied to pinned host memory on a side
+stream as the layer runs, and brought back when backward recomputes the layer. torch's non-reentrant checkpoint
 holds its inputs by reference, so it cannot offload them (`save_on_cpu` only sees saved tensors); the
 layer's input therefore reaches the checkpointed function through a holder that gives the tensor itself to
 the forward pass and the host copy to the recomputation. The gradient still flows through the forward
@@ -15,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 _streams: dict[torch.device, torch.cuda.Stream] = {}
-_subclasses: dict[type, type] = {}
+_subclasses: dict[tuple[type, bool], type] = {}
 
 
 class _HostCopy:
@@ -67,14 +72,27 @@ def _offloaded_call(self, *args, **kwargs):
     return checkpoint(run, torch.empty(0, device=holder.device), use_reentrant=False)
 
 
-def offload_layers(model: nn.Module, layer_class: type) -> int:
-    """Every `layer_class` module of `model` checkpointed with its input in host memory; returns how many.
-    The modules keep their names and parameters (their class becomes a subclass that only adds the call),
-    so adapters, state dicts and exports are unchanged. transformers' own checkpointing must be off."""
-    sub = _subclasses.get(layer_class)
+def _checkpointed_call(self, *args, **kwargs):
+    base = super(type(self), self).__call__
+    if not (self.training and torch.is_grad_enabled()):
+        return base(*args, **kwargs)
+    x = args[0] if args else kwargs["hidden_states"]
+    # Non-reentrant: works with a frozen embedding (no input-grad hook) and with LoRA inside the layer. The
+    # input stays on the device, held by the closure; the empty tensor names the device (see above).
+    return checkpoint(lambda _: base(*args, **kwargs), torch.empty(0, device=x.device), use_reentrant=False)
+
+
+def checkpoint_layers(model: nn.Module, layer_class: type, offload: bool = False) -> int:
+    """Every `layer_class` module of `model` checkpointed, with its input in host memory where `offload`;
+    returns how many. The modules keep their names and parameters (their class becomes a subclass that only
+    adds the call), so adapters, state dicts and exports are unchanged. transformers' own checkpointing must
+    be off."""
+    key = (layer_class, offload)
+    sub = _subclasses.get(key)
     if sub is None:
-        sub = _subclasses[layer_class] = type(f"HostOffloaded{layer_class.__name__}", (layer_class,),
-                                              {"__call__": _offloaded_call})
+        name = ("HostOffloaded" if offload else "Checkpointed") + layer_class.__name__
+        sub = _subclasses[key] = type(name, (layer_class,),
+                                      {"__call__": _offloaded_call if offload else _checkpointed_call})
     n = 0
     for module in model.modules():
         if type(module) is layer_class:

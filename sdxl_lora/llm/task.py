@@ -130,14 +130,15 @@ class LLMTask(Task):
         if cfg.llm.offload_activations and not cfg.train.gradient_checkpointing:
             raise ConfigError("llm.offload_activations keeps the checkpointed decoder layers' inputs in host memory: "
                               "it needs train.gradient_checkpointing = true")
-        if cfg.llm.offload_activations:
-            from .offload import offload_layers
+        if cfg.train.gradient_checkpointing:
+            # Around each decoder layer's call, so that a compiled layer compiles inside it (offload.py).
+            from .offload import checkpoint_layers
 
-            n = offload_layers(self.lm, type(self._first_layer()))
-            log.info("llm.offload_activations: %d decoder layers checkpointed, their inputs in host memory", n)
-        elif cfg.train.gradient_checkpointing:
-            # Non-reentrant: works with a frozen embedding (no input-grad hook) and with LoRA inside the blocks.
-            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            n = checkpoint_layers(self.lm, type(self._first_layer()), offload=cfg.llm.offload_activations)
+            if cfg.llm.offload_activations:
+                log.info("llm.offload_activations: %d decoder layers checkpointed, their inputs in host memory", n)
+            else:
+                log.info("train.gradient_checkpointing: %d decoder layers checkpointed", n)
         if self._speed_choices:
             log.info("train.speed='auto' on %s: %s", self.device,
                      "; ".join(f"{k} {v}" for k, v in self._speed_choices.items()))
@@ -147,7 +148,7 @@ class LLMTask(Task):
             from ..core import speed
 
             # The repeated decoder layers, compiled one graph for all (rows are padded to llm.max_length); their
-            # class is the offloading subclass where llm.offload_activations swapped it in.
+            # class is the checkpointing subclass where train.gradient_checkpointing swapped it in.
             n = speed.compile_regions(self.lm, classes=(type(self._first_layer()).__name__,),
                                      activation_budget=cfg.train.compile_activation_budget)
             log.info("train.compile=%r: %d decoder layers compiled (the first steps include compilation)",
