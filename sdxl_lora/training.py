@@ -163,7 +163,7 @@ def fit(job: Job, task=None, keep_failed: bool = False) -> Outcome:
     from .core.loop import Trainer
     from .core.runs import attach_log_file, clear_pid, training_pid, write_pid
 
-    attach_log_file(job.run)
+    handler = attach_log_file(job.run)
     # Any front end's run shows as training, and can be stopped, from the UI. A process that named itself
     # before (the UI's worker) keeps its pid file to its end; this one goes when training ends.
     own_pid = os.environ.get("RANK", "0") == "0" and training_pid(job.run.dir) != os.getpid()
@@ -183,6 +183,10 @@ def fit(job: Job, task=None, keep_failed: bool = False) -> Outcome:
     finally:
         if own_pid:
             clear_pid(job.run.dir)
+        # This run's log lines end here: another run in the same process (a notebook, a script) must not
+        # write into this run's train.log.
+        logging.getLogger().removeHandler(handler)
+        handler.close()
     return Outcome(job, result, trainer.accelerator.is_main_process)
 
 

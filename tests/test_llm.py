@@ -652,6 +652,33 @@ def test_checkpointed_decoder_layers_compile_whole(tmp_path, monkeypatch, offloa
         torch.testing.assert_close(compiled[k], eager[k], rtol=1e-3, atol=1e-5, msg=k)
 
 
+def test_a_compiled_run_whose_blocks_the_compiler_gave_up_on_says_so(tmp_path, monkeypatch):
+    # torch.compile falls back to running a block uncompiled, without an error, where dynamo cannot trace it
+    # (as under transformers' newer checkpointing, above). Such a run now says so after its first step, with
+    # dynamo's reason, and records it. The layers made untraceable here; the same run traced says nothing (and
+    # its train.log gets none of the next run's lines, though both ran in this process).
+    import torch._dynamo
+    from sdxl_lora.core import speed
+    from sdxl_lora.core.runs import read_events
+    from torch._dynamo.backends.debugging import aot_eager
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", lambda gm, inputs: aot_eager(gm, inputs))
+    common = ["llm", "train", "--out", str(tmp_path), "--steps", "2", "--set", "llm.preview_prompts=[]",
+              "--set", "train.compile='regional'"]
+    torch._dynamo.reset()
+    assert main([*common, "--name", "traced"]) == 0
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", torch._dynamo.disable(LlamaDecoderLayer.forward))
+    torch._dynamo.reset()
+    assert main([*common, "--name", "untraced"]) == 0
+    torch._dynamo.reset()
+    said = {n: (tmp_path / n / "train.log").read_text() for n in ("traced", "untraced")}
+    assert "the compiler gave up on every compiled block" not in said["traced"]
+    assert "the compiler gave up on every compiled block" in said["untraced"]
+    failed = [e for e in read_events(tmp_path / "untraced" / "events.jsonl") if e["event"] == "compile_failed"]
+    assert len(failed) == 1
+
+
 def test_offloaded_activations_train_through_the_cli_and_need_checkpointing(tmp_path, capsys, caplog):
     common = ["llm", "train", "--out", str(tmp_path), "--steps", "2", "--set", "llm.preview_prompts=[]",
               "--set", "llm.offload_activations=true"]

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import checkpoint, tracking
+from . import checkpoint, speed, tracking
 from .config import Config
 from .accel import device_type, gradient_sync, make_accelerator, world_size
 from .ema import EMA
@@ -701,6 +701,8 @@ class Trainer:
             if (trace := profiler.after_step(step, last=step == total)) is not None and acc.is_main_process:
                 run.event("profile", step=step, path=str(trace), summary=profiler.summary)
             guard.after_step(step, skip)
+            if step == first and cfg.train.compile != "none" and not speed.BACKGROUND.enabled:
+                speed.warn_if_nothing_compiled(run if acc.is_main_process else None)  # the background: at its switch
             # The session's first step is logged too: it ends the set-up (compilation, graph capture), and
             # whoever watches the run sees it start.
             logged = step % cfg.train.log_every == 0 or step == total or step == first

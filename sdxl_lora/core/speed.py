@@ -252,6 +252,36 @@ def _cut(out):
     return out
 
 
+_compile_counts: tuple[int, dict] | None = None  # dynamo's graphs and graph breaks when the regions were made
+
+
+def _dynamo_counts() -> tuple[int, dict]:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"].get("unique_graphs", 0), dict(counters["graph_break"])
+
+
+def warn_if_nothing_compiled(run=None) -> bool:
+    """After the compiled regions have run (train.compile): where torch.compile captured no graph since
+    compile_regions() made them, every region fell back to running uncompiled, which torch does without an
+    error (dynamo gives up on a frame it cannot trace). Says so, with dynamo's reasons, and returns True.
+    (dynamo's counters are per process: a process's earlier runs are left out by the count at the start.)"""
+    if _compile_counts is None:
+        return False
+    graphs, breaks = _dynamo_counts()
+    graphs0, breaks0 = _compile_counts
+    if graphs > graphs0:
+        return False
+    reasons = sorted({k.strip().splitlines()[0] for k, n in breaks.items() if n > breaks0.get(k, 0)})
+    why = "; ".join(reasons) if reasons else "dynamo recorded no reason"
+    log.warning("train.compile: the compiler gave up on every compiled block (%s); they run uncompiled, at the "
+                "uncompiled speed. Set train.compile='none' to silence this, and report it with your torch and "
+                "transformers/diffusers versions", why)
+    if run is not None:
+        run.event("compile_failed", reasons=reasons)
+    return True
+
+
 def deferred(compiled: Callable, eager: Callable) -> Callable:
     """`compiled`, or, while a background compilation is on (BACKGROUND), `eager` on every thread but the compiling
     one."""
@@ -313,8 +343,11 @@ def compile_regions(model: torch.nn.Module, *, classes: tuple[str, ...], backend
     one compilation serves every shape instead of one compilation per shape."""
     import torch._functorch.config
 
+    global _compile_counts
+
     torch._functorch.config.activation_memory_budget = 1.0 if activation_budget is None else activation_budget
     _raise_recompile_limits()
+    _compile_counts = _dynamo_counts()
     n = 0
     for module in model.modules():
         name = type(module).__name__

@@ -757,6 +757,8 @@ class SDXLTask(Task):
         if self._run is not None:
             self._run.event("compiled", seconds=round(bg.seconds or 0.0, 1), error=str(bg.error) if bg.error else None,
                             **peaks)
+        if not bg.error:
+            speed.warn_if_nothing_compiled(self._run)
 
     def finish(self) -> None:
         """A run that ends before the compiling thread does waits for it (see BackgroundCompile.wait)."""
