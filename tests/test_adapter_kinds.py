@@ -418,6 +418,38 @@ def test_each_kind_trains_text_encoders_skips_a_nan_step_and_resumes_bit_identic
         assert {lay.rank for lay in adapter.component("unet").values()} == {max(1, round(r / 2)) for r in planned}
 
 
+@pytest.mark.parametrize("kind", ["lora", "loha"])  # peft's LoRA layer, and the LyCORIS layers' common forward
+def test_a_16_bit_run_keeps_no_cast_copy_of_the_adapters_inputs_and_trains_the_same(tmp_path, kind, monkeypatch):
+    """A bf16 run (a GPU's default; train.mixed_precision here) computes under autocast, where peft's cast of each
+    adapter layer's input to the fp32 factors was a copy that autocast cast back and the layer kept for its
+    backward. Without the cast the run trains bit for bit the same adapter, and its previews, evaluation and
+    export run (every UNet call of the run is under autocast)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from sdxl_lora.sdxl.task import SDXLTask
+    from sdxl_lora.training import fit, new_job
+
+    flags = []
+    setup = SDXLTask._speed_setup
+
+    def recording(self, unet, run):  # each adapter layer's cast switch once the levers are set
+        setup(self, unet, run)
+        flags.append({m.cast_input_dtype_enabled for m in unet.modules() if isinstance(m, BaseTunerLayer)})
+
+    monkeypatch.setattr(SDXLTask, "_speed_setup", recording)
+    common = {"adapter.kind": kind, "train.steps": 2, "train.mixed_precision": "bf16", "train.save_every": 0}
+    if kind == "loha":
+        common["adapter.preset"] = "attn"
+    kept = fit(new_job(load_config(extra={**common, "output.runs_dir": str(tmp_path), "output.name": "kept"}))).result
+    assert (tmp_path / "kept" / "samples").is_dir() and any((tmp_path / "kept" / "samples").glob("*.png"))
+    monkeypatch.setattr(inject, "adapters_take_autocast_inputs", lambda model: 0)  # peft's own casts
+    cast = fit(new_job(load_config(extra={**common, "output.runs_dir": str(tmp_path), "output.name": "cast",
+                                          "preview.prompts": ""}))).result
+    assert flags == [{False}, {True}]
+    a, b = load_file(kept.adapter["kohya"]), load_file(cast.adapter["kohya"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "lora"])  # plain LoRA: the default job's tests
 def test_the_demo_base_learns_with_each_kind(tmp_path, kind):
     """A shortened default job (the demo base, sample_data, its recommended settings) of each kind: the eval
