@@ -418,6 +418,18 @@ def test_each_kind_trains_text_encoders_skips_a_nan_step_and_resumes_bit_identic
         assert {lay.rank for lay in adapter.component("unet").values()} == {max(1, round(r / 2)) for r in planned}
 
 
+@pytest.fixture
+def own_mixed_precision():
+    """Accelerate keeps one mixed precision per process: a test that trains in bf16 starts from a fresh state
+    (other tests in this worker trained in fp32) and leaves one for the next."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.usefixtures("own_mixed_precision")
 @pytest.mark.parametrize("kind", ["lora", "loha"])  # peft's LoRA layer, and the LyCORIS layers' common forward
 def test_a_16_bit_run_keeps_no_cast_copy_of_the_adapters_inputs_and_trains_the_same(tmp_path, kind, monkeypatch):
     """A bf16 run (a GPU's default; train.mixed_precision here) computes under autocast, where peft's cast of each

@@ -475,6 +475,11 @@ class SDXLTask(Task):
             run.event("budget", budget=budget, trainable_params=self.plan.trainable_params,
                       sensitivity={k: round(v, 6) for k, v in sensitivity.items()})
         inject.apply_plan(unet, self.plan, dropout=cfg.adapter.dropout)
+        if _DTYPES[accelerator.mixed_precision] != torch.float32:
+            # Every UNet forward of a 16-bit run is under autocast (training, evaluation, previews, the checkpointing
+            # trials, the compiling thread): peft's cast of each adapter layer's input to its fp32 weights made a
+            # copy per layer that autocast cast back, and kept it for the backward (core/inject.py).
+            inject.adapters_take_autocast_inputs(unet)
         if cfg.adapter.kind in ("loha", "lokr") and cfg.train.fuse_qkv:
             log.info("adapter.kind=%r: the attention projections run peft's %s layers (train.lora_matmul's fused "
                      "products are LoRA's and DoRA's); the q/k/v base weights still share one buffer",
@@ -554,11 +559,6 @@ class SDXLTask(Task):
         if graphs and self.cfg.adapter.dropout and (tc.gradient_checkpointing or tc.checkpoint_budget_gb):
             raise ConfigError("train.cuda_graphs with gradient checkpointing needs adapter.dropout=0 (a checkpointed "
                               "block that draws random numbers must save the RNG state, which a graph cannot)")
-        if _DTYPES[self.accelerator.mixed_precision] != torch.float32:
-            # Every UNet forward of a 16-bit run is under autocast (training, evaluation, previews, the checkpointing
-            # trials, the compiling thread): peft's cast of each adapter layer's input to its fp32 weights made a
-            # copy per layer that autocast cast back, and kept it for the backward (core/inject.py).
-            inject.adapters_take_autocast_inputs(unet)
         if tc.fuse_qkv:
             n = unet_speed.fuse_projections(unet, lora_matmul=tc.lora_matmul)
             log.info("train.fuse_qkv: %d attention layers project q/k/v (or k/v) with one matmul", n)
