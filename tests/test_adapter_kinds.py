@@ -452,7 +452,10 @@ def test_a_16_bit_run_keeps_no_cast_copy_of_the_adapters_inputs_and_trains_the_s
     common = {"adapter.kind": kind, "train.steps": 2, "train.mixed_precision": "bf16", "train.save_every": 0}
     if kind == "loha":
         common["adapter.preset"] = "attn"
-    kept = fit(new_job(load_config(extra={**common, "output.runs_dir": str(tmp_path), "output.name": "kept"}))).result
+    prompts = tmp_path / "prompts.txt"  # one preview, before and after: the previews' path under autocast
+    prompts.write_text("sks, a red star on a white background --s 2\n")
+    kept = fit(new_job(load_config(extra={**common, "output.runs_dir": str(tmp_path), "output.name": "kept",
+                                          "preview.prompts": str(prompts)}))).result
     assert (tmp_path / "kept" / "samples").is_dir() and any((tmp_path / "kept" / "samples").glob("*.png"))
     monkeypatch.setattr(inject, "adapters_take_autocast_inputs", lambda model: 0)  # peft's own casts
     cast = fit(new_job(load_config(extra={**common, "output.runs_dir": str(tmp_path), "output.name": "cast",
