@@ -230,9 +230,9 @@ class SDXLTask(Task):
         self.has_reg = False  # the data holds regularization images (set when it is read)
         self._explicit: set[str] = set(cfg.train.model_fields_set)
         self._background = False  # train.background_compile: the regions compile on a second thread
-        # train.graphs_while_compiling: the compiling thread's work and device, held back until the uncompiled
-        # model's graphs are captured (a capture refuses CUDA work from another thread)
-        self._compile_after_capture: tuple | None = None
+        # train.graphs_while_compiling: the compiling thread's work, held back until the uncompiled model's
+        # graphs are captured (a capture refuses CUDA work from another thread)
+        self._compile_after_capture: Callable[[], None] | None = None
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
         """train.speed="auto": CUDA graphs, compilation and channels_last chosen for this device and run
@@ -635,11 +635,10 @@ class SDXLTask(Task):
                 # the first training call, then the compiling thread starts; replays need the host (and so
                 # the interpreter the compiler shares) once per step instead of once per kernel.
                 out = self._graphed_call(model, call, noisy, t, embeds, pooled, time_ids)
-                work, device = self._compile_after_capture
                 if not speed.BACKGROUND.started:
                     log.info("background compilation started after the uncompiled steps' graphs were captured; "
                              "training replays them meanwhile")
-                    speed.BACKGROUND.start(work, device)
+                    speed.BACKGROUND.start(self._compile_after_capture, self.device)
                 return out
             self._switch_to_compiled()
         if self._graphed and torch.is_grad_enabled():
@@ -730,7 +729,7 @@ class SDXLTask(Task):
             log.info("background compilation: %d input shapes compiled", len(shapes))
 
         if self._graphed and self.cfg.train.graphs_while_compiling:
-            self._compile_after_capture = (work, self.device)
+            self._compile_after_capture = work
             log.info("background compilation of %d input shapes waits for the uncompiled steps' CUDA graphs "
                      "(train.graphs_while_compiling)", len(shapes))
             return
