@@ -439,6 +439,7 @@ def cmd_llm_plan(args) -> int:
         print(json.dumps({"model": cfg.model.path, "model_type": config.model_type, "base_rank": plan.base_rank,
                           "modules": len(plan.targets), "trainable_params": n, "adapter_mb": round(n * 4 / 2**20, 3),
                           "groups": plan.groups(), "weights_gib": {k: round(v / GiB, 3) for k, v in weights.items()},
+                          "host_embedding_gib": round(memory.host_embedding / GiB, 3),
                           "memory_gib": {k: round(v / GiB, 3) for k, v in state.items()},
                           "peak_gib": round(sum(state.values()) / GiB, 3),
                           "process_peak_gib": round(memory.peak / GiB, 3), "batch_size": cfg.train.batch_size,
@@ -456,7 +457,9 @@ def cmd_llm_plan(args) -> int:
     print(f"memory estimate ({method or 'unquantized'} base, {cfg.train.optimizer}, batch {cfg.train.batch_size} "
           f"x {cfg.llm.max_length} tokens, {'checkpointing' if ckpt else 'no checkpointing'}):")
     print(f"  frozen weights {state['frozen weights'] / GiB:8.2f} GiB  ("
-          + ", ".join(f"{k} {v / GiB:.2f}" for k, v in weights.items()) + ")")
+          + ", ".join(f"{k} {v / GiB:.2f}" for k, v in weights.items())
+          + (f"; the input embedding's {memory.host_embedding / GiB:.2f} in host memory" if memory.host_embedding
+             else "") + ")")
     for k in ("adapter (fp32)", "gradients", "optimizer"):
         print(f"  {k:14s} {state[k] / GiB:8.2f} GiB")
     print("\n".join(format_activations(acts, ckpt, compute, cfg.llm.offload_activations)))

@@ -84,8 +84,9 @@ def tiny_tokenizer():
     return load_tokenizer(materialize_tiny_llm(ModelConfig().cache_dir))
 
 
-def _family_folder(tmp_path, family: str, tokenizer):
-    """A tiny random model of `family` saved as a transformers folder with the tiny tokenizer."""
+def _family_folder(tmp_path, family: str, tokenizer, tied: bool = False):
+    """A tiny random model of `family` saved as a transformers folder with the tiny tokenizer (`tied`: its
+    output head sharing the input embedding's weights)."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -93,9 +94,9 @@ def _family_folder(tmp_path, family: str, tokenizer):
     config = getattr(transformers, cls)(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **extra)
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied, **extra)
     torch.manual_seed(0)
-    folder = tmp_path / family
+    folder = tmp_path / (family + ("-tied" if tied else ""))
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -212,3 +213,50 @@ def test_adapter_inits_that_do_not_combine_are_refused_naming_the_field(extra, n
     with pytest.raises(Exception) as e:
         load_config(extra={"task": "llm", **extra})
     assert named in str(e.value) and "adapter.init" in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_embedding_table_in_host_memory_trains_and_answers_as_on_the_device(family, tmp_path, tiny_tokenizer,
+                                                                                capsys):
+    # llm.offload_embeddings: the frozen input embedding stays in host memory; each call copies its tokens'
+    # rows to the model's device. The run trains the same adapter and previews the same answers as with the
+    # table on the device (Gemma 3's embedding scales its rows: on the host now). The model holds no
+    # embedding parameter any more, and `llm plan` counts the table out of the frozen weights. A tied head
+    # needs the table where it runs: refused, saying so.
+    from safetensors.torch import load_file
+
+    from sdxl_lora.cli import main
+
+    folder = _family_folder(tmp_path, family, tiny_tokenizer)
+    cfg = {"task": "llm", "model.path": str(folder), "output.runs_dir": str(tmp_path / "runs"), "train.steps": 3,
+           "train.lr": 3e-3, "llm.max_length": 96, "llm.preview_prompts": ["Count from one to five."],
+           "llm.max_new_tokens": 6}
+    runs = {}
+    for name, host in (("device", False), ("host", True)):
+        c = load_config(extra={**cfg, "output.name": name, "llm.offload_embeddings": host})
+        trainer = Trainer(c, LLMTask(c), create_run(c))
+        trainer.setup()
+        params = dict(trainer.task.lm.named_parameters())
+        assert any("embed_tokens" in n for n in params) != host
+        trainer.fit()
+        runs[name] = trainer.run.dir
+    adapters = [load_file(str(runs[n] / "adapter" / "adapter_model.safetensors")) for n in ("device", "host")]
+    assert adapters[0].keys() == adapters[1].keys()
+    for k in adapters[0]:
+        assert torch.equal(adapters[0][k], adapters[1][k]), k
+    answers = [sorted(p.read_text() for p in (runs[n] / "samples").glob("answers-*.txt")) for n in ("device", "host")]
+    assert answers[0] and answers[0] == answers[1]
+
+    plan = ["llm", "plan", "--json", "--model", str(folder)]
+    assert main(plan) == 0
+    on_device = json.loads(capsys.readouterr().out)
+    assert main([*plan, "--set", "llm.offload_embeddings=true"]) == 0
+    on_host = json.loads(capsys.readouterr().out)
+    table = len(tiny_tokenizer) * 64 * 2 / 2**30  # vocabulary x hidden, bf16 (a GPU run's weights)
+    assert on_host["host_embedding_gib"] == pytest.approx(table, abs=1e-3)
+    assert sum(on_device["weights_gib"].values()) - sum(on_host["weights_gib"].values()) == pytest.approx(table, abs=2e-3)
+
+    tied = _family_folder(tmp_path, family, tiny_tokenizer, tied=True)
+    assert main(["llm", "train", "--model", str(tied), "--out", str(tmp_path / "runs"), "--name", "tied", "--steps",
+                 "1", "--set", "llm.offload_embeddings=true", "--set", "llm.preview_prompts=[]"]) == 2
+    assert "shares its weights with the input embedding" in capsys.readouterr().err

@@ -537,6 +537,10 @@ class LLMConfig(Section):
     offload_activations: bool = Field(False, description=(
         "With train.gradient_checkpointing: keep each checkpointed decoder layer's input in host memory "
         "until backward needs it, not on the GPU (less GPU memory, a copy each way per layer and step)."))
+    offload_embeddings: bool = Field(False, description=(
+        "Keep the frozen input embedding table in host memory: each step looks up its tokens' rows on the CPU "
+        "and copies only those to the GPU (less GPU memory for a large vocabulary, a short host copy per step). "
+        "Not for models whose head shares the table (tied) or adapters that train it."))
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description=(
         "transformers' attention kernel; 'sdpa' keeps packed examples apart through the position ids."))
     merge: bool = Field(False, description=(

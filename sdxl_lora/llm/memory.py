@@ -105,6 +105,7 @@ class LLMMemory:
     acts: LLMActivations
     weights: dict[str, int]   # the frozen weights by storage
     compute_dtype: torch.dtype
+    host_embedding: int = 0   # the input embedding's bytes kept in host memory (llm.offload_embeddings)
 
     @property
     def peak(self) -> int:
@@ -131,12 +132,23 @@ def config_memory(cfg, config, model=None, plan=None) -> tuple[Plan, LLMMemory]:
     mp = "bf16" if cfg.train.mixed_precision == "auto" else cfg.train.mixed_precision
     compute = weight_dtype(cfg, mp)
     weights = weight_bytes(model, cfg.model.quantize, cfg.model.quant_double, compute, skip=keep_head)
+    host = host_embedding_bytes(model, compute) if cfg.llm.offload_embeddings else 0
+    weights[DTYPE_NAMES.get(compute, str(compute))] -= host
     parts, acts = step_estimate(config, weights=sum(weights.values()), trainable_params=plan.trainable_params,
                                 optimizer=cfg.train.optimizer, batch_size=cfg.train.batch_size,
                                 max_length=cfg.llm.max_length, checkpointing=cfg.train.gradient_checkpointing,
                                 compute_dtype=compute, loss_chunk=cfg.llm.loss_chunk,
                                 offload=cfg.llm.offload_activations, head_trained=trains_head(plan))
-    return plan, LLMMemory(parts, acts, weights, compute)
+    return plan, LLMMemory(parts, acts, weights, compute, host)
+
+
+def host_embedding_bytes(model, compute_dtype: torch.dtype) -> int:
+    """The input embedding's bytes that llm.offload_embeddings keeps off the device: none where the output
+    head shares the table (llm/offload.py refuses that)."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is emb.weight:
+        return 0
+    return emb.weight.numel() * torch.empty((), dtype=compute_dtype).element_size()
 
 
 def trains_head(plan: Plan) -> bool:

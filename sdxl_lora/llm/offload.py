@@ -99,3 +99,54 @@ def checkpoint_layers(model: nn.Module, layer_class: type, offload: bool = False
             module.__class__ = sub
             n += 1
     return n
+
+
+class HostEmbedding(nn.Module):
+    """The frozen input embedding kept in host memory (llm.offload_embeddings): each call looks its rows up on
+    the CPU and copies only them (tokens x hidden) to the model's device. The table is the largest frozen
+    tensor of a large-vocabulary model outside its layers, and a step reads only the rows of its tokens.
+
+    The original module runs unchanged on the host (a scaled embedding such as Gemma's scales there); it is
+    held outside the module tree, so that moving the model (`.to`, Accelerate's placement), its state dict,
+    DDP and `model.device` leave it alone. Written here because neither transformers nor Accelerate place
+    one module of a model on the host while it trains on the GPU (Accelerate's offload hooks move the weights
+    back to the device for each call)."""
+
+    def __init__(self, module: nn.Module, device: torch.device):
+        super().__init__()
+        object.__setattr__(self, "host", module.to("cpu"))
+        self.target = torch.device(device)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.host.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.host(ids.to("cpu"))  # ids on the GPU: the host waits for them here
+        if self.target.type == "cuda":
+            # From pinned memory the copy is queued behind the GPU's work instead of holding the host.
+            return rows.pin_memory().to(self.target, non_blocking=True)
+        return rows.to(self.target)
+
+
+def embeddings_to_host(lm: nn.Module, device: torch.device, trained: list[str]) -> int:
+    """llm.offload_embeddings: `lm`'s input embedding replaced by a HostEmbedding; returns the bytes of the
+    table that left the device. Refused (ValueError, saying why) where the output head shares the table's
+    weights (tied: the head needs it on the device, nothing would be saved) or the adapter trains it
+    (`trained`: the adapted modules' names)."""
+    emb = lm.get_input_embeddings()
+    if isinstance(emb, HostEmbedding):
+        return 0
+    head = lm.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is not None and head.weight is emb.weight:
+        raise ValueError("llm.offload_embeddings: this model's output head shares its weights with the input "
+                         "embedding (tie_word_embeddings), so the table must stay on the device for the head "
+                         "and nothing would be saved; leave llm.offload_embeddings off")
+    name = next(n for n, m in lm.named_modules() if m is emb)
+    if any(t == name or t.startswith(name + ".") for t in trained):
+        raise ValueError(f"llm.offload_embeddings: the adapter trains the input embedding ({name}); a trained "
+                         "table must stay on the device. Leave llm.offload_embeddings off, or keep the "
+                         "embedding out of the adapter's modules")
+    size = sum(p.numel() * p.element_size() for p in emb.parameters())
+    lm.set_input_embeddings(HostEmbedding(emb, device))
+    return size

@@ -127,6 +127,15 @@ class LLMTask(Task):
         if unused := fields_for_other_tasks(cfg):  # only what the config sets: the defaults say nothing
             log.warning("SDXL-only settings do nothing for task='llm': %s; leave them out of the config",
                         ", ".join(unused))
+        if cfg.llm.offload_embeddings:
+            from .offload import embeddings_to_host
+
+            try:
+                moved = embeddings_to_host(self.lm, self.device, [t.name for t in self.plan.targets])
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            log.info("llm.offload_embeddings: the input embedding table (%.2f GiB) stays in host memory; each "
+                     "step copies its tokens' rows to %s", moved / 2**30, self.device)
         if cfg.llm.offload_activations and not cfg.train.gradient_checkpointing:
             raise ConfigError("llm.offload_activations keeps the checkpointed decoder layers' inputs in host memory: "
                               "it needs train.gradient_checkpointing = true")
