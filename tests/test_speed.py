@@ -783,18 +783,32 @@ def test_a_compiler_failure_says_what_to_do_and_keeps_its_traceback(tmp_path, ca
 
 # ---- train.speed="auto", several buckets, check-ins without compilation (the product path) ----
 
-def test_auto_speed_picks_the_levers_for_the_device_and_the_run_and_explicit_settings_win():
-    from sdxl_lora.sdxl.speed import COMPILE_MIN_IMAGES, auto_levers
+def test_auto_speed_picks_the_levers_for_the_device_and_the_run_and_explicit_settings_win(tmp_path, monkeypatch):
+    from sdxl_lora.sdxl.speed import auto_levers, compile_min_images, mark_compiled
 
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile cache
     short = load_config(extra={"train.steps": 100, "train.batch_size": 4})
     assert auto_levers(short, "cpu", 1) == (short, {})  # off a GPU nothing changes
     cfg, why = auto_levers(short, "cuda", 1)
     assert (cfg.train.cuda_graphs, cfg.train.compile, cfg.train.channels_last) == (True, "none", False)
     assert "400 images" in why["compile"]  # says why it did not compile
-    steps = COMPILE_MIN_IMAGES // 4
+    steps = compile_min_images(4, warm=False) // 4
     long = load_config(extra={"train.steps": steps, "train.batch_size": 4})
     cfg, why = auto_levers(long, "cuda", 1)
     assert (cfg.train.cuda_graphs, cfg.train.compile, cfg.train.channels_last) == (True, "regional", True)
+    # Between the warm and the cold cache's thresholds a run compiles only where a run like it compiled here
+    # before (the same model, adapter, data and batch): then compiling costs about a minute, not minutes.
+    middle = load_config(extra={"train.steps": compile_min_images(4, warm=True) // 4 + 1, "train.batch_size": 4})
+    cfg, why = auto_levers(middle, "cuda", 1)
+    assert cfg.train.compile == "none" and "cold" in why["compile"]
+    mark_compiled(auto_levers(middle, "cuda", 1)[0])  # as such a run does once its blocks have compiled
+    cfg, why = auto_levers(middle, "cuda", 1)
+    assert cfg.train.compile == "regional" and "warm" in why["compile"]
+    other = load_config(extra={"train.steps": middle.train.steps, "train.batch_size": 4, "adapter.rank": 32})
+    assert auto_levers(other, "cuda", 1)[0].train.compile == "none"  # another adapter: its own compilation
+    # Small batches gain more from compiling: a batch-1 run compiles sooner.
+    assert compile_min_images(1, warm=False) < compile_min_images(4, warm=False)
+    assert compile_min_images(2, warm=True) == compile_min_images(1, warm=True)
     # A lever the user set is kept, and the others follow from it.
     mine = load_config(extra={"train.steps": steps, "train.batch_size": 4, "train.compile": "none"})
     cfg, why = auto_levers(mine, "cuda", 1)
@@ -809,8 +823,11 @@ def test_auto_speed_picks_the_levers_for_the_device_and_the_run_and_explicit_set
     nf4 = load_config(extra={"train.steps": steps, "train.batch_size": 4, "model.quantize": "nf4"})
     cfg, why = auto_levers(nf4, "cuda", 1)
     assert cfg.train.cuda_graphs and cfg.train.compile == "none" and "quantized" in why["compile"]
-    # A compiled run trains while it compiles (on one process; set-up checks that it fits), a short one does not.
+    # A compiled run trains while it compiles (on one process; set-up checks that it fits), replaying the
+    # uncompiled model's graphs meanwhile; a short one does not.
     assert auto_levers(long, "cuda", 1)[0].train.background_compile is True
+    assert auto_levers(long, "cuda", 1)[0].train.graphs_while_compiling is True
+    assert auto_levers(short, "cuda", 1)[0].train.graphs_while_compiling is False
     assert auto_levers(short, "cuda", 1)[0].train.background_compile is False
     assert auto_levers(long, "cuda", 2)[0].train.background_compile is False
     mine = load_config(extra={"train.steps": steps, "train.batch_size": 4, "train.background_compile": False})
@@ -873,6 +890,7 @@ def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_
 
     monkeypatch.setattr(speed, "COMPILE_BACKEND", counting)
     monkeypatch.setattr(Run, "event", counted)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     three = _bucketed_dataset(tmp_path / "data-three", [(128, 128), (160, 96), (96, 160)], n=6)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("sks, a shape --s 2\n")
@@ -892,6 +910,11 @@ def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_
     assert counts[("samples", 0)] == 0 and counts[("eval", 0)] == 0 and counts[("start", 0)] == 0
     first = counts[("step", 1)]
     assert first > 0 and len(graphs) == first, [(k, s, n) for k, s, n in at]
+    # The run that compiled left its mark in the compile cache: the next run like it counts on a warm cache.
+    from sdxl_lora.sdxl.speed import compile_cache_warm
+
+    assert compile_cache_warm(load_config(tmp_path / "three" / "config.toml"))
+    assert not compile_cache_warm(load_config(tmp_path / "three" / "config.toml", extra={"train.batch_size": 2}))
 
 def _two_bucket_run(tmp_path) -> list[str]:
     """`sdxl-lora train` arguments (but the name and the levers) for 4 steps of the tiny model on the CPU over two
@@ -940,6 +963,7 @@ def test_background_compilation_compiles_on_its_own_thread_and_training_switches
         return start(self, work, device)
 
     monkeypatch.setattr(speed.BackgroundCompile, "start", recording_start)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     common = _two_bucket_run(tmp_path)
     torch._dynamo.reset()
     assert main(["train", *common, "--name", "background", "--set", "train.compile='regional'",
@@ -954,6 +978,7 @@ def test_background_compilation_compiles_on_its_own_thread_and_training_switches
     assert kinds.index("compiled") == 2  # after two eager steps
     assert threads and set(threads) == {"sdxl-lora-compile"}, threads
     assert len(calls) == 3 and len(threads) == calls[-1]  # nothing compiled after the switch either
+    assert len(list((tmp_path / "inductor" / "sdxl_lora_compiled").iterdir())) == 1  # marked at the switch
     assert main(["train", *common, "--name", "eager"]) == 0
     bg, plain = (load_file(str(tmp_path / n / f"{n}.safetensors")) for n in ("background", "eager"))
     assert bg.keys() == plain.keys()

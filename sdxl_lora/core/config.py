@@ -414,7 +414,7 @@ class TrainConfig(Section):
         "training switches to them (one process; speed='auto' turns it on where both fit the GPU)."))
     graphs_while_compiling: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
         "With background_compile and cuda_graphs: the uncompiled steps replay CUDA graphs while the blocks "
-        "compile (the compiling thread starts after their capture), then the compiled ones are captured."))
+        "compile, then the compiled ones are captured (speed='auto' turns it on with both)."))
     fuse_qkv: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
         "Compute each attention's q/k/v projections and their LoRA in one matmul instead of three: the same "
         "loss and gradients, fewer kernels."))
@@ -538,9 +538,8 @@ class LLMConfig(Section):
         "With train.gradient_checkpointing: keep each checkpointed decoder layer's input in host memory "
         "until backward needs it, not on the GPU (less GPU memory, a copy each way per layer and step)."))
     offload_embeddings: bool = Field(False, description=(
-        "Keep the frozen input embedding table in host memory: each step looks up its tokens' rows on the CPU "
-        "and copies only those to the GPU (less GPU memory for a large vocabulary, a short host copy per step). "
-        "Not for models whose head shares the table (tied) or adapters that train it."))
+        "Keep the frozen input embedding table in CPU memory; each step copies its tokens' rows to the GPU. "
+        "Less GPU memory for a large vocabulary, slower steps. Not for tied heads."))
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description=(
         "transformers' attention kernel; 'sdpa' keeps packed examples apart through the position ids."))
     merge: bool = Field(False, description=(

@@ -702,7 +702,9 @@ class Trainer:
                 run.event("profile", step=step, path=str(trace), summary=profiler.summary)
             guard.after_step(step, skip)
             if step == first and cfg.train.compile != "none" and not speed.BACKGROUND.enabled:
-                speed.warn_if_nothing_compiled(run if acc.is_main_process else None)  # the background: at its switch
+                # The background compilation: at its switch.
+                if not speed.warn_if_nothing_compiled(run if acc.is_main_process else None):
+                    self.task.compiled()
             # The session's first step is logged too: it ends the set-up (compilation, graph capture), and
             # whoever watches the run sees it start.
             logged = step % cfg.train.log_every == 0 or step == total or step == first

@@ -128,6 +128,10 @@ class Task(ABC):
     def finish(self) -> None:
         """The loop is done (finished, stopped or failed): end what `start` began."""
 
+    def compiled(self) -> None:
+        """The compiled regions (train.compile) have run: what the task remembers of a compilation that
+        worked (sdxl: that the compile cache is warm for runs like this one)."""
+
     def restore_step(self, step: int, model: torch.nn.Module) -> bool:
         """Before a resume at `step`, ahead of loading the saved weights: give the trainable parameters the
         shapes they had at that step. True when any was replaced."""

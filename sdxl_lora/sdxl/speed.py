@@ -41,10 +41,53 @@ REGION_CLASSES = TRANSFORMER_CLASSES + ("ResnetBlock2D",)
 BUCKET_VARYING = {"BasicTransformerBlock": ("hidden_states", 0, (1,)),
                   "ResnetBlock2D": ("input_tensor", 0, (2, 3))}
 
-# train.speed="auto" compiles a run that trains at least this many images: the first compilation takes
-# one to two minutes on a cold compile cache (seconds on a warm one), and a compiled step saves a fraction
-# of a second, so shorter runs end sooner without it (docs/speed.md; benchmarks/RESULTS.md).
-COMPILE_MIN_IMAGES = 3000
+# train.speed="auto" compiles a run that trains at least this many images, by the smallest batch size each
+# row applies from: (on a cold compile cache, on a warm one). Compiling pays once the compiled steps' time
+# saved, against the graphed uncompiled steps, repays the compilation, during which the steps run at about
+# half the graphed rate (train.graphs_while_compiling); a cold compilation takes minutes, a warm one about a
+# minute. Derived from the measured rates and compile times in benchmarks/RESULTS.md (docs/speed.md).
+COMPILE_PAYS_FROM = ((1, 4_400, 1_400), (4, 15_000, 4_400))
+# The train fields that change what the compiled regions are (with the model, the adapter and the data):
+# a run that matches an earlier one's finds its compiled code in the compile cache. Not the levers auto
+# chooses itself, which follow from these.
+_COMPILED_TRAIN_FIELDS = ("batch_size", "mixed_precision", "fuse_qkv", "lora_matmul", "fused_geglu", "sdpa_backend",
+                          "compile_activation_budget", "gradient_checkpointing", "checkpoint_budget_gb")
+
+
+def compile_min_images(batch_size: int, warm: bool) -> int:
+    """COMPILE_PAYS_FROM's threshold for this batch size and cache."""
+    row = [r for r in COMPILE_PAYS_FROM if r[0] <= batch_size][-1]
+    return row[2] if warm else row[1]
+
+
+def _compiled_marker(cfg):
+    """Where a run that compiled leaves its mark: in inductor's cache folder (clearing the cache clears the
+    mark), named by what the compiled code depends on (torch's version, the model, adapter, data, and
+    _COMPILED_TRAIN_FIELDS)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    what = {"torch": torch.__version__, "model": cfg.model.model_dump(mode="json"),
+            "adapter": cfg.adapter.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"),
+            "train": {k: getattr(cfg.train, k) for k in _COMPILED_TRAIN_FIELDS}}
+    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return Path(cache_dir()) / "sdxl_lora_compiled" / key
+
+
+def compile_cache_warm(cfg) -> bool:
+    """Whether a run with this config's model, adapter, data and step shapes compiled on this machine before
+    (mark_compiled), so that its compilation now mostly reads inductor's cache."""
+    return _compiled_marker(cfg).exists()
+
+
+def mark_compiled(cfg) -> None:
+    """After a run's regions compiled: the next run of the same kind finds the cache warm (compile_cache_warm)."""
+    marker = _compiled_marker(cfg)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"torch {torch.__version__}\n")
 
 
 def auto_levers(cfg, device_type: str, processes: int):
@@ -72,11 +115,17 @@ def auto_levers(cfg, device_type: str, processes: int):
     images = tc.steps * tc.batch_size * tc.grad_accum * processes
     if cfg.model.quantize != "none" or cfg.model.quantize_convs != "none":
         choose("compile", "none", "not yet measured with a quantized base")
-    elif images < COMPILE_MIN_IMAGES:
-        choose("compile", "none", f"the run trains {images:,} images, fewer than compiling pays for "
-                                  f"({COMPILE_MIN_IMAGES:,})")
     else:
-        choose("compile", "regional", f"the run trains {images:,} images, enough to repay the compilation")
+        warm = compile_cache_warm(cfg)
+        least = compile_min_images(tc.batch_size, warm)
+        cache = ("warm (this model, adapter, data and batch compiled here before)" if warm else
+                 f"cold; {compile_min_images(tc.batch_size, True):,} once a run like this one has compiled here")
+        if images < least:
+            choose("compile", "none", f"the run trains {images:,} images, fewer than compiling pays for at batch "
+                                      f"{tc.batch_size} ({least:,}; the compile cache is {cache})")
+        else:
+            choose("compile", "regional", f"the run trains {images:,} images, enough to repay compiling at batch "
+                                          f"{tc.batch_size} ({least:,}; the compile cache is {cache})")
     compiled = update.get("compile", tc.compile) == "regional"
     choose("channels_last", compiled, "the compiled blocks' layout levers" if compiled
            else "it pays together with regional compilation")
@@ -89,6 +138,11 @@ def auto_levers(cfg, device_type: str, processes: int):
         # (SDXLTask._background_compile).
         choose("background_compile", True, "the first steps train uncompiled while the blocks compile on a "
                                            "second thread, where memory allows")
+    background = update.get("background_compile", tc.background_compile)
+    graphs = update.get("cuda_graphs", tc.cuda_graphs)
+    choose("graphs_while_compiling", bool(background and graphs),
+           "the uncompiled steps beside the compiling thread replay CUDA graphs" if background and graphs
+           else "it needs a background compilation with CUDA graphs")
     return cfg.model_copy(update={"train": tc.model_copy(update=update)}), why
 
 

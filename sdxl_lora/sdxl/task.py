@@ -616,7 +616,8 @@ class SDXLTask(Task):
                 # Built on the first training call, on the prepared model (with train.background_compile: the
                 # first after the switch, _unet's uncompiled calls come first)
                 self._graphed = True
-        if tc.graphs_while_compiling and not (self._background and self._graphed):
+        if tc.graphs_while_compiling and "graphs_while_compiling" in self._explicit and not (
+                self._background and self._graphed):
             log.warning("train.graphs_while_compiling has no effect: it needs train.background_compile and "
                         "train.cuda_graphs on a CUDA GPU (here: background_compile %s, CUDA graphs %s)",
                         self._background, bool(self._graphed))
@@ -761,8 +762,14 @@ class SDXLTask(Task):
         if self._run is not None:
             self._run.event("compiled", seconds=round(bg.seconds or 0.0, 1), error=str(bg.error) if bg.error else None,
                             **peaks)
-        if not bg.error:
-            speed.warn_if_nothing_compiled(self._run)
+        if not bg.error and not speed.warn_if_nothing_compiled(self._run):
+            self.compiled()
+
+    def compiled(self) -> None:
+        """The regions compiled (and ran): a later run like this one finds the compile cache warm, which
+        train.speed="auto" counts on (sdxl/speed.py: compile_cache_warm)."""
+        if self.accelerator.is_main_process:
+            unet_speed.mark_compiled(self.cfg)
 
     def finish(self) -> None:
         """A run that ends before the compiling thread does waits for it (see BackgroundCompile.wait)."""
