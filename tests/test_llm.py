@@ -551,14 +551,22 @@ def test_llm_memory_budget_chooses_checkpointing_then_nf4_and_refuses_what_canno
 
     assert fit("--vram", "80") == {}  # every activation kept: it fits
     assert fit("--vram", "40") == {"train.gradient_checkpointing": True}
+    # Between the two: the checkpointed layers' inputs and the 0.98 GiB embedding table wait in host memory,
+    # slower steps than checkpointing alone but faster than quartering the batch.
+    assert fit("--vram", "20") == {"train.gradient_checkpointing": True, "llm.offload_activations": True,
+                                   "llm.offload_embeddings": True}
     # The bf16 base and its checkpointed batch of 4 do not fit 16 GiB: the base goes to nf4 (QLoRA).
     assert fit("--vram", "16") == {"model.quantize": "nf4", "train.gradient_checkpointing": True}
     # What the config sets itself is kept: no checkpointing asked for, so a smaller batch carries the rows.
     assert fit("--vram", "40", "--set", "train.gradient_checkpointing=false") == {
         "train.batch_size": 1, "train.grad_accum": 4}
-    assert main([*base, "--vram", "8"]) == 2
+    # An 8 GiB card: QLoRA with both kinds of host memory and half the rows per step.
+    assert fit("--vram", "8") == {"model.quantize": "nf4", "train.gradient_checkpointing": True,
+                                  "llm.offload_activations": True, "llm.offload_embeddings": True,
+                                  "train.batch_size": 2, "train.grad_accum": 2}
+    assert main([*base, "--vram", "7"]) == 2
     err = capsys.readouterr().err
-    assert "train.vram_gb=8: this run needs at least about" in err and "lower llm.max_length" in err
+    assert "train.vram_gb=7: this run needs at least about" in err and "lower llm.max_length" in err
 
 
 def test_llm_run_under_a_memory_budget_says_what_it_chose_and_trains(tmp_path, capsys):

@@ -178,15 +178,20 @@ LLM_BUDGET_FILL = 0.95
 # and 4 (benchmarks/RESULTS.md, "Causal-LM" sections).
 CHECKPOINT_SLOWDOWN = 4 / 3
 LLM_BATCH_EXPONENT = 0.3
+# llm.offload_activations and llm.offload_embeddings, against the same run without: the tokens/s measured on
+# Llama-3-8B at batch 4 x 2048 (benchmarks/RESULTS.md, llm_compare.py).
+OFFLOAD_ACTIVATIONS_SLOWDOWN = 1.03
+OFFLOAD_EMBEDDINGS_SLOWDOWN = 1.15
 
 
 def fit_budget(cfg, config, budget_gib: float) -> LLMFit:
     """The fastest config, by the slowdown model above, whose whole process fits `budget_gib` (filled to
-    LLM_BUDGET_FILL), from: gradient checkpointing; a smaller batch with gradient accumulation
-    keeping the rows per optimizer step; and only where the base as given fits in no way, an nf4 base
-    (QLoRA: it changes the frozen weights the adapter trains against). A lever the config sets itself
-    (train.gradient_checkpointing, model.quantize) is kept as set. No fit: a ConfigError naming the
-    smallest budget that works."""
+    LLM_BUDGET_FILL), from: gradient checkpointing, with the checkpointed layers' inputs in host memory
+    (llm.offload_activations); the input embedding in host memory (llm.offload_embeddings, where the head
+    does not share it); a smaller batch with gradient accumulation keeping the rows per optimizer step; and
+    only where the base as given fits in no way, an nf4 base (QLoRA: it changes the frozen weights the
+    adapter trains against). A lever the config sets itself is kept as set. No fit: a ConfigError naming
+    the smallest budget that works."""
     from transformers import AutoModelForCausalLM
 
     from ..core.config import ConfigError
@@ -203,29 +208,47 @@ def fit_budget(cfg, config, budget_gib: float) -> LLMFit:
     batches = [d for d in range(b, 0, -1) if b % d == 0]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    llm = cfg.llm
+    acts = [llm.offload_activations]
+    if not llm.offload_activations and "offload_activations" not in llm.model_fields_set:
+        acts.append(True)
+    embs = [llm.offload_embeddings]
+    if (not llm.offload_embeddings and "offload_embeddings" not in llm.model_fields_set
+            and host_embedding_bytes(model, torch.bfloat16)):
+        embs.append(True)
     plan = None  # the levers change no adapter layer: one plan serves every candidate
     smallest = None
     for q in quantize:
         best = None
-        for ck in checkpointing:
-            for batch in batches:
-                c = cfg.model_copy(deep=True)
-                c.model.quantize, c.train.gradient_checkpointing = q, ck
-                c.train.batch_size, c.train.grad_accum = batch, cfg.train.grad_accum * (b // batch)
-                plan, memory = config_memory(c, config, model, plan)
-                choices = {k: v for k, v, was in (("model.quantize", q, cfg.model.quantize),
-                                                  ("train.gradient_checkpointing", ck, cfg.train.gradient_checkpointing),
-                                                  ("train.batch_size", batch, b),
-                                                  ("train.grad_accum", c.train.grad_accum, cfg.train.grad_accum))
-                           if v != was}
-                slow = ((CHECKPOINT_SLOWDOWN if ck and not cfg.train.gradient_checkpointing else 1.0)
-                        * (b / batch) ** LLM_BATCH_EXPONENT)
-                if memory.peak <= budget and (best is None or slow < best[2] - 1e-9):
-                    best = (c, memory, slow, choices)
-                if smallest is None or memory.peak < smallest[1].peak:
-                    smallest = (choices, memory)
+        for ck, act, emb, batch in ((ck, act, emb, batch) for ck in checkpointing for act in acts for emb in embs
+                                    for batch in batches):
+            if act and not ck:  # offloaded activations are the checkpointed layers' inputs
+                continue
+            c = cfg.model_copy(deep=True)
+            c.model.quantize, c.train.gradient_checkpointing = q, ck
+            c.llm.offload_activations, c.llm.offload_embeddings = act, emb
+            c.train.batch_size, c.train.grad_accum = batch, cfg.train.grad_accum * (b // batch)
+            plan, memory = config_memory(c, config, model, plan)
+            choices = {k: v for k, v, was in (("model.quantize", q, cfg.model.quantize),
+                                              ("train.gradient_checkpointing", ck, cfg.train.gradient_checkpointing),
+                                              ("llm.offload_activations", act, llm.offload_activations),
+                                              ("llm.offload_embeddings", emb, llm.offload_embeddings),
+                                              ("train.batch_size", batch, b),
+                                              ("train.grad_accum", c.train.grad_accum, cfg.train.grad_accum))
+                       if v != was}
+            slow = ((CHECKPOINT_SLOWDOWN if ck and not cfg.train.gradient_checkpointing else 1.0)
+                    * (OFFLOAD_ACTIVATIONS_SLOWDOWN if act and not llm.offload_activations else 1.0)
+                    * (OFFLOAD_EMBEDDINGS_SLOWDOWN if emb and not llm.offload_embeddings else 1.0)
+                    * (b / batch) ** LLM_BATCH_EXPONENT)
+            if memory.peak <= budget and (best is None or slow < best[2] - 1e-9):
+                best = (c, memory, slow, choices)
+            if smallest is None or memory.peak < smallest[1].peak:
+                smallest = (choices, memory)
         if best is not None:
             return LLMFit(best[0], best[1], best[3], round(best[2], 3))
+    if smallest is None:  # only llm.offload_activations without the checkpointing it needs was possible
+        raise ConfigError("llm.offload_activations keeps the checkpointed decoder layers' inputs in host memory: "
+                          "it needs train.gradient_checkpointing = true")
     choices, memory = smallest
     chose = ", ".join(f"{k}={v}" for k, v in choices.items()) or "the settings as given"
     raise ConfigError(
