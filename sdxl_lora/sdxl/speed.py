@@ -86,8 +86,12 @@ def compile_cache_warm(cfg) -> bool:
 def mark_compiled(cfg) -> None:
     """After a run's regions compiled: the next run of the same kind finds the cache warm (compile_cache_warm)."""
     marker = _compiled_marker(cfg)
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"torch {torch.__version__}\n")
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"torch {torch.__version__}\n")
+    except OSError as e:  # the run goes on; a later run like it only counts the compile cache as cold
+        log.warning("could not note in %s that this run compiled (%s): train.speed='auto' will count the compile "
+                    "cache as cold for the next run like this one", marker.parent, e)
 
 
 def auto_levers(cfg, device_type: str, processes: int):
