@@ -116,17 +116,40 @@ class HostEmbedding(nn.Module):
         super().__init__()
         object.__setattr__(self, "host", module.to("cpu"))
         self.target = torch.device(device)
+        # A plain table is looked up straight into one of two reused (on CUDA pinned) host buffers: a fresh
+        # tensor per call costs the host its allocation and first touch, and pinning it a second copy. Another
+        # embedding (Gemma's scales its rows) runs its own forward.
+        self._plain = type(module) is nn.Embedding and module.max_norm is None
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._read: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy to the device
+        self._turn = 0
 
     @property
     def weight(self) -> torch.Tensor:
         return self.host.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.host(ids.to("cpu"))  # ids on the GPU: the host waits for them here
-        if self.target.type == "cuda":
+        ids = ids.to("cpu")  # ids on the GPU: the host waits for them here
+        cuda = self.target.type == "cuda"
+        if not self._plain:
+            rows = self.host(ids)
             # From pinned memory the copy is queued behind the GPU's work instead of holding the host.
-            return rows.pin_memory().to(self.target, non_blocking=True)
-        return rows.to(self.target)
+            return rows.pin_memory().to(self.target, non_blocking=True) if cuda else rows.to(self.target)
+        weight, n = self.host.weight, ids.numel()
+        i, self._turn = self._turn, self._turn ^ 1
+        buf = self._staging[i]
+        if buf is None or buf.shape[0] < n:
+            buf = self._staging[i] = torch.empty((n, weight.shape[1]), dtype=weight.dtype, pin_memory=cuda)
+            self._read[i] = None
+        elif self._read[i] is not None:
+            self._read[i].synchronize()  # the copy that last read this buffer has finished
+        rows = torch.index_select(weight, 0, ids.reshape(-1), out=buf[:n]).view(*ids.shape, -1)
+        if not cuda:
+            return rows.clone()  # the buffer is reused by the next call
+        out = rows.to(self.target, non_blocking=True)
+        self._read[i] = torch.cuda.Event()
+        self._read[i].record(torch.cuda.current_stream(self.target))
+        return out
 
 
 def embeddings_to_host(lm: nn.Module, device: torch.device, trained: list[str]) -> int:
