@@ -702,7 +702,7 @@ class Trainer:
                 run.event("profile", step=step, path=str(trace), summary=profiler.summary)
             guard.after_step(step, skip)
             if step == first and cfg.train.compile != "none" and not speed.BACKGROUND.enabled:
-                # The background compilation: at its switch.
+                # Compiled on this thread: checked after the first step (a background compilation, at its switch).
                 if not speed.warn_if_nothing_compiled(run if acc.is_main_process else None):
                     self.task.compiled()
             # The session's first step is logged too: it ends the set-up (compilation, graph capture), and

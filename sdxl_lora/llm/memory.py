@@ -3,6 +3,7 @@ what the decoder layers save for backward per token, with and without gradient c
 chunked loss's logits. From the model's config alone (no weights read)."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -145,10 +146,11 @@ def config_memory(cfg, config, model=None, plan=None) -> tuple[Plan, LLMMemory]:
 def host_embedding_bytes(model, compute_dtype: torch.dtype) -> int:
     """The input embedding's bytes that llm.offload_embeddings keeps off the device: none where the output
     head shares the table (llm/offload.py refuses that)."""
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if head is not None and getattr(head, "weight", None) is emb.weight:
+    from .offload import head_shares_embedding
+
+    if head_shares_embedding(model):
         return 0
-    return emb.weight.numel() * torch.empty((), dtype=compute_dtype).element_size()
+    return model.get_input_embeddings().weight.numel() * torch.empty((), dtype=compute_dtype).element_size()
 
 
 def trains_head(plan: Plan) -> bool:
@@ -220,8 +222,7 @@ def fit_budget(cfg, config, budget_gib: float) -> LLMFit:
     smallest = None
     for q in quantize:
         best = None
-        for ck, act, emb, batch in ((ck, act, emb, batch) for ck in checkpointing for act in acts for emb in embs
-                                    for batch in batches):
+        for ck, act, emb, batch in itertools.product(checkpointing, acts, embs, batches):
             if act and not ck:  # offloaded activations are the checkpointed layers' inputs
                 continue
             c = cfg.model_copy(deep=True)

@@ -152,6 +152,12 @@ class HostEmbedding(nn.Module):
         return out
 
 
+def head_shares_embedding(lm: nn.Module) -> bool:
+    """Whether `lm`'s output head uses its input embedding's weights (tie_word_embeddings)."""
+    head = lm.get_output_embeddings()
+    return head is not None and getattr(head, "weight", None) is lm.get_input_embeddings().weight
+
+
 def embeddings_to_host(lm: nn.Module, device: torch.device, trained: list[str]) -> int:
     """llm.offload_embeddings: `lm`'s input embedding replaced by a HostEmbedding; returns the bytes of the
     table that left the device. Refused (ValueError, saying why) where the output head shares the table's
@@ -160,8 +166,7 @@ def embeddings_to_host(lm: nn.Module, device: torch.device, trained: list[str]) 
     emb = lm.get_input_embeddings()
     if isinstance(emb, HostEmbedding):
         return 0
-    head = lm.get_output_embeddings()
-    if head is not None and getattr(head, "weight", None) is not None and head.weight is emb.weight:
+    if head_shares_embedding(lm):
         raise ValueError("llm.offload_embeddings: this model's output head shares its weights with the input "
                          "embedding (tie_word_embeddings), so the table must stay on the device for the head "
                          "and nothing would be saved; leave llm.offload_embeddings off")
