@@ -80,3 +80,35 @@ def dequantize_4bit(out: torch.Tensor, packed: torch.Tensor, code: torch.Tensor,
         packed, code, absmax, code2 if nested else code, absmax2 if nested else absmax,
         offset if nested else absmax, out, n_out, BYTES_PER_BLOCK=blocksize // 2, BLOCKSIZE2=max(blocksize2, 1),
         NESTED=nested, BLOCK=block, num_warps=4, enable_fp_fusion=False)
+
+
+# ---- rows of a table in pinned host memory, read by the GPU (llm.offload_embeddings) ----
+#
+# A pinned host tensor has a device address under CUDA's unified addressing, so a kernel can read it over the
+# bus. torch has no op that indexes host memory from the device (its indexing kernels need the table on the
+# device), and looking the rows up on the host makes it wait for the token ids every step; this kernel reads
+# only the rows the ids name, with the ids staying on the device.
+
+if triton is not None:
+    @triton.jit
+    def _gather_rows_kernel(table_ptr, ids_ptr, out_ptr, width, BLOCK: tl.constexpr):
+        # One program: BLOCK columns of one output row.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < width
+        src = tl.load(ids_ptr + row).to(tl.int64)
+        tl.store(out_ptr + row * width + cols, tl.load(table_ptr + src * width + cols, mask=mask), mask=mask)
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[i] = table[ids[i]] for a 2-D contiguous `table` and flat `ids`. With `ids` and `out` on a CUDA
+    device and `table` in pinned host memory, one Triton kernel reads the rows over the bus; anywhere else
+    torch's index_select (the ids and rows moved where the table is)."""
+    if out.is_cuda and ids.is_cuda and table.is_pinned() and triton is not None:
+        width = table.shape[1]
+        block = min(triton.next_power_of_2(width), 1024)
+        _gather_rows_kernel[(ids.numel(), triton.cdiv(width, block))](table, ids, out, width, BLOCK=block,
+                                                                      num_warps=4)
+        return out
+    out.copy_(torch.index_select(table, 0, ids.to(table.device)))
+    return out

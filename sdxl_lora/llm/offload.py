@@ -102,9 +102,14 @@ def checkpoint_layers(model: nn.Module, layer_class: type, offload: bool = False
 
 
 class HostEmbedding(nn.Module):
-    """The frozen input embedding kept in host memory (llm.offload_embeddings): each call looks its rows up on
-    the CPU and copies only them (tokens x hidden) to the model's device. The table is the largest frozen
-    tensor of a large-vocabulary model outside its layers, and a step reads only the rows of its tokens.
+    """The frozen input embedding kept in host memory (llm.offload_embeddings): each call brings only its
+    tokens' rows (tokens x hidden) to the model's device. The table is the largest frozen tensor of a
+    large-vocabulary model outside its layers, and a step reads only the rows of its tokens.
+
+    On a CUDA device a plain table is pinned, and a kernel on the device reads the rows the ids name straight
+    from it (core/kernels.py: gather_rows): the ids stay on the device and the host never waits for them.
+    Elsewhere (the CPU, ids on the host, a scaled embedding such as Gemma's) the rows are looked up on the
+    host and copied over.
 
     The original module runs unchanged on the host (a scaled embedding such as Gemma's scales there); it is
     held outside the module tree, so that moving the model (`.to`, Accelerate's placement), its state dict,
@@ -123,12 +128,18 @@ class HostEmbedding(nn.Module):
         self._staging: list[torch.Tensor | None] = [None, None]
         self._read: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy to the device
         self._turn = 0
+        self._direct = self._plain and self.target.type == "cuda"
+        if self._direct:
+            module.weight.data = module.weight.data.pin_memory()
+        self._checked = False  # the device's read compared with the host's once, on the first call
 
     @property
     def weight(self) -> torch.Tensor:
         return self.host.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._direct and ids.device == self.target:
+            return self._read_on_device(ids)
         ids = ids.to("cpu")  # ids on the GPU: the host waits for them here
         cuda = self.target.type == "cuda"
         if not self._plain:
@@ -150,6 +161,21 @@ class HostEmbedding(nn.Module):
         self._read[i] = torch.cuda.Event()
         self._read[i].record(torch.cuda.current_stream(self.target))
         return out
+
+
+    def _read_on_device(self, ids: torch.Tensor) -> torch.Tensor:
+        from ..core.kernels import gather_rows
+
+        weight, flat = self.host.weight, ids.reshape(-1)
+        out = torch.empty((flat.numel(), weight.shape[1]), dtype=weight.dtype, device=self.target)
+        gather_rows(weight, flat, out)
+        if not self._checked:  # a driver without unified addressing would read wrong rows: say so at once
+            self._checked = True
+            first = flat[:1].to("cpu")
+            if not torch.equal(out[:1].to("cpu"), weight[first]):
+                raise RuntimeError("llm.offload_embeddings: the device read other values from the pinned table "
+                                   "than the host holds; leave llm.offload_embeddings off on this machine")
+        return out.view(*ids.shape, -1)
 
 
 def head_shares_embedding(lm: nn.Module) -> bool:
