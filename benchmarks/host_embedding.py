@@ -50,6 +50,7 @@ def main() -> None:
     host = HostEmbedding(table, device)
     cuda = device.type == "cuda"
     if cuda:  # the trainer's path on a GPU: the device reads the ids' rows from the pinned table
+        assert host._direct and ids.device == host.target, "HostEmbedding would not take the device's path"
         assert torch.equal(host(ids).cpu(), table.weight[ids.cpu()]), "the device read other rows"
         rows["HostEmbedding (rows read by the GPU)"] = timed(lambda: host(ids), args.calls, device)
         host._direct = False  # the host's lookup, as on a machine where the device cannot read host memory
