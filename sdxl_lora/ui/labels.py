@@ -224,8 +224,8 @@ LABELS: dict[str, Label] = {
                          "saves memory."),
     "llm.offload_activations": _l("Layer inputs in CPU memory", S, "With gradient checkpointing: keep what "
                                   "the layers recompute from in CPU memory; less GPU memory."),
-    "llm.offload_embeddings": _l("Embedding table in CPU memory", S, "Look up the tokens' rows on the CPU "
-                                 "and copy only those to the GPU; less GPU memory for a large vocabulary."),
+    "llm.offload_embeddings": _l("Embedding table in CPU memory", S, "Keep the table in CPU memory; only the "
+                                 "tokens' rows reach the GPU each step; less GPU memory for a large vocabulary."),
     "llm.attn_implementation": _l("Attention kernel", S, "Which attention code the model uses; sdpa keeps "
                                   "packed examples apart."),
     # ---- previews
