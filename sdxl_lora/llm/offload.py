@@ -15,9 +15,13 @@ the forward pass and the host copy to the recomputation. The gradient still flow
 pass's own graph; the recomputation only rebuilds the saved tensors, which are value-equal."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger(__name__)
 
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 _subclasses: dict[tuple[type, bool], type] = {}
@@ -165,19 +169,27 @@ class HostEmbedding(nn.Module):
         self._read[i].record(torch.cuda.current_stream(self.target))
         return out
 
-
     def _read_on_device(self, ids: torch.Tensor) -> torch.Tensor:
         from ..core.kernels import gather_rows
 
         weight, flat = self.host.weight, ids.reshape(-1)
         out = torch.empty((flat.numel(), weight.shape[1]), dtype=weight.dtype, device=self.target)
-        gather_rows(weight, flat, out)
-        if not self._checked:  # a driver without unified addressing would read wrong rows: say so at once
-            self._checked = True
-            first = flat[:1].to("cpu")
-            if not torch.equal(out[:1].to("cpu"), weight[first]):
-                raise RuntimeError("llm.offload_embeddings: the device read other values from the pinned table "
-                                   "than the host holds; leave llm.offload_embeddings off on this machine")
+        if self._checked:
+            gather_rows(weight, flat, out)
+            return out.view(*ids.shape, -1)
+        # The first call: the device's read checked against the host's copy of a row, once.
+        self._checked = True
+        try:
+            gather_rows(weight, flat, out)
+        except ValueError as e:  # Triton found no device address for the pinned table on this machine
+            log.warning("llm.offload_embeddings: the GPU cannot read the pinned table here (%s); each step looks "
+                        "its rows up on the CPU instead", e)
+            self._direct = False
+            return self.forward(ids)
+        first = flat[:1].to("cpu")
+        if not torch.equal(out[:1].to("cpu"), weight[first]):
+            raise RuntimeError("llm.offload_embeddings: the GPU read other values from the pinned table than the "
+                               "host holds; leave llm.offload_embeddings off on this machine")
         return out.view(*ids.shape, -1)
 
 
