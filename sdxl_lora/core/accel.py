@@ -9,6 +9,15 @@ import torch
 from .config import Config
 
 
+def indexed(device: torch.device | str) -> torch.device:
+    """`device` with its index: torch.device("cuda") names the current CUDA device, and compares unequal to the
+    "cuda:N" that tensors on it report."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def resolve_mixed_precision(cfg: Config, device_type: str) -> str:
     mp = cfg.train.mixed_precision
     if mp != "auto":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .accel import indexed
+
 GiB = 2**30
 # The whole process on a GPU, beyond what a task's estimate counts: the CUDA context and library handles
 # (cuBLAS, cuDNN) outside torch's allocator, and the allocator's reserve over what is allocated at the peak.
@@ -82,8 +84,7 @@ def cap_process_memory(device: torch.device, gib: float) -> bool:
     """train.vram_gb on a GPU: torch's allocator capped so that the process (its CUDA context besides) stays
     within `gib`; a larger GPU then behaves as a card of that size, raising out-of-memory where that card
     would instead of using more. False (and nothing capped) when the GPU is no larger than the budget."""
-    # torch.device("cuda") names no index, which the cap needs: the device a run on "cuda" uses.
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = indexed(device).index  # the cap needs the index that "cuda" leaves out
     total = torch.cuda.get_device_properties(index).total_memory
     if gib * GiB >= total:
         return False

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from .accel import indexed
 from .memory import GiB
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class StepProfiler:
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         atomic_write_bytes(path, pickle.dumps(snapshot))
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        index = indexed(self.device).index
         traces = snapshot.get("device_traces") or []
         peak, sites = peak_sites(traces[index] if index < len(traces) else [])
         lines = [f"GPU memory: {self.held_before / GiB:.2f} GiB held before the profiled steps (weights, state, "

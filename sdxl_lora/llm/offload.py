@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..core.accel import indexed
+
 log = logging.getLogger(__name__)
 
 _streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -124,10 +126,7 @@ class HostEmbedding(nn.Module):
     def __init__(self, module: nn.Module, device: torch.device):
         super().__init__()
         object.__setattr__(self, "host", module.to("cpu"))
-        self.target = torch.device(device)
-        if self.target.type == "cuda" and self.target.index is None:
-            # "cuda" names the current device; the ids arrive as "cuda:N", which compares unequal to it.
-            self.target = torch.device("cuda", torch.cuda.current_device())
+        self.target = indexed(device)  # the ids arrive as "cuda:N": compared with it in forward
         # A plain table is looked up straight into one of two reused (on CUDA pinned) host buffers: a fresh
         # tensor per call costs the host its allocation and first touch, and pinning it a second copy. Another
         # embedding (Gemma's scales its rows) runs its own forward.

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..core.accel import indexed
 from ..core.config import DataConfig, DatasetConfig
 from ..core.fsutil import atomic_save, atomic_write_text
 
@@ -41,7 +42,8 @@ def generate(pipe, folder: Path, prompt: str, count: int, resolution: int, *, st
     if not todo:
         return 0
     parts = dict.fromkeys((pipe.unet, pipe.vae, pipe.text_encoder, pipe.text_encoder_2))  # each once
-    moved = [m for m in parts if next(m.parameters()).device != device]
+    # Indexed: a UNet already on "cuda:0" is not on another device than "cuda", and must stay there after.
+    moved = [m for m in parts if next(m.parameters()).device != indexed(device)]
     for m in moved:
         m.to(device)
     try:
