@@ -48,13 +48,16 @@ def stay_offline() -> None:
         os.environ.setdefault(name, value)
 
 
-def setup_logging(verbose: bool = False) -> None:
-    """Log lines on stderr (a terminal's, or the UI's run log); no download progress bars from diffusers."""
+def setup_logging(verbose: bool = False, diffusers: bool = True) -> None:
+    """Log lines on stderr (a terminal's, or the UI's run log); no download progress bars from diffusers.
+    diffusers=False for a command that never uses diffusers (the causal LM's): importing it only to quiet it
+    costs seconds of the launch (it imports torch's compiler stack)."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
-    from diffusers.utils import logging as dlog
+    if diffusers:
+        from diffusers.utils import logging as dlog
 
-    dlog.disable_progress_bar()
+        dlog.disable_progress_bar()
 
 
 # ---- the job: which run, which config, which state

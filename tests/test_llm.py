@@ -698,3 +698,25 @@ def test_offloaded_activations_train_through_the_cli_and_need_checkpointing(tmp_
     assert "decoder layers checkpointed, their inputs in host memory" in caplog.text
     events = [json.loads(line) for line in (tmp_path / "ckpt" / "events.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "done" and (tmp_path / "ckpt" / "adapter").is_dir()
+
+
+def test_an_llm_run_does_not_import_diffusers(tmp_path):
+    # The causal LM never uses diffusers; importing it (and the compiler stack it pulls in) only to quiet its
+    # progress bars cost LLM runs seconds of their launch. Its own process: the suite has diffusers imported.
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys
+        from sdxl_lora.cli import main
+        rc = main(["llm", "train", "--model", "tiny-llm", "--steps", "1", "--out", {str(tmp_path)!r}, "--name", "a",
+                   "--set", "llm.preview_prompts=[]"])
+        print("rc", rc, "diffusers imported:", "diffusers" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rc 0 diffusers imported: False" in done.stdout, done.stdout[-2000:]
+    assert (tmp_path / "a" / "adapter" / "adapter_model.safetensors").is_file()
