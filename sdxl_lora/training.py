@@ -48,12 +48,26 @@ def stay_offline() -> None:
         os.environ.setdefault(name, value)
 
 
+class _OfflineKernelNotice(logging.Filter):
+    """Drops the notices bitsandbytes (and the `kernels` package under it) log when imported offline: its CPU
+    backend asks the Hugging Face Hub for a faster 4-bit kernel, which offline (every run is: nothing reaches
+    the network) fails, and it keeps its own kernels. The notices then ask the user to download it or
+    `pip install kernels`, which nothing here needs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.startswith(("kernels", "bitsandbytes"))
+                    and "offline mode" in record.getMessage())
+
+
 def setup_logging(verbose: bool = False, diffusers: bool = True) -> None:
     """Log lines on stderr (a terminal's, or the UI's run log); no download progress bars from diffusers.
     diffusers=False for a command that never uses diffusers (the causal LM's): importing it only to quiet it
     costs seconds of the launch (it imports torch's compiler stack)."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _OfflineKernelNotice) for f in handler.filters):
+            handler.addFilter(_OfflineKernelNotice())
     if diffusers:
         from diffusers.utils import logging as dlog
 
