@@ -8,6 +8,8 @@ a setting says otherwise.
 For each setting it reports, from the run's events.jsonl and a sampler of the GPU's memory in use (the
 whole process: CUDA context, caches, graphs, everything):
   launch->step1   seconds from starting the process to the end of the first training step
+  log marks       seconds from the launch to the run log's lines of the launch's steps (the run folder, the
+                  dataset report, the adapter plan, the FLOP count, the first CUDA graph capture, ...)
   setup phases    seconds spent loading + caching, in the step-0 previews and eval, compiling (first steps)
   images/s        steady throughput: the step events after the first `--warmup` steps
   peak GiB        the GPU memory in use at its highest, for the whole run and for each phase
@@ -198,6 +200,31 @@ def phases(events: list[dict], launch: float) -> dict[str, tuple[float, float]]:
     return spans
 
 
+# The launch's steps that leave a log line but no event: seconds from launch to each line's first occurrence.
+LOG_MARKS = {"run folder": "run folder:", "dataset report": "dataset:", "adapter plan": "adapter plan:",
+             "FLOP count done": "MFU:", "first graph capture": "capturing CUDA graphs",
+             "compiling thread started": "background compilation started"}
+
+
+def log_marks(path: Path, launch: float) -> dict[str, float]:
+    """Seconds from `launch` (time.time()) to the first log line of each LOG_MARKS entry in the run's train.log
+    (its lines start with the local time, to the millisecond)."""
+    import datetime
+
+    marks = {}
+    if not path.is_file():
+        return marks
+    for line in path.read_text(errors="replace").splitlines():
+        for name, text in LOG_MARKS.items():
+            if name not in marks and text in line[24:]:
+                try:
+                    at = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                except ValueError:
+                    continue  # a continuation line of a multi-line message
+                marks[name] = round(at - launch, 1)
+    return marks
+
+
 def _events(path: Path) -> list[dict]:
     out = []
     for line in path.read_text().splitlines():
@@ -296,6 +323,7 @@ def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = F
         images = args.batch * (steady[-1]["step"] - steady[0]["step"])
         result["images_per_s"] = round(images / (steady[-1]["time"] - steady[0]["time"]), 2)
     result["launch_to_first_step_s"] = round(steps[0]["time"] - launch, 1)
+    result["log_marks_s"] = log_marks(out / run_name / "train.log", launch)
     spans = phases(events, launch)
     result["phases_s"] = {k: round(b - a, 1) for k, (a, b) in spans.items()}
     result["peak_gib"] = mem.peak()
