@@ -61,8 +61,8 @@ class _OfflineKernelNotice(logging.Filter):
 
 def setup_logging(verbose: bool = False, diffusers: bool = True) -> None:
     """Log lines on stderr (a terminal's, or the UI's run log); no download progress bars from diffusers.
-    diffusers=False for a command that never uses diffusers (the causal LM's): importing it only to quiet it
-    costs seconds of the launch (it imports torch's compiler stack)."""
+    diffusers=False for a command that never uses diffusers (the causal LM's), which would otherwise import it
+    at its launch only to quiet it."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
