@@ -101,14 +101,9 @@ if triton is not None:
 
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out[i] = table[ids[i]] for a 2-D contiguous `table` and flat `ids`. With `ids` and `out` on a CUDA
-    device and `table` in pinned host memory, one Triton kernel reads the rows over the bus; anywhere else
-    torch's index_select (the ids and rows moved where the table is)."""
-    if out.is_cuda and ids.is_cuda and table.is_pinned() and triton is not None:
-        width = table.shape[1]
-        block = min(triton.next_power_of_2(width), 1024)
-        _gather_rows_kernel[(ids.numel(), triton.cdiv(width, block))](table, ids, out, width, BLOCK=block,
-                                                                      num_warps=4)
-        return out
-    out.copy_(torch.index_select(table, 0, ids.to(table.device)))
+    """out[i] = table[ids[i]] for a 2-D contiguous `table` in pinned host memory and flat `ids` and `out` on a
+    CUDA device: one Triton kernel reads the rows over the bus. (Elsewhere the caller looks rows up itself.)"""
+    width = table.shape[1]
+    block = min(triton.next_power_of_2(width), 1024)
+    _gather_rows_kernel[(ids.numel(), triton.cdiv(width, block))](table, ids, out, width, BLOCK=block, num_warps=4)
     return out

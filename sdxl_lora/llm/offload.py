@@ -134,7 +134,9 @@ class HostEmbedding(nn.Module):
         self._staging: list[torch.Tensor | None] = [None, None]
         self._read: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy to the device
         self._turn = 0
-        self._direct = self._plain and self.target.type == "cuda"
+        from ..core.kernels import triton  # None where torch comes without it (Windows builds): the host's lookup
+
+        self._direct = self._plain and self.target.type == "cuda" and triton is not None
         if self._direct:
             module.weight.data = module.weight.data.pin_memory()
         self._checked = False  # the device's read compared with the host's once, on the first call
