@@ -636,16 +636,26 @@ def test_checkpointed_decoder_layers_compile_whole(tmp_path, monkeypatch, offloa
     # transformers' own checkpointing (in newer versions inside the layer's forward) dynamo gave up on the
     # layers and they ran uncompiled, while the log said "compiled". Counting what the compiler is given and
     # its graph breaks; the weights trained are those of the same run uncompiled.
+    # Both runs profile a step: the compiled one without torch's allocation history, which with its Python
+    # stacks made a compiled layer's forward fail on the GPU (the loop's choice; a CPU records none anyway).
     import torch._dynamo
     from safetensors.torch import load_file
-    from sdxl_lora.core import speed
+    from sdxl_lora.core import loop, speed
     from torch._dynamo.backends.debugging import aot_eager
     from torch._dynamo.utils import counters
 
-    graphs = []
+    graphs, histories = [], []
+
+    class Profiler(loop.StepProfiler):
+        def __init__(self, *args, allocations=True, **kw):
+            histories.append(allocations)
+            super().__init__(*args, allocations=allocations, **kw)
+
+    monkeypatch.setattr(loop, "StepProfiler", Profiler)
     monkeypatch.setattr(speed, "COMPILE_BACKEND", lambda gm, inputs: graphs.append(gm) or aot_eager(gm, inputs))
     common = ["llm", "train", "--out", str(tmp_path), "--steps", "3", "--set", "llm.preview_prompts=[]",
-              "--set", "train.gradient_checkpointing=true", "--set", f"llm.offload_activations={str(offload).lower()}"]
+              "--set", "train.gradient_checkpointing=true", "--set", f"llm.offload_activations={str(offload).lower()}",
+              "--set", "train.profile_steps=1"]
     torch._dynamo.reset()
     counters.clear()
     assert main([*common, "--name", "compiled", "--set", "train.compile='regional'"]) == 0
@@ -653,6 +663,8 @@ def test_checkpointed_decoder_layers_compile_whole(tmp_path, monkeypatch, offloa
     torch._dynamo.reset()
     assert graphs and not breaks, breaks
     assert main([*common, "--name", "eager"]) == 0
+    assert histories == [False, True]
+    assert all((tmp_path / n / "profile" / "trace.json").is_file() for n in ("compiled", "eager"))
     compiled, eager = (load_file(str(tmp_path / n / "adapter" / "adapter_model.safetensors"))
                        for n in ("compiled", "eager"))
     assert compiled.keys() == eager.keys()

@@ -728,7 +728,7 @@ class Trainer:
         cfg, acc = self.cfg, self.accelerator
         skip = self.step + min(2, max(0, cfg.train.steps - self.step - cfg.train.profile_steps))
         return StepProfiler(self.run.dir / "profile" if acc.is_main_process else None, cfg.train.profile_steps,
-                            skip=skip, device=acc.device)
+                            skip=skip, device=acc.device, allocations=cfg.train.compile == "none")
 
     def _clip_gradients(self) -> torch.Tensor | None:
         """The gradient norm before clipping, the gradients clipped to train.max_grad_norm. With clipping off

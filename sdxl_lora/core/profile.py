@@ -20,8 +20,12 @@ class StepProfiler:
 
     PHASES = ("data", "forward", "backward", "optimizer")
 
-    def __init__(self, out_dir: Path | None, steps: int, skip: int = 2, device: torch.device | None = None):
+    def __init__(self, out_dir: Path | None, steps: int, skip: int = 2, device: torch.device | None = None,
+                 allocations: bool = True):
         self.out_dir, self.steps, self.skip, self.device = out_dir, steps, skip, device
+        # torch's allocation history with Python stacks made a compiled decoder layer's forward fail
+        # (SystemError from autograd.Function.apply): a run that compiles is profiled without it.
+        self.allocations = allocations and device is not None and device.type == "cuda"
         self.prof = None
         self.done = steps <= 0 or out_dir is None
         self.summary: str | None = None
@@ -39,7 +43,7 @@ class StepProfiler:
         if self.device is not None and self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
-        if self.device is not None and self.device.type == "cuda":
+        if self.allocations:
             # Every allocation of the profiled steps with its Python stack: where their memory peak is held.
             self.held_before = torch.cuda.memory_allocated(self.device)
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES, stacks="python")
@@ -58,8 +62,11 @@ class StepProfiler:
         trace = self.out_dir / "trace.json"
         self.prof.export_chrome_trace(str(trace))
         self.summary = self._summary()
-        if self.device is not None and self.device.type == "cuda":
+        if self.allocations:
             self.summary += "\n" + self._memory(self.out_dir / "memory.pickle")
+        elif self.device is not None and self.device.type == "cuda":
+            self.summary += ("\nGPU memory: no allocation history (memory.pickle) for a run that compiles; profile "
+                             "with train.compile='none' to see where the peak is held")
         log.info("profile of %d steps written to %s\n%s", self.steps, trace, self.summary)
         self.prof, self.done = None, True
         return trace
