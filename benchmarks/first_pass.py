@@ -3,12 +3,14 @@ weights) with the trainer's adapter and default step levers, forward + backward 
 (1024x1024, 1152x896, 896x1152), timed pass by pass, as the warm-up before the CUDA graphs' captures runs them.
 Then the steady eager step at the first shape.
 
-    python benchmarks/first_pass.py [--batch 4] [--passes 2] [--no-cudnn-benchmark] [--profile-first]
+    python benchmarks/first_pass.py [--batch 4] [--passes 2] [--no-cudnn-benchmark | --benchmark-limit N]
+                                    [--profile-first]
 
 A launch pays the first pass's one-time costs (CUDA's lazy kernel loading, cuBLAS' and cuDNN's set-up, cuDNN's
 algorithm search when torch.backends.cudnn.benchmark is on, as the trainer sets it) before it can capture;
 `--no-cudnn-benchmark` leaves cuDNN on its heuristics, to see what the search costs at launch and what it
-gains per step. `--profile-first` records the first pass under torch's profiler and prints its longest host-side
+gains per step; `--benchmark-limit N` keeps the search but tries at most N of cuDNN's candidates a convolution
+(torch.backends.cudnn.benchmark_limit). `--profile-first` records the first pass under torch's profiler and prints its longest host-side
 operators. Prints one JSON row. --tiny: the embedded tiny UNet on the CPU (a smoke test of the script).
 Figures: benchmarks/RESULTS.md.
 """
@@ -47,6 +49,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=2, help="timed passes per bucket")
     ap.add_argument("--steps", type=int, default=5, help="steady eager passes at the first bucket, after them")
     ap.add_argument("--no-cudnn-benchmark", action="store_true", help="cuDNN's heuristics, no algorithm search")
+    ap.add_argument("--benchmark-limit", type=int, help="torch.backends.cudnn.benchmark_limit (candidates tried)")
     ap.add_argument("--profile-first", action="store_true", help="the first pass under torch's profiler")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny UNet on the CPU")
     args = ap.parse_args()
@@ -64,10 +67,13 @@ def main() -> None:
     task._speed_setup(unet, run)  # the trainer's levers; sets cudnn.benchmark as a run does
     if args.no_cudnn_benchmark:
         torch.backends.cudnn.benchmark = False
+    if args.benchmark_limit is not None:
+        torch.backends.cudnn.benchmark_limit = args.benchmark_limit
     params = tuple(p for p in unet.parameters() if p.requires_grad)
     sync()
     row = {"device": torch.cuda.get_device_name() if cuda else "cpu", "batch": args.batch,
-           "cudnn_benchmark": torch.backends.cudnn.benchmark, "set_up_s": round(time.perf_counter() - started, 1)}
+           "cudnn_benchmark": torch.backends.cudnn.benchmark, "benchmark_limit": torch.backends.cudnn.benchmark_limit,
+           "set_up_s": round(time.perf_counter() - started, 1)}
 
     def one_pass(batch: dict) -> float:
         sync()
@@ -96,6 +102,7 @@ def main() -> None:
     row["steady_ms"] = round(1000 * sum(one_pass(batches[0]) for _ in range(args.steps)) / args.steps, 1)
     if cuda:
         row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        row["reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
     row["total_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(row), flush=True)
 
