@@ -538,10 +538,8 @@ class LLMConfig(Section):
         "With train.gradient_checkpointing: keep each checkpointed decoder layer's input in host memory "
         "until backward needs it, not on the GPU (less GPU memory, a copy each way per layer and step)."))
     offload_embeddings: bool = Field(False, description=(
-        "Keep the frozen input embedding table in pinned CPU memory; each step brings only its tokens' rows to the "
-        "GPU. Less GPU memory for a large vocabulary. Where Triton is installed the GPU reads the rows straight from "
-        "host memory and the step keeps its speed; elsewhere the CPU looks them up and steps are slower. Not for "
-        "tied heads."))
+        "Keep the frozen input embedding table in CPU memory; each step reads only its tokens' rows. Less GPU "
+        "memory; as fast where Triton is installed, slower elsewhere. Not for tied heads."))
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description=(
         "transformers' attention kernel; 'sdpa' keeps packed examples apart through the position ids."))
     merge: bool = Field(False, description=(
