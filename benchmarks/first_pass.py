@@ -10,8 +10,9 @@ A launch pays the first pass's one-time costs (CUDA's lazy kernel loading, cuBLA
 algorithm search when torch.backends.cudnn.benchmark is on, as the trainer sets it) before it can capture;
 `--no-cudnn-benchmark` leaves cuDNN on its heuristics, to see what the search costs at launch and what it
 gains per step; `--benchmark-limit N` keeps the search but tries at most N of cuDNN's candidates a convolution
-(torch.backends.cudnn.benchmark_limit). `--profile-first` records the first pass under torch's profiler and prints its longest host-side
-operators. Prints one JSON row. --tiny: the embedded tiny UNet on the CPU (a smoke test of the script).
+(torch.backends.cudnn.benchmark_limit). `--profile-first` records the first pass under torch's profiler and
+prints its longest host-side operators. Prints one JSON row. --tiny: the embedded tiny UNet on the CPU (a smoke
+test of the script).
 Figures: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
@@ -36,10 +37,10 @@ def shaped(data: dict, height: int, width: int) -> dict:
     """The batch `data` at another latent size (a bucket), the same values where the sizes overlap."""
     out = dict(data)
     for key in ("latent_mean", "latent_std"):
-        x = data[key]
-        out[key] = torch.nn.functional.interpolate(x, size=(height // 8, width // 8), mode="nearest")
-    out["time_ids"] = torch.tensor([[height, width, 0, 0, height, width]] * x.shape[0], device=x.device,
-                                   dtype=data["time_ids"].dtype)
+        out[key] = torch.nn.functional.interpolate(data[key], size=(height // 8, width // 8), mode="nearest")
+    ids = data["time_ids"]
+    out["time_ids"] = torch.tensor([[height, width, 0, 0, height, width]] * ids.shape[0], device=ids.device,
+                                   dtype=ids.dtype)
     return out
 
 
