@@ -23,8 +23,9 @@ class StepProfiler:
     def __init__(self, out_dir: Path | None, steps: int, skip: int = 2, device: torch.device | None = None,
                  allocations: bool = True):
         self.out_dir, self.steps, self.skip, self.device = out_dir, steps, skip, device
-        # torch's allocation history with Python stacks made a compiled decoder layer's forward fail
-        # (SystemError from autograd.Function.apply): a run that compiles is profiled without it.
+        # torch's allocation history made a compiled, checkpointed decoder layer's forward fail (SystemError from
+        # autograd.Function.apply; pytorch/pytorch#179536, a torch 2.11 regression): a run that compiles is
+        # profiled without it.
         self.allocations = allocations and device is not None and device.type == "cuda"
         self.prof = None
         self.done = steps <= 0 or out_dir is None
