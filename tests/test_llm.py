@@ -532,11 +532,14 @@ def test_llm_plan_reads_only_the_config_and_matches_the_8b_figures(tmp_path, cap
     assert kept - json.loads(capsys.readouterr().out)["memory_gib"]["activations"] == pytest.approx(31 / 16, abs=0.01)
 
 
-def test_llm_memory_budget_chooses_checkpointing_then_nf4_and_refuses_what_cannot_fit(tmp_path, capsys):
+def test_llm_memory_budget_chooses_checkpointing_then_nf4_and_refuses_what_cannot_fit(tmp_path, capsys, monkeypatch):
     # train.vram_gb (--vram) for an LLM: the fastest settings whose whole process fits, from the config alone.
     from transformers import LlamaConfig
 
+    from sdxl_lora.core import kernels
     from sdxl_lora.llm.memory import LLM_BUDGET_FILL
+
+    monkeypatch.setattr(kernels, "triton", None)  # the embedding's rows looked up by the host (no Triton)
 
     LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False).save_pretrained(tmp_path)
@@ -567,6 +570,13 @@ def test_llm_memory_budget_chooses_checkpointing_then_nf4_and_refuses_what_canno
     assert main([*base, "--vram", "7"]) == 2
     err = capsys.readouterr().err
     assert "train.vram_gb=7: this run needs at least about" in err and "lower llm.max_length" in err
+    # 22 GiB: checkpointing alone is 1 GiB over. The host's lookup of the embedding's rows costs more than
+    # offloading the layers' inputs; where the GPU reads them from the pinned table (Triton), it costs nothing,
+    # and the plan keeps the layers' inputs on the GPU instead.
+    assert fit("--vram", "22") == {"train.gradient_checkpointing": True, "llm.offload_activations": True}
+    monkeypatch.setattr(kernels, "triton", object())
+    assert fit("--vram", "22") == {"train.gradient_checkpointing": True, "llm.offload_embeddings": True}
+    assert fit("--vram", "80") == {}  # free, but not taken where nothing is needed
 
 
 def test_llm_run_under_a_memory_budget_says_what_it_chose_and_trains(tmp_path, capsys):

@@ -107,6 +107,16 @@ def checkpoint_layers(model: nn.Module, layer_class: type, offload: bool = False
     return n
 
 
+def reads_on_device(module: nn.Module, device: torch.device) -> bool:
+    """Whether HostEmbedding has the GPU read `module`'s rows from the pinned table (core/kernels.py:
+    gather_rows): a plain table, a CUDA device and Triton (torch's CUDA builds bring it; elsewhere the host
+    looks the rows up)."""
+    from ..core.kernels import triton
+
+    plain = type(module) is nn.Embedding and module.max_norm is None
+    return plain and device.type == "cuda" and triton is not None
+
+
 class HostEmbedding(nn.Module):
     """The frozen input embedding kept in host memory (llm.offload_embeddings): each call brings only its
     tokens' rows (tokens x hidden) to the model's device. The table is the largest frozen tensor of a
@@ -134,9 +144,7 @@ class HostEmbedding(nn.Module):
         self._staging: list[torch.Tensor | None] = [None, None]
         self._read: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy to the device
         self._turn = 0
-        from ..core.kernels import triton  # None where torch comes without it (Windows builds): the host's lookup
-
-        self._direct = self._plain and self.target.type == "cuda" and triton is not None
+        self._direct = reads_on_device(module, self.target)
         if self._direct:
             module.weight.data = module.weight.data.pin_memory()
         self._checked = False  # the device's read compared with the host's once, on the first call
