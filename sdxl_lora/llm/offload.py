@@ -113,8 +113,12 @@ def reads_on_device(module: nn.Module, device: torch.device) -> bool:
     looks the rows up)."""
     from ..core.kernels import triton
 
-    plain = type(module) is nn.Embedding and module.max_norm is None
-    return plain and device.type == "cuda" and triton is not None
+    return _plain_table(module) and device.type == "cuda" and triton is not None
+
+
+def _plain_table(module: nn.Module) -> bool:
+    """An nn.Embedding whose forward is the table's rows as stored (not Gemma's scaled one, no max_norm)."""
+    return type(module) is nn.Embedding and module.max_norm is None
 
 
 class HostEmbedding(nn.Module):
@@ -140,7 +144,7 @@ class HostEmbedding(nn.Module):
         # A plain table is looked up straight into one of two reused (on CUDA pinned) host buffers: a fresh
         # tensor per call costs the host its allocation and first touch, and pinning it a second copy. Another
         # embedding (Gemma's scales its rows) runs its own forward.
-        self._plain = type(module) is nn.Embedding and module.max_norm is None
+        self._plain = _plain_table(module)
         self._staging: list[torch.Tensor | None] = [None, None]
         self._read: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy to the device
         self._turn = 0
