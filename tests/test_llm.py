@@ -640,6 +640,55 @@ def test_offloaded_checkpointing_frees_each_layers_input_and_gives_the_same_grad
         assert torch.allclose(model.eval()(input_ids=ids).logits, _base(tiny_llm)(input_ids=ids).logits)
 
 
+def test_offloaded_inputs_come_back_one_layer_ahead_and_are_freed_after_backward(tiny_llm):
+    # llm.offload_activations: as backward recomputes a layer, the input of the layer before it is already on
+    # its way back, so the copy overlaps the work instead of waiting in line; nothing outlives the step.
+    import gc
+    import weakref
+
+    from sdxl_lora.llm import offload
+
+    model = _base(tiny_llm).train()
+    layers = offload.checkpoint_layers(model, type(model.model.layers[0]), offload=True)
+    events, holders = [], []
+    made, bring, get = offload._HostCopy.__init__, offload._HostCopy.bring_back, offload._HostCopy.get
+
+    def on_made(self, x):
+        made(self, x)
+        holders.append(weakref.ref(self))
+
+    def on_bring(self):
+        if self.first is None and self.back is None:
+            events.append(("back", index(self)))
+        bring(self)
+
+    def on_get(self):
+        if self.first is None:
+            events.append(("recompute", index(self), self.back is not None))
+        return get(self)
+
+    def index(holder):
+        return next(i for i, r in enumerate(holders) if r() is holder)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(offload._HostCopy, "__init__", on_made)
+        mp.setattr(offload._HostCopy, "bring_back", on_bring)
+        mp.setattr(offload._HostCopy, "get", on_get)
+        for _ in range(2):  # a second step must not link back to the first one's holders
+            events.clear()
+            holders.clear()
+            model(input_ids=IDS, labels=IDS).loss.backward()
+            gc.collect()
+            assert len(holders) == layers and all(r() is None for r in holders)
+            recomputed = [e for e in events if e[0] == "recompute"]
+            assert [e[1] for e in recomputed] == list(range(layers - 1, -1, -1))
+            # Only the last layer's input is brought back when its own recomputation asks for it.
+            assert [e[2] for e in recomputed] == [False] + [True] * (layers - 1)
+            # Each earlier input starts back during the recomputation of the layer after it, not sooner.
+            at = {e[:2]: i for i, e in enumerate(events)}
+            assert all(at["recompute", k + 1] < at["back", k] < at["recompute", k] for k in range(layers - 1))
+
+
 @pytest.mark.parametrize("offload", [False, True])
 def test_checkpointed_decoder_layers_compile_whole(tmp_path, monkeypatch, offload):
     # train.compile with train.gradient_checkpointing: each decoder layer compiles inside its checkpoint. With

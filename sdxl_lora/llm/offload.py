@@ -12,10 +12,16 @@ stream as the layer runs, and brought back when backward recomputes the layer. t
 holds its inputs by reference, so it cannot offload them (`save_on_cpu` only sees saved tensors); the
 layer's input therefore reaches the checkpointed function through a holder that gives the tensor itself to
 the forward pass and the host copy to the recomputation. The gradient still flows through the forward
-pass's own graph; the recomputation only rebuilds the saved tensors, which are value-equal."""
+pass's own graph; the recomputation only rebuilds the saved tensors, which are value-equal.
+
+Backward recomputes the layers last to first, so as a layer's recomputation starts, the input of the layer
+before it starts back to the device on the side stream: the copy overlaps this layer's recomputation and
+backward instead of holding up the next one's (the copy back on the compute stream would wait in line with
+the layers' kernels)."""
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -31,12 +37,20 @@ _subclasses: dict[tuple[type, bool], type] = {}
 
 class _HostCopy:
     """A layer's input: the tensor itself once (the forward pass), then its host copy on the device again
-    (the recomputation in backward). On a CUDA device the copy runs on a side stream, overlapping the layer;
-    elsewhere it is a plain copy (the same code path, nothing saved)."""
+    (the recomputation in backward). On a CUDA device the copies run on a side stream, overlapping the
+    layers; elsewhere the recomputation reads the host copy (the same code path, nothing overlapped)."""
+
+    # Per device, the holder made last: the next one made links to it as the layer before it.
+    _last: dict[torch.device, weakref.ref] = {}
 
     def __init__(self, x: torch.Tensor):
         self.first, self.device, self.grad = x, x.device, x.requires_grad
         self.event = None
+        self.back: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        # A weak link: holders live only as long as their layer's part of the autograd graph, and a link
+        # across steps must not keep an earlier step's host copies alive.
+        self.before = _HostCopy._last.get(x.device)
+        _HostCopy._last[x.device] = weakref.ref(self)
         if x.device.type == "cuda":
             stream = _streams.setdefault(x.device, torch.cuda.Stream(x.device))
             stream.wait_stream(torch.cuda.current_stream(x.device))
@@ -49,14 +63,40 @@ class _HostCopy:
         else:
             self.host = x.detach().to("cpu", copy=True)
 
+    def bring_back(self) -> None:
+        """Starts the host copy's way back to the device, once, after the forward pass has used the input."""
+        if self.first is not None or self.back is not None:
+            return
+        if self.event is None:
+            self.back = (self.host.to(self.device), None)
+            return
+        stream = _streams[self.device]
+        main = torch.cuda.current_stream(self.device)
+        # Allocated from the compute stream's pool (a side-stream allocation would be a pool of its own,
+        # which the compute stream's frees never refill); the side stream waits for the compute stream's
+        # queued work, which may still use that memory, before writing it.
+        x = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            x.copy_(self.host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self.back = (x, event)
+
     def get(self) -> torch.Tensor:
         if self.first is not None:
             x, self.first = self.first, None
             return x
-        if self.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
+        self.bring_back()
+        x, event = self.back
+        self.back = None
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        before = self.before() if self.before is not None else None
+        if before is not None:
+            before.bring_back()
         # As the input required gradients: the recomputation then saves what the forward pass saved.
-        return self.host.to(self.device, non_blocking=True).requires_grad_(self.grad)
+        return x.requires_grad_(self.grad)
 
 
 def _offloaded_call(self, *args, **kwargs):
