@@ -733,6 +733,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    training.prefer_expandable_segments()  # before torch's first CUDA allocation
     training.setup_logging(args.verbose, diffusers=args.command != "llm")
     # Bad input prints its message (which carries the fix), no traceback; training.failure has the codes.
     return training.guarded(args.func, args)

@@ -1423,3 +1423,27 @@ def test_the_memory_cap_leaves_the_cuda_context_room_inside_the_budget(monkeypat
     assert index == 0 and fraction * total + memory.CAP_CONTEXT == pytest.approx(8 * memory.GiB)
     assert memory.CAP_CONTEXT >= memory.CONTEXT  # the cap's room is no smaller than the estimate's
     assert not memory.cap_process_memory(torch.device("cuda:0"), 200) and len(capped) == 1
+
+
+def test_a_launch_lets_the_cuda_allocator_grow_its_segments_unless_the_user_chose(monkeypatch, capsys):
+    # Fixed-size segments leave reserved memory the run cannot use; every sdxl-lora command asks torch for
+    # expandable ones before its first CUDA allocation, and an allocator setting of the user's own wins.
+    import os
+
+    from sdxl_lora import training
+
+    names = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in names})
+    assert main(["llm", "plan", "--json"]) == 0
+    capsys.readouterr()
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    key = "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 10) else "PYTORCH_CUDA_ALLOC_CONF"
+    assert os.environ[key] == "expandable_segments:True"
+
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert training.prefer_expandable_segments(mine) is None
+    assert mine == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    # WSL's driver fails the virtual-memory calls expandable segments need.
+    wsl = os.uname_result(("Linux", "pc", "5.15.167.4-microsoft-standard-WSL2", "#1", "x86_64"))
+    monkeypatch.setattr(os, "uname", lambda: wsl)
+    assert training.prefer_expandable_segments({}) is None
