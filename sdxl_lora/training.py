@@ -65,7 +65,9 @@ def prefer_expandable_segments(environ: dict | None = None) -> str | None:
     leave gaps between a step's differently sized tensors (and beside CUDA graphs' pools) that count as
     reserved memory the run cannot use; expandable ones map pages as needed. Left alone where the driver's
     virtual-memory calls it needs fail (Windows, WSL, Jetson). Must run before torch's first CUDA
-    allocation: the allocator reads the variable once."""
+    allocation: the allocator reads the variable once. The memory cap (train.vram_gb, a memory fraction)
+    still holds: torch checks the fraction before it maps more pages (c10/cuda/CUDACachingAllocator.cpp,
+    alloc_block)."""
     environ = os.environ if environ is None else environ
     if any(k in environ for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")):
         return None
