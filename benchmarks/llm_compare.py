@@ -155,6 +155,12 @@ def _cuda_figures(result: dict) -> dict:
     if torch.cuda.is_available():
         result["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         result["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        # Where the reserve over the allocated peak sits: each pool's peaks (the small pool holds tensors of
+        # 1 MiB or less), and the free bytes inside partly used blocks (fragmentation) at their peak.
+        stats = torch.cuda.memory_stats()
+        result["pools_peak_gib"] = {f"{kind}_{pool}": round(stats.get(f"{kind}_bytes.{pool}_pool.peak", 0) / 2**30, 3)
+                                    for kind in ("allocated", "reserved") for pool in ("large", "small")}
+        result["pools_peak_gib"]["inactive_split"] = round(stats.get("inactive_split_bytes.all.peak", 0) / 2**30, 3)
         result["device"] = torch.cuda.get_device_name()
     else:
         result["device"] = "cpu"
