@@ -53,14 +53,15 @@ def activation_bytes(config, batch_size: int, max_length: int, checkpointing: bo
                      offload: bool = False, head_trained: bool = False) -> LLMActivations:
     """The step's activations for rows padded to max_length. Checkpointed: each layer keeps its input,
     and one layer at a time is recomputed whole in backward. Offloaded (llm.offload_activations): the
-    inputs wait in host memory, one at a time on the device."""
+    inputs wait in host memory, two at a time on the device (the recomputed layer's, and the one before it
+    on its way back)."""
     elt = torch.empty((), dtype=compute_dtype).element_size()
     h, _, _, _, layers, vocab = _dims(config)
     tokens = batch_size * max_length
     per_layer = layer_bytes_per_token(config, elt) * tokens
     head_input = tokens * h * (elt + 4)  # the final norm's output and its fp32 copy
     if checkpointing:
-        saved, recompute = (1 if offload else layers) * tokens * h * elt + head_input, per_layer
+        saved, recompute = (2 if offload else layers) * tokens * h * elt + head_input, per_layer
     else:
         saved, recompute = layers * per_layer + head_input, 0
     # One chunk's logits at a time. A frozen head (llm/loss.py's head_cross_entropy): the head's output and
