@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import signal
 import threading
@@ -305,6 +306,10 @@ class Trainer:
             logging.getLogger().setLevel(logging.WARNING)
             self.run = _Replica(self.run.dir)
         set_seed(cfg.train.seed)
+        if acc.device.type == "cuda":
+            # training.prefer_expandable_segments sets it at launch unless the user did: a run's memory depends on it.
+            conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+            log.info("CUDA allocator: %s", conf or "torch's defaults")
         self.task.setup(self.accelerator, self.run)
         self.optimizer = build_optimizer(cfg, self._param_groups())
         # Not prepared: Accelerate's wrapper advances a schedule num_processes times a step, so its saved
