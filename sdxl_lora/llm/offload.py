@@ -81,6 +81,7 @@ class _HostCopy:
             x.copy_(self.host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
+        x.record_stream(stream)  # freed unread (its layer never recomputed), x waits for the copy before reuse
         self.back = (x, event)
 
     def get(self) -> torch.Tensor:
