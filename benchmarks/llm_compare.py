@@ -43,6 +43,8 @@ dominated by loading the 16 GB base (plus quantizing for nf4) and takes roughly 
 stops launching runs in time and says which were skipped; --json keeps each line as it comes. To split it, run
 `--bases bf16` in one call and `--bases nf4` in the next (the folder is reused on a warm machine). The order is
 batch 4 first (the issue's goals are at batch 4), then bf16 before nf4, all contenders of a cell together.
+`--repeat N` runs each cell's contenders N times in turns (rows carry "turn"): two contenders minutes apart on
+one machine can differ by a few percent between runs of the same code, so a close race needs several turns.
 
 Wheels: the GPU machine (Python 3.12, torch 2.11, transformers 5.17, peft, accelerate, pandas, pyarrow,
 xxhash, psutil already there) lacks, beside the project's set (`../shared/gpu/fetch-wheels.sh`: diffusers,
@@ -403,6 +405,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of tokens/s (allocation, compilation)")
     ap.add_argument("--only", nargs="+", choices=CONTENDERS, default=["ours", "trl", "unsloth"],
                     help="contenders; unsloth runs liger in its place where it does not import")
+    ap.add_argument("--repeat", type=int, default=1, help="run every contender this many times, in turns "
+                    "(ours, unsloth, ours, unsloth, ...), so runs minutes apart on one machine can be told from noise")
     ap.add_argument("--json", help="append each run's JSON line to this file as it finishes")
     ap.add_argument("--set", action="append", default=[], help="another override for ours (an `sdxl-lora llm "
                     "train --set`, e.g. llm.loss_chunk=256); the other contenders ignore it")
@@ -453,20 +457,21 @@ def main() -> None:
         print(f"# {n}", flush=True)
     rows = []
     for batch in args.batches if args.steps else []:
-        for base in args.bases:
-            for contender in contenders:
-                if base == "nf4" and not cuda:
-                    row = {"contender": contender, "base": base, "batch": batch, "error": "nf4 needs a CUDA GPU"}
-                elif time.time() >= deadline:
-                    row = {"contender": contender, "base": base, "batch": batch, "error": "skipped: past --deadline"}
-                else:
-                    row = run_one(args, contender, base, batch, deadline)
-                rows.append(row)
-                line = json.dumps(row)
-                print(line, flush=True)
-                if args.json:
-                    with open(args.json, "a", encoding="utf-8") as f:
-                        f.write(line + "\n")
+        for base, turn, contender in ((b, t, c) for b in args.bases for t in range(args.repeat) for c in contenders):
+            if base == "nf4" and not cuda:
+                row = {"contender": contender, "base": base, "batch": batch, "error": "nf4 needs a CUDA GPU"}
+            elif time.time() >= deadline:
+                row = {"contender": contender, "base": base, "batch": batch, "error": "skipped: past --deadline"}
+            else:
+                row = run_one(args, contender, base, batch, deadline)
+            if args.repeat > 1:
+                row["turn"] = turn + 1
+            rows.append(row)
+            line = json.dumps(row)
+            print(line, flush=True)
+            if args.json:
+                with open(args.json, "a", encoding="utf-8") as f:
+                    f.write(line + "\n")
     device = torch.cuda.get_device_name() if cuda else "CPU"
     print()
     print(f"# LoRA/QLoRA rank 16 on every linear layer, {args.model_shape} (random weights), seq {args.seq}, {device}; "
