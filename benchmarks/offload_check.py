@@ -9,7 +9,11 @@ model runs each batch twice, so the row also says whether the step itself is bit
 before each copy back (torch.cuda._sleep), so a missing wait cannot hide behind copies that are merely fast.
 
     python3 benchmarks/offload_check.py [--layers 8] [--hidden 2048] [--batch 4] [--seq 2048] [--steps 3]
-                                        [--compile] [--delay-ms 5]
+                                        [--compile] [--delay-ms 5] [--time 10 --attention sdpa]
+
+`--time N` then times N steps (after 2) of the offloaded model as llm/offload.py runs it (each input on its way
+back while the layer after it recomputes) and with the copy back on the compute stream instead, in turns: what
+the overlap gains on this card.
 
 Prints one JSON row: per step, whether the kept model repeated itself and whether the offloaded one matched it
 (loss and every gradient), and the largest gradient difference.
@@ -25,14 +29,14 @@ import time
 import torch
 
 
-def build(args, device: torch.device):
+def build(args, device: torch.device, attention: str = "eager"):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
                          num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 128),
                          num_key_value_heads=max(1, args.hidden // 512), vocab_size=args.vocab,
-                         max_position_embeddings=args.seq, attn_implementation="eager")
+                         max_position_embeddings=args.seq, attn_implementation=attention)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
     lora = LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
@@ -55,6 +59,29 @@ def delayed(delay_ms: float):
     offload._HostCopy.bring_back = bring_back
 
 
+def inline_copy_back(self) -> None:
+    """The copy back as llm/offload.py made it before the overlap: on the compute stream, in line with the
+    layers' kernels (get() still asks for the layer before, which is then copied at once)."""
+    if self.first is not None or self.back is not None:
+        return
+    if self.event is not None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+    self.back = (self.host.to(self.device, non_blocking=True), None)
+
+
+def time_steps(model, ids, steps: int, sync) -> float:
+    """ms per forward + backward of `model` on `ids`, after two untimed."""
+    for i in range(steps + 2):
+        if i == 2:
+            sync()
+            started = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    sync()
+    return (time.perf_counter() - started) * 1000 / steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
@@ -65,6 +92,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="batches compared, each through both models")
     ap.add_argument("--compile", action="store_true", help="compile each decoder layer, as train.compile does")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="hold the side stream back before each copy back")
+    ap.add_argument("--time", type=int, default=0, metavar="N", help="then time N steps with and without the overlap")
+    ap.add_argument("--attention", choices=["eager", "sdpa"], default="eager",
+                    help="eager for the bitwise check; sdpa (as the trainer runs) for --time")
     ap.add_argument("--tiny", action="store_true", help="small shapes (the default on a CPU)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,7 +105,7 @@ def main() -> None:
 
     if args.delay_ms:
         delayed(args.delay_ms)
-    kept = build(args, device).train()
+    kept = build(args, device, args.attention).train()
     offloaded = copy.deepcopy(kept)
     layer_class = type(kept.base_model.model.model.layers[0])
     for model, offload in ((kept, False), (offloaded, True)):
@@ -108,6 +138,24 @@ def main() -> None:
            "hidden": args.hidden, "batch": args.batch, "seq": args.seq, "compile": args.compile,
            "delay_ms": args.delay_ms, "seconds": round(time.perf_counter() - started, 1), "steps": steps,
            "repeatable": all(s["repeatable"] for s in steps), "offloaded_equal": all(s["offloaded_equal"] for s in steps)}
+    if args.time:
+        from sdxl_lora.llm import offload
+
+        del kept
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        overlapped = offload._HostCopy.bring_back
+        times = {"overlapped": [], "on the compute stream": []}
+        for _ in range(2):  # in turns, so a drift of the card's clocks falls on both
+            for name, bring_back in (("overlapped", overlapped), ("on the compute stream", inline_copy_back)):
+                offload._HostCopy.bring_back = bring_back
+                times[name].append(round(time_steps(offloaded, ids, args.time, sync), 1))
+        offload._HostCopy.bring_back = overlapped
+        row["ms_per_step"] = times
+        if device.type == "cuda":
+            row["timed_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     print(json.dumps(row))
 
 
