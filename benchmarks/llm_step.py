@@ -49,12 +49,12 @@ def _init_(module: torch.nn.Module, std: float = 0.02) -> None:
                 p.normal_(0.0, std)
 
 
-def build_model(shape: dict, device: torch.device, quant: str, seed: int = 0):
+def build_model(shape: dict, device: torch.device, quant: str, seed: int = 0, attention: str = "sdpa"):
     """Random-weight Llama from its config: meta -> per-layer materialise + init (+ nf4) on `device`."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    config = LlamaConfig(**shape, attn_implementation="sdpa", use_cache=False)
+    config = LlamaConfig(**shape, attn_implementation=attention, use_cache=False)
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)

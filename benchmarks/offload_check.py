@@ -1,23 +1,25 @@
-"""Are the offloaded layer inputs (`llm.offload_activations`) exactly the inputs, on a GPU's streams? A
-Llama-shaped model (random weights, bf16) with LoRA on every linear, its decoder layers checkpointed twice over
-from one state: with their inputs kept on the device, and with them in pinned host memory, copied there and back
-on a side stream (llm/offload.py). Both recompute each layer in backward from the same values, so on the same
-batches the loss and every adapter gradient must be bitwise equal; a copy read before it has landed, or memory
-reused while a copy still writes it, shows as a difference. The attention is transformers' eager one (matmuls
-and a softmax): SDPA's fused backward kernels may add in any order, which would hide the answer; and the kept
-model runs each batch twice, so the row also says whether the step itself is bitwise repeatable here. `--delay-ms N` holds the side stream back N ms
+"""Are the offloaded layer inputs (`llm.offload_activations`) exactly the inputs, on a GPU's streams? Llama-3-8B's
+layer shapes with fewer layers (random weights, bf16; benchmarks/llm_step.py's builder) and the trainer's LoRA on
+every linear, its decoder layers checkpointed twice over from one state: with their inputs kept on the device,
+and with them in pinned host memory, copied there and back on a side stream (llm/offload.py). Both recompute each
+layer in backward from the same values, so on the same batches the loss and every adapter gradient must be
+bitwise equal (B's gradients read the recomputed layer's inputs); a copy read before it has landed, or memory
+reused while a copy still writes it, shows as a difference. `--delay-ms N` holds the side stream back N ms
 before each copy back (torch.cuda._sleep), so a missing wait cannot hide behind copies that are merely fast.
+The attention is transformers' eager one (matmuls and a softmax): SDPA's fused backward kernels may add in any
+order, which would hide the answer; and the kept model runs each batch twice, so the row also says whether the
+step itself is bitwise repeatable here.
 
-    python3 benchmarks/offload_check.py [--layers 8] [--hidden 2048] [--batch 4] [--seq 2048] [--steps 3]
+    python3 benchmarks/offload_check.py [--layers 8] [--batch 4] [--seq 2048] [--steps 3]
                                         [--compile] [--delay-ms 5] [--time 10 --attention sdpa]
 
-`--time N` then times N steps (after 2) of the offloaded model as llm/offload.py runs it (each input on its way
-back while the layer after it recomputes) and with the copy back on the compute stream instead, in turns: what
-the overlap gains on this card.
+`--time N` then times N steps of the offloaded model as llm/offload.py runs it (each input on its way back
+while the layer after it recomputes) and with the copy back on the compute stream instead, in turns: what the
+overlap gains on this card.
 
 Prints one JSON row: per step, whether the kept model repeated itself and whether the offloaded one matched it
-(loss and every gradient), and the largest gradient difference.
-On a CPU (--tiny shapes by default there) the offload has no streams: a smoke test of the script.
+(loss and every gradient), and the largest gradient difference. On a CPU (llm_step.py's tiny shape there) the
+offload has no streams: a smoke test of the script.
 """
 from __future__ import annotations
 
@@ -27,31 +29,22 @@ import json
 import time
 
 import torch
+from llm_step import LLAMA3_8B, TINY, batches, build_model  # benchmarks/ (this script's folder is on the path)
+from timing import timed
+
+from sdxl_lora.core import inject, speed
+from sdxl_lora.core.config import AdapterConfig
+from sdxl_lora.llm import offload
+from sdxl_lora.llm import slots as llm_slots
 
 
-def build(args, device: torch.device, attention: str = "eager"):
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                         num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 128),
-                         num_key_value_heads=max(1, args.hidden // 512), vocab_size=args.vocab,
-                         max_position_embeddings=args.seq, attn_implementation=attention)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
-    lora = LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
-    return get_peft_model(model, lora)
-
-
-def delayed(delay_ms: float):
+def delayed(delay_ms: float) -> None:
     """llm/offload.py's copy back with the side stream first held back `delay_ms` (a GPU spin, no host wait)."""
-    from sdxl_lora.llm import offload
-
     original = offload._HostCopy.bring_back
     cycles = int(delay_ms * 2e6)  # GPU clock cycles at about 2 GHz (H100/H200 boost clocks)
 
     def bring_back(self):
-        if cycles and self.first is None and self.back is None and self.event is not None:
+        if self.first is None and self.back is None and self.event is not None:
             with torch.cuda.stream(offload._streams[self.device]):
                 torch.cuda._sleep(cycles)
         original(self)
@@ -69,24 +62,19 @@ def inline_copy_back(self) -> None:
     self.back = (self.host.to(self.device, non_blocking=True), None)
 
 
-def time_steps(model, ids, steps: int, sync) -> float:
-    """ms per forward + backward of `model` on `ids`, after two untimed."""
-    for i in range(steps + 2):
-        if i == 2:
-            sync()
-            started = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        with torch.autocast(ids.device.type, dtype=torch.bfloat16):
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    sync()
-    return (time.perf_counter() - started) * 1000 / steps
+def step(model, ids) -> tuple[torch.Tensor, dict]:
+    """One forward + backward under bf16 autocast: the loss and the adapter's gradients, on the host."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach().float().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters()
+                                          if p.grad is not None}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of Llama-3-8B's shape")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=3, help="batches compared, each through both models")
@@ -95,36 +83,28 @@ def main() -> None:
     ap.add_argument("--time", type=int, default=0, metavar="N", help="then time N steps with and without the overlap")
     ap.add_argument("--attention", choices=["eager", "sdpa"], default="eager",
                     help="eager for the bitwise check; sdpa (as the trainer runs) for --time")
-    ap.add_argument("--tiny", action="store_true", help="small shapes (the default on a CPU)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.tiny or device.type == "cpu":
-        args.layers, args.hidden, args.vocab, args.batch, args.seq = 2, 128, 512, 2, 64
-    from sdxl_lora.core import speed
-    from sdxl_lora.llm.offload import checkpoint_layers
-
-    if args.delay_ms:
+    shape = dict(LLAMA3_8B, num_hidden_layers=args.layers) if device.type == "cuda" else dict(TINY)
+    if device.type == "cpu":
+        args.batch, args.seq = 2, 64
+    if args.delay_ms and device.type == "cuda":
         delayed(args.delay_ms)
-    kept = build(args, device, args.attention).train()
+    kept = build_model(shape, device, "bf16", attention=args.attention)
+    inject.apply_plan(kept, llm_slots.make_plan(kept, AdapterConfig(preset="full", rank=16)))
+    kept.train()
     offloaded = copy.deepcopy(kept)
-    layer_class = type(kept.base_model.model.model.layers[0])
-    for model, offload in ((kept, False), (offloaded, True)):
-        checkpoint_layers(model, layer_class, offload=offload)
+    layer_class = type(kept.model.layers[0])
+    for model, offload_inputs in ((kept, False), (offloaded, True)):
+        offload.checkpoint_layers(model, layer_class, offload=offload_inputs)
         if args.compile:  # as the trainer does (llm/task.py): one compiled graph for the repeated layers
-            speed.compile_regions(model, classes=(type(model.base_model.model.model.layers[0]).__name__,))
-    generator = torch.Generator().manual_seed(1)
+            speed.compile_regions(model, classes=(type(model.model.layers[0]).__name__,))
     steps = []
     started = time.perf_counter()
-    for _ in range(args.steps):
-        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator).to(device)
-        out = {}
-        for name, model in (("kept", kept), ("kept again", kept), ("offloaded", offloaded)):
-            model.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            out[name] = (loss.detach().float().cpu(),
-                         {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None})
+    for batch in batches(args.steps, args.batch, args.seq, shape["vocab_size"], device):
+        ids = batch["input_ids"]
+        out = {name: step(model, ids) for name, model in
+               (("kept", kept), ("kept again", kept), ("offloaded", offloaded))}
         loss_a, grads_a = out["kept"]
 
         def same(other: str) -> bool:
@@ -134,13 +114,12 @@ def main() -> None:
         worst = max((float((grads_a[n] - g).abs().max()) for n, g in out["offloaded"][1].items()), default=0.0)
         steps.append({"loss": round(float(loss_a), 5), "grads": len(grads_a), "repeatable": same("kept again"),
                       "offloaded_equal": same("offloaded"), "max_grad_diff": worst})
-    row = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "layers": args.layers,
-           "hidden": args.hidden, "batch": args.batch, "seq": args.seq, "compile": args.compile,
-           "delay_ms": args.delay_ms, "seconds": round(time.perf_counter() - started, 1), "steps": steps,
-           "repeatable": all(s["repeatable"] for s in steps), "offloaded_equal": all(s["offloaded_equal"] for s in steps)}
+    row = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "layers": shape[
+           "num_hidden_layers"], "batch": args.batch, "seq": args.seq, "compile": args.compile,
+           "attention": args.attention, "delay_ms": args.delay_ms, "seconds": round(time.perf_counter() - started, 1),
+           "steps": steps, "repeatable": all(s["repeatable"] for s in steps),
+           "offloaded_equal": all(s["offloaded_equal"] for s in steps)}
     if args.time:
-        from sdxl_lora.llm import offload
-
         del kept
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         if device.type == "cuda":
@@ -151,7 +130,7 @@ def main() -> None:
         for _ in range(2):  # in turns, so a drift of the card's clocks falls on both
             for name, bring_back in (("overlapped", overlapped), ("on the compute stream", inline_copy_back)):
                 offload._HostCopy.bring_back = bring_back
-                times[name].append(round(time_steps(offloaded, ids, args.time, sync), 1))
+                times[name].append(round(timed(lambda: step(offloaded, ids), args.time, sync), 1))
         offload._HostCopy.bring_back = overlapped
         row["ms_per_step"] = times
         if device.type == "cuda":
