@@ -32,8 +32,8 @@ What each contender runs (the same model folder, the same JSONL data, the same s
 
 Figures per run: tokens/s over the steps after --warmup (tokens are every non-padding token the step trains on;
 the examples are longer than --seq, so every row is full for every contender: tokens_per_step shows it), the peak of torch's allocator
-(max_memory_allocated, and reserved), the whole process's peak from nvidia-smi (CUDA context included), and the
-seconds from launching the worker to the end of its first optimizer step (imports, loading, quantizing, data,
+(max_memory_allocated, and reserved; each pool's peaks; the segments left mapped at the end, by stream and pool),
+the whole process's peak from nvidia-smi (CUDA context included), and the seconds from launching the worker to the end of its first optimizer step (imports, loading, quantizing, data,
 compilation; ours also measures the loss before training).
 
 Time on the H200 (8B shapes, seq 2048, default --steps 5 --warmup 2): the model folder is written once
@@ -163,6 +163,15 @@ def _cuda_figures(result: dict) -> dict:
         result["pools_peak_gib"] = {f"{kind}_{pool}": round(stats.get(f"{kind}_bytes.{pool}_pool.peak", 0) / 2**30, 3)
                                     for kind in ("allocated", "reserved") for pool in ("large", "small")}
         result["pools_peak_gib"]["inactive_split"] = round(stats.get("inactive_split_bytes.all.peak", 0) / 2**30, 3)
+        # The segments the run leaves mapped (nothing here empties the cache, so they are what its peak
+        # mapped), by the stream that allocated them and the pool: a stream of their own, or large free
+        # stretches in the compute stream's, is where the reserve went.
+        segments: dict[str, list[float]] = {}
+        for seg in torch.cuda.memory_snapshot():
+            key = f"stream {seg['stream']} {seg['segment_type']}"
+            n, total, used = segments.get(key, [0, 0.0, 0.0])
+            segments[key] = [n + 1, total + seg["total_size"] / 2**30, used + seg["allocated_size"] / 2**30]
+        result["segments_gib"] = {k: [n, round(t, 3), round(u, 3)] for k, (n, t, u) in segments.items()}
         result["device"] = torch.cuda.get_device_name()
     else:
         result["device"] = "cpu"
