@@ -31,10 +31,11 @@ What each contender runs (the same model folder, the same JSONL data, the same s
                 fused LM-head loss); skipped, with liger_kernel's import error, if that fails too.
 
 Figures per run: tokens/s over the steps after --warmup (tokens are every non-padding token the step trains on;
-the examples are longer than --seq, so every row is full for every contender: tokens_per_step shows it), the peak of torch's allocator
-(max_memory_allocated, and reserved; each pool's peaks; the segments left mapped at the end, by stream and pool),
-the whole process's peak from nvidia-smi (CUDA context included), and the seconds from launching the worker to the end of its first optimizer step (imports, loading, quantizing, data,
-compilation; ours also measures the loss before training).
+the examples are longer than --seq, so every row is full for every contender: tokens_per_step shows it), the
+peak of torch's allocator (max_memory_allocated, and reserved; each pool's peaks; the segments left mapped at the
+end, by stream and pool), the whole process's peak from nvidia-smi (CUDA context included), and the seconds from
+launching the worker to the end of its first optimizer step (imports, loading, quantizing, data, compilation;
+ours also measures the loss before training).
 
 Time on the H200 (8B shapes, seq 2048, default --steps 5 --warmup 2): the model folder is written once
 (random bf16 weights, about a minute; reused while --work survives, e.g. on a warm machine); each run is
