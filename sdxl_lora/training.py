@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from .core.allocator import prefer_expandable_segments  # noqa: F401 - every command calls it first (cli.main)
+
 if TYPE_CHECKING:
     from .core.config import Config
     from .core.loop import Result
@@ -57,33 +59,6 @@ class _OfflineKernelNotice(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.name.startswith(("kernels", "bitsandbytes"))
                     and "offline mode" in record.getMessage())
-
-
-def prefer_expandable_segments(environ: dict | None = None) -> str | None:
-    """Has PyTorch's CUDA allocator grow its memory segments in place (`expandable_segments:True`) unless
-    the allocator's options are already set; returns the variable it set, else None. Fixed-size segments
-    leave gaps between a step's differently sized tensors (and beside CUDA graphs' pools) that count as
-    reserved memory the run cannot use; expandable ones map pages as needed. Left alone where the driver's
-    virtual-memory calls it needs fail (Windows, WSL, Jetson). Must run before torch's first CUDA
-    allocation: the allocator reads the variable once. The memory cap (train.vram_gb, a memory fraction)
-    still holds: torch checks the fraction before it maps more pages (c10/cuda/CUDACachingAllocator.cpp,
-    alloc_block)."""
-    environ = os.environ if environ is None else environ
-    if any(k in environ for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")):
-        return None
-    if (sys.platform != "linux" or "microsoft" in os.uname().release.lower()
-            or Path("/etc/nv_tegra_release").exists()):
-        return None
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        major, minor = (int(x) for x in version("torch").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
-        return None
-    # torch reads PYTORCH_ALLOC_CONF from 2.10 on (and warns that the CUDA-only name is deprecated).
-    key = "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 10) else "PYTORCH_CUDA_ALLOC_CONF"
-    environ[key] = "expandable_segments:True"
-    return key
 
 
 def setup_logging(verbose: bool = False, diffusers: bool = True) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import random
 import signal
 import threading
@@ -48,6 +47,7 @@ from tqdm.auto import tqdm
 from . import checkpoint, speed, tracking
 from .config import Config
 from .accel import device_type, gradient_sync, make_accelerator, world_size
+from .allocator import allocator_setting
 from .ema import EMA
 from .optim import build_optimizer, loraplus_groups, make_schedule
 from .profile import StepProfiler
@@ -307,9 +307,8 @@ class Trainer:
             self.run = _Replica(self.run.dir)
         set_seed(cfg.train.seed)
         if acc.device.type == "cuda":
-            # training.prefer_expandable_segments sets it at launch unless the user did: a run's memory depends on it.
-            conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-            log.info("CUDA allocator: %s", conf or "torch's defaults")
+            # Set at launch (allocator.prefer_expandable_segments) unless the user did: a run's memory depends on it.
+            log.info("CUDA allocator: %s", allocator_setting() or "torch's defaults")
         self.task.setup(self.accelerator, self.run)
         self.optimizer = build_optimizer(cfg, self._param_groups())
         # Not prepared: Accelerate's wrapper advances a schedule num_processes times a step, so its saved
