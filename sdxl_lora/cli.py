@@ -324,20 +324,29 @@ def _true_alpha_source(src: Path) -> Path:
                        f"beside it ({twin.name}), or drop --true-alpha")
 
 
+def _read_adapter(args, verb: str, redirect=None):
+    """The adapter args.source names, read against args.model (else the run's, else SDXL base): (the file read,
+    its layer table, the Adapter). `redirect(path)` may name another file to read. Keys that fit no layer of
+    the model are refused unless args.drop_unknown."""
+    from .sdxl.export import AdapterError, layer_table, load_adapter
+
+    src, model = _adapter_source(args.source, args.model)
+    if redirect is not None:
+        src = redirect(src)
+    table = layer_table(model)
+    adapter = load_adapter(src, table)
+    if adapter.unknown and not args.drop_unknown:
+        raise AdapterError(f"{src}: {adapter.problems[0]}; pass --drop-unknown to {verb} the other layers")
+    return src, table, adapter
+
+
 def cmd_export(args) -> int:
-    from .sdxl.export import AdapterError, export_adapter, layer_table, load_adapter
+    from .sdxl.export import AdapterError, export_adapter
     from .core.runs import relpath
 
     try:
-        src, model = _adapter_source(args.source, args.model)
-        if args.true_alpha and args.format == "kohya":
-            src = _true_alpha_source(src)
-        table = layer_table(model)
-        adapter = load_adapter(src, table)
-        if adapter.unknown and not args.drop_unknown:
-            print(f"error: {src}: {adapter.problems[0]}; pass --drop-unknown to export the other layers",
-                  file=sys.stderr)
-            return 2
+        src, table, adapter = _read_adapter(args, "export", _true_alpha_source if args.true_alpha and
+                                            args.format == "kohya" else None)
         out = export_adapter(adapter, args.out, args.format, metadata=not args.no_metadata, names=args.names,
                              unet_config=table.unet_config, uniform_alpha=not args.true_alpha,
                              overwrite=args.overwrite)
@@ -346,6 +355,31 @@ def cmd_export(args) -> int:
         return 2
     print(f"{args.format} adapter: {relpath(out)}  ({len(adapter.layers)} layers, read from {relpath(src)}, "
           f"{adapter.format})")
+    return 0
+
+
+def cmd_resize(args) -> int:
+    from .core.runs import relpath
+    from .sdxl.export import AdapterError, export_adapter
+    from .sdxl.resize import resize_adapter
+
+    try:
+        src, table, adapter = _read_adapter(args, "resize")
+        step = max(1, len(adapter.layers) // 10)
+
+        def progress(i, n):
+            if i % step == 0 or i == n:
+                print(f"  {i}/{n} layers", file=sys.stderr, flush=True)
+        resized = resize_adapter(adapter, args.rank, args.dynamic_method, args.dynamic_param, args.device, progress)
+        out = export_adapter(resized.adapter, args.out, args.format, names=args.names,
+                             unet_config=table.unet_config, overwrite=args.overwrite)
+    except AdapterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    size = (lambda p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size)
+    print(f"resized {resized.summary()}")
+    print(f"{args.format} adapter: {relpath(out)}  ({size(out) / 2**20:.1f} MiB; read from {relpath(src)}, "
+          f"{adapter.format}, {size(src) / 2**20:.1f} MiB)")
     return 0
 
 
@@ -707,6 +741,25 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", help="the model the adapter's layer names refer to (default: the run's, or SDXL base)")
     e.add_argument("--drop-unknown", action="store_true", help="export even when some keys fit no layer of the model")
     e.set_defaults(func=cmd_export)
+
+    r = sub.add_parser("resize", help="cut an adapter's ranks by SVD: a fixed rank, or per layer the fewest that keep "
+                                      "a share of its update (LoHa/LoKr come out as LoRA)")
+    r.add_argument("source", metavar="RUN_DIR_OR_FILE", help="a run folder, an adapter file or a PEFT folder")
+    r.add_argument("--rank", type=int, required=True, help="the new rank (with --dynamic-method: the most any layer gets)")
+    r.add_argument("--dynamic-method", choices=["sv_fro", "sv_cumulative", "sv_ratio"],
+                   help="per layer, the fewest ranks that keep --dynamic-param of the update's Frobenius norm "
+                        "(sv_fro) or of its singular values' sum (sv_cumulative), or every singular value within a "
+                        "factor --dynamic-param of the largest (sv_ratio)")
+    r.add_argument("--dynamic-param", type=float, help="sv_fro/sv_cumulative: a share in (0, 1]; sv_ratio: 1 or more")
+    r.add_argument("--out", required=True, help="the file to write (a folder for --format peft)")
+    r.add_argument("--format", default="kohya", choices=["kohya", "diffusers", "peft"])
+    r.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    r.add_argument("--names", default="sgm", choices=["sgm", "diffusers"],
+                   help="kohya layer names: SDXL's original (sgm) or diffusers' blocks")
+    r.add_argument("--model", help="the model the adapter's layer names refer to (default: the run's, or SDXL base)")
+    r.add_argument("--drop-unknown", action="store_true", help="resize even when some keys fit no layer of the model")
+    r.add_argument("--device", default="cpu", help="where the SVDs run: cpu or cuda")
+    r.set_defaults(func=cmd_resize)
 
     i = sub.add_parser("inspect", help="an adapter's format, base model, per-block rank and alpha, metadata, problems")
     i.add_argument("file", metavar="FILE", help="an adapter file, a PEFT folder or a run folder")

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import unet_io
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -45,26 +46,6 @@ def _plan(unet, mixed_alpha: bool):
     return plan
 
 
-def _inputs(unet):
-    cfg = unet.config
-    g = torch.Generator().manual_seed(11)
-    pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-    return dict(sample=torch.randn(2, 4, 8, 8, generator=g), timestep=torch.tensor([10, 700]),
-                encoder_hidden_states=torch.randn(2, 77, cfg.cross_attention_dim, generator=g),
-                added_cond_kwargs={"text_embeds": torch.randn(2, pooled, generator=g),
-                                   "time_ids": torch.randn(2, 6, generator=g)})
-
-
-@torch.no_grad()
-def _out(unet, inputs):
-    return unet(**inputs).sample
-
-
-def _fresh_unet(tiny_dir):
-    from diffusers import UNet2DConditionModel
-    return UNet2DConditionModel.from_pretrained(str(tiny_dir / "unet"))
-
-
 def _pipe(tiny_dir):
     from diffusers import StableDiffusionXLPipeline
     pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_dir), local_files_only=True)
@@ -81,23 +62,23 @@ def trained(tiny_dir, tmp_path_factory):
     inject.apply_plan(pipe.unet, plan)
     _randomize(pipe.unet, 1)
     pipe.unet.eval()
-    inputs = _inputs(pipe.unet)
+    inputs = unet_io.inputs(pipe.unet)
     d = tmp_path_factory.mktemp("export")
     kohya_file = export.save_kohya_lora(pipe.unet, d / "k.safetensors", metadata={"modelspec.title": "t"})
-    return SimpleNamespace(pipe=pipe, unet=pipe.unet, plan=plan, inputs=inputs, ref=_out(pipe.unet, inputs),
-                           dir=d, kohya=kohya_file)
+    return SimpleNamespace(pipe=pipe, unet=pipe.unet, plan=plan, inputs=inputs,
+                           ref=unet_io.out(pipe.unet, inputs), dir=d, kohya=kohya_file)
 
 
 @pytest.fixture(scope="module")
 def mixed(tiny_dir):
     """A UNet whose adapter has mixed ranks and mixed alphas (rank_pattern and alpha_pattern both used)."""
-    unet = _fresh_unet(tiny_dir)
+    unet = unet_io.fresh_unet(tiny_dir)
     plan = _plan(unet, mixed_alpha=True)
     inject.apply_plan(unet, plan)
     _randomize(unet, 2)
     unet.eval()
-    inputs = _inputs(unet)
-    return SimpleNamespace(unet=unet, plan=plan, inputs=inputs, ref=_out(unet, inputs))
+    inputs = unet_io.inputs(unet)
+    return SimpleNamespace(unet=unet, plan=plan, inputs=inputs, ref=unet_io.out(unet, inputs))
 
 
 # ---------------------------------------------------------------------------------------- kohya
@@ -170,12 +151,12 @@ def test_kohya_export_loaded_by_diffusers_gives_the_training_time_unet_output(tr
     if names == "diffusers":
         assert any(k.startswith("lora_unet_down_blocks_1_attentions_0_") for k in load_file(path))
     pipe = _pipe(tiny_dir)
-    base = _out(pipe.unet, trained.inputs)
+    base = unet_io.out(pipe.unet, trained.inputs)
     pipe.load_lora_weights(str(path))
     n = sum(1 for name, _ in pipe.unet.named_modules() if name.endswith(".lora_A.default_0"))
     assert n == len(trained.plan.targets)
     assert (base - trained.ref).abs().max() > 1e-3  # the adapter matters
-    torch.testing.assert_close(_out(pipe.unet, trained.inputs), trained.ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(unet_io.out(pipe.unet, trained.inputs), trained.ref, rtol=0, atol=1e-5)
 
 
 def test_kohya_export_gives_the_training_time_image_through_generate(trained, tiny_dir, tmp_path):
@@ -212,7 +193,7 @@ def test_mixed_alphas_load_in_diffusers_at_the_right_strength(mixed, tiny_dir, t
     path = export.save_kohya_lora(mixed.unet, tmp_path / "u.safetensors")
     pipe = _pipe(tiny_dir)
     pipe.load_lora_weights(str(path))
-    torch.testing.assert_close(_out(pipe.unet, mixed.inputs), mixed.ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(unet_io.out(pipe.unet, mixed.inputs), mixed.ref, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("preset", ["attn", "full"])
@@ -313,9 +294,9 @@ def test_export_import_onto_a_fresh_unet_gives_the_same_output(mixed, tiny_dir, 
         # kohya file has one alpha unless asked for the training ones.
         want = {"diffusers-no-metadata": layer.rank, "kohya": 3.0, "kohya-diffusers-names": 3.0}
         assert layer.alpha == want.get(fmt, mixed.plan.alpha[s.name])
-    unet = _fresh_unet(tiny_dir)
+    unet = unet_io.fresh_unet(tiny_dir)
     assert export.apply_adapter(unet, adapter) == len(mixed.plan.targets)
-    torch.testing.assert_close(_out(unet, mixed.inputs), mixed.ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(unet_io.out(unet, mixed.inputs), mixed.ref, rtol=0, atol=1e-5)
 
 
 def test_peft_folder_loads_with_peft_itself(mixed, tiny_dir, tmp_path):
@@ -323,8 +304,8 @@ def test_peft_folder_loads_with_peft_itself(mixed, tiny_dir, tmp_path):
 
     folder = export.save_peft_adapter(mixed.unet, tmp_path / "peft")
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    model = PeftModel.from_pretrained(_fresh_unet(tiny_dir), str(folder))
-    torch.testing.assert_close(_out(model.base_model.model, mixed.inputs), mixed.ref, rtol=0, atol=1e-5)
+    model = PeftModel.from_pretrained(unet_io.fresh_unet(tiny_dir), str(folder))
+    torch.testing.assert_close(unet_io.out(model.base_model.model, mixed.inputs), mixed.ref, rtol=0, atol=1e-5)
 
 
 def test_unknown_keys_are_returned_and_logged_not_dropped(trained, tiny_dir, tmp_path, caplog):
@@ -448,8 +429,8 @@ def test_merge_equals_base_plus_adapter_at_that_strength(trained, run_dir, tiny_
     pipe = _pipe(tiny_dir)
     pipe.load_lora_weights(str(trained.kohya), adapter_name="a")
     pipe.set_adapters(["a"], adapter_weights=[0.7])
-    want = _out(pipe.unet, trained.inputs)
-    torch.testing.assert_close(_out(merged, trained.inputs), want, rtol=0, atol=1e-5)
+    want = unet_io.out(pipe.unet, trained.inputs)
+    torch.testing.assert_close(unet_io.out(merged, trained.inputs), want, rtol=0, atol=1e-5)
 
     # A single file, two adapters in two formats whose strengths add up to the same 0.7.
     from sdxl_lora.sdxl.merge import merge_checkpoint
@@ -492,18 +473,18 @@ def test_a_single_file_merged_into_a_built_in_base_loads_back_in_generate(traine
 def test_dora_magnitude_travels_as_dora_scale(tiny_dir, tmp_path):
     from peft import LoraConfig
 
-    unet = _fresh_unet(tiny_dir)
+    unet = unet_io.fresh_unet(tiny_dir)
     unet.add_adapter(LoraConfig(r=4, lora_alpha=4, use_dora=True, target_modules=["to_q", "to_v"]))
     _randomize(unet, 4)
-    inputs = _inputs(unet)
-    ref = _out(unet, inputs)
+    inputs = unet_io.inputs(unet)
+    ref = unet_io.out(unet, inputs)
     path = export.save_kohya_lora(unet, tmp_path / "dora.safetensors")
     sd = load_file(path)
     scale = sd["lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.dora_scale"]
     assert scale.shape == (sd["lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_up.weight"].shape[0], 1)
-    fresh = _fresh_unet(tiny_dir)
+    fresh = unet_io.fresh_unet(tiny_dir)
     export.apply_adapter(fresh, export.load_adapter(path, tiny_dir))
-    torch.testing.assert_close(_out(fresh, inputs), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(unet_io.out(fresh, inputs), ref, rtol=0, atol=1e-5)
 
 
 def test_lora_bias_travels_in_diffusers_and_peft_formats_and_merges(tiny_dir, tmp_path):
@@ -513,23 +494,23 @@ def test_lora_bias_travels_in_diffusers_and_peft_formats_and_merges(tiny_dir, tm
 
     from sdxl_lora.sdxl.merge import merge_adapter
 
-    unet = _fresh_unet(tiny_dir)
+    unet = unet_io.fresh_unet(tiny_dir)
     unet.add_adapter(LoraConfig(r=4, lora_alpha=2, lora_bias=True, target_modules=["to_out.0", "ff.net.2"]))
     _randomize(unet, 5)
-    inputs = _inputs(unet)
-    ref = _out(unet, inputs)
+    inputs = unet_io.inputs(unet)
+    ref = unet_io.out(unet, inputs)
     with pytest.raises(export.AdapterError, match="LoRA bias"):
         export.save_kohya_lora(unet, tmp_path / "k.safetensors")
     path = export.save_diffusers_lora(unet, tmp_path / "d.safetensors")
     assert any(k.endswith(".lora_B.bias") for k in load_file(path))
     pipe = _pipe(tiny_dir)
     pipe.load_lora_weights(str(path))
-    torch.testing.assert_close(_out(pipe.unet, inputs), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(unet_io.out(pipe.unet, inputs), ref, rtol=0, atol=1e-5)
     adapter = export.load_adapter(path, tiny_dir)
-    fresh = _fresh_unet(tiny_dir)
+    fresh = unet_io.fresh_unet(tiny_dir)
     export.apply_adapter(fresh, adapter)
-    torch.testing.assert_close(_out(fresh, inputs), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(unet_io.out(fresh, inputs), ref, rtol=0, atol=1e-5)
     base = _pipe(tiny_dir)
     merge_adapter(base, adapter, 1.0)
-    torch.testing.assert_close(_out(base.unet, inputs), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(unet_io.out(base.unet, inputs), ref, rtol=0, atol=1e-5)
     assert _save_run(unet, tmp_path, "b") == {"diffusers": tmp_path / "b" / "b.safetensors"}

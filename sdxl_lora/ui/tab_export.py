@@ -1,6 +1,7 @@
 """Export tab: a run's adapter (or an adapter file) written as kohya (ComfyUI/A1111/Forge), diffusers or PEFT,
-with the metadata fields people fill in, into the run's exports/ folder, and offered for download
-(as `sdxl-lora export` does; sdxl_lora/sdxl/export.py does the work)."""
+with the metadata fields people fill in, optionally resized to a smaller rank, into the run's exports/ folder,
+and offered for download (as `sdxl-lora export` and `sdxl-lora resize` do; sdxl_lora/sdxl/export.py and
+resize.py do the work)."""
 from __future__ import annotations
 
 import shutil
@@ -13,6 +14,8 @@ from .text import error_md
 from .tab_generate import adapter_choices, adapter_path
 
 FORMATS = ("kohya", "diffusers", "peft")
+FIXED = "fixed rank"
+RESIZE_METHODS = (FIXED, "sv_fro", "sv_cumulative", "sv_ratio")
 
 
 def source_choices(f: Folders) -> list[str]:
@@ -46,8 +49,11 @@ def _source(f: Folders, choice: str) -> tuple[Path, str | Path | None, Path]:
 
 
 def export(f: Folders, choice, fmt, title, author, description, trigger, license_, write_meta, names, true_alpha,
-           overwrite):
+           overwrite, resize_rank=0, resize_method=FIXED, resize_param=None):
+    """Write the chosen adapter in `fmt`; with resize_rank > 0 cut to that rank first (sdxl/resize.py), by
+    resize_method (FIXED, or a dynamic method with resize_param) -> (the file to download, a message)."""
     from sdxl_lora.sdxl.export import AdapterError, export_adapter, layer_table, load_adapter
+    from sdxl_lora.sdxl.resize import resize_adapter
 
     if not choice:
         return None, "**Error:** pick a run or an adapter"
@@ -68,17 +74,23 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
                       "modelspec.description": description, "modelspec.trigger_phrase": trigger,
                       "modelspec.license": license_}
             meta = {k: v.strip() for k, v in fields.items() if v and v.strip()}
+        resized = None
+        if resize_rank and int(resize_rank) > 0:
+            method = None if resize_method in (None, FIXED) else resize_method
+            resized = resize_adapter(adapter, int(resize_rank), method, resize_param if method else None)
         suffix = {"kohya": ".safetensors", "diffusers": ".diffusers.safetensors", "peft": ".peft"}[fmt]
         out = f.inside(out_dir / f"{stem}{suffix}", "runs" if f.runs in out_dir.parents else "models")
-        written = export_adapter(adapter, out, fmt, metadata=meta, names=names, unet_config=table.unet_config,
-                                 uniform_alpha=not true_alpha, overwrite=bool(overwrite))
+        written = export_adapter(resized.adapter if resized else adapter, out, fmt, metadata=meta, names=names,
+                                 unet_config=table.unet_config, uniform_alpha=not true_alpha,
+                                 overwrite=bool(overwrite))
     except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
         return None, error_md(e)
     download = written
     if written.is_dir():  # a PEFT adapter is a folder: offer it zipped
         download = Path(shutil.make_archive(str(written), "zip", root_dir=written))
+    said = f" Resized: {resized.summary()}." if resized else ""
     return str(download), (f"{fmt} adapter written: `{written}` ({len(adapter.layers)} layers, read from "
-                           f"`{src.name}`, {adapter.format})")
+                           f"`{src.name}`, {adapter.format}).{said}")
 
 
 def build(f: Folders):
@@ -100,6 +112,19 @@ def build(f: Folders):
                 names = gr.Radio(["sgm", "diffusers"], value="sgm", label="layer names", elem_id="exp-names",
                                  info="sgm: SDXL's original names, what A1111/ComfyUI expect")
                 true_alpha = gr.Checkbox(False, label="keep each layer's training alpha", elem_id="exp-true-alpha")
+            with gr.Accordion("resize (a smaller file)", open=False):
+                resize_rank = gr.Number(0, precision=0, minimum=0, label="rank (0: as trained)",
+                                        elem_id="exp-resize-rank",
+                                        info="each layer's update cut by SVD to this rank, the closest one of it; "
+                                             "LoHa/LoKr come out as LoRA (docs/export.md)")
+                resize_method = gr.Dropdown(list(RESIZE_METHODS), value=FIXED, label="method",
+                                            elem_id="exp-resize-method",
+                                            info="or per layer the fewest ranks (at most the rank above) that "
+                                                 "keep a share of the update: sv_fro (of its norm), sv_cumulative "
+                                                 "(of its singular values' sum), sv_ratio (within a factor of the "
+                                                 "largest)")
+                resize_param = gr.Number(0.9, label="share (sv_fro, sv_cumulative) or factor (sv_ratio)",
+                                         elem_id="exp-resize-param")
             overwrite = gr.Checkbox(False, label="overwrite an existing export", elem_id="exp-overwrite")
             go = gr.Button("Export", variant="primary", elem_id="exp-go")
         with gr.Column():
@@ -110,7 +135,8 @@ def build(f: Folders):
         return gr.update(choices=source_choices(f))
 
     go.click(lambda *a: export(f, *a),
-             [source, fmt, title, author, description, trigger, license_, write_meta, names, true_alpha, overwrite],
+             [source, fmt, title, author, description, trigger, license_, write_meta, names, true_alpha, overwrite,
+              resize_rank, resize_method, resize_param],
              [file, msg])
     refresh.click(do_refresh, None, source)
     return do_refresh, [source]

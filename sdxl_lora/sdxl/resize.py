@@ -1,0 +1,136 @@
+"""Resize a trained adapter's ranks: each layer's update is factored again by SVD and cut to a smaller rank.
+
+A fixed rank, or per layer the fewest singular values that keep a given share of its update (the dynamic
+methods kohya's resize script offers: `sv_fro`, `sv_cumulative`, `sv_ratio`, with the meanings users know).
+The result is plain LoRA in every layer: LoHa and LoKr layers come out as LoRA too, so a loader that reads
+LoRA only can load them. DoRA layers keep their magnitudes (the direction's update is what is cut). The
+file is smaller, and the update it applies is the closest one of that rank (Eckart-Young)."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from .export import Adapter, AdapterError, AnyLayer, LoraLayer
+
+METHODS = ("sv_fro", "sv_cumulative", "sv_ratio")
+
+
+@dataclass
+class LayerResize:
+    name: str
+    rank_before: int  # the update's rank (a LoHa/LoKr layer's can exceed its factors' rank)
+    rank_after: int
+    kept: float  # share of the update's Frobenius norm the new rank keeps (1.0: all of it)
+
+
+@dataclass
+class Resized:
+    adapter: Adapter
+    layers: list[LayerResize]
+
+    def summary(self) -> str:
+        """One paragraph for the CLI: ranks before and after, what share of the updates was kept, the worst layer."""
+        before = sorted(r.rank_before for r in self.layers)
+        after = sorted(r.rank_after for r in self.layers)
+        worst = min(self.layers, key=lambda r: r.kept)
+        span = (lambda v: str(v[0]) if v[0] == v[-1] else f"{v[0]}-{v[-1]} (median {statistics.median(v):g})")
+        return (f"{len(self.layers)} layers: update rank {span(before)} -> {span(after)}; kept "
+                f"{100 * statistics.fmean(r.kept for r in self.layers):.1f}% of each update's Frobenius norm on "
+                f"average, the least {100 * worst.kept:.1f}% ({worst.name})")
+
+
+def _factors(layer: AnyLayer, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """U, S, Vh of the layer's update flattened to (out, in * kernel), in fp32 on `device`.
+
+    A LoRA update up @ down has rank at most r, so it is factored through QR of each side and the SVD of an
+    r x r core: exact, and far cheaper than an SVD of the full (out, in) matrix. LoHa/LoKr updates can be of
+    any rank, so those take the full SVD."""
+    if isinstance(layer, LoraLayer):
+        up = layer.up.float().to(device).flatten(1)                   # (out, r)
+        down = layer.down.float().to(device).flatten(1)               # (r, in * k)
+        qu, ru = torch.linalg.qr(up)
+        qd, rd = torch.linalg.qr(down.T)
+        u, s, vh = torch.linalg.svd(ru @ rd.T * layer.scale)
+        return qu @ u, s, vh @ qd.T
+    delta = layer.delta().float().to(device)
+    return torch.linalg.svd(delta.flatten(1), full_matrices=False)
+
+
+def _nonzero(s: torch.Tensor) -> int:
+    """The rank of an update with singular values `s` (descending): those above float rounding of the largest."""
+    return int((s > s[0] * 1e-6).sum()) if s.numel() and s[0] > 0 else 0
+
+
+def new_rank(s: torch.Tensor, rank: int, method: str | None = None, param: float | None = None) -> int:
+    """How many of the singular values `s` (descending) to keep: at most `rank`, and with a method the fewest
+    that keep `param` of the Frobenius norm (sv_fro), of the singular values' sum (sv_cumulative), or all
+    within a factor `param` of the largest (sv_ratio). An update of zeros keeps one."""
+    s = s.double()
+    nonzero = _nonzero(s)
+    keep = min(rank, nonzero)
+    if method is not None and nonzero:
+        if method == "sv_fro":
+            share = (s.square().cumsum(0) / s.square().sum()).sqrt()
+            need = int(torch.searchsorted(share, torch.tensor(param, dtype=share.dtype) - 1e-12)) + 1
+        elif method == "sv_cumulative":
+            share = s.cumsum(0) / s.sum()
+            need = int(torch.searchsorted(share, torch.tensor(param, dtype=share.dtype) - 1e-12)) + 1
+        elif method == "sv_ratio":
+            need = int((s >= s[0] / param).sum())
+        else:
+            raise AdapterError(f"dynamic method {method!r}: must be one of {', '.join(METHODS)}")
+        keep = min(keep, need)
+    return max(1, keep)
+
+
+def resize_layer(layer: AnyLayer, rank: int, method: str | None = None, param: float | None = None,
+                 device: str | torch.device = "cpu") -> tuple[LoraLayer, LayerResize]:
+    """The layer as LoRA at the new rank, and what the cut did (LayerResize, unnamed). The singular values
+    are split evenly between up and down (each gets their square root), alpha is the new rank (scale 1), and
+    the weights keep the dtype they had."""
+    u, s, vh = _factors(layer, torch.device(device))
+    k = new_rank(s, rank, method, param)
+    total = float(s.square().sum())
+    kept = 1.0 if total == 0 else float(s[:k].square().sum() / total) ** 0.5
+    root = s[:k].sqrt()
+    shape = layer.update_shape
+    dtype = layer.down.dtype if isinstance(layer, LoraLayer) else next(iter(layer.tensors().values())).dtype
+    up = (u[:, :k] * root).to("cpu", dtype)
+    down = (root[:, None] * vh[:k]).to("cpu", dtype).reshape(k, *shape[1:])
+    if len(shape) == 4:
+        up = up.reshape(shape[0], k, 1, 1)
+    bias = None if layer.bias is None else layer.bias * layer.scale  # scale 1 from here on
+    out = LoraLayer(down=down.contiguous(), up=up.contiguous(), alpha=float(k), magnitude=layer.magnitude, bias=bias)
+    return out, LayerResize("", _nonzero(s), k, kept)
+
+
+def resize_adapter(adapter: Adapter, rank: int, method: str | None = None, param: float | None = None,
+                   device: str | torch.device = "cpu", progress=None) -> Resized:
+    """Every layer of `adapter` resized (see `resize_layer`); the metadata is carried over. `progress(i, n)` is
+    called after each layer."""
+    if rank < 1:
+        raise AdapterError(f"rank={rank}: must be 1 or more")
+    if method is not None:
+        if method not in METHODS:
+            raise AdapterError(f"dynamic method {method!r}: must be one of {', '.join(METHODS)}")
+        if param is None:
+            raise AdapterError(f"dynamic method {method}: give its parameter (--dynamic-param)")
+        if method in ("sv_fro", "sv_cumulative") and not 0 < param <= 1:
+            raise AdapterError(f"{method} keeps a share of the update: its parameter must be in (0, 1], not {param}")
+        if method == "sv_ratio" and param < 1:
+            raise AdapterError(f"sv_ratio keeps singular values within a factor of the largest: its parameter "
+                               f"must be 1 or more, not {param}")
+    layers, rows = {}, []
+    items = sorted(adapter.layers.items())
+    for i, (name, layer) in enumerate(items):
+        if not layer.finite():
+            raise AdapterError(f"layer {name} holds NaN or infinite weights: there is nothing to resize")
+        layers[name], row = resize_layer(layer, rank, method, param, device)
+        rows.append(dataclasses.replace(row, name=name))
+        if progress is not None:
+            progress(i + 1, len(items))
+    out = dataclasses.replace(adapter, layers=layers, format="memory", unknown=[], problems=[])
+    return Resized(out, rows)

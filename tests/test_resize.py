@@ -1,0 +1,183 @@
+"""`sdxl-lora resize`: an adapter's ranks cut by SVD to a fixed rank or per layer by a dynamic method; the file
+loads where the original did, applies the closest update of its rank, and LoHa/LoKr come out as LoRA.
+
+The adapter is built in-process with peft on the tiny SDXL (random LoRA weights on attention and ResNet
+convolutions, so every layer matters)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import unet_io
+from safetensors.torch import load_file
+
+from sdxl_lora.core import inject
+from sdxl_lora.core.config import AdapterConfig
+from sdxl_lora.sdxl import export, resize
+from sdxl_lora.sdxl import slots as unet_slots
+from sdxl_lora.sdxl.lycoris import LohaLayer, LokrLayer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def rank8(tiny_dir, tmp_path_factory):
+    """A rank-8 LoRA (alpha 4) on attention, feed-forward and ResNet convolutions, saved as a kohya file, with its
+    UNet output on fixed inputs and the base's."""
+    unet = unet_io.fresh_unet(tiny_dir)
+    inputs = unet_io.inputs(unet)
+    base = unet_io.out(unet, inputs)
+    plan = unet_slots.make_plan(unet, AdapterConfig(preset="locon", rank=8, alpha=4.0, conv_rank=8, conv_alpha=4.0))
+    inject.apply_plan(unet, plan)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in unet.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    unet.eval()
+    d = tmp_path_factory.mktemp("resize")
+    path = export.save_kohya_lora(unet, d / "r8.safetensors", metadata={"modelspec.title": "r8", "ss_steps": "7"})
+    return SimpleNamespace(path=path, inputs=inputs, base=base, ref=unet_io.out(unet, inputs),
+                           adapter=export.load_adapter(path, "tiny-sdxl"))
+
+
+def _with(tiny_dir, adapter, inputs):
+    """The UNet output of a fresh tiny UNet with `adapter` loaded through diffusers' own kohya loader."""
+    from diffusers import StableDiffusionXLPipeline
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_dir), local_files_only=True)
+    pipe.load_lora_weights(str(adapter))
+    n = sum(1 for name, _ in pipe.unet.named_modules() if name.endswith(".lora_A.default_0"))
+    return unet_io.out(pipe.unet, inputs), n
+
+
+def test_resizing_to_the_trained_rank_loads_in_diffusers_with_the_same_output(rank8, tiny_dir, tmp_path, cli):
+    src = rank8.path.read_bytes()
+    out = tmp_path / "same.safetensors"
+    r = cli("resize", str(rank8.path), "--rank", "8", "--out", str(out), "--model", "tiny-sdxl")
+    assert r.returncode == 0, r.stderr
+    assert f"{len(rank8.adapter.layers)} layers: update rank 8 -> 8" in r.stdout
+    assert rank8.path.read_bytes() == src  # the source is never touched
+    got, n = _with(tiny_dir, out, rank8.inputs)
+    assert n == sum(1 for k in rank8.adapter.layers if k.startswith("unet."))
+    torch.testing.assert_close(got, rank8.ref, rtol=0, atol=1e-4)
+
+
+def test_a_smaller_rank_applies_the_closest_update_of_that_rank(rank8, tiny_dir, tmp_path, cli):
+    out = tmp_path / "r2.safetensors"
+    r = cli("resize", str(rank8.path), "--rank", "2", "--out", str(out), "--model", "tiny-sdxl")
+    assert r.returncode == 0, r.stderr
+    small = export.load_adapter(out, "tiny-sdxl")
+    assert small.layers.keys() == rank8.adapter.layers.keys() and small.kinds() == ["lora"]
+    assert {lay.rank for lay in small.layers.values()} == {2}
+    assert out.stat().st_size < rank8.path.stat().st_size / 3
+    for name, lay in rank8.adapter.layers.items():
+        full = lay.delta().flatten(1)
+        s = torch.linalg.svdvals(full)
+        # Eckart-Young: no rank-2 update is closer to the trained one than what is left after the top two.
+        err = (small.layers[name].delta().flatten(1) - full).norm()
+        torch.testing.assert_close(err, s[2:].square().sum().sqrt(), rtol=1e-3, atol=1e-5)
+    got, _ = _with(tiny_dir, out, rank8.inputs)
+    # Between the base and the trained adapter: nearer the trained output than the base is.
+    assert (got - rank8.ref).norm() < 0.9 * (rank8.base - rank8.ref).norm()
+    assert (got - rank8.ref).abs().max() > 1e-4  # but not the same: rank was cut
+
+
+def test_dynamic_methods_choose_each_layers_rank_from_its_singular_values(rank8, tmp_path, cli):
+    s = torch.tensor([4.0, 2.0, 1.0, 0.5])
+    assert resize.new_rank(s, 8, "sv_fro", 0.9) == 2       # sqrt(20 / 21.25) = 0.97 >= 0.9 > sqrt(16 / 21.25)
+    assert resize.new_rank(s, 8, "sv_fro", 0.99) == 3
+    assert resize.new_rank(s, 8, "sv_cumulative", 0.8) == 2  # (4 + 2) / 7.5
+    assert resize.new_rank(s, 8, "sv_ratio", 3) == 2         # within a third of the largest
+    assert resize.new_rank(s, 8, "sv_ratio", 8) == 4
+    assert resize.new_rank(s, 1, "sv_ratio", 8) == 1         # --rank caps every method
+    assert resize.new_rank(torch.zeros(4), 8) == 1           # an update of zeros keeps one rank
+    out = tmp_path / "dyn.safetensors"
+    r = cli("resize", str(rank8.path), "--rank", "6", "--dynamic-method", "sv_fro", "--dynamic-param", "0.8",
+            "--out", str(out), "--model", "tiny-sdxl")
+    assert r.returncode == 0, r.stderr
+    dyn = export.load_adapter(out, "tiny-sdxl")
+    for name, lay in dyn.layers.items():
+        s = torch.linalg.svdvals(rank8.adapter.layers[name].delta().flatten(1))
+        assert lay.rank == resize.new_rank(s, 6, "sv_fro", 0.8)
+        kept = (lay.delta().flatten(1).norm() / s.square().sum().sqrt())
+        assert kept >= 0.8 - 1e-4
+    assert len({lay.rank for lay in dyn.layers.values()}) > 1  # the random layers differ, so do their ranks
+
+
+def test_loha_and_lokr_layers_become_lora_with_the_same_update(rank8, tmp_path):
+    g = torch.Generator().manual_seed(5)
+    items = sorted(rank8.adapter.layers.items())
+    linear = [(n, lay) for n, lay in items if len(lay.update_shape) == 2][:6]
+    conv = [(n, lay) for n, lay in items if len(lay.update_shape) == 4][:2]
+    layers = {}
+    for i, (name, lay) in enumerate(linear + conv):
+        shape = lay.update_shape
+        out_f, in_f = shape[0], int(torch.tensor(shape[1:]).prod())
+        if i % 2 == 0 or len(shape) == 4:  # LoHa on convolutions too: its factors span in x kernel
+            layers[name] = LohaLayer(*(torch.randn(s, generator=g) for s in ((out_f, 2), (2, in_f), (out_f, 2),
+                                                                                (2, in_f))), alpha=1.0, shape=shape)
+        else:  # LoKr: a 2x2 w1 kron a rank-2 w2
+            layers[name] = LokrLayer(torch.randn(2, 2, generator=g), None, None, None,
+                                     torch.randn(out_f // 2, 2, generator=g), torch.randn(2, in_f // 2, generator=g),
+                                     alpha=2.0, shape=shape)
+    lyco = export.Adapter(layers)
+    path = export.save_kohya_lora(lyco, tmp_path / "lyco.safetensors")
+    read = export.load_adapter(path, "tiny-sdxl")
+    assert read.kinds() == ["loha", "lokr"]
+    done = resize.resize_adapter(read, 64)
+    out = export.save_kohya_lora(done.adapter, tmp_path / "as-lora.safetensors")
+    back = export.load_adapter(out, "tiny-sdxl")
+    assert back.kinds() == ["lora"]
+    for name, lay in read.layers.items():
+        # A LoHa of rank 2 is an update of rank up to 4, a LoKr with a 2x2 w1 and rank-2 w2 too: all kept.
+        assert back.layers[name].rank <= 4
+        torch.testing.assert_close(back.layers[name].delta(), lay.delta(), rtol=1e-4, atol=1e-5)
+    assert min(r.kept for r in done.layers) > 0.9999
+
+
+def test_dora_keeps_its_magnitude_and_lora_bias_its_added_term():
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(16, 12, generator=g)
+    lay = export.LoraLayer(down=torch.randn(4, 12, generator=g), up=torch.randn(16, 4, generator=g), alpha=2.0,
+                           magnitude=torch.rand(16, generator=g) + 0.5, bias=torch.randn(16, generator=g))
+    new, row = resize.resize_layer(lay, 4)
+    assert row.rank_after == 4 and new.alpha == 4
+    torch.testing.assert_close(export.weight_with(w, new), export.weight_with(w, lay), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(new.bias * new.scale, lay.bias * lay.scale)
+
+
+def test_bad_input_is_refused_by_name_and_nothing_is_overwritten(rank8, tmp_path, cli):
+    out = tmp_path / "o.safetensors"
+    out.write_bytes(b"mine")
+    r = cli("resize", str(rank8.path), "--rank", "4", "--out", str(out), "--model", "tiny-sdxl")
+    assert r.returncode == 2 and "already exists" in r.stderr and out.read_bytes() == b"mine"
+    r = cli("resize", str(rank8.path), "--rank", "4", "--dynamic-method", "sv_fro", "--dynamic-param", "1.5",
+            "--out", str(tmp_path / "p.safetensors"), "--model", "tiny-sdxl")
+    assert r.returncode == 2 and "sv_fro" in r.stderr and "(0, 1]" in r.stderr
+    r = cli("resize", str(rank8.path), "--rank", "4", "--dynamic-method", "sv_ratio",
+            "--out", str(tmp_path / "p.safetensors"), "--model", "tiny-sdxl")
+    assert r.returncode == 2 and "--dynamic-param" in r.stderr
+    assert not (tmp_path / "p.safetensors").exists()
+    r = cli("resize", str(rank8.path), "--rank", "4", "--out", str(out), "--model", "tiny-sdxl", "--overwrite")
+    assert r.returncode == 0 and load_file(out)
+
+
+def test_the_export_tab_resizes_a_runs_adapter_into_its_exports(rank8, tiny_dir, tmp_path):
+    from sdxl_lora.ui import tab_export
+    from sdxl_lora.ui.folders import Folders
+
+    (tmp_path / "datasets").mkdir()
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    run = f.runs / "r"
+    run.mkdir()
+    (run / "r.safetensors").write_bytes(rank8.path.read_bytes())
+    (run / "config.toml").write_text(f'[model]\npath = "{tiny_dir.as_posix()}"\n', encoding="utf-8")
+    args = ("kohya", "small", "", "", "", "", True, "sgm", False, False)
+    written, msg = tab_export.export(f, "runs/r", *args, 3, "sv_fro", 0.5)
+    assert written == str(run / "exports" / "small.safetensors"), msg
+    assert "Resized:" in msg and "update rank 8 -> " in msg
+    ranks = {lay.rank for lay in export.load_adapter(written, tiny_dir).layers.values()}
+    assert max(ranks) <= 3 and len(ranks) > 1
+    _, msg = tab_export.export(f, "runs/r", "kohya", "ratio", "", "", "", "", True, "sgm", False, False, 3,
+                               "sv_ratio", 0.5)
+    assert msg.startswith("**Error:** sv\\_ratio") and "1 or more" in msg
+    assert not (run / "exports" / "ratio.safetensors").exists()
