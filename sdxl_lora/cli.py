@@ -358,6 +358,17 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _layer_progress():
+    """progress(i, n) for a walk over an adapter's layers: a line on stderr at each tenth of the way."""
+    shown = [0]
+
+    def progress(i: int, n: int) -> None:
+        if i * 10 // n > shown[0]:
+            shown[0] = i * 10 // n
+            print(f"  {i}/{n} layers", file=sys.stderr, flush=True)
+    return progress
+
+
 def cmd_resize(args) -> int:
     from .core.runs import relpath
     from .sdxl.export import AdapterError, export_adapter
@@ -365,12 +376,8 @@ def cmd_resize(args) -> int:
 
     try:
         src, table, adapter = _read_adapter(args, "resize")
-        step = max(1, len(adapter.layers) // 10)
-
-        def progress(i, n):
-            if i % step == 0 or i == n:
-                print(f"  {i}/{n} layers", file=sys.stderr, flush=True)
-        resized = resize_adapter(adapter, args.rank, args.dynamic_method, args.dynamic_param, args.device, progress)
+        resized = resize_adapter(adapter, args.rank, args.dynamic_method, args.dynamic_param, args.device,
+                                 _layer_progress())
         out = export_adapter(resized.adapter, args.out, args.format, names=args.names,
                              unet_config=table.unet_config, overwrite=args.overwrite)
     except AdapterError as e:
@@ -380,6 +387,28 @@ def cmd_resize(args) -> int:
     print(f"resized {resized.summary()}")
     print(f"{args.format} adapter: {relpath(out)}  ({size(out) / 2**20:.1f} MiB; read from {relpath(src)}, "
           f"{adapter.format}, {size(src) / 2**20:.1f} MiB)")
+    return 0
+
+
+def cmd_extract(args) -> int:
+    from .core.runs import relpath
+    from .sdxl.export import AdapterError, _check_dest, export_adapter, layer_table
+    from .sdxl.extract import extract_adapter
+
+    try:
+        _check_dest(Path(args.out), args.overwrite)  # before minutes of loading and SVDs
+        done = extract_adapter(args.base, args.tuned, args.rank, conv_rank=args.conv_rank, preset=args.preset,
+                               method=args.dynamic_method, param=args.dynamic_param,
+                               text_encoders=not args.no_text_encoders, min_diff=args.min_diff,
+                               tokenizer=args.tokenizer, device=args.device, progress=_layer_progress())
+        table = layer_table(args.base)
+        out = export_adapter(done.adapter, args.out, args.format, names=args.names, unet_config=table.unet_config,
+                             overwrite=args.overwrite)
+    except AdapterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"extracted {done.summary()}")
+    print(f"{args.format} adapter: {relpath(out)}")
     return 0
 
 
@@ -639,6 +668,21 @@ def _add_ui_parser(sub) -> None:
     u.set_defaults(func=cmd_ui)
 
 
+def _svd_output_args(p: argparse.ArgumentParser) -> None:
+    """resize's and extract's shared options: the rank choice per layer, where the SVDs run, the file written."""
+    p.add_argument("--dynamic-method", choices=["sv_fro", "sv_cumulative", "sv_ratio"],
+                   help="per layer, the fewest ranks that keep --dynamic-param of the update's Frobenius norm "
+                        "(sv_fro) or of its singular values' sum (sv_cumulative), or every singular value within a "
+                        "factor --dynamic-param of the largest (sv_ratio)")
+    p.add_argument("--dynamic-param", type=float, help="sv_fro/sv_cumulative: a share in (0, 1]; sv_ratio: 1 or more")
+    p.add_argument("--device", default="cpu", help="where the SVDs run: cpu or cuda")
+    p.add_argument("--out", required=True, help="the file to write (a folder for --format peft)")
+    p.add_argument("--format", default="kohya", choices=["kohya", "diffusers", "peft"])
+    p.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    p.add_argument("--names", default="sgm", choices=["sgm", "diffusers"],
+                   help="kohya layer names: SDXL's original (sgm) or diffusers' blocks")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sdxl-lora", description="Train LoRA adapters for SDXL, offline.")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -746,20 +790,27 @@ def build_parser() -> argparse.ArgumentParser:
                                       "a share of its update (LoHa/LoKr come out as LoRA)")
     r.add_argument("source", metavar="RUN_DIR_OR_FILE", help="a run folder, an adapter file or a PEFT folder")
     r.add_argument("--rank", type=int, required=True, help="the new rank (with --dynamic-method: the most any layer gets)")
-    r.add_argument("--dynamic-method", choices=["sv_fro", "sv_cumulative", "sv_ratio"],
-                   help="per layer, the fewest ranks that keep --dynamic-param of the update's Frobenius norm "
-                        "(sv_fro) or of its singular values' sum (sv_cumulative), or every singular value within a "
-                        "factor --dynamic-param of the largest (sv_ratio)")
-    r.add_argument("--dynamic-param", type=float, help="sv_fro/sv_cumulative: a share in (0, 1]; sv_ratio: 1 or more")
-    r.add_argument("--out", required=True, help="the file to write (a folder for --format peft)")
-    r.add_argument("--format", default="kohya", choices=["kohya", "diffusers", "peft"])
-    r.add_argument("--overwrite", action="store_true", help="replace an existing file")
-    r.add_argument("--names", default="sgm", choices=["sgm", "diffusers"],
-                   help="kohya layer names: SDXL's original (sgm) or diffusers' blocks")
+    _svd_output_args(r)
     r.add_argument("--model", help="the model the adapter's layer names refer to (default: the run's, or SDXL base)")
     r.add_argument("--drop-unknown", action="store_true", help="resize even when some keys fit no layer of the model")
-    r.add_argument("--device", default="cpu", help="where the SVDs run: cpu or cuda")
     r.set_defaults(func=cmd_resize)
+
+    x = sub.add_parser("extract", help="a LoRA from a fine-tuned SDXL: each layer's difference from the base, "
+                                       "cut by SVD to a rank")
+    x.add_argument("--base", required=True, help="the model it was tuned from: diffusers folder, single file or "
+                                                 "a built-in name")
+    x.add_argument("--tuned", required=True, help="the fine-tuned (or merged) model, the same architecture")
+    x.add_argument("--rank", type=int, required=True, help="the linears' rank (with --dynamic-method: the most)")
+    x.add_argument("--conv-rank", type=int, help="the ResNet convolutions' rank (default: --rank)")
+    x.add_argument("--preset", default="locon", choices=["attn", "cross-attn", "full", "locon"],
+                   help="which UNet layers (docs/injector.md); locon: attention, feed-forward, proj and ResNet convs")
+    x.add_argument("--no-text-encoders", action="store_true", help="the UNet's layers only")
+    x.add_argument("--min-diff", type=float, default=0.0,
+                   help="leave out layers whose difference is at most this share of the base weight's norm "
+                        "(default 0: only equal layers)")
+    _svd_output_args(x)
+    x.add_argument("--tokenizer", help="folder with tokenizer/ and tokenizer_2/ (for single-file models)")
+    x.set_defaults(func=cmd_extract)
 
     i = sub.add_parser("inspect", help="an adapter's format, base model, per-block rank and alpha, metadata, problems")
     i.add_argument("file", metavar="FILE", help="an adapter file, a PEFT folder or a run folder")

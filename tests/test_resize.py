@@ -181,3 +181,45 @@ def test_the_export_tab_resizes_a_runs_adapter_into_its_exports(rank8, tiny_dir,
                                "sv_ratio", 0.5)
     assert msg.startswith("**Error:** sv\\_ratio") and "1 or more" in msg
     assert not (run / "exports" / "ratio.safetensors").exists()
+
+
+@pytest.fixture(scope="module")
+def tuned(rank8, tiny_dir, tmp_path_factory):
+    """The tiny SDXL with rank8's adapter merged in: a "fine-tuned" model whose difference from the base is known."""
+    from sdxl_lora.sdxl.merge import merge_checkpoint
+
+    return merge_checkpoint(str(tiny_dir), [(rank8.path, 1.0)], tmp_path_factory.mktemp("tuned") / "model")
+
+
+def test_extract_from_a_tuned_model_gives_the_lora_that_moves_the_base_there(rank8, tuned, tiny_dir, tmp_path, cli):
+    out = tmp_path / "x.safetensors"
+    r = cli("extract", "--base", str(tiny_dir), "--tuned", str(tuned), "--rank", "8", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    got = export.load_adapter(out, tiny_dir)
+    # The layers the merged adapter changed, and only those: the text encoders are equal in both, so left out.
+    assert got.layers.keys() == rank8.adapter.layers.keys()
+    assert f"{len(got.layers)} layers: update rank 8 -> 8" in r.stdout
+    for name, lay in got.layers.items():
+        torch.testing.assert_close(lay.delta(), rank8.adapter.layers[name].delta(), rtol=1e-3, atol=1e-5)
+    moved, n = _with(tiny_dir, out, rank8.inputs)
+    assert n == len(got.layers)
+    torch.testing.assert_close(moved, rank8.ref, rtol=0, atol=1e-4)
+    # A smaller rank: the closest update of that rank to each layer's difference, and says what it kept.
+    small = tmp_path / "x2.safetensors"
+    r = cli("extract", "--base", str(tiny_dir), "--tuned", str(tuned), "--rank", "2", "--conv-rank", "3",
+            "--out", str(small))
+    assert r.returncode == 0, r.stderr
+    two = export.load_adapter(small, tiny_dir)
+    assert {lay.rank for n_, lay in two.layers.items() if lay.down.dim() == 2} == {2}
+    assert {lay.rank for n_, lay in two.layers.items() if lay.down.dim() == 4 and lay.down.shape[-1] == 3} == {3}
+    assert "kept" in r.stdout and "-> 2-3" in r.stdout
+
+
+def test_extract_refuses_equal_models_and_an_existing_file(tuned, tiny_dir, tmp_path, cli):
+    out = tmp_path / "x.safetensors"
+    r = cli("extract", "--base", str(tiny_dir), "--tuned", str(tiny_dir), "--rank", "4", "--out", str(out))
+    assert r.returncode == 2 and "the same model" in r.stderr
+    assert not out.exists()
+    out.write_bytes(b"mine")
+    r = cli("extract", "--base", str(tiny_dir), "--tuned", str(tuned), "--rank", "4", "--out", str(out))
+    assert r.returncode == 2 and "already exists" in r.stderr and out.read_bytes() == b"mine"

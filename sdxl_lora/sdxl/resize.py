@@ -8,6 +8,7 @@ file is smaller, and the update it applies is the closest one of that rank (Ecka
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -59,17 +60,22 @@ def _factors(layer: AnyLayer, device: torch.device) -> tuple[torch.Tensor, torch
     return torch.linalg.svd(delta.flatten(1), full_matrices=False)
 
 
-def _nonzero(s: torch.Tensor) -> int:
-    """The rank of an update with singular values `s` (descending): those above float rounding of the largest."""
-    return int((s > s[0] * 1e-6).sum()) if s.numel() and s[0] > 0 else 0
+def _nonzero(s: torch.Tensor, dims: tuple[int, ...]) -> int:
+    """The rank of an update of shape `dims` with singular values `s` (descending): those above fp32 rounding of
+    the largest (torch.linalg.matrix_rank's tolerance, max(dims) x eps x the largest)."""
+    if not s.numel() or s[0] <= 0:
+        return 0
+    return int((s > s[0] * max(dims) * torch.finfo(torch.float32).eps).sum())
 
 
-def new_rank(s: torch.Tensor, rank: int, method: str | None = None, param: float | None = None) -> int:
+def new_rank(s: torch.Tensor, rank: int, method: str | None = None, param: float | None = None,
+             dims: tuple[int, ...] = (1,)) -> int:
     """How many of the singular values `s` (descending) to keep: at most `rank`, and with a method the fewest
     that keep `param` of the Frobenius norm (sv_fro), of the singular values' sum (sv_cumulative), or all
-    within a factor `param` of the largest (sv_ratio). An update of zeros keeps one."""
+    within a factor `param` of the largest (sv_ratio). `dims`, the update's (out, in), sets the rounding
+    tolerance below which a singular value counts as zero. An update of zeros keeps one."""
     s = s.double()
-    nonzero = _nonzero(s)
+    nonzero = _nonzero(s, dims)
     keep = min(rank, nonzero)
     if method is not None and nonzero:
         if method == "sv_fro":
@@ -86,25 +92,49 @@ def new_rank(s: torch.Tensor, rank: int, method: str | None = None, param: float
     return max(1, keep)
 
 
-def resize_layer(layer: AnyLayer, rank: int, method: str | None = None, param: float | None = None,
-                 device: str | torch.device = "cpu") -> tuple[LoraLayer, LayerResize]:
-    """The layer as LoRA at the new rank, and what the cut did (LayerResize, unnamed). The singular values
-    are split evenly between up and down (each gets their square root), alpha is the new rank (scale 1), and
-    the weights keep the dtype they had."""
-    u, s, vh = _factors(layer, torch.device(device))
-    k = new_rank(s, rank, method, param)
+def truncated(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor, shape: tuple[int, ...], rank: int,
+              method: str | None = None, param: float | None = None,
+              dtype: torch.dtype = torch.float32) -> tuple[LoraLayer, LayerResize]:
+    """A LoRA layer (alpha = rank, scale 1) for the update U diag(S) Vh of a weight of `shape`, cut to the rank
+    `new_rank` chooses, and what the cut did (LayerResize, unnamed). The singular values are split evenly between
+    up and down (each gets their square root); convolutions get down (k, in, kh, kw) and a 1x1 up."""
+    dims = (shape[0], math.prod(shape[1:]))
+    k = new_rank(s, rank, method, param, dims)
     total = float(s.square().sum())
     kept = 1.0 if total == 0 else float(s[:k].square().sum() / total) ** 0.5
     root = s[:k].sqrt()
-    shape = layer.update_shape
-    dtype = layer.down.dtype if isinstance(layer, LoraLayer) else next(iter(layer.tensors().values())).dtype
     up = (u[:, :k] * root).to("cpu", dtype)
     down = (root[:, None] * vh[:k]).to("cpu", dtype).reshape(k, *shape[1:])
     if len(shape) == 4:
         up = up.reshape(shape[0], k, 1, 1)
+    row = LayerResize("", _nonzero(s, dims), k, kept)
+    return LoraLayer(down=down.contiguous(), up=up.contiguous(), alpha=float(k)), row
+
+
+def resize_layer(layer: AnyLayer, rank: int, method: str | None = None, param: float | None = None,
+                 device: str | torch.device = "cpu") -> tuple[LoraLayer, LayerResize]:
+    """The layer as LoRA at the new rank (see `truncated`), the weights in the dtype they had, a DoRA layer's
+    magnitude and a LoRA-Bias layer's bias kept."""
+    u, s, vh = _factors(layer, torch.device(device))
+    dtype = layer.down.dtype if isinstance(layer, LoraLayer) else next(iter(layer.tensors().values())).dtype
+    out, row = truncated(u, s, vh, layer.update_shape, rank, method, param, dtype)
     bias = None if layer.bias is None else layer.bias * layer.scale  # scale 1 from here on
-    out = LoraLayer(down=down.contiguous(), up=up.contiguous(), alpha=float(k), magnitude=layer.magnitude, bias=bias)
-    return out, LayerResize("", _nonzero(s), k, kept)
+    return dataclasses.replace(out, magnitude=layer.magnitude, bias=bias), row
+
+
+def check_method(method: str | None, param: float | None) -> None:
+    """A dynamic method's name and parameter, refused with what to give instead."""
+    if method is None:
+        return
+    if method not in METHODS:
+        raise AdapterError(f"dynamic method {method!r}: must be one of {', '.join(METHODS)}")
+    if param is None:
+        raise AdapterError(f"dynamic method {method}: give its parameter (--dynamic-param)")
+    if method in ("sv_fro", "sv_cumulative") and not 0 < param <= 1:
+        raise AdapterError(f"{method} keeps a share of the update: its parameter must be in (0, 1], not {param}")
+    if method == "sv_ratio" and param < 1:
+        raise AdapterError(f"sv_ratio keeps singular values within a factor of the largest: its parameter "
+                           f"must be 1 or more, not {param}")
 
 
 def resize_adapter(adapter: Adapter, rank: int, method: str | None = None, param: float | None = None,
@@ -113,16 +143,7 @@ def resize_adapter(adapter: Adapter, rank: int, method: str | None = None, param
     called after each layer."""
     if rank < 1:
         raise AdapterError(f"rank={rank}: must be 1 or more")
-    if method is not None:
-        if method not in METHODS:
-            raise AdapterError(f"dynamic method {method!r}: must be one of {', '.join(METHODS)}")
-        if param is None:
-            raise AdapterError(f"dynamic method {method}: give its parameter (--dynamic-param)")
-        if method in ("sv_fro", "sv_cumulative") and not 0 < param <= 1:
-            raise AdapterError(f"{method} keeps a share of the update: its parameter must be in (0, 1], not {param}")
-        if method == "sv_ratio" and param < 1:
-            raise AdapterError(f"sv_ratio keeps singular values within a factor of the largest: its parameter "
-                               f"must be 1 or more, not {param}")
+    check_method(method, param)
     layers, rows = {}, []
     items = sorted(adapter.layers.items())
     for i, (name, layer) in enumerate(items):
