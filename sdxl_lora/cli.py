@@ -376,6 +376,9 @@ def cmd_resize(args) -> int:
 
     try:
         src, table, adapter = _read_adapter(args, "resize")
+        if Path(args.out).resolve() == src.resolve():
+            raise AdapterError(f"--out {args.out} is the adapter being resized: write the smaller one beside it "
+                               "(the source is never replaced)")
         resized = resize_adapter(adapter, args.rank, args.dynamic_method, args.dynamic_param, args.device,
                                  _layer_progress())
         out = export_adapter(resized.adapter, args.out, args.format, names=args.names,

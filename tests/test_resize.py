@@ -157,6 +157,9 @@ def test_bad_input_is_refused_by_name_and_nothing_is_overwritten(rank8, tmp_path
             "--out", str(tmp_path / "p.safetensors"), "--model", "tiny-sdxl")
     assert r.returncode == 2 and "--dynamic-param" in r.stderr
     assert not (tmp_path / "p.safetensors").exists()
+    src = rank8.path.read_bytes()
+    r = cli("resize", str(rank8.path), "--rank", "4", "--out", str(rank8.path), "--model", "tiny-sdxl", "--overwrite")
+    assert r.returncode == 2 and "never replaced" in r.stderr and rank8.path.read_bytes() == src
     r = cli("resize", str(rank8.path), "--rank", "4", "--out", str(out), "--model", "tiny-sdxl", "--overwrite")
     assert r.returncode == 0 and load_file(out)
 
