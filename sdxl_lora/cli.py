@@ -370,6 +370,8 @@ def _layer_progress():
 
 
 def cmd_resize(args) -> int:
+    import json
+
     from .core.runs import relpath
     from .sdxl.export import AdapterError, export_adapter
     from .sdxl.resize import resize_adapter
@@ -381,8 +383,10 @@ def cmd_resize(args) -> int:
                                "(the source is never replaced)")
         resized = resize_adapter(adapter, args.rank, args.dynamic_method, args.dynamic_param, args.device,
                                  _layer_progress())
+        how = {"from": src.name, "rank": args.rank, "method": args.dynamic_method, "param": args.dynamic_param}
         out = export_adapter(resized.adapter, args.out, args.format, names=args.names,
-                             unet_config=table.unet_config, overwrite=args.overwrite)
+                             metadata={"sdxl_lora.resized": json.dumps(how)}, unet_config=table.unet_config,
+                             overwrite=args.overwrite)
     except AdapterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -69,6 +69,9 @@ def test_a_smaller_rank_applies_the_closest_update_of_that_rank(rank8, tiny_dir,
     assert small.layers.keys() == rank8.adapter.layers.keys() and small.kinds() == ["lora"]
     assert {lay.rank for lay in small.layers.values()} == {2}
     assert out.stat().st_size < rank8.path.stat().st_size / 3
+    # The description travels, and the file says what it was resized from.
+    assert small.metadata["ss_steps"] == "7"
+    assert '"from": "r8.safetensors", "rank": 2' in small.metadata["sdxl_lora.resized"]
     for name, lay in rank8.adapter.layers.items():
         full = lay.delta().flatten(1)
         s = torch.linalg.svdvals(full)
