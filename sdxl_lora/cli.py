@@ -796,7 +796,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("resize", help="cut an adapter's ranks by SVD: a fixed rank, or per layer the fewest that keep "
                                       "a share of its update (LoHa/LoKr come out as LoRA)")
     r.add_argument("source", metavar="RUN_DIR_OR_FILE", help="a run folder, an adapter file or a PEFT folder")
-    r.add_argument("--rank", type=int, required=True, help="the new rank (with --dynamic-method: the most any layer gets)")
+    r.add_argument("--rank", type=int, required=True,
+                   help="the new rank (with --dynamic-method: the most any layer gets)")
     _svd_output_args(r)
     r.add_argument("--model", help="the model the adapter's layer names refer to (default: the run's, or SDXL base)")
     r.add_argument("--drop-unknown", action="store_true", help="resize even when some keys fit no layer of the model")
