@@ -53,10 +53,14 @@ def _targets(pipe, preset: str, text_encoders: bool) -> dict[str, torch.nn.Modul
     return out
 
 
-def _module(pipe, key: str) -> torch.nn.Module | None:
-    comp, path = key.split(".", 1)
-    owner = getattr(pipe, comp, None)
-    return None if owner is None else dict(owner.named_modules()).get(path)
+def _modules(pipe) -> dict[str, torch.nn.Module]:
+    """"unet.<path>" / "text_encoder.<path>" / "text_encoder_2.<path>" -> every module of the pipeline's models."""
+    out = {}
+    for comp in ("unet", "text_encoder", "text_encoder_2"):
+        owner = getattr(pipe, comp, None)
+        if owner is not None:
+            out.update({f"{comp}.{name}": mod for name, mod in owner.named_modules()})
+    return out
 
 
 def extract_adapter(base: str | Path, tuned: str | Path, rank: int, *, conv_rank: int | None = None,
@@ -75,11 +79,11 @@ def extract_adapter(base: str | Path, tuned: str | Path, rank: int, *, conv_rank
     if Path(str(base)).resolve() == Path(str(tuned)).resolve():
         raise AdapterError(f"--base and --tuned are the same model ({base}): there is no difference to extract")
     pipe_b, pipe_t = _pipeline(base, tokenizer), _pipeline(tuned, tokenizer)
-    targets = _targets(pipe_b, preset, text_encoders)
+    targets, tuned_modules = _targets(pipe_b, preset, text_encoders), _modules(pipe_t)
     dev = torch.device(device)
     layers, rows, same = {}, [], 0
     for i, (key, mod_b) in enumerate(sorted(targets.items())):
-        mod_t = _module(pipe_t, key)
+        mod_t = tuned_modules.get(key)
         if mod_t is None or mod_t.weight.shape != mod_b.weight.shape:
             got = "no such layer" if mod_t is None else f"shape {tuple(mod_t.weight.shape)}"
             raise AdapterError(f"{tuned}: layer {key} has {got}, the base {tuple(mod_b.weight.shape)}: the two "
