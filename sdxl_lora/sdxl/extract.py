@@ -101,8 +101,9 @@ def extract_adapter(base: str | Path, tuned: str | Path, rank: int, *, conv_rank
         if progress is not None:
             progress(i + 1, len(targets))
     if not layers:
+        hint = f", or lower min_diff ({min_diff})" if min_diff else ""
         raise AdapterError(f"{tuned} does not differ from {base} in any of the {len(targets)} layers a {preset} "
-                           "LoRA holds: check the two paths (or lower min_diff)")
+                           f"LoRA holds: check the two paths{hint}")
     log.info("extracted %d layers; %d equal in both models left out", len(layers), same)
     meta = {"ss_sd_model_name": Path(str(base)).name, "sdxl_lora.extracted_from": Path(str(tuned)).name}
     return Resized(Adapter(layers, metadata=meta), rows)
