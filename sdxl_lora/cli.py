@@ -370,11 +370,9 @@ def _layer_progress():
 
 
 def cmd_resize(args) -> int:
-    import json
-
     from .core.runs import relpath
     from .sdxl.export import AdapterError, export_adapter
-    from .sdxl.resize import resize_adapter
+    from .sdxl.resize import provenance, resize_adapter
 
     try:
         src, table, adapter = _read_adapter(args, "resize")
@@ -383,10 +381,9 @@ def cmd_resize(args) -> int:
                                "(the source is never replaced)")
         resized = resize_adapter(adapter, args.rank, args.dynamic_method, args.dynamic_param, args.device,
                                  _layer_progress())
-        how = {"from": src.name, "rank": args.rank, "method": args.dynamic_method, "param": args.dynamic_param}
         out = export_adapter(resized.adapter, args.out, args.format, names=args.names,
-                             metadata={"sdxl_lora.resized": json.dumps(how)}, unet_config=table.unet_config,
-                             overwrite=args.overwrite)
+                             metadata=provenance(src.name, args.rank, args.dynamic_method, args.dynamic_param),
+                             unet_config=table.unet_config, overwrite=args.overwrite)
     except AdapterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -181,8 +181,10 @@ def test_the_export_tab_resizes_a_runs_adapter_into_its_exports(rank8, tiny_dir,
     written, msg = tab_export.export(f, "runs/r", *args, 3, "sv_fro", 0.5)
     assert written == str(run / "exports" / "small.safetensors"), msg
     assert "Resized:" in msg and "update rank 8 -> " in msg
-    ranks = {lay.rank for lay in export.load_adapter(written, tiny_dir).layers.values()}
+    small = export.load_adapter(written, tiny_dir)
+    ranks = {lay.rank for lay in small.layers.values()}
     assert max(ranks) <= 3 and len(ranks) > 1
+    assert '"method": "sv_fro", "param": 0.5' in small.metadata["sdxl_lora.resized"]
     _, msg = tab_export.export(f, "runs/r", "kohya", "ratio", "", "", "", "", True, "sgm", False, False, 3,
                                "sv_ratio", 0.5)
     assert msg.startswith("**Error:** sv\\_ratio") and "1 or more" in msg

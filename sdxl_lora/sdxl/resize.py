@@ -8,6 +8,7 @@ file is smaller, and the update it applies is the closest one of that rank (Ecka
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -135,6 +136,11 @@ def check_method(method: str | None, param: float | None) -> None:
     if method == "sv_ratio" and param < 1:
         raise AdapterError(f"sv_ratio keeps singular values within a factor of the largest: its parameter "
                            f"must be 1 or more, not {param}")
+
+
+def provenance(source: str, rank: int, method: str | None = None, param: float | None = None) -> dict[str, str]:
+    """The metadata a resized file carries: what it was resized from, and how."""
+    return {"sdxl_lora.resized": json.dumps({"from": source, "rank": rank, "method": method, "param": param})}
 
 
 def resize_adapter(adapter: Adapter, rank: int, method: str | None = None, param: float | None = None,

@@ -53,7 +53,7 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
     """Write the chosen adapter in `fmt`; with resize_rank > 0 cut to that rank first (sdxl/resize.py), by
     resize_method (FIXED, or a dynamic method with resize_param) -> (the file to download, a message)."""
     from sdxl_lora.sdxl.export import AdapterError, export_adapter, layer_table, load_adapter
-    from sdxl_lora.sdxl.resize import resize_adapter
+    from sdxl_lora.sdxl.resize import provenance, resize_adapter
 
     if not choice:
         return None, "**Error:** pick a run or an adapter"
@@ -77,7 +77,10 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
         resized = None
         if resize_rank and int(resize_rank) > 0:
             method = None if resize_method in (None, FIXED) else resize_method
-            resized = resize_adapter(adapter, int(resize_rank), method, resize_param if method else None)
+            param = resize_param if method else None
+            resized = resize_adapter(adapter, int(resize_rank), method, param)
+            if meta is not False:
+                meta.update(provenance(src.name, int(resize_rank), method, param))
         suffix = {"kohya": ".safetensors", "diffusers": ".diffusers.safetensors", "peft": ".peft"}[fmt]
         out = f.inside(out_dir / f"{stem}{suffix}", "runs" if f.runs in out_dir.parents else "models")
         written = export_adapter(resized.adapter if resized else adapter, out, fmt, metadata=meta, names=names,
