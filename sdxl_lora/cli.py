@@ -396,11 +396,11 @@ def cmd_resize(args) -> int:
 
 def cmd_extract(args) -> int:
     from .core.runs import relpath
-    from .sdxl.export import AdapterError, _check_dest, export_adapter, layer_table
+    from .sdxl.export import AdapterError, check_dest, export_adapter, layer_table
     from .sdxl.extract import extract_adapter
 
     try:
-        _check_dest(Path(args.out), args.overwrite)  # before minutes of loading and SVDs
+        check_dest(Path(args.out), args.overwrite)  # before minutes of loading and SVDs
         done = extract_adapter(args.base, args.tuned, args.rank, conv_rank=args.conv_rank, preset=args.preset,
                                method=args.dynamic_method, param=args.dynamic_param,
                                text_encoders=not args.no_text_encoders, min_diff=args.min_diff,

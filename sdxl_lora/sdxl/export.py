@@ -67,7 +67,9 @@ class ExportExistsError(FileExistsError):
     pass
 
 
-def _check_dest(path: Path, overwrite: bool) -> None:
+def check_dest(path: Path, overwrite: bool) -> None:
+    """Refuse to write over an existing file or folder unless asked: every writer here, and callers that want
+    the refusal before long work (extract)."""
     if path.exists() and not overwrite:
         raise ExportExistsError(f"{path} already exists; choose another path or pass overwrite=True (--overwrite)")
 
@@ -496,7 +498,7 @@ def save_kohya_lora(source, path: str | Path, *, metadata: bool | Mapping[str, s
     `kohya_state_dict`).
     """
     path = Path(path)
-    _check_dest(path, overwrite)
+    check_dest(path, overwrite)
     if unet_config is None and not isinstance(source, Adapter):
         unet_config = dict(source.config)
     adapter = _as_adapter(source)
@@ -567,7 +569,7 @@ def save_diffusers_lora(unet, path: str | Path, overwrite: bool = False,
     weights, which is what diffusers assumes (alpha = rank) for a file without its config.
     """
     path = Path(path)
-    _check_dest(path, overwrite)
+    check_dest(path, overwrite)
     adapter = _as_adapter(unet)
     _lora_only(adapter, "diffusers")
     sd: dict[str, torch.Tensor] = {}
@@ -608,7 +610,7 @@ def save_peft_adapter(source, folder: str | Path, *, component: str = "unet", me
     """Write one model's adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors),
     loadable with `peft.PeftModel.from_pretrained(model, folder)`."""
     folder = Path(folder)
-    _check_dest(folder, overwrite)
+    check_dest(folder, overwrite)
     adapter = _as_adapter(source)
     _lora_only(adapter, "peft")
     others = [c for c in adapter.components() if c != component]

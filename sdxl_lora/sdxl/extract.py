@@ -27,11 +27,11 @@ TE_LAYERS = (".self_attn.q_proj", ".self_attn.k_proj", ".self_attn.v_proj", ".se
 def _pipeline(model: str | Path, tokenizer: str | Path | None):
     """The model as a pipeline in the dtype it is stored in (two SDXL models in fp32 would take 20 GB)."""
     from ..core.config import ModelConfig
-    from .merge import _source_dtype
+    from .merge import source_dtype
     from .model import load_pipeline, resolve_model_path
 
     mcfg = ModelConfig(path=str(model), tokenizer=str(tokenizer) if tokenizer else None)
-    return load_pipeline(mcfg, torch_dtype=_source_dtype(resolve_model_path(mcfg)))
+    return load_pipeline(mcfg, torch_dtype=source_dtype(resolve_model_path(mcfg)))
 
 
 def _targets(pipe, preset: str, text_encoders: bool) -> dict[str, torch.nn.Module]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import kohya
-from .export import Adapter, AdapterError, ExportExistsError, _replace_folder, _umask, load_adapter, weight_with
+from .export import Adapter, AdapterError, _replace_folder, _umask, check_dest, load_adapter, weight_with
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def parse_lora_arg(arg: str) -> tuple[Path, float]:
     return Path(arg), 1.0
 
 
-def _source_dtype(model_path: Path) -> torch.dtype:
+def source_dtype(model_path: Path) -> torch.dtype:
     """The dtype the base's UNet weights are stored in (so a merged fp16 checkpoint stays fp16)."""
     from safetensors import safe_open
 
@@ -250,8 +250,7 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
     from .tiny import TINY_NAME
 
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise ExportExistsError(f"{out} already exists; choose another --out or pass --overwrite")
+    check_dest(out, overwrite)
     if not loras:
         raise MergeError("no adapter to merge: give at least one --lora FILE[:STRENGTH]")
     if dtype != "auto" and dtype not in _DTYPES:
@@ -261,7 +260,7 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
             raise FileNotFoundError(f"--lora {path}: no such file")
     mcfg = ModelConfig(path=str(model), tokenizer=str(tokenizer) if tokenizer else None)
     model_path = resolve_model_path(mcfg)
-    target = _source_dtype(model_path) if dtype == "auto" else _DTYPES[dtype]
+    target = source_dtype(model_path) if dtype == "auto" else _DTYPES[dtype]
     pipe = load_pipeline(mcfg, torch_dtype=torch.float32)
     table = kohya.LayerTable.from_pipeline(pipe)
     merged = []
