@@ -46,18 +46,11 @@ def _plan(unet, mixed_alpha: bool):
     return plan
 
 
-def _pipe(tiny_dir):
-    from diffusers import StableDiffusionXLPipeline
-    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_dir), local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 @pytest.fixture(scope="module")
 def trained(tiny_dir, tmp_path_factory):
     """The tiny pipeline with a peft adapter as training leaves it (mixed ranks, alpha != rank), its
     UNet output on fixed inputs, and its kohya export."""
-    pipe = _pipe(tiny_dir)
+    pipe = unet_io.pipe(tiny_dir)
     plan = _plan(pipe.unet, mixed_alpha=False)
     inject.apply_plan(pipe.unet, plan)
     _randomize(pipe.unet, 1)
@@ -150,7 +143,7 @@ def test_kohya_export_loaded_by_diffusers_gives_the_training_time_unet_output(tr
                                                                          names="diffusers")
     if names == "diffusers":
         assert any(k.startswith("lora_unet_down_blocks_1_attentions_0_") for k in load_file(path))
-    pipe = _pipe(tiny_dir)
+    pipe = unet_io.pipe(tiny_dir)
     base = unet_io.out(pipe.unet, trained.inputs)
     pipe.load_lora_weights(str(path))
     n = sum(1 for name, _ in pipe.unet.named_modules() if name.endswith(".lora_A.default_0"))
@@ -177,7 +170,7 @@ def test_kohya_export_gives_the_training_time_image_through_generate(trained, ti
     got = np.asarray(Image.open(tmp_path / "seed5.png").convert("RGB"), dtype=np.int16)
     want = np.asarray(ref, dtype=np.int16)
     assert np.abs(got - want).max() <= 1
-    base = np.asarray(render(_pipe(tiny_dir), [PROMPT], seed=5, steps=2, guidance=5.0, width=64, height=64)[0],
+    base = np.asarray(render(unet_io.pipe(tiny_dir), [PROMPT], seed=5, steps=2, guidance=5.0, width=64, height=64)[0],
                       dtype=np.int16)
     assert np.abs(base - want).mean() > 0.5  # without the adapter the image differs
 
@@ -191,7 +184,7 @@ def test_mixed_alphas_load_in_diffusers_at_the_right_strength(mixed, tiny_dir, t
     _, text = export.inspect_adapter(tmp_path / "true.safetensors", tiny_dir)
     assert "attention layers have different alphas" in text
     path = export.save_kohya_lora(mixed.unet, tmp_path / "u.safetensors")
-    pipe = _pipe(tiny_dir)
+    pipe = unet_io.pipe(tiny_dir)
     pipe.load_lora_weights(str(path))
     torch.testing.assert_close(unet_io.out(pipe.unet, mixed.inputs), mixed.ref, rtol=0, atol=1e-5)
 
@@ -236,7 +229,7 @@ def test_full_sdxl_kohya_keys_map_onto_the_unet_through_diffusers_mapper(preset)
 def test_text_encoder_layers_get_kohya_te1_te2_names_and_round_trip(tiny_dir, tmp_path):
     from peft import LoraConfig, inject_adapter_in_model
 
-    pipe = _pipe(tiny_dir)
+    pipe = unet_io.pipe(tiny_dir)
     layers = {}
     for comp in ("text_encoder", "text_encoder_2"):
         te = getattr(pipe, comp)
@@ -249,7 +242,7 @@ def test_text_encoder_layers_get_kohya_te1_te2_names_and_round_trip(tiny_dir, tm
     assert "lora_te2_text_model_encoder_layers_2_mlp_fc1.lora_up.weight" in keys
     back = export.load_adapter(path, tiny_dir)
     assert not back.unknown and back.layers.keys() == layers.keys()
-    fresh = _pipe(tiny_dir)
+    fresh = unet_io.pipe(tiny_dir)
     for comp in ("text_encoder", "text_encoder_2"):
         export.apply_adapter(getattr(fresh, comp), back, comp)
 
@@ -426,7 +419,7 @@ def test_merge_equals_base_plus_adapter_at_that_strength(trained, run_dir, tiny_
     from diffusers import UNet2DConditionModel
 
     merged = UNet2DConditionModel.from_pretrained(str(out / "unet"))
-    pipe = _pipe(tiny_dir)
+    pipe = unet_io.pipe(tiny_dir)
     pipe.load_lora_weights(str(trained.kohya), adapter_name="a")
     pipe.set_adapters(["a"], adapter_weights=[0.7])
     want = unet_io.out(pipe.unet, trained.inputs)
@@ -503,14 +496,14 @@ def test_lora_bias_travels_in_diffusers_and_peft_formats_and_merges(tiny_dir, tm
         export.save_kohya_lora(unet, tmp_path / "k.safetensors")
     path = export.save_diffusers_lora(unet, tmp_path / "d.safetensors")
     assert any(k.endswith(".lora_B.bias") for k in load_file(path))
-    pipe = _pipe(tiny_dir)
+    pipe = unet_io.pipe(tiny_dir)
     pipe.load_lora_weights(str(path))
     torch.testing.assert_close(unet_io.out(pipe.unet, inputs), ref, rtol=0, atol=1e-5)
     adapter = export.load_adapter(path, tiny_dir)
     fresh = unet_io.fresh_unet(tiny_dir)
     export.apply_adapter(fresh, adapter)
     torch.testing.assert_close(unet_io.out(fresh, inputs), ref, rtol=0, atol=1e-5)
-    base = _pipe(tiny_dir)
+    base = unet_io.pipe(tiny_dir)
     merge_adapter(base, adapter, 1.0)
     torch.testing.assert_close(unet_io.out(base.unet, inputs), ref, rtol=0, atol=1e-5)
     assert _save_run(unet, tmp_path, "b") == {"diffusers": tmp_path / "b" / "b.safetensors"}

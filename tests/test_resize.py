@@ -42,8 +42,7 @@ def rank8(tiny_dir, tmp_path_factory):
 
 def _with(tiny_dir, adapter, inputs):
     """The UNet output of a fresh tiny UNet with `adapter` loaded through diffusers' own kohya loader."""
-    from diffusers import StableDiffusionXLPipeline
-    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_dir), local_files_only=True)
+    pipe = unet_io.pipe(tiny_dir)
     pipe.load_lora_weights(str(adapter))
     n = sum(1 for name, _ in pipe.unet.named_modules() if name.endswith(".lora_A.default_0"))
     return unet_io.out(pipe.unet, inputs), n

@@ -1,4 +1,5 @@
-"""The tiny UNet's fixed inputs and outputs, shared by the tests that compare an adapter's effect."""
+"""The tiny SDXL's pipeline and its UNet's fixed inputs and outputs, shared by the tests that compare an adapter's
+effect."""
 import torch
 
 
@@ -21,3 +22,11 @@ def out(unet, inputs):
 def fresh_unet(tiny_dir):
     from diffusers import UNet2DConditionModel
     return UNet2DConditionModel.from_pretrained(str(tiny_dir / "unet"))
+
+
+def pipe(tiny_dir):
+    """The tiny SDXL pipeline from its folder, diffusers' own loader, progress bars off."""
+    from diffusers import StableDiffusionXLPipeline
+    p = StableDiffusionXLPipeline.from_pretrained(str(tiny_dir), local_files_only=True)
+    p.set_progress_bar_config(disable=True)
+    return p
