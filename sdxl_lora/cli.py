@@ -404,7 +404,7 @@ def cmd_extract(args) -> int:
         done = extract_adapter(args.base, args.tuned, args.rank, conv_rank=args.conv_rank, preset=args.preset,
                                method=args.dynamic_method, param=args.dynamic_param,
                                text_encoders=not args.no_text_encoders, min_diff=args.min_diff,
-                               tokenizer=args.tokenizer, device=args.device, progress=_layer_progress())
+                               device=args.device, progress=_layer_progress())
         table = layer_table(args.base)
         out = export_adapter(done.adapter, args.out, args.format, names=args.names, unet_config=table.unet_config,
                              overwrite=args.overwrite)
@@ -814,7 +814,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out layers whose difference is at most this share of the base weight's norm "
                         "(default 0: only equal layers)")
     _svd_output_args(x)
-    x.add_argument("--tokenizer", help="folder with tokenizer/ and tokenizer_2/ (for single-file models)")
     x.set_defaults(func=cmd_extract)
 
     i = sub.add_parser("inspect", help="an adapter's format, base model, per-block rank and alpha, metadata, problems")

@@ -230,3 +230,35 @@ def test_extract_refuses_equal_models_and_an_existing_file(tuned, tiny_dir, tmp_
     out.write_bytes(b"mine")
     r = cli("extract", "--base", str(tiny_dir), "--tuned", str(tuned), "--rank", "4", "--out", str(out))
     assert r.returncode == 2 and "already exists" in r.stderr and out.read_bytes() == b"mine"
+
+
+def test_extract_reads_text_encoder_changes_from_a_folder_and_from_a_single_file_alike(tiny_dir, tmp_path, cli):
+    """Rank-1 changes to three text-encoder layers (the second encoder's k projection is stored fused with q and
+    v in a single file, so reading the wrong third would show) come back exactly, from either form of the model."""
+    from sdxl_lora.sdxl.model import CONFIGS_FROM
+    from sdxl_lora.sdxl.single_file import save_single_file
+
+    pipe = unet_io.pipe(tiny_dir)
+    g = torch.Generator().manual_seed(5)
+    changed = {"text_encoder.encoder.layers.0.self_attn.k_proj": pipe.text_encoder.encoder.layers[0].self_attn.k_proj,
+               "text_encoder_2.text_model.encoder.layers.1.self_attn.k_proj":
+                   pipe.text_encoder_2.text_model.encoder.layers[1].self_attn.k_proj,
+               "text_encoder_2.text_model.encoder.layers.0.mlp.fc1": pipe.text_encoder_2.text_model.encoder.layers[0].mlp.fc1}
+    deltas = {}
+    with torch.no_grad():
+        for key, layer in changed.items():
+            rows, cols = layer.weight.shape
+            deltas[key] = torch.outer(torch.randn(rows, generator=g), torch.randn(cols, generator=g)) * 0.05
+            layer.weight += deltas[key]
+    folder = tmp_path / "tuned"
+    pipe.save_pretrained(folder, safe_serialization=True)
+    single = save_single_file(pipe, tmp_path / "tuned.safetensors", metadata={CONFIGS_FROM: "tiny-sdxl"})
+    for form, model in (("folder", folder), ("file", single)):
+        out = tmp_path / f"x-{form}.safetensors"
+        r = cli("extract", "--base", "tiny-sdxl", "--tuned", str(model), "--rank", "4", "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        assert "3 layers: update rank 1 -> 1" in r.stdout, r.stdout
+        got = export.load_adapter(out, tiny_dir)
+        assert got.layers.keys() == deltas.keys(), form
+        for name, lay in got.layers.items():
+            torch.testing.assert_close(lay.delta(), deltas[name], rtol=1e-3, atol=1e-5, msg=f"{form}: {name}")

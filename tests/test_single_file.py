@@ -44,7 +44,7 @@ def tiny_file(tiny_pipe, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sdxl_meta():
     """SDXL base's four networks on the meta device (shapes, no weights), from the bundled configs."""
-    return sf._meta_models(sf.SDXL_BASE_CONFIG_DIR)
+    return sf.meta_models(sf.SDXL_BASE_CONFIG_DIR)
 
 
 @pytest.fixture

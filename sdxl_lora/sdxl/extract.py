@@ -15,58 +15,97 @@ from pathlib import Path
 import torch
 
 from .export import Adapter, AdapterError
-from .resize import LayerResize, Resized, check_method, truncated
+from .resize import Resized, check_method, truncated
 
 log = logging.getLogger(__name__)
 
 # The text encoders' layers a LoRA for them holds (kohya targets CLIP's attention and MLP).
 TE_LAYERS = (".self_attn.q_proj", ".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.out_proj", ".mlp.fc1",
              ".mlp.fc2")
+_READ = ("unet", "text_encoder", "text_encoder_2")
 
 
-def _pipeline(model: str | Path, tokenizer: str | Path | None):
-    """The model as a pipeline in the dtype it is stored in (two SDXL models in fp32 would take 20 GB)."""
-    from ..core.config import ModelConfig
-    from .merge import source_dtype
-    from .model import load_pipeline, resolve_model_path
+class _Weights:
+    """One model's UNet and text-encoder tensors, read one at a time from its safetensors files: a diffusers
+    folder's component files, or a single-file checkpoint's original-layout keys (`single_file.sgm_source`).
+    Loading both pipelines whole would hold two SDXL models in memory; here only the layer at hand is. Each
+    read opens the file and closes it again, so the pages safetensors maps are not kept by the process."""
 
-    mcfg = ModelConfig(path=str(model), tokenizer=str(tokenizer) if tokenizer else None)
-    return load_pipeline(mcfg, torch_dtype=source_dtype(resolve_model_path(mcfg)))
+    def __init__(self, model: str | Path):
+        from ..core.config import ModelConfig
+        from ..core.weights import header_shapes, read_json, weight_files
+        from .model import COMPONENTS, check_folder, resolve_model_path, single_file_configs
+        from .single_file import SDXL_BASE_CONFIG_DIR, check_single_file, unet_diffusers_to_sgm
+
+        cfg = ModelConfig(path=str(model))
+        self.path = resolve_model_path(cfg)
+        self._mapping: dict[str, str] | None = None
+        if self.path.is_file():
+            self.config_dir = single_file_configs(self.path, cfg) or SDXL_BASE_CONFIG_DIR
+            check_single_file(self.path, self.config_dir)
+            self._mapping = unet_diffusers_to_sgm(read_json(self.config_dir / "unet" / "config.json"))
+            files = {comp: [self.path] for comp in _READ}
+        else:
+            check_folder(self.path)
+            self.config_dir = self.path
+            files = {comp: weight_files(self.path / comp, COMPONENTS[comp][2]) for comp in _READ}
+        self._file = {(comp, key): f for comp, fs in files.items() for f in fs for key in header_shapes(f)}
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """The UNet and text encoders its configs describe, on the meta device, by component."""
+        from .single_file import meta_models
+
+        unet, _, te1, te2 = meta_models(self.config_dir)
+        return {"unet": unet, "text_encoder": te1, "text_encoder_2": te2}
+
+    def read(self, component: str, param: str) -> torch.Tensor | None:
+        """The stored tensor of `component`'s parameter `param` (module naming), in its stored dtype; None when
+        the model has no such tensor."""
+        from safetensors import safe_open
+
+        from .single_file import sgm_source
+
+        if self._mapping is not None:
+            try:
+                where = [sgm_source(component, param, self._mapping)]
+            except KeyError:
+                return None
+        else:  # transformers' CLIP files are stored with or without the `text_model.` level
+            where = [(param, None), ("text_model." + param, None), (param.removeprefix("text_model."), None)]
+        for key, third in where:
+            f = self._file.get((component, key))
+            if f is None:
+                continue
+            with safe_open(str(f), framework="pt") as fh:
+                if third is None:
+                    return fh.get_tensor(key)
+                fused = fh.get_slice(key)  # the second text encoder's q, k, v stored as one in_proj
+                rows = fused.get_shape()[0] // 3
+                return fused[third * rows:(third + 1) * rows]
+        return None
 
 
-def _targets(pipe, preset: str, text_encoders: bool) -> dict[str, torch.nn.Module]:
-    """"unet.<path>" / "text_encoder.<path>" -> the base's module, for every layer the extraction considers."""
+def _targets(modules: dict[str, torch.nn.Module], preset: str, text_encoders: bool) -> dict[str, torch.nn.Module]:
+    """"unet.<path>" / "text_encoder.<path>" -> the (meta) module, for every layer the extraction considers."""
     from ..core.config import AdapterConfig
     from . import slots as unet_slots
 
-    named = dict(pipe.unet.named_modules())
-    plan = unet_slots.make_plan(pipe.unet, AdapterConfig(preset=preset))
+    unet = modules["unet"]
+    named = dict(unet.named_modules())
+    plan = unet_slots.make_plan(unet, AdapterConfig(preset=preset))
     out = {f"unet.{s.name}": named[s.name] for s in plan.targets}
     if text_encoders:
         for comp in ("text_encoder", "text_encoder_2"):
-            te = getattr(pipe, comp, None)
-            if te is None:
-                continue
-            for name, mod in te.named_modules():
+            for name, mod in modules[comp].named_modules():
                 if isinstance(mod, torch.nn.Linear) and name.endswith(TE_LAYERS):
                     out[f"{comp}.{name}"] = mod
     return out
 
 
-def _modules(pipe) -> dict[str, torch.nn.Module]:
-    """"unet.<path>" / "text_encoder.<path>" / "text_encoder_2.<path>" -> every module of the pipeline's models."""
-    out = {}
-    for comp in ("unet", "text_encoder", "text_encoder_2"):
-        owner = getattr(pipe, comp, None)
-        if owner is not None:
-            out.update({f"{comp}.{name}": mod for name, mod in owner.named_modules()})
-    return out
-
-
 def extract_adapter(base: str | Path, tuned: str | Path, rank: int, *, conv_rank: int | None = None,
                     preset: str = "locon", method: str | None = None, param: float | None = None,
-                    text_encoders: bool = True, min_diff: float = 0.0, tokenizer: str | Path | None = None,
-                    device: str | torch.device = "cpu", progress=None) -> Resized:
+                    text_encoders: bool = True, min_diff: float = 0.0, device: str | torch.device = "cpu",
+                    progress=None) -> Resized:
     """The LoRA that takes `base` towards `tuned` (both an SDXL diffusers folder, single file or built-in name):
     linears at `rank`, convolutions at `conv_rank` (default `rank`), each at most that with a dynamic `method`.
     A layer whose difference is at most `min_diff` times its base weight's norm (0: exactly equal) is left out.
@@ -78,18 +117,22 @@ def extract_adapter(base: str | Path, tuned: str | Path, rank: int, *, conv_rank
         raise AdapterError(f"min_diff={min_diff}: must be 0 or more")
     if Path(str(base)).resolve() == Path(str(tuned)).resolve():
         raise AdapterError(f"--base and --tuned are the same model ({base}): there is no difference to extract")
-    pipe_b, pipe_t = _pipeline(base, tokenizer), _pipeline(tuned, tokenizer)
-    targets, tuned_modules = _targets(pipe_b, preset, text_encoders), _modules(pipe_t)
+    weights_b, weights_t = _Weights(base), _Weights(tuned)
+    targets = _targets(weights_b.modules(), preset, text_encoders)
     dev = torch.device(device)
     layers, rows, same = {}, [], 0
-    for i, (key, mod_b) in enumerate(sorted(targets.items())):
-        mod_t = tuned_modules.get(key)
-        if mod_t is None or mod_t.weight.shape != mod_b.weight.shape:
-            got = "no such layer" if mod_t is None else f"shape {tuple(mod_t.weight.shape)}"
-            raise AdapterError(f"{tuned}: layer {key} has {got}, the base {tuple(mod_b.weight.shape)}: the two "
-                               "models are not the same architecture")
-        w = mod_b.weight.detach().to(dev, torch.float32)
-        diff = mod_t.weight.detach().to(dev, torch.float32) - w
+    for i, (key, mod) in enumerate(sorted(targets.items())):
+        comp, name = key.split(".", 1)
+        stored_b, stored_t = weights_b.read(comp, name + ".weight"), weights_t.read(comp, name + ".weight")
+        want = tuple(mod.weight.shape)
+        for model, stored in ((base, stored_b), (tuned, stored_t)):
+            if stored is None or tuple(stored.shape) != want:
+                got = "no such layer" if stored is None else f"shape {tuple(stored.shape)}"
+                raise AdapterError(f"{model}: layer {key} has {got}, the architecture {want}: the two models are "
+                                   "not the same architecture")
+        w = stored_b.to(dev, torch.float32)
+        diff = stored_t.to(dev, torch.float32) - w
+        del stored_b, stored_t
         norm = float(diff.norm())
         if norm == 0 or norm <= min_diff * float(w.norm()):
             same += 1

@@ -335,6 +335,10 @@ def _device_of(sd: dict) -> torch.device:
     return next(iter(sd.values())).device if sd else torch.device("cpu")
 
 
+_TE2_RENAMES = (("self_attn.out_proj.", "attn.out_proj."), ("layer_norm1.", "ln_1."), ("layer_norm2.", "ln_2."),
+                ("mlp.fc1.", "mlp.c_fc."), ("mlp.fc2.", "mlp.c_proj."))
+
+
 def _te2_openclip(te) -> dict[str, torch.Tensor]:
     """CLIPTextModelWithProjection -> OpenCLIP text tower names (fused qkv, transposed projection)."""
     sd = {k.removeprefix("text_model."): v for k, v in te.state_dict().items() if not k.endswith("position_ids")}
@@ -354,9 +358,8 @@ def _te2_openclip(te) -> dict[str, torch.Tensor]:
         for kind in ("weight", "bias"):
             out[f"{dst}attn.in_proj_{kind}"] = torch.cat(
                 [take(f"{src}self_attn.{p}_proj.{kind}") for p in ("q", "k", "v")], dim=0)
-            for a, b in (("self_attn.out_proj", "attn.out_proj"), ("layer_norm1", "ln_1"),
-                         ("layer_norm2", "ln_2"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
-                out[f"{dst}{b}.{kind}"] = take(f"{src}{a}.{kind}")
+            for a, b in _TE2_RENAMES:
+                out[f"{dst}{b}{kind}"] = take(f"{src}{a}{kind}")
     out["ln_final.weight"] = take("final_layer_norm.weight")
     out["ln_final.bias"] = take("final_layer_norm.bias")
     # OpenCLIP applies `x @ text_projection`; transformers a Linear (x @ W.T): store W.T.
@@ -365,6 +368,31 @@ def _te2_openclip(te) -> dict[str, torch.Tensor]:
     if left:
         raise SingleFileError(f"second text encoder has weights with no OpenCLIP name, e.g. {left[:3]}")
     return {TE2_PREFIX + k: v for k, v in out.items()}
+
+
+def sgm_source(component: str, param: str, unet_mapping: dict[str, str]) -> tuple[str, int | None]:
+    """Where the diffusers/transformers parameter `param` of `component` ("unet", "text_encoder",
+    "text_encoder_2") is stored in a single-file checkpoint: its key there, and for the second text encoder's
+    q/k/v projections which third of the fused `in_proj` rows (0, 1, 2; None: the whole tensor). The inverse
+    of `sgm_state_dict` for the UNet's and the text encoders' layers (`unet_mapping`: unet_diffusers_to_sgm)."""
+    if component == "unet":
+        return UNET_PREFIX + map_module_path(param, unet_mapping), None
+    if component == "text_encoder":
+        return TE1_PREFIX + (param if param.startswith("text_model.") else "text_model." + param), None
+    if component != "text_encoder_2":
+        raise KeyError(f"{component!r} has no single-file source mapping (unet, text_encoder, text_encoder_2)")
+    name = param.removeprefix("text_model.")
+    if not name.startswith("encoder.layers."):
+        raise KeyError(f"text_encoder_2.{param}: only the encoder layers' parameters are mapped")
+    i, rest = name.removeprefix("encoder.layers.").split(".", 1)
+    dst = f"{TE2_PREFIX}transformer.resblocks.{i}."
+    for j, p in enumerate(("q", "k", "v")):
+        if rest.startswith(f"self_attn.{p}_proj."):
+            return f"{dst}attn.in_proj_{rest.rsplit('.', 1)[1]}", j
+    for a, b in _TE2_RENAMES:
+        if rest.startswith(a):
+            return dst + b + rest.removeprefix(a), None
+    raise KeyError(f"text_encoder_2.{param} has no OpenCLIP name")
 
 
 def sgm_state_dict(unet, vae, text_encoder, text_encoder_2) -> dict[str, torch.Tensor]:
@@ -539,7 +567,8 @@ def clip_tokenizers(tokenizer_dir: Path | None, *, bpe_path: Path | None = None,
 # Loading
 
 
-def _meta_models(config_dir: Path):
+def meta_models(config_dir: Path):
+    """The UNet, VAE and both text encoders `config_dir`'s configs describe, on the meta device (no weights)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
@@ -556,7 +585,7 @@ def _meta_models(config_dir: Path):
 def expected_sgm_shapes(config_dir: Path | None = None) -> dict[str, tuple[int, ...]]:
     """Every key of a single-file checkpoint for the configs in `config_dir`, with its shape (no weights)."""
     config_dir = Path(config_dir) if config_dir is not None else SDXL_BASE_CONFIG_DIR
-    sd = sgm_state_dict(*_meta_models(config_dir))
+    sd = sgm_state_dict(*meta_models(config_dir))
     return {k: tuple(v.shape) for k, v in sd.items()}
 
 
@@ -616,22 +645,9 @@ def _check_sdxl(path: Path, shapes: dict[str, tuple[int, ...]], config_dir: Path
             f"e.g. {missing[:3]} (a different model size? give the config folder that describes it)")
 
 
-def load_single_file(path: Path, tokenizer_dir: Path | None = None, config_dir: Path | None = None,
-                     torch_dtype=None, *, tokenizer_cache_dir: Path | None = None) -> StableDiffusionXLPipeline:
-    """Load a single-file SDXL `.safetensors` checkpoint as a diffusers pipeline, offline.
-
-    `config_dir` is a diffusers SDXL folder whose configs describe the checkpoint (default: SDXL
-    base's, bundled); `tokenizer_dir` holds tokenizer/ and tokenizer_2/ (default: built from CLIP's
-    BPE vocabulary, see `clip_tokenizers`). Pickled checkpoints (.ckpt/.pt) are refused: unpickling
-    runs code; convert them to safetensors with a tool you trust.
-    """
-    from diffusers import StableDiffusionXLPipeline
-    from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm
-    from safetensors import safe_open
-    from transformers import CLIPTextModelWithProjection
-
-    path = Path(path)
-    config_dir = Path(config_dir) if config_dir is not None else SDXL_BASE_CONFIG_DIR
+def check_single_file(path: Path, config_dir: Path) -> None:
+    """What loading a single-file checkpoint checks before it reads a weight: a safetensors file named
+    .safetensors (pickles refused), a config folder with every config, and SDXL's keys and shapes under them."""
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise SingleFileError(
             f"{path} is a pickled checkpoint ({path.suffix}); pickles run code when loaded, so they are "
@@ -652,6 +668,25 @@ def load_single_file(path: Path, tokenizer_dir: Path | None = None, config_dir: 
         if not (config_dir / sub / f).is_file():
             raise SingleFileNotFoundError(f"config folder {config_dir} is missing {sub}/{f}")
     _check_sdxl(path, shapes, config_dir)
+
+
+def load_single_file(path: Path, tokenizer_dir: Path | None = None, config_dir: Path | None = None,
+                     torch_dtype=None, *, tokenizer_cache_dir: Path | None = None) -> StableDiffusionXLPipeline:
+    """Load a single-file SDXL `.safetensors` checkpoint as a diffusers pipeline, offline.
+
+    `config_dir` is a diffusers SDXL folder whose configs describe the checkpoint (default: SDXL
+    base's, bundled); `tokenizer_dir` holds tokenizer/ and tokenizer_2/ (default: built from CLIP's
+    BPE vocabulary, see `clip_tokenizers`). Pickled checkpoints (.ckpt/.pt) are refused: unpickling
+    runs code; convert them to safetensors with a tool you trust.
+    """
+    from diffusers import StableDiffusionXLPipeline
+    from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm
+    from safetensors import safe_open
+    from transformers import CLIPTextModelWithProjection
+
+    path = Path(path)
+    config_dir = Path(config_dir) if config_dir is not None else SDXL_BASE_CONFIG_DIR
+    check_single_file(path, config_dir)
     tok, tok2 = clip_tokenizers(tokenizer_dir, cache_dir=tokenizer_cache_dir)
 
     # diffusers picks the converter for text_encoder_2 by comparing hidden sizes with the CLIP-L
