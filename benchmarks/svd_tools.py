@@ -6,6 +6,7 @@ The "fine-tuned" model is the base with a random rank-32 LoCon adapter merged in
 difference extract finds is known: rank 32 in every adapted layer, plus the fp16 rounding of the merged weights.
 
     python3 benchmarks/svd_tools.py --work /tmp/svd [--device cpu|cuda] [--json out.jsonl]
+                                    [--only resize extract extract-file]
 """
 from __future__ import annotations
 
@@ -68,12 +69,23 @@ def timed(name: str, argv: list[str]) -> dict:
     return row
 
 
+def resize_rows(adapter: Path, base: Path, out: Path, dev: list[str], rank: int) -> list[dict]:
+    return [timed("resize r8", ["resize", str(adapter), "--rank", "8", "--out", str(out / "r8.safetensors"),
+                                "--model", str(base), "--overwrite", *dev]),
+            timed("resize sv_fro 0.9", ["resize", str(adapter), "--rank", str(rank), "--dynamic-method", "sv_fro",
+                                        "--dynamic-param", "0.9", "--out", str(out / "fro.safetensors"), "--model",
+                                        str(base), "--overwrite", *dev])]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("/tmp/svd"))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--only", nargs="+", choices=["resize", "extract", "extract-file"],
+                    default=["resize", "extract", "extract-file"],
+                    help="extract-file: extract from the tuned model written as one original-layout file")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -81,20 +93,21 @@ def main() -> int:
     adapter = random_adapter(base, args.work / f"locon-r{args.rank}.safetensors", args.rank)
     print(f"model and adapter ready: {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
-    tuned = args.work / "tuned"
-    if not (tuned / "model_index.json").is_file():
-        rows.append(timed("merge", ["merge", "--model", str(base), "--lora", str(adapter), "--out", str(tuned)]))
+    tuned = {"extract": args.work / "tuned", "extract-file": args.work / "tuned.safetensors"}
     out = args.work / "out"
     out.mkdir(exist_ok=True)
     dev = ["--device", args.device]
-    rows.append(timed("resize r8", ["resize", str(adapter), "--rank", "8", "--out", str(out / "r8.safetensors"),
-                                    "--model", str(base), "--overwrite", *dev]))
-    rows.append(timed("resize sv_fro 0.9", ["resize", str(adapter), "--rank", str(args.rank), "--dynamic-method",
-                                            "sv_fro", "--dynamic-param", "0.9", "--out", str(out / "fro.safetensors"),
-                                            "--model", str(base), "--overwrite", *dev]))
-    rows.append(timed(f"extract r{args.rank}", ["extract", "--base", str(base), "--tuned", str(tuned), "--rank",
-                                                str(args.rank), "--out", str(out / "x.safetensors"), "--overwrite",
-                                                *dev]))
+    if "resize" in args.only:
+        rows += resize_rows(adapter, base, out, dev, args.rank)
+    for form in ("extract", "extract-file"):
+        if form not in args.only:
+            continue
+        if not tuned[form].exists():
+            rows.append(timed(f"merge for {form}", ["merge", "--model", str(base), "--lora", str(adapter), "--out",
+                                                    str(tuned[form])]))
+        rows.append(timed(f"{form} r{args.rank}", ["extract", "--base", str(base), "--tuned", str(tuned[form]),
+                                                   "--rank", str(args.rank), "--out", str(out / f"{form}.safetensors"),
+                                                   "--overwrite", *dev]))
     if args.json:
         with args.json.open("a") as fh:
             for r in rows:

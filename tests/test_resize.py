@@ -262,3 +262,30 @@ def test_extract_reads_text_encoder_changes_from_a_folder_and_from_a_single_file
         assert got.layers.keys() == deltas.keys(), form
         for name, lay in got.layers.items():
             torch.testing.assert_close(lay.delta(), deltas[name], rtol=1e-3, atol=1e-5, msg=f"{form}: {name}")
+
+
+def test_the_export_tab_extracts_a_lora_from_a_model_of_the_models_folder(rank8, tuned, tiny_dir, tmp_path):
+    import shutil
+
+    from sdxl_lora.ui import tab_export
+    from sdxl_lora.ui.folders import Folders, model_choices
+
+    (tmp_path / "datasets").mkdir()
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    shutil.copytree(tiny_dir, f.models / "base")
+    shutil.copytree(tuned, f.models / "ft")
+    assert {"base", "ft"} <= set(model_choices(f.models))
+    seen = []
+    written, msg = tab_export.extract(f, "base", "ft", 8, 0, tab_export.FIXED, None, True, "", False,
+                                      progress=lambda done, desc: seen.append(done))
+    assert written == str(f.models / "loras" / "exports" / "ft-extracted.safetensors"), msg
+    assert "update rank 8 -> 8" in msg and seen[-1][0] == seen[-1][1]
+    got = export.load_adapter(written, tiny_dir)
+    assert got.layers.keys() == rank8.adapter.layers.keys()
+    assert got.metadata["sdxl_lora.extracted_from"] == "ft"
+    # An existing file is kept unless asked, a path out of the models folder is refused, each by name.
+    _, msg = tab_export.extract(f, "base", "ft", 8, 0, tab_export.FIXED, None, True, "", False)
+    assert msg.startswith("**Error:**") and "already exists" in msg
+    _, msg = tab_export.extract(f, "base", "../elsewhere", 8, 0, tab_export.FIXED, None, True, "x", False)
+    assert msg.startswith("**Error:**") and "outside the models folder" in msg
+    assert not (f.models / "loras" / "exports" / "x.safetensors").exists()

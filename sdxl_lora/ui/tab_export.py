@@ -1,7 +1,8 @@
 """Export tab: a run's adapter (or an adapter file) written as kohya (ComfyUI/A1111/Forge), diffusers or PEFT,
 with the metadata fields people fill in, optionally resized to a smaller rank, into the run's exports/ folder,
 and offered for download (as `sdxl-lora export` and `sdxl-lora resize` do; sdxl_lora/sdxl/export.py and
-resize.py do the work)."""
+resize.py do the work). Below it, a LoRA extracted from a fine-tuned model of the models folder, as
+`sdxl-lora extract` does (sdxl/extract.py), written to models/loras/exports/."""
 from __future__ import annotations
 
 import shutil
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from .folders import Folders, PathRefused
+from .folders import Folders, PathRefused, is_builtin, model_choices
 from .text import error_md
 from .tab_generate import adapter_choices, adapter_path
 
@@ -96,6 +97,44 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
                            f"`{src.name}`, {adapter.format}).{said}")
 
 
+def _model(f: Folders, choice: str) -> str:
+    return choice if is_builtin(choice) else str(f.inside(choice, "models"))
+
+
+def extract(f: Folders, base, tuned, rank, conv_rank, method, param, text_encoders, name, overwrite,
+            progress=None):
+    """The LoRA that moves `base` towards `tuned` (both from the models folder or built in), at `rank` (linears)
+    and `conv_rank` (convolutions; 0: the same), by `method` (FIXED or a dynamic one with `param`), written as
+    a kohya file to models/loras/exports/NAME.safetensors -> (the file to download, a message). The SVDs run
+    on the GPU where there is one (a full SDXL's take minutes on a CPU)."""
+    import torch
+
+    from sdxl_lora.sdxl.export import AdapterError, check_dest, export_adapter, layer_table
+    from sdxl_lora.sdxl.extract import extract_adapter
+    from sdxl_lora.sdxl.resize import provenance
+
+    if not base or not tuned:
+        return None, "**Error:** pick the base model and the fine-tuned one"
+    stem = (name or "").strip() or f"{Path(str(tuned)).name.split('.')[0]}-extracted"
+    if "/" in stem or "\\" in stem or stem.startswith("."):
+        return None, error_md(f"name {stem!r} names the file: no '/' or '\\' and no leading '.'")
+    method = None if method in (None, FIXED) else method
+    try:
+        base_path, tuned_path = _model(f, base), _model(f, tuned)
+        out = f.inside(f.models / "loras" / "exports" / f"{stem}.safetensors", "models")
+        check_dest(out, bool(overwrite))  # before minutes of reading and SVDs
+        report = None if progress is None else (lambda i, n: progress((i, n), desc="layers"))
+        done = extract_adapter(base_path, tuned_path, int(rank or 0), conv_rank=int(conv_rank) if conv_rank else None,
+                               method=method, param=param if method else None, text_encoders=bool(text_encoders),
+                               device="cuda" if torch.cuda.is_available() else "cpu", progress=report)
+        done.adapter.metadata.update({"modelspec.title": stem, "ss_output_name": stem})
+        written = export_adapter(done.adapter, out, "kohya", unet_config=layer_table(base_path).unet_config,
+                                 overwrite=bool(overwrite))
+    except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
+        return None, error_md(e)
+    return str(written), f"LoRA extracted: `{written}`. {done.summary()}."
+
+
 def build(f: Folders):
     with gr.Row():
         with gr.Column():
@@ -133,13 +172,41 @@ def build(f: Folders):
         with gr.Column():
             msg = gr.Markdown(elem_id="exp-msg")
             file = gr.File(label="download", interactive=False, elem_id="exp-file")
+    with gr.Accordion("Extract a LoRA from a fine-tuned model", open=False), gr.Row():
+        with gr.Column():
+            models = model_choices(f.models)
+            x_base = gr.Dropdown(models, value=models[0], allow_custom_value=True, label="base model",
+                                 elem_id="ext-base", info="the model it was fine-tuned from (models folder)")
+            x_tuned = gr.Dropdown(models, allow_custom_value=True, label="fine-tuned (or merged) model",
+                                  elem_id="ext-tuned", info="the same architecture as the base")
+            with gr.Row():
+                x_rank = gr.Number(32, precision=0, minimum=1, label="rank", elem_id="ext-rank")
+                x_conv = gr.Number(0, precision=0, minimum=0, label="convolutions' rank (0: the same)",
+                                   elem_id="ext-conv-rank")
+            x_method = gr.Dropdown(list(RESIZE_METHODS), value=FIXED, label="method", elem_id="ext-method",
+                                   info="as for resize: a fixed rank, or per layer the fewest ranks (at most the "
+                                        "rank above) that keep a share of the difference")
+            x_param = gr.Number(0.9, label="share (sv_fro, sv_cumulative) or factor (sv_ratio)", elem_id="ext-param")
+            x_te = gr.Checkbox(True, label="the text encoders' layers too", elem_id="ext-te")
+            x_name = gr.Textbox(label="file name (empty: the tuned model's name + '-extracted')", elem_id="ext-name")
+            x_overwrite = gr.Checkbox(False, label="overwrite an existing file", elem_id="ext-overwrite")
+            x_go = gr.Button("Extract", variant="primary", elem_id="ext-go")
+        with gr.Column():
+            x_msg = gr.Markdown(elem_id="ext-msg")
+            x_file = gr.File(label="download", interactive=False, elem_id="ext-file")
 
     def do_refresh():
-        return gr.update(choices=source_choices(f))
+        models = model_choices(f.models)
+        return gr.update(choices=source_choices(f)), gr.update(choices=models), gr.update(choices=models)
+
+    def do_extract(*a, progress=gr.Progress()):
+        return extract(f, *a, progress=progress)
 
     go.click(lambda *a: export(f, *a),
              [source, fmt, title, author, description, trigger, license_, write_meta, names, true_alpha, overwrite,
               resize_rank, resize_method, resize_param],
              [file, msg])
-    refresh.click(do_refresh, None, source)
-    return do_refresh, [source]
+    refresh.click(do_refresh, None, [source, x_base, x_tuned])
+    x_go.click(do_extract, [x_base, x_tuned, x_rank, x_conv, x_method, x_param, x_te, x_name, x_overwrite],
+               [x_file, x_msg])
+    return do_refresh, [source, x_base, x_tuned]
