@@ -439,6 +439,32 @@ def test_merge_equals_base_plus_adapter_at_that_strength(trained, run_dir, tiny_
         merge_checkpoint(tiny_dir, [(trained.kohya, 1.0)], single)
 
 
+def test_merging_into_a_16_bit_base_rounds_each_weight_once(trained, tiny_dir, tmp_path):
+    """A base stored in fp16 is merged in its own dtype (half the memory of fp32), each changed layer summed in
+    fp32 over every adapter and rounded once: bit for bit what merging in fp32 and storing fp16 gives."""
+    from diffusers import UNet2DConditionModel
+
+    from sdxl_lora.sdxl.export import load_adapter, weight_with
+    from sdxl_lora.sdxl.merge import merge_checkpoint, source_dtype
+
+    base16 = tmp_path / "base16"
+    unet_io.pipe(tiny_dir).to(torch.float16).save_pretrained(base16, safe_serialization=True)
+    loras = [(trained.kohya, 0.5), (trained.kohya, 0.25)]
+    out = merge_checkpoint(base16, loras, tmp_path / "merged16")
+    assert source_dtype(out) == torch.float16
+    got = UNet2DConditionModel.from_pretrained(str(out / "unet"), torch_dtype=torch.float16)
+    base = dict(UNet2DConditionModel.from_pretrained(str(base16 / "unet"), torch_dtype=torch.float16).named_modules())
+    adapter = load_adapter(trained.kohya, tiny_dir)
+    named = dict(got.named_modules())
+    layers = {k.split(".", 1)[1]: lay for k, lay in adapter.layers.items() if k.startswith("unet.")}
+    assert layers
+    for path, layer in layers.items():
+        w32 = base[path].weight.float()
+        for _, strength in loras:
+            w32 = weight_with(w32, layer, strength)
+        assert torch.equal(named[path].weight, w32.to(torch.float16)), path
+
+
 def test_a_single_file_merged_into_a_built_in_base_loads_back_in_generate(trained, tmp_path):
     from diffusers import UNet2DConditionModel
 

@@ -47,43 +47,60 @@ def merge_adapter(pipe, adapter: Adapter, strength: float = 1.0) -> int:
     """Add `strength` times the adapter's update to the pipeline's weights in place; returns the layer
     count. Every layer is checked before any weight changes, so a refused adapter leaves the model as it was.
     A quantized component (model.quantize) is dequantized first: a sum of weights needs them in full precision."""
+    return merge_adapters(pipe, [(adapter, strength)])[0]
+
+
+@torch.no_grad()
+def merge_adapters(pipe, adapters: Sequence[tuple[Adapter, float]]) -> list[int]:
+    """`merge_adapter` for several (adapter, strength) in order, one layer at a time: each changed weight is
+    taken to fp32, every adapter's update added there, and stored once in the weight's dtype. So a pipeline
+    loaded in its 16-bit storage dtype gets the same weights as one merged in fp32 and cast after, without
+    holding the model in fp32. Returns each adapter's layer count."""
     from ..core.quantize import dequantize_model, is_quantized
 
-    for comp in adapter.components():
+    for comp in sorted({c for adapter, _ in adapters for c in adapter.components()}):
         model = getattr(pipe, comp, None)
         if model is not None and is_quantized(model):
             log.warning("the %s is quantized: dequantizing it to merge (the result is the dequantized weights plus "
                         "the adapter, what a QLoRA adapter saw in training)", comp)
             dequantize_model(model)
     named: dict[str, dict[str, torch.nn.Module]] = {}
-    todo = []
-    for key, layer in sorted(adapter.layers.items()):
-        comp, path = key.split(".", 1)
-        model = getattr(pipe, comp, None)
-        if model is None:
-            raise MergeError(f"{key}: the pipeline has no {comp}")
-        if comp not in named:
-            named[comp] = dict(model.named_modules())
-        mod = _module(named[comp], path)
-        if mod is None or not hasattr(mod, "weight"):
-            raise MergeError(f"{key}: the {comp} has no such layer; was the adapter trained for another model?")
-        if hasattr(mod, "base_layer"):
-            raise MergeError(f"{key}: the {comp} already holds an unmerged peft adapter; merge into a clean model")
-        shape = layer.update_shape  # of the update, without computing it yet
-        if shape != tuple(mod.weight.shape):
-            raise MergeError(f"{key}: the adapter's update has shape {list(shape)}, the layer's weight "
-                             f"{list(mod.weight.shape)}: the adapter was trained for another model")
-        if layer.bias is not None and getattr(mod, "bias", None) is None:
-            raise MergeError(f"{key}: the adapter has a LoRA bias for this layer, which has no bias in the base "
-                             "model: merging it would change the architecture (load the adapter instead)")
-        todo.append((mod, layer))
-    for mod, layer in todo:
-        w = mod.weight
-        w.copy_(weight_with(w, layer, strength).to(w.dtype))
-        if layer.bias is not None:
-            b = mod.bias
-            b.copy_((b.float() + strength * layer.scale * layer.bias.float().to(b.device)).to(b.dtype))
-    return len(todo)
+    todo: dict[int, tuple[torch.nn.Module, list]] = {}  # id(module) -> (module, [(layer, strength), ...] in order)
+    counts = []
+    for adapter, strength in adapters:
+        counts.append(len(adapter.layers))
+        for key, layer in sorted(adapter.layers.items()):
+            comp, path = key.split(".", 1)
+            model = getattr(pipe, comp, None)
+            if model is None:
+                raise MergeError(f"{key}: the pipeline has no {comp}")
+            if comp not in named:
+                named[comp] = dict(model.named_modules())
+            mod = _module(named[comp], path)
+            if mod is None or not hasattr(mod, "weight"):
+                raise MergeError(f"{key}: the {comp} has no such layer; was the adapter trained for another model?")
+            if hasattr(mod, "base_layer"):
+                raise MergeError(f"{key}: the {comp} already holds an unmerged peft adapter; merge into a clean model")
+            shape = layer.update_shape  # of the update, without computing it yet
+            if shape != tuple(mod.weight.shape):
+                raise MergeError(f"{key}: the adapter's update has shape {list(shape)}, the layer's weight "
+                                 f"{list(mod.weight.shape)}: the adapter was trained for another model")
+            if layer.bias is not None and getattr(mod, "bias", None) is None:
+                raise MergeError(f"{key}: the adapter has a LoRA bias for this layer, which has no bias in the base "
+                                 "model: merging it would change the architecture (load the adapter instead)")
+            todo.setdefault(id(mod), (mod, []))[1].append((layer, strength))
+    for mod, updates in todo.values():
+        w, b = mod.weight, getattr(mod, "bias", None)
+        w32 = w.float()
+        b32 = b.float() if b is not None and any(layer.bias is not None for layer, _ in updates) else None
+        for layer, strength in updates:
+            w32 = weight_with(w32, layer, strength)
+            if layer.bias is not None:
+                b32 = b32 + strength * layer.scale * layer.bias.float().to(b32.device)
+        w.copy_(w32.to(w.dtype))
+        if b32 is not None:
+            b.copy_(b32.to(b.dtype))
+    return counts
 
 
 def _kept_weights(pipe, adapters: Sequence[Adapter]):
@@ -138,7 +155,7 @@ def applied(pipe, loras: Sequence[tuple[str | Path, float]], name: str = "lora")
     """The pipeline with each (adapter file, strength) applied, for renders (`sdxl-lora generate`, the UI's
     Generate tab); as it was when the block ends. Plain LoRA files go through diffusers' `load_lora_weights`
     and `set_adapters` (adapters NAME0, NAME1, ...). The other kinds are merged into the weights at their
-    strength (`merge_adapter`, the update ComfyUI's and A1111/Forge's loaders apply, in the order given) and
+    strength (`merge_adapters`, the update ComfyUI's and A1111/Forge's loaders apply, in the order given) and
     the weights put back after: diffusers does not load LyCORIS LoHa or LoKr files, and from a kohya DoRA
     file it drops dora_scale with a warning, which would render plain LoRA."""
     table = None
@@ -161,8 +178,8 @@ def applied(pipe, loras: Sequence[tuple[str | Path, float]], name: str = "lora")
     put_back = _kept_weights(pipe, [a for a, _ in merging])
     names = []
     try:
-        for adapter, strength in merging:
-            merge_adapter(pipe, adapter, strength)
+        if merging:
+            merge_adapters(pipe, merging)
         for i, (path, _) in enumerate(loaded):
             pipe.load_lora_weights(path, adapter_name=f"{name}{i}")
             names.append(f"{name}{i}")
@@ -260,8 +277,12 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
             raise FileNotFoundError(f"--lora {path}: no such file")
     mcfg = ModelConfig(path=str(model), tokenizer=str(tokenizer) if tokenizer else None)
     model_path = resolve_model_path(mcfg)
-    target = source_dtype(model_path) if dtype == "auto" else _DTYPES[dtype]
-    pipe = load_pipeline(mcfg, torch_dtype=torch.float32)
+    stored = source_dtype(model_path)
+    target = stored if dtype == "auto" else _DTYPES[dtype]
+    # Loaded in a dtype that holds both the stored and the written weights exactly (fp16 when both are fp16, the
+    # usual case: half of fp32's memory); merge_adapters computes each changed layer in fp32 and rounds once.
+    # The quantized round trip of as_trained works in fp32.
+    pipe = load_pipeline(mcfg, torch_dtype=torch.float32 if as_trained else torch.promote_types(stored, target))
     table = kohya.LayerTable.from_pipeline(pipe)
     merged = []
     adapters = []
@@ -272,8 +293,8 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
                              "author never saw, so nothing was merged")
         adapters.append((path, strength, adapter))
     _quantized_base(pipe, adapters, as_trained)
-    for path, strength, adapter in adapters:
-        n = merge_adapter(pipe, adapter, strength)
+    counts = merge_adapters(pipe, [(adapter, strength) for _, strength, adapter in adapters])
+    for (path, strength, _), n in zip(adapters, counts):
         log.info("merged %s at strength %g: %d layers", Path(path).name, strength, n)
         merged.append({"lora": Path(path).name, "strength": strength, "layers": n})
     note = {"sdxl_lora.merged": json.dumps(merged)}
