@@ -3,6 +3,7 @@ loads where the original did, applies the closest update of its rank, and LoHa/L
 
 The adapter is built in-process with peft on the tiny SDXL (random LoRA weights on attention and ResNet
 convolutions, so every layer matters)."""
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -226,6 +227,8 @@ def test_extract_refuses_equal_models_and_an_existing_file(tuned, tiny_dir, tmp_
     out = tmp_path / "x.safetensors"
     r = cli("extract", "--base", str(tiny_dir), "--tuned", str(tiny_dir), "--rank", "4", "--out", str(out))
     assert r.returncode == 2 and "the same model" in r.stderr
+    r = cli("extract", "--base", str(tiny_dir), "--tuned", str(tmp_path / "nowhere"), "--rank", "4", "--out", str(out))
+    assert r.returncode == 2 and "--tuned" in r.stderr and "no such file or folder" in r.stderr
     assert not out.exists()
     out.write_bytes(b"mine")
     r = cli("extract", "--base", str(tiny_dir), "--tuned", str(tuned), "--rank", "4", "--out", str(out))
@@ -289,3 +292,42 @@ def test_the_export_tab_extracts_a_lora_from_a_model_of_the_models_folder(rank8,
     _, msg = tab_export.extract(f, "base", "../elsewhere", 8, 0, tab_export.FIXED, None, True, "x", False)
     assert msg.startswith("**Error:**") and "outside the models folder" in msg
     assert not (f.models / "loras" / "exports" / "x.safetensors").exists()
+
+
+def test_the_export_tab_merges_adapters_into_a_model_the_other_tabs_offer(rank8, tiny_dir, tmp_path):
+    import shutil
+
+    from safetensors import safe_open
+
+    from sdxl_lora.sdxl.export import weight_with
+    from sdxl_lora.sdxl.single_file import UNET_PREFIX, map_module_path, unet_diffusers_to_sgm
+    from sdxl_lora.ui import tab_export
+    from sdxl_lora.ui.folders import Folders, model_choices
+
+    (tmp_path / "datasets").mkdir()
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    shutil.copytree(tiny_dir, f.models / "base")
+    (f.models / "loras").mkdir()
+    shutil.copy(rank8.path, f.models / "loras" / "r8.safetensors")
+    slots = ("models/loras/r8.safetensors", 0.5, "models/loras/r8.safetensors", 0.25, None, 1.0)
+    msg = tab_export.merge(f, "base", "mine", tab_export.MERGE_FORMS[0], "auto", False, *slots)
+    assert "Merged r8.safetensors at 0.5, r8.safetensors at 0.25" in msg, msg
+    assert "mine.safetensors" in model_choices(f.models)
+    # The two strengths add up in each weight, as `sdxl-lora merge` does.
+    mapping = unet_diffusers_to_sgm(json.loads((tiny_dir / "unet" / "config.json").read_text()))
+    base = dict(unet_io.fresh_unet(tiny_dir).named_modules())
+    with safe_open(str(f.models / "mine.safetensors"), "pt") as fh:
+        for key, layer in rank8.adapter.layers.items():
+            if key.startswith("unet."):
+                path = key.split(".", 1)[1]
+                want = weight_with(weight_with(base[path].weight, layer, 0.5), layer, 0.25)
+                got = fh.get_tensor(UNET_PREFIX + map_module_path(path + ".weight", mapping))
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # Nothing is written over, and an empty pick or a bad name is refused by name.
+    msg = tab_export.merge(f, "base", "mine", tab_export.MERGE_FORMS[0], "auto", False, *slots)
+    assert msg.startswith("**Error:**") and "already exists" in msg
+    assert tab_export.merge(f, "base", "x", tab_export.MERGE_FORMS[1], "auto", False, None, 1.0).startswith(
+        "**Error:** pick")
+    msg = tab_export.merge(f, "base", "../up", tab_export.MERGE_FORMS[1], "auto", False, *slots)
+    assert msg.startswith("**Error:**") and "name" in msg
+    assert not (tmp_path / "up").exists()

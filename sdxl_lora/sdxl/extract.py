@@ -31,7 +31,7 @@ class _Weights:
     Loading both pipelines whole would hold two SDXL models in memory; here only the layer at hand is. Each
     read opens the file and closes it again, so the pages safetensors maps are not kept by the process."""
 
-    def __init__(self, model: str | Path):
+    def __init__(self, model: str | Path, role: str):
         from ..core.config import ModelConfig
         from ..core.weights import header_shapes, read_json, weight_files
         from .model import COMPONENTS, check_folder, resolve_model_path, single_file_configs
@@ -39,6 +39,9 @@ class _Weights:
 
         cfg = ModelConfig(path=str(model))
         self.path = resolve_model_path(cfg)
+        if not self.path.exists():
+            raise AdapterError(f"{role} {model}: no such file or folder; give a diffusers SDXL folder, a single-file "
+                               ".safetensors checkpoint or a built-in model's name")
         self._mapping: dict[str, str] | None = None
         if self.path.is_file():
             self.config_dir = single_file_configs(self.path, cfg) or SDXL_BASE_CONFIG_DIR
@@ -117,7 +120,7 @@ def extract_adapter(base: str | Path, tuned: str | Path, rank: int, *, conv_rank
         raise AdapterError(f"min_diff={min_diff}: must be 0 or more")
     if Path(str(base)).resolve() == Path(str(tuned)).resolve():
         raise AdapterError(f"--base and --tuned are the same model ({base}): there is no difference to extract")
-    weights_b, weights_t = _Weights(base), _Weights(tuned)
+    weights_b, weights_t = _Weights(base, "--base"), _Weights(tuned, "--tuned")
     targets = _targets(weights_b.modules(), preset, text_encoders)
     dev = torch.device(device)
     layers, rows, same = {}, [], 0

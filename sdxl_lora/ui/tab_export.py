@@ -2,7 +2,8 @@
 with the metadata fields people fill in, optionally resized to a smaller rank, into the run's exports/ folder,
 and offered for download (as `sdxl-lora export` and `sdxl-lora resize` do; sdxl_lora/sdxl/export.py and
 resize.py do the work). Below it, a LoRA extracted from a fine-tuned model of the models folder, as
-`sdxl-lora extract` does (sdxl/extract.py), written to models/loras/exports/."""
+`sdxl-lora extract` does (sdxl/extract.py), written to models/loras/exports/; and adapters merged into a
+checkpoint of the models folder, as `sdxl-lora merge` does (sdxl/merge.py)."""
 from __future__ import annotations
 
 import shutil
@@ -17,6 +18,15 @@ from .tab_generate import adapter_choices, adapter_path
 FORMATS = ("kohya", "diffusers", "peft")
 FIXED = "fixed rank"
 RESIZE_METHODS = (FIXED, "sv_fro", "sv_cumulative", "sv_ratio")
+MERGE_SLOTS = 3  # adapters merged at once from the page (the CLI takes any number)
+MERGE_FORMS = ("single file", "diffusers folder")
+
+
+def bad_stem(stem: str, what: str) -> str | None:
+    """Why `stem` cannot name a file written into a folder of the page (None: it can)."""
+    if not stem or "/" in stem or "\\" in stem or stem.startswith("."):
+        return error_md(f"{what} {stem!r} names the file: give one, with no '/' or '\\' and no leading '.'")
+    return None
 
 
 def source_choices(f: Folders) -> list[str]:
@@ -67,8 +77,8 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
         if adapter.unknown:
             return None, error_md(f"{src.name}: {adapter.problems[0]}")
         stem = (title or "").strip() or src.name.split(".")[0]
-        if "/" in stem or "\\" in stem or stem.startswith("."):
-            return None, error_md(f"title {stem!r} names the file: no '/' or '\\' and no leading '.'")
+        if why := bad_stem(stem, "title"):
+            return None, why
         meta: bool | dict = False
         if write_meta:
             fields = {"modelspec.title": stem, "ss_output_name": stem, "modelspec.author": author,
@@ -116,8 +126,8 @@ def extract(f: Folders, base, tuned, rank, conv_rank, method, param, text_encode
     if not base or not tuned:
         return None, "**Error:** pick the base model and the fine-tuned one"
     stem = (name or "").strip() or f"{Path(str(tuned)).name.split('.')[0]}-extracted"
-    if "/" in stem or "\\" in stem or stem.startswith("."):
-        return None, error_md(f"name {stem!r} names the file: no '/' or '\\' and no leading '.'")
+    if why := bad_stem(stem, "name"):
+        return None, why
     method = None if method in (None, FIXED) else method
     try:
         base_path, tuned_path = _model(f, base), _model(f, tuned)
@@ -135,7 +145,38 @@ def extract(f: Folders, base, tuned, rank, conv_rank, method, param, text_encode
     return str(written), f"LoRA extracted: `{written}`. {done.summary()}."
 
 
+def merge(f: Folders, base, name, form, dtype, overwrite, *slots):
+    """Bake up to MERGE_SLOTS adapters (slots: adapter choice, strength, ...; empty choices skipped) into `base`
+    and write the checkpoint into the models folder, as `models/NAME.safetensors` (one original-layout file:
+    ComfyUI, A1111/Forge) or the diffusers folder `models/NAME` -> a message. The result is a model the Train
+    and Generate tabs offer."""
+    from sdxl_lora.sdxl.export import AdapterError
+    from sdxl_lora.sdxl.merge import merge_checkpoint
+
+    pairs = [(slots[i], slots[i + 1]) for i in range(0, len(slots), 2) if slots[i]]
+    if not base or not pairs:
+        return "**Error:** pick the base model and at least one adapter"
+    stem = (name or "").strip()
+    if why := bad_stem(stem, "the new model's name"):
+        return why
+    if form not in MERGE_FORMS:
+        return error_md(f"form {form!r}: one of {', '.join(MERGE_FORMS)}")
+    try:
+        loras = [(adapter_path(f, choice), float(1.0 if strength is None else strength)) for choice, strength in pairs]
+        for path, _ in loras:
+            if path.is_dir():
+                raise FileNotFoundError(f"{path.name} is a run folder: pick its adapter file")
+        out = f.inside(f"{stem}.safetensors" if form == MERGE_FORMS[0] else stem, "models")
+        written = merge_checkpoint(_model(f, base), loras, out, dtype=dtype or "auto", overwrite=bool(overwrite))
+    except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
+        return error_md(e)
+    said = ", ".join(f"{p.name} at {s:g}" for p, s in loras)
+    return (f"Merged {said} into `{written}`: pick `{written.relative_to(f.models)}` as the model in the Train or "
+            "Generate tab.")
+
+
 def build(f: Folders):
+    models = model_choices(f.models)
     with gr.Row():
         with gr.Column():
             source = gr.Dropdown([], allow_custom_value=True, label="run or adapter", elem_id="exp-source")
@@ -172,9 +213,28 @@ def build(f: Folders):
         with gr.Column():
             msg = gr.Markdown(elem_id="exp-msg")
             file = gr.File(label="download", interactive=False, elem_id="exp-file")
+    with gr.Accordion("Merge adapters into a checkpoint", open=False), gr.Row():
+        with gr.Column():
+            m_base = gr.Dropdown(models, value=models[0], allow_custom_value=True, label="base model",
+                                 elem_id="mrg-base")
+            m_slots = []
+            for i in range(MERGE_SLOTS):
+                with gr.Row():
+                    m_slots.append(gr.Dropdown([], allow_custom_value=True, label=f"adapter {i + 1}",
+                                               elem_id=f"mrg-adapter-{i}"))
+                    m_slots.append(gr.Number(1.0, label="strength", elem_id=f"mrg-strength-{i}"))
+            m_name = gr.Textbox(label="new model's name", elem_id="mrg-name")
+            m_form = gr.Radio(list(MERGE_FORMS), value=MERGE_FORMS[0], label="written as", elem_id="mrg-form",
+                              info="single file: models/NAME.safetensors (ComfyUI, A1111/Forge); diffusers folder: "
+                                   "models/NAME")
+            m_dtype = gr.Radio(["auto", "fp16", "bf16", "fp32"], value="auto", label="dtype", elem_id="mrg-dtype",
+                               info="auto: the base's own")
+            m_overwrite = gr.Checkbox(False, label="overwrite an existing model", elem_id="mrg-overwrite")
+            m_go = gr.Button("Merge", variant="primary", elem_id="mrg-go")
+        with gr.Column():
+            m_msg = gr.Markdown(elem_id="mrg-msg")
     with gr.Accordion("Extract a LoRA from a fine-tuned model", open=False), gr.Row():
         with gr.Column():
-            models = model_choices(f.models)
             x_base = gr.Dropdown(models, value=models[0], allow_custom_value=True, label="base model",
                                  elem_id="ext-base", info="the model it was fine-tuned from (models folder)")
             x_tuned = gr.Dropdown(models, allow_custom_value=True, label="fine-tuned (or merged) model",
@@ -195,9 +255,12 @@ def build(f: Folders):
             x_msg = gr.Markdown(elem_id="ext-msg")
             x_file = gr.File(label="download", interactive=False, elem_id="ext-file")
 
+    merge_adapters = m_slots[0::2]
+
     def do_refresh():
-        models = model_choices(f.models)
-        return gr.update(choices=source_choices(f)), gr.update(choices=models), gr.update(choices=models)
+        models, adapters = model_choices(f.models), adapter_choices(f)
+        return (gr.update(choices=source_choices(f)), *[gr.update(choices=models)] * 3,
+                *[gr.update(choices=adapters)] * len(merge_adapters))
 
     def do_extract(*a, progress=gr.Progress()):
         return extract(f, *a, progress=progress)
@@ -206,7 +269,9 @@ def build(f: Folders):
              [source, fmt, title, author, description, trigger, license_, write_meta, names, true_alpha, overwrite,
               resize_rank, resize_method, resize_param],
              [file, msg])
-    refresh.click(do_refresh, None, [source, x_base, x_tuned])
+    refreshed = [source, x_base, x_tuned, m_base, *merge_adapters]
+    refresh.click(do_refresh, None, refreshed)
+    m_go.click(lambda *a: merge(f, *a), [m_base, m_name, m_form, m_dtype, m_overwrite, *m_slots], m_msg)
     x_go.click(do_extract, [x_base, x_tuned, x_rank, x_conv, x_method, x_param, x_te, x_name, x_overwrite],
                [x_file, x_msg])
-    return do_refresh, [source, x_base, x_tuned]
+    return do_refresh, refreshed
