@@ -171,6 +171,7 @@ ZERO_MEANS_SOMETHING = {
     "data.keep_tokens", "data.caption_dropout", "data.tag_dropout", "data.validation_split", "adapter.dropout",
     "train.weight_decay", "train.prior_loss_weight",
     "train.warmup_steps", "train.max_grad_norm", "train.noise_offset", "train.min_snr_gamma", "train.timestep_min",
+    "train.multires_noise_iterations", "train.ip_noise_gamma",
     "train.timestep_max", "train.profile_steps", "train.seed", "train.save_every", "train.save_every_minutes",
     "preview.every", "preview.guidance", "preview.guidance_rescale", "preview.seed", "llm.validation_split"}
 

@@ -56,8 +56,27 @@ def alphas_cumprod(zero_terminal_snr=False):
     return ac
 
 
+def pyramid(noise, iterations, discount):
+    """Multi-resolution noise from its definition, in float64: level i is N(0, 1) at 1/r^i of the image's size
+    (r uniform in [2, 4), drawn per level before the levels), upsampled bilinearly, weighted discount^i, until a
+    side is 1; the sum rescaled to unit standard deviation. One image at a time, in the batch's order."""
+    out = []
+    for n in noise:
+        c, h, w = n.shape
+        total = n.double()
+        for i, r in enumerate((2 + 2 * torch.rand(iterations)).tolist(), start=1):
+            lh, lw = max(1, int(h / r ** i)), max(1, int(w / r ** i))
+            level = torch.randn(c, lh, lw).double()
+            total = total + torch.nn.functional.interpolate(level[None], size=(h, w), mode="bilinear")[0] * discount ** i
+            if lh == 1 or lw == 1:
+                break
+        out.append(total / total.std())
+    return torch.stack(out)
+
+
 def expected_loss(batch, *, seed, noise_offset=0.0, t_range=(0, N_T - 1), prediction="epsilon", loss="l2",
-                  huber_delta=1.0, gamma=0.0, zero_terminal_snr=False):
+                  huber_delta=1.0, gamma=0.0, zero_terminal_snr=False, multires=(0, 0.3), ip_gamma=0.0,
+                  debiased=False):
     """The loss from its definition, drawing the same random numbers in the documented order."""
     torch.manual_seed(seed)
     mean, std = batch["latent_mean"], batch["latent_std"]
@@ -65,10 +84,13 @@ def expected_loss(batch, *, seed, noise_offset=0.0, t_range=(0, N_T - 1), predic
     noise = torch.randn_like(x0)
     if noise_offset:
         noise = noise + noise_offset * torch.randn(x0.shape[0], x0.shape[1], 1, 1)
+    if multires[0]:
+        noise = pyramid(noise, *multires)
     t = torch.randint(t_range[0], t_range[1] + 1, (x0.shape[0],))
+    perturb = torch.randn_like(x0).double() if ip_gamma else 0.0
     ac = alphas_cumprod(zero_terminal_snr)[t].view(-1, 1, 1, 1)
     x0, noise = x0.double(), noise.double()
-    noisy = ac.sqrt() * x0 + (1 - ac).sqrt() * noise
+    noisy = ac.sqrt() * x0 + (1 - ac).sqrt() * (noise + ip_gamma * perturb)
     target = noise if prediction == "epsilon" else ac.sqrt() * noise - (1 - ac).sqrt() * x0
     pred = StubUNet()(noisy, t).sample
     err = pred - target
@@ -85,6 +107,9 @@ def expected_loss(batch, *, seed, noise_offset=0.0, t_range=(0, N_T - 1), predic
         else:
             w = clipped / (snr + 1)
         per_image = per_image * w
+    if debiased:  # Yu et al. 2024 as kohya weights it: SNR capped at 1000 (and, for epsilon, at least 0.001)
+        snr = (ac / (1 - ac)).view(-1).clamp(max=1000)
+        per_image = per_image * (1 / snr.clamp(min=1e-3).sqrt() if prediction == "epsilon" else 1 / (snr + 1))
     return per_image.mean().item(), t
 
 
@@ -106,6 +131,16 @@ OPTIONS = [
      {"zero_terminal_snr": True, "t_range": (999, 999), "gamma": 5.0}),
     ({"zero_terminal_snr": True, "timestep_min": 995, "min_snr_gamma": 5.0, "prediction_type": "v_prediction"},
      {"zero_terminal_snr": True, "t_range": (995, 999), "gamma": 5.0, "prediction": "v_prediction"}),
+    ({"multires_noise_iterations": 6}, {"multires": (6, 0.3)}),
+    ({"multires_noise_iterations": 2, "multires_noise_discount": 0.8, "noise_offset": 0.1},
+     {"multires": (2, 0.8), "noise_offset": 0.1}),
+    ({"ip_noise_gamma": 0.1}, {"ip_gamma": 0.1}),
+    ({"ip_noise_gamma": 0.1, "prediction_type": "v_prediction"}, {"ip_gamma": 0.1, "prediction": "v_prediction"}),
+    ({"debiased_estimation": True}, {"debiased": True}),
+    ({"debiased_estimation": True, "min_snr_gamma": 5.0, "prediction_type": "v_prediction"},
+     {"debiased": True, "gamma": 5.0, "prediction": "v_prediction"}),
+    ({"debiased_estimation": True, "zero_terminal_snr": True, "timestep_min": 995},
+     {"debiased": True, "zero_terminal_snr": True, "t_range": (995, 999)}),
 ]
 
 
@@ -121,6 +156,21 @@ def test_each_loss_option_gives_the_loss_its_definition_gives(train, definition)
     if train:  # the option makes a difference on this batch, so the comparison above means something
         plain, _ = expected_loss(batch, seed=11)
         assert abs(got - plain) > 1e-4 * plain
+
+
+def test_the_noise_options_draw_from_each_samples_key_whatever_its_batch():
+    """In training every sample draws from its own key (so N processes draw what one does, and a resume what the
+    run did): with the noise options on, a sample's loss alone is its share of the batch's, and again the same."""
+    from sdxl_lora.sdxl.task import sample_key
+
+    opts = {"multires_noise_iterations": 4, "ip_noise_gamma": 0.1, "noise_offset": 0.05, "debiased_estimation": True}
+    task, plain = make_task(**opts), make_task()
+    batch = {**fixed_batch(), "sample_key": torch.tensor([sample_key(1, 0, i) for i in range(4)])}
+    alone = [task.loss(StubUNet(), {k: v[i:i + 1] for k, v in batch.items()}).item() for i in range(4)]
+    together = task.loss(StubUNet(), batch).item()
+    assert together == pytest.approx(sum(alone) / 4, rel=1e-5)
+    assert task.loss(StubUNet(), batch).item() == together
+    assert abs(together - plain.loss(StubUNet(), batch).item()) > 1e-3 * together
 
 
 def test_zero_terminal_snr_makes_the_last_timestep_pure_noise():

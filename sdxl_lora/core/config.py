@@ -372,6 +372,17 @@ class TrainConfig(Section):
         "0 is off."))
     min_snr_gamma: float = Field(0.0, ge=0, json_schema_extra=SDXL_ONLY, description=(
         "Min-SNR-gamma loss weighting (5 is the paper's value); 0 is off."))
+    debiased_estimation: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
+        "Weight each image's loss by 1/sqrt(SNR) (v-prediction: 1/(SNR+1)), debiased estimation as kohya offers it; "
+        "with min_snr_gamma both weights apply."))
+    multires_noise_iterations: int = Field(0, ge=0, le=20, json_schema_extra=SDXL_ONLY, description=(
+        "Multi-resolution noise: adds this many coarser noise levels, so the model learns overall colour and layout "
+        "(6-10 are usual); 0 is off."))
+    multires_noise_discount: float = Field(0.3, gt=0, le=1, json_schema_extra=SDXL_ONLY, description=(
+        "With multires_noise_iterations: level i of the coarser noise is weighted by this to the power i."))
+    ip_noise_gamma: float = Field(0.0, ge=0, json_schema_extra=SDXL_ONLY, description=(
+        "Input perturbation: the model sees latents noised with noise + gamma x N(0,1) while it predicts the noise, "
+        "against exposure bias (0.1 is the paper's value); 0 is off."))
     zero_terminal_snr: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
         "Rescale the noise schedule to zero terminal SNR (pairs with v-prediction models)."))
     timestep_min: int = Field(0, ge=0, json_schema_extra=SDXL_ONLY, description=(

@@ -1134,20 +1134,23 @@ class SDXLTask(Task):
         uninterrupted one did). The same order as the unkeyed path. The keys stay on the host (host_keys), so
         reading them waits for nothing."""
         tc, dev = self.cfg.train, mean.device
-        eps, noise, t = [], [], []
+        eps, noise, t, perturb = [], [], [], []
         for key in keys.tolist():
             g = torch.Generator(dev.type if dev.type == "cpu" else dev).manual_seed(key)
             eps.append(torch.randn(mean.shape[1:], generator=g, device=dev, dtype=mean.dtype))
             n = torch.randn(mean.shape[1:], generator=g, device=dev, dtype=mean.dtype)
             if tc.noise_offset:
                 n = n + tc.noise_offset * torch.randn(mean.shape[1], 1, 1, generator=g, device=dev, dtype=mean.dtype)
+            if tc.multires_noise_iterations:
+                n = diffusion.multires_noise(n, tc.multires_noise_iterations, tc.multires_noise_discount, g)
             noise.append(n)
             t.append(torch.randint(tc.timestep_min, self.timestep_max + 1, (1,), generator=g, device=dev))
-        return torch.stack(eps), torch.stack(noise), torch.cat(t)
+            if tc.ip_noise_gamma:
+                perturb.append(torch.randn(mean.shape[1:], generator=g, device=dev, dtype=mean.dtype))
+        return torch.stack(eps), torch.stack(noise), torch.cat(t), (torch.stack(perturb) if perturb else None)
 
     def loss(self, model, batch) -> torch.Tensor:
-        """The diffusion loss with the train.* options (sdxl/loss.py); draws in a fixed order: latent
-        sample, noise (and offset), timesteps."""
+        """The diffusion loss with the train.* options (sdxl/loss.py); draws in sdxl/loss.py's fixed order."""
         tc, sched = self.cfg.train, self.noise_scheduler
         noisy, t, target = self._noised(batch)
         prediction_type = sched.config.prediction_type
@@ -1164,22 +1167,27 @@ class SDXLTask(Task):
         return diffusion.diffusion_loss(pred, target, t, sched.alphas_cumprod, kind=tc.loss,
                                         huber_delta=tc.huber_delta, min_snr_gamma=tc.min_snr_gamma,
                                         prediction_type=prediction_type, mask=batch.get("mask"),
-                                        weight=batch.get("loss_weight"))
+                                        weight=batch.get("loss_weight"), debiased=tc.debiased_estimation)
 
     def _noised(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The batch's noisy latents, timesteps and the prediction's target (sdxl/loss.py), drawn in a fixed order:
-        latent sample, noise (and offset), timesteps."""
+        """The batch's noisy latents, timesteps and the prediction's target (sdxl/loss.py), drawn in its fixed
+        order."""
         tc, sched = self.cfg.train, self.noise_scheduler
         scale = self.pipe.vae.config.scaling_factor
         mean, std = batch["latent_mean"], batch["latent_std"]
         if "sample_key" in batch:
-            eps, noise, t = self._keyed_draws(mean, batch["sample_key"])
+            eps, noise, t, perturb = self._keyed_draws(mean, batch["sample_key"])
             latents = (mean + std * eps) * scale
         else:  # a batch made elsewhere (tests, benchmarks): the global RNG, in the same order
             latents = (mean + std * torch.randn_like(mean)) * scale
             noise = diffusion.draw_noise(latents, tc.noise_offset)
+            if tc.multires_noise_iterations:
+                noise = torch.stack([diffusion.multires_noise(n, tc.multires_noise_iterations,
+                                                              tc.multires_noise_discount) for n in noise])
             t = diffusion.draw_timesteps(latents.shape[0], tc.timestep_min, self.timestep_max, latents.device)
-        noisy = sched.add_noise(latents, noise, t)
+            perturb = torch.randn_like(latents) if tc.ip_noise_gamma else None
+        # Input perturbation: the model sees latents noised a little more than the noise it is asked for.
+        noisy = sched.add_noise(latents, noise if perturb is None else noise + tc.ip_noise_gamma * perturb, t)
         target = sched.get_velocity(latents, noise, t) if sched.config.prediction_type == "v_prediction" else noise
         return noisy, t, target
 

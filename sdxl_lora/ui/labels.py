@@ -145,6 +145,14 @@ LABELS: dict[str, Label] = {
                              "is off."),
     "train.min_snr_gamma": _l("Min-SNR weighting", W, "Balances the loss across noise levels, often faster "
                               "learning; zero is off."),
+    "train.debiased_estimation": _l("Debiased estimation", W, "Weights the loss towards the noisier steps "
+                                    "(kohya's debiased estimation); off by default."),
+    "train.multires_noise_iterations": _l("Multi-resolution noise", W, "Adds coarse noise layers so the model can "
+                                          "change overall colours and layout; zero is off."),
+    "train.multires_noise_discount": _l("Multi-resolution noise discount", W, "How much each coarser noise layer "
+                                        "counts; lower: less."),
+    "train.ip_noise_gamma": _l("Input perturbation", W, "Shows the model slightly noisier images than the noise it "
+                               "predicts, which can sharpen results; zero is off."),
     "train.zero_terminal_snr": _l("Zero terminal SNR", W, "Rescale the noise schedule so the noisiest step is "
                                   "pure noise (for v-prediction models)."),
     "train.timestep_min": _l("Lowest noise level", W, "The least noisy timestep trained on."),
