@@ -324,16 +324,16 @@ def _true_alpha_source(src: Path) -> Path:
                        f"beside it ({twin.name}), or drop --true-alpha")
 
 
-def _read_adapter(args, verb: str, redirect=None):
-    """The adapter args.source names, read against args.model (else the run's, else SDXL base): (the file read,
-    its layer table, the Adapter). `redirect(path)` may name another file to read. Keys that fit no layer of
-    the model are refused unless args.drop_unknown."""
+def _read_adapter(args, verb: str, redirect=None, source: str | None = None, table=None):
+    """The adapter `source` (default args.source) names, read against `table` or args.model (else the run's,
+    else SDXL base): (the file read, its layer table, the Adapter). `redirect(path)` may name another file to
+    read. Keys that fit no layer of the model are refused unless args.drop_unknown."""
     from .sdxl.export import AdapterError, layer_table, load_adapter
 
-    src, model = _adapter_source(args.source, args.model)
+    src, model = _adapter_source(args.source if source is None else source, args.model)
     if redirect is not None:
         src = redirect(src)
-    table = layer_table(model)
+    table = layer_table(model) if table is None else table
     adapter = load_adapter(src, table)
     if adapter.unknown and not args.drop_unknown:
         raise AdapterError(f"{src}: {adapter.problems[0]}; pass --drop-unknown to {verb} the other layers")
@@ -372,25 +372,32 @@ def _layer_progress():
 def cmd_resize(args) -> int:
     from .core.runs import relpath
     from .sdxl.export import AdapterError, export_adapter
-    from .sdxl.resize import provenance, resize_adapter
+    from .sdxl.merge import parse_lora_arg
+    from .sdxl.resize import provenance, resize_adapters
 
     try:
-        src, table, adapter = _read_adapter(args, "resize")
-        if Path(args.out).resolve() == src.resolve():
-            raise AdapterError(f"--out {args.out} is the adapter being resized: write the smaller one beside it "
-                               "(the source is never replaced)")
-        resized = resize_adapter(adapter, args.rank, args.dynamic_method, args.dynamic_param, args.device,
-                                 _layer_progress())
+        picked = [parse_lora_arg(x) for x in args.source]
+        read, table = [], None
+        for path, strength in picked:
+            src, table, adapter = _read_adapter(args, "resize", source=str(path), table=table)
+            if Path(args.out).resolve() == src.resolve():
+                raise AdapterError(f"--out {args.out} is an adapter being resized: write the new one beside it "
+                                   "(a source is never replaced)")
+            read.append((src, adapter, strength))
+        resized = resize_adapters([(a, s) for _, a, s in read], args.rank, args.dynamic_method, args.dynamic_param,
+                                  args.device, _layer_progress())
+        made_from = " + ".join(src.name if s == 1.0 else f"{src.name}:{s:g}" for src, _, s in read)
         out = export_adapter(resized.adapter, args.out, args.format, names=args.names,
-                             metadata=provenance(src.name, args.rank, args.dynamic_method, args.dynamic_param),
+                             metadata=provenance(made_from, args.rank, args.dynamic_method, args.dynamic_param),
                              unet_config=table.unet_config, overwrite=args.overwrite)
     except AdapterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     size = (lambda p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size)
     print(f"resized {resized.summary()}")
-    print(f"{args.format} adapter: {relpath(out)}  ({size(out) / 2**20:.1f} MiB; read from {relpath(src)}, "
-          f"{adapter.format}, {size(src) / 2**20:.1f} MiB)")
+    sources = "; ".join(f"{relpath(src)}, {a.format}, {size(src) / 2**20:.1f} MiB" + ("" if s == 1.0 else f", x {s:g}")
+                        for src, a, s in read)
+    print(f"{args.format} adapter: {relpath(out)}  ({size(out) / 2**20:.1f} MiB; read from {sources})")
     return 0
 
 
@@ -791,8 +798,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_export)
 
     r = sub.add_parser("resize", help="cut an adapter's ranks by SVD: a fixed rank, or per layer the fewest that keep "
-                                      "a share of its update (LoHa/LoKr come out as LoRA)")
-    r.add_argument("source", metavar="RUN_DIR_OR_FILE", help="a run folder, an adapter file or a PEFT folder")
+                                      "a share of its update (LoHa/LoKr come out as LoRA); several adapters, each "
+                                      "at a strength, resize into one")
+    r.add_argument("source", metavar="RUN_DIR_OR_FILE[:STRENGTH]", nargs="+",
+                   help="a run folder, an adapter file or a PEFT folder; several: their updates times their "
+                        "strengths (default 1) are added layer by layer")
     r.add_argument("--rank", type=int, required=True,
                    help="the new rank (with --dynamic-method: the most any layer gets)")
     _svd_output_args(r)

@@ -452,8 +452,8 @@ def test_merging_into_a_16_bit_base_rounds_each_weight_once(trained, tiny_dir, t
     loras = [(trained.kohya, 0.5), (trained.kohya, 0.25)]
     out = merge_checkpoint(base16, loras, tmp_path / "merged16")
     assert source_dtype(out) == torch.float16
-    got = UNet2DConditionModel.from_pretrained(str(out / "unet"), torch_dtype=torch.float16)
-    base = dict(UNet2DConditionModel.from_pretrained(str(base16 / "unet"), torch_dtype=torch.float16).named_modules())
+    got = UNet2DConditionModel.from_pretrained(str(out / "unet"), dtype=torch.float16)
+    base = dict(UNet2DConditionModel.from_pretrained(str(base16 / "unet"), dtype=torch.float16).named_modules())
     adapter = load_adapter(trained.kohya, tiny_dir)
     named = dict(got.named_modules())
     layers = {k.split(".", 1)[1]: lay for k, lay in adapter.layers.items() if k.startswith("unet.")}

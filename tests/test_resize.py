@@ -3,6 +3,7 @@ loads where the original did, applies the closest update of its rank, and LoHa/L
 
 The adapter is built in-process with peft on the tiny SDXL (random LoRA weights on attention and ResNet
 convolutions, so every layer matters)."""
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -135,6 +136,45 @@ def test_loha_and_lokr_layers_become_lora_with_the_same_update(rank8, tmp_path):
         assert back.layers[name].rank <= 4
         torch.testing.assert_close(back.layers[name].delta(), lay.delta(), rtol=1e-4, atol=1e-5)
     assert min(r.kept for r in done.layers) > 0.9999
+
+
+def test_several_adapters_resize_into_one_that_applies_their_blend(rank8, tmp_path, cli):
+    """kohya_ss's "merge LoRA": a LoRA at 0.5 and a LoHa/LoKr file at 0.8 (on some of the same layers) become
+    one LoRA whose every layer applies 0.5 x the first's update + 0.8 x the second's."""
+    g = torch.Generator().manual_seed(7)
+    items = sorted(rank8.adapter.layers.items())
+    picked = [(n, lay) for n, lay in items if len(lay.update_shape) == 2][:3] + \
+        [(n, lay) for n, lay in items if len(lay.update_shape) == 4][:1]
+    layers = {}
+    for i, (name, lay) in enumerate(picked):
+        shape = lay.update_shape
+        out_f, in_f = shape[0], int(torch.tensor(shape[1:]).prod())
+        if i % 2 == 0:
+            layers[name] = LohaLayer(*(torch.randn(s, generator=g) * 0.1 for s in ((out_f, 2), (2, in_f), (out_f, 2),
+                                                                                      (2, in_f))), alpha=1.0, shape=shape)
+        else:
+            layers[name] = LokrLayer(torch.randn(2, 2, generator=g), None, None, None,
+                                     torch.randn(out_f // 2, 2, generator=g) * 0.1,
+                                     torch.randn(2, in_f // 2, generator=g), alpha=2.0, shape=shape)
+    lyco = export.save_kohya_lora(export.Adapter(layers), tmp_path / "lyco.safetensors")
+    out = tmp_path / "blend.safetensors"
+    r = cli("resize", f"{rank8.path}:0.5", f"{lyco}:0.8", "--rank", "32", "--out", str(out), "--model", "tiny-sdxl")
+    assert r.returncode == 0, r.stderr
+    assert f"{len(rank8.adapter.layers)} layers" in r.stdout and "the least 100.0%" in r.stdout
+    blend = export.load_adapter(out, "tiny-sdxl")
+    assert blend.kinds() == ["lora"] and blend.layers.keys() == rank8.adapter.layers.keys()
+    second = export.load_adapter(lyco, "tiny-sdxl")
+    for name, lay in rank8.adapter.layers.items():
+        want = 0.5 * lay.delta().float()
+        if name in second.layers:
+            want = want + 0.8 * second.layers[name].delta().float()
+        torch.testing.assert_close(blend.layers[name].delta().float(), want, rtol=1e-3, atol=1e-5)
+    assert "r8.safetensors:0.5 + lyco.safetensors:0.8" in blend.metadata["sdxl_lora.resized"]
+    # A DoRA layer does not add to another: refused, naming it, and nothing is written.
+    dora = export.Adapter({n: dataclasses.replace(lay, magnitude=torch.ones(lay.update_shape[0]))
+                           for n, lay in list(rank8.adapter.layers.items())[:1]})
+    with pytest.raises(export.AdapterError, match="DoRA"):
+        resize.resize_adapters([(rank8.adapter, 1.0), (dora, 1.0)], 8)
 
 
 def test_dora_keeps_its_magnitude_and_lora_bias_its_added_term():

@@ -4,7 +4,10 @@ A fixed rank, or per layer the fewest singular values that keep a given share of
 methods kohya's resize script offers: `sv_fro`, `sv_cumulative`, `sv_ratio`, with the meanings users know).
 The result is plain LoRA in every layer: LoHa and LoKr layers come out as LoRA too, so a loader that reads
 LoRA only can load them. DoRA layers keep their magnitudes (the direction's update is what is cut). The
-file is smaller, and the update it applies is the closest one of that rank (Eckart-Young)."""
+file is smaller, and the update it applies is the closest one of that rank (Eckart-Young).
+
+Several adapters, each at a strength, resize into one (kohya_ss's "merge LoRA" with a new rank): each layer's
+update is the strengths' weighted sum of theirs, cut the same way, so one file applies the blend."""
 from __future__ import annotations
 
 import dataclasses
@@ -117,8 +120,7 @@ def resize_layer(layer: AnyLayer, rank: int, method: str | None = None, param: f
     """The layer as LoRA at the new rank (see `truncated`), the weights in the dtype they had, a DoRA layer's
     magnitude and a LoRA-Bias layer's bias kept."""
     u, s, vh = _factors(layer, torch.device(device))
-    dtype = layer.down.dtype if isinstance(layer, LoraLayer) else next(iter(layer.tensors().values())).dtype
-    out, row = truncated(u, s, vh, layer.update_shape, rank, method, param, dtype)
+    out, row = truncated(u, s, vh, layer.update_shape, rank, method, param, _dtype(layer))
     bias = None if layer.bias is None else layer.bias * layer.scale  # scale 1 from here on
     return dataclasses.replace(out, magnitude=layer.magnitude, bias=bias), row
 
@@ -143,21 +145,74 @@ def provenance(source: str, rank: int, method: str | None = None, param: float |
     return {"sdxl_lora.resized": json.dumps({"from": source, "rank": rank, "method": method, "param": param})}
 
 
+def _dtype(layer: AnyLayer) -> torch.dtype:
+    return layer.down.dtype if isinstance(layer, LoraLayer) else next(iter(layer.tensors().values())).dtype
+
+
+def resize_sum(parts: list[tuple[AnyLayer, float]], name: str, rank: int, method: str | None = None,
+               param: float | None = None, device: str | torch.device = "cpu") -> tuple[LoraLayer, LayerResize]:
+    """One LoRA layer for the sum of each part's update times its strength, cut as `resize_layer` cuts one
+    (the weights in the first part's dtype). LoRA parts stay low-rank: their halves are stacked, so the sum is
+    factored through QR as one layer is; any LoHa or LoKr part makes it the full SVD of the summed update. A DoRA
+    layer is refused: its magnitude rescales the whole weight, so two of them do not add."""
+    if len(parts) == 1 and parts[0][1] == 1.0:
+        return resize_layer(parts[0][0], rank, method, param, device)
+    if any(layer.magnitude is not None for layer, _ in parts):
+        raise AdapterError(f"layer {name}: a DoRA layer's update does not add to another's or scale with a "
+                           "strength (its magnitude rescales the whole weight); merge DoRA adapters into a "
+                           "checkpoint instead (sdxl-lora merge), or resize one alone at strength 1")
+    dtype = _dtype(parts[0][0])
+    bias = None
+    for layer, strength in parts:
+        if layer.bias is not None:
+            part = strength * layer.scale * layer.bias.float()
+            bias = part if bias is None else bias + part
+    shapes = {layer.update_shape for layer, _ in parts}
+    if len(shapes) > 1:
+        raise AdapterError(f"layer {name}: the adapters' updates have different shapes ({', '.join(map(str, shapes))})"
+                           ": they were made for different models")
+    if all(isinstance(layer, LoraLayer) for layer, _ in parts):
+        down = torch.cat([layer.down.float() for layer, _ in parts], 0)
+        up = torch.cat([layer.up.float() * (strength * layer.scale) for layer, strength in parts], 1)
+        u, s, vh = _factors(LoraLayer(down=down, up=up, alpha=float(down.shape[0])), torch.device(device))
+    else:
+        delta = sum(layer.delta().float().to(device) * strength for layer, strength in parts)
+        u, s, vh = torch.linalg.svd(delta.flatten(1), full_matrices=False)
+    out, row = truncated(u, s, vh, next(iter(shapes)), rank, method, param, dtype)
+    return dataclasses.replace(out, bias=None if bias is None else bias.to(dtype)), row
+
+
 def resize_adapter(adapter: Adapter, rank: int, method: str | None = None, param: float | None = None,
                    device: str | torch.device = "cpu", progress=None) -> Resized:
     """Every layer of `adapter` resized (see `resize_layer`); the metadata is carried over. `progress(i, n)` is
     called after each layer."""
+    return resize_adapters([(adapter, 1.0)], rank, method, param, device, progress)
+
+
+def resize_adapters(adapters: list[tuple[Adapter, float]], rank: int, method: str | None = None,
+                    param: float | None = None, device: str | torch.device = "cpu", progress=None) -> Resized:
+    """The adapters, each at its strength, as one resized adapter: each layer (of any of them) gets the sum of
+    their updates, cut to the rank (`resize_sum`). One adapter at strength 1 keeps its metadata; a blend keeps
+    none of theirs (the caller says what it was made from)."""
     if rank < 1:
         raise AdapterError(f"rank={rank}: must be 1 or more")
     check_method(method, param)
+    if not adapters:
+        raise AdapterError("no adapter to resize")
+    groups: dict[str, list[tuple[AnyLayer, float]]] = {}
+    for adapter, strength in adapters:
+        for name, layer in adapter.layers.items():
+            if not layer.finite():
+                raise AdapterError(f"layer {name} holds NaN or infinite weights: there is nothing to resize")
+            groups.setdefault(name, []).append((layer, float(strength)))
     layers, rows = {}, []
-    items = sorted(adapter.layers.items())
-    for i, (name, layer) in enumerate(items):
-        if not layer.finite():
-            raise AdapterError(f"layer {name} holds NaN or infinite weights: there is nothing to resize")
-        layers[name], row = resize_layer(layer, rank, method, param, device)
+    for i, (name, parts) in enumerate(sorted(groups.items())):
+        layers[name], row = resize_sum(parts, name, rank, method, param, device)
         rows.append(dataclasses.replace(row, name=name))
         if progress is not None:
-            progress(i + 1, len(items))
-    out = dataclasses.replace(adapter, layers=layers, format="memory", unknown=[], problems=[])
+            progress(i + 1, len(groups))
+    first = adapters[0][0]
+    single = len(adapters) == 1 and adapters[0][1] == 1.0
+    out = dataclasses.replace(first, layers=layers, format="memory", unknown=[], problems=[],
+                              metadata=dict(first.metadata) if single else {})
     return Resized(out, rows)
