@@ -371,3 +371,8 @@ def test_the_export_tab_merges_adapters_into_a_model_the_other_tabs_offer(rank8,
     msg = tab_export.merge(f, "base", "../up", tab_export.MERGE_FORMS[1], "auto", False, *slots)
     assert msg.startswith("**Error:**") and "name" in msg
     assert not (tmp_path / "up").exists()
+    # Not even with "overwrite" does a merge replace the base it reads.
+    before = (f.models / "base" / "unet" / "diffusion_pytorch_model.safetensors").read_bytes()
+    msg = tab_export.merge(f, "base", "base", tab_export.MERGE_FORMS[1], "auto", True, *slots)
+    assert msg.startswith("**Error:**") and "never replaced" in msg
+    assert (f.models / "base" / "unet" / "diffusion_pytorch_model.safetensors").read_bytes() == before

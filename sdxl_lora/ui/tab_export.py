@@ -121,7 +121,6 @@ def extract(f: Folders, base, tuned, rank, conv_rank, method, param, text_encode
 
     from sdxl_lora.sdxl.export import AdapterError, check_dest, export_adapter, layer_table
     from sdxl_lora.sdxl.extract import extract_adapter
-    from sdxl_lora.sdxl.resize import provenance
 
     if not base or not tuned:
         return None, "**Error:** pick the base model and the fine-tuned one"
@@ -255,12 +254,12 @@ def build(f: Folders):
             x_msg = gr.Markdown(elem_id="ext-msg")
             x_file = gr.File(label="download", interactive=False, elem_id="ext-file")
 
-    merge_adapters = m_slots[0::2]
+    merge_picks = m_slots[0::2]
 
     def do_refresh():
         models, adapters = model_choices(f.models), adapter_choices(f)
         return (gr.update(choices=source_choices(f)), *[gr.update(choices=models)] * 3,
-                *[gr.update(choices=adapters)] * len(merge_adapters))
+                *[gr.update(choices=adapters)] * len(merge_picks))
 
     def do_extract(*a, progress=gr.Progress()):
         return extract(f, *a, progress=progress)
@@ -269,7 +268,7 @@ def build(f: Folders):
              [source, fmt, title, author, description, trigger, license_, write_meta, names, true_alpha, overwrite,
               resize_rank, resize_method, resize_param],
              [file, msg])
-    refreshed = [source, x_base, x_tuned, m_base, *merge_adapters]
+    refreshed = [source, x_base, x_tuned, m_base, *merge_picks]
     refresh.click(do_refresh, None, refreshed)
     m_go.click(lambda *a: merge(f, *a), [m_base, m_name, m_form, m_dtype, m_overwrite, *m_slots], m_msg)
     x_go.click(do_extract, [x_base, x_tuned, x_rank, x_conv, x_method, x_param, x_te, x_name, x_overwrite],
