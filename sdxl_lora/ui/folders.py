@@ -60,6 +60,11 @@ class Folders:
         """The UI's own bookkeeping (queue, launch configs, console logs, gradio's cache), inside runs/."""
         return self.runs / ".ui"
 
+    def model(self, choice: str) -> str:
+        """What a model field's choice names for the loaders: a built-in model's name as it is, else the path
+        inside the models folder."""
+        return choice if is_builtin(choice) else str(self.inside(choice, "models"))
+
     def inside(self, path: str | Path, kind: str) -> Path:
         """`path` (absolute, or relative to the folder of `kind`) as an absolute path inside that folder, its
         symlinks resolved inside it too. Every path the page sends goes through here."""

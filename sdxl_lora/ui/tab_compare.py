@@ -7,7 +7,7 @@ import math
 
 import gradio as gr
 
-from .folders import Folders, PathRefused, is_builtin
+from .folders import Folders, PathRefused
 from .tab_generate import Pipelines
 from .text import error_md, md_text
 
@@ -42,7 +42,7 @@ class RunView:
             raise FileNotFoundError(f"run {name!r} has no config.toml: is it a run folder?")
         self.cfg = load_config(self.dir / "config.toml")
         self.model = self.cfg.model.path
-        path = self.model if is_builtin(self.model) else str(f.inside(self.model, "models"))
+        path = f.model(self.model)
         self.model_dir = resolve_model_path(ModelConfig(path=path, cache_dir=str(f.models)))
         events = read_events(self.dir / "events.jsonl")
         self.checkpoints = run_checkpoints(self.dir, events)

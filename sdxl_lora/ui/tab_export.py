@@ -11,7 +11,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from .folders import Folders, PathRefused, is_builtin, model_choices
+from .folders import Folders, PathRefused, model_choices
 from .text import error_md
 from .tab_generate import adapter_choices, adapter_path
 
@@ -107,10 +107,6 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
                            f"`{src.name}`, {adapter.format}).{said}")
 
 
-def _model(f: Folders, choice: str) -> str:
-    return choice if is_builtin(choice) else str(f.inside(choice, "models"))
-
-
 def extract(f: Folders, base, tuned, rank, conv_rank, method, param, text_encoders, name, overwrite,
             progress=None):
     """The LoRA that moves `base` towards `tuned` (both from the models folder or built in), at `rank` (linears)
@@ -129,7 +125,7 @@ def extract(f: Folders, base, tuned, rank, conv_rank, method, param, text_encode
         return None, why
     method = None if method in (None, FIXED) else method
     try:
-        base_path, tuned_path = _model(f, base), _model(f, tuned)
+        base_path, tuned_path = f.model(base), f.model(tuned)
         out = f.inside(f.models / "loras" / "exports" / f"{stem}.safetensors", "models")
         check_dest(out, bool(overwrite))  # before minutes of reading and SVDs
         report = None if progress is None else (lambda i, n: progress((i, n), desc="layers"))
@@ -162,11 +158,8 @@ def merge(f: Folders, base, name, form, dtype, overwrite, *slots):
         return error_md(f"form {form!r}: one of {', '.join(MERGE_FORMS)}")
     try:
         loras = [(adapter_path(f, choice), float(1.0 if strength is None else strength)) for choice, strength in pairs]
-        for path, _ in loras:
-            if path.is_dir():
-                raise FileNotFoundError(f"{path.name} is a run folder: pick its adapter file")
         out = f.inside(f"{stem}.safetensors" if form == MERGE_FORMS[0] else stem, "models")
-        written = merge_checkpoint(_model(f, base), loras, out, dtype=dtype or "auto", overwrite=bool(overwrite))
+        written = merge_checkpoint(f.model(base), loras, out, dtype=dtype or "auto", overwrite=bool(overwrite))
     except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
         return error_md(e)
     said = ", ".join(f"{p.name} at {s:g}" for p, s in loras)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from .folders import TINY, Folders, PathRefused, is_builtin, model_choices
+from .folders import TINY, Folders, PathRefused, model_choices
 from .text import error_md
 
 N_ADAPTERS = 3
@@ -48,7 +48,7 @@ class Pipelines:
         from sdxl_lora.core.config import ModelConfig
         from sdxl_lora.sdxl.model import load_pipeline
 
-        path = model if is_builtin(model) else str(self.f.inside(model, "models"))
+        path = self.f.model(model)
         if self.key != path:
             self.pipe = None
             device = "cuda" if torch.cuda.is_available() else "cpu"
