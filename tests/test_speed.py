@@ -966,7 +966,7 @@ def test_background_compilation_compiles_on_its_own_thread_and_training_switches
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     common = _two_bucket_run(tmp_path)
     torch._dynamo.reset()
-    assert main(["train", *common, "--name", "background", "--set", "train.compile='regional'",
+    assert main(["train", *common, "--name", "background", "--set", "train.compile='transformer'",
                  "--set", "train.background_compile=true"]) == 0
     torch._dynamo.reset()
     events = read_events(tmp_path / "background" / "events.jsonl")
@@ -1035,7 +1035,7 @@ def test_graphs_while_compiling_capture_the_uncompiled_model_first_then_the_comp
     monkeypatch.setattr(speed.BackgroundCompile, "done", done_at_third_step)
     common = _two_bucket_run(tmp_path)
     torch._dynamo.reset()
-    assert main(["train", *common, "--name", "graphed", "--set", "train.compile='regional'",
+    assert main(["train", *common, "--name", "graphed", "--set", "train.compile='transformer'",
                  "--set", "train.background_compile=true", "--set", "train.graphs_while_compiling=true"]) == 0
     torch._dynamo.reset()
     # The compiler started once, after the uncompiled model's graphs were made and had run the first step.
