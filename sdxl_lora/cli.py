@@ -380,9 +380,9 @@ def cmd_resize(args) -> int:
         read, table = [], None
         for path, strength in picked:
             src, table, adapter = _read_adapter(args, "resize", source=str(path), table=table)
-            if Path(args.out).resolve() == src.resolve():
-                raise AdapterError(f"--out {args.out} is an adapter being resized: write the new one beside it "
-                                   "(a source is never replaced)")
+            if src.resolve().is_relative_to(Path(args.out).resolve()):  # a folder format replaces --out whole
+                raise AdapterError(f"--out {args.out} is or holds {src}, an adapter being resized: write the new one "
+                                   "elsewhere (a source is never replaced)")
             read.append((src, adapter, strength))
         resized = resize_adapters([(a, s) for _, a, s in read], args.rank, args.dynamic_method, args.dynamic_param,
                                   args.device, _layer_progress())

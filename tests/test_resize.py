@@ -376,3 +376,11 @@ def test_the_export_tab_merges_adapters_into_a_model_the_other_tabs_offer(rank8,
     msg = tab_export.merge(f, "base", "base", tab_export.MERGE_FORMS[1], "auto", True, *slots)
     assert msg.startswith("**Error:**") and "never replaced" in msg
     assert (f.models / "base" / "unet" / "diffusion_pytorch_model.safetensors").read_bytes() == before
+    # Nor does a folder that holds the base or an adapter get replaced by the merge written there.
+    from sdxl_lora.sdxl.merge import MergeError, merge_checkpoint
+
+    for out, holds in ((f.models, "base"), (f.models / "loras", "r8.safetensors")):
+        with pytest.raises(MergeError, match=f"holds .*{holds}"):
+            merge_checkpoint(f.models / "base", [(f.models / "loras" / "r8.safetensors", 1.0)], out, overwrite=True)
+    assert (f.models / "base" / "unet" / "diffusion_pytorch_model.safetensors").read_bytes() == before
+    assert (f.models / "loras" / "r8.safetensors").is_file()

@@ -4,7 +4,6 @@ export END=$(( START + ${BUDGET:-570} ))
 source benchmarks/gpu/setup.sh
 bash benchmarks/gpu/c25.sh
 echo "elapsed $(( $(date +%s) - START )) s"
-export PYTHONPYCACHEPREFIX=/tmp/pyc   # filled by c25's prefixed imports
 bash benchmarks/gpu/c31.sh
 echo "elapsed $(( $(date +%s) - START )) s"
 bash benchmarks/gpu/c24.sh

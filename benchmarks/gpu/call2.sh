@@ -1,7 +1,6 @@
 set -o pipefail
 START=$(date +%s)
-export END=$(( START + 570 ))
+export END=$(( START + ${BUDGET:-570} ))
 source benchmarks/gpu/setup.sh
-export PYTHONPYCACHEPREFIX=/tmp/pyc
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash benchmarks/gpu/c15.sh; else bash benchmarks/gpu/c23.sh; fi
 echo "elapsed $(( $(date +%s) - START )) s"

@@ -277,9 +277,12 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
             raise FileNotFoundError(f"--lora {path}: no such file")
     mcfg = ModelConfig(path=str(model), tokenizer=str(tokenizer) if tokenizer else None)
     model_path = resolve_model_path(mcfg)
-    if out.resolve() == model_path.resolve():
-        raise MergeError(f"--out {out} is the base model being merged into: write the merged model beside it "
-                         "(the base is never replaced)")
+    # Writing `out` (with --overwrite, replacing it whole) must not touch what the merge reads: neither the base
+    # nor an adapter may be `out` or lie inside it.
+    for source in (model_path, *(Path(p) for p, _ in loras)):
+        if source.resolve().is_relative_to(out.resolve()):
+            raise MergeError(f"--out {out} is or holds {source}, which the merge reads: write the merged model "
+                             "elsewhere (what a merge reads is never replaced)")
     stored = source_dtype(model_path)
     target = stored if dtype == "auto" else _DTYPES[dtype]
     # Loaded in a dtype that holds both the stored and the written weights exactly (fp16 when both are fp16, the
