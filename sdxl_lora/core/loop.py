@@ -384,7 +384,8 @@ class Trainer:
     def _flops_setup(self) -> tuple[float | None, float | None]:
         """FLOPs per image of a training step and the GPU's peak TFLOP/s, for MFU; (None, None) off a GPU.
 
-        torch's FlopCounterMode counts one forward on one batch (no grad, RNG forked, before training).
+        torch's FlopCounterMode counts one forward on one batch (no grad, RNG forked, before training), or the
+        task gives the count an earlier run made of the same model on the same shapes.
         A step is counted as 2x that: the backward through a frozen base computes input gradients only
         (about one forward), not weight gradients; the adapter's own are negligible. Recomputation under
         gradient checkpointing is not counted (it is not model work), as MFU conventionally does."""
@@ -407,7 +408,7 @@ class Trainer:
             def forward():
                 with acc.autocast():
                     self.task.loss(model, batch)
-            per_image = 2 * tracking.count_flops(forward) / self.task.batch_size(batch)
+            per_image = 2 * self.task.count_flops(forward, batch) / self.task.batch_size(batch)
         log.info("MFU: %.3g GFLOP per image per step (2x a measured forward), peak %g TFLOP/s (%s)",
                  per_image / 1e9, peak, name)
         return per_image, peak
