@@ -48,6 +48,7 @@ from . import checkpoint, speed, tracking
 from .config import Config
 from .accel import device_type, gradient_sync, make_accelerator, world_size
 from .allocator import allocator_setting
+from .bytecode import advice as bytecode_advice, compiled_from_source
 from .ema import EMA
 from .optim import build_optimizer, loraplus_groups, make_schedule
 from .profile import StepProfiler
@@ -306,6 +307,9 @@ class Trainer:
             logging.getLogger().setLevel(logging.WARNING)
             self.run = _Replica(self.run.dir)
         set_seed(cfg.train.seed)
+        uncompiled = compiled_from_source()
+        if uncompiled:
+            log.warning(bytecode_advice(uncompiled))
         if acc.device.type == "cuda":
             # Set at launch (allocator.prefer_expandable_segments) unless the user did: a run's memory depends on it.
             log.info("CUDA allocator: %s", allocator_setting() or "torch's defaults")
@@ -384,8 +388,7 @@ class Trainer:
     def _flops_setup(self) -> tuple[float | None, float | None]:
         """FLOPs per image of a training step and the GPU's peak TFLOP/s, for MFU; (None, None) off a GPU.
 
-        torch's FlopCounterMode counts one forward on one batch (no grad, RNG forked, before training), or the
-        task gives the count an earlier run made of the same model on the same shapes.
+        torch's FlopCounterMode counts one forward on one batch (no grad, RNG forked, before training).
         A step is counted as 2x that: the backward through a frozen base computes input gradients only
         (about one forward), not weight gradients; the adapter's own are negligible. Recomputation under
         gradient checkpointing is not counted (it is not model work), as MFU conventionally does."""
@@ -408,7 +411,7 @@ class Trainer:
             def forward():
                 with acc.autocast():
                     self.task.loss(model, batch)
-            per_image = 2 * self.task.count_flops(forward, batch) / self.task.batch_size(batch)
+            per_image = 2 * tracking.count_flops(forward) / self.task.batch_size(batch)
         log.info("MFU: %.3g GFLOP per image per step (2x a measured forward), peak %g TFLOP/s (%s)",
                  per_image / 1e9, peak, name)
         return per_image, peak

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -82,13 +82,6 @@ class Task(ABC):
         and process count. A task resolves its automatic settings here (and keeps the result as its own
         config); the loop then uses what this returns."""
         return cfg
-
-    def count_flops(self, forward: Callable[[], None], batch: Any) -> int:
-        """The FLOPs torch's FlopCounterMode counts while forward() runs the model on `batch` (for MFU). A
-        task may keep the count for a later run of the same model on the same shapes (sdxl/task.py)."""
-        from .tracking import count_flops
-
-        return count_flops(forward)
 
     def on_step(self, step: int, model: torch.nn.Module) -> bool:
         """After optimizer step `step`. True when the task replaced trainable parameters (the loop then

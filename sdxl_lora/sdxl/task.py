@@ -1380,25 +1380,6 @@ class SDXLTask(Task):
                          self._eval_per_call(), [self.latent_keys[i][False] for i in indices],
                          [self.text_keys[i] for i in indices])
 
-    # Bump when what count_flops counts changes, so earlier runs' counts are not reused.
-    FLOPS_CACHE_VERSION = 1
-
-    def count_flops(self, forward, batch) -> int:
-        """The FLOP count of one forward on `batch`, kept in the cache: a relaunch of the same model, adapter
-        plan and levers on batches of the same shapes reads it instead of running the counted forward (an
-        eager pass under torch's dispatch hooks, seconds at full size before the first step)."""
-        shapes = sorted((k, tuple(v.shape)) for k, v in batch.items() if isinstance(v, torch.Tensor))
-        plan = {t.name: self.plan.rank[t.name] for t in self.plan.targets}
-        key = cache_key("flops", self.FLOPS_CACHE_VERSION, *self._step0_identity(),
-                        json.dumps(plan, sort_keys=True), json.dumps(shapes))
-        hit = self.cache.get(key)
-        if hit is not None and "flops" in hit:
-            log.info("FLOP count from the cache (an earlier run counted the same model on these shapes)")
-            return int(hit["flops"].item())
-        flops = super().count_flops(forward, batch)
-        self.cache.put(key, {"flops": torch.tensor([flops], dtype=torch.float64)})
-        return flops
-
     def evaluate_before(self, model) -> float:
         """The step-0 eval loss, from the cache where an earlier run measured the same base on the same images."""
         key = self.baseline_eval_key()
