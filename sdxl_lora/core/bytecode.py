@@ -29,6 +29,7 @@ def compiled_from_source(modules: tuple[str, ...] = HEAVY) -> list[str]:
 
 
 def advice(names: list[str]) -> str:
+    """The run log's warning for compiled_from_source's packages: what it costs and how to fix it."""
     return (f"{', '.join(names)} imported from source: Python writes no byte-code here (PYTHONDONTWRITEBYTECODE "
             "or -B) and the packages hold none, so every launch compiles them again before training starts. "
             "For faster launches unset PYTHONDONTWRITEBYTECODE, and where the packages' folders are read-only also "

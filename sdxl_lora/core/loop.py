@@ -307,7 +307,7 @@ class Trainer:
             logging.getLogger().setLevel(logging.WARNING)
             self.run = _Replica(self.run.dir)
         set_seed(cfg.train.seed)
-        uncompiled = compiled_from_source()
+        uncompiled = compiled_from_source() if acc.is_main_process else []  # every process shares the environment
         if uncompiled:
             log.warning(bytecode_advice(uncompiled))
         if acc.device.type == "cuda":
