@@ -4,7 +4,7 @@ import sys
 
 from sdxl_lora.core.bytecode import advice
 
-PROBE = ("import sys, sdxl_lora.core.allocator as m; from sdxl_lora.core.bytecode import compiled_from_source; "
+PROBE = ("import sdxl_lora.core.allocator; from sdxl_lora.core.bytecode import compiled_from_source; "
          "print(compiled_from_source(('sdxl_lora.core.allocator', 'not_imported_anywhere')))")
 
 

@@ -2,8 +2,8 @@
 
 Some container images set PYTHONDONTWRITEBYTECODE and install packages without their compiled byte-code: every
 process then compiles the sources of torch, diffusers and transformers again before it can do anything, seconds
-of every launch (docs/speed.md). Python reads byte-code that exists whatever the
-variable says, so only the two together cost time, and only that case is reported."""
+of every launch (docs/speed.md). Python reads byte-code that exists whatever the variable says, so only the two
+together cost time, and only that case is reported."""
 from __future__ import annotations
 
 import importlib.util
