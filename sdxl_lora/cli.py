@@ -371,7 +371,7 @@ def _layer_progress():
 
 def cmd_resize(args) -> int:
     from .core.runs import relpath
-    from .sdxl.export import AdapterError, export_adapter
+    from .sdxl.export import AdapterError, check_dest, export_adapter
     from .sdxl.merge import parse_lora_arg
     from .sdxl.resize import provenance, resize_adapters
 
@@ -380,10 +380,8 @@ def cmd_resize(args) -> int:
         read, table = [], None
         for path, strength in picked:
             src, table, adapter = _read_adapter(args, "resize", source=str(path), table=table)
-            if src.resolve().is_relative_to(Path(args.out).resolve()):  # a folder format replaces --out whole
-                raise AdapterError(f"--out {args.out} is or holds {src}, an adapter being resized: write the new one "
-                                   "elsewhere (a source is never replaced)")
             read.append((src, adapter, strength))
+        check_dest(Path(args.out), args.overwrite, reads=[src for src, _, _ in read])  # before the SVDs
         resized = resize_adapters([(a, s) for _, a, s in read], args.rank, args.dynamic_method, args.dynamic_param,
                                   args.device, _layer_progress())
         made_from = " + ".join(src.name if s == 1.0 else f"{src.name}:{s:g}" for src, _, s in read)
@@ -407,7 +405,7 @@ def cmd_extract(args) -> int:
     from .sdxl.extract import extract_adapter
 
     try:
-        check_dest(Path(args.out), args.overwrite)  # before minutes of loading and SVDs
+        check_dest(Path(args.out), args.overwrite, reads=(args.base, args.tuned))  # before minutes of loading and SVDs
         done = extract_adapter(args.base, args.tuned, args.rank, conv_rank=args.conv_rank, preset=args.preset,
                                method=args.dynamic_method, param=args.dynamic_param,
                                text_encoders=not args.no_text_encoders, min_diff=args.min_diff,

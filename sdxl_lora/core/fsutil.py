@@ -6,7 +6,7 @@ import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 
@@ -23,6 +23,13 @@ def as_disk_full(e: BaseException, where: Path) -> BaseException:
     if "No space left on device" in str(e) or (free is not None and free < 2**20):
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
     return e
+
+
+def replaced_source(out: str | Path, sources: Iterable[str | Path]) -> Path | None:
+    """The first existing one of `sources` that writing `out` would destroy: `out` itself, or a file inside the
+    folder `out` (a folder written there replaces it whole). None where `out` touches none of them."""
+    target = Path(out).resolve()
+    return next((Path(s) for s in sources if Path(s).exists() and Path(s).resolve().is_relative_to(target)), None)
 
 
 def fsync_dir(path: Path) -> None:

@@ -267,7 +267,6 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
     from .tiny import TINY_NAME
 
     out = Path(out)
-    check_dest(out, overwrite)
     if not loras:
         raise MergeError("no adapter to merge: give at least one --lora FILE[:STRENGTH]")
     if dtype != "auto" and dtype not in _DTYPES:
@@ -277,12 +276,7 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
             raise FileNotFoundError(f"--lora {path}: no such file")
     mcfg = ModelConfig(path=str(model), tokenizer=str(tokenizer) if tokenizer else None)
     model_path = resolve_model_path(mcfg)
-    # Writing `out` (with --overwrite, replacing it whole) must not touch what the merge reads: neither the base
-    # nor an adapter may be `out` or lie inside it.
-    for source in (model_path, *(Path(p) for p, _ in loras)):
-        if source.resolve().is_relative_to(out.resolve()):
-            raise MergeError(f"--out {out} is or holds {source}, which the merge reads: write the merged model "
-                             "elsewhere (what a merge reads is never replaced)")
+    check_dest(out, overwrite, reads=(model_path, *(p for p, _ in loras)), error=MergeError)
     stored = source_dtype(model_path)
     target = stored if dtype == "auto" else _DTYPES[dtype]
     # Loaded in a dtype that holds both the stored and the written weights exactly (fp16 when both are fp16, the

@@ -127,7 +127,7 @@ def extract(f: Folders, base, tuned, rank, conv_rank, method, param, text_encode
     try:
         base_path, tuned_path = f.model(base), f.model(tuned)
         out = f.inside(f.models / "loras" / "exports" / f"{stem}.safetensors", "models")
-        check_dest(out, bool(overwrite))  # before minutes of reading and SVDs
+        check_dest(out, bool(overwrite), reads=(base_path, tuned_path))  # before minutes of reading and SVDs
         report = None if progress is None else (lambda i, n: progress((i, n), desc="layers"))
         done = extract_adapter(base_path, tuned_path, int(rank or 0), conv_rank=int(conv_rank) if conv_rank else None,
                                method=method, param=param if method else None, text_encoders=bool(text_encoders),
