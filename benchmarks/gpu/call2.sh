@@ -1,6 +1,3 @@
-set -o pipefail
-START=$(date +%s)
-export END=$(( START + ${BUDGET:-570} ))
 source benchmarks/gpu/setup.sh
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash benchmarks/gpu/c15.sh; else bash benchmarks/gpu/c23.sh; fi
 echo "elapsed $(( $(date +%s) - START )) s"

@@ -1,6 +1,3 @@
-set -o pipefail
-START=$(date +%s)
-export END=$(( START + ${BUDGET:-570} ))
 source benchmarks/gpu/setup.sh
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   ( export END=$(( END - 250 )); bash benchmarks/gpu/c15.sh )

@@ -1,4 +1,8 @@
-# sourced by every call: the wheels, the project on the path, the versions
+# sourced by every call: its time budget (BUDGET seconds from now, 570 by default: END for the checks to cut their
+# rows to), the wheels, the project on the path, the versions
+set -o pipefail
+START=$(date +%s)
+export END=$(( START + ${BUDGET:-570} ))
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-lite/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD/.whl-bnb:$PWD:$PYTHONPATH
 export PATH=/tmp/site/bin:$PATH
