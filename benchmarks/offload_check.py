@@ -5,7 +5,8 @@ and with them in pinned host memory, copied there and back on a side stream (llm
 layer in backward from the same values, so on the same batches the loss and every adapter gradient must be
 bitwise equal (B's gradients read the recomputed layer's inputs); a copy read before it has landed, or memory
 reused while a copy still writes it, shows as a difference. `--delay-ms N` holds the side stream back N ms
-before each copy back (torch.cuda._sleep), so a missing wait cannot hide behind copies that are merely fast.
+before each copy, to the host and back (torch.cuda._sleep), so a missing wait cannot hide behind copies that are
+merely fast.
 The attention is transformers' eager one (matmuls and a softmax): SDPA's fused backward kernels may add in any
 order, which would hide the answer; and the kept model runs each batch twice, so the row also says whether the
 step itself is bitwise repeatable here.
@@ -39,16 +40,29 @@ from sdxl_lora.llm import slots as llm_slots
 
 
 def delayed(delay_ms: float) -> None:
-    """llm/offload.py's copy back with the side stream first held back `delay_ms` (a GPU spin, no host wait)."""
-    original = offload._HostCopy.bring_back
+    """llm/offload.py's copies to the host and back with the side stream first held back `delay_ms` after the
+    compute stream's queued work (a GPU spin, no host wait): a layer input's memory reused before its copy to
+    the host read it, or read before its copy back wrote it, then shows."""
+    original_init, original_back = offload._HostCopy.__init__, offload._HostCopy.bring_back
     cycles = int(delay_ms * 2e6)  # GPU clock cycles at about 2 GHz (H100/H200 boost clocks)
 
-    def bring_back(self):
-        if self.first is None and self.back is None and self.event is not None:
-            with torch.cuda.stream(offload._streams[self.device]):
-                torch.cuda._sleep(cycles)
-        original(self)
+    def hold(device):
+        stream = offload._streams.setdefault(device, torch.cuda.Stream(device))
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(cycles)
 
+    def init(self, x):
+        if x.device.type == "cuda":
+            hold(x.device)
+        original_init(self, x)
+
+    def bring_back(self):
+        if self.first is None and self.back is None and self.copying is None and self.event is not None:
+            hold(self.device)
+        original_back(self)
+
+    offload._HostCopy.__init__ = init
     offload._HostCopy.bring_back = bring_back
 
 
@@ -79,7 +93,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=3, help="batches compared, each through both models")
     ap.add_argument("--compile", action="store_true", help="compile each decoder layer, as train.compile does")
-    ap.add_argument("--delay-ms", type=float, default=0.0, help="hold the side stream back before each copy back")
+    ap.add_argument("--delay-ms", type=float, default=0.0, help="hold the side stream back before each copy")
     ap.add_argument("--time", type=int, default=0, metavar="N", help="then time N steps with and without the overlap")
     ap.add_argument("--attention", choices=["eager", "sdpa"], default="eager",
                     help="eager for the bitwise check; sdpa (as the trainer runs) for --time")

@@ -47,6 +47,7 @@ class _HostCopy:
         self.first, self.device, self.grad = x, x.device, x.requires_grad
         self.event = None
         self.back: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self.copying: torch.Tensor | None = None  # x, until the compute stream has waited for its copy
         # A weak link: holders live only as long as their layer's part of the autograd graph, and a link
         # across steps must not keep an earlier step's host copies alive.
         self.before = _HostCopy._last.get(x.device)
@@ -59,13 +60,41 @@ class _HostCopy:
                 self.host.copy_(x.detach(), non_blocking=True)
                 self.event = torch.cuda.Event()
                 self.event.record(stream)
-            x.record_stream(stream)  # x's memory is not reused before the copy has read it
+            # x's memory must not be reused before the copy has read it. Not through x.record_stream: the
+            # allocator would then hold the freed block back from every allocation until it sees the copy done
+            # on the GPU, which the host, queueing layers ahead of the GPU, reaches only later, so each layer
+            # would take fresh memory meanwhile. Instead x stays referenced until the next layer's holder has
+            # the compute stream wait for this copy (by then long finished): freed after that wait, its block
+            # is the compute stream's again at once.
+            self.copying = x
+            before = self.before() if self.before is not None else None
+            if before is not None:
+                before.release()
         else:
             self.host = x.detach().to("cpu", copy=True)
 
+    def release(self) -> None:
+        """Drops the device tensors whose copies (to the host, or back from it unread) may still be running,
+        after having the compute stream wait for those copies: the allocator may then reuse their memory for
+        the compute stream's next work."""
+        if self.copying is None and (self.back is None or self.back[1] is None):
+            return
+        main = torch.cuda.current_stream(self.device)
+        if self.copying is not None:
+            main.wait_event(self.event)
+            self.copying = None
+        if self.back is not None and self.back[1] is not None:
+            main.wait_event(self.back[1])
+            self.back = None
+
+    def __del__(self):
+        # A holder dropped with a copy still unwaited (the last layer's input when no backward follows, an
+        # input brought back for a recomputation that never came).
+        self.release()
+
     def bring_back(self) -> None:
         """Starts the host copy's way back to the device, once, after the forward pass has used the input."""
-        if self.first is not None or self.back is not None:
+        if self.first is not None or self.back is not None or self.copying is not None:
             return
         if self.event is None:
             self.back = (self.host.to(self.device), None)
@@ -81,18 +110,25 @@ class _HostCopy:
             x.copy_(self.host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        x.record_stream(stream)  # freed unread (its layer never recomputed), x waits for the copy before reuse
+        # No x.record_stream (see __init__): get() has the compute stream wait for the copy before x is used,
+        # and release() before x is dropped unread.
         self.back = (x, event)
 
     def get(self) -> torch.Tensor:
         if self.first is not None:
             x, self.first = self.first, None
             return x
-        self.bring_back()
-        x, event = self.back
-        self.back = None
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+        if self.copying is not None:
+            # The last layer's input, still on the device (no later layer's holder released it): used as it is,
+            # once the copy that reads it is waited for (the recomputation's frees may reuse its memory).
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+            x, self.copying = self.copying.detach(), None
+        else:
+            self.bring_back()
+            x, event = self.back
+            self.back = None
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
         before = self.before() if self.before is not None else None
         if before is not None:
             before.bring_back()
