@@ -1,6 +1,6 @@
 # issue 32: ours' whole-process memory with fixed-size allocator segments (PYTORCH_ALLOC_CONF=
-# expandable_segments:False) instead of the expandable ones the CLI prefers: session 38's c23 had ours' reserve
-# over its allocated peak at 0.59 GiB (bf16) and 0.78 GiB (nf4), unsloth's (fixed segments) at 0.12 / 0.18.
+# expandable_segments:False) instead of the expandable ones the CLI prefers: is ours' reserve over its allocated
+# peak, larger than unsloth's (fixed segments; benchmarks/RESULTS.md, c23), the expandable segment's?
 # Batch 4, one turn, the same settings as c23. Then issue 28: batch 1 through the CLI, for the memory
 # estimate against the measured peak at a third batch size.
 echo "== c35: ours with fixed-size segments"

@@ -1,7 +1,7 @@
 # issue 32: the offloaded layer inputs without record_stream (a layer's input stays referenced until the next
 # layer has the compute stream wait for its copy; an input brought back is waited for before use): still bitwise
 # the kept ones with the side stream held back before every copy, both ways? Then ours at batch 4 as in c23 (one
-# turn, nf4 then bf16): does the reserve over the allocated peak shrink (c23, session 38: 0.78 / 0.59 GiB)?
+# turn, nf4 then bf16): does the reserve over the allocated peak shrink (against c23's)?
 # Last, the exactness check with compiled layers, as time allows.
 check() {
   t=$(( END - $(date +%s) ))
