@@ -21,6 +21,7 @@ the layers' kernels)."""
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 
 import torch
@@ -89,8 +90,10 @@ class _HostCopy:
 
     def __del__(self):
         # A holder dropped with a copy still unwaited (the last layer's input when no backward follows, an
-        # input brought back for a recomputation that never came).
-        self.release()
+        # input brought back for a recomputation that never came). Not while the interpreter shuts down (after a
+        # crash mid-step): the device's memory goes with the process, and torch may be half torn down.
+        if not sys.is_finalizing():
+            self.release()
 
     def bring_back(self) -> None:
         """Starts the host copy's way back to the device, once, after the forward pass has used the input."""
