@@ -797,3 +797,52 @@ def test_an_llm_run_does_not_import_diffusers(tmp_path):
     # Nor bitsandbytes' offline notices (peft imports it), which ask for a download a run never makes.
     assert "kernels-community" not in done.stderr, done.stderr[-2000:]
     assert (tmp_path / "a" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_compiled_unpacked_batches_pad_to_a_few_widths_and_train_what_uncompiled_ones_do(tmp_path, monkeypatch):
+    # train.compile pads every batch to a fixed width, so the compiled decoder layers meet few shapes. Packed rows
+    # are full; unpacked ones vary: each batch goes to the narrowest of llm.max_length's halvings that holds its
+    # longest row, not to llm.max_length itself (short rows would run at full width). Counting the shapes the
+    # compiler is given; the weights trained are those of the same run uncompiled (batches padded to their
+    # longest row).
+    import torch._dynamo
+    from safetensors.torch import load_file
+    from sdxl_lora.core import speed
+    from torch._dynamo.backends.debugging import aot_eager
+
+    data = tmp_path / "mixed.jsonl"
+    with data.open("w", encoding="utf-8") as f:
+        for i in range(12):
+            words = " ".join(["star"] * (2, 22, 55)[i % 3])  # rows of about 36, 96 and 195 tokens
+            f.write(json.dumps({"instruction": f"Say star {i}.", "output": words}) + "\n")
+    widths = []
+
+    def backend(gm, inputs):
+        widths.extend(t.shape[1] for t in inputs if isinstance(t, torch.Tensor) and t.dim() == 3)
+        return aot_eager(gm, inputs)
+
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", backend)
+    common = ["llm", "train", "--out", str(tmp_path), "--data", str(data), "--steps", "6", "--batch-size", "1",
+              "--set", "llm.preview_prompts=[]", "--set", "llm.packing=false", "--set", "llm.max_length=512",
+              "--set", "llm.validation_split=0"]
+    torch._dynamo.reset()
+    assert main([*common, "--name", "compiled", "--set", "train.compile='regional'"]) == 0
+    torch._dynamo.reset()
+    assert set(widths) <= set(llm_data.row_widths(512)) == {64, 128, 256, 512}
+    assert len(set(widths)) >= 2 and max(widths) < 512, widths
+    assert main([*common, "--name", "eager"]) == 0
+    compiled, eager = (load_file(str(tmp_path / n / "adapter" / "adapter_model.safetensors"))
+                       for n in ("compiled", "eager"))
+    assert compiled.keys() == eager.keys()
+    for k in compiled:
+        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-3, atol=1e-5, msg=k)
+
+
+def test_collate_pads_to_the_narrowest_width_that_holds_the_longest_row():
+    rows = [{k: torch.arange(n) for k in ("input_ids", "labels", "example", "position_ids")} for n in (5, 40)]
+    batch = llm_data.collate(rows, pad_id=0, width=(32, 64, 128))
+    assert batch["input_ids"].shape == (2, 64)
+    assert (batch["labels"][0, 5:] == llm_data.IGNORE).all() and (batch["labels"][1, 40:] == llm_data.IGNORE).all()
+    assert llm_data.collate(rows[:1], pad_id=0, width=(32, 64))["input_ids"].shape == (1, 32)
+    assert llm_data.collate(rows, pad_id=0, width=(16, 32))["input_ids"].shape == (2, 40)  # none holds it: its own
+    assert llm_data.collate(rows, pad_id=0)["input_ids"].shape == (2, 40)

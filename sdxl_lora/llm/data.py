@@ -264,10 +264,27 @@ class RowDataset(torch.utils.data.Dataset):
                 "position_ids": torch.tensor(pos), "example": torch.tensor(ex)}
 
 
-def collate(items: list[dict[str, torch.Tensor]], pad_id: int, width: int | None = None) -> dict[str, torch.Tensor]:
-    """Pad rows to the longest in the batch (or to `width`: one shape for compiled layers). Padding restarts
-    the position ids, so it is a segment of its own that no real token attends to, and carries no loss."""
-    width = max([len(it["input_ids"]) for it in items] + [width or 0])
+# Compiled decoder layers compile once per row width they meet. Unpacked rows vary in length: padding each batch
+# to the smallest of a few widths (llm.max_length halved up to this many times) that holds its longest row keeps
+# the compilations to a few, where padding every row to llm.max_length would run a short row's batch at full width.
+WIDTH_HALVINGS = 3
+
+
+def row_widths(max_length: int) -> tuple[int, ...]:
+    """The widths a compiled run pads unpacked batches to, narrowest first: max_length, halved up to
+    WIDTH_HALVINGS times."""
+    return tuple(sorted({max(1, max_length >> k) for k in range(WIDTH_HALVINGS + 1)}))
+
+
+def collate(items: list[dict[str, torch.Tensor]], pad_id: int,
+            width: int | tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+    """Pad rows to the longest in the batch; with `width`, to that width (one shape for compiled layers), or,
+    given several, to the narrowest that holds the longest row. Padding restarts the position ids, so it is a
+    segment of its own that no real token attends to, and carries no loss."""
+    longest = max(len(it["input_ids"]) for it in items)
+    if isinstance(width, tuple):
+        width = next((w for w in width if w >= longest), longest)
+    width = max(longest, width or 0)
     out = {k: torch.full((len(items), width), v, dtype=torch.long)
            for k, v in (("input_ids", pad_id), ("labels", IGNORE), ("example", -1))}
     out["position_ids"] = torch.arange(width).repeat(len(items), 1)

@@ -156,8 +156,8 @@ class LLMTask(Task):
         if cfg.train.compile != "none":
             from ..core import speed
 
-            # The repeated decoder layers, compiled one graph for all (rows are padded to llm.max_length); their
-            # class is the checkpointing subclass where train.gradient_checkpointing swapped it in.
+            # The repeated decoder layers, compiled one graph for all (rows are padded to a fixed width: _width);
+            # their class is the checkpointing subclass where train.gradient_checkpointing swapped it in.
             n = speed.compile_regions(self.lm, classes=(type(self._first_layer()).__name__,),
                                      activation_budget=cfg.train.compile_activation_budget)
             log.info("train.compile=%r: %d decoder layers compiled (the first steps include compilation)",
@@ -251,8 +251,15 @@ class LLMTask(Task):
         sampler = llm_data.RowBatchSampler(len(self.train_rows), self.cfg.train.batch_size, self.cfg.train.seed)
         return torch.utils.data.DataLoader(
             self.train_rows, batch_sampler=sampler, num_workers=0,
-            collate_fn=functools.partial(llm_data.collate, pad_id=self.tokenizer.pad_token_id,
-                                         width=self.cfg.llm.max_length if self.cfg.train.compile != "none" else None))
+            collate_fn=functools.partial(llm_data.collate, pad_id=self.tokenizer.pad_token_id, width=self._width()))
+
+    def _width(self) -> int | tuple[int, ...] | None:
+        """What training batches are padded to: uncompiled, their longest row; compiled, a fixed shape: packed
+        rows are full, so llm.max_length; unpacked ones the narrowest of a few widths (data.row_widths)."""
+        cfg = self.cfg
+        if cfg.train.compile == "none":
+            return None
+        return cfg.llm.max_length if cfg.llm.packing else llm_data.row_widths(cfg.llm.max_length)
 
     def batch_size(self, batch) -> int:
         return int(batch["input_ids"].shape[0])
