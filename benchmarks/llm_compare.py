@@ -126,10 +126,13 @@ def build_folder(args) -> None:
 
 def chat_data(args, folder: Path) -> Path:
     """Synthetic chat lines (a short question, a long answer of random words), each longer than --seq once
-    rendered with the chat template, so every contender's rows are full: enough for the largest batch."""
+    rendered with the chat template, so every contender's rows are full: enough for the largest batch. With
+    --mixed-lengths each line is instead about a length drawn evenly from 64 to --seq tokens (packing off,
+    rows then vary)."""
     from transformers import AutoTokenizer
 
-    path = Path(args.work) / f"chat-{args.model_shape}-{args.seq}.jsonl"
+    mixed = getattr(args, "mixed_lengths", False)
+    path = Path(args.work) / f"chat-{args.model_shape}-{args.seq}{'-mixed' if mixed else ''}.jsonl"
     rows = max(args.batches) * (args.warmup + args.steps) + 8
     if path.is_file() and sum(1 for _ in path.open()) >= rows:
         return path
@@ -139,12 +142,13 @@ def chat_data(args, folder: Path) -> Path:
     for i in range(rows):
         words = []
         msgs = []
+        target = rng.randint(64, args.seq) if mixed else args.seq + 16
         while True:
-            words += rng.choices(WORDS, k=max(64, args.seq // 4))
+            words += rng.choices(WORDS, k=max(16, target // 8) if mixed else max(64, args.seq // 4))
             msgs = [{"role": "user", "content": f"Tell me about {rng.choice(WORDS)} number {i}."},
                     {"role": "assistant", "content": " ".join(words)}]
             text = tok.apply_chat_template(msgs, tokenize=False)
-            if len(tok(text, add_special_tokens=False)["input_ids"]) > args.seq + 16:
+            if len(tok(text, add_special_tokens=False)["input_ids"]) > target:
                 break
         lines.append(json.dumps({"messages": msgs}))
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -417,6 +421,8 @@ def main() -> None:
                     help="contenders; unsloth runs liger in its place where it does not import")
     ap.add_argument("--repeat", type=int, default=1, help="run every contender this many times, in turns "
                     "(ours, unsloth, ours, unsloth, ...), so runs minutes apart on one machine can be told from noise")
+    ap.add_argument("--mixed-lengths", action="store_true", help="rows of lengths drawn evenly from 64 to --seq "
+                                                                   "tokens instead of full ones (for packing off)")
     ap.add_argument("--json", help="append each run's JSON line to this file as it finishes")
     ap.add_argument("--set", action="append", default=[], help="another override for ours (an `sdxl-lora llm "
                     "train --set`, e.g. llm.loss_chunk=256); the other contenders ignore it")
