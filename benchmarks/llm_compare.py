@@ -131,7 +131,7 @@ def chat_data(args, folder: Path) -> Path:
     rows then vary)."""
     from transformers import AutoTokenizer
 
-    mixed = getattr(args, "mixed_lengths", False)
+    mixed = args.mixed_lengths
     path = Path(args.work) / f"chat-{args.model_shape}-{args.seq}{'-mixed' if mixed else ''}.jsonl"
     rows = max(args.batches) * (args.warmup + args.steps) + 8
     if path.is_file() and sum(1 for _ in path.open()) >= rows:

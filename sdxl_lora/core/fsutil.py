@@ -32,6 +32,19 @@ def replaced_source(out: str | Path, sources: Iterable[str | Path]) -> Path | No
     return next((Path(s) for s in sources if Path(s).exists() and Path(s).resolve().is_relative_to(target)), None)
 
 
+def check_destination(out: str | Path, overwrite: bool, reads: Iterable[str | Path] = (), reader: str = "this",
+                      error: type[Exception] = FileExistsError,
+                      exists_error: type[Exception] = FileExistsError) -> None:
+    """Refuse to write `out` over what the result is made from (`reads`: base models, adapters; `out` itself or
+    a folder holding one), asked or not, with `error`; and over anything that exists unless `overwrite`, with
+    `exists_error`. `reader` names what reads them in the message ("the merge")."""
+    if (source := replaced_source(out, reads)) is not None:
+        raise error(f"{out} is or holds {source}, which {reader} reads: write the result elsewhere (what is read is "
+                    "never replaced)")
+    if Path(out).exists() and not overwrite:
+        raise exists_error(f"{out} already exists; choose another path or pass overwrite=True (--overwrite)")
+
+
 def fsync_dir(path: Path) -> None:
     # The rename is only durable once the folder entry itself is on disk.
     fd = os.open(path, os.O_RDONLY)

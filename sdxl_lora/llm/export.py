@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..core.fsutil import fsync_dir, replaced_source
+from ..core.fsutil import check_destination, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +125,7 @@ def load_with_adapter(base: Path, adapter: Path, dtype: torch.dtype = torch.floa
 def merge_adapter(base: Path, adapter: Path, out: Path, dtype: torch.dtype = torch.float32, overwrite: bool = False,
                   quantize: tuple[str | None, dict] = (None, {}), device: str = "cpu") -> Path:
     """Bake the adapter into the base and save the result (with the tokenizer) as a transformers folder."""
-    if (source := replaced_source(out, (base, adapter))) is not None:  # a folder --out is replaced whole
-        raise FileExistsError(f"--out {out} is or holds {source}, which the merge reads: write the merged model "
-                              "elsewhere (what is read is never replaced)")
-    if Path(out).exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; choose another --out or pass --overwrite")
+    check_destination(out, overwrite, reads=(base, adapter), reader="the merge")  # a folder --out is replaced whole
     model, tok = load_with_adapter(base, adapter, dtype, device, quantize)
     merged = model.merge_and_unload()
     merged.to("cpu")

@@ -124,8 +124,8 @@ class _HostCopy:
         if self.copying is not None:
             # The last layer's input, still on the device (no later layer's holder released it): used as it is,
             # once the copy that reads it is waited for (the recomputation's frees may reuse its memory).
-            torch.cuda.current_stream(self.device).wait_event(self.event)
-            x, self.copying = self.copying.detach(), None
+            x = self.copying.detach()
+            self.release()
         else:
             self.bring_back()
             x, event = self.back

@@ -162,11 +162,6 @@ class LLMTask(Task):
                                      activation_budget=cfg.train.compile_activation_budget)
             log.info("train.compile=%r: %d decoder layers compiled (the first steps include compilation)",
                      cfg.train.compile, n)
-        if self.device.type == "cuda":
-            # What loading freed (the embedding table moved to the host, a quantized base's 16-bit copies) goes
-            # back to the driver: in an expandable segment those pages stay mapped, counted in the process's
-            # memory, wherever no later tensor happens to fit into them.
-            torch.cuda.empty_cache()
         log.info("adapter plan:\n%s", inject.format_plan(self.plan))
         run.event("plan", layers=len(self.plan.targets), trainable_params=self.plan.trainable_params,
                   preset=cfg.adapter.preset, base_rank=self.plan.base_rank, groups=self.plan.groups())

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from . import kohya, lycoris
 from .lycoris import LohaLayer, LokrLayer
-from ..core.fsutil import atomic_save, atomic_write_text, fsync_dir, replaced_source
+from ..core.fsutil import atomic_save, atomic_write_text, check_destination, fsync_dir
 from ..core.inject import exact_patterns
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,7 @@ def check_dest(path: Path, overwrite: bool, reads: Iterable[str | Path] = (), er
     """Refuse to write over an existing file or folder unless asked: every writer here, and callers that want
     the refusal before long work (extract, merge, resize). Asked or not, never over what the result is made
     from (`reads`: base models, adapters), nor a folder holding it; `error` is the caller's own error class."""
-    if (source := replaced_source(path, reads)) is not None:
-        raise error(f"{path} is or holds {source}, which this reads: write the result elsewhere (what is read is "
-                    "never replaced)")
-    if path.exists() and not overwrite:
-        raise ExportExistsError(f"{path} already exists; choose another path or pass overwrite=True (--overwrite)")
+    check_destination(path, overwrite, reads, error=error, exists_error=ExportExistsError)
 
 
 # --------------------------------------------------------------------------------------------
