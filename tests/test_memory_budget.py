@@ -83,6 +83,25 @@ def test_plan_prints_every_phase_of_the_run_and_what_the_budget_chose(capsys):
     assert unbudgeted["caching"] > phases["caching"] + 4.5  # SDXL's UNet: 2.6 billion weights, 4.8 GiB in bf16
 
 
+def test_the_final_previews_are_counted_beside_the_optimizer_state_they_render_with(capsys):
+    # The final previews render after the last step: the training step's CUDA graphs are released by then, but the
+    # optimizer state is still held (a stopped run saves it). Step-0 previews come before it exists.
+    def previews(*sets):
+        args = [a for s in sets for a in ("--set", s)]
+        assert main(["plan", "--model", "arch:sdxl", "--batch-size", "1", "--json", *args]) == 0
+        data = json.loads(capsys.readouterr().out)
+        return data["run_memory"]["phases_gib"]["previews"], data["memory"]["optimizer_gib"]
+
+    both, optimizer = previews()
+    before_only, _ = previews("preview.after=false")
+    assert optimizer > 0.05
+    assert both - before_only == pytest.approx(optimizer * 1.05, abs=0.005)  # the whole process's reserve on it
+    # Previews every N steps already hold it (and, with CUDA graphs, their pool): the final set adds nothing.
+    every, _ = previews("preview.every=50", "train.cuda_graphs=true")
+    every_not_after, _ = previews("preview.every=50", "preview.after=false", "train.cuda_graphs=true")
+    assert every == every_not_after > both
+
+
 def test_train_refuses_an_impossible_budget_before_loading_the_model(tiny_dir, tmp_path, capsys):
     code = main(["train", "--model", str(tiny_dir), "--data", "sample_data/images", "--steps", "1",
                  "--out", str(tmp_path), "--vram", "0.1"])

@@ -986,13 +986,27 @@ def test_background_compilation_compiles_on_its_own_thread_and_training_switches
         torch.testing.assert_close(bg[k], plain[k], rtol=1e-3, atol=1e-4, msg=k)
 
 
+def _graphs_as_on_cuda(monkeypatch, stand_in) -> None:
+    """The SDXL task's training calls go through `stand_in` (in place of speed.GraphedCall), as set-up decides on
+    a CUDA GPU with train.cuda_graphs: CUDA graphs cannot run on a CPU."""
+    from sdxl_lora.sdxl.task import SDXLTask
+
+    monkeypatch.setattr(speed, "GraphedCall", stand_in)
+    start = SDXLTask.start
+
+    def on_cuda(self, model, autocast):
+        self._graphed = True
+        return start(self, model, autocast)
+
+    monkeypatch.setattr(SDXLTask, "start", on_cuda)
+
+
 def test_graphs_while_compiling_capture_the_uncompiled_model_first_then_the_compiled_one(tmp_path, monkeypatch):
     # train.graphs_while_compiling: the uncompiled steps replay CUDA graphs while the blocks compile. A capture
     # refuses CUDA work from another thread, so the compiling thread must start only after the uncompiled
     # model's graphs exist; at the switch those graphs go and the compiled model's are captured. CUDA graphs
     # cannot run on a CPU: a stand-in records when each set of graphs is made and calls the model as it is.
     from safetensors.torch import load_file
-    from sdxl_lora.sdxl.task import SDXLTask
     from torch._dynamo.backends.debugging import aot_eager
 
     monkeypatch.setattr(speed, "COMPILE_BACKEND", lambda gm, inputs: aot_eager(gm, inputs))
@@ -1000,21 +1014,17 @@ def test_graphs_while_compiling_capture_the_uncompiled_model_first_then_the_comp
 
     class Graphs:
         def __init__(self, module, fn, **kw):
-            self.module, self.fn, self.calls = module, fn, 0
+            self.module, self.fn, self.calls, self.released = module, fn, 0, False
             made.append({"compiler_started": speed.BACKGROUND.started, "graphs": self})
 
         def __call__(self, *args):
             self.calls += 1
             return self.fn(*args)
 
-    monkeypatch.setattr(speed, "GraphedCall", Graphs)
-    start = SDXLTask.start
+        def release(self):
+            self.released = True
 
-    def on_cuda(self, model, autocast):  # as set-up decides on a CUDA GPU with train.cuda_graphs
-        self._graphed = True
-        return start(self, model, autocast)
-
-    monkeypatch.setattr(SDXLTask, "start", on_cuda)
+    _graphs_as_on_cuda(monkeypatch, Graphs)
     at_start = []
     bg_start = speed.BackgroundCompile.start
 
@@ -1043,6 +1053,7 @@ def test_graphs_while_compiling_capture_the_uncompiled_model_first_then_the_comp
     # Then, at the switch, the compiled model's graphs: two sets in all, the first one used for two steps.
     assert [m["compiler_started"] for m in made] == [False, True], made
     assert made[0]["graphs"].calls == 2 and made[1]["graphs"].calls == 2
+    assert made[1]["graphs"].released  # after the last step, before the final evaluation
     events = read_events(tmp_path / "graphed" / "events.jsonl")
     kinds = [e["event"] for e in events if e["event"] in ("step", "compiled")]
     assert kinds == ["step", "step", "compiled", "step", "step"], kinds
@@ -1054,6 +1065,44 @@ def test_graphs_while_compiling_capture_the_uncompiled_model_first_then_the_comp
     assert graphed.keys() == plain.keys()
     for k in graphed:  # fp32 rounding apart (Adam scales tiny gradient differences up): a step of lr is 1e-3
         torch.testing.assert_close(graphed[k], plain[k], rtol=1e-3, atol=1e-4, msg=k)
+
+
+def test_the_steps_graphs_are_released_before_the_final_evaluation_and_previews(tmp_path, monkeypatch):
+    # With train.cuda_graphs the steps replay from a pool holding a batch's activations, which no other work can
+    # use. The final evaluation and previews come after the last step: the graphs must be gone by then, or the
+    # previews' render adds to the training peak (the run's estimate counts them without it). CUDA graphs cannot
+    # run on a CPU: a stand-in records its replays and its release beside the task's evaluations and previews.
+    from sdxl_lora.sdxl.task import SDXLTask
+
+    timeline = []
+
+    class Graphs:
+        def __init__(self, module, fn, **kw):
+            self.module, self.fn = module, fn
+
+        def __call__(self, *args):
+            timeline.append("step")
+            return self.fn(*args)
+
+        def release(self):
+            timeline.append("release")
+
+    _graphs_as_on_cuda(monkeypatch, Graphs)
+    for name in ("evaluate", "preview"):
+        def recording(self, *args, _orig=getattr(SDXLTask, name), _name=name, **kwargs):
+            timeline.append(_name)
+            return _orig(self, *args, **kwargs)
+
+        monkeypatch.setattr(SDXLTask, name, recording)
+    common = _two_bucket_run(tmp_path)
+    (tmp_path / "prompts.txt").write_text("a red star\n")
+    assert main(["train", *common, "--name", "g", "--set", f"preview.prompts='{tmp_path / 'prompts.txt'}'",
+                 "--set", "preview.steps=2", "--set", "preview.before=false"]) == 0
+    assert timeline.count("step") == 4, timeline
+    last = len(timeline) - 1 - timeline[::-1].index("step")
+    # Released once, right after the last step; the final evaluation and previews run after it, with no replay.
+    assert timeline[last + 1:] == ["release", "evaluate", "preview"], timeline
+    assert (tmp_path / "g" / "samples" / "step-000004-00.png").is_file()
 
 
 def test_modules_called_beside_the_compiling_thread_are_not_traced_into_its_graphs():

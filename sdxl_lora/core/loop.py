@@ -823,6 +823,7 @@ class Trainer:
         is atomic and short) before them; the resume then only finishes (export, previews, done)."""
         cfg, acc, run = self.cfg, self.accelerator, self.run
         unwrapped = acc.unwrap_model(self.model)
+        self.task.end_training()
         acc.wait_for_everyone()
         adapter: dict[str, Path] = {}
         try:

@@ -435,6 +435,17 @@ class GraphedCall:
                 return self.fn(*args)
         return graphed(*args)
 
+    def release(self) -> None:
+        """Drops every captured graph and their shared pool, and gives the pool's memory back to the device:
+        for the work after the last training step (the final evaluation and previews), which the pool's
+        memory cannot serve. Later calls run `fn` as it is."""
+        self.graphs.clear()
+        self.pool = None
+        self.eager = True
+        gc.collect()  # the graphed callables' autograd functions and their closures hold the graphs in cycles
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def _try_capture(self, key: tuple, args: tuple) -> Callable | None:
         try:
             return self._capture(key, args)

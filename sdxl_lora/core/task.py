@@ -125,6 +125,10 @@ class Task(ABC):
         and evaluation, before the first step: work the task runs beside the training steps (sdxl: the regions'
         background compilation)."""
 
+    def end_training(self) -> None:
+        """The last training step is done and the run finishes (the final evaluation, export and previews
+        follow): free what only the training steps use (sdxl: the CUDA graphs and their memory pool)."""
+
     def finish(self) -> None:
         """The loop is done (finished, stopped or failed): end what `start` began."""
 

@@ -331,11 +331,12 @@ def run_memory(step: MemoryEstimate, *, vae_bytes: int, text_bytes: int, largest
                preview_pixels: int, previews: bool, vae_tiling: bool = False, previews_mid_run: bool = False,
                graphs: bool = False, encoders_stay: bool = False, vae_stays: bool = False,
                step_budget: int | None = None, tiled_encode: bool = False,
-               unet_while_caching: bool = False) -> RunMemory:
+               unet_while_caching: bool = False, previews_after: bool = False) -> RunMemory:
     """Each phase's whole-process peak from the step's estimate and the VAE's and text encoders' sizes as
     they are held (fp32). largest_pixels: the largest bucket's pixels (caching encodes one image at a time);
     preview_pixels: the largest preview's. previews_mid_run: previews also between steps (preview.every),
     when the optimizer state (and with CUDA graphs their memory pool, which other work cannot use) is held.
+    previews_after: previews after the last step, beside the optimizer state (the graphs are released first).
     step_budget: train.checkpoint_budget_gb in bytes (the trainer checkpoints blocks until the step fits it).
     vae_tiling, tiled_encode: the VAE decodes (previews), encodes (caching) in VAE_DECODE_TILE tiles.
     unet_while_caching: the frozen UNet is on the device from the start (plan.py: unet_read_on_device)."""
@@ -354,6 +355,8 @@ def run_memory(step: MemoryEstimate, *, vae_bytes: int, text_bytes: int, largest
         unet = step.weights_total + step.adapter + step.quant_overhead
         if previews_mid_run:
             unet += step.optimizer + (step.activations if graphs else 0)
+        elif previews_after:
+            unet += step.optimizer
         render = max(UNET_INFER_PER_PIXEL * preview_pixels, VAE_DECODE_PER_PIXEL * decode_pixels)
         # The prompts were encoded at set-up: the text encoders come only when they stay for training anyway.
         phases["previews"] = whole(unet + vae_bytes + render + (text_bytes if encoders_stay else 0))

@@ -777,6 +777,15 @@ class SDXLTask(Task):
         if self.accelerator.is_main_process:
             unet_speed.mark_compiled(self.cfg)
 
+    def end_training(self) -> None:
+        """The training steps' CUDA graphs go before the final evaluation and previews: their pool holds a
+        batch's activations, which the previews' render would otherwise need beside it (the run's estimate
+        counts the final previews without it)."""
+        if isinstance(self._graphed, speed.GraphedCall):
+            self._graphed.release()
+            log.info("the training steps' CUDA graphs released for the final evaluation and previews")
+        self._graphed = False
+
     def finish(self) -> None:
         """A run that ends before the compiling thread does waits for it (see BackgroundCompile.wait)."""
         if self._background:
