@@ -11,7 +11,9 @@ move the text encoders and the VAE to the GPU and back, which each preview set d
 --levers then times the set (search off, as the trainer renders) as a training run's UNet renders it: with the
 default adapter plan injected and the default levers (fused q/k/v, merged LoRA products), with the adapter
 merged into copies of the weights for the set (inject.merged_for_inference: how the trainer's previews render),
-then with its weights channels_last, unmerged and merged (the latter: a compiled run's eager previews). --device cpu with the tiny model
+then with its weights channels_last, unmerged and merged (the latter: a compiled run's eager previews). --batch N
+times N prompts at 1024x1024 (a trainer's default set: the same size) one pipeline call each, then all in one call
+(render's batch, each image decoded on its own), with each way's peak memory. --device cpu with the tiny model
 is this script's smoke test.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--levers", action="store_true", help="also time the set with the trainer's adapter and levers")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batch", type=int, default=0, help="also time N same-size prompts one a call, then in one call")
     args = ap.parse_args()
     from sdxl_lora.core.config import load_config
     from sdxl_lora.sdxl.model import load_pipeline
@@ -70,6 +73,23 @@ def main() -> None:
 
     for name, bench in (("benchmark off", False), ("benchmark on, first", True), ("benchmark on, again", True)):
         time_set(name, bench)
+    if args.batch:
+        torch.backends.cudnn.benchmark = False
+        side = 1024 if cuda else 128
+        same = [PreviewPrompt(f"a sks dog, picture {i}", **({} if cuda else {"steps": 2})) for i in range(args.batch)]
+        for batch in (1, args.batch):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            t = time.perf_counter()
+            render(pipe, same, seed=pc.seed, steps=pc.steps, guidance=pc.guidance, width=side, height=side,
+                   autocast_dtype=torch.bfloat16 if cuda else None, batch=batch)
+            sync()
+            took = time.perf_counter() - t
+            print(json.dumps({"mode": f"{args.batch} prompts at {side}x{side}, {batch} a call", "set_s": round(took, 2),
+                              "per_image_s": round(took / args.batch, 2),
+                              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}),
+                  flush=True)
     if args.levers:
         from sdxl_lora.core import inject
         from sdxl_lora.core.speed import evaluation_mode, to_channels_last

@@ -148,9 +148,8 @@ def test_previews_with_the_same_settings_render_as_one_batch_on_a_cpu_and_draw_t
         len(k["generator"]) if isinstance(k["generator"], list) else 1) or call(self, **k))
     batched = preview.render(pipe, prompts, **kw)
     assert calls == [2, 1, 2]
-    monkeypatch.setattr(preview, "CPU_PREVIEW_BATCH", 1)
     calls.clear()
-    single = preview.render(pipe, prompts, **kw)
+    single = preview.render(pipe, prompts, batch=1, **kw)  # render's batch: at most one prompt a call
     assert calls == [1] * 5
     diff = [np.abs(np.asarray(a, int) - np.asarray(b, int)).max() for a, b in zip(batched, single)]
     assert max(diff) <= 1, diff

@@ -266,6 +266,12 @@ def test_previews_every_n_steps_and_validation_loss_on_held_out_images(tmp_path)
     for step in (0, 3, 6):
         assert f"step-{step:06d}-grid.png" in names
     events = read_events(run / "events.jsonl")
+    # Each set says where its time went: rendering, around it (the VAE's moves, the adapter's merge), writing.
+    timed = [e for e in events if e["event"] == "previews_rendered"]
+    assert [e["step"] for e in timed] == [0, 3, 6] and all(e["images"] == 1 for e in timed)
+    for e in timed:
+        assert e["render_s"] > 0 and e["around_s"] >= 0 and e["write_s"] >= 0
+        assert e["render_s"] + e["around_s"] + e["write_s"] == pytest.approx(e["seconds"], abs=0.03)
     val = [e for e in events if e["event"] == "validation"]
     assert [e["step"] for e in val] == [0, 3, 6]
     assert all(e["loss"] > 0 for e in val)

@@ -227,10 +227,13 @@ def _batched(texts: list[dict]) -> dict:
 
 def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, guidance: float, width: int,
            height: int, negative: str | None = None, autocast_dtype: torch.dtype | None = None,
-           guidance_rescale: float = 0.0, texts: list[dict[str, torch.Tensor]] | None = None) -> list[Image.Image]:
+           guidance_rescale: float = 0.0, texts: list[dict[str, torch.Tensor]] | None = None,
+           batch: int | None = None) -> list[Image.Image]:
     """One image per prompt, each with its own settings where it has them; prompt i without its own seed
     uses seed + i, on a CPU generator, so images do not depend on the device or on how prompts are batched.
-    texts: the prompts' embeddings (encode_prompts), made earlier; the text encoders are then not used."""
+    texts: the prompts' embeddings (encode_prompts), made earlier; the text encoders are then not used.
+    batch: the most prompts of the same settings rendered in one pipeline call (none: CPU_PREVIEW_BATCH on a
+    CPU, one elsewhere); on a GPU a batch is decoded one image at a time, so the decode needs one image's memory."""
     device = pipe.unet.device
     ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
            else contextlib.nullcontext())
@@ -240,7 +243,8 @@ def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, g
                  for p in entries]
     else:
         texts = [{k: v.to(device) for k, v in t.items()} for t in texts]
-    limit = CPU_PREVIEW_BATCH if device.type == "cpu" else 1
+    limit = batch or (CPU_PREVIEW_BATCH if device.type == "cpu" else 1)
+    slicing = limit > 1 and device.type != "cpu" and not pipe.vae.use_slicing
 
     def settings(i: int) -> tuple:
         p, t = entries[i], texts[i]
@@ -248,7 +252,10 @@ def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, g
                 p.height or height, tuple(sorted(t)), t.get("negative_prompt") is None)
 
     images = []
-    with torch.no_grad(), ctx:
+    with torch.no_grad(), ctx, contextlib.ExitStack() as undo:
+        if slicing:
+            pipe.vae.enable_slicing()
+            undo.callback(pipe.vae.disable_slicing)
         i = 0
         while i < len(entries):
             j = i + 1
@@ -429,16 +436,19 @@ def render_previews(task, model, run, step: int) -> list[Path]:
             # graphs' guards, and training would compile them again after the switch).
             merged = contextlib.nullcontext() if BACKGROUND.running else merged_for_inference(model)
             with _cudnn_search(False), vae_tiles(p.vae, tiled_previews(cfg)), merged:
+                ready = time.perf_counter()
                 images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps,
                                 guidance=cfg.preview.guidance, width=task.resolution, height=task.resolution,
                                 autocast_dtype=dtype, guidance_rescale=rescale, texts=texts)
+                rendered = time.perf_counter()
         finally:
             if device.type != "cpu":
                 for m in aux:
                     if id(m) not in keep:
                         m.to("cpu")
             model.train(was_training)
-        log.info("previews at step %d: %d images in %.1f s", step, len(images), time.perf_counter() - started)
+        # Where a set's time goes (the previews' share of a run is measured from these events, train_e2e.py).
+        times = {"render_s": rendered - ready, "around_s": ready - started + time.perf_counter() - rendered}
     names = [run.samples_dir / f"step-{step:06d}-{i:02d}.png" for i in range(len(images))]
     grid_path = run.samples_dir / f"step-{step:06d}-grid.png"
     if reused:  # the cache's files as they are
@@ -459,4 +469,12 @@ def render_previews(task, model, run, step: int) -> list[Path]:
         before = [run.samples_dir / f"step-{0:06d}-{i:02d}.png" for i in range(len(images))]
         baseline = [Image.open(b) for b in before] if step > 0 and all(b.is_file() for b in before) else None
         report_concept(run, step, cfg.preview.concept, [e.prompt for e in prompts], images, baseline)
+    if not reused:
+        seconds = time.perf_counter() - started
+        times["write_s"] = seconds - times["render_s"] - times["around_s"]
+        log.info("previews at step %d: %d images in %.1f s (rendering %.1f s; the VAE's moves and the adapter's "
+                 "merge %.1f s; writing and scoring %.1f s)", step, len(images), seconds, times["render_s"],
+                 times["around_s"], times["write_s"])
+        run.event("previews_rendered", step=step, images=len(images), seconds=round(seconds, 2),
+                  **{k: round(v, 2) for k, v in times.items()})
     return paths
