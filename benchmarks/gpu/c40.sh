@@ -1,9 +1,10 @@
 # issue 28: after 2a5a911 (the training steps' CUDA graphs released before the final evaluation and previews) a
 # whole 300-step run at the default batch (2), on a fresh machine then relaunched: the finish phase's peak against
 # the run's estimate (session 39: 23.88 GiB against 19.67 before the change), and the previews' share from each
-# set's own timing (the previews_rendered events: rendering, the VAE's moves and the merge, writing). Then
-# preview_cost.py: three same-size prompts one a call against one call of three (render's batch), with the
-# trainer's merged adapter set beside them (--levers).
+# set's own timing (the previews_rendered events: rendering, the VAE's moves and the merge, writing), with the
+# trainer's previews now batched on the GPU (memory.PREVIEW_BATCH, not measured before). Then preview_cost.py:
+# three same-size prompts one a call against one call of three (render's batch), with the trainer's merged
+# adapter set beside them (--levers): whether the batch pays, and its peak.
 echo "== c40: batch 2 whole runs after the graphs' release; a preview set batched"
 t=$(( END - $(date +%s) ))
 if [ $t -ge 150 ]; then

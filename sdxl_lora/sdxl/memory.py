@@ -302,6 +302,10 @@ VAE_ENCODE_PER_PIXEL = 4800       # bytes per image pixel at the peak of an fp32
 VAE_DECODE_PER_PIXEL = 5000       # bytes per image pixel at the peak of a VAE decode under bf16 autocast
 UNET_INFER_PER_PIXEL = 600        # bytes per image pixel of the UNet's no-grad pass with guidance (batch 2)
 VAE_DECODE_TILE = 512
+# Preview prompts of the same settings rendered in one pipeline call on a GPU (each image decoded on its own):
+# one call per image leaves the GPU waiting on the host's launches at SDXL's preview sizes. With tiled decoding
+# (a run short of memory) one at a time.
+PREVIEW_BATCH = 4
 TEXT_ACTIVATIONS = int(0.1 * GiB)  # the text encoders' no-grad pass over one caption
 
 
@@ -357,7 +361,8 @@ def run_memory(step: MemoryEstimate, *, vae_bytes: int, text_bytes: int, largest
             unet += step.optimizer + (step.activations if graphs else 0)
         elif previews_after:
             unet += step.optimizer
-        render = max(UNET_INFER_PER_PIXEL * preview_pixels, VAE_DECODE_PER_PIXEL * decode_pixels)
+        batch = 1 if vae_tiling else PREVIEW_BATCH
+        render = max(UNET_INFER_PER_PIXEL * preview_pixels * batch, VAE_DECODE_PER_PIXEL * decode_pixels)
         # The prompts were encoded at set-up: the text encoders come only when they stay for training anyway.
         phases["previews"] = whole(unet + vae_bytes + render + (text_bytes if encoders_stay else 0))
     phases["export"] = whole(step.weights_total + step.adapter)

@@ -26,6 +26,7 @@ from ..core.fsutil import atomic_save
 from ..core.inject import merged_for_inference
 from ..core.speed import BACKGROUND, evaluation_mode
 from .data import live_text
+from .memory import PREVIEW_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -209,8 +210,8 @@ def encode_prompts(pipe, prompts: list[str | PreviewPrompt], *, guidance: float,
 
 
 # Prompts with the same settings render as one batch on a CPU: several images' GEMMs use the cores better than
-# one image's (the same images, to float rounding). On a GPU one at a time: a batch's activations and its VAE
-# decode would add to the previews' memory, which the run's estimate counts for one image.
+# one image's (the same images, to float rounding). On a GPU the trainer's previews batch PREVIEW_BATCH (memory.py,
+# whose estimate counts the batch's UNet pass; each image is decoded on its own).
 CPU_PREVIEW_BATCH = 8
 
 
@@ -435,11 +436,13 @@ def render_previews(task, model, run, step: int) -> list[Path]:
             # apply it; not while a second thread compiles the same modules (peft's merged flag would enter its
             # graphs' guards, and training would compile them again after the switch).
             merged = contextlib.nullcontext() if BACKGROUND.running else merged_for_inference(model)
-            with _cudnn_search(False), vae_tiles(p.vae, tiled_previews(cfg)), merged:
+            tiled = tiled_previews(cfg)
+            batch = None if device.type == "cpu" else 1 if tiled else PREVIEW_BATCH
+            with _cudnn_search(False), vae_tiles(p.vae, tiled), merged:
                 ready = time.perf_counter()
                 images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps,
                                 guidance=cfg.preview.guidance, width=task.resolution, height=task.resolution,
-                                autocast_dtype=dtype, guidance_rescale=rescale, texts=texts)
+                                autocast_dtype=dtype, guidance_rescale=rescale, texts=texts, batch=batch)
                 rendered = time.perf_counter()
         finally:
             if device.type != "cpu":

@@ -1336,7 +1336,7 @@ class SDXLTask(Task):
         return render_previews(self, model, run, step)
 
     # Bump when what the previews render changes, so earlier runs' step-0 previews are not reused.
-    PREVIEW_CACHE_VERSION = 3
+    PREVIEW_CACHE_VERSION = 4
 
     def _step0_identity(self) -> tuple:
         """What decides the step-0 model's outputs: the base's weights as this run holds them, the levers the UNet
