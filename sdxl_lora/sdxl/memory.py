@@ -303,8 +303,8 @@ VAE_DECODE_PER_PIXEL = 5000       # bytes per image pixel at the peak of a VAE d
 UNET_INFER_PER_PIXEL = 600        # bytes per image pixel of the UNet's no-grad pass with guidance (batch 2)
 VAE_DECODE_TILE = 512
 # Preview prompts of the same settings rendered in one pipeline call on a GPU (each image decoded on its own):
-# with one call per image the eager UNet's launches can leave the GPU waiting on the host (benchmarks/
-# preview_cost.py --batch times both ways). With tiled decoding (a run short of memory) one at a time.
+# with one call per image the eager UNet's launches can leave the GPU waiting on the host
+# (benchmarks/preview_cost.py --batch times both ways). With tiled decoding (a run short of memory) one at a time.
 PREVIEW_BATCH = 4
 TEXT_ACTIVATIONS = int(0.1 * GiB)  # the text encoders' no-grad pass over one caption
 
