@@ -482,6 +482,48 @@ def test_llm_speed_auto_compiles_the_decoder_layers_of_a_long_run_on_a_gpu_and_k
     assert fields_for_other_tasks(off) == []  # setting it on an LLM run is not "SDXL-only" any more
 
 
+def test_llm_cuda_graphs_compile_the_layers_and_refuse_checkpointing_unless_a_budget_chose_it(tmp_path, caplog):
+    # train.cuda_graphs for a causal LM: inductor's CUDA graphs replay the compiled decoder layers, so auto
+    # compiles them whatever the run's length; graphs cannot replay checkpointed layers, so asking for both is
+    # refused before any weight is read, while a memory budget that needs checkpointing wins with a warning.
+    from transformers import LlamaConfig
+
+    from sdxl_lora.core.config import ConfigError, fields_for_other_tasks
+    from sdxl_lora.core.loop import Trainer
+    from sdxl_lora.core.runs import create_run
+    from sdxl_lora.llm.task import LLMTask, auto_levers
+
+    def cfg(**extra):
+        return load_config(extra={"task": "llm", "train.steps": 2, "train.cuda_graphs": True,
+                                  "output.runs_dir": str(tmp_path), **extra})
+
+    short = cfg()
+    got, why = auto_levers(short, "cuda", 1)
+    assert got.train.compile == "regional" and "cuda_graphs" in why["compile"]
+    assert fields_for_other_tasks(short) == []  # not an SDXL-only setting any more
+    with pytest.raises(ConfigError, match="it needs train.compile = 'regional'"):
+        LLMTask(c := cfg(**{"train.compile": "none"})).configure(c, "cuda", 1)
+    for device in ("cuda", "cpu"):
+        with pytest.raises(ConfigError, match="train.cuda_graphs with train.gradient_checkpointing"):
+            LLMTask(c := cfg(**{"train.gradient_checkpointing": True})).configure(c, device, 1)
+    # Llama-3-8B's config, no weights: 24 GiB needs its layers checkpointed at 4 x 2048 tokens.
+    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8,
+                tie_word_embeddings=False).save_pretrained(tmp_path / "8b")
+    budget = cfg(**{"model.path": str(tmp_path / "8b"), "train.vram_gb": 24, "train.batch_size": 4,
+                    "llm.max_length": 2048})
+    with caplog.at_level("WARNING"):
+        fitted = LLMTask(budget).configure(budget, "cuda", 1)
+    assert fitted.train.gradient_checkpointing and not fitted.train.cuda_graphs
+    assert "train.cuda_graphs is off for this run" in caplog.text
+    # On a CPU the run trains without them, saying so.
+    caplog.clear()
+    on_cpu = cfg()
+    with caplog.at_level("WARNING"):
+        Trainer(on_cpu, LLMTask(on_cpu), create_run(on_cpu)).setup()
+    assert "train.cuda_graphs needs a CUDA device; running without" in caplog.text
+
+
 def test_llm_plan_reads_only_the_config_and_matches_the_8b_figures(tmp_path, capsys):
     # A Llama-3-8B folder with its config and no real weights: `llm plan` builds the model on the meta
     # device. Rank 16 on every linear of the 8B is the 41.9 M trainable parameters issue 10 states, and its

@@ -418,8 +418,9 @@ class TrainConfig(Section):
     compile_activation_budget: float | None = Field(None, gt=0, le=1, description=(
         "With compile: the fraction of the compiled blocks' activations kept for the backward, the rest "
         "recomputed; none keeps the compiler's choice."))
-    cuda_graphs: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
-        "Replay the UNet's forward and backward from CUDA graphs, one per bucket shape (CUDA only)."))
+    cuda_graphs: bool = Field(False, description=(
+        "Replay the step from CUDA graphs (CUDA only): SDXL, the UNet's forward and backward per bucket shape; "
+        "LLM, the compiled decoder layers (no checkpointing)."))
     background_compile: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
         "With compile: the blocks compile on a second thread while the first steps train uncompiled, then "
         "training switches to them (one process; speed='auto' turns it on where both fit the GPU)."))

@@ -51,6 +51,10 @@ def auto_levers(cfg: Config, device_type: str, processes: int) -> tuple[Config, 
         return cfg, {}
     if "compile" in tc.model_fields_set:
         return cfg, {"compile": f"{tc.compile!r}, as set"}
+    if tc.cuda_graphs:
+        update = {"train": tc.model_copy(update={"compile": "regional"})}
+        return cfg.model_copy(update=update), {
+            "compile": "'regional': train.cuda_graphs replays the compiled decoder layers"}
     tokens = tc.steps * tc.batch_size * tc.grad_accum * processes * cfg.llm.max_length
     if tokens < COMPILE_MIN_TOKENS:
         return cfg, {"compile": f"'none': the run trains at most {tokens:,} tokens, fewer than compiling pays for "
@@ -58,6 +62,22 @@ def auto_levers(cfg: Config, device_type: str, processes: int) -> tuple[Config, 
     update = {"train": tc.model_copy(update={"compile": "regional"})}
     return cfg.model_copy(update=update), {
         "compile": f"'regional': the run trains up to {tokens:,} tokens, enough to repay compiling its decoder layers"}
+
+
+def _graphs_or_checkpointing(cfg: Config, checkpointing_asked: bool) -> Config:
+    """train.cuda_graphs with checkpointed decoder layers: inductor's CUDA graphs cannot replay them (the
+    recomputation in backward runs the graphed layer again and overwrites the outputs the backward still
+    reads; with offloaded inputs the capture is refused: benchmarks/RESULTS.md). Refused where the user asked for
+    both; where train.vram_gb chose checkpointing to fit, the budget wins and the graphs are left off, saying so."""
+    tc = cfg.train
+    if not (tc.cuda_graphs and tc.gradient_checkpointing):
+        return cfg
+    if checkpointing_asked:
+        raise ConfigError("train.cuda_graphs with train.gradient_checkpointing: inductor's CUDA graphs cannot replay "
+                          "checkpointed decoder layers; set one of them to false")
+    log.warning("train.vram_gb=%g checkpoints the decoder layers to fit, which CUDA graphs cannot replay: "
+                "train.cuda_graphs is off for this run", tc.vram_gb)
+    return cfg.model_copy(update={"train": tc.model_copy(update={"cuda_graphs": False})})
 
 
 class LLMTask(Task):
@@ -73,6 +93,7 @@ class LLMTask(Task):
         needs them, from the model's config alone (before any weight is read); then train.speed="auto"'s
         choice of compilation for this device and run length."""
         self._budget = None
+        checkpointing = cfg.train.gradient_checkpointing  # as the user set it, before a budget's choice
         if cfg.train.vram_gb:
             from .memory import fit_budget
             from .model import check_causal_lm_folder, resolve_llm_path
@@ -80,7 +101,12 @@ class LLMTask(Task):
             config = check_causal_lm_folder(resolve_llm_path(cfg.model), weights=False)
             self._budget = fit_budget(cfg, config, cfg.train.vram_gb)
             cfg = self._budget.cfg
+        cfg = _graphs_or_checkpointing(cfg, checkpointing)
         cfg, self._speed_choices = auto_levers(cfg, device_type, processes)
+        if cfg.train.cuda_graphs and cfg.train.compile == "none" and device_type == "cuda":
+            raise ConfigError("train.cuda_graphs for a causal LM replays the compiled decoder layers (inductor's CUDA "
+                              "graphs): it needs train.compile = 'regional' (train.speed='auto' turns it on where "
+                              "train.compile is left unset)")
         self.cfg = cfg
         return cfg
 
@@ -153,15 +179,21 @@ class LLMTask(Task):
                      "; ".join(f"{k} {v}" for k, v in self._speed_choices.items()))
             run.event("speed", auto=True, **{k: getattr(cfg.train, k) for k in self._speed_choices},
                       reasons=self._speed_choices)
+        graphs = cfg.train.cuda_graphs and self.device.type == "cuda"
+        if cfg.train.cuda_graphs and not graphs:
+            log.warning("train.cuda_graphs needs a CUDA device; running without (device is %s)", self.device)
         if cfg.train.compile != "none":
             from ..core import speed
 
             # The repeated decoder layers, compiled one graph for all (rows are padded to a fixed width: _width);
-            # their class is the checkpointing subclass where train.gradient_checkpointing swapped it in.
+            # their class is the checkpointing subclass where train.gradient_checkpointing swapped it in. With
+            # train.cuda_graphs inductor replays each compiled layer's forward and backward from CUDA graphs, one
+            # recording per row width (evaluation and previews run the layers uncompiled).
             n = speed.compile_regions(self.lm, classes=(type(self._first_layer()).__name__,),
-                                     activation_budget=cfg.train.compile_activation_budget)
-            log.info("train.compile=%r: %d decoder layers compiled (the first steps include compilation)",
-                     cfg.train.compile, n)
+                                     activation_budget=cfg.train.compile_activation_budget,
+                                     options={"triton.cudagraphs": True} if graphs else None)
+            log.info("train.compile=%r: %d decoder layers compiled%s (the first steps include compilation)",
+                     cfg.train.compile, n, ", replayed from CUDA graphs" if graphs else "")
         log.info("adapter plan:\n%s", inject.format_plan(self.plan))
         run.event("plan", layers=len(self.plan.targets), trainable_params=self.plan.trainable_params,
                   preset=cfg.adapter.preset, base_rank=self.plan.base_rank, groups=self.plan.groups())
