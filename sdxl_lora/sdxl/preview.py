@@ -245,6 +245,8 @@ def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, g
     else:
         texts = [{k: v.to(device) for k, v in t.items()} for t in texts]
     limit = batch or (CPU_PREVIEW_BATCH if device.type == "cpu" else 1)
+    if limit > 1 and device.type != "cpu" and not hasattr(pipe.vae, "enable_slicing"):
+        limit = 1  # a VAE that cannot decode a batch one image at a time: one prompt a call keeps one decode
     slicing = limit > 1 and device.type != "cpu" and not pipe.vae.use_slicing
 
     def settings(i: int) -> tuple:
