@@ -156,6 +156,51 @@ def test_previews_with_the_same_settings_render_as_one_batch_on_a_cpu_and_draw_t
     assert np.abs(np.asarray(batched[0], int) - np.asarray(batched[1], int)).max() > 10  # seeds 3 and 4
 
 
+def test_previews_on_a_gpu_render_in_batches_and_decode_each_image_on_its_own():
+    # On a GPU render() takes up to `batch` prompts of the same settings a call, with the VAE decoding a batch
+    # one image at a time for the call only (the decode's peak stays one image's); a VAE that cannot do that
+    # gets one prompt a call. A stand-in pipeline on a "cuda" device records each call: nothing runs on a GPU.
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from sdxl_lora.sdxl import preview
+
+    calls = []
+
+    class SlicingVAE:
+        use_slicing = False
+
+        def enable_slicing(self):
+            self.use_slicing = True
+
+        def disable_slicing(self):
+            self.use_slicing = False
+
+    class Pipe:
+        unet = SimpleNamespace(device=torch.device("cuda"))
+
+        def __init__(self, vae):
+            self.vae = vae
+
+        def __call__(self, prompt, generator, width, height, **kw):
+            n = len(prompt) if isinstance(prompt, list) else 1
+            calls.append((n, getattr(self.vae, "use_slicing", None)))
+            return SimpleNamespace(images=[Image.new("RGB", (width, height))] * n)
+
+    prompts = ["a red star", "a blue circle", "a green square", "a grey triangle", "a red circle"]
+    kw = dict(seed=3, steps=3, guidance=5.0, width=64, height=64)
+    vae = SlicingVAE()
+    assert len(preview.render(Pipe(vae), prompts, batch=4, **kw)) == 5
+    assert calls == [(4, True), (1, True)] and not vae.use_slicing  # sliced for the render, as it was after it
+    calls.clear()
+    assert len(preview.render(Pipe(SimpleNamespace()), prompts, batch=4, **kw)) == 5
+    assert calls == [(1, None)] * 5
+    calls.clear()
+    preview.render(Pipe(SlicingVAE()), prompts, **kw)  # no batch given: one at a time on a GPU
+    assert calls == [(1, False)] * 5
+
+
 @pytest.mark.parametrize("quantize", ["none", "nf4"])
 def test_training_loads_the_frozen_unet_in_its_compute_dtype_and_a_base_to_quantize_as_before(
         tiny_dir, monkeypatch, quantize):
