@@ -328,17 +328,10 @@ def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = F
     result["phases_s"] = {k: round(b - a, 1) for k, (a, b) in spans.items()}
     result["peak_gib"] = mem.peak()
     result["phase_peak_gib"] = {k: mem.peak(a, b) for k, (a, b) in spans.items()}
+    # Each rendered set's own time and its parts (a step-0 set from the cache is a file copy, not counted).
     rendered = [e for e in events if e["event"] == "previews_rendered"]
-    if rendered:  # each rendered set's own time and its parts (a set from the cache: a file copy, not counted)
-        result["previews_s"] = [{k: v for k, v in e.items() if k not in ("event", "time")} for e in rendered]
-        preview_s = sum(e["seconds"] for e in rendered)
-    else:  # older runs: the step-0 set's span (with the FLOP count before it) and the final set's, from the events
-        preview_s = spans["previews before"][1] - spans["previews before"][0] if "previews before" in spans else 0.0
-        finish = [e for e in events if e["event"] == "samples" and e["step"] == result["steps"]]
-        adapter = next((e for e in events if e["event"] == "adapter"), None)
-        if finish and adapter:
-            preview_s += finish[0]["time"] - adapter["time"]
-    result["previews_share"] = round(preview_s / wall, 3)
+    result["previews_s"] = [{k: v for k, v in e.items() if k not in ("event", "time")} for e in rendered]
+    result["previews_share"] = round(sum(e["seconds"] for e in rendered) / wall, 3)
     estimate = next((e for e in events if e["event"] == "memory_estimate"), None)
     if estimate:
         result["estimate_gib"] = estimate["run"]

@@ -25,20 +25,15 @@ def as_disk_full(e: BaseException, where: Path) -> BaseException:
     return e
 
 
-def replaced_source(out: str | Path, sources: Iterable[str | Path]) -> Path | None:
-    """The first existing one of `sources` that writing `out` would destroy: `out` itself, or a file inside the
-    folder `out` (a folder written there replaces it whole). None where `out` touches none of them."""
-    target = Path(out).resolve()
-    return next((Path(s) for s in sources if Path(s).exists() and Path(s).resolve().is_relative_to(target)), None)
-
-
 def check_destination(out: str | Path, overwrite: bool, reads: Iterable[str | Path] = (), reader: str = "this",
                       error: type[Exception] = FileExistsError,
                       exists_error: type[Exception] = FileExistsError) -> None:
     """Refuse to write `out` over what the result is made from (`reads`: base models, adapters; `out` itself or
     a folder holding one), asked or not, with `error`; and over anything that exists unless `overwrite`, with
     `exists_error`. `reader` names what reads them in the message ("the merge")."""
-    if (source := replaced_source(out, reads)) is not None:
+    target = Path(out).resolve()  # a folder written at `out` replaces it whole, with whatever lies inside
+    source = next((Path(s) for s in reads if Path(s).exists() and Path(s).resolve().is_relative_to(target)), None)
+    if source is not None:
         raise error(f"{out} is or holds {source}, which {reader} reads: write the result elsewhere (what is read is "
                     "never replaced)")
     if Path(out).exists() and not overwrite:

@@ -415,10 +415,7 @@ class GraphedCall:
             # memory, so capturing can need more than an eager step. Out of the except block: its traceback
             # held the failed capture's frames and, through them, the pool's memory (the frames form cycles,
             # hence the collection).
-            self.graphs.clear()
-            self.pool = None
-            gc.collect()
-            torch.cuda.empty_cache()
+            self.release()
             if self.refused:
                 log.warning("CUDA graphs could not be captured (%s); training on without them", self.refused)
                 self.eager = True
@@ -436,15 +433,13 @@ class GraphedCall:
         return graphed(*args)
 
     def release(self) -> None:
-        """Drops every captured graph and their shared pool, and gives the pool's memory back to the device:
-        for the work after the last training step (the final evaluation and previews), which the pool's
-        memory cannot serve. Later calls run `fn` as it is."""
+        """Drops every captured graph and their shared pool, and gives the pool's memory back to the device: after
+        a capture ran out of memory, and for the work after the last training step (the final evaluation and
+        previews), which the pool's memory cannot serve. A later call captures again."""
         self.graphs.clear()
         self.pool = None
-        self.eager = True
         gc.collect()  # the graphed callables' autograd functions and their closures hold the graphs in cycles
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
 
     def _try_capture(self, key: tuple, args: tuple) -> Callable | None:
         try:

@@ -78,15 +78,15 @@ class _HostCopy:
         """Drops the device tensors whose copies (to the host, or back from it unread) may still be running,
         after having the compute stream wait for those copies: the allocator may then reuse their memory for
         the compute stream's next work."""
-        if self.copying is None and (self.back is None or self.back[1] is None):
-            return
-        main = torch.cuda.current_stream(self.device)
+        waits = []
         if self.copying is not None:
-            main.wait_event(self.event)
+            waits.append(self.event)
             self.copying = None
         if self.back is not None and self.back[1] is not None:
-            main.wait_event(self.back[1])
+            waits.append(self.back[1])
             self.back = None
+        for event in waits:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def __del__(self):
         # A holder dropped with a copy still unwaited (the last layer's input when no backward follows, an

@@ -306,6 +306,11 @@ VAE_DECODE_TILE = 512
 # with one call per image the eager UNet's launches can leave the GPU waiting on the host
 # (benchmarks/preview_cost.py --batch times both ways). With tiled decoding (a run short of memory) one at a time.
 PREVIEW_BATCH = 4
+
+
+def preview_batch(vae_tiling: bool) -> int:
+    """Preview prompts a GPU renders in one pipeline call (render's batch), as the estimate counts them."""
+    return 1 if vae_tiling else PREVIEW_BATCH
 TEXT_ACTIVATIONS = int(0.1 * GiB)  # the text encoders' no-grad pass over one caption
 
 
@@ -361,8 +366,7 @@ def run_memory(step: MemoryEstimate, *, vae_bytes: int, text_bytes: int, largest
             unet += step.optimizer + (step.activations if graphs else 0)
         elif previews_after:
             unet += step.optimizer
-        batch = 1 if vae_tiling else PREVIEW_BATCH
-        render = max(UNET_INFER_PER_PIXEL * preview_pixels * batch, VAE_DECODE_PER_PIXEL * decode_pixels)
+        render = max(UNET_INFER_PER_PIXEL * preview_pixels * preview_batch(vae_tiling), VAE_DECODE_PER_PIXEL * decode_pixels)
         # The prompts were encoded at set-up: the text encoders come only when they stay for training anyway.
         phases["previews"] = whole(unet + vae_bytes + render + (text_bytes if encoders_stay else 0))
     phases["export"] = whole(step.weights_total + step.adapter)

@@ -26,7 +26,7 @@ from ..core.fsutil import atomic_save
 from ..core.inject import merged_for_inference
 from ..core.speed import BACKGROUND, evaluation_mode
 from .data import live_text
-from .memory import PREVIEW_BATCH
+from .memory import preview_batch
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +210,8 @@ def encode_prompts(pipe, prompts: list[str | PreviewPrompt], *, guidance: float,
 
 
 # Prompts with the same settings render as one batch on a CPU: several images' GEMMs use the cores better than
-# one image's (the same images, to float rounding). On a GPU the trainer's previews batch PREVIEW_BATCH (memory.py,
-# whose estimate counts the batch's UNet pass; each image is decoded on its own).
+# one image's (the same images, to float rounding). On a GPU the trainer's previews batch memory.preview_batch()
+# prompts (whose UNet pass the estimate counts; each image is decoded on its own).
 CPU_PREVIEW_BATCH = 8
 
 
@@ -439,7 +439,7 @@ def render_previews(task, model, run, step: int) -> list[Path]:
             # graphs' guards, and training would compile them again after the switch).
             merged = contextlib.nullcontext() if BACKGROUND.running else merged_for_inference(model)
             tiled = tiled_previews(cfg)
-            batch = None if device.type == "cpu" else 1 if tiled else PREVIEW_BATCH
+            batch = None if device.type == "cpu" else preview_batch(tiled)
             with _cudnn_search(False), vae_tiles(p.vae, tiled), merged:
                 ready = time.perf_counter()
                 images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps,
