@@ -10,7 +10,7 @@ import torch
 from sdxl_lora.cli import main
 from sdxl_lora.core.config import ConfigError, load_config
 from sdxl_lora.sdxl.model import unet_skeleton
-from sdxl_lora.sdxl.plan import component_bytes, fit_budget
+from sdxl_lora.sdxl.plan import component_bytes, fit_budget, plan_config, run_memory_for
 from sdxl_lora.sdxl.preview import tiled_previews
 
 GIB = 2**30
@@ -43,6 +43,25 @@ def test_each_budget_gets_a_whole_run_that_fits_and_a_smaller_one_costs_more_tim
     assert fits[6].memory.phases["caching"] < fits[8].memory.phases["caching"]
     slowdowns = [fits[b].slowdown for b in (80, 24, 12, 8, 6)]
     assert slowdowns == sorted(slowdowns) and slowdowns[-1] > slowdowns[0]
+
+
+# Whole-process peaks (GiB) of `sdxl-lora train` with the defaults on a full-size SDXL and a three-bucket dataset at
+# 1024 (auto chose CUDA graphs, nothing compiled), by batch: benchmarks/train_e2e.py, benchmarks/RESULTS.md.
+MEASURED_DEFAULT_RUNS = [(1, 12.51), (2, 18.26), (4, 29.73), (8, 53.91), (16, 98.23)]
+
+
+@pytest.mark.parametrize("batch,measured", MEASURED_DEFAULT_RUNS)
+def test_the_default_runs_training_estimate_stays_just_above_its_measured_peak(batch, measured):
+    # Too high and a run that fits is refused or slowed by levers it does not need; under it and a run the
+    # estimate let start can run out of memory.
+    cfg = load_config(extra={"model.path": "arch:sdxl", "data.resolution": 1024, "train.batch_size": batch})
+    planned = plan_config(cfg)
+    training = run_memory_for(cfg, planned, component_bytes(cfg)).phases["training"] / GIB
+    assert measured < training < 1.07 * measured
+    # The refit is the trainer's own LoRA step's: peft's products (train.lora_matmul="peft") keep the model's count.
+    peft = load_config(extra={"model.path": "arch:sdxl", "data.resolution": 1024, "train.batch_size": batch,
+                              "train.lora_matmul": "peft"})
+    assert plan_config(peft).memory.activations > planned.memory.activations
 
 
 def test_levers_the_user_set_are_kept_by_the_budget(sdxl):
