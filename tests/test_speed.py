@@ -1105,6 +1105,33 @@ def test_the_steps_graphs_are_released_before_the_final_evaluation_and_previews(
     assert (tmp_path / "g" / "samples" / "step-000004-00.png").is_file()
 
 
+def test_evaluation_and_previews_run_without_cudnns_search_and_training_keeps_it(tmp_path, monkeypatch):
+    # On a GPU training sets cuDNN's algorithm search on: each convolution shape is timed once and the choice
+    # repays itself over the run's steps. Evaluation (several timesteps an image) and previews (the pipeline's
+    # sizes) call the UNet a few times at shapes of their own, where the search costs seconds a shape for
+    # nothing; they run on cuDNN's heuristic choice and leave the search on for training.
+    from diffusers import UNet2DConditionModel
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)  # as speed.configure_backends sets it on CUDA
+    calls = []
+    forward = UNet2DConditionModel.forward
+
+    def recording(self, *args, **kwargs):
+        calls.append(("grad" if torch.is_grad_enabled() else "no grad", torch.backends.cudnn.benchmark))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(UNet2DConditionModel, "forward", recording)
+    (tmp_path / "prompts.txt").write_text("a red star\n")
+    common = _two_bucket_run(tmp_path)
+    assert main(["train", *common, "--name", "r", "--set", f"preview.prompts='{tmp_path / 'prompts.txt'}'",
+                 "--set", "preview.steps=2", "--set", "train.cuda_graphs=false"]) == 0
+    searched = {c for c in calls if c[0] == "grad"}
+    assert searched == {("grad", True)}  # the training steps
+    assert {c for c in calls if c[0] == "no grad"} == {("no grad", False)}  # evaluation and previews
+    assert calls.count(("no grad", False)) >= 3  # eval before and after, previews before and after
+    assert torch.backends.cudnn.benchmark is True
+
+
 def test_modules_called_beside_the_compiling_thread_are_not_traced_into_its_graphs():
     # torch.fx's tracer patches torch.nn.Module.__call__ for the whole process while it traces (inductor traces
     # with it): a module called meanwhile on the training thread went into the compiling thread's graph and

@@ -35,6 +35,19 @@ def configure_backends(device: torch.device) -> None:
         torch.backends.cudnn.benchmark = True
 
 
+@contextlib.contextmanager
+def cudnn_search(on: bool):
+    """cuDNN's algorithm search (torch.backends.cudnn.benchmark) set to `on` inside, restored after. Training
+    searches once per convolution shape and repays it over thousands of steps; evaluation and previews run a
+    few calls at shapes of their own, where the search would cost more than its choice saves."""
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
 # train.sdpa_backend: the kernels torch's scaled_dot_product_attention may use in the training forward.
 # "default" leaves torch's own choice; a named backend restricts it to that one.
 def sdpa_context(choice: str):

@@ -24,7 +24,7 @@ from PIL import Image, ImageDraw
 
 from ..core.fsutil import atomic_save
 from ..core.inject import merged_for_inference
-from ..core.speed import BACKGROUND, evaluation_mode
+from ..core.speed import BACKGROUND, cudnn_search, evaluation_mode
 from .data import live_text
 from .memory import preview_batch
 
@@ -313,16 +313,6 @@ def default_prompts(model_path: str, items: list, captions: list[str]) -> list[P
     return picked
 
 
-@contextlib.contextmanager
-def _cudnn_search(on: bool):
-    before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = on
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = before
-
-
 
 def tiled_previews(cfg) -> bool:
     """Whether previews decode in tiles: preview.vae_tiling, and always with a quantized base (a run that
@@ -440,7 +430,7 @@ def render_previews(task, model, run, step: int) -> list[Path]:
             merged = contextlib.nullcontext() if BACKGROUND.running else merged_for_inference(model)
             tiled = tiled_previews(cfg)
             batch = None if device.type == "cpu" else preview_batch(tiled)
-            with _cudnn_search(False), vae_tiles(p.vae, tiled), merged:
+            with cudnn_search(False), vae_tiles(p.vae, tiled), merged:
                 ready = time.perf_counter()
                 images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps,
                                 guidance=cfg.preview.guidance, width=task.resolution, height=task.resolution,

@@ -1253,7 +1253,9 @@ class SDXLTask(Task):
             t = timesteps.repeat(len(group))
             target = (sched.get_velocity(latents, noise, t) if sched.config.prediction_type == "v_prediction"
                       else noise)
-            with self.accelerator.autocast():
+            # A few calls at shapes of evaluation's own (several timesteps an image): cuDNN's search for them
+            # would cost more than its choice saves (speed.cudnn_search).
+            with self.accelerator.autocast(), speed.cudnn_search(False):
                 unet = model.unet if isinstance(model, SDXLAdapterModel) else model
                 pred = unet(sched.add_noise(latents, noise, t), t,
                             encoder_hidden_states=each(lambda _, text: text["prompt_embeds"]),
