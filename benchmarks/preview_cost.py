@@ -10,8 +10,9 @@ move the text encoders and the VAE to the GPU and back, which each preview set d
 
 --levers then times the set (search off, as the trainer renders) as a training run's UNet renders it: with the
 default adapter plan injected and the default levers (fused q/k/v, merged LoRA products), with the adapter
-merged into copies of the weights for the set (inject.merged_for_inference: how the trainer's previews render),
-then with its weights channels_last, unmerged and merged (the latter: a compiled run's eager previews). --batch N
+merged into copies of the weights for the set (inject.merged_for_inference), then merged with its layers out of
+the UNet and the attentions on diffusers' processor (how the trainer's previews render: the bare UNet's
+modules), then with its weights channels_last, unmerged and merged (the latter: a compiled run's eager previews). --batch N
 times N prompts at 1024x1024 (a trainer's default set: the same size) one pipeline call each, then all in one call
 (render's batch, each image decoded on its own), with each way's peak memory. --device cpu with the tiny model
 is this script's smoke test.
@@ -109,11 +110,13 @@ def main() -> None:
         with inject.merged_for_inference(unet) as merged:
             sync()
             merge_s = time.perf_counter() - t
-            time_set(f"the adapter merged into copies of {merged} weights for the set, as the trainer's previews "
-                     "render, benchmark off", False)
+            time_set(f"the adapter merged into copies of {merged} weights for the set, benchmark off", False)
             t = time.perf_counter()
         sync()
         print(json.dumps({"merge_s": round(merge_s, 2), "restore_s": round(time.perf_counter() - t, 2)}), flush=True)
+        with inject.merged_for_inference(unet, unwrap=True), unet_speed.stock_attention(unet):
+            time_set("merged, the adapter's layers out and diffusers' attention processor, as the trainer's previews "
+                     "render, benchmark off", False)
         to_channels_last(unet)
         time_set("the adapter unmerged, channels_last weights, benchmark off", False)
         with inject.merged_for_inference(unet):

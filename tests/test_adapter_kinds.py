@@ -162,9 +162,9 @@ def test_each_kind_gives_the_loaders_the_weights_training_used(tiny_dir, tmp_pat
 @pytest.mark.parametrize("kind", KINDS)
 def test_previews_run_each_kind_merged_and_training_resumes_on_the_same_weights(tiny_dir, kind):
     """Previews (sdxl/preview.py) render with the adapter merged into copies of the weights it adapts
-    (inject.merged_for_inference), one product a layer as the tools users render with: the UNet gives the
-    adapter's output, and afterwards every weight the training step reads is the tensor it was, value for
-    value, the fused q/k/v weights still views of their one buffer."""
+    (inject.merged_for_inference), one product a layer as the tools users render with, its layers out of the
+    UNet meanwhile: the UNet gives the adapter's output, and afterwards every weight the training step reads is
+    the tensor it was, value for value, the fused q/k/v weights still views of their one buffer."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     from sdxl_lora.sdxl import speed as unet_speed
@@ -189,6 +189,16 @@ def test_previews_run_each_kind_merged_and_training_resumes_on_the_same_weights(
     fused = attn.fused_qkv.weight
     assert all(layer.get_base_layer().weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
                for layer in (attn.to_q, attn.to_k, attn.to_v))
+    with torch.no_grad():
+        assert torch.equal(unet(**x).sample, want)
+    # As the previews render: the merged layers out of the UNet and its attentions on diffusers' own processor,
+    # the bare UNet's modules with the adapter in their weights; the same output, and everything back after.
+    processors = {name: m.processor for name, m in unet.named_modules() if hasattr(m, "processor")}
+    with inject.merged_for_inference(unet, unwrap=True), unet_speed.stock_attention(unet) as stock, torch.no_grad():
+        assert stock > 0 and not any(isinstance(m, BaseTunerLayer) for m in unet.modules())
+        torch.testing.assert_close(unet(**x).sample, want, rtol=1e-4, atol=1e-4)
+    assert [m for m in unet.modules() if isinstance(m, BaseTunerLayer)] == tuners and not any(m.merged for m in tuners)
+    assert {name: m.processor for name, m in unet.named_modules() if hasattr(m, "processor")} == processors
     with torch.no_grad():
         assert torch.equal(unet(**x).sample, want)
 

@@ -446,14 +446,19 @@ def remove_adapter(model: nn.Module, adapter_name: str) -> None:
 
 
 @contextlib.contextmanager
-def merged_for_inference(model: nn.Module):
+def merged_for_inference(model: nn.Module, unwrap: bool = False):
     """The adapters folded into copies of their frozen base weights for the duration of a no-grad use (previews):
     each adapted layer then runs one product, as ComfyUI and AUTOMATIC1111 run a LoRA, instead of the base's and
     the adapter's with a Python call per layer, which costs about as much as the base's whole forward at full
     size (benchmarks/RESULTS.md). peft merges (each kind its own way, DoRA's rescaling included) into a copy; the
     layer's own weight tensor is put back afterwards untouched, so training resumes on exactly the weights it
     had. Layers over quantized weights keep their adapter path (a 4-bit merge is lossy). Where the copies do not
-    fit in the device's free memory nothing is merged. Yields how many layers are merged."""
+    fit in the device's free memory nothing is merged. Yields how many layers are merged.
+
+    unwrap: each merged layer also leaves the model for the duration, its base layer (holding the merged copy) in
+    its place, so the model runs as the bare one with no adapter code at all: peft's forward of a merged layer
+    still costs a Python call or more per layer and UNet call. The same modules are put back afterwards. Whatever
+    else reads the adapted layers (a fused attention processor) must not run meanwhile."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = []
@@ -467,7 +472,7 @@ def merged_for_inference(model: nn.Module):
     device = layers[0][1].weight.device if layers else None
     if device is not None and device.type == "cuda" and need > torch.cuda.mem_get_info(device)[0] * 0.8:
         layers = []
-    swapped = []
+    swapped, unwrapped = [], []
     try:
         with torch.no_grad():
             for layer, base in layers:
@@ -476,8 +481,18 @@ def merged_for_inference(model: nn.Module):
                     getattr(base, name).data = tensor.clone()
                 swapped.append((layer, base, kept))
                 layer.merge()
+        if unwrap:
+            merged = {id(layer) for layer, _, _ in swapped}
+            for parent in list(model.modules()):
+                for name, child in parent._modules.items():
+                    if id(child) in merged:
+                        unwrapped.append((parent, name, child))
+            for parent, name, child in unwrapped:
+                parent._modules[name] = child.get_base_layer()
         yield len(swapped)
     finally:
+        for parent, name, child in reversed(unwrapped):
+            parent._modules[name] = child
         with torch.no_grad():
             for layer, base, kept in reversed(swapped):
                 if layer.merged:

@@ -27,6 +27,7 @@ from ..core.inject import merged_for_inference
 from ..core.speed import BACKGROUND, cudnn_search, evaluation_mode
 from .data import live_text
 from .memory import preview_batch
+from .speed import stock_attention
 
 log = logging.getLogger(__name__)
 
@@ -369,6 +370,15 @@ def _copy(src: Path, dest: Path) -> Path:
     return atomic_save(dest, lambda tmp: shutil.copyfile(src, tmp))
 
 
+@contextlib.contextmanager
+def _plain_unet(model, unet):
+    """The adapter merged into copies of the weights it adapts, its layers out of the model and the attentions on
+    diffusers' own processor for the duration: the UNet runs as the bare one, without a Python call per adapted
+    layer and UNet call (a preview set calls the UNet 20 times an image); all put back afterwards."""
+    with merged_for_inference(model, unwrap=True), stock_attention(unet):
+        yield
+
+
 def render_previews(task, model, run, step: int) -> list[Path]:
     """Render the task's prompts with the model being trained; the VAE and text encoders visit the
     accelerator only for the duration."""
@@ -425,9 +435,10 @@ def render_previews(task, model, run, step: int) -> list[Path]:
             # would time every convolution of the pipeline at each preview size, the VAE decoder's included,
             # for a few images: its heuristic choice is cheaper (benchmarks/preview_cost.py).
             # The adapter merged into copies of the weights it adapts for the set, as the tools users render with
-            # apply it; not while a second thread compiles the same modules (peft's merged flag would enter its
-            # graphs' guards, and training would compile them again after the switch).
-            merged = contextlib.nullcontext() if BACKGROUND.running else merged_for_inference(model)
+            # apply it, and the UNet run as the bare one (_plain_unet); not while a second thread compiles the same
+            # modules (peft's merged flag would enter its graphs' guards, and training would compile them again
+            # after the switch).
+            merged = contextlib.nullcontext() if BACKGROUND.running else _plain_unet(model, unet)
             tiled = tiled_previews(cfg)
             batch = None if device.type == "cpu" else preview_batch(tiled)
             with cudnn_search(False), vae_tiles(p.vae, tiled), merged:

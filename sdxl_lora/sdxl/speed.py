@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Callable
@@ -376,6 +377,26 @@ def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
         attn.set_processor(FusedProjectionsProcessor(lora_matmul))
         n += 1
     return n
+
+
+@contextlib.contextmanager
+def stock_attention(model: torch.nn.Module):
+    """Every attention fused over plain weights on diffusers' stock processor for the duration (then back on the
+    fused one): the fused processor computes from the one buffer its base weights were made views of, which does
+    not hold an adapter merged into copies of them (inject.merged_for_inference); the stock one calls the
+    projections. Quantized bases' fused attentions stay (their layers are never merged)."""
+    from diffusers.models.attention_processor import Attention
+
+    fused = [m for m in model.modules() if isinstance(m, Attention) and isinstance(m.processor, FusedProjectionsProcessor)
+             and isinstance(getattr(m, "fused_kv" if m.is_cross_attention else "fused_qkv", None), _FusedWeight)]
+    processors = [attn.processor for attn in fused]
+    try:
+        for attn, processor in zip(fused, processors):
+            attn.processor = processor.stock
+        yield len(fused)
+    finally:
+        for attn, processor in zip(fused, processors):
+            attn.processor = processor
 
 
 def _lora_linear_forward(self, x, *args, **kwargs):
