@@ -1,14 +1,15 @@
 """What the trainer's evaluation passes cost on a full-size SDXL UNet (the folder benchmarks/train_e2e.py builds:
-SDXL base's configs, random weights) with cuDNN's algorithm search (torch.backends.cudnn.benchmark) off, on for
-the first time, and on again (its choices cached): one no-grad call per aspect bucket, each call holding the
-images of one training batch at evaluation's four timesteps (sdxl/task.py: evaluate), under bf16 autocast.
+SDXL base's configs, random weights) with cuDNN's algorithm search (torch.backends.cudnn.benchmark) on or off:
+one no-grad call per aspect bucket, each call holding the images of one training batch at evaluation's four
+timesteps (sdxl/task.py: evaluate), under bf16 autocast; the buckets' first calls, then the same calls again.
 
     python3 benchmarks/train_e2e.py --work /tmp/e2e --settings defaults --steps 1   # builds the folder once
-    python3 benchmarks/eval_cost.py --model /tmp/e2e/sdxl-random --batch 2
+    python3 benchmarks/eval_cost.py --model /tmp/e2e/sdxl-random --batch 2 --search on
+    python3 benchmarks/eval_cost.py --model /tmp/e2e/sdxl-random --batch 2 --search off
 
-The trainer evaluates with the search off (speed.cudnn_search): a run's evaluations are a few calls at shapes
-of their own, while training's search repays itself over its steps. --device cpu with the tiny model is this
-script's smoke test.
+One setting a process: torch keeps the plan it first runs for a convolution's shape, found by the search or by
+cuDNN's heuristics, and a later call of that shape reuses it whatever the setting then. The trainer evaluates with
+the search off (speed.cudnn_search). --device cpu with the tiny model is this script's smoke test.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--batch", type=int, default=2, help="the training batch: images per evaluation call")
+    ap.add_argument("--search", choices=("on", "off"), default="off", help="cuDNN's algorithm search")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     from sdxl_lora.core.config import load_config
@@ -48,10 +50,9 @@ def main() -> None:
             unet(latents, torch.full((n,), 500, device=args.device), torch.randn(n, 77, context, device=args.device),
                  added_cond_kwargs=cond)
 
-    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.benchmark = args.search == "on"
     call(512, 512)  # the CUDA context, cuBLAS and the first kernels' loading, at a shape none of the rows use
-    for name, search in (("search off", False), ("search on, first", True), ("search on, again", True)):
-        torch.backends.cudnn.benchmark = search
+    for name in ("first calls", "again"):
         times = []
         for w, h in BUCKETS:
             sync()
@@ -59,9 +60,8 @@ def main() -> None:
             call(w, h)
             sync()
             times.append(round(time.perf_counter() - t, 2))
-        print(json.dumps({"mode": name, "batch": args.batch, "samples_per_call": n, "seconds_per_bucket": times,
-                          "total_s": round(sum(times), 2)}), flush=True)
-
+        print(json.dumps({"search": args.search, "calls": name, "batch": args.batch, "samples_per_call": n,
+                          "seconds_per_bucket": times, "total_s": round(sum(times), 2)}), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@
 # cached in the first), the finish phase (c38: 12.9 s fresh, 24.6 s relaunched with the search on, where the
 # relaunch's final eval paid the search its cached eval before had not), each previews set's own timing. Then
 # preview_cost.py --levers (the trainer's way of rendering beside the others) and eval_cost.py (evaluation's calls
-# with the search off, on the first time, on again).
+# with the search on, then off, each in its own process).
 # RUNS=0 leaves the runs out (a call too short for them: the two levers' own timings only).
 echo "== c43: evaluation without cuDNN's search; previews from the bare UNet's modules"
 t=$(( END - $(date +%s) ))
@@ -25,9 +25,9 @@ if [ $t -ge 100 ]; then
 else
   echo "-- skipped (no time): preview_cost"
 fi
-for b in 2 4; do
+for search in on off; do
   t=$(( END - $(date +%s) ))
-  if [ $t -lt 60 ]; then echo "-- skipped (no time): eval_cost batch $b"; continue; fi
-  timeout $t python3 benchmarks/eval_cost.py --model /tmp/e2e/sdxl-random --batch $b | tee -a $OUT/eval_cost.jsonl
+  if [ $t -lt 60 ]; then echo "-- skipped (no time): eval_cost, search $search"; continue; fi
+  timeout $t python3 benchmarks/eval_cost.py --model /tmp/e2e/sdxl-random --batch 2 --search $search | tee -a $OUT/eval_cost.jsonl
 done
 true
