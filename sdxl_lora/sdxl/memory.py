@@ -257,7 +257,7 @@ def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_s
                                    quantize_convs, compile, compile_activation_budget, channels_last,
                                    fused_geglu, adapter_factor)
     lean = (merged_lora and cuda_like and compile == "none" and not checkpointing and quantize == "none"
-                      and quantize_convs == "none")
+            and quantize_convs == "none")
     if lean:
         activations = int(activations * MERGED_LORA_KEEP)
     overhead = 0

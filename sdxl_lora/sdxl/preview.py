@@ -433,7 +433,7 @@ def render_previews(task, model, run, step: int) -> list[Path]:
                 m.to(device)
             # cuDNN's algorithm search (train.* sets torch.backends.cudnn.benchmark for the training shapes)
             # would time every convolution of the pipeline at each preview size, the VAE decoder's included,
-            # for a few images: its heuristic choice is cheaper (benchmarks/preview_cost.py).
+            # for a few images; its heuristics choose at no cost (speed.cudnn_search).
             # The adapter merged into copies of the weights it adapts for the set, as the tools users render with
             # apply it, and the UNet run as the bare one (_plain_unet); not while a second thread compiles the same
             # modules (peft's merged flag would enter its graphs' guards, and training would compile them again
