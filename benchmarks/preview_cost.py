@@ -1,14 +1,15 @@
 """What a preview set costs on a full-size SDXL (the folder benchmarks/train_e2e.py builds: SDXL base's
 configs, random weights), and where the time goes: one image per aspect bucket at the default preview
-settings, rendered three times in one process with cuDNN's algorithm search (torch.backends.cudnn.benchmark)
-off, on for the first time, and on again (its choices cached), each image timed on its own; and the time to
-move the text encoders and the VAE to the GPU and back, which each preview set does.
+settings, rendered twice (the process's first renders, then again), each image timed on its own, with cuDNN's
+algorithm search (torch.backends.cudnn.benchmark) off as the trainer renders, or on (--search on: one setting a
+process, since torch keeps the first plan it runs for a convolution's shape whatever the setting later); and the
+time to move the text encoders and the VAE to the GPU and back, which each preview set does.
 
     python3 benchmarks/train_e2e.py --work /tmp/e2e --settings defaults --steps 1   # builds the folder once
     python3 benchmarks/preview_cost.py --model /tmp/e2e/sdxl-random
     python3 benchmarks/preview_cost.py --model /tmp/e2e/sdxl-random --levers
 
---levers then times the set (search off, as the trainer renders) as a training run's UNet renders it: with the
+--levers then times the set as a training run's UNet renders it: with the
 default adapter plan injected and the default levers (fused q/k/v, merged LoRA products), with the adapter
 merged into copies of the weights for the set (inject.merged_for_inference), then merged with its layers out of
 the UNet and the attentions on diffusers' processor (how the trainer's previews render: the bare UNet's
@@ -32,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--levers", action="store_true", help="also time the set with the trainer's adapter and levers")
+    ap.add_argument("--search", choices=("on", "off"), default="off", help="cuDNN's algorithm search")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=0, help="also time N same-size prompts one a call, then in one call")
     args = ap.parse_args()
@@ -57,8 +59,10 @@ def main() -> None:
         prompts = [PreviewPrompt(p.prompt, width=p.width // 8, height=p.height // 8, steps=2) for p in prompts]
     pc = cfg.preview
 
-    def time_set(name: str, bench: bool) -> None:
-        torch.backends.cudnn.benchmark = bench
+    torch.backends.cudnn.benchmark = args.search == "on"
+
+    def time_set(name: str) -> None:
+        name = f"{name}, search {args.search}"
         times = []
         for p in prompts:
             sync()
@@ -72,10 +76,9 @@ def main() -> None:
                           "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}),
               flush=True)
 
-    for name, bench in (("benchmark off", False), ("benchmark on, first", True), ("benchmark on, again", True)):
-        time_set(name, bench)
+    for name in ("bare UNet, first renders", "bare UNet, again"):
+        time_set(name)
     if args.batch:
-        torch.backends.cudnn.benchmark = False
         side = 1024 if cuda else 128
         same = [PreviewPrompt(f"a sks dog, picture {i}", **({} if cuda else {"steps": 2})) for i in range(args.batch)]
         for batch in (1, args.batch):
@@ -104,23 +107,23 @@ def main() -> None:
         if cuda and cfg.train.lora_matmul == "merged":  # as the trainer: on CUDA only
             unet_speed.merge_lora_linears(unet), unet_speed.merge_lora_convs(unet)
         evaluation_mode(unet)
-        time_set("adapter (the default plan, fused q/k/v, merged products), benchmark off", False)
+        time_set("adapter (the default plan, fused q/k/v, merged products)")
         sync()
         t = time.perf_counter()
         with inject.merged_for_inference(unet) as merged:
             sync()
             merge_s = time.perf_counter() - t
-            time_set(f"the adapter merged into copies of {merged} weights for the set, benchmark off", False)
+            time_set(f"the adapter merged into copies of {merged} weights for the set")
             t = time.perf_counter()
         sync()
         print(json.dumps({"merge_s": round(merge_s, 2), "restore_s": round(time.perf_counter() - t, 2)}), flush=True)
         with inject.merged_for_inference(unet, unwrap=True), unet_speed.stock_attention(unet):
             time_set("merged, the adapter's layers out and diffusers' attention processor, as the trainer's previews "
-                     "render, benchmark off", False)
+                     "render")
         to_channels_last(unet)
-        time_set("the adapter unmerged, channels_last weights, benchmark off", False)
+        time_set("the adapter unmerged, channels_last weights")
         with inject.merged_for_inference(unet):
-            time_set("merged for the set, channels_last weights (a compiled run's previews), benchmark off", False)
+            time_set("merged for the set, channels_last weights (a compiled run's previews)")
     t = time.perf_counter()
     for m in aux:
         m.to("cpu")

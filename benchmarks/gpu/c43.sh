@@ -6,7 +6,7 @@
 # cached in the first), the finish phase (c38: 12.9 s fresh, 24.6 s relaunched with the search on, where the
 # relaunch's final eval paid the search its cached eval before had not), each previews set's own timing. Then
 # preview_cost.py --levers (the trainer's way of rendering beside the others) and eval_cost.py (evaluation's calls
-# with the search on, then off, each in its own process).
+# with the search on, then off, each in its own process; then the previews' bare set with the search on).
 # RUNS=0 leaves the runs out (a call too short for them: the two levers' own timings only).
 echo "== c43: evaluation without cuDNN's search; previews from the bare UNet's modules"
 t=$(( END - $(date +%s) ))
@@ -30,4 +30,8 @@ for search in on off; do
   if [ $t -lt 60 ]; then echo "-- skipped (no time): eval_cost, search $search"; continue; fi
   timeout $t python3 benchmarks/eval_cost.py --model /tmp/e2e/sdxl-random --batch 2 --search $search | tee -a $OUT/eval_cost.jsonl
 done
+t=$(( END - $(date +%s) ))
+if [ $t -ge 90 ]; then  # the bare UNet's set with the search on, in a process of its own, beside the rows above
+  timeout $t python3 benchmarks/preview_cost.py --model /tmp/e2e/sdxl-random --search on | tee -a $OUT/preview_cost.jsonl
+fi
 true
