@@ -482,6 +482,45 @@ def test_llm_speed_auto_compiles_the_decoder_layers_of_a_long_run_on_a_gpu_and_k
     assert fields_for_other_tasks(off) == []  # setting it on an LLM run is not "SDXL-only" any more
 
 
+def test_llm_speed_auto_replays_small_steps_from_cuda_graphs_where_they_fit(monkeypatch):
+    # A step of a few thousand tokens is paced by the host's kernel launches: auto replays the compiled layers from
+    # CUDA graphs there, and not where they were not measured to pay or cannot run: larger steps, checkpointing, a
+    # memory budget, several processes, another adapter kind, or the user's own setting. At set-up they are turned
+    # off again where the step and the graphs' memory would not fit the GPU.
+    from sdxl_lora.core.memory import GiB
+    from sdxl_lora.llm.task import COMPILE_MIN_TOKENS, GRAPHS_MAX_TOKENS, LLMTask, auto_levers
+
+    def cfg(batch=1, **extra):
+        return load_config(extra={"task": "llm", "llm.max_length": 2048, "train.batch_size": batch,
+                                  "train.steps": COMPILE_MIN_TOKENS // (batch * 2048) + 1, **extra})
+
+    got, why = auto_levers(cfg(), "cuda", 1)
+    assert got.train.compile == "regional" and got.train.cuda_graphs
+    assert why["cuda_graphs"].startswith(f"True: a step of 2,048 tokens (at most {GRAPHS_MAX_TOKENS:,})")
+    for c, processes in [(cfg(batch=4), 1), (cfg(**{"train.gradient_checkpointing": True}), 1),
+                         (cfg(**{"train.vram_gb": 24}), 1), (cfg(), 2), (cfg(**{"adapter.kind": "dora"}), 1),
+                         (cfg(**{"train.cuda_graphs": False}), 1)]:
+        got, why = auto_levers(c, "cuda", processes)
+        assert not got.train.cuda_graphs and "cuda_graphs" not in why
+    assert not auto_levers(cfg(), "cpu", 1)[0].train.cuda_graphs
+    # A compilation the user set gets the graphs too; a short run compiles nothing, so it gets none.
+    assert auto_levers(cfg(**{"train.compile": "regional", "train.steps": 5}), "cuda", 1)[0].train.cuda_graphs
+    assert not auto_levers(cfg(**{"train.steps": 5}), "cuda", 1)[0].train.cuda_graphs
+
+    task = LLMTask(c := cfg())
+    task.configure(c, "cuda", 1)
+    task.device = torch.device("cuda")  # as set-up sets it; nothing here touches a GPU
+    assert task.cfg.train.cuda_graphs
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 16 * GiB}))
+    monkeypatch.setattr(LLMTask, "_step_parts", lambda self: {"frozen weights": 5 * GiB, "activations": 8 * GiB})
+    task._auto_graphs_fit()  # 13 GiB + the context + the graphs' reserve: within 95% of 16 GiB
+    assert task.cfg.train.cuda_graphs
+    monkeypatch.setattr(LLMTask, "_step_parts", lambda self: {"frozen weights": 5 * GiB, "activations": 9 * GiB})
+    task._auto_graphs_fit()
+    assert not task.cfg.train.cuda_graphs
+    assert "would not fit in 95% of this GPU's 16.0 GiB" in task._speed_choices["cuda_graphs"]
+
+
 def test_llm_cuda_graphs_compile_the_layers_and_refuse_checkpointing_unless_a_budget_chose_it(tmp_path, caplog):
     # train.cuda_graphs for a causal LM: inductor's CUDA graphs replay the compiled decoder layers, so auto
     # compiles them whatever the run's length; graphs cannot replay checkpointed layers, so asking for both is

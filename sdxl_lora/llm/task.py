@@ -40,28 +40,46 @@ log = logging.getLogger(__name__)
 # adds seconds to the first step and saves about a fifth of every later one, which a short run (or a small
 # model's short steps) does not win back (benchmarks/RESULTS.md).
 COMPILE_MIN_TOKENS = 2_000_000
+# train.speed="auto" also replays the compiled decoder layers from CUDA graphs where a step holds at most this many
+# tokens (batch x max_length, one process): there the host's kernel launches set the pace, and the graphs took
+# them out (benchmarks/RESULTS.md: measured at batch 1 x 2048; larger steps were not). Not beside checkpointing
+# (graphs cannot replay it), a memory budget (its plan does not count the graphs' memory), several processes or
+# an adapter kind other than LoRA, none of which was measured with them.
+GRAPHS_MAX_TOKENS = 2048
+# What the graphs hold beside the step's estimate (their pool's slack, the recorded outputs): the whole process
+# measured 0.4-0.5 GiB more with them (benchmarks/RESULTS.md). Auto turns them off where this would not fit.
+GRAPHS_RESERVE = int(0.5 * 2**30)
 
 
 def auto_levers(cfg: Config, device_type: str, processes: int) -> tuple[Config, dict[str, str]]:
-    """train.speed="auto" for a causal LM: the config with train.compile chosen for this device and run, and
-    why, as {field: reason}. A compile setting of the user's is kept; off a CUDA GPU, or with speed="off",
-    nothing changes."""
+    """train.speed="auto" for a causal LM: the config with train.compile (and, for small steps, train.cuda_graphs)
+    chosen for this device and run, and why, as {field: reason}. Settings of the user's are kept; off a CUDA
+    GPU, or with speed="off", nothing changes."""
     tc = cfg.train
     if tc.speed != "auto" or device_type != "cuda":
         return cfg, {}
     if "compile" in tc.model_fields_set:
-        return cfg, {"compile": f"{tc.compile!r}, as set"}
-    if tc.cuda_graphs:
+        choices = {"compile": f"{tc.compile!r}, as set"}
+    elif tc.cuda_graphs:
         update = {"train": tc.model_copy(update={"compile": "regional"})}
         return cfg.model_copy(update=update), {
             "compile": "'regional': train.cuda_graphs replays the compiled decoder layers"}
-    tokens = tc.steps * tc.batch_size * tc.grad_accum * processes * cfg.llm.max_length
-    if tokens < COMPILE_MIN_TOKENS:
-        return cfg, {"compile": f"'none': the run trains at most {tokens:,} tokens, fewer than compiling pays for "
-                                f"({COMPILE_MIN_TOKENS:,})"}
-    update = {"train": tc.model_copy(update={"compile": "regional"})}
-    return cfg.model_copy(update=update), {
-        "compile": f"'regional': the run trains up to {tokens:,} tokens, enough to repay compiling its decoder layers"}
+    else:
+        tokens = tc.steps * tc.batch_size * tc.grad_accum * processes * cfg.llm.max_length
+        if tokens < COMPILE_MIN_TOKENS:
+            return cfg, {"compile": f"'none': the run trains at most {tokens:,} tokens, fewer than compiling pays "
+                                    f"for ({COMPILE_MIN_TOKENS:,})"}
+        cfg = cfg.model_copy(update={"train": tc.model_copy(update={"compile": "regional"})})
+        choices = {"compile": f"'regional': the run trains up to {tokens:,} tokens, enough to repay compiling its "
+                              "decoder layers"}
+    tc = cfg.train
+    step = tc.batch_size * cfg.llm.max_length
+    if (tc.compile != "none" and "cuda_graphs" not in tc.model_fields_set and not tc.gradient_checkpointing
+            and not tc.vram_gb and processes == 1 and cfg.adapter.kind == "lora" and step <= GRAPHS_MAX_TOKENS):
+        cfg = cfg.model_copy(update={"train": tc.model_copy(update={"cuda_graphs": True})})
+        choices["cuda_graphs"] = (f"True: a step of {step:,} tokens (at most {GRAPHS_MAX_TOKENS:,}) is paced by "
+                                  "the host's kernel launches, which replaying the compiled layers takes out")
+    return cfg, choices
 
 
 def _graphs_or_checkpointing(cfg: Config, checkpointing_asked: bool) -> Config:
@@ -174,6 +192,9 @@ class LLMTask(Task):
                 log.info("llm.offload_activations: %d decoder layers checkpointed, their inputs in host memory", n)
             else:
                 log.info("train.gradient_checkpointing: %d decoder layers checkpointed", n)
+        if "cuda_graphs" in self._speed_choices and self.device.type == "cuda":
+            self._auto_graphs_fit()
+            cfg = self.cfg
         if self._speed_choices:
             log.info("train.speed='auto' on %s: %s", self.device,
                      "; ".join(f"{k} {v}" for k, v in self._speed_choices.items()))
@@ -216,9 +237,21 @@ class LLMTask(Task):
         if self.device.type == "cuda" and not cap_process_memory(self.device, gib):
             log.warning("train.vram_gb=%g is at least this GPU's memory: nothing to cap", gib)
 
-    def _estimate(self, run: Run) -> None:
-        """The step's expected peak (llm/memory.py), from the weights as loaded: what `llm plan` prints."""
-        from ..core.memory import GiB
+    def _auto_graphs_fit(self) -> None:
+        """train.speed="auto" chose CUDA graphs: kept where the step's estimate, the CUDA context and what the
+        graphs hold besides (GRAPHS_RESERVE) fit in the GPU's memory; otherwise off, saying why."""
+        from ..core.memory import CONTEXT, GiB
+
+        need = sum(self._step_parts().values()) + CONTEXT + GRAPHS_RESERVE
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        if need <= 0.95 * total:
+            return
+        self.cfg = self.cfg.model_copy(update={"train": self.cfg.train.model_copy(update={"cuda_graphs": False})})
+        self._speed_choices["cuda_graphs"] = (f"False: the step and the graphs' memory (about {need / GiB:.1f} GiB) "
+                                              f"would not fit in 95% of this GPU's {total / GiB:.1f} GiB")
+
+    def _step_parts(self) -> dict[str, int]:
+        """The step's expected peak by part (llm/memory.py), from the weights as loaded."""
         from .memory import step_estimate, trains_head
 
         cfg = self.cfg
@@ -229,6 +262,14 @@ class LLMTask(Task):
                                  compute_dtype=self.quant[1]["compute_dtype"] if self.quant[0] else self.dtype,
                                  loss_chunk=cfg.llm.loss_chunk, offload=cfg.llm.offload_activations,
                                  head_trained=trains_head(self.plan))
+        return parts
+
+    def _estimate(self, run: Run) -> None:
+        """The step's expected peak (llm/memory.py), from the weights as loaded: what `llm plan` prints."""
+        from ..core.memory import GiB
+
+        cfg = self.cfg
+        parts = self._step_parts()
         total = sum(parts.values())
         log.info("memory estimate (batch %d x %d tokens): %s; peak %.2f GiB", cfg.train.batch_size,
                  cfg.llm.max_length, ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items()), total / GiB)
