@@ -3,7 +3,7 @@
 # the bare UNet's modules (the adapter merged, its layers out, diffusers' attention processor: c40 measured the
 # trainer's render at 5.5-9.1 s a set of three where the bare UNet's took 3.5-6.2). First the product path at the
 # default batch: a 60-step run to its end, fresh (its own latent cache) then relaunched: the eval before (not
-# cached in the first), the finish phase (c38: 12.9 s fresh, 24.6 s relaunched with the search on, where the
+# cached in the first; its time and its phase's peak, as cuDNN's heuristics' plans can take larger workspaces), the finish phase (c38: 12.9 s fresh, 24.6 s relaunched with the search on, where the
 # relaunch's final eval paid the search its cached eval before had not), each previews set's own timing. Then
 # preview_cost.py --levers (the trainer's way of rendering beside the others) and eval_cost.py (evaluation's calls
 # with the search on, then off, each in its own process; then the previews' bare set with the search on).
