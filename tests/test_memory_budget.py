@@ -148,6 +148,26 @@ def test_previews_from_embeddings_made_at_set_up_draw_the_same_images(tiny_dir):
         assert (np.asarray(a) == np.asarray(b)).all()
 
 
+def test_caption_previews_share_the_most_common_bucket_so_they_render_as_one_batch():
+    # A model other than the demo base previews three of the dataset's captions, spread over it (first and last
+    # included), the trigger word in, each once; all at the size most of the images train at, so that a GPU
+    # renders them in one call instead of one call per aspect.
+    from types import SimpleNamespace
+
+    from sdxl_lora.sdxl.preview import default_prompts
+
+    buckets = [(1024, 1024), (1152, 896), (1152, 896), (896, 1152), (1152, 896), (1024, 1024)]
+    items = [SimpleNamespace(bucket=b) for b in buckets]
+    captions = ["sks, a", "sks, b", "sks, b", "sks, c", "sks, d", "sks, e"]
+    prompts = default_prompts("/models/other-sdxl", items, captions)
+    assert [p.prompt for p in prompts] == ["sks, a", "sks, c", "sks, e"]
+    assert {(p.width, p.height) for p in prompts} == {(1152, 896)}
+    # Equally common buckets: the first met in the dataset.
+    tie = default_prompts("/models/other-sdxl", items[:2], captions[:2])
+    assert {(p.width, p.height) for p in tie} == {(1024, 1024)} and len(tie) == 2
+    assert default_prompts("/models/other-sdxl", [], []) == []
+
+
 def test_previews_with_the_same_settings_render_as_one_batch_on_a_cpu_and_draw_the_same_images(tiny_dir, monkeypatch):
     # On a CPU the prompts that share their settings go through the pipeline as one batch (faster previews),
     # each image with its own seed's noise: the same images as one prompt at a time (to a level of rounding),

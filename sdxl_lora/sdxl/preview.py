@@ -9,6 +9,7 @@ their fields are kohya's (prompt, negative_prompt, width, height, sample_steps, 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -298,15 +299,21 @@ CAPTION_PREVIEWS = 3
 def default_prompts(model_path: str, items: list, captions: list[str]) -> list[PreviewPrompt]:
     """What preview.prompts unset means: for the demo base its bundled prompts (the shapes it knows and the
     star it learns); for any other model a few of the dataset's own captions, as training sees them (the
-    trigger word in), spread over the dataset and each at its image's bucket size."""
+    trigger word in), spread over the dataset, all at the size of the dataset's most common bucket: prompts of
+    one size render in one pipeline call on a GPU (render's batch), where one call per size would leave the GPU
+    waiting on the host (benchmarks/RESULTS.md)."""
     from ..core.config import DEMO_NAME, SAMPLE_DATA
 
     if model_path == DEMO_NAME:
         return read_prompts(SAMPLE_DATA / "prompts.txt")
+    if not items:
+        return []
+    # The most common bucket; between equally common ones, the first in the dataset's order.
+    width, height = collections.Counter(item.bucket for item in items).most_common(1)[0][0]
     seen: dict[str, PreviewPrompt] = {}
-    for item, caption in zip(items, captions):
+    for caption in captions:
         if caption and caption not in seen:
-            seen[caption] = PreviewPrompt(caption, width=item.bucket[0], height=item.bucket[1])
+            seen[caption] = PreviewPrompt(caption, width=width, height=height)
     picked = list(seen.values())
     if len(picked) > CAPTION_PREVIEWS:  # evenly over the dataset, first and last included
         last = len(picked) - 1
