@@ -1,4 +1,5 @@
-# issue 28: the previews' share and the finish phase after two changes: evaluation without cuDNN's algorithm
+# issue 28: the previews' share and the finish phase after three changes: the dataset-caption previews at one
+# size (the dataset's most common bucket), so the set renders in one pipeline call; evaluation without cuDNN's algorithm
 # search (speed.cudnn_search around evaluate's UNet calls, as the previews already ran), and previews rendered by
 # the bare UNet's modules (the adapter merged, its layers out, diffusers' attention processor: c40 measured the
 # trainer's render at 5.5-9.1 s a set of three where the bare UNet's took 3.5-6.2). First the product path at the
