@@ -46,8 +46,8 @@ COMPILE_MIN_TOKENS = 2_000_000
 # (graphs cannot replay it), a memory budget (its plan does not count the graphs' memory), several processes or
 # an adapter kind other than LoRA, none of which was measured with them.
 GRAPHS_MAX_TOKENS = 2048
-# What the graphs hold beside the step's estimate (their pool's slack, the recorded outputs): the whole process
-# measured 0.4-0.5 GiB more with them (benchmarks/RESULTS.md). Auto turns them off where this would not fit.
+# What the graphs hold beside the step's estimate (their pool's slack, the recorded outputs), rounded up from the
+# whole process's measured growth with them (benchmarks/RESULTS.md). Auto turns them off where this would not fit.
 GRAPHS_RESERVE = int(0.5 * 2**30)
 
 

@@ -381,7 +381,7 @@ def _copy(src: Path, dest: Path) -> Path:
 def _plain_unet(model, unet):
     """The adapter merged into copies of the weights it adapts, its layers out of the model and the attentions on
     diffusers' own processor for the duration: the UNet runs as the bare one, without a Python call per adapted
-    layer and UNet call (a preview set calls the UNet 20 times an image); all put back afterwards."""
+    layer and UNet call (a preview calls the UNet at each of its sampling steps); all put back afterwards."""
     with merged_for_inference(model, unwrap=True), stock_attention(unet):
         yield
 
