@@ -113,6 +113,33 @@ def test_adapter_loads_in_peft_with_the_same_logits(trained, tiny_llm, tmp_path,
     assert capsys.readouterr().out.strip() == after
 
 
+def test_preview_answers_come_from_the_adapter_merged_and_its_layers_out(tmp_path, monkeypatch):
+    # Generation calls the model once a token: the previews answer with the adapter merged into copies of the
+    # weights it adapts and its layers out of the model (no adapter code runs), then training goes on with them.
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from sdxl_lora.core.loop import Trainer
+    from sdxl_lora.core.runs import create_run
+    from sdxl_lora.llm import task as llm_task
+
+    seen = []
+
+    def answer(model, *args, **kwargs):
+        seen.append(sum(isinstance(m, BaseTunerLayer) for m in model.modules()))
+        return real(model, *args, **kwargs)
+
+    real = llm_task.answer
+    monkeypatch.setattr(llm_task, "answer", answer)
+    cfg = load_config(extra={"task": "llm", "output.runs_dir": str(tmp_path), "train.steps": 2,
+                             "llm.max_length": 40, "llm.max_new_tokens": 4})
+    trainer = Trainer(cfg, llm_task.LLMTask(cfg), create_run(cfg))
+    trainer.setup()
+    layers = sum(isinstance(m, BaseTunerLayer) for m in trainer.task.lm.modules())
+    trainer.fit()
+    assert layers > 0 and seen == [0, 0]  # before and after training
+    assert sum(isinstance(m, BaseTunerLayer) for m in trainer.task.lm.modules()) == layers
+
+
 def test_loss_is_on_answers_only(tokenizer):
     template = llm_data.chat_template(load_config(extra={"task": "llm"}).llm, tokenizer)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Spell cat backwards."},

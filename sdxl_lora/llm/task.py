@@ -390,7 +390,10 @@ class LLMTask(Task):
         prompts = self.cfg.llm.preview_prompts
         if not prompts:
             return []
-        with self.accelerator.autocast():
+        # The adapter merged into copies of the weights it adapts and its layers out of the model for the answers,
+        # as for SDXL's previews: generation calls the model once a token, and each adapted layer's own code is a
+        # Python call or more at each (inject.merged_for_inference; a quantized base's layers keep their adapter).
+        with self.accelerator.autocast(), inject.merged_for_inference(model, unwrap=True):
             answers = answer(model, self.tokenizer, self.template, prompts, self.cfg.llm.max_new_tokens,
                              self.cfg.llm.system_prompt)
         for p, a in zip(prompts, answers):
