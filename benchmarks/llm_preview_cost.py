@@ -37,6 +37,8 @@ def main() -> None:
     mp = "bf16" if cuda else "no"
     lm, tokenizer, _ = load_llm(cfg, torch.device(args.device), mp)
     inject.apply_plan(lm, make_plan(lm, cfg.adapter), dropout=0.0)
+    if cuda:  # as the trainer sets its adapters up under autocast
+        inject.adapters_take_autocast_inputs(lm)
     torch.manual_seed(0)
     for name, p in lm.named_parameters():
         if "lora_B" in name:
