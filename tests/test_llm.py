@@ -512,8 +512,8 @@ def test_llm_speed_auto_compiles_the_decoder_layers_of_a_long_run_on_a_gpu_and_k
 def test_llm_speed_auto_replays_small_steps_from_cuda_graphs_where_they_fit(monkeypatch):
     # A step of a few thousand tokens is paced by the host's kernel launches: auto replays the compiled layers from
     # CUDA graphs there, and not where they were not measured to pay or cannot run: larger steps, checkpointing, a
-    # memory budget, several processes, another adapter kind, or the user's own setting. At set-up they are turned
-    # off again where the step and the graphs' memory would not fit the GPU.
+    # memory budget, several processes, another adapter kind, or the user's own setting; nor where the step and the
+    # graphs' memory would not fit the GPU.
     from sdxl_lora.core.memory import GiB
     from sdxl_lora.llm.task import COMPILE_MIN_TOKENS, GRAPHS_MAX_TOKENS, LLMTask, auto_levers
 
@@ -534,18 +534,22 @@ def test_llm_speed_auto_replays_small_steps_from_cuda_graphs_where_they_fit(monk
     assert auto_levers(cfg(**{"train.compile": "regional", "train.steps": 5}), "cuda", 1)[0].train.cuda_graphs
     assert not auto_levers(cfg(**{"train.steps": 5}), "cuda", 1)[0].train.cuda_graphs
 
-    task = LLMTask(c := cfg())
-    task.configure(c, "cuda", 1)
-    task.device = torch.device("cuda")  # as set-up sets it; nothing here touches a GPU
-    assert task.cfg.train.cuda_graphs
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 16 * GiB}))
-    monkeypatch.setattr(LLMTask, "_step_parts", lambda self: {"frozen weights": 5 * GiB, "activations": 8 * GiB})
-    task._auto_graphs_fit()  # 13 GiB + the context + the graphs' reserve: within 95% of 16 GiB
-    assert task.cfg.train.cuda_graphs
-    monkeypatch.setattr(LLMTask, "_step_parts", lambda self: {"frozen weights": 5 * GiB, "activations": 9 * GiB})
-    task._auto_graphs_fit()
-    assert not task.cfg.train.cuda_graphs
-    assert "would not fit in 95% of this GPU's 16.0 GiB" in task._speed_choices["cuda_graphs"]
+    # Before any weight is read, llm plan's whole process for the config plus the graphs' reserve must fit in 95%
+    # of the GPU (a stand-in for its properties: this machine has none).
+    from sdxl_lora.llm.memory import config_memory
+    from sdxl_lora.llm.model import check_causal_lm_folder, resolve_llm_path
+    from sdxl_lora.llm.task import GRAPHS_RESERVE
+
+    c = cfg()
+    need = config_memory(c, check_causal_lm_folder(resolve_llm_path(c.model), weights=False))[1].peak + GRAPHS_RESERVE
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for total, kept in ((int(need / 0.95) + 2**20, True), (int(need / 0.95) - 2**20, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": total}))
+        task = LLMTask(c)
+        assert task.configure(c, "cuda", 1).train.cuda_graphs is kept and task.cfg.train.cuda_graphs is kept
+        assert task._speed_choices["cuda_graphs"].startswith("True" if kept else "False: the step and the graphs'")
+        if not kept:
+            assert f"would not fit in 95% of this GPU's {total / GiB:.1f} GiB" in task._speed_choices["cuda_graphs"]
 
 
 def test_llm_cuda_graphs_compile_the_layers_and_refuse_checkpointing_unless_a_budget_chose_it(tmp_path, caplog):

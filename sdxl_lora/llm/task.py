@@ -121,6 +121,8 @@ class LLMTask(Task):
             cfg = self._budget.cfg
         cfg = _graphs_or_checkpointing(cfg, checkpointing)
         cfg, self._speed_choices = auto_levers(cfg, device_type, processes)
+        if "cuda_graphs" in self._speed_choices and cfg.train.cuda_graphs:
+            cfg = self._graphs_fit(cfg)
         if cfg.train.cuda_graphs and cfg.train.compile == "none" and device_type == "cuda":
             raise ConfigError("train.cuda_graphs for a causal LM replays the compiled decoder layers (inductor's CUDA "
                               "graphs): it needs train.compile = 'regional' (train.speed='auto' turns it on where "
@@ -192,9 +194,6 @@ class LLMTask(Task):
                 log.info("llm.offload_activations: %d decoder layers checkpointed, their inputs in host memory", n)
             else:
                 log.info("train.gradient_checkpointing: %d decoder layers checkpointed", n)
-        if "cuda_graphs" in self._speed_choices and self.device.type == "cuda":
-            self._auto_graphs_fit()
-            cfg = self.cfg
         if self._speed_choices:
             log.info("train.speed='auto' on %s: %s", self.device,
                      "; ".join(f"{k} {v}" for k, v in self._speed_choices.items()))
@@ -237,21 +236,25 @@ class LLMTask(Task):
         if self.device.type == "cuda" and not cap_process_memory(self.device, gib):
             log.warning("train.vram_gb=%g is at least this GPU's memory: nothing to cap", gib)
 
-    def _auto_graphs_fit(self) -> None:
-        """train.speed="auto" chose CUDA graphs: kept where the step's estimate, the CUDA context and what the
-        graphs hold besides (GRAPHS_RESERVE) fit in the GPU's memory; otherwise off, saying why."""
-        from ..core.memory import CONTEXT, GiB
+    def _graphs_fit(self, cfg: Config) -> Config:
+        """train.speed="auto" chose CUDA graphs: kept where the step's whole process (llm plan's, from the model's
+        config) and what the graphs hold besides (GRAPHS_RESERVE) fit in 95% of the GPU; otherwise off, saying why."""
+        from ..core.memory import GiB
+        from .memory import config_memory
+        from .model import check_causal_lm_folder, resolve_llm_path
 
-        need = sum(self._step_parts().values()) + CONTEXT + GRAPHS_RESERVE
-        total = torch.cuda.get_device_properties(self.device).total_memory
+        config = check_causal_lm_folder(resolve_llm_path(cfg.model), weights=False)
+        need = config_memory(cfg, config)[1].peak + GRAPHS_RESERVE
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         if need <= 0.95 * total:
-            return
-        self.cfg = self.cfg.model_copy(update={"train": self.cfg.train.model_copy(update={"cuda_graphs": False})})
+            return cfg
         self._speed_choices["cuda_graphs"] = (f"False: the step and the graphs' memory (about {need / GiB:.1f} GiB) "
                                               f"would not fit in 95% of this GPU's {total / GiB:.1f} GiB")
+        return cfg.model_copy(update={"train": cfg.train.model_copy(update={"cuda_graphs": False})})
 
-    def _step_parts(self) -> dict[str, int]:
-        """The step's expected peak by part (llm/memory.py), from the weights as loaded."""
+    def _estimate(self, run: Run) -> None:
+        """The step's expected peak (llm/memory.py), from the weights as loaded: what `llm plan` prints."""
+        from ..core.memory import GiB
         from .memory import step_estimate, trains_head
 
         cfg = self.cfg
@@ -262,14 +265,6 @@ class LLMTask(Task):
                                  compute_dtype=self.quant[1]["compute_dtype"] if self.quant[0] else self.dtype,
                                  loss_chunk=cfg.llm.loss_chunk, offload=cfg.llm.offload_activations,
                                  head_trained=trains_head(self.plan))
-        return parts
-
-    def _estimate(self, run: Run) -> None:
-        """The step's expected peak (llm/memory.py), from the weights as loaded: what `llm plan` prints."""
-        from ..core.memory import GiB
-
-        cfg = self.cfg
-        parts = self._step_parts()
         total = sum(parts.values())
         log.info("memory estimate (batch %d x %d tokens): %s; peak %.2f GiB", cfg.train.batch_size,
                  cfg.llm.max_length, ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items()), total / GiB)
