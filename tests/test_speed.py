@@ -1108,8 +1108,8 @@ def test_the_steps_graphs_are_released_before_the_final_evaluation_and_previews(
 def test_evaluation_and_previews_run_without_cudnns_search_and_training_keeps_it(tmp_path, monkeypatch):
     # On a GPU training sets cuDNN's algorithm search on: each convolution shape is timed once and the choice
     # repays itself over the run's steps. Evaluation (several timesteps an image) and previews (the pipeline's
-    # sizes) call the UNet a few times at shapes of their own, where the search costs seconds a shape for
-    # nothing; they run on cuDNN's heuristic choice and leave the search on for training.
+    # sizes) call the UNet a few times at shapes of their own, where the search would cost more than its choice
+    # saves; they run on cuDNN's heuristic choice and leave the search on for training.
     from diffusers import UNet2DConditionModel
 
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)  # as speed.configure_backends sets it on CUDA

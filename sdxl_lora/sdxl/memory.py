@@ -79,6 +79,7 @@ COMPILED_KINDS = {"regional": ("layer", "resnet"), "transformer": ("layer",)}
 MERGED_LORA_KEEP = 0.90
 MERGED_LORA_FIXED = int(0.5 * GiB)
 
+
 @dataclass
 class MemoryEstimate:
     weights: dict[str, int] = field(default_factory=dict)   # storage ("nf4", "bf16", ...) -> bytes
@@ -324,6 +325,7 @@ VAE_ENCODE_PER_PIXEL = 4800       # bytes per image pixel at the peak of an fp32
 VAE_DECODE_PER_PIXEL = 5000       # bytes per image pixel at the peak of a VAE decode under bf16 autocast
 UNET_INFER_PER_PIXEL = 600        # bytes per image pixel of the UNet's no-grad pass with guidance (batch 2)
 VAE_DECODE_TILE = 512
+TEXT_ACTIVATIONS = int(0.1 * GiB)  # the text encoders' no-grad pass over one caption
 # Preview prompts of the same settings rendered in one pipeline call on a GPU (each image decoded on its own):
 # with one call per image the eager UNet's launches can leave the GPU waiting on the host
 # (benchmarks/preview_cost.py --batch times both ways). With tiled decoding (a run short of memory) one at a time.
@@ -333,7 +335,6 @@ PREVIEW_BATCH = 4
 def preview_batch(vae_tiling: bool) -> int:
     """Preview prompts a GPU renders in one pipeline call (render's batch), as the estimate counts them."""
     return 1 if vae_tiling else PREVIEW_BATCH
-TEXT_ACTIVATIONS = int(0.1 * GiB)  # the text encoders' no-grad pass over one caption
 
 
 @dataclass
@@ -388,7 +389,8 @@ def run_memory(step: MemoryEstimate, *, vae_bytes: int, text_bytes: int, largest
             unet += step.optimizer + (step.activations if graphs else 0)
         elif previews_after:
             unet += step.optimizer
-        render = max(UNET_INFER_PER_PIXEL * preview_pixels * preview_batch(vae_tiling), VAE_DECODE_PER_PIXEL * decode_pixels)
+        render = max(UNET_INFER_PER_PIXEL * preview_pixels * preview_batch(vae_tiling),
+                     VAE_DECODE_PER_PIXEL * decode_pixels)
         # The prompts were encoded at set-up: the text encoders come only when they stay for training anyway.
         phases["previews"] = whole(unet + vae_bytes + render + (text_bytes if encoders_stay else 0))
     phases["export"] = whole(step.weights_total + step.adapter)

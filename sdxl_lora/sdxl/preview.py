@@ -321,7 +321,6 @@ def default_prompts(model_path: str, items: list, captions: list[str]) -> list[P
     return picked
 
 
-
 def tiled_previews(cfg) -> bool:
     """Whether previews decode in tiles: preview.vae_tiling, and always with a quantized base (a run that
     quantizes to save memory would otherwise peak at the full-size decode, not at training)."""
