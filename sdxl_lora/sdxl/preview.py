@@ -187,8 +187,14 @@ def _wrap(text: str, font, width: int) -> list[str]:
     return lines or [""]
 
 
-def save_png(img: Image.Image, path: Path) -> Path:
-    return atomic_save(path, lambda tmp: img.save(tmp, format="PNG"))
+# zlib's level for the previews a run writes while it trains: the run waits for their files, and level 1 writes
+# them in well under half the time of Pillow's default (6) for somewhat larger files, as ComfyUI writes its
+# preview images. Images a user asks for (`sdxl-lora generate`, comparisons) keep the default.
+PREVIEW_PNG_LEVEL = 1
+
+
+def save_png(img: Image.Image, path: Path, *, compress_level: int = 6) -> Path:
+    return atomic_save(path, lambda tmp: img.save(tmp, format="PNG", compress_level=compress_level))
 
 
 def _entries(prompts: list[str | PreviewPrompt]) -> list[PreviewPrompt]:
@@ -467,11 +473,12 @@ def render_previews(task, model, run, step: int) -> list[Path]:
         paths = [_copy(store / f"{i:02d}.png", dest) for i, dest in enumerate(names)]
         paths.append(_copy(store / "grid.png", grid_path))
     else:
-        paths = [save_png(im, dest) for im, dest in zip(images, names)]
+        paths = [save_png(im, dest, compress_level=PREVIEW_PNG_LEVEL) for im, dest in zip(images, names)]
         # Each prompt on consecutive lines the same number of times (several seeds): one row per prompt.
         runs = {len(list(g)) for _, g in itertools.groupby(e.prompt for e in prompts)}
         cols = runs.pop() if len(runs) == 1 else None
-        paths.append(save_png(grid(images, cols=cols, labels=[e.prompt for e in prompts]), grid_path))
+        paths.append(save_png(grid(images, cols=cols, labels=[e.prompt for e in prompts]), grid_path,
+                              compress_level=PREVIEW_PNG_LEVEL))
         if store is not None:
             _store_images(store, paths[:-1], paths[-1])
     if cfg.preview.concept:
