@@ -8,15 +8,16 @@
 # relaunch's final eval paid the search its cached eval before had not), each previews set's own timing. Then
 # preview_cost.py --levers (the trainer's way of rendering beside the others) and eval_cost.py (evaluation's calls
 # with the search on, then off, each in its own process; then the previews' bare set with the search on).
-# RUNS=0 leaves the runs out (a call too short for them: the two levers' own timings only).
+# STEPS=300 runs the issue's 300-step length instead of 60. RUNS=0 leaves the runs out (a call too short for them: the two levers' own timings only).
 echo "== c43: evaluation without cuDNN's search; previews from the bare UNet's modules"
 t=$(( END - $(date +%s) ))
 if [ "${RUNS:-1}" = 0 ]; then
   echo "-- RUNS=0: the batch-2 runs left out"
   [ -d /tmp/e2e/sdxl-random ] || python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import train_e2e as t; t.build_model(Path('/tmp/e2e/sdxl-random'), tiny=False)"
 elif [ $t -ge 200 ]; then
-  timeout $t python3 benchmarks/train_e2e.py --work /tmp/e2e --settings defaults --batch 2 --steps 60 --warmup 10 --again --set "model.cache_dir='/tmp/e2e/cache-c43'" --json $OUT/runs.jsonl
+  timeout $t python3 benchmarks/train_e2e.py --work /tmp/e2e --settings defaults --batch 2 --steps ${STEPS:-60} --warmup 10 --again --set "data.cache_dir='/tmp/e2e/cache-c43'" --json $OUT/runs.jsonl
   grep -h "eval loss\|previews at step" /tmp/e2e/runs/defaults-b2*/train.log | tee $OUT/eval-preview-lines.txt
+  for d in /tmp/e2e/runs/defaults-b2*/; do cp $d/train.log $OUT/$(basename $d).train.log; cp $d/events.jsonl $OUT/$(basename $d).events.jsonl; done
 else
   echo "-- skipped (no time): the batch-2 runs"
 fi
