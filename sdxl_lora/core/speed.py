@@ -473,6 +473,10 @@ class GraphedCall:
         """The graphs for `key`, captured now, with every shape `others` names on the first capture."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        # The blocks the allocator keeps cached for the default stream (the step-0 previews' and evaluation's
+        # activations) can serve neither the warm-up, which runs on a stream of its own, nor the graphs' pool:
+        # kept, they would stay reserved beside both.
+        torch.cuda.empty_cache()
         todo = {key: args}
         if not self.graphs and self.others is not None:
             for other in self.others(args):
