@@ -1,14 +1,15 @@
-# issue 28: the previews' share and the finish phase after three changes: the dataset-caption previews at one
-# size (the dataset's most common bucket), so the set renders in one pipeline call; evaluation without cuDNN's algorithm
+# issue 28: the previews' share and the finish phase after three changes: the dataset-caption previews at one size
+# (the dataset's most common bucket), so the set renders in one pipeline call; evaluation without cuDNN's algorithm
 # search (speed.cudnn_search around evaluate's UNet calls, as the previews already ran), and previews rendered by
 # the bare UNet's modules (the adapter merged, its layers out, diffusers' attention processor: c40 measured the
 # trainer's render at 5.5-9.1 s a set of three where the bare UNet's took 3.5-6.2). First the product path at the
-# default batch: a 60-step run to its end, fresh (its own latent cache) then relaunched: the eval before (not
-# cached in the first; its time and its phase's peak, as cuDNN's heuristics' plans can take larger workspaces), the finish phase (c38: 12.9 s fresh, 24.6 s relaunched with the search on, where the
-# relaunch's final eval paid the search its cached eval before had not), each previews set's own timing. Then
-# preview_cost.py --levers (the trainer's way of rendering beside the others) and eval_cost.py (evaluation's calls
-# with the search on, then off, each in its own process; then the previews' bare set with the search on).
-# STEPS=300 runs the issue's 300-step length instead of 60. RUNS=0 leaves the runs out (a call too short for them: the two levers' own timings only).
+# default batch: a 60-step run to its end, fresh (its own latent cache) then relaunched: the eval before (not cached
+# in the first; its time and its phase's peak, as cuDNN's heuristics' plans can take larger workspaces), the finish
+# phase (c38: 12.9 s fresh, 24.6 s relaunched with the search on, where the relaunch's final eval paid the search
+# its cached eval before had not), each previews set's own timing. Then preview_cost.py --levers (the trainer's way
+# of rendering beside the others) and eval_cost.py (evaluation's calls with the search on, then off, each in its own
+# process; then the previews' bare set with the search on). STEPS=300 runs the issue's 300-step length instead of
+# 60. RUNS=0 leaves the runs out (a call too short for them: the two levers' own timings only).
 echo "== c43: evaluation without cuDNN's search; previews from the bare UNet's modules"
 t=$(( END - $(date +%s) ))
 if [ "${RUNS:-1}" = 0 ]; then
