@@ -121,6 +121,29 @@ def test_the_final_previews_are_counted_beside_the_optimizer_state_they_render_w
     assert every == every_not_after > both
 
 
+def test_the_previews_count_the_copies_the_adapter_is_merged_into(sdxl, monkeypatch):
+    # A preview set renders with the adapter merged into copies of the weights it adapts (the originals stay for
+    # training): the previews phase holds those copies beside the UNet, where the base's layers are not quantized.
+    from sdxl_lora.sdxl import plan as plan_module
+
+    cfg, unet, native, parts = sdxl
+    projections = ("to_q", "to_k", "to_v", "to_out.0")  # the default preset: every attention projection
+    copies = sum(m.weight.numel() * 2 for n, m in unet.named_modules()  # bf16, the run's compute dtype
+                 if isinstance(m, torch.nn.Linear) and ".attn" in n and n.endswith(projections))
+    assert copies > 1.5 * GIB
+    planned = plan_config(cfg)
+    assert plan_module.merged_copy_bytes(cfg, planned) == copies
+    counted = run_memory_for(cfg, planned, parts).phases["previews"]
+    monkeypatch.setattr(plan_module, "merged_copy_bytes", lambda c, p: 0)
+    uncounted = run_memory_for(cfg, planned, parts).phases["previews"]
+    assert counted - uncounted == pytest.approx(copies * 1.05, rel=1e-3)  # the whole process's reserve on them
+    monkeypatch.undo()
+    # A 4-bit base keeps the adapter on its quantized layers for previews: no copies of them.
+    nf4 = load_config(extra={"model.path": "arch:sdxl", "train.batch_size": 4, "model.quantize": "nf4",
+                             "train.gradient_checkpointing": True})
+    assert plan_module.merged_copy_bytes(nf4, plan_config(nf4)) == 0
+
+
 def test_train_refuses_an_impossible_budget_before_loading_the_model(tiny_dir, tmp_path, capsys):
     code = main(["train", "--model", str(tiny_dir), "--data", "sample_data/images", "--steps", "1",
                  "--out", str(tmp_path), "--vram", "0.1"])

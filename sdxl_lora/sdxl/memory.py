@@ -363,7 +363,7 @@ def run_memory(step: MemoryEstimate, *, vae_bytes: int, text_bytes: int, largest
                preview_pixels: int, previews: bool, vae_tiling: bool = False, previews_mid_run: bool = False,
                graphs: bool = False, encoders_stay: bool = False, vae_stays: bool = False,
                step_budget: int | None = None, tiled_encode: bool = False,
-               unet_while_caching: bool = False, previews_after: bool = False) -> RunMemory:
+               unet_while_caching: bool = False, previews_after: bool = False, merged_copies: int = 0) -> RunMemory:
     """Each phase's whole-process peak from the step's estimate and the VAE's and text encoders' sizes as
     they are held (fp32). largest_pixels: the largest bucket's pixels (caching encodes one image at a time);
     preview_pixels: the largest preview's. previews_mid_run: previews also between steps (preview.every),
@@ -371,7 +371,9 @@ def run_memory(step: MemoryEstimate, *, vae_bytes: int, text_bytes: int, largest
     previews_after: previews after the last step, beside the optimizer state (the graphs are released first).
     step_budget: train.checkpoint_budget_gb in bytes (the trainer checkpoints blocks until the step fits it).
     vae_tiling, tiled_encode: the VAE decodes (previews), encodes (caching) in VAE_DECODE_TILE tiles.
-    unet_while_caching: the frozen UNet is on the device from the start (plan.py: unet_read_on_device)."""
+    unet_while_caching: the frozen UNet is on the device from the start (plan.py: unet_read_on_device).
+    merged_copies: bytes of the adapted layers' frozen weights that previews merge the adapter into copies of
+    (inject.merged_for_inference), held beside the UNet while a set renders."""
     def whole(allocated: float) -> int:
         return int(CONTEXT + RESERVE * allocated)
 
@@ -384,7 +386,7 @@ def run_memory(step: MemoryEstimate, *, vae_bytes: int, text_bytes: int, largest
     phases = {"caching": whole(caching), "training": whole(step_total + held)}
     if previews:
         decode_pixels = min(preview_pixels, VAE_DECODE_TILE ** 2) if vae_tiling else preview_pixels
-        unet = step.weights_total + step.adapter + step.quant_overhead
+        unet = step.weights_total + step.adapter + step.quant_overhead + merged_copies
         if previews_mid_run:
             unet += step.optimizer + (step.activations if graphs else 0)
         elif previews_after:

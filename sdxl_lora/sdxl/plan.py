@@ -113,7 +113,18 @@ def run_memory_for(cfg: Config, planned: UNetPlan, components: tuple[int, int], 
                       vae_stays=cfg.data.crop == "random",
                       step_budget=(int(cfg.train.checkpoint_budget_gb * GiB)
                                    if cfg.train.checkpoint_budget_gb and not cfg.train.gradient_checkpointing else None),
-                      unet_while_caching=unet_read_on_device(cfg))
+                      unet_while_caching=unet_read_on_device(cfg), merged_copies=merged_copy_bytes(cfg, planned))
+
+
+def merged_copy_bytes(cfg: Config, planned: UNetPlan) -> int:
+    """Bytes of the copies previews merge the adapter into (inject.merged_for_inference): each adapted layer's
+    frozen weight in the compute dtype, where it is not quantized (a 4-bit or fp8 layer keeps its adapter path)."""
+    size = 4 if planned.memory.compute_dtype == "fp32" else 2
+
+    def floating(slot) -> bool:
+        return (cfg.model.quantize_convs if slot.conv else cfg.model.quantize) == "none"
+
+    return sum(s.in_features * s.out_features * size for s in planned.plan.targets if floating(s))
 
 
 @dataclass
