@@ -17,6 +17,7 @@ import hashlib
 
 import pytest
 import torch
+from torch import nn
 from safetensors.torch import load_file
 
 from sdxl_lora.core import inject
@@ -201,6 +202,51 @@ def test_previews_run_each_kind_merged_and_training_resumes_on_the_same_weights(
     assert {name: m.processor for name, m in unet.named_modules() if hasattr(m, "processor")} == processors
     with torch.no_grad():
         assert torch.equal(unet(**x).sample, want)
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "fp8"])
+def test_previews_of_a_quantized_base_run_from_16_bit_copies_and_training_resumes_on_its_bits(tiny_dir, quantize):
+    """A QLoRA run's previews (sdxl/preview.py, where the plan says the copies fit) render from 16-bit copies of
+    the quantized layers with the LoRA folded in (inject.dequantized_for_inference): the bare UNet's modules and
+    the adapter's output; afterwards the same modules hold the same quantized bits."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from sdxl_lora.core.quantize import quantized_classes
+    from sdxl_lora.sdxl import speed as unet_speed
+    from sdxl_lora.sdxl.preview import _plain_unet
+
+    unet, _ = _trained(tiny_dir, "lora", quantize=quantize)
+    assert unet_speed.fuse_projections(unet, "merged") > 0  # quantized bases fuse with lora_matmul="merged"
+    modules = dict(unet.named_modules())
+    quantized = [n for n, m in modules.items() if isinstance(m, quantized_classes())]
+    assert quantized
+    x = _inputs(unet)
+    with torch.no_grad():
+        want = unet(**x).sample
+    state = {n: t.detach().clone() for n, t in unet.state_dict().items()}
+    with _plain_unet(unet, unet, dequantized=True), torch.no_grad():
+        now = list(unet.modules())
+        assert not any(isinstance(m, (BaseTunerLayer, *quantized_classes())) for m in now)
+        assert {type(m) for m in now if isinstance(m, nn.Linear)} == {nn.Linear}
+        assert all(m.weight.dtype == torch.float32 for m in now if isinstance(m, nn.Linear))  # the compute dtype
+        # The attentions project through those copies: diffusers' own processor, not the one fused over the bits.
+        assert not any(isinstance(getattr(m, "processor", None), unet_speed.FusedProjectionsProcessor) for m in now)
+        torch.testing.assert_close(unet(**x).sample, want, rtol=1e-4, atol=1e-4)
+    assert dict(unet.named_modules()) == modules
+    after = unet.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[n], t) for n, t in state.items())
+    with torch.no_grad():
+        assert torch.equal(unet(**x).sample, want)
+
+
+def test_previews_of_a_quantized_base_keep_its_layers_when_the_copies_do_not_fit(tiny_dir, monkeypatch):
+    unet, _ = _trained(tiny_dir, "lora", quantize="nf4")
+    modules = dict(unet.named_modules())
+    asked = []
+    monkeypatch.setattr(inject, "_copies_fit", lambda need, device: asked.append(need) and False)
+    with inject.dequantized_for_inference(unet) as replaced:
+        assert replaced == 0 and dict(unet.named_modules()) == modules
+    assert asked == [inject.dequantized_bytes(unet)] and asked[0] > 0
 
 
 @pytest.mark.parametrize("kind", KINDS)

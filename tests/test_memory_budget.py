@@ -144,6 +144,24 @@ def test_the_previews_count_the_copies_the_adapter_is_merged_into(sdxl, monkeypa
     assert plan_module.merged_copy_bytes(nf4, plan_config(nf4)) == 0
 
 
+def test_a_quantized_run_previews_from_16_bit_copies_only_below_its_planned_peak(capsys):
+    # QLoRA's previews render from 16-bit copies of the quantized layers where those stay under the run's peak
+    # (the training step at batch 1 holds more), never where they would raise it (with checkpointing).
+    def planned(*sets):
+        args = [a for s in sets for a in ("--set", s)]
+        assert main(["plan", "--model", "arch:sdxl", "--batch-size", "1", "--json",
+                     "--set", "model.quantize='nf4'", *args]) == 0
+        return json.loads(capsys.readouterr().out)["run_memory"]
+
+    fast = planned()
+    assert fast["dequantized_previews"] and fast["peak_gib"] == fast["phases_gib"]["training"]
+    lean = planned("train.gradient_checkpointing=true")
+    assert not lean["dequantized_previews"] and lean["phases_gib"]["previews"] <= lean["peak_gib"]
+    # The copies are counted: SDXL's Linear layers in bf16, about 4.1 GiB, with the reserve on them.
+    assert fast["phases_gib"]["previews"] - lean["phases_gib"]["previews"] == pytest.approx(4.145 * 1.05, abs=0.05)
+    assert not planned("adapter.kind='dora'")["dequantized_previews"]  # DoRA keeps its path on 4-bit layers
+
+
 def test_train_refuses_an_impossible_budget_before_loading_the_model(tiny_dir, tmp_path, capsys):
     code = main(["train", "--model", str(tiny_dir), "--data", "sample_data/images", "--steps", "1",
                  "--out", str(tmp_path), "--vram", "0.1"])

@@ -445,6 +445,71 @@ def remove_adapter(model: nn.Module, adapter_name: str) -> None:
             del model.peft_config
 
 
+def _copies_fit(need: int, device: torch.device) -> bool:
+    """Whether `need` bytes of copies for inference fit in the GPU's free memory, with room to spare (the host's
+    memory is not checked)."""
+    return device.type != "cuda" or need <= torch.cuda.mem_get_info(device)[0] * 0.8
+
+
+def dequantized_bytes(model: nn.Module) -> int:
+    """What dequantized_for_inference holds: every quantized layer's weight in its compute dtype."""
+    from .quantize import quantized_classes
+
+    def size(mod) -> int:
+        dtype = getattr(mod, "compute_dtype", None) or torch.float32
+        shape = (mod.out_channels, mod.in_channels // mod.groups, *mod.kernel_size) if isinstance(mod, nn.Conv2d) \
+            else (mod.out_features, mod.in_features)
+        return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+    return sum(size(m) for m in model.modules() if isinstance(m, quantized_classes()))
+
+
+@contextlib.contextmanager
+def dequantized_for_inference(model: nn.Module):
+    """For the duration of a no-grad use (previews), each quantized layer of the frozen base (model.quantize,
+    quantize_convs) replaced by a plain Linear or Conv2d holding its weight dequantized to the compute dtype, with
+    a plain LoRA on it folded in: the model runs as a 16-bit one with its adapter merged, one product a layer,
+    where a quantized layer dequantizes its weight at every call and its adapter adds products and Python calls
+    of its own. The quantized weights stay as they are (training resumes on exactly them), and the same modules
+    are put back afterwards. DoRA keeps its path (its merge rescales by the weight's norm), and so do adapters
+    with a bias. The copies cost the dequantized weights' memory (dequantized_bytes): where they do not fit in the
+    device's free memory nothing is replaced. Yields how many layers are replaced."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from .quantize import dequantize_weight, plain_layer, quantized_classes
+
+    classes = quantized_classes()
+    swaps = []  # (parent, name, module in the model, its quantized layer, the adapters folded in)
+    for parent in model.modules():
+        if isinstance(parent, BaseTunerLayer):
+            continue  # a LoRA layer's own base layer: replaced with the LoRA layer, below
+        for name, child in parent._modules.items():
+            if isinstance(child, classes):
+                swaps.append((parent, name, child, child, []))
+            elif isinstance(child, LoraLayer) and isinstance(child.get_base_layer(), classes) and not child.merged:
+                active = [] if child.disable_adapters else [a for a in child.active_adapters if a in child.lora_A]
+                if any(child.use_dora.get(a, False) or child.lora_bias.get(a, False) for a in active):
+                    continue
+                swaps.append((parent, name, child, child.get_base_layer(), active))
+    if swaps and not _copies_fit(sum(dequantized_bytes(layer) for _, _, _, layer, _ in swaps),
+                                 swaps[0][3].weight.device):
+        swaps = []
+    done = []
+    try:
+        with torch.no_grad():
+            for parent, name, child, layer, adapters in swaps:
+                weight = dequantize_weight(layer)
+                for adapter in adapters:
+                    weight += child.get_delta_weight(adapter).float()
+                parent._modules[name] = plain_layer(layer, weight)
+                done.append((parent, name, child))
+        yield len(done)
+    finally:
+        for parent, name, child in reversed(done):
+            parent._modules[name] = child
+
+
 @contextlib.contextmanager
 def merged_for_inference(model: nn.Module, unwrap: bool = False):
     """The adapters folded into copies of their frozen base weights for the duration of a no-grad use (previews):
@@ -468,9 +533,8 @@ def merged_for_inference(model: nn.Module, unwrap: bool = False):
         base = layer.get_base_layer()
         if type(base) in (nn.Linear, nn.Conv2d) and base.weight.is_floating_point():
             layers.append((layer, base))
-    need = sum(base.weight.numel() * base.weight.element_size() for _, base in layers)
-    device = layers[0][1].weight.device if layers else None
-    if device is not None and device.type == "cuda" and need > torch.cuda.mem_get_info(device)[0] * 0.8:
+    if layers and not _copies_fit(sum(base.weight.numel() * base.weight.element_size() for _, base in layers),
+                                  layers[0][1].weight.device):
         layers = []
     swapped, unwrapped = [], []
     try:

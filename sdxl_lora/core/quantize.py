@@ -361,7 +361,8 @@ def _quantized_bytes(mod: nn.Module) -> int:
     return n
 
 
-def _quantized_classes() -> tuple[type, ...]:
+def quantized_classes() -> tuple[type, ...]:
+    """The layer classes a quantized base is made of (bitsandbytes' only where it is loaded)."""
     classes: list[type] = [Float8Linear, Float8Conv2d]
     bnb = sys.modules.get("bitsandbytes")  # loaded if anything was quantized with it
     if bnb is not None:
@@ -378,7 +379,7 @@ def _replace_layers(model: nn.Module, cls: type, make: Callable[[nn.Module, str]
                     skip: Callable[[str], bool] | None) -> None:
     """Replace every `cls` layer of the model (not already quantized, not a LoRA layer, not skipped) by
     make(layer, name), one at a time, filling in the report."""
-    done = _quantized_classes()
+    done = quantized_classes()
     todo = []
     for name, mod in model.named_modules():
         if not isinstance(mod, cls) or isinstance(mod, done) or "lora_" in name:
@@ -466,32 +467,37 @@ def dequantize_weight(mod: nn.Module) -> torch.Tensor:
     raise TypeError(f"{type(mod).__name__} is not a quantized layer")
 
 
+def plain_layer(mod: nn.Module, weight: torch.Tensor) -> nn.Module:
+    """A plain nn.Linear (nn.Conv2d for Float8Conv2d) in place of the quantized layer `mod`, frozen, holding
+    `weight` (its dequantized weight, changed or not) and its bias in the layer's compute dtype."""
+    dtype = getattr(mod, "compute_dtype", None) or torch.float32
+    if isinstance(mod, Float8Conv2d):
+        plain = nn.Conv2d(mod.in_channels, mod.out_channels, mod.kernel_size, mod.stride, mod.padding,
+                          mod.dilation, mod.groups, bias=mod.bias is not None, padding_mode=mod.padding_mode,
+                          device="meta")
+    else:
+        plain = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
+    plain.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    if mod.bias is not None:
+        plain.bias = nn.Parameter(mod.bias.detach().to(dtype), requires_grad=False)
+    plain.train(mod.training)
+    return plain
+
+
 @torch.no_grad()
 def dequantize_model(model: nn.Module) -> None:
     """Turn every quantized layer back into a plain nn.Linear (or nn.Conv2d) in its compute dtype (for
     merging, or to compare against). peft LoRA layers keep their adapters; only their base layers change."""
-    classes = _quantized_classes()
+    classes = quantized_classes()
     for name, mod in list(model.named_modules()):
         if not isinstance(mod, classes):
             continue
-        dtype = getattr(mod, "compute_dtype", None) or torch.float32
-        w = dequantize_weight(mod)
-        if isinstance(mod, Float8Conv2d):
-            plain = nn.Conv2d(mod.in_channels, mod.out_channels, mod.kernel_size, mod.stride, mod.padding,
-                              mod.dilation, mod.groups, bias=mod.bias is not None, padding_mode=mod.padding_mode,
-                              device="meta")
-        else:
-            plain = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
-        plain.weight = nn.Parameter(w.to(dtype), requires_grad=False)
-        if mod.bias is not None:
-            plain.bias = nn.Parameter(mod.bias.detach().to(dtype), requires_grad=False)
-        plain.train(mod.training)
-        _set_child(model, name, plain)
+        _set_child(model, name, plain_layer(mod, dequantize_weight(mod)))
     for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit", "sdxl_lora_quantize"):
         if flag in model.__dict__:
             delattr(model, flag)
 
 
 def is_quantized(model: nn.Module) -> bool:
-    classes = _quantized_classes()
+    classes = quantized_classes()
     return any(isinstance(m, classes) for m in model.modules())

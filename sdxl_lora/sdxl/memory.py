@@ -343,13 +343,15 @@ class RunMemory:
     step: MemoryEstimate
     phases: dict[str, int]
     notes: list[str] = field(default_factory=list)
+    # Previews render from 16-bit copies of a quantized base's layers (counted in the previews phase).
+    dequantized_previews: bool = False
 
     @property
     def peak(self) -> int:
         return max(self.phases.values())
 
     def as_dict(self) -> dict:
-        return {"peak_gib": round(self.peak / GiB, 3),
+        return {"peak_gib": round(self.peak / GiB, 3), "dequantized_previews": self.dequantized_previews,
                 "phases_gib": {k: round(v / GiB, 3) for k, v in self.phases.items()}}
 
     def format(self) -> str:

@@ -24,6 +24,7 @@ class UNetPlan:
     memory: MemoryEstimate
     resolution: int   # the side of the square the ranks were scaled to and the estimate is for
     native: int       # the model's own resolution
+    quantized_params: int = 0  # weights of the layers model.quantize / quantize_convs store quantized
 
 
 def plan_unet(cfg: Config, unet: nn.Module, native: int, resolution: int | None = None,
@@ -36,7 +37,23 @@ def plan_unet(cfg: Config, unet: nn.Module, native: int, resolution: int | None 
     plan = make_plan(unet, cfg.adapter, resolution=resolution, native=native)
     latent_factor = native // int(unet.config.sample_size)
     memory = estimate_for_config(unet, cfg, plan.trainable_params, resolution, mixed_precision, latent_factor)
-    return UNetPlan(plan, memory, resolution, native)
+    return UNetPlan(plan, memory, resolution, native, quantized_params(cfg, unet))
+
+
+def quantized_params(cfg: Config, unet: nn.Module) -> int:
+    """Weights of the layers the config's quantization stores quantized (sdxl/quantize.py's skip rules): the
+    Linear layers with model.quantize, the convolutions with quantize_convs. The UNet as loaded (any device)."""
+    from .quantize import unet_conv_skip, unet_skip
+
+    n = 0
+    for name, mod in unet.named_modules():
+        if "lora_" in name:
+            continue
+        if cfg.model.quantize != "none" and isinstance(mod, nn.Linear) and not unet_skip(name):
+            n += mod.in_features * mod.out_features
+        elif cfg.model.quantize_convs != "none" and isinstance(mod, nn.Conv2d) and not unet_conv_skip(name):
+            n += mod.weight[0].numel() * mod.out_channels
+    return n
 
 
 def text_encoder_rank_alpha(a: AdapterConfig) -> tuple[int, float]:
@@ -103,17 +120,43 @@ def run_memory_for(cfg: Config, planned: UNetPlan, components: tuple[int, int], 
     and previews of planned.resolution squared unless given."""
     square = planned.resolution ** 2
     previews = (cfg.preview.before or cfg.preview.after or cfg.preview.every > 0) and cfg.preview.prompts != ""
-    return run_memory(planned.memory, vae_bytes=components[0], text_bytes=components[1],
-                      largest_pixels=largest_pixels or square, preview_pixels=preview_pixels or square,
-                      previews=previews,
-                      vae_tiling=tiled_previews(cfg), tiled_encode=cfg.model.tiled_vae_encode,
-                      previews_mid_run=cfg.preview.every > 0, previews_after=cfg.preview.after,
-                      graphs=cfg.train.cuda_graphs,
-                      encoders_stay=cfg.adapter.train_text_encoder or live_text(cfg.data),
-                      vae_stays=cfg.data.crop == "random",
-                      step_budget=(int(cfg.train.checkpoint_budget_gb * GiB)
-                                   if cfg.train.checkpoint_budget_gb and not cfg.train.gradient_checkpointing else None),
-                      unet_while_caching=unet_read_on_device(cfg), merged_copies=merged_copy_bytes(cfg, planned))
+
+    def phases(copies: int) -> RunMemory:
+        return run_memory(planned.memory, vae_bytes=components[0], text_bytes=components[1],
+                          largest_pixels=largest_pixels or square, preview_pixels=preview_pixels or square,
+                          previews=previews,
+                          vae_tiling=tiled_previews(cfg), tiled_encode=cfg.model.tiled_vae_encode,
+                          previews_mid_run=cfg.preview.every > 0, previews_after=cfg.preview.after,
+                          graphs=cfg.train.cuda_graphs,
+                          encoders_stay=cfg.adapter.train_text_encoder or live_text(cfg.data),
+                          vae_stays=cfg.data.crop == "random",
+                          step_budget=(int(cfg.train.checkpoint_budget_gb * GiB)
+                                       if cfg.train.checkpoint_budget_gb and not cfg.train.gradient_checkpointing
+                                       else None),
+                          unet_while_caching=unet_read_on_device(cfg), merged_copies=copies)
+
+    run = phases(merged_copy_bytes(cfg, planned))
+    dequantized = dequantized_copy_bytes(cfg, planned)
+    if previews and dequantized:
+        # A quantized base's previews render from 16-bit copies of its layers (inject.dequantized_for_inference)
+        # where those fit under the run's peak: previews must not raise the peak a quantized run was planned
+        # at, but below it the copies cost nothing the run does not hold at another time anyway.
+        with_copies = phases(merged_copy_bytes(cfg, planned) + dequantized)
+        if with_copies.phases["previews"] <= run.peak:
+            with_copies.dequantized_previews = True
+            with_copies.notes.append("previews render from 16-bit copies of the quantized layers, the adapter "
+                                     "merged in: they fit under the run's peak")
+            return with_copies
+    return run
+
+
+def dequantized_copy_bytes(cfg: Config, planned: UNetPlan) -> int:
+    """Bytes of the 16-bit copies of a quantized base's layers that previews render from
+    (inject.dequantized_for_inference); 0 where nothing is quantized or the adapter is DoRA (which keeps its
+    path on quantized layers)."""
+    if not planned.quantized_params or cfg.adapter.kind != "lora":
+        return 0
+    return planned.quantized_params * (4 if planned.memory.compute_dtype == "fp32" else 2)
 
 
 def merged_copy_bytes(cfg: Config, planned: UNetPlan) -> int:

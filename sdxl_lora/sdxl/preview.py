@@ -24,7 +24,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from ..core.fsutil import atomic_save
-from ..core.inject import merged_for_inference
+from ..core.inject import dequantized_for_inference, merged_for_inference
 from ..core.speed import BACKGROUND, cudnn_search, evaluation_mode
 from .data import live_text
 from .memory import preview_batch
@@ -390,11 +390,16 @@ def _copy(src: Path, dest: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _plain_unet(model, unet):
+def _plain_unet(model, unet, dequantized: bool = False):
     """The adapter merged into copies of the weights it adapts, its layers out of the model and the attentions on
     diffusers' own processor for the duration: the UNet runs as the bare one, without a Python call per adapted
-    layer and UNet call (a preview calls the UNet at each of its sampling steps); all put back afterwards."""
-    with merged_for_inference(model, unwrap=True), stock_attention(unet):
+    layer and UNet call (a preview calls the UNet at each of its sampling steps); all put back afterwards.
+    dequantized: a quantized base's layers too, as 16-bit copies with the adapter folded in
+    (inject.dequantized_for_inference)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(merged_for_inference(model, unwrap=True))
+        replaced = stack.enter_context(dequantized_for_inference(model)) if dequantized else 0
+        stack.enter_context(stock_attention(unet, quantized=replaced > 0))
         yield
 
 
@@ -457,7 +462,8 @@ def render_previews(task, model, run, step: int) -> list[Path]:
             # apply it, and the UNet run as the bare one (_plain_unet); not while a second thread compiles the same
             # modules (peft's merged flag would enter its graphs' guards, and training would compile them again
             # after the switch).
-            merged = contextlib.nullcontext() if BACKGROUND.running else _plain_unet(model, unet)
+            merged = (contextlib.nullcontext() if BACKGROUND.running
+                      else _plain_unet(model, unet, dequantized=task.dequantized_previews))
             tiled = tiled_previews(cfg)
             batch = None if device.type == "cpu" else preview_batch(tiled)
             with cudnn_search(False), vae_tiles(p.vae, tiled), merged:

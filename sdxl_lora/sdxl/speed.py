@@ -380,15 +380,17 @@ def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
 
 
 @contextlib.contextmanager
-def stock_attention(model: torch.nn.Module):
+def stock_attention(model: torch.nn.Module, quantized: bool = False):
     """Every attention fused over plain weights on diffusers' stock processor for the duration (then back on the
     fused one): the fused processor computes from the one buffer its base weights were made views of, which does
     not hold an adapter merged into copies of them (inject.merged_for_inference); the stock one calls the
-    projections. Quantized bases' fused attentions stay (their layers are never merged)."""
+    projections. Attentions fused over quantized bases too with `quantized` (their layers replaced meanwhile by
+    inject.dequantized_for_inference); otherwise they stay."""
     from diffusers.models.attention_processor import Attention
 
+    holders = (_FusedWeight, _QuantizedProjections) if quantized else (_FusedWeight,)
     fused = [m for m in model.modules() if isinstance(m, Attention) and isinstance(m.processor, FusedProjectionsProcessor)
-             and isinstance(getattr(m, "fused_kv" if m.is_cross_attention else "fused_qkv", None), _FusedWeight)]
+             and isinstance(getattr(m, "fused_kv" if m.is_cross_attention else "fused_qkv", None), holders)]
     processors = [attn.processor for attn in fused]
     try:
         for attn, processor in zip(fused, processors):
