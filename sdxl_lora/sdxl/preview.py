@@ -262,13 +262,6 @@ def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, g
         return (p.steps or steps, p.guidance if p.guidance is not None else guidance, p.width or width,
                 p.height or height, tuple(sorted(t)), t.get("negative_prompt") is None)
 
-    def before_decode(pipeline, index: int, timestep, kwargs: dict) -> dict:
-        # After the last denoising step: the UNet's cached blocks (a batch's activations, in segments too small for
-        # the decoder's tensors) go back to the device, so the decode's own segments are not reserved beside them.
-        if device.type == "cuda" and index == pipeline.num_timesteps - 1:
-            torch.cuda.empty_cache()
-        return kwargs
-
     images = []
     with torch.no_grad(), ctx, contextlib.ExitStack() as undo:
         if slicing:
@@ -285,7 +278,7 @@ def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, g
             one = j - i == 1  # a prompt alone is called as the pipeline's single-prompt call
             out = pipe(**(texts[i] if one else _batched(texts[i:j])), num_inference_steps=n_steps, guidance_scale=g,
                        guidance_rescale=guidance_rescale, width=w, height=h, generator=gens[0] if one else gens,
-                       output_type="pil", callback_on_step_end=before_decode)
+                       output_type="pil")
             images.extend(out.images)
             i = j
     return images
