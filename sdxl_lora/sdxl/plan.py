@@ -52,7 +52,7 @@ def quantized_params(cfg: Config, unet: nn.Module) -> int:
         if cfg.model.quantize != "none" and isinstance(mod, nn.Linear) and not unet_skip(name):
             n += mod.in_features * mod.out_features
         elif cfg.model.quantize_convs != "none" and isinstance(mod, nn.Conv2d) and not unet_conv_skip(name):
-            n += mod.weight[0].numel() * mod.out_channels
+            n += mod.weight.numel()
     return n
 
 
@@ -156,18 +156,21 @@ def dequantized_copy_bytes(cfg: Config, planned: UNetPlan) -> int:
     path on quantized layers)."""
     if not planned.quantized_params or cfg.adapter.kind != "lora":
         return 0
-    return planned.quantized_params * (4 if planned.memory.compute_dtype == "fp32" else 2)
+    return planned.quantized_params * _compute_bytes(planned)
 
 
 def merged_copy_bytes(cfg: Config, planned: UNetPlan) -> int:
     """Bytes of the copies previews merge the adapter into (inject.merged_for_inference): each adapted layer's
     frozen weight in the compute dtype, where it is not quantized (a 4-bit or fp8 layer keeps its adapter path)."""
-    size = 4 if planned.memory.compute_dtype == "fp32" else 2
-
     def floating(slot) -> bool:
         return (cfg.model.quantize_convs if slot.conv else cfg.model.quantize) == "none"
 
-    return sum(s.in_features * s.out_features * size for s in planned.plan.targets if floating(s))
+    return sum(s.in_features * s.out_features for s in planned.plan.targets if floating(s)) * _compute_bytes(planned)
+
+
+def _compute_bytes(planned: UNetPlan) -> int:
+    """Bytes a weight in the run's compute dtype (the estimate's)."""
+    return 4 if planned.memory.compute_dtype == "fp32" else 2
 
 
 @dataclass

@@ -227,8 +227,7 @@ class SDXLTask(Task):
         self._identity: dict | None = None
         self._budget = None  # train.vram_gb: the fit (sdxl/plan.py: fit_budget)
         self.preview_texts: list[dict] | None = None  # the preview prompts' embeddings, made at set-up
-        # Previews render from 16-bit copies of a quantized base's layers (set by the plan: where they fit).
-        self.dequantized_previews = False
+        self.run_memory: sdxl_memory.RunMemory | None = None  # the whole run's estimate, made with the plan
         self.has_reg = False  # the data holds regularization images (set when it is read)
         self._explicit: set[str] = set(cfg.train.model_fields_set)
         self._background = False  # train.background_compile: the regions compile on a second thread
@@ -423,6 +422,11 @@ class SDXLTask(Task):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @property
+    def dequantized_previews(self) -> bool:
+        """Previews render from 16-bit copies of a quantized base's layers: the plan found they fit."""
+        return self.run_memory is not None and self.run_memory.dequantized_previews
+
     def _plan(self, unet, run: Run) -> None:
         """The adapter's plan, its ranks scaled to the largest bucket's area (the most tokens any batch
         carries), and the memory estimate it gives."""
@@ -437,7 +441,6 @@ class SDXLTask(Task):
         previews = [(e.width or self.resolution) * (e.height or self.resolution) for e in self.preview_prompts]
         self.run_memory = run_memory_for(self.cfg, planned, (components[0], components[1] + components[2]),
                                          largest_pixels=largest, preview_pixels=max(previews, default=None))
-        self.dequantized_previews = self.run_memory.dequantized_previews
         log.info("%s", self.run_memory.format())
         run.event("memory_estimate", **planned.memory.as_dict(), run=self.run_memory.as_dict())
         if self._budget is not None:
