@@ -451,10 +451,6 @@ def main():
                     help="set torch._inductor.config options for every compiled setting (an experiment's switch), "
                          "e.g. coordinate_descent_tuning=True")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny UNet on the CPU: a smoke test")
-    ap.add_argument("--cudnn-limit", type=int, metavar="N",
-                    help="torch.backends.cudnn.benchmark_limit: how many algorithms cuDNN's search tries for each "
-                         "convolution (torch's default 10; 0 tries all). Run one process a value: the search's "
-                         "choices are cached for the process")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
     if args.inductor:
@@ -478,9 +474,6 @@ def main():
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
-        if args.cudnn_limit is not None:
-            torch.backends.cudnn.benchmark_limit = args.cudnn_limit
-        print(f"# cudnn.benchmark_limit {torch.backends.cudnn.benchmark_limit}", flush=True)
     for name in args.only:
         mode, batches, values = SETTINGS[name]
         for batch in args.batches or batches:
