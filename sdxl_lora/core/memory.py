@@ -52,6 +52,22 @@ def state_bytes(trainable_params: int, optimizer: str) -> dict[str, int]:
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+def quantized_layers(model: nn.Module, quantize: str, skip=None, quantize_convs: str = "none",
+                     conv_skip=None) -> tuple[list[nn.Linear], list[nn.Conv2d]]:
+    """The layers a model's quantization stores quantized, unquantized as yet (the meta device will do): the Linear
+    layers with `quantize`, the convolutions with quantize_convs="fp8", adapters' own layers and skipped names left
+    out."""
+    linears, convs = [], []
+    for name, mod in model.named_modules():
+        if "lora_" in name:
+            continue
+        if quantize != "none" and isinstance(mod, nn.Linear) and not (skip and skip(name)):
+            linears.append(mod)
+        elif quantize_convs == "fp8" and isinstance(mod, nn.Conv2d) and not (conv_skip and conv_skip(name)):
+            convs.append(mod)
+    return linears, convs
+
+
 def weight_bytes(unet: nn.Module, quantize: str, double_quant: bool, compute_dtype: torch.dtype,
                  skip=None, quantize_convs: str = "none", conv_skip=None) -> dict[str, int]:
     """The frozen model's bytes by storage: quantized Linear weights, with quantize_convs="fp8" the
@@ -61,18 +77,15 @@ def weight_bytes(unet: nn.Module, quantize: str, double_quant: bool, compute_dty
     out = {quantize: 0} if quantize != "none" else {}
     out[plain_name] = 0
     quantized = set()
-    if quantize != "none":
-        for name, mod in unet.named_modules():
-            if isinstance(mod, nn.Linear) and "lora_" not in name and not (skip and skip(name)):
-                out[quantize] += round(mod.weight.numel() * quantized_bytes_per_weight(quantize, double_quant,
-                                                                                      mod.in_features))
-                quantized.add(id(mod.weight))
+    linears, convs = quantized_layers(unet, quantize, skip, quantize_convs, conv_skip)
+    for mod in linears:
+        out[quantize] += round(mod.weight.numel() * quantized_bytes_per_weight(quantize, double_quant, mod.in_features))
+        quantized.add(id(mod.weight))
     if quantize_convs == "fp8":
         out["fp8 conv"] = 0
-        for name, mod in unet.named_modules():
-            if isinstance(mod, nn.Conv2d) and "lora_" not in name and not (conv_skip and conv_skip(name)):
-                out["fp8 conv"] += fp8_conv_bytes(mod)
-                quantized.add(id(mod.weight))
+        for mod in convs:
+            out["fp8 conv"] += fp8_conv_bytes(mod)
+            quantized.add(id(mod.weight))
     out[plain_name] = out.pop(plain_name)  # listed last
     for name, p in unet.named_parameters():
         if id(p) not in quantized and "lora_" not in name:

@@ -41,19 +41,13 @@ def plan_unet(cfg: Config, unet: nn.Module, native: int, resolution: int | None 
 
 
 def quantized_params(cfg: Config, unet: nn.Module) -> int:
-    """Weights of the layers the config's quantization stores quantized (sdxl/quantize.py's skip rules): the
-    Linear layers with model.quantize, the convolutions with quantize_convs. The UNet as loaded (any device)."""
+    """Weights of the layers the config's quantization stores quantized (sdxl/quantize.py's skip rules), from
+    the UNet before it is quantized (any device)."""
+    from ..core.memory import quantized_layers
     from .quantize import unet_conv_skip, unet_skip
 
-    n = 0
-    for name, mod in unet.named_modules():
-        if "lora_" in name:
-            continue
-        if cfg.model.quantize != "none" and isinstance(mod, nn.Linear) and not unet_skip(name):
-            n += mod.in_features * mod.out_features
-        elif cfg.model.quantize_convs != "none" and isinstance(mod, nn.Conv2d) and not unet_conv_skip(name):
-            n += mod.weight.numel()
-    return n
+    linears, convs = quantized_layers(unet, cfg.model.quantize, unet_skip, cfg.model.quantize_convs, unet_conv_skip)
+    return sum(m.weight.numel() for m in (*linears, *convs))
 
 
 def text_encoder_rank_alpha(a: AdapterConfig) -> tuple[int, float]:
