@@ -3,7 +3,9 @@ tiny model with random weights ("tiny-sdxl"), a diffusers folder, or a single-fi
 checkpoint. Always offline; errors say which file is missing."""
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -70,8 +72,6 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, un
     seconds; the GPU's, milliseconds). encoders_as_stored: a diffusers folder's text encoders stay in the dtype
     their checkpoints hold, for the caller to cast when it runs them (training runs them only for what its
     text cache lacks)."""
-    from diffusers import StableDiffusionXLPipeline
-
     # Belt and braces: nothing in this process may reach a hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = resolve_model_path(cfg)
@@ -89,17 +89,82 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, un
         if unet_dtype is not None or unet_device is not None:
             pipe.unet.to(unet_device, dtype=unet_dtype)
         return pipe
-    check_folder(path)
     # Each weighted component on its own, so a failure names its folder and what its library reported.
     dtypes = {name: torch_dtype for name in COMPONENTS}
     if unet_dtype:
         dtypes["unet"] = unet_dtype
     if encoders_as_stored:
         dtypes["text_encoder"] = dtypes["text_encoder_2"] = "auto"  # transformers: the checkpoint's own dtype
-    parts = {name: _load_component(path, name, dtypes[name], unet_device if name == "unet" else None)
-             for name in COMPONENTS}
+    reader = None
+    if unet_device is not None:
+        try:
+            files = weight_files(path / "unet", COMPONENTS["unet"][2])
+        except WeightFileError as e:
+            raise _folder_error(path, e) from None
+        reader = UNetReader(files, unet_device, dtypes["unet"])
+    with reader if reader is not None else contextlib.nullcontext():
+        from diffusers import StableDiffusionXLPipeline
+
+        unet = check_folder(path)
+        parts = {name: _load_component(path, name, dtypes[name], unet_device if name == "unet" else None)
+                 for name in COMPONENTS if reader is None or name != "unet"}
+        if reader is not None:
+            parts["unet"] = reader.into(unet, path)
     return StableDiffusionXLPipeline.from_pretrained(str(path), dtype=torch_dtype, local_files_only=True,
                                                      use_safetensors=True, **parts)
+
+
+class UNetReader:
+    """A diffusers folder's UNet weights read onto `device` in `dtype`, tensor by tensor, on a thread of its own
+    while the caller imports the pipeline's libraries and reads the other components (`with UNetReader(...)`):
+    the copies onto the device run without Python's lock, so the read costs the launch little beyond those
+    imports. diffusers' own loader cannot run beside them: it builds the model under a switch of torch's that
+    every thread sees (parameters made on the meta device), so the other components would be built there too."""
+
+    def __init__(self, files: list[Path], device: torch.device, dtype: torch.dtype):
+        self.files, self.device, self.dtype = files, device, dtype
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="sdxl-lora-unet-read", daemon=True)
+
+    def __enter__(self) -> "UNetReader":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()  # an error on the caller's side: the read stops at its next tensor
+        self._thread.join()
+        self.tensors.clear()
+
+    def _read(self) -> None:
+        from safetensors import safe_open
+
+        try:
+            for f in self.files:
+                with safe_open(str(f), framework="pt", device=str(self.device)) as fh:
+                    for key in fh.keys():
+                        if self._stop.is_set():
+                            return
+                        self.tensors[key] = fh.get_tensor(key).to(self.dtype)
+        except BaseException as e:  # handed to the caller's thread, which raises it (into)
+            self.error = e
+
+    def into(self, unet: torch.nn.Module, path: Path) -> torch.nn.Module:
+        """`unet` (check_folder's, on the meta device: its tensors' shapes checked against the files' headers)
+        with the weights read, as diffusers' loader leaves it: in eval mode, its config naming the folder."""
+        from safetensors import SafetensorError
+
+        self._thread.join()
+        if isinstance(self.error, (SafetensorError, OSError)):
+            raise _folder_error(path, f"{path / 'unet'} could not be read: {self.error}") from None
+        if self.error is not None:
+            raise self.error
+        expected = unet.state_dict().keys()
+        unet.load_state_dict({k: self.tensors[k] for k in expected}, strict=True, assign=True)
+        self.tensors.clear()
+        unet.register_to_config(_name_or_path=str(path))
+        return unet.eval()
 
 
 def stored_unet_dtype(cfg: ModelConfig) -> torch.dtype | None:
