@@ -4,6 +4,7 @@ checkpoint. Always offline; errors say which file is missing."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from pathlib import Path
@@ -114,6 +115,10 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, un
                                                      use_safetensors=True, **parts)
 
 
+# Bytes per element of the safetensors dtypes a UNet's weights come in.
+_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
 class UNetReader:
     """A diffusers folder's UNet weights read onto `device` in `dtype`, tensor by tensor, on a thread of its own
     while the caller imports the pipeline's libraries and reads the other components (`with UNetReader(...)`):
@@ -141,12 +146,27 @@ class UNetReader:
         from safetensors import safe_open
 
         try:
-            for f in self.files:
-                with safe_open(str(f), framework="pt", device=str(self.device)) as fh:
+            with contextlib.ExitStack() as files:
+                handles = [files.enter_context(safe_open(str(f), framework="pt")) for f in self.files]
+                # Each tensor goes from the file's mapped pages to the device in the file's dtype through one
+                # buffer there, and is cast into its own tensor: no short-lived copy per tensor is left between
+                # the weights in the allocator's memory.
+                largest = max((math.prod(sl.get_shape()) * _BYTES.get(sl.get_dtype(), 8)
+                               for fh in handles for sl in map(fh.get_slice, fh.keys())), default=0)
+                staging = torch.empty(largest, dtype=torch.uint8, device=self.device)
+                for fh in handles:
                     for key in fh.keys():
                         if self._stop.is_set():
                             return
-                        self.tensors[key] = fh.get_tensor(key).to(self.dtype)
+                        src = fh.get_tensor(key)
+                        dst = torch.empty(src.shape, dtype=self.dtype, device=self.device)
+                        if src.dtype == self.dtype:
+                            dst.copy_(src)
+                        else:
+                            buf = staging[:src.numel() * src.element_size()].view(src.dtype).view(src.shape)
+                            buf.copy_(src)
+                            dst.copy_(buf)
+                        self.tensors[key] = dst
         except BaseException as e:  # handed to the caller's thread, which raises it (into)
             self.error = e
 
