@@ -112,8 +112,9 @@ def _warm_up() -> None:
 
 
 def serve(folders: Folders, host: str = "127.0.0.1", port: int | None = None, auth: str | None = None,
-          share: bool = False, block: bool = True):
-    """Start the server; returns (app, local_url) when block=False."""
+          share: bool = False, block: bool = True, standby: bool = True):
+    """Start the server; returns (app, local_url) when block=False. standby: keep a run process ready, its
+    libraries imported (ui/jobs.py)."""
     from starlette.middleware import Middleware
 
     from .jobs import Jobs
@@ -126,7 +127,7 @@ def serve(folders: Folders, host: str = "127.0.0.1", port: int | None = None, au
         credentials = (user, password)
     # gradio's own HTTP client logs every request it makes to itself at INFO.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    jobs = Jobs(folders)
+    jobs = Jobs(folders, standby=standby)
     jobs.start_background()
     demo = build_app(folders, jobs)
     demo.queue(default_concurrency_limit=1)
@@ -163,6 +164,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--datasets", default=datasets, help="folder of datasets the UI may read and caption")
     parser.add_argument("--models", default=cfg.model.cache_dir, help="folder of base models (and loras/)")
     parser.add_argument("--runs", default=cfg.output.runs_dir, help="folder the runs go to")
+    parser.add_argument("--no-standby", dest="standby", action="store_false",
+                        help="start each run's process when the run starts, instead of keeping one ready with its "
+                             "libraries imported (saves the host memory the waiting process holds)")
     return parser
 
 
@@ -174,7 +178,7 @@ def launch(args: argparse.Namespace) -> int:
         return 2
     folders = Folders.create(args.datasets, args.models, args.runs)
     try:
-        serve(folders, host=args.host, port=args.port, auth=args.auth, share=args.share)
+        serve(folders, host=args.host, port=args.port, auth=args.auth, share=args.share, standby=args.standby)
     except ValueError as e:  # a malformed --auth
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ from sdxl_lora.core.runs import PID_FILE, default_run_name, process_alive, read_
 
 from .folders import Folders
 from .form import DECIDED_WHEN_UNSET
-from .worker import EXIT_FILE
+from .worker import EXIT_FILE, STANDBY
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -155,9 +155,13 @@ class Jobs:
     """The queue and the run processes. All state is on disk; `tick()` starts the next queued run when
     none is running. A daemon thread calls it every second, so queued runs go on while no page is open."""
 
-    def __init__(self, folders: Folders, python: str = sys.executable):
+    def __init__(self, folders: Folders, python: str = sys.executable, standby: bool = False):
+        """standby: keep a worker ready for the next run (ui/worker.py: standby), started with the background
+        queue and again after each launch: a run then starts with its libraries already imported."""
         self.f = folders
         self.python = python
+        self.standby = standby
+        self._spare: subprocess.Popen | None = None
         self._lock = threading.RLock()
         self._children: dict[str, subprocess.Popen] = {}
         for sub in ("queue", "configs", "prompts", "logs", "launched"):
@@ -175,9 +179,16 @@ class Jobs:
                     log.exception("queue tick failed")
         self._thread = threading.Thread(target=loop, name="sdxl-lora-queue", daemon=True)
         self._thread.start()
+        if self.standby:
+            self._ready_spare()
 
     def shutdown(self) -> None:
         self._stop.set()
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.poll() is None:
+            spare.stdin.close()  # an empty job: the waiting worker ends
+            spare.wait()
 
     # ---- names and listing
     def run_dir(self, name: str) -> Path:
@@ -303,22 +314,54 @@ class Jobs:
             self._launch(entry["name"], entry["args"])
             return entry["name"]
 
-    def _launch(self, name: str, args: list[str]) -> None:
-        run_dir = self.run_dir(name)
-        log_path = self.f.ui / "logs" / f"{name}.log"
-        cmd = [self.python, "-m", "sdxl_lora.ui.worker", str(run_dir), "--", *args]
+    def _env(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # The worker imports `ui` from the repository the server runs from, whatever the folder it was started in.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        return env
+
+    def _ready_spare(self) -> None:
+        """Start the worker kept ready for the next run, where none is alive. What it prints before a run
+        reaches it (an import that failed) goes to logs/standby.log."""
+        with self._lock:
+            if self._spare is not None and self._spare.poll() is None:
+                return
+            with open(self.f.ui / "logs" / "standby.log", "ab") as err:
+                # A session of its own, as a run's: the run it becomes survives the UI's end.
+                self._spare = subprocess.Popen([self.python, "-m", "sdxl_lora.ui.worker", STANDBY],
+                                               stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
+                                               cwd=str(self.f.runs), env=self._env(), start_new_session=True)
+
+    def _hand_over(self, argv: list[str], log_path: Path) -> subprocess.Popen | None:
+        """The run given to the worker kept ready, which becomes its process; None where there is none."""
+        spare, self._spare = self._spare, None
+        if spare is None or spare.poll() is not None:
+            return None
+        try:
+            spare.stdin.write((json.dumps({"argv": argv, "log": str(log_path)}) + "\n").encode())
+            spare.stdin.close()
+        except BrokenPipeError:  # it ended between the check and the write: a fresh worker takes the run
+            return None
+        return spare
+
+    def _launch(self, name: str, args: list[str]) -> None:
+        run_dir = self.run_dir(name)
+        log_path = self.f.ui / "logs" / f"{name}.log"
+        argv = [str(run_dir), "--", *args]
+        cmd = [self.python, "-m", "sdxl_lora.ui.worker", *argv]
         with open(log_path, "ab") as out:
             out.write(f"\n$ {' '.join(cmd)}\n".encode())
             out.flush()
-            # A session of its own: the run survives the UI's end (Ctrl-C in the UI's terminal, a crash).
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    cwd=str(self.f.runs), env=env, start_new_session=True)
+            proc = self._hand_over(argv, log_path)
+            if proc is None:
+                # A session of its own: the run survives the UI's end (Ctrl-C in the UI's terminal, a crash).
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                        cwd=str(self.f.runs), env=self._env(), start_new_session=True)
         self._children[name] = proc
         atomic_write_text(self.f.ui / "launched" / f"{name}.pid", f"{proc.pid}\n")
         log.info("started run %s (pid %d): %s", name, proc.pid, " ".join(args))
+        if self.standby:
+            self._ready_spare()  # for the run after this one
 
     def stop(self, name: str) -> str:
         """Ask a running run to stop: SIGINT, as Ctrl-C in a terminal (the state is saved first)."""

@@ -7,6 +7,7 @@
 
     python -m sdxl_lora.ui.worker RUN_DIR -- train CONFIG
     python -m sdxl_lora.ui.worker RUN_DIR -- train --resume RUN_DIR
+    python -m sdxl_lora.ui.worker --standby     (then the job on stdin: see standby())
 
 The arguments after `--` are the queue entry (ui/jobs.py). The job must train in RUN_DIR, and a new run
 never goes into a folder that already holds something: that is another run's, and not a file of it is
@@ -15,6 +16,8 @@ state and ends. Everything printed (the summary, an error's message, a traceback
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -22,7 +25,10 @@ from pathlib import Path
 from sdxl_lora import training
 
 EXIT_FILE = "train.exit"
-USAGE = "usage: python -m sdxl_lora.ui.worker RUN_DIR -- train CONFIG | train --resume RUN_DIR"
+STANDBY = "--standby"
+USAGE = ("usage: python -m sdxl_lora.ui.worker RUN_DIR -- train CONFIG | train --resume RUN_DIR "
+         f"| {STANDBY}")
+READY = "ready"
 
 
 def _parse(argv: list[str]) -> tuple[Path, str | None, str | None] | None:
@@ -96,5 +102,39 @@ def main(argv: list[str]) -> int:
     return rc
 
 
+def _import_stack() -> None:
+    """What a run imports before its first step (torch, Accelerate, diffusers' SDXL pipeline and the
+    transformers under it, peft), without starting CUDA: an idle worker holds no GPU memory."""
+    from diffusers import StableDiffusionXLPipeline  # noqa: F401
+    import peft  # noqa: F401
+
+    from sdxl_lora.core import inject, loop  # noqa: F401
+    from sdxl_lora.sdxl import task  # noqa: F401
+
+
+def standby() -> int:
+    """A worker started before its run is queued (ui/jobs.py keeps one ready): it imports what a run imports,
+    says READY on stdout, then waits for one line on stdin, the job as JSON: {"argv": [RUN_DIR, "--", ...],
+    "log": LOG_PATH}. From there it is the worker main(argv) is, its output going to LOG_PATH. An empty stdin
+    (the UI ended before a run came) ends it without doing anything."""
+    training.stay_offline()
+    _import_stack()
+    print(READY, flush=True)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    job = json.loads(line)
+    devnull = os.open(os.devnull, os.O_RDONLY)  # stdin as a worker started for its run has it
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    fd = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return main([str(a) for a in job["argv"]])
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(standby() if sys.argv[1:] == [STANDBY] else main(sys.argv[1:]))
