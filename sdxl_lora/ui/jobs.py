@@ -187,8 +187,12 @@ class Jobs:
         with self._lock:
             spare, self._spare = self._spare, None
         if spare is not None and spare.poll() is None:
-            spare.stdin.close()  # an empty job: the waiting worker ends
-            spare.wait()
+            spare.stdin.close()  # an empty job: the waiting worker ends once its imports are done
+            try:
+                spare.wait(60)
+            except subprocess.TimeoutExpired:
+                spare.kill()
+                spare.wait()
 
     # ---- names and listing
     def run_dir(self, name: str) -> Path:
