@@ -827,13 +827,17 @@ def test_a_card_preset_fills_the_form_with_what_fits_and_a_goal_preset_with_its_
 
 
 @pytest.fixture(scope="module")
-def saved_run(folders):
+def saved_run(folders, as_process):
     """A short run trained from the CLI on the UI's dataset into its runs folder: saved states at steps 2 and 4,
-    the final adapter at step 6, and its eval loss at the end."""
-    proc = _cli_train(folders["runs"], "cmp-run", 6, "--data", str(folders["datasets"] / "shapes"),
-                      "--set", "train.save_every=2", "--set", "train.keep_checkpoints=5")
-    out, _ = proc.communicate(timeout=WAIT / 1000)
-    assert proc.returncode == 0, out[-3000:]
+    the final adapter at step 6, and its eval loss at the end. The CLI's main() in this process (conftest.py:
+    as_process), as _cli_train's terminal would run it, without a process's seconds of imports: the UI only
+    reads the run's folder."""
+    from sdxl_lora.cli import main
+
+    with as_process():
+        assert main(["train", "--out", str(folders["runs"]), "--name", "cmp-run", "--steps", "6", *CLI_RUN,
+                     "--data", str(folders["datasets"] / "shapes"), "--set", "train.save_every=2",
+                     "--set", "train.keep_checkpoints=5"]) == 0
     return folders["runs"] / "cmp-run"
 
 
