@@ -25,7 +25,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # nothing left.
 FIRST = ("test_train.py", "test_speed.py", "test_ui.py", "test_adapter_kinds.py", "test_multiprocess.py",
          "test_durability.py", "test_frontends.py", "test_compare_kinds.py", "test_qlora.py",
-         "test_plans_roundtrip.py", "test_demo_base.py", "test_cache_reuse.py", "test_export.py")
+         "test_plans_roundtrip.py", "test_ui_standby.py", "test_demo_base.py", "test_cache_reuse.py", "test_export.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,7 @@
 """The UI's queue keeps a run process ready (ui/jobs.py: Jobs(standby=True), ui/worker.py: standby): a queued run
 is handed to it and trains there, its output in the run's log as from a worker started for it; the next one is
-made ready; a worker that died is replaced by a fresh process for the run; the UI's end ends the idle one."""
+made ready once no run is running; a worker that died is replaced by a fresh process for the run; the UI's end
+ends the idle one."""
 import os
 import shutil
 import signal
@@ -34,8 +35,8 @@ def _finish(jobs: Jobs, name: str) -> None:
     while run_status(jobs.run_dir(name)).state != "finished":
         assert run_status(jobs.run_dir(name)).state not in ("failed", "stopped"), jobs.log_tail(name)
         assert time.monotonic() < deadline, jobs.log_tail(name)
-        jobs.tick()
         time.sleep(0.5)
+    jobs._children[name].wait(WAIT)  # its process ends just after it writes its end
 
 
 def test_a_queued_run_trains_in_the_worker_kept_ready_and_another_is_made_ready(tmp_path):
@@ -48,13 +49,15 @@ def test_a_queued_run_trains_in_the_worker_kept_ready_and_another_is_made_ready(
         jobs.enqueue_train(_config(f, "first"))
         assert jobs.tick() == "first"
         assert jobs._launched()["first"] == spare.pid  # the ready worker took the run
+        assert jobs.tick() is None and jobs._spare is None  # none is made ready beside a run setting up
         _finish(jobs, "first")
         run = jobs.run_dir("first")
         assert any(e["event"] == "step" for e in read_events(run / "events.jsonl"))
         assert (run / "train.exit").read_text().strip() == "0"
         log = (f.ui / "logs" / "first.log").read_text()
         assert "run folder" in log and "adapter" in log  # what it printed reached the run's log
-        # The next run's worker is ready, and a run handed to it trains the same way.
+        # Once no run is running, the next run's worker is made ready.
+        assert jobs.tick() is None
         assert jobs._spare is not None and jobs._spare.pid != spare.pid and jobs._spare.poll() is None
         # One that died meanwhile: the run starts in a fresh process instead (here a run refused for its
         # empty data folder, which ends as soon as it has read its config).
@@ -69,11 +72,11 @@ def test_a_queued_run_trains_in_the_worker_kept_ready_and_another_is_made_ready(
         fresh = jobs._launched()["second"]
         assert fresh != dead.pid
         jobs._children["second"].wait(WAIT)
-        assert "has no images" in jobs.log_tail("second") or "no images" in jobs.log_tail("second"), \
-            jobs.log_tail("second")
+        assert "no images" in jobs.log_tail("second"), jobs.log_tail("second")
+        assert jobs.tick() is None and jobs._spare.poll() is None  # ready again for the next run
     finally:
         idle = jobs._spare
         jobs.shutdown()
-    # The UI's end: the idle worker ends with it, having done nothing.
-    assert idle is not None and idle.poll() == 0
+    # The UI's end: the idle worker ends with it.
+    assert idle is not None and idle.poll() is not None
     assert sorted(p.name for p in f.runs.iterdir() if not p.name.startswith(".")) == ["first", "second"]

@@ -157,7 +157,8 @@ class Jobs:
 
     def __init__(self, folders: Folders, python: str = sys.executable, standby: bool = False):
         """standby: keep a worker ready for the next run (ui/worker.py: standby), started with the background
-        queue and again after each launch: a run then starts with its libraries already imported."""
+        queue and again whenever no run is running (not beside a run's own set-up, whose CPU it would share):
+        a run then starts with its libraries already imported."""
         self.f = folders
         self.python = python
         self.standby = standby
@@ -187,12 +188,8 @@ class Jobs:
         with self._lock:
             spare, self._spare = self._spare, None
         if spare is not None and spare.poll() is None:
-            spare.stdin.close()  # an empty job: the waiting worker ends once its imports are done
-            try:
-                spare.wait(60)
-            except subprocess.TimeoutExpired:
-                spare.kill()
-                spare.wait()
+            spare.terminate()  # it holds nothing yet: no run, no GPU memory
+            spare.wait()
 
     # ---- names and listing
     def run_dir(self, name: str) -> Path:
@@ -312,6 +309,8 @@ class Jobs:
                 return None
             queue = self.queued()
             if not queue:
+                if self.standby:
+                    self._ready_spare()  # for the next run, now that none is setting up or training
                 return None
             entry = queue[0]
             entry["file"].unlink(missing_ok=True)
@@ -364,8 +363,6 @@ class Jobs:
         self._children[name] = proc
         atomic_write_text(self.f.ui / "launched" / f"{name}.pid", f"{proc.pid}\n")
         log.info("started run %s (pid %d): %s", name, proc.pid, " ".join(args))
-        if self.standby:
-            self._ready_spare()  # for the run after this one
 
     def stop(self, name: str) -> str:
         """Ask a running run to stop: SIGINT, as Ctrl-C in a terminal (the state is saved first)."""
