@@ -18,8 +18,15 @@ def _readers() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "sdxl-lora-unet-read"]
 
 
-def test_the_unet_read_beside_the_rest_is_the_model_diffusers_loads(tiny_dir):
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
+def test_the_unet_read_beside_the_rest_is_the_model_diffusers_loads(tiny_dir, tmp_path, sharded):
     dtype = torch.bfloat16  # the tiny folder stores fp32: each tensor is cast as it is read
+    if sharded:  # the UNet in several files and their index, as large checkpoints are saved
+        d = _copy(tiny_dir, tmp_path)
+        _load_component(d, "unet", torch.float32).save_pretrained(d / "unet", max_shard_size="4MB")
+        (d / UNET).unlink()
+        assert len(list((d / "unet").glob("*.safetensors"))) > 1
+        tiny_dir = d
     pipe = load_pipeline(ModelConfig(path=str(tiny_dir)), unet_dtype=dtype, unet_device=torch.device("cpu"),
                          encoders_as_stored=True)
     ref = _load_component(tiny_dir, "unet", dtype)
