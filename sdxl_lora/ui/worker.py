@@ -28,7 +28,6 @@ EXIT_FILE = "train.exit"
 STANDBY = "--standby"
 USAGE = ("usage: python -m sdxl_lora.ui.worker RUN_DIR -- train CONFIG | train --resume RUN_DIR "
          f"| {STANDBY}")
-READY = "ready"
 
 
 def _parse(argv: list[str]) -> tuple[Path, str | None, str | None] | None:
@@ -114,12 +113,11 @@ def _import_stack() -> None:
 
 def standby() -> int:
     """A worker started before its run is queued (ui/jobs.py keeps one ready): it imports what a run imports,
-    says READY on stdout, then waits for one line on stdin, the job as JSON: {"argv": [RUN_DIR, "--", ...],
+    then waits for one line on stdin, the job as JSON: {"argv": [RUN_DIR, "--", ...],
     "log": LOG_PATH}. From there it is the worker main(argv) is, its output going to LOG_PATH. An empty stdin
     (the UI ended before a run came) ends it without doing anything."""
     training.stay_offline()
     _import_stack()
-    print(READY, flush=True)
     line = sys.stdin.readline()
     if not line.strip():
         return 0
