@@ -48,13 +48,19 @@ def header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
                               "copy or download that stopped part-way)") from None
 
 
+def float_dtypes() -> dict[str, "torch.dtype"]:
+    """The torch dtypes of the floating dtypes a safetensors header names (16 bits and wider)."""
+    import torch
+
+    return {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
 def stored_float_dtype(files: list[Path]) -> "torch.dtype | None":
     """The one floating dtype every floating tensor of these .safetensors files is stored in (from their
     headers alone), or None where they mix several."""
-    import torch
     from safetensors import safe_open
 
-    names = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+    names = float_dtypes()
     found = set()
     for path in files:
         with safe_open(str(path), framework="pt") as f:

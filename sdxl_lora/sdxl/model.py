@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from ..core.config import DEMO_DIR, DEMO_NAME, ModelConfig
-from ..core.weights import PickleWeights, WeightFileError, read_json, shape_problems, stored_float_dtype, weight_files
+from ..core.weights import (PickleWeights, WeightFileError, float_dtypes, read_json, shape_problems,
+                            stored_float_dtype, weight_files)
 from .tiny import TINY_NAME, materialize_tiny
 
 # diffusers folder layout of an SDXL pipeline: what must be there for from_pretrained to work.
@@ -107,16 +108,12 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, un
         from diffusers import StableDiffusionXLPipeline
 
         unet = check_folder(path)
-        parts = {name: _load_component(path, name, dtypes[name], unet_device if name == "unet" else None)
-                 for name in COMPONENTS if reader is None or name != "unet"}
+        parts = {name: _load_component(path, name, dtypes[name]) for name in COMPONENTS
+                 if reader is None or name != "unet"}
         if reader is not None:
             parts["unet"] = reader.into(unet, path)
     return StableDiffusionXLPipeline.from_pretrained(str(path), dtype=torch_dtype, local_files_only=True,
                                                      use_safetensors=True, **parts)
-
-
-# Bytes per element of the safetensors dtypes a UNet's weights come in.
-_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 class UNetReader:
@@ -151,7 +148,8 @@ class UNetReader:
                 # Each tensor goes from the file's mapped pages to the device in the file's dtype through one
                 # buffer there, and is cast into its own tensor: no short-lived copy per tensor is left between
                 # the weights in the allocator's memory.
-                largest = max((math.prod(sl.get_shape()) * _BYTES.get(sl.get_dtype(), 8)
+                floats = float_dtypes()
+                largest = max((math.prod(sl.get_shape()) * getattr(floats.get(sl.get_dtype()), "itemsize", 8)
                                for fh in handles for sl in map(fh.get_slice, fh.keys())), default=0)
                 staging = torch.empty(largest, dtype=torch.uint8, device=self.device)
                 for fh in handles:
@@ -182,7 +180,6 @@ class UNetReader:
             raise self.error
         expected = unet.state_dict().keys()
         unet.load_state_dict({k: self.tensors[k] for k in expected}, strict=True, assign=True)
-        self.tensors.clear()
         unet.register_to_config(_name_or_path=str(path))
         return unet.eval()
 

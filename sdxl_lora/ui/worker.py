@@ -131,7 +131,7 @@ def standby() -> int:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    return main([str(a) for a in job["argv"]])
+    return main(job["argv"])
 
 
 if __name__ == "__main__":
