@@ -43,6 +43,19 @@ def tiny_dir():
 
 
 @pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One latent and text-embedding cache for a module's runs (data.cache_dir): the sample images are encoded
+    once, not in each test's runs folder; what a run trains and saves is the same either way."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def cache_args(shared_cache):
+    """shared_cache as the CLI's arguments."""
+    return ["--set", f"data.cache_dir='{shared_cache}'"]
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module's tests: the tiny models gain nothing from a second, and when the other
     core is busy its spin-waits make each UNet call up to 100x slower."""

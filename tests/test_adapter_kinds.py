@@ -521,22 +521,15 @@ def test_a_16_bit_run_keeps_no_cast_copy_of_the_adapters_inputs_and_trains_the_s
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.fixture(scope="module")
-def sample_cache(tmp_path_factory):
-    """One latent and text-embedding cache for the kinds' shortened default jobs: the sample images are encoded
-    once."""
-    return str(tmp_path_factory.mktemp("cache"))
-
-
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "lora"])  # plain LoRA: the default job's tests
-def test_the_demo_base_learns_with_each_kind(tmp_path, kind, sample_cache):
+def test_the_demo_base_learns_with_each_kind(tmp_path, kind, shared_cache):
     """A shortened default job (the demo base, sample_data, its recommended settings) of each kind: the eval
     loss on the training images, at fixed timesteps and noise, falls."""
     from sdxl_lora.training import fit, new_job
 
     cfg = load_config(extra={"adapter.kind": kind, "train.steps": 8, "preview.prompts": "",
                              "output.runs_dir": str(tmp_path), "output.name": kind, "train.save_every": 0,
-                             "train.save_every_minutes": 0, "data.cache_dir": sample_cache})
+                             "train.save_every_minutes": 0, "data.cache_dir": str(shared_cache)})
     # The base's recommended settings for the kind apply (LoHa learns at a higher rate than the rest).
     assert cfg.train.lr == pytest.approx({"loha": 4e-3, "lokr": 1e-2}.get(kind, 2e-3))
     result = fit(new_job(cfg)).result

@@ -50,25 +50,19 @@ def assert_same(a, b):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One latent and text-embedding cache for the module's runs: the sample images are encoded once, not in
-    each test's runs folder (what a state holds and what a resume reads are the same either way)."""
-    return ["--set", f"data.cache_dir='{tmp_path_factory.mktemp('cache')}'"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, as_process, cache):
+def reference(tmp_path_factory, as_process, cache_args):
     from sdxl_lora.cli import main
 
     out = tmp_path_factory.mktemp("ref")
     with as_process():  # one torch thread, as the training processes: the adapters compare bit for bit
-        assert main(["train", "--out", str(out), "--name", "ref", *COMMON, *cache]) == 0
+        assert main(["train", "--out", str(out), "--name", "ref", *COMMON, *cache_args]) == 0
     return adapter(out / "ref")
 
 
-def test_sigkill_during_a_save_and_during_a_step_then_resume_gives_the_same_adapter(tmp_path, reference, cli, cache):
+def test_sigkill_during_a_save_and_during_a_step_then_resume_gives_the_same_adapter(tmp_path, reference, cli,
+                                                                                    cache_args):
     run = tmp_path / "k"
-    p = train(tmp_path, "--name", "k", *COMMON, *cache, kill="save:6")
+    p = train(tmp_path, "--name", "k", *COMMON, *cache_args, kill="save:6")
     assert p.returncode == -signal.SIGKILL
     states = run / "checkpoints"
     assert (states / ".tmp-step-00000006").exists()  # the torn save
@@ -85,9 +79,9 @@ def test_sigkill_during_a_save_and_during_a_step_then_resume_gives_the_same_adap
     assert_same(adapter(run), reference)
 
 
-def test_truncated_newest_state_falls_back_to_the_previous_one(tmp_path, reference, cli, cache):
+def test_truncated_newest_state_falls_back_to_the_previous_one(tmp_path, reference, cli, cache_args):
     run = tmp_path / "t"
-    p = train(tmp_path, "--name", "t", *COMMON, *cache, kill="step:11")
+    p = train(tmp_path, "--name", "t", *COMMON, *cache_args, kill="step:11")
     assert p.returncode == -signal.SIGKILL
     newest = run / "checkpoints" / "step-00000009" / "adapter.safetensors"
     newest.write_bytes(newest.read_bytes()[:100])
@@ -98,11 +92,11 @@ def test_truncated_newest_state_falls_back_to_the_previous_one(tmp_path, referen
     assert_same(adapter(run), reference)
 
 
-def test_ctrl_c_saves_the_state_and_resume_continues_from_the_next_step(tmp_path, reference, cli, cache):
+def test_ctrl_c_saves_the_state_and_resume_continues_from_the_next_step(tmp_path, reference, cli, cache_args):
     run = tmp_path / "c"
     env = dict(ENV)
     proc = subprocess.Popen([sys.executable, "-m", "sdxl_lora.cli", "train", "--out", str(tmp_path), "--name", "c",
-                             *COMMON, *cache, "--set", "train.save_every=0"],
+                             *COMMON, *cache_args, "--set", "train.save_every=0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     events = run / "events.jsonl"
     deadline = time.time() + 300
@@ -129,9 +123,9 @@ def test_ctrl_c_saves_the_state_and_resume_continues_from_the_next_step(tmp_path
     assert_same(adapter(run), reference)
 
 
-def test_resume_without_a_state_says_so(tmp_path, cli, cache):
+def test_resume_without_a_state_says_so(tmp_path, cli, cache_args):
     train_here(cli, tmp_path, "--name", "s", "--steps", "2", "--set", "preview.prompts=''",
-               "--set", "train.save_every=0", *cache)
+               "--set", "train.save_every=0", *cache_args)
     # Finished without a saved state: training it further has nothing to start from.
     p = cli("train", "--out", str(tmp_path), "--resume", str(tmp_path / "s"), "--steps", "4")
     assert p.returncode == 2
@@ -183,7 +177,7 @@ def test_a_start_killed_before_its_config_was_written_leaves_the_name_usable(tmp
         create_run(cfg)
 
 
-def test_resume_with_another_plan_or_dataset_is_refused_naming_what_changed(tmp_path, capsys, cache):
+def test_resume_with_another_plan_or_dataset_is_refused_naming_what_changed(tmp_path, capsys, cache_args):
     # The run's identity (base, adapter plan, images) is kept with each state: a resume whose config gives
     # another one stops before loading anything, with the differences and the ways on; steps may change.
     import shutil
@@ -192,7 +186,7 @@ def test_resume_with_another_plan_or_dataset_is_refused_naming_what_changed(tmp_
     from sdxl_lora.core.config import SAMPLE_DATA
 
     assert main(["train", "--out", str(tmp_path), "--name", "r", "--steps", "2", "--set", "preview.prompts=''",
-                 "--set", "train.save_every=1", *cache]) == 0
+                 "--set", "train.save_every=1", *cache_args]) == 0
     run = tmp_path / "r"
     capsys.readouterr()
     # A finished run resumes only to train further.
@@ -243,7 +237,7 @@ def shutil_usage(free):
     return shutil._ntuple_diskusage(100 * 2**30, 100 * 2**30 - free, free)
 
 
-def test_a_full_disk_at_the_final_export_exits_1_naming_the_file(tmp_path, monkeypatch, capsys, cache):
+def test_a_full_disk_at_the_final_export_exits_1_naming_the_file(tmp_path, monkeypatch, capsys, cache_args):
     from sdxl_lora.cli import main
     from sdxl_lora.sdxl import export
 
@@ -253,7 +247,7 @@ def test_a_full_disk_at_the_final_export_exits_1_naming_the_file(tmp_path, monke
 
     monkeypatch.setattr(export, "save_file", full)
     rc = main(["train", "--out", str(tmp_path), "--name", "x", "--steps", "2", "--set", "preview.prompts=''",
-               "--set", "train.save_every=1", *cache])
+               "--set", "train.save_every=1", *cache_args])
     err = capsys.readouterr().err
     assert rc == 1 and "could not write" in err and "No space left" in err and "Traceback" not in err, err
     assert checkpoint.newest_valid(tmp_path / "x" / "checkpoints") is not None  # the run resumes from here

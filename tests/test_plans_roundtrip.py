@@ -35,22 +35,16 @@ def train(tmp_path, name, steps, **settings):
     return trainer.fit(), task
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One latent and text-embedding cache for the module's runs: the sample images are encoded once."""
-    return {"data.cache_dir": str(tmp_path_factory.mktemp("cache"))}
-
-
 @pytest.mark.parametrize("settings", [
     {"adapter.preset": "topology"},
     {"adapter.preset": "cross-attn"},
     {"adapter.rank_budget": 40_000},
     {"adapter.rank": 8, "adapter.rank_schedule": {2: 4}, "adapter.preset": "attn"},
 ], ids=["topology", "cross-attn", "budget", "schedule"])
-def test_plan_trains_exports_and_reloads_with_the_same_outputs(tmp_path, tiny_dir, settings, cache):
+def test_plan_trains_exports_and_reloads_with_the_same_outputs(tmp_path, tiny_dir, settings, shared_cache):
     from diffusers import StableDiffusionXLPipeline
 
-    result, task = train(tmp_path, "r", 3, **settings, **cache)
+    result, task = train(tmp_path, "r", 3, **settings, **{"data.cache_dir": str(shared_cache)})
     trained = task.pipe.unet.eval()
     x = unet_inputs(trained)
     with torch.no_grad():
@@ -109,11 +103,12 @@ def test_svd_truncation_keeps_an_update_that_fits_and_is_the_best_approximation_
     torch.testing.assert_close(got, best, rtol=1e-4, atol=1e-5)
 
 
-def test_resume_across_a_shrink_gives_the_same_adapter(tmp_path, monkeypatch, cache):
+def test_resume_across_a_shrink_gives_the_same_adapter(tmp_path, monkeypatch, shared_cache):
     from sdxl_lora.core import checkpoint
     from sdxl_lora.core.runs import Run
 
-    settings = {"adapter.rank": 8, "adapter.rank_schedule": {2: 4}, "train.save_every": 3, **cache}
+    settings = {"adapter.rank": 8, "adapter.rank_schedule": {2: 4}, "train.save_every": 3,
+                "data.cache_dir": str(shared_cache)}
     full, _ = train(tmp_path, "full", 5, **settings)
 
     def crash(kind, n):

@@ -166,23 +166,17 @@ def test_adapter_loads_in_diffusers_in_another_process_and_changes_the_image(def
     assert res["formats"] < 1e-4
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One latent and text-embedding cache for the short runs below: the sample images are encoded once."""
-    return ["--set", f"data.cache_dir='{tmp_path_factory.mktemp('cache')}'"]
-
-
-def _short_run(out, name, cache, seed=1):
+def _short_run(out, name, cache_args, seed=1):
     args = ["train", "--out", str(out), "--name", name, "--steps", "4", "--seed", str(seed), "--batch-size", "2",
-            "--set", "preview.prompts=''", "--set", "train.log_every=2", *cache]
+            "--set", "preview.prompts=''", "--set", "train.log_every=2", *cache_args]
     assert main(args) == 0
     return load_file(out / name / f"{name}.safetensors")
 
 
-def test_same_seed_gives_the_same_adapter(tmp_path, monkeypatch, cache):
-    a = _short_run(tmp_path, "a", cache)
-    b = _short_run(tmp_path, "b", cache)
-    c = _short_run(tmp_path, "c", cache, seed=2)
+def test_same_seed_gives_the_same_adapter(tmp_path, monkeypatch, cache_args):
+    a = _short_run(tmp_path, "a", cache_args)
+    b = _short_run(tmp_path, "b", cache_args)
+    c = _short_run(tmp_path, "c", cache_args, seed=2)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)
@@ -214,22 +208,22 @@ def test_same_seed_gives_the_same_adapter(tmp_path, monkeypatch, cache):
         return Marked.apply(loss(self, model, batch))
 
     monkeypatch.setattr(SDXLTask, "loss", marked_loss)
-    d = _short_run(tmp_path, "d", cache)
+    d = _short_run(tmp_path, "d", cache_args)
     assert sizes == [1] * 8  # 4 steps of 2 images
     assert alive == [0] * 8
     assert all(torch.allclose(a[k], d[k], rtol=1e-3, atol=3e-4) for k in a)
     assert any(not torch.allclose(a[k], c[k], rtol=1e-3, atol=3e-4) for k in a)
 
 
-def test_existing_run_is_not_overwritten_unless_asked(tmp_path, capsys, cache):
-    _short_run(tmp_path, "r", cache)
+def test_existing_run_is_not_overwritten_unless_asked(tmp_path, capsys, cache_args):
+    _short_run(tmp_path, "r", cache_args)
     before = (tmp_path / "r" / "r.safetensors").read_bytes()
     rc = main(["train", "--out", str(tmp_path), "--name", "r", "--steps", "2", "--set", "preview.prompts=''"])
     assert rc == 2
     assert "already exists" in capsys.readouterr().err
     assert (tmp_path / "r" / "r.safetensors").read_bytes() == before
     assert main(["train", "--out", str(tmp_path), "--name", "r", "--steps", "2", "--overwrite",
-                 "--set", "preview.prompts=''", *cache]) == 0
+                 "--set", "preview.prompts=''", *cache_args]) == 0
 
 
 def test_bad_flag_value_names_the_field(tmp_path, capsys):
@@ -261,10 +255,10 @@ def test_random_crop_trains_with_live_latents(tmp_path):
     assert (tmp_path / "rc" / "rc.safetensors").is_file()
 
 
-def test_previews_every_n_steps_and_validation_loss_on_held_out_images(tmp_path, cache):
+def test_previews_every_n_steps_and_validation_loss_on_held_out_images(tmp_path, cache_args):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("sks, a red star on a white background\n")
-    args = ["train", "--out", str(tmp_path), "--name", "v", *cache, "--steps", "6", "--set", "preview.every=3",
+    args = ["train", "--out", str(tmp_path), "--name", "v", *cache_args, "--steps", "6", "--set", "preview.every=3",
             "--set", "preview.steps=2", "--set", "data.validation_split=0.25", "--set", "train.save_every=3",
             "--set", f"preview.prompts='{prompts}'"]
     assert main(args) == 0

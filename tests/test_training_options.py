@@ -314,11 +314,6 @@ def inject_nan(monkeypatch, at):
     monkeypatch.setattr(SDXLTask, "loss", loss)
 
 
-@pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")  # latents and text embeddings, computed once for these runs
-
-
 def guarded_run(out, name, cache, *extra):
     return main(["train", "--out", str(out), "--name", name, "--steps", "5", "--set", "preview.prompts=''",
                  "--set", f"data.cache_dir='{cache}'",
