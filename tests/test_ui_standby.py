@@ -80,3 +80,21 @@ def test_a_queued_run_trains_in_the_worker_kept_ready_and_another_is_made_ready(
     # The UI's end: the idle worker ends with it.
     assert idle is not None and idle.poll() is not None
     assert sorted(p.name for p in f.runs.iterdir() if not p.name.startswith(".")) == ["first", "second"]
+
+
+def test_a_worker_kept_ready_that_fails_on_its_own_is_not_started_again(tmp_path, caplog):
+    # An environment whose imports fail would fail each time: the queue says so once and starts runs as before.
+    (tmp_path / "datasets").mkdir()
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'ImportError: no module named torch' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    jobs = Jobs(f, python=str(fake), standby=True)
+    jobs._ready_spare()
+    failed = jobs._spare
+    failed.wait(WAIT)
+    assert jobs.tick() is None
+    assert jobs._spare is None and not jobs.standby
+    assert "exited with code 1" in caplog.text and "standby.log" in caplog.text
+    assert "no module named torch" in (f.ui / "logs" / "standby.log").read_text()
+    assert jobs.tick() is None and jobs._spare is None  # not started again

@@ -329,6 +329,13 @@ class Jobs:
         with self._lock:
             if self._spare is not None and self._spare.poll() is None:
                 return
+            if self._spare is not None and self._spare.returncode > 0:
+                # It failed on its own, and would again each time (an import that fails): runs start as before.
+                log.warning("the run process kept ready exited with code %d before a run reached it (%s); each run "
+                            "starts a process of its own instead", self._spare.returncode,
+                            self.f.ui / "logs" / "standby.log")
+                self.standby, self._spare = False, None
+                return
             with open(self.f.ui / "logs" / "standby.log", "ab") as err:
                 # A session of its own, as a run's: the run it becomes survives the UI's end.
                 self._spare = subprocess.Popen([self.python, "-m", "sdxl_lora.ui.worker", STANDBY],
