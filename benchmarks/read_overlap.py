@@ -1,6 +1,6 @@
-"""Whether reading the UNet's weights onto the GPU can overlap the rest of a launch's set-up: in a fresh process,
-the UNet's safetensors read tensor by tensor straight onto the device (`--way serial`: after the rest;
-`--way thread`: on a second thread started first), while the main thread imports the SDXL pipeline's libraries
+"""Whether reading the UNet's weights onto the GPU overlaps the rest of a launch's set-up: in a fresh process,
+the UNet read as training reads it (sdxl/model.py: UNetReader; `--way serial`: after the rest; `--way thread`: on
+its own thread started first, as load_pipeline does), while the main thread imports the SDXL pipeline's libraries
 and reads the VAE and both text encoders as training does. Prints each part's seconds and the whole.
 
     python3 benchmarks/train_e2e.py --work /tmp/e2e --settings defaults --steps 1   # builds the folder once
@@ -10,7 +10,6 @@ and reads the VAE and both text encoders as training does. Prints each part's se
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 
 T0 = time.perf_counter()
@@ -18,42 +17,28 @@ T0 = time.perf_counter()
 import torch  # noqa: E402
 
 
-def read_unet(folder, device, dtype, out: dict) -> None:
-    from safetensors import safe_open
-
-    t = time.perf_counter()
-    if device.type == "cuda":
-        torch.cuda.init()
-    out["cuda_init_s"] = round(time.perf_counter() - t, 2)
-    tensors = {}
-    for f in sorted((folder / "unet").glob("*.safetensors")):
-        with safe_open(str(f), "pt", device=str(device)) as fh:
-            for k in fh.keys():
-                tensors[k] = fh.get_tensor(k).to(dtype)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    out["unet_s"] = round(time.perf_counter() - t, 2)
-    out["tensors"] = len(tensors)
-
-
-def rest(folder, out: dict) -> None:
-    from sdxl_lora.core.config import ModelConfig  # noqa: F401 - the package, as training imports it first
-    t = time.perf_counter()
-    from diffusers import StableDiffusionXLPipeline  # noqa: F401
-    out["pipeline_import_s"] = round(time.perf_counter() - t, 2)
+def rest(folder, out: dict):
+    """The pipeline's import, the folder's check, the VAE and both text encoders; returns the UNet on meta."""
     from sdxl_lora.sdxl import model
 
     t = time.perf_counter()
-    model.check_folder(folder)
+    from diffusers import StableDiffusionXLPipeline  # noqa: F401
+    out["pipeline_import_s"] = round(time.perf_counter() - t, 2)
+    t = time.perf_counter()
+    unet = model.check_folder(folder)
     out["check_folder_s"] = round(time.perf_counter() - t, 2)
     t = time.perf_counter()
     for name in ("vae", "text_encoder", "text_encoder_2"):
         model._load_component(folder, name, torch.float32 if name == "vae" else "auto")
     out["vae_and_encoders_s"] = round(time.perf_counter() - t, 2)
+    return unet
 
 
 def main() -> None:
     from pathlib import Path
+
+    from sdxl_lora.core.weights import weight_files
+    from sdxl_lora.sdxl.model import COMPONENTS, UNetReader
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
@@ -61,16 +46,21 @@ def main() -> None:
     args = ap.parse_args()
     out: dict = {"way": args.way, "torch_import_s": round(time.perf_counter() - T0, 2)}
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    reader = UNetReader(weight_files(args.model / "unet", COMPONENTS["unet"][2]), device, torch.bfloat16)
     t = time.perf_counter()
-    if args.way == "thread":
-        reader = threading.Thread(target=read_unet, args=(args.model, device, torch.bfloat16, out))
-        reader.start()
-        rest(args.model, out)
-        out["main_thread_s"] = round(time.perf_counter() - t, 2)
-        reader.join()
+    if args.way == "thread":  # as load_pipeline reads it
+        with reader:
+            unet = rest(args.model, out)
+            out["main_thread_s"] = round(time.perf_counter() - t, 2)
+            reader.into(unet, args.model)
     else:
-        rest(args.model, out)
-        read_unet(args.model, device, torch.bfloat16, out)
+        unet = rest(args.model, out)
+        u = time.perf_counter()
+        with reader:
+            reader.into(unet, args.model)
+        out["unet_s"] = round(time.perf_counter() - u, 2)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     out["whole_s"] = round(time.perf_counter() - t, 2)
     print(out, flush=True)
 
