@@ -411,6 +411,8 @@ class GraphedCall:
         self.eager = False  # the captures ran out of memory: every call runs fn as it is
         self.too_large: set[tuple] = set()  # shapes whose capture ran out of memory ("later"): run as they are
         self.refused: str | None = None  # why CUDA refused a capture (not for memory): every call runs eager
+        # A dispatch mode entered around the warm-up (core/conv_search.py's Recorder), or None.
+        self.recorder: contextlib.AbstractContextManager | None = None
 
     @staticmethod
     def _key(args) -> tuple:
@@ -481,13 +483,15 @@ class GraphedCall:
         if not self.graphs and self.others is not None:
             for other in self.others(args):
                 todo.setdefault(self._key(other), other)
-        if len(todo) > 1:
-            self._warm_up(list(todo.values()))
+        warmed = len(todo) > 1 or self.recorder is not None
+        if warmed:
+            with self.recorder if self.recorder is not None else contextlib.nullcontext():
+                self._warm_up(list(todo.values()))
         for k, sample in todo.items():
             log.info("capturing CUDA graphs for input shapes %s", [s[0] for s in k])
             self.graphs[k] = torch.cuda.make_graphed_callables(
                 _Positional(self.module, self.fn), tuple(a.detach().clone() for a in sample),
-                num_warmup_iters=0 if len(todo) > 1 else self.warmup, allow_unused_input=True, pool=self.pool)
+                num_warmup_iters=0 if warmed else self.warmup, allow_unused_input=True, pool=self.pool)
             # Warm-up ran in the ordinary pool and the captured passes live in the graphs' own: give the
             # warm-up's (and any earlier eager pass's) cached blocks back to the device.
             torch.cuda.empty_cache()

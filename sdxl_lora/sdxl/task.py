@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..core import inject, speed
+from ..core import conv_search, inject, speed
 from . import speed as unet_speed
 from ..core.config import Config, ConfigError
 from .export import save_diffusers_lora
@@ -283,6 +283,7 @@ class SDXLTask(Task):
             # QLoRA: the Linears (and convolutions) quantized one at a time on the device (docs/qlora.md),
             # before the rest moves.
             from .quantize import quantize_unet
+            conv_search.wait()
             quantize_unet(unet, cfg.model, accelerator.mixed_precision, self.device, run)
         # Frozen weights in the compute dtype; the adapter stays fp32 (apply_plan does that).
         unet.to(self.device, dtype=_DTYPES.get(accelerator.mixed_precision, torch.float32))
@@ -376,6 +377,7 @@ class SDXLTask(Task):
     def to_encode(self, *modules: torch.nn.Module) -> None:
         """The VAE or text encoders on the device in fp32, where they are not yet: they go there when something
         is to be encoded, so a run whose caches are complete leaves them on the host as they were read."""
+        conv_search.wait()  # they compute on the GPU from here
         for m in modules:
             p = next(m.parameters())
             elsewhere = p.device.type != self.device.type or (self.device.index is not None
@@ -552,6 +554,7 @@ class SDXLTask(Task):
                      "; ".join(f"{k} {v}" for k, v in self._speed_choices.items()))
             run.event("speed", auto=True, **{k: getattr(tc, k) for k in self._speed_choices},
                       reasons=self._speed_choices)
+        conv_search.wait()  # the levers' measurements and training use the GPU from here
         speed.configure_backends(self.device)
         if tc.sdpa_backend in ("cudnn", "efficient") and self.device.type != "cuda":
             raise ConfigError(f"train.sdpa_backend={tc.sdpa_backend!r} needs a CUDA GPU (the device is "
@@ -664,7 +667,16 @@ class SDXLTask(Task):
             self._graphed = speed.GraphedCall(model, call, warmup=3 if compiled else 1, others=self._graph_inputs,
                                               on_out_of_memory=lambda: self._checkpoint_more(model)
                                               or self._split_batches())
-        return self._graphed(*args)
+            record = conv_search.record_to()
+            if record is not None and not compiled and self.accelerator.is_main_process:
+                # What this first step searches, for the next run like this one (core/conv_search.py).
+                self._graphed.recorder = conv_search.Recorder()
+        out = self._graphed(*args)
+        recorder = self._graphed.recorder
+        if recorder is not None and self._graphed.graphs:
+            self._graphed.recorder = None
+            recorder.save(conv_search.record_to(), self.device)
+        return out
 
     def _background_compile(self) -> tuple[bool, str]:
         """train.background_compile: whether the regions compile on a second thread while the first steps train

@@ -1,0 +1,85 @@
+"""The record of a step's backward convolutions (core/conv_search.py) replays the very calls the step made, so a
+later run's first step finds cuDNN's choices made; a record that does not apply is left unused, with a reason,
+and never stops a run. cuDNN's search itself needs a GPU: benchmarks/RESULTS.md measures the first step."""
+import json
+import logging
+
+import torch
+
+from sdxl_lora.core import conv_search, speed
+from sdxl_lora.core.config import load_config
+from test_speed import batch_for, loss_and_grads, tiny_unet_with_lora
+
+CPU = torch.device("cpu")
+
+
+def _keys(recorder):
+    return sorted(k for k in recorder.calls)
+
+
+def test_a_replayed_record_makes_the_backward_convolutions_the_step_made(tiny_dir, tmp_path, caplog):
+    unet = tiny_unet_with_lora(tiny_dir, preset="locon")  # the ResNets' LoRA convolutions train their weights
+    speed.to_channels_last(unet)
+    step = conv_search.Recorder()
+    with step:
+        loss_and_grads(unet, batch_for(unet))
+    masks = {tuple(c["mask"]) for c in step.calls.values()}
+    assert (True, False, False) in masks  # a frozen convolution: its input's gradient only
+    assert any(m[1] for m in masks)  # a LoRA convolution: its weight's gradient too
+    assert "channels_last" in {c["x_layout"] for c in step.calls.values()}
+    path = tmp_path / "record.json"
+    step.save(path, CPU)
+
+    calls = json.loads(path.read_text())["calls"]
+    again = conv_search.Recorder()
+    with again:
+        assert len(list(conv_search.replay_calls(calls, CPU))) == len(calls) == len(step.calls)
+    assert _keys(again) == _keys(step)
+
+    # On its thread, as a run starts it: every call made, and said so once the main thread waits for it.
+    caplog.set_level(logging.INFO, logger="sdxl_lora.core.conv_search")
+    replay = conv_search.Replay(path, CPU)
+    replay.wait()
+    assert replay.calls == len(calls) and replay.error is None and replay.skipped is None
+    assert f"algorithms for {len(calls)} recorded convolutions chosen" in caplog.text
+
+
+def test_a_record_that_does_not_apply_is_not_used_and_says_why(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="sdxl_lora.core.conv_search")
+    call = {"dy": [1, 4, 8, 8], "x": [1, 4, 8, 8], "w": [4, 4, 3, 3], "bias_sizes": None, "dtype": "float32",
+            "dy_layout": "contiguous", "x_layout": "contiguous", "w_layout": "contiguous",
+            "params": [[1, 1], [1, 1], [1, 1], False, [0, 0], 1], "mask": [True, False, False], "allocated": 0}
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"version": conv_search.RECORD_VERSION, "gpu": "another GPU",
+                                   "cudnn": torch.backends.cudnn.version(), "calls": [call]}))
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text('{"version": 1, "gpu": "cpu", "calls": [')
+    for path, why in ((foreign, "another GPU"), (damaged, "unreadable record")):
+        replay = conv_search.Replay(path, CPU)
+        replay.wait()
+        assert replay.calls == 0 and why in replay.skipped
+        assert f"the record {path} was not used: " in caplog.text
+    wrong = tmp_path / "wrong.json"  # shapes no convolution has: the device refuses it, a warning, no exception
+    wrong.write_text(json.dumps({"version": conv_search.RECORD_VERSION, "gpu": "cpu",
+                                 "cudnn": torch.backends.cudnn.version(), "calls": [{**call, "w": [4, 5, 3, 3]}]}))
+    replay = conv_search.Replay(wrong, CPU)
+    replay.wait()
+    assert replay.error is not None
+    assert "replaying the recorded convolutions stopped after 0 of them" in caplog.text
+
+
+def test_the_record_is_named_by_what_the_convolutions_depend_on(tmp_path):
+    def path(**extra):
+        return conv_search.record_path(load_config(extra={"data.cache_dir": str(tmp_path), **extra}))
+
+    base = path()
+    assert base.parent == tmp_path / "conv-search"
+    # What does not change a convolution's shape keeps the record: the length, the learning rate, the seed.
+    assert path(**{"train.steps": 7, "train.lr": 3e-4, "train.seed": 9}) == base
+    # What does, names another one.
+    assert path(**{"train.batch_size": 3}) != base
+    assert path(**{"data.resolution": 256}) != base
+    assert path(**{"adapter.preset": "locon"}) != base
+    # No record where it is off, or where set-up measures on the GPU beside it (a memory budget).
+    assert path(**{"train.reuse_conv_search": False}) is None
+    assert path(**{"train.vram_gb": 12}) is None
