@@ -509,6 +509,42 @@ def test_merged_lora_convolutions_and_linears_give_peft_loss_and_gradients(tiny_
     torch._dynamo.reset()
 
 
+def test_the_scaling_tensor_follows_peft_through_moves_copies_and_new_adapters(tmp_path):
+    """The tensor the fast paths read is never a stale copy of peft's float: written by every change of the float,
+    found by name after model.to() replaced it, bound to its own layer in a copy, made for an adapter added later;
+    peft's code and the saved adapter see the floats alone."""
+    import copy
+
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=6, target_modules=["0"]),
+                                    torch.nn.Sequential(torch.nn.Linear(8, 8)))
+    layer = model[0]
+    lora_matmul.use_tensor_scaling(layer)
+
+    def tensor(layer, adapter="default"):
+        return lora_matmul._scaling(layer, adapter)
+
+    assert layer.scaling == {"default": 1.5} and tensor(layer).item() == 1.5
+    assert not any("scaling" in k for k in model.state_dict())
+    model.to(torch.float64)
+    layer.set_scale("default", 2.0)
+    assert layer.scaling["default"] == tensor(layer).item() == 3.0 and tensor(layer).dtype == torch.float64
+    layer.scaling.update(default=2.5)  # dict's own update, too
+    assert tensor(layer).item() == 2.5
+    copied = copy.deepcopy(model)[0]
+    copied.scale_layer(2.0)
+    assert tensor(copied).item() == 5.0 and tensor(layer).item() == 2.5
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)[0]
+    loaded.unscale_layer()
+    assert tensor(loaded).item() == 1.5 and tensor(layer).item() == 2.5
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=6, target_modules=["0"], use_rslora=True), model, "other")
+    assert tensor(layer, "other").item() == pytest.approx(3.0) and tensor(layer, "other").device == layer.weight.device
+    layer.delete_adapter("other")
+    assert set(layer.scaling) == {"default"} and not hasattr(layer, lora_matmul.TensorScaling.buffer_name("other"))
+
+
 @pytest.mark.parametrize("stride,padding,size", [((1, 1), (1, 1), 9), ((2, 2), (1, 1), 9), ((2, 2), (0, 0), 8)])
 def test_merged_lora_convolution_matches_peft_in_fp32_and_bf16(stride, padding, size):
     """lora_conv2d against peft's three convolutions, strided too (the input's gradient keeps the input's size):

@@ -20,8 +20,14 @@ them (sdxl/speed.py: the UNet's fused attention projections).
 DoRA takes the same products: peft's DoRA forward is (m / ||W + sBA||) * (x W^T + s x A^T B^T) + bias with
 the norm detached (the paper's section 4.3), so its projection is LoRA's times a per-output scale
 (dora_scale), and fused projections scale each one's columns by its own.
+
+The scaling reaches these products as a tensor (TensorScaling), not peft's float: a compiled region guards on a
+float's value, so blocks whose layers scale differently (rsLoRA, per-layer ranks, conv_alpha) would each compile.
 """
 from __future__ import annotations
+
+import copy
+from collections.abc import MutableMapping
 
 import torch
 import torch.nn.functional as F
@@ -46,11 +52,92 @@ def _dequantized(bases: tuple, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+class TensorScaling(dict):
+    """peft's `layer.scaling` (adapter -> float) that also holds each value in a 0-d fp32 buffer of the layer (not
+    persistent: state_dict, saving and export see peft's floats only), which the fast paths read (_lora_factors).
+    torch.compile guards on a float's value, so each distinct scaling would compile a region again (past the
+    recompile limit, eager); a tensor is a graph input, guarded on its shape, dtype and device only.
+
+    Every write goes through __setitem__: peft's update_layer, set_scale, scale_layer and unscale_layer (diffusers'
+    cross_attention_kwargs={"scale": ...} and set_adapters call them) fill the buffer in place, found by name on the
+    layer at each write, so after model.to() (which replaces buffers) the current one is written, and a CUDA graph
+    that captured it replays the new value. The float stays the one value; the buffer is only ever its copy. Like
+    any tensor a backward needs, it must not change between a forward and its backward (autograd says so); and
+    model.to(dtype) casts it with the layer's factors."""
+
+    def __init__(self, layer: torch.nn.Module, values: dict):
+        super().__init__()
+        self.layer = layer
+        for adapter, value in values.items():
+            self[adapter] = value
+
+    @staticmethod
+    def buffer_name(adapter: str) -> str:
+        return f"scaling_tensor_{adapter}"
+
+    def __setitem__(self, adapter, value) -> None:
+        super().__setitem__(adapter, value)
+        layer = self.__dict__.get("layer")
+        if layer is None or "_buffers" not in layer.__dict__:  # being unpickled or copied: the layer brings its own
+            return
+        name = self.buffer_name(adapter)
+        if name in layer._buffers:
+            with torch.no_grad():
+                layer._buffers[name].fill_(float(value))
+        else:  # on the base's device, where peft moves a new adapter's factors once its scaling is set
+            device = layer.get_base_layer().weight.device
+            layer.register_buffer(name, torch.tensor(float(value), dtype=torch.float32, device=device),
+                                  persistent=False)
+
+    def __delitem__(self, adapter) -> None:  # peft's delete_adapter
+        super().__delitem__(adapter)
+        self.layer._buffers.pop(self.buffer_name(adapter), None)
+
+    # dict's own update, setdefault, pop... would bypass __setitem__/__delitem__ and leave a buffer stale.
+    update, setdefault, pop, popitem, clear = (MutableMapping.update, MutableMapping.setdefault, MutableMapping.pop,
+                                               MutableMapping.popitem, MutableMapping.clear)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def copy(self) -> dict:
+        """A plain dict: a TensorScaling that is not its layer's own would write the layer's buffer."""
+        return dict(self)
+
+    __copy__ = copy
+
+    def __deepcopy__(self, memo) -> dict:
+        """Inside a copy of its layer (copy.deepcopy(model)), bound to the copy; alone, a plain dict (as copy)."""
+        new_layer = memo.get(id(self.layer))
+        if new_layer is None:
+            return dict(self)
+        new = TensorScaling.__new__(TensorScaling)
+        dict.update(new, copy.deepcopy(dict(self), memo))
+        new.layer = new_layer
+        return new
+
+
+def use_tensor_scaling(layer: torch.nn.Module) -> None:
+    """Gives a peft LoRA layer its scaling as tensors too (TensorScaling), once; a fast path's set-up calls it on
+    each layer it takes over, before anything is compiled."""
+    if hasattr(layer, "lora_A") and type(layer.scaling) is not TensorScaling:
+        layer.scaling = TensorScaling(layer, layer.scaling)
+
+
+def _scaling(layer: torch.nn.Module, adapter: str) -> torch.Tensor | float:
+    """The adapter's scaling: the layer's buffer where it has one (use_tensor_scaling), else peft's float."""
+    if type(layer.scaling) is TensorScaling:
+        return getattr(layer, TensorScaling.buffer_name(adapter))
+    return layer.scaling[adapter]
+
+
 _NO_LORA = ()
 
 
 def _lora_factors(layer: torch.nn.Module, dora: bool = False) -> tuple | None:
-    """The active plain-LoRA factors of a projection as (A, B, scaling), _NO_LORA without LoRA, or None where
+    """The active plain-LoRA factors of a projection as (A, B, scaling), the scaling a 0-d tensor where the layer
+    has one (use_tensor_scaling), else peft's float; _NO_LORA without LoRA, or None where
     fusing would not reproduce its forward: dropout, DoRA (unless `dora`) or another variant, several
     adapters, a merged or disabled adapter. With `dora`, (A, B, scaling, magnitude), magnitude None for a
     plain LoRA layer."""
@@ -67,8 +154,8 @@ def _lora_factors(layer: torch.nn.Module, dora: bool = False) -> tuple | None:
             or not isinstance(layer.lora_dropout[a], torch.nn.Identity) or layer.lora_bias.get(a, False):
         return None
     if dora:
-        return layer.lora_A[a].weight, layer.lora_B[a].weight, layer.scaling[a], magnitude
-    return layer.lora_A[a].weight, layer.lora_B[a].weight, layer.scaling[a]
+        return layer.lora_A[a].weight, layer.lora_B[a].weight, _scaling(layer, a), magnitude
+    return layer.lora_A[a].weight, layer.lora_B[a].weight, _scaling(layer, a)
 
 
 def dora_scale(w: torch.Tensor | tuple, a: torch.Tensor, b: torch.Tensor, magnitudes: list,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.lora_matmul import (_base_linear, _dequantizable, _lora_factors, _lora_way, conv_input_gradient,
-                                dora_scale, lora_conv2d, lora_conv_pays, lora_linear)
+                                dora_scale, lora_conv2d, lora_conv_pays, lora_linear, use_tensor_scaling)
 from ..core import speed as core_speed
 from ..core.speed import (CheckpointUnit, _compile_varying, _raise_recompile_limits, compile_options, compile_varying,
                           sdpa_context)
@@ -236,7 +236,8 @@ def _compiled_for_unet(fn: Callable, backend: str, varying: bool = False) -> Cal
 # projections (Attention.fuse_projections) but its fused processor then skips peft's LoRA layers, so this
 # is ours: one matmul for the frozen weights (the three base weights become views of one buffer: no extra
 # memory), one for the LoRA A factors side by side and one for the B factors as a block-diagonal matrix
-# (scaling folded in). The trainable parameters stay peft's own, so saving and export are unchanged.
+# (scaling folded in, read as a tensor: core/lora_matmul.py TensorScaling). The trainable parameters stay
+# peft's own, so saving and export are unchanged.
 
 class _FusedWeight(torch.nn.Module):
     # A module, so model.to() moves the buffer with the rest; not persistent, so state_dict is unchanged.
@@ -375,6 +376,8 @@ def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
             continue
         attn.add_module("fused_kv" if attn.is_cross_attention else "fused_qkv", holder)
         attn.set_processor(FusedProjectionsProcessor(lora_matmul))
+        for layer in (attn.to_q, attn.to_k, attn.to_v, attn.to_out[0]):
+            use_tensor_scaling(layer)
         n += 1
     return n
 
@@ -424,6 +427,7 @@ def merge_lora_linears(model: torch.nn.Module) -> int:
         if (hasattr(m, "lora_A") and id(m) not in inside and base is not None
                 and (_dequantizable(base) or (type(base) is torch.nn.Linear and not base.weight.requires_grad))):
             m.forward = types.MethodType(_lora_linear_forward, m)
+            use_tensor_scaling(m)
             n += 1
     return n
 
@@ -695,6 +699,7 @@ def merge_lora_convs(model: torch.nn.Module) -> int:
                     and base.groups == 1 and base.dilation == (1, 1) and base.padding_mode == "zeros"
                     and not isinstance(base.padding, str)):
                 m.forward = types.MethodType(_lora_conv_forward, m)
+                use_tensor_scaling(m)
                 n += 1
     return n
 
