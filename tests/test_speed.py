@@ -509,6 +509,61 @@ def test_merged_lora_convolutions_and_linears_give_peft_loss_and_gradients(tiny_
     torch._dynamo.reset()
 
 
+def test_blocks_whose_lora_scalings_differ_share_compiled_graphs_and_follow_peft_when_rescaled(tiny_dir, monkeypatch):
+    """rsLoRA, per-layer ranks and conv_alpha give LoRA layers different scalings. The fast paths (fused projections,
+    merged Linears and convolutions, and peft's products where those do not pay) read each as a tensor, so the
+    blocks compiled at one scaling serve every other (a float is guarded by its value: a compilation per distinct
+    scaling), and a scaling changed after set-up through peft (set_scale; scale_layer, diffusers' LoRA scale)
+    changes the loss and gradients as it does peft's own forward."""
+    import copy
+
+    from diffusers.utils.peft_utils import scale_lora_layers
+    from torch._dynamo.backends.debugging import aot_eager
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", counting)
+    unet = tiny_unet_with_lora(tiny_dir, preset="locon")
+    reference = copy.deepcopy(unet)  # peft's own layers, eager
+    batch = batch_for(unet)
+    # At the tiny model's sizes some products pay for the merged way and some take peft's: both are covered.
+    ways = set()
+
+    def way(layer, args):
+        x, base = args[0], layer.base_layer
+        ways.add(("conv", lora_matmul.lora_conv_pays(x, base.weight, base.stride)) if x.ndim == 4
+                 else ("linear", lora_matmul._lora_way("merged", x, base.in_features)))
+
+    hooks = [m.register_forward_pre_hook(way) for m in reference.modules() if hasattr(m, "lora_A")]
+    ref = loss_and_grads(reference, batch)
+    for hook in hooks:
+        hook.remove()
+    assert ways == {("conv", True), ("conv", False), ("linear", "merged"), ("linear", "peft")}
+    speed.to_channels_last(unet)
+    unet_speed.conv_input_grad(unet)
+    assert unet_speed.fuse_projections(unet, lora_matmul="merged") > 0
+    assert unet_speed.merge_lora_linears(unet) > 0 and unet_speed.merge_lora_convs(unet) > 0
+    speed.compile_regions(unet, classes=unet_speed.REGION_CLASSES)
+    assert_same(ref, loss_and_grads(unet, batch))
+    compiled = len(graphs)
+    assert compiled > 0
+    peft_layers = dict(reference.named_modules())
+    pairs = [(m, peft_layers[n]) for n, m in unet.named_modules() if hasattr(m, "lora_A")]
+    for i, pair in enumerate(pairs):  # each layer its own scaling, as rsLoRA with per-layer ranks gives
+        for layer in pair:
+            layer.set_scale("default", 0.5 + 0.25 * (i % 7))
+    assert_same(loss_and_grads(reference, batch), loss_and_grads(unet, batch))
+    for model in (reference, unet):
+        scale_lora_layers(model, 0.5)
+    assert_same(loss_and_grads(reference, batch), loss_and_grads(unet, batch))
+    assert len(graphs) == compiled  # the new scalings compiled nothing
+    torch._dynamo.reset()
+
+
 def test_the_scaling_tensor_follows_peft_through_moves_copies_and_new_adapters(tmp_path):
     """The tensor the fast paths read is never a stale copy of peft's float: written by every change of the float,
     found by name after model.to() replaced it, bound to its own layer in a copy, made for an adapter added later;

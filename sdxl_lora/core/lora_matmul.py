@@ -368,9 +368,9 @@ _LORA_MATMULS = {"concat": _LoRAConcat, "merged": _LoRAMerged}
 def lora_linear(x: torch.Tensor, w: torch.Tensor | tuple, bias: torch.Tensor | None, a: torch.Tensor,
                 b: torch.Tensor, matmul: str) -> torch.Tensor:
     """F.linear(x, w, bias) + F.linear(F.linear(x, a), b) (b with the LoRA scaling in it) for a frozen w and
-    bias, computed the `matmul` way (above: "concat" or "merged"); in autocast's dtype as F.linear would
-    run, the factors' gradients reaching them through the casts. `w` may be a tuple of quantized layers
-    (_dequantizable) whose weights, stacked, are W: "merged" only."""
+    bias, computed the `matmul` way (above: "concat" or "merged", or "peft": peft's products, each its own
+    GEMM); in autocast's dtype as F.linear would run, the factors' gradients reaching them through the casts.
+    `w` may be a tuple of quantized layers (_dequantizable) whose weights, stacked, are W: "merged" only."""
     quantized = isinstance(w, tuple)
     if quantized and matmul != "merged":
         raise ValueError(f"lora_linear over quantized weights is 'merged' only, not {matmul!r}")
@@ -382,4 +382,7 @@ def lora_linear(x: torch.Tensor, w: torch.Tensor | tuple, bias: torch.Tensor | N
     with torch.autocast(device, enabled=False):
         if quantized:
             return _LoRAMergedQuantized.apply(x.to(dtype), bias, a.to(dtype), b.to(dtype), w)
+        if matmul == "peft":
+            x = x.to(dtype)
+            return F.linear(x, w.to(dtype), bias) + F.linear(F.linear(x, a.to(dtype)), b.to(dtype))
         return _LORA_MATMULS[matmul].apply(x.to(dtype), w.to(dtype), bias, a.to(dtype), b.to(dtype))

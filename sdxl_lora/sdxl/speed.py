@@ -272,10 +272,8 @@ def _fused_projections(x: torch.Tensor, fused: torch.nn.Module, layers: tuple, m
         b = torch.block_diag(*[f[1] * f[2] if f else a.new_zeros(n, 0) for f, n in zip(factors, widths)])
         if quantized:
             out = lora_linear(x, fused.bases, None, a, b, "merged")
-        elif (way := _lora_way(matmul, x, fused.weight.shape[1])) == "peft":
-            out = F.linear(x, fused.weight) + F.linear(F.linear(x, a), b)
         else:
-            out = lora_linear(x, fused.weight, None, a, b, way)
+            out = lora_linear(x, fused.weight, None, a, b, _lora_way(matmul, x, fused.weight.shape[1]))
         if any(f and f[3] is not None for f in factors):  # DoRA: each projection's columns by its own scale
             out = out * dora_scale(fused.bases if quantized else fused.weight, a, b,
                                    [f[3] if f else None for f in factors], widths, out.dtype).to(out.dtype)
@@ -284,18 +282,19 @@ def _fused_projections(x: torch.Tensor, fused: torch.nn.Module, layers: tuple, m
 
 def _projection(layer: torch.nn.Module, x: torch.Tensor, matmul: str, peft: Callable | None = None) -> torch.Tensor:
     """A single projection of the fused processor (the cross-attention's to_q, to_out.0) or a LoRA'd Linear
-    elsewhere (merge_lora_linears): peft's forward (`peft`, else the layer's call), or train.lora_matmul's where
-    the layer is a plain LoRA'd Linear with a frozen base ("merged" only, for a quantized base)."""
+    elsewhere (merge_lora_linears): train.lora_matmul's way (or peft's products where it does not pay) where the
+    layer is a plain LoRA'd or DoRA Linear with a frozen base ("merged" only, for a quantized base), else peft's
+    forward (`peft`, else the layer's call)."""
     peft = peft or layer
     base = _base_linear(layer)
     way = _lora_way(matmul, x, base.in_features)
-    if _dequantizable(base):
-        weight, way = (base,), way if way == "merged" else "peft"
+    if _dequantizable(base) and way == "merged":
+        weight = (base,)
     elif type(base) is torch.nn.Linear and not base.weight.requires_grad:
         weight = base.weight
     else:
-        way = "peft"
-    factors = _lora_factors(layer, dora=True) if way != "peft" else None
+        return peft(x)
+    factors = _lora_factors(layer, dora=True)
     if not factors:
         return peft(x)
     a, b, magnitude = factors[0], factors[1] * factors[2], factors[3]
@@ -671,22 +670,31 @@ def conv_input_grad(model: torch.nn.Module) -> int:
 # peft computes a LoRA'd convolution as base(x) + B(A(x)) * s: three cuDNN convolutions each way, A's with r
 # output channels (and its weight gradient) far below the memory bandwidth, and two adds of base-sized tensors.
 # train.lora_matmul="merged" computes it as one convolution with W + s B A each way and A's products as GEMMs
-# (core/lora_matmul.py: _LoRAConvMerged), where the feature map is large enough to repay the merged weight.
+# (core/lora_matmul.py: _LoRAConvMerged), where the feature map is large enough to repay the merged weight,
+# and peft's three convolutions where it is not. Both read the scaling as a tensor (core/lora_matmul.py:
+# TensorScaling), so ResNets whose convolutions scale differently share one compiled graph.
 
 def _lora_conv_forward(self, x, *args, **kwargs):
     factors = _lora_factors(self) if not (args or kwargs) else None
-    base = self.base_layer
-    if not factors or not lora_conv_pays(x, base.weight, base.stride):
+    if not factors:
         return type(self).forward(self, x, *args, **kwargs)
     a, b, scaling = factors
-    return lora_conv2d(x, base.weight, base.bias, a, b * scaling, base.stride, base.padding)
+    base = self.base_layer
+    b = b * scaling
+    if lora_conv_pays(x, base.weight, base.stride):
+        return lora_conv2d(x, base.weight, base.bias, a, b, base.stride, base.padding)
+    # peft's three convolutions, with B's weight scaled by the scaling tensor instead of B's output by peft's float
+    # (a float's value is guarded in compiled code); through _Conv2dGrad as conv_input_grad runs peft's.
+    y = base(x)
+    h = _Conv2dGrad.apply(self._cast_input_dtype(x, a.dtype), a, None, base.stride, base.padding, (1, 1), 1)
+    return (y + _Conv2dGrad.apply(h, b, None, (1, 1), (0, 0), (1, 1), 1)).to(y.dtype)
 
 
 def merge_lora_convs(model: torch.nn.Module) -> int:
     """train.lora_matmul="merged" for the LoRA'd convolutions inside ResNet blocks: peft's Conv2d LoRA layers
-    over a frozen plain zero-padded 2-D convolution (no groups, no dilation). The layer falls back to peft's
-    forward at each call it cannot take (dropout, DoRA, several or disabled adapters, a small feature map).
-    Returns how many."""
+    over a frozen plain zero-padded 2-D convolution (no groups, no dilation). A small feature map takes peft's
+    products; the layer falls back to peft's forward at each call it cannot take (dropout, DoRA, several or
+    disabled adapters). Returns how many."""
     import types
 
     n = 0
