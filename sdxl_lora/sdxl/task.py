@@ -221,6 +221,7 @@ class SDXLTask(Task):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self._graphed = None  # train.cuda_graphs: True until the first training call builds the graphs
+        self._conv_recorder = None  # core/conv_search.py: the first step's backward convolutions, recorded
         self._checkpointing: dict | None = None  # train.checkpoint_budget_gb's measured units and choice
         self._run: Run | None = None
         self._speed_choices: dict[str, str] = {}
@@ -667,15 +668,14 @@ class SDXLTask(Task):
             self._graphed = speed.GraphedCall(model, call, warmup=3 if compiled else 1, others=self._graph_inputs,
                                               on_out_of_memory=lambda: self._checkpoint_more(model)
                                               or self._split_batches())
-            record = conv_search.record_to()
-            if record is not None and not compiled and self.accelerator.is_main_process:
+            if conv_search.record_to() is not None and not compiled and self.accelerator.is_main_process:
                 # What this first step searches, for the next run like this one (core/conv_search.py).
-                self._graphed.recorder = conv_search.Recorder()
+                self._graphed.recorder = self._conv_recorder = conv_search.Recorder()
         out = self._graphed(*args)
-        recorder = self._graphed.recorder
-        if recorder is not None and self._graphed.graphs:
+        if self._conv_recorder is not None and self._graphed.graphs:
             self._graphed.recorder = None
-            recorder.save(conv_search.record_to(), self.device)
+            self._conv_recorder.save(conv_search.record_to(), self.device)
+            self._conv_recorder = None
         return out
 
     def _background_compile(self) -> tuple[bool, str]:
