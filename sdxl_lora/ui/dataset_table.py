@@ -44,6 +44,12 @@ def follow(dirs: list[str] | None, data) -> list[list]:
     return [kept.get(d, blank(d)) for d in dirs or []]
 
 
+def holds(dirs: list[str] | None, data) -> bool:
+    """Whether the rows are already the picked folders', in the picker's order (`follow` would keep them as
+    they are)."""
+    return [str(r[0]) for r in _rows(data)] == list(dirs or [])
+
+
 def _where(folder: str, field: str) -> str:
     return f"Per-dataset settings, folder {folder!r}, {DATASET_COLUMNS[field]}"
 

@@ -88,6 +88,7 @@ class Form:
                       and s.key != self.data_key and not s.key.startswith(other) and task in s.tasks]
         self.widgets: dict[str, gr.components.Component] = {}
         self.table = None  # the per-dataset settings (SDXL): the last of the inputs
+        self.followers: list[tuple] = []  # (fn, outputs, concurrency id): what `follow` keeps up to date
 
     def render(self) -> None:
         """The fields by group (labels.GROUPS): each group's common fields on top under its heading, then one
@@ -156,7 +157,8 @@ class Form:
             self.prompts = gr.Textbox("", visible=False)
 
     def render_table(self, dirs: list[str]) -> None:
-        """The per-dataset settings, folded under the folder picker: one row per picked folder, following it."""
+        """The per-dataset settings, folded under the folder picker: one row per picked folder (the tab has them
+        follow the picker, with its summary line)."""
         words = label_for("data.datasets", self.task)
         with gr.Accordion(words.text, open=False, elem_id=f"{self.prefix}acc-datasets"):
             gr.Markdown(words.help)
@@ -165,12 +167,51 @@ class Form:
                                       static_columns=[0], show_label=False, wrap=True,
                                       column_widths=["12%", "9%", "12%", "17%", "10%", "10%", "9%", "10%", "11%"],
                                       elem_id=f"{self.prefix}datasets")
-        self.dirs.change(dataset_table.follow, [self.dirs, self.table], self.table, show_progress="hidden")
 
     @property
     def inputs(self) -> list:
         return [self.model, self.dirs, self.tokenizer, self.prompts, *self.widgets.values(),
                 *([self.table] if self.table is not None else [])]
+
+    def user_edits(self, widgets: list | None = None) -> list:
+        """The events a person's edit of `widgets` (every input by default) fires, and a fill by the page does not.
+        gradio's `change` fires for each field a handler sets too, so a listener on it would run once per field
+        when the page fills the whole form; `input` is a person's. A Textbox fires `input` for a typed key only
+        (not a deletion, a paste or a cut), so its `blur` counts too: such an edit is heard when the person leaves
+        the box. A multiselect's typed value fires no `input` either: the tab follows the folder picker by
+        `change`."""
+        events = []
+        for c in self.inputs if widgets is None else widgets:
+            events += [c.input, c.blur] if isinstance(c, gr.Textbox) else [c.input]
+        return events
+
+    def follow(self, fn, outputs, widgets: list | None = None, on: list = ()) -> str:
+        """Keep `outputs` following the form: `fn(*inputs)` on a person's edit of `widgets` (`user_edits`), on the
+        events `on` (the page's load), and once after each fill by the page (`after_fill`), in the background.
+        Its runs take turns (one concurrency id, returned for other events that write `outputs`), so the line
+        shown is from the last values asked for; a burst of edits computes once for the last of them."""
+        cid = f"{self.prefix}{fn.__name__}"
+        last: dict = {}
+
+        def again(*values):
+            # gradio fires a dropdown's `input` two or three times for one pick, and a box's `blur` without an
+            # edit: the values of the run before give its output again, not computed twice.
+            key = repr(values)
+            if last.get("key") != key:
+                last.update(key=key, out=fn(*values))
+            return last["out"]
+
+        again.__name__ = fn.__name__
+        gr.on([*on, *self.user_edits(widgets)], again, self.inputs, outputs, trigger_mode="always_last",
+              show_progress="hidden", concurrency_id=cid)
+        self.followers.append((again, outputs, cid))
+        return cid
+
+    def after_fill(self, event) -> None:
+        """Each follower once after `event` (a handler that sets fields of the form: Duplicate, a preset, the
+        adapter kind's recommendations) ends, instead of once per field it set."""
+        for fn, outputs, cid in self.followers:
+            event.then(fn, self.inputs, outputs, show_progress="hidden", concurrency_id=cid)
 
     def config(self, values: list, name: str | None, prompts_file: Path | None) -> Config:
         """The run's config from the form's values (`inputs` order; without the per-dataset table's, every folder
@@ -440,21 +481,39 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
         started = jobs.tick()
         return f"{selected}: resuming" if started == selected else f"{selected}: queued to resume"
 
+    load = [demo.load] if demo is not None else []
+    # Not blocking: the line follows the form. The fields whose handlers fill others (the presets, the adapter
+    # kind) update it after their fill, and the folder picker with the per-dataset table (below).
+    own = [form.dirs, *(form.widgets[k] for k in ("card", "goal", "adapter.kind") if k in form.widgets)]
+    summary_id = form.follow(summarize, summary_line, [c for c in form.inputs if all(c is not o for o in own)],
+                             on=load)
     plan_btn.click(show_plan, form.inputs, [plan_table, plan_summary])
-    plan_btn.click(summarize, form.inputs, summary_line, show_progress="hidden")
-    # Not blocking: the line follows the form; a burst of edits computes once for the last of them.
-    gr.on([*([demo.load] if demo is not None else []), *(c.change for c in form.inputs)], summarize, form.inputs,
-          summary_line, trigger_mode="always_last", show_progress="hidden")
+    plan_btn.click(summarize, form.inputs, summary_line, show_progress="hidden", concurrency_id=summary_id)
     start_btn.click(start, form.inputs, [start_msg, run_pick])
+
+    def follow_folders(*values):
+        # The rows follow the picked folders (a person's pick, or a folder typed in, which fires no `input`), and
+        # the line with them. A table that already holds the picked folders' rows was set with the picker
+        # (Duplicate), whose follow-up computes the line: nothing to do.
+        dirs, table = values[1], values[-1]
+        if dataset_table.holds(dirs, table):
+            return gr.skip(), gr.skip()
+        rows = dataset_table.follow(dirs, table)
+        return rows, summarize(*values[:-1], rows)
+
+    if form.table is not None:
+        form.dirs.change(follow_folders, form.inputs, [form.table, summary_line], trigger_mode="always_last",
+                         show_progress="hidden", concurrency_id=summary_id)
     if "card" in form.widgets:
         card, goal = form.widgets["card"], form.widgets["goal"]
-        card.input(fill(card_fill, card_keys), [card, *form.inputs], [form.widgets[k] for k in card_keys])
-        goal.input(fill(goal_fill, goal_keys), [goal, *form.inputs], [form.widgets[k] for k in goal_keys])
         # Each card's memory and time for the form's model, adapter, batch and resolution.
-        sizing = [form.widgets[k].change for k in ("data.resolution", "train.batch_size", "train.grad_accum",
-                                                   "adapter.rank", "adapter.preset") if k in form.widgets]
-        gr.on([*([demo.load] if demo is not None else []), form.model.change, *sizing], card_labels,
-              form.inputs, card, trigger_mode="always_last", show_progress="hidden")
+        sizing = [form.widgets[k] for k in ("data.resolution", "train.batch_size", "train.grad_accum",
+                                            "adapter.rank", "adapter.preset") if k in form.widgets]
+        form.follow(card_labels, card, [form.model, *sizing], on=load)
+        form.after_fill(card.input(fill(card_fill, card_keys), [card, *form.inputs],
+                                   [form.widgets[k] for k in card_keys]))
+        form.after_fill(goal.input(fill(goal_fill, goal_keys), [goal, *form.inputs],
+                                   [form.widgets[k] for k in goal_keys]))
     if "adapter.kind" in form.widgets:
         # A model may recommend settings per adapter kind (LoHa's learning rate on the demo base): picking a
         # kind fills them, where the field still holds a recommended value.
@@ -472,8 +531,9 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
 
         # always_last: a kind picked while the last pick's values are still being filled is applied after it
         # (gradio's default drops a trigger while its listener's event is pending).
-        form.widgets["adapter.kind"].input(on_kind, [form.widgets["adapter.kind"], *form.inputs],
-                                           [form.widgets[k] for k in followers], trigger_mode="always_last")
+        form.after_fill(form.widgets["adapter.kind"].input(
+            on_kind, [form.widgets["adapter.kind"], *form.inputs], [form.widgets[k] for k in followers],
+            trigger_mode="always_last"))
     outputs = [runs_table, run_pick, progress, loss_plot, lr_plot, previews, log_box, seen]
     timer.tick(refresh, [run_pick, seen], outputs, show_progress="hidden")
     run_pick.input(lambda sel: refresh(sel, None), run_pick, outputs)
@@ -520,4 +580,6 @@ def duplicated(jobs: Jobs, form_tabs: list[FormTab], selected: str) -> list:
 
 def wire_duplicate(runs: Runs, jobs: Jobs, tabs: gr.Tabs, form_tabs: list[FormTab]) -> None:
     outputs = [runs.message, tabs, *(t.message for t in form_tabs), *(c for t in form_tabs for c in t.form.inputs)]
-    runs.duplicate.click(lambda selected: duplicated(jobs, form_tabs, selected), runs.pick, outputs)
+    filled = runs.duplicate.click(lambda selected: duplicated(jobs, form_tabs, selected), runs.pick, outputs)
+    for t in form_tabs:
+        t.form.after_fill(filled)
