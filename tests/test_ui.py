@@ -895,6 +895,16 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
 
             # Duplicate as new run: the New run form holds the run's settings under a new name.
             page.get_by_role("tab", name="Train").click()
+            summary = page.locator("#train-summary")
+            # First a person's edits, each shown in the summary line: a smaller adapter, then no image folder
+            # (the per-dataset table follows the picker).
+            _fill(page, "f-adapter-rank", 2)
+            expect(summary).to_contain_text(_trains(None, {"adapter.rank": 2}))
+            page.locator("#f-acc-datasets").get_by_text("Per-dataset settings").click()
+            expect(page.locator("#f-datasets")).to_contain_text("shapes")
+            page.locator("#f-data .token-remove").first.click()
+            expect(summary).to_contain_text("pick at least one")
+            expect(page.locator("#f-datasets")).not_to_contain_text("shapes")
             _pick(page, "run-pick", "cmp-run")
             page.locator("#run-duplicate").click()
             expect(page.locator("#run-action-msg")).to_contain_text("a copy of cmp-run as cmp-run-2")
@@ -902,9 +912,27 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
             expect(_box(page, "f-train-steps")).to_have_value("6")
             expect(_box(page, "f-data-resolution")).to_have_value("64")
             expect(_box(page, "f-train-batch-size")).to_have_value("1")
+            # The copy's folder and its row are back, and the summary line describes the copy: the run's adapter.
+            expect(page.locator("#f-data")).to_contain_text("shapes")
+            expect(page.locator("#f-datasets")).to_contain_text("shapes")
+            expect(summary).to_contain_text(_trains(saved_run))
+            expect(summary).not_to_contain_text("Error")
             _shot(page, "8-duplicate")
+            # A person's edit of the copy shows in the line as before the fill.
+            _fill(page, "f-adapter-rank", 8)
+            expect(summary).to_contain_text(_trains(saved_run, {"adapter.rank": 8}))
         finally:
             browser.close()
+
+
+def _trains(run: Path | None, changes: dict | None = None) -> str:
+    """What the summary line says a copy of `run` (None: a form left at its defaults) with `changes` (dotted keys)
+    trains: "N trainable parameters in L layers"."""
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.ui.summary import run_summary
+
+    line = run_summary(load_config(run and run / "config.toml", None, changes))
+    return line[:line.index(" layers") + len(" layers")]
 
 
 def _half_of_the_state(exported: Path, run: Path) -> None:
