@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 RECORD_VERSION = 1
 # The replay's held-back memory follows the recorded step's within this much (a new hold per call would
 # cost an allocation each).
-_HOLD_STEP = 1 << 30
+_HOLD_STEP = 1 << 29
 # What a record's name depends on besides the model, adapter and data: the train.* fields that set the
 # shapes, dtypes and layout of the step's convolutions.
 _SHAPE_FIELDS = ("batch_size", "mixed_precision", "channels_last", "speed", "compile", "cuda_graphs", "fuse_qkv",
@@ -107,6 +107,10 @@ def _allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
+def _reserved(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+
+
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
@@ -137,9 +141,11 @@ def replay_calls(calls: list[dict], device: torch.device):
     try:
         with torch.no_grad():
             for call in calls:
-                want = max(0, call["allocated"] - (_allocated(device) - held))
+                want = max(0, call["allocated"] - (_reserved(device) - held))
                 if abs(want - held) > _HOLD_STEP:
                     hold = None
+                    if device.type == "cuda":  # the old hold's memory given back, not kept cached beside the new
+                        torch.cuda.empty_cache()
                     hold = torch.empty(want, dtype=torch.uint8, device=device) if want else None
                     held = want
                 _replay_call(call, device)
