@@ -617,6 +617,22 @@ class Config(Section):
                              f"learning rate; adapter.kind={kind!r} has no B: leave it unset")
         return self
 
+    def cache_root(self) -> Path:
+        """Where a run's caches live (latents, text embeddings, class images, records of its step): data.cache_dir,
+        else .cache in the runs folder."""
+        return Path(self.data.cache_dir) if self.data.cache_dir else Path(self.output.runs_dir) / ".cache"
+
+    def settings_key(self, train_fields: tuple[str, ...], versions: dict[str, str]) -> str:
+        """A short hash of what a run's step depends on: the model, adapter and data sections, the named train.*
+        fields and `versions` (a library's, say); the name of a cache entry that holds for runs like this one."""
+        import hashlib
+        import json
+
+        what = {**versions, "model": self.model.model_dump(mode="json"),
+                "adapter": self.adapter.model_dump(mode="json"), "data": self.data.model_dump(mode="json"),
+                "train": {k: getattr(self.train, k) for k in train_fields}}
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
     def to_toml(self, leave_unset: tuple[str, ...] = ()) -> str:
         """The config as TOML, without the fields that do nothing for its task: the file is read again (a run's
         config.toml on resume, a run the UI queued), where every field in it counts as the user's setting.

@@ -19,7 +19,6 @@ reported and the first step searches as it would have.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -51,12 +50,8 @@ def record_path(cfg) -> Path | None:
     if cfg.task != "sdxl" or not tc.reuse_conv_search or tc.vram_gb or tc.checkpoint_budget_gb \
             or cfg.adapter.rank_budget or cfg.adapter.rank_budget_mb:
         return None
-    what = {"torch": torch.__version__, "model": cfg.model.model_dump(mode="json", exclude={"cache_dir"}),
-            "adapter": cfg.adapter.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"),
-            "train": {k: getattr(tc, k) for k in _SHAPE_FIELDS}}
-    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output.runs_dir) / ".cache"
-    return root / "conv-search" / f"{key}.json"
+    key = cfg.settings_key(_SHAPE_FIELDS, {"torch": torch.__version__})
+    return cfg.cache_root() / "conv-search" / f"{key}.json"
 
 
 def _layout(t: torch.Tensor) -> str:
@@ -180,6 +175,7 @@ class Replay:
         self.seconds = 0.0
         self.skipped: str | None = None  # why the record was not replayed
         self.error: BaseException | None = None
+        self._reported = False  # wait() logged the outcome
         self._thread = threading.Thread(target=self._run, name="conv-search", daemon=True)
         self._thread.start()
 
@@ -229,8 +225,6 @@ class Replay:
                      "main thread waited %.1f s for it)", self.calls, self.seconds, waited)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replay's tensors and held memory, back to the device
-
-    _reported = False
 
 
 # This process's run: where its record goes (None: no record applies) and its replay, if one started.

@@ -65,16 +65,11 @@ def _compiled_marker(cfg):
     """Where a run that compiled leaves its mark: in inductor's cache folder (clearing the cache clears the
     mark), named by what the compiled code depends on (torch's version, the model, adapter, data, and
     _COMPILED_TRAIN_FIELDS)."""
-    import hashlib
-    import json
     from pathlib import Path
 
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    what = {"torch": torch.__version__, "model": cfg.model.model_dump(mode="json"),
-            "adapter": cfg.adapter.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"),
-            "train": {k: getattr(cfg.train, k) for k in _COMPILED_TRAIN_FIELDS}}
-    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    key = cfg.settings_key(_COMPILED_TRAIN_FIELDS, {"torch": torch.__version__})
     return Path(cache_dir()) / "sdxl_lora_compiled" / key
 
 

@@ -392,8 +392,7 @@ class SDXLTask(Task):
         from accelerate.utils import gather_object
 
         cfg = self.cfg
-        cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output.runs_dir) / ".cache"
-        self.cache = TensorCache(cache_root)
+        self.cache = TensorCache(cfg.cache_root())
         computed = self._cache_latents()
         if cfg.data.masked_loss:
             self._cache_masks()
