@@ -202,9 +202,10 @@ def phases(events: list[dict], launch: float) -> dict[str, tuple[float, float]]:
 
 # The launch's steps that leave a log line but no event: seconds from launch to each line's first occurrence.
 LOG_MARKS = {"run folder": "run folder:", "dataset report": "dataset:", "adapter plan": "adapter plan:",
-             "FLOP count done": "MFU:", "first graph capture": "capturing CUDA graphs",
+             "FLOP count done": "MFU:", "warm-up done": "warmed up in",
+             "first graph capture": "capturing CUDA graphs",
              "compiling thread started": "background compilation started",
-             "cuDNN replay done": "recorded convolutions chosen on a thread"}
+             "cuDNN replay done": "recorded calls chosen on a thread"}
 
 
 def log_marks(path: Path, launch: float) -> dict[str, float]:

@@ -422,8 +422,8 @@ class TrainConfig(Section):
         "Replay the step from CUDA graphs (CUDA only): SDXL, the UNet's forward and backward per bucket shape; "
         "LLM, the compiled decoder layers (no checkpointing)."))
     reuse_conv_search: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
-        "CUDA: record the first step's convolutions; a later run like this one has cuDNN choose their algorithms "
-        "on a thread at launch instead of in its first step."))
+        "CUDA: record the first step's convolutions and attention; a later run like this one has cuDNN choose "
+        "their algorithms on a thread at launch instead of in its first step."))
     background_compile: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
         "With compile: the blocks compile on a second thread while the first steps train uncompiled, then "
         "training switches to them (one process; speed='auto' turns it on where both fit the GPU)."))

@@ -1,16 +1,17 @@
-"""cuDNN's algorithm search for the backward convolutions, done ahead at launch for a run like one before it.
+"""cuDNN's algorithm search and attention graphs for a run's first step, done ahead at launch for a run like one
+before it.
 
 With cuDNN's search on (torch.backends.cudnn.benchmark, which training sets), the first call of each convolution
-shape times the candidate algorithms. For SDXL's UNet that is every convolution of every bucket in the first
-step, most of its warm-up, and most of that in the backward (the input's gradient, and the weight's where a LoRA
-convolution trains). The search's choice depends only on the call's shapes, dtype and memory layout (and the
-memory free for a workspace), not on any value. torch keeps it per thread, and every backward on a GPU runs on
-autograd's one thread for that device. So the backward convolutions a run's first step ran are recorded
-(`Recorder`), and the next run with the same model, adapter, data and step shapes replays them at launch, on
-zero-filled tensors, as the backward of a node of its own, so on that same thread, while the main thread imports
-the libraries and reads the model: its first step then finds those algorithms chosen. The replay holds back as
-much memory as the recorded step had in use at each call, so it chooses among the algorithms whose workspace the
-step itself could have had. The forward convolutions run on the main thread, which searches them as before.
+shape times the candidate algorithms; cuDNN's attention builds a graph at the first call of each shape. For SDXL's
+UNet that is every convolution and attention of every bucket in the first step: most of its warm-up. What they
+choose depends only on the calls' shapes, strides and dtypes (and the memory free for a workspace), not on any
+value, and torch keeps it per thread: the forward's in the thread that calls the model, the backward's in
+autograd's one thread for the device. So the calls a run's first step made are recorded (`Recorder`), and the next
+run with the same model, adapter, data and step shapes replays them at launch on zero-filled tensors, while the main
+thread imports the libraries and reads the model: the forward's on a thread of their own (`Replay`), which later
+captures the step's CUDA graphs (`on_search_thread`), the backward's as the backward of a node of its own, so on
+autograd's thread. Its first step then finds them made. The replay holds back as much memory as the recorded step
+had in use at each call, so it chooses among the algorithms whose workspace the step itself could have had.
 
 The main thread calls `wait()` before its own GPU work (encoding for the caches, quantizing, the speed levers'
 measurements, training): the replay's timings must not share the GPU, nor its memory another phase's peak.
@@ -22,30 +23,42 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger(__name__)
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
+# The ops whose first call in a thread is slow and whose outcome depends only on shapes, strides and dtypes:
+# cuDNN's convolution search (forward, backward) and cuDNN's attention graphs (forward, backward).
+RECORDED_OPS = ("convolution.default", "convolution_backward.default",
+                "_scaled_dot_product_cudnn_attention.default", "_scaled_dot_product_cudnn_attention_backward.default")
 # The replay's held-back memory follows the recorded step's within this much (a new hold per call would
 # cost an allocation each).
 _HOLD_STEP = 1 << 29
+# The interpreter's switch interval while the replay runs beside the imports: a replayed call waits for the
+# interpreter between its GPU calls, up to one interval each time (5 ms by default).
+_SWITCH_INTERVAL = 0.0005
 # What a record's name depends on besides the model, adapter and data: the train.* fields that set the
-# shapes, dtypes and layout of the step's convolutions.
+# shapes, dtypes and layout of the step's convolutions and attention.
 _SHAPE_FIELDS = ("batch_size", "mixed_precision", "channels_last", "speed", "compile", "cuda_graphs", "fuse_qkv",
-                 "lora_matmul", "fused_geglu", "gradient_checkpointing")
+                 "lora_matmul", "fused_geglu", "gradient_checkpointing", "sdpa_backend")
+
+T = TypeVar("T")
 
 
 def record_path(cfg) -> Path | None:
-    """Where a run with `cfg` records its first step's convolutions and finds the last such run's record: beside
-    the run's latent cache (data.cache_dir, or the runs folder's .cache), named by what the convolutions'
-    shapes depend on. None where no record applies: off (train.reuse_conv_search), another task, or set-up
-    measuring on the GPU (memory budgets), which the replay must not share it with."""
+    """Where a run with `cfg` records its first step's calls and finds the last such run's record: beside the
+    run's latent cache (data.cache_dir, or the runs folder's .cache), named by what the calls' shapes depend on.
+    None where no record applies: off (train.reuse_conv_search), another task, or set-up measuring on the GPU
+    (memory budgets), which the replay must not share it with."""
     tc = cfg.train
     if cfg.task != "sdxl" or not tc.reuse_conv_search or tc.vram_gb or tc.checkpoint_budget_gb \
             or cfg.adapter.rank_budget or cfg.adapter.rank_budget_mb:
@@ -54,27 +67,53 @@ def record_path(cfg) -> Path | None:
     return cfg.cache_root() / "conv-search" / f"{key}.json"
 
 
-def _layout(t: torch.Tensor) -> str:
-    return "channels_last" if t.dim() == 4 and not t.is_contiguous() and \
-        t.is_contiguous(memory_format=torch.channels_last) else "contiguous"
+def _describe(v):
+    """A call's argument as JSON: a tensor by its shape, strides, dtype and device type; lists and numbers as
+    they are."""
+    if isinstance(v, torch.Tensor):
+        return {"tensor": list(v.shape), "stride": list(v.stride()), "dtype": str(v.dtype).removeprefix("torch."),
+                "device": v.device.type}
+    if isinstance(v, dict):
+        return {k: _describe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_describe(x) for x in v]
+    if isinstance(v, torch.SymInt):
+        return int(v)
+    return v
+
+
+def _make(v, device: torch.device):
+    """The argument `_describe` wrote, with zero-filled tensors on `device` (or the host, where it was there)."""
+    if isinstance(v, dict) and "tensor" in v:
+        where = device if v["device"] != "cpu" else torch.device("cpu")
+        return torch.empty_strided(v["tensor"], v["stride"], dtype=getattr(torch, v["dtype"]), device=where).zero_()
+    if isinstance(v, dict):
+        return {k: _make(x, device) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_make(x, device) for x in v]
+    return v
 
 
 class Recorder(TorchDispatchMode):
-    """Notes every distinct backward convolution (with the gradients it computes) run inside it, with the memory
-    allocated on the device at its first call. A dispatch mode: autograd's threads carry it into the backward."""
+    """Notes every distinct call of RECORDED_OPS run inside it, whether it ran in the thread that entered it (the
+    forward) or another (autograd's: the backward), with the memory allocated on the device at its first call. A
+    dispatch mode: autograd's threads carry it into the backward."""
 
     def __init__(self):
         super().__init__()
         self.calls: dict[str, dict] = {}
+        self._owner: int | None = None
+
+    def __enter__(self):
+        self._owner = threading.get_ident()
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten.convolution_backward.default:
-            dy, x, w, bias_sizes, *params, mask = args
-            self._note({"dy": list(dy.shape), "x": list(x.shape), "w": list(w.shape),
-                        "bias_sizes": _plain(bias_sizes), "dtype": str(x.dtype).removeprefix("torch."),
-                        "dy_layout": _layout(dy), "x_layout": _layout(x), "w_layout": _layout(w),
-                        "params": _plain(params), "mask": list(mask)}, x.device)
+        name = str(func).removeprefix("aten.")
+        if name in RECORDED_OPS:
+            self._note({"op": name, "args": _describe(args), "kwargs": _describe(kwargs),
+                        "backward": threading.get_ident() != self._owner}, _device(args))
         return func(*args, **kwargs)
 
     def _note(self, call: dict, device: torch.device) -> None:
@@ -87,15 +126,19 @@ class Recorder(TorchDispatchMode):
         not this run: a warning."""
         from .fsutil import atomic_write_text
 
-        record = {"version": RECORD_VERSION, "gpu": _device_name(device),
-                  "cudnn": torch.backends.cudnn.version(), "calls": list(self.calls.values())}
+        record = {"version": RECORD_VERSION, "gpu": _device_name(device), "cudnn": torch.backends.cudnn.version(),
+                  "flops_per_image": _FLOPS, "calls": list(self.calls.values())}
         try:
             atomic_write_text(path, json.dumps(record))
         except OSError as e:
-            log.warning("could not write the record of this run's convolutions to %s (%s): the next run like it "
+            log.warning("could not write the record of this run's first step to %s (%s): the next run like it "
                         "searches cuDNN's algorithms in its first step", path, e)
             return
-        log.info("cuDNN: %d convolution calls recorded in %s for the next run like this one", len(self.calls), path)
+        log.info("cuDNN: %d calls recorded in %s for the next run like this one", len(self.calls), path)
+
+
+def _device(args) -> torch.device:
+    return next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
 
 
 def _allocated(device: torch.device) -> int:
@@ -110,21 +153,9 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def _plain(v):
-    return [_plain(x) for x in v] if isinstance(v, (list, tuple)) else (int(v) if isinstance(v, torch.SymInt) else v)
-
-
-def _tensor(shape, dtype, layout, device) -> torch.Tensor:
-    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
-    return torch.zeros(shape, dtype=dtype, device=device).contiguous(memory_format=fmt)
-
-
-def _replay_call(call: dict, device: torch.device) -> None:
-    dtype = getattr(torch, call["dtype"])
-    dy, x, w = (_tensor(call[k], dtype, call[f"{k}_layout"], device) for k in ("dy", "x", "w"))
-    stride, padding, dilation, transposed, output_padding, groups = call["params"]
-    torch.ops.aten.convolution_backward(dy, x, w, call["bias_sizes"], stride, padding, dilation, transposed,
-                                        output_padding, groups, call["mask"])
+def _op(name: str):
+    packet, overload = name.rsplit(".", 1)
+    return getattr(getattr(torch.ops.aten, packet), overload)
 
 
 def replay_calls(calls: list[dict], device: torch.device):
@@ -143,7 +174,7 @@ def replay_calls(calls: list[dict], device: torch.device):
                         torch.cuda.empty_cache()
                     hold = torch.empty(want, dtype=torch.uint8, device=device) if want else None
                     held = want
-                _replay_call(call, device)
+                _op(call["op"])(*_make(call["args"], device), **_make(call["kwargs"], device))
                 yield call
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -167,7 +198,7 @@ class _AsBackward(torch.autograd.Function):
 
 
 class Replay:
-    """The replay's thread and its outcome."""
+    """The replay's thread, which stays for the run to capture its CUDA graphs (`call`), and its outcome."""
 
     def __init__(self, path: Path, device: torch.device):
         self.path, self.device = path, device
@@ -175,12 +206,16 @@ class Replay:
         self.seconds = 0.0
         self.skipped: str | None = None  # why the record was not replayed
         self.error: BaseException | None = None
+        self.flops_per_image: float | None = None  # the recorded run's FLOP count
         self._reported = False  # wait() logged the outcome
-        self._thread = threading.Thread(target=self._run, name="conv-search", daemon=True)
-        self._thread.start()
+        # One worker, so the replay and every later call run in the same thread, whose choices they share.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudnn-search")
+        self._done = self._worker.submit(self._run)
 
     def _run(self) -> None:
         t0 = time.perf_counter()
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, _SWITCH_INTERVAL))
         try:
             record = json.loads(self.path.read_text())
             if self.device.type == "cuda":
@@ -189,28 +224,39 @@ class Replay:
                     or record.get("cudnn") != torch.backends.cudnn.version():
                 self.skipped = "recorded on another GPU, cuDNN or record version"
                 return
-            self._replay(record["calls"])
-        except (OSError, ValueError, KeyError, TypeError) as e:  # an unreadable or damaged record
+            calls = record["calls"]
+            self.flops_per_image = record.get("flops_per_image")
+            self._calls([c for c in calls if not c["backward"]])
+            backward = [c for c in calls if c["backward"]]
+            if backward:
+                anchor = torch.zeros((), device=self.device, requires_grad=True)
+                _AsBackward.apply(anchor, lambda: self._calls(backward)).backward()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # an unreadable or damaged record
             self.skipped = f"unreadable record ({type(e).__name__}: {e})"
         except (RuntimeError, torch.OutOfMemoryError) as e:  # the device refused a call: the first step searches
             self.error = e
         finally:
+            sys.setswitchinterval(interval)
             self.seconds = time.perf_counter() - t0
-
-    def _replay(self, calls: list[dict]) -> None:
-        anchor = torch.zeros((), device=self.device, requires_grad=True)
-        _AsBackward.apply(anchor, lambda: self._calls(calls)).backward()
 
     def _calls(self, calls: list[dict]) -> None:
         for _ in replay_calls(calls, self.device):
             self.calls += 1
 
+    def call(self, fn: Callable[[], T]) -> T:
+        """fn() run in the replay's thread, where the choices are; its exception raised here."""
+        future = self._worker.submit(fn)
+        try:
+            return future.result()
+        finally:
+            future = None  # not kept by this frame, which a raised exception's traceback holds
+
     def wait(self) -> None:
-        """The thread joined, its outcome logged once, its memory given back to the device."""
+        """The replay finished, its outcome logged once, its memory given back to the device."""
         if self._reported:
             return
         t0 = time.perf_counter()
-        self._thread.join()
+        self._done.result()
         waited = time.perf_counter() - t0
         self._reported = True
         if self.skipped:
@@ -218,18 +264,23 @@ class Replay:
             return
         if self.error is not None:
             first = (str(self.error).strip().splitlines() or [""])[0]
-            log.warning("cuDNN: replaying the recorded convolutions stopped after %d of them (%s: %s); the first "
-                        "step searches the rest", self.calls, type(self.error).__name__, first)
+            log.warning("cuDNN: replaying the recorded calls stopped after %d of them (%s: %s); the first step "
+                        "searches the rest", self.calls, type(self.error).__name__, first)
         else:
-            log.info("cuDNN: algorithms for %d recorded convolutions chosen on a thread at launch in %.1f s (the "
-                     "main thread waited %.1f s for it)", self.calls, self.seconds, waited)
+            log.info("cuDNN: algorithms and attention graphs for %d recorded calls chosen on a thread at launch in "
+                     "%.1f s (the main thread waited %.1f s for it)", self.calls, self.seconds, waited)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the replay's tensors and held memory, back to the device
 
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
 
-# This process's run: where its record goes (None: no record applies) and its replay, if one started.
+
+# This process's run: where its record goes (None: no record applies), its replay, if one started, and its FLOP
+# count (note_flops), which the record keeps.
 _PATH: Path | None = None
 _REPLAY: Replay | None = None
+_FLOPS: float | None = None
 
 
 def start(cfg) -> Replay | None:
@@ -248,11 +299,34 @@ def start(cfg) -> Replay | None:
 
 
 def record_to() -> Path | None:
-    """Where the first step's convolutions are to be recorded: this run's record path where no usable record was
-    replayed; None where one was, or no record applies."""
+    """Where the first step's calls are to be recorded: this run's record path where no usable record was
+    replayed; None where one was, or no record applies. After `wait()`."""
     if _REPLAY is not None and not _REPLAY.skipped:
         return None
     return _PATH
+
+
+def recorded_flops() -> float | None:
+    """The FLOPs per image the recorded run counted, where its record was replayed (the same model, adapter,
+    data and step shapes): the count's own forward pass need not run again. None where the run counts them."""
+    if _REPLAY is None:
+        return None
+    _REPLAY.wait()
+    return None if _REPLAY.skipped else _REPLAY.flops_per_image
+
+
+def note_flops(per_image: float) -> None:
+    """The run's FLOPs per image (MFU's), kept in the record its first step writes."""
+    global _FLOPS
+    _FLOPS = per_image
+
+
+def on_search_thread(fn: Callable[[], T]) -> T:
+    """fn() in the thread the record was replayed in, where its choices are (the step's warm-up and CUDA-graph
+    captures); in this thread where none was. After `wait()`."""
+    if _REPLAY is None or _REPLAY.skipped:
+        return fn()
+    return _REPLAY.call(fn)
 
 
 def wait() -> None:
@@ -263,7 +337,7 @@ def wait() -> None:
 
 def reset() -> None:
     """No run's record or replay pending (a run ended, or a test)."""
-    global _PATH, _REPLAY
+    global _PATH, _REPLAY, _FLOPS
     if _REPLAY is not None:
-        _REPLAY._thread.join()
-    _PATH, _REPLAY = None, None
+        _REPLAY.close()
+    _PATH, _REPLAY, _FLOPS = None, None, None

@@ -403,6 +403,13 @@ class Trainer:
             return None, None
         from accelerate.utils import send_to_device
 
+        from . import conv_search
+
+        recorded = conv_search.recorded_flops()
+        if recorded is not None:
+            log.info("MFU: %.3g GFLOP per image per step (as the last run like this one counted), peak %g TFLOP/s "
+                     "(%s)", recorded / 1e9, peak, name)
+            return recorded, peak
         model = self.task.model()
         # Eager: compiled regions (train.compile) would otherwise compile under the counter, for nothing.
         with torch.random.fork_rng(devices=[acc.device]), torch.no_grad(), _eager():
@@ -412,6 +419,7 @@ class Trainer:
                 with acc.autocast():
                     self.task.loss(model, batch)
             per_image = 2 * tracking.count_flops(forward) / self.task.batch_size(batch)
+        conv_search.note_flops(per_image)  # kept in the record of this run's first step, for the next run like it
         log.info("MFU: %.3g GFLOP per image per step (2x a measured forward), peak %g TFLOP/s (%s)",
                  per_image / 1e9, peak, name)
         return per_image, peak

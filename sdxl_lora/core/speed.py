@@ -413,6 +413,9 @@ class GraphedCall:
         self.refused: str | None = None  # why CUDA refused a capture (not for memory): every call runs eager
         # A dispatch mode entered around the warm-up (core/conv_search.py's Recorder), or None.
         self.recorder: contextlib.AbstractContextManager | None = None
+        # Runs each capture (its warm-up included): in this thread, or in the one whose cuDNN choices were made
+        # ahead (core/conv_search.py's on_search_thread).
+        self.runner: Callable[[Callable[[], Callable]], Callable] = lambda capture: capture()
 
     @staticmethod
     def _key(args) -> tuple:
@@ -458,7 +461,7 @@ class GraphedCall:
 
     def _try_capture(self, key: tuple, args: tuple) -> Callable | None:
         try:
-            return self._capture(key, args)
+            return self.runner(lambda: self._capture(key, args))
         except torch.OutOfMemoryError:
             return None
         except torch.AcceleratorError as e:
@@ -485,8 +488,11 @@ class GraphedCall:
                 todo.setdefault(self._key(other), other)
         warmed = len(todo) > 1 or self.recorder is not None
         if warmed:
+            t0 = time.perf_counter()
             with self.recorder if self.recorder is not None else contextlib.nullcontext():
                 self._warm_up(list(todo.values()))
+            log.info("CUDA graphs: %d input shape(s) warmed up in %.1f s (cuDNN's algorithm search included)",
+                     len(todo), time.perf_counter() - t0)
         for k, sample in todo.items():
             log.info("capturing CUDA graphs for input shapes %s", [s[0] for s in k])
             self.graphs[k] = torch.cuda.make_graphed_callables(

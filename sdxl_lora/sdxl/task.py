@@ -221,7 +221,7 @@ class SDXLTask(Task):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self._graphed = None  # train.cuda_graphs: True until the first training call builds the graphs
-        self._conv_recorder = None  # core/conv_search.py: the first step's backward convolutions, recorded
+        self._conv_recorder = None  # core/conv_search.py: the first step's convolutions and attention, recorded
         self._checkpointing: dict | None = None  # train.checkpoint_budget_gb's measured units and choice
         self._run: Run | None = None
         self._speed_choices: dict[str, str] = {}
@@ -667,6 +667,7 @@ class SDXLTask(Task):
             self._graphed = speed.GraphedCall(model, call, warmup=3 if compiled else 1, others=self._graph_inputs,
                                               on_out_of_memory=lambda: self._checkpoint_more(model)
                                               or self._split_batches())
+            self._graphed.runner = conv_search.on_search_thread
             if conv_search.record_to() is not None and not compiled and self.accelerator.is_main_process:
                 # What this first step searches, for the next run like this one (core/conv_search.py).
                 self._graphed.recorder = self._conv_recorder = conv_search.Recorder()
