@@ -23,10 +23,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -208,9 +209,20 @@ class Replay:
         self.error: BaseException | None = None
         self.flops_per_image: float | None = None  # the recorded run's FLOP count
         self._reported = False  # wait() logged the outcome
-        # One worker, so the replay and every later call run in the same thread, whose choices they share.
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudnn-search")
-        self._done = self._worker.submit(self._run)
+        # One thread runs the replay, then every later call (`call`), whose choices they share. A daemon: a run
+        # stopped as it launches (Ctrl-C in the imports) does not wait for the replay to end.
+        self._done = threading.Event()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="cudnn-search", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._done.set()
+        while (job := self._jobs.get()) is not None:
+            job()
 
     def _run(self) -> None:
         t0 = time.perf_counter()
@@ -245,18 +257,26 @@ class Replay:
 
     def call(self, fn: Callable[[], T]) -> T:
         """fn() run in the replay's thread, where the choices are; its exception raised here."""
-        future = self._worker.submit(fn)
+        future: Future = Future()
+
+        def job(future: Future = future) -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the caller, which raises it
+                future.set_exception(e)
+
+        self._jobs.put(job)
         try:
             return future.result()
         finally:
-            future = None  # not kept by this frame, which a raised exception's traceback holds
+            future = job = None  # not kept by this frame, which a raised exception's traceback holds
 
     def wait(self) -> None:
         """The replay finished, its outcome logged once, its memory given back to the device."""
         if self._reported:
             return
         t0 = time.perf_counter()
-        self._done.result()
+        self._done.wait()
         waited = time.perf_counter() - t0
         self._reported = True
         if self.skipped:
@@ -273,7 +293,9 @@ class Replay:
             torch.cuda.empty_cache()  # the replay's tensors and held memory, back to the device
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        """The thread ended, after the replay and any call queued before."""
+        self._jobs.put(None)
+        self._thread.join()
 
 
 # This process's run: where its record goes (None: no record applies), its replay, if one started, and its FLOP
