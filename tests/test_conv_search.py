@@ -111,3 +111,25 @@ def test_the_record_is_named_by_what_the_convolutions_depend_on(tmp_path):
     # No record where it is off, or where set-up measures on the GPU beside it (a memory budget).
     assert path(**{"train.reuse_conv_search": False}) is None
     assert path(**{"train.vram_gb": 12}) is None
+
+
+def test_a_replay_that_fails_unexpectedly_is_reported_and_its_thread_still_serves(tmp_path, monkeypatch, caplog):
+    # The run's CUDA-graph captures are handed to the replay's thread (on_search_thread): whatever the replay met,
+    # that thread must still run them, or the first step would wait forever.
+    def fails(calls, device):
+        raise ZeroDivisionError("nothing expected this")
+        yield
+
+    monkeypatch.setattr(conv_search, "replay_calls", fails)
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps({"version": conv_search.RECORD_VERSION, "gpu": "cpu",
+                                "cudnn": torch.backends.cudnn.version(), "calls": [{"backward": False}]}))
+    caplog.set_level(logging.INFO, logger="sdxl_lora.core.conv_search")
+    replay = conv_search.Replay(path, CPU)
+    try:
+        replay.wait()
+        assert isinstance(replay.error, ZeroDivisionError)
+        assert "replaying the recorded calls stopped after 0 of them (ZeroDivisionError" in caplog.text
+        assert replay.call(lambda: "captured") == "captured"
+    finally:
+        replay.close()

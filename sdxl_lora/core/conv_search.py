@@ -219,6 +219,8 @@ class Replay:
     def _serve(self) -> None:
         try:
             self._run()
+        except Exception as e:  # one _run does not expect: wait() reports it, and the thread still serves `call`
+            self.error = e
         finally:
             self._done.set()
         while (job := self._jobs.get()) is not None:
