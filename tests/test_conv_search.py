@@ -123,7 +123,9 @@ def test_a_replay_that_fails_unexpectedly_is_reported_and_its_thread_still_serve
     monkeypatch.setattr(conv_search, "replay_calls", fails)
     path = tmp_path / "record.json"
     path.write_text(json.dumps({"version": conv_search.RECORD_VERSION, "gpu": "cpu",
-                                "cudnn": torch.backends.cudnn.version(), "calls": [{"backward": False}]}))
+                                "cudnn": torch.backends.cudnn.version(),
+                                "calls": [{"op": "convolution.default", "args": [], "kwargs": {}, "backward": False,
+                                           "allocated": 0}]}))
     caplog.set_level(logging.INFO, logger="sdxl_lora.core.conv_search")
     replay = conv_search.Replay(path, CPU)
     try:
