@@ -45,7 +45,7 @@ RECORDED_OPS = ("convolution.default", "convolution_backward.default",
 # cost an allocation each).
 _HOLD_STEP = 1 << 29
 # The interpreter's switch interval while the replay runs beside the imports: a replayed call waits for the
-# interpreter between its GPU calls, up to one interval each time (5 ms by default).
+# interpreter between its GPU calls, up to one interval (sys.getswitchinterval) each time.
 _SWITCH_INTERVAL = 0.0005
 # What a record's name depends on besides the model, adapter and data: the train.* fields that set the
 # shapes, dtypes and layout of the step's convolutions and attention.
@@ -162,11 +162,11 @@ def _op(name: str):
 def replay_calls(calls: list[dict], device: torch.device):
     """Makes each recorded call, with cuDNN's search on, in this thread (yielding after each one). Before a
     call, holds back what the recorded step had allocated beyond what this process has allocated now."""
-    before = torch.backends.cudnn.benchmark
+    from .speed import cudnn_search
+
     hold, held = None, 0
-    torch.backends.cudnn.benchmark = True
     try:
-        with torch.no_grad():
+        with cudnn_search(True), torch.no_grad():
             for call in calls:
                 want = max(0, call["allocated"] - (_reserved(device) - held))
                 if abs(want - held) > _HOLD_STEP:
@@ -181,7 +181,6 @@ def replay_calls(calls: list[dict], device: torch.device):
             torch.cuda.synchronize(device)
     finally:
         del hold
-        torch.backends.cudnn.benchmark = before
 
 
 class _AsBackward(torch.autograd.Function):
