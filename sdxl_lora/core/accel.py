@@ -50,6 +50,11 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def local_device_index() -> int:
+    """The GPU this process trains on, known before the Accelerator: its local rank under a launcher."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def make_accelerator(cfg: Config):
     from accelerate import Accelerator
 

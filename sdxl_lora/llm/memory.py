@@ -265,3 +265,46 @@ def fit_budget(cfg, config, budget_gib: float) -> LLMFit:
         f"(with {chose}; frozen weights {memory.parts['frozen weights'] / GiB:.1f} GiB, activations "
         f"{memory.parts['activations'] / GiB:.1f} GiB). Raise train.vram_gb, lower llm.max_length, or "
         "choose a smaller model")
+
+
+# The levers fit_budget chooses for a causal LM; set by the user, they are kept, and a card they cannot fit
+# refuses the run.
+LEVERS = (("model", "quantize"), ("train", "gradient_checkpointing"), ("llm", "offload_activations"),
+          ("llm", "offload_embeddings"))
+
+
+def fit_card(cfg, config, card) -> LLMFit | None:
+    """The run of `cfg` on `card` (core/card.py) with no train.vram_gb: None where the settings as given fit the
+    card's budget; else the fastest that do (fit_budget at the card's budget, which the returned config sets as
+    train.vram_gb, so the run caps itself there). Raises ConfigError where the settings the user set cannot fit,
+    naming them and the nearest settings that fit."""
+    from ..core.config import ConfigError
+    from ..core.memory import GiB
+
+    budget = card.budget_gib
+    if config_memory(cfg, config)[1].peak <= budget * GiB * LLM_BUDGET_FILL:
+        return None
+    try:
+        fit = fit_budget(cfg, config, budget)
+    except ConfigError:
+        pass
+    else:
+        fit.cfg.train.vram_gb = budget
+        return fit
+    held = {f"{s}.{f}": getattr(getattr(cfg, s), f) for s, f in LEVERS if f in getattr(cfg, s).model_fields_set}
+    free = cfg.model_copy(deep=True)
+    for s, f in LEVERS:
+        section = getattr(free, s)
+        setattr(section, f, type(section).model_fields[f].default)
+        section.model_fields_set.discard(f)
+    head = f"{card.describe()} cannot hold this run"
+    try:
+        nearest = fit_budget(free, config, budget)
+    except ConfigError as e:
+        raise ConfigError(f"{head}: {e}") from None
+    fits = "; ".join(f"{k}={v!r}" for k, v in nearest.choices.items())
+    set_ = ", ".join(f"{k}={v!r}" for k, v in held.items())
+    raise ConfigError(f"{head} with {set_} as you set. Settings that fit: {fits} (step about "
+                      f"{nearest.memory.peak / GiB:.1f} GiB, about {nearest.slowdown:.2f}x the time per token). Set "
+                      f"those, or leave {', '.join(held)} unset so the planner chooses, or give a budget with --vram "
+                      "(train.vram_gb)")

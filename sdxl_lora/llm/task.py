@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 from ..core import inject
+from ..core.accel import local_device_index
+from ..core.card import this_card
 from ..core.config import Config, ConfigError
 from ..core.runs import Run
 from ..core.task import Task
@@ -103,22 +105,33 @@ class LLMTask(Task):
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self._budget = None  # train.vram_gb: the fit (llm/memory.py: fit_budget)
+        self._budget = None  # train.vram_gb's or the card's fit (llm/memory.py: fit_budget, fit_card)
+        self._card = None  # the card whose memory is the budget, where train.vram_gb is unset
         self._speed_choices: dict[str, str] = {}  # train.speed="auto": {field: why}
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
         """train.vram_gb: checkpointing, a smaller batch with accumulation or an nf4 base, where the budget
         needs them, from the model's config alone (before any weight is read); then train.speed="auto"'s
         choice of compilation for this device and run length."""
-        self._budget = None
+        self._budget = self._card = None
         checkpointing = cfg.train.gradient_checkpointing  # as the user set it, before a budget's choice
-        if cfg.train.vram_gb:
-            from .memory import fit_budget
+        # With no train.vram_gb the card's own memory is the budget (core/card.py), where the settings as given
+        # do not fit it; before any weight is read.
+        card = this_card(local_device_index(), free=processes == 1) if device_type == "cuda" else None
+        if cfg.train.vram_gb or card is not None:
+            from .memory import fit_budget, fit_card
             from .model import check_causal_lm_folder, resolve_llm_path
 
             config = check_causal_lm_folder(resolve_llm_path(cfg.model), weights=False)
-            self._budget = fit_budget(cfg, config, cfg.train.vram_gb)
-            cfg = self._budget.cfg
+            if cfg.train.vram_gb:
+                self._budget = fit_budget(cfg, config, cfg.train.vram_gb)
+            else:
+                self._card = card
+                self._budget = fit_card(cfg, config, card)
+                if self._budget is None:
+                    log.info("card: fits %s as set", card.describe())
+            if self._budget is not None:
+                cfg = self._budget.cfg
         cfg = _graphs_or_checkpointing(cfg, checkpointing)
         cfg, self._speed_choices = auto_levers(cfg, device_type, processes)
         if "cuda_graphs" in self._speed_choices and cfg.train.cuda_graphs:
@@ -227,12 +240,14 @@ class LLMTask(Task):
         """train.vram_gb: say what was chosen, and cap the process there on a GPU."""
         from ..core.memory import GiB, cap_process_memory
 
-        fit, gib = self._budget, self.cfg.train.vram_gb
+        fit, gib, card = self._budget, self.cfg.train.vram_gb, self._card
         chose = ", ".join(f"{k}={v}" for k, v in fit.choices.items()) or "the settings as given (they fit)"
-        log.info("train.vram_gb=%g: %s; step about %.1f GiB for the whole process, ~%.2fx the time per token of "
-                 "the settings as given", gib, chose, fit.memory.peak / GiB, fit.slowdown)
+        log.info("%s: %s; step about %.1f GiB for the whole process, ~%.2fx the time per token of the settings as "
+                 "given", f"card: {card.describe()}" if card else f"train.vram_gb={gib:g}", chose,
+                 fit.memory.peak / GiB, fit.slowdown)
         run.event("budget_plan", vram_gb=gib, choices=fit.choices, slowdown=fit.slowdown,
-                  peak_gib=round(fit.memory.peak / GiB, 3))
+                  peak_gib=round(fit.memory.peak / GiB, 3), card_budget=card is not None,
+                  **({"card": card.name, "card_gib": round(card.total / GiB, 2)} if card else {}))
         if self.device.type == "cuda" and not cap_process_memory(self.device, gib):
             log.warning("train.vram_gb=%g is at least this GPU's memory: nothing to cap", gib)
 

@@ -6,16 +6,20 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..core.config import AdapterConfig, Config
+from ..core.config import AdapterConfig, Config, ConfigError
 from ..core.inject import Plan
 from ..core.memory import BUDGET_FILL, GiB
 from .data import live_text
 from .memory import MemoryEstimate, RunMemory, estimate_for_config, run_memory
 from .preview import tiled_previews
 from .slots import make_plan
+
+if TYPE_CHECKING:
+    from ..core.card import Card
 
 
 @dataclass
@@ -167,6 +171,14 @@ def _compute_bytes(planned: UNetPlan) -> int:
     return 4 if planned.memory.compute_dtype == "fp32" else 2
 
 
+class BudgetError(ConfigError):
+    """No config fits the budget; `least_gib`: the smallest budget that works."""
+
+    def __init__(self, least_gib: float, message: str):
+        super().__init__(message)
+        self.least_gib = least_gib
+
+
 @dataclass
 class BudgetFit:
     cfg: Config                 # the config with the levers chosen
@@ -193,8 +205,7 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
     """The fastest config, by the SLOWDOWN model, whose whole run fits `budget_gib`: previews with a tiled VAE
     decode (no cost to training), selective or full checkpointing, an fp8 or nf4 base, then a smaller batch
     with gradient accumulation keeping the effective batch. Levers the config sets itself are kept as set.
-    No fit: a ConfigError naming the smallest budget that works."""
-    from ..core.config import ConfigError
+    No fit: a BudgetError naming the smallest budget that works."""
     from .memory import RESERVE
     from .model import unet_skeleton
 
@@ -260,7 +271,7 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
                         best = (c, memory, slow)
     if best is None:
         c, memory = smallest
-        raise ConfigError(
+        raise BudgetError(memory.peak / BUDGET_FILL / GiB,
             f"train.vram_gb={budget_gib:g}: this run needs at least about {memory.peak / BUDGET_FILL / GiB:.1f} GiB "
             f"(with {_levers(cfg, c) or 'the settings as given'}; the largest phase: "
             f"{max(memory.phases, key=memory.phases.get)}). Raise train.vram_gb, lower data.resolution, "
@@ -286,6 +297,98 @@ def changes(a: Config, b: Config) -> dict[str, tuple]:
 
 def _levers(a: Config, b: Config) -> str:
     return ", ".join(f"{k} {v[1]!r}" for k, v in changes(a, b).items())
+
+
+# ---- the run on the card it runs on: the one plan entry the CLI, the UI and the task call ----
+
+# The memory levers fit_budget chooses; set by the user, they are kept, and a card they cannot fit refuses the run.
+LEVERS = (("model", "quantize"), ("model", "tiled_vae_encode"), ("train", "gradient_checkpointing"),
+          ("train", "checkpoint_budget_gb"), ("preview", "vae_tiling"))
+
+
+@dataclass
+class RunPlan:
+    """What a run will train with and the memory it will need: the config as trained (a budget's or the card's
+    choices applied), its plan, the whole run's phases, the choices (field -> (as given, as chosen)) and the time
+    per image against the settings as given."""
+    cfg: Config
+    planned: UNetPlan
+    memory: RunMemory
+    changes: dict[str, tuple]
+    slowdown: float
+    card: "Card | None" = None
+    budget_gib: float | None = None  # what the plan was held to: train.vram_gb, or the card's budget
+    card_budget: bool = False        # the budget is the card's: the settings as given did not fit it
+
+    @property
+    def choices(self) -> dict[str, str]:
+        return {name: f"{after!r} (was {before!r})" for name, (before, after) in self.changes.items()}
+
+    def verdict(self) -> str:
+        """One line on the card: "fits this 24 GB card as set (...)", "this 12 GB card (...): <choices>, about
+        1.4x the time per image", the budget's choices where train.vram_gb was given, or that no card is known."""
+        if self.card is None and self.budget_gib is None:
+            return "no GPU here: give --card N to plan for a card of N GB"
+        where = self.card.describe() if self.card_budget or self.budget_gib is None else \
+            f"train.vram_gb={self.budget_gib:g}"
+        if not self.changes:
+            return f"fits {where} as set (whole run about {self.memory.peak / GiB:.1f} GiB)"
+        chose = "; ".join(f"{k} {v[1]!r}" for k, v in self.changes.items())
+        return (f"{where}: {chose}; whole run about {self.memory.peak / GiB:.1f} GiB, about {self.slowdown:.2f}x "
+                "the time per image of the settings as given")
+
+
+def plan_run(cfg: Config, card: "Card | None" = None) -> RunPlan:
+    """The whole run of `cfg` on `card` (None: no GPU known), from the model's config alone: train.vram_gb set,
+    its budget's fit; else the settings as given where they fit the card's budget, or the fastest that do
+    (fit_budget, the budget then set as train.vram_gb in the returned config, so the run caps itself there).
+    Raises ConfigError where the settings the user set cannot fit, naming them and the nearest that fit."""
+    from .model import unet_skeleton
+
+    unet, native = unet_skeleton(cfg.model)
+    components = component_bytes(cfg)
+    if cfg.train.vram_gb:
+        fit = fit_budget(cfg, cfg.train.vram_gb, unet, native, components)
+        return RunPlan(fit.cfg, fit.planned, fit.memory, fit.changes, fit.slowdown, card, cfg.train.vram_gb)
+    planned = plan_unet(cfg, unet, native)
+    whole = run_memory_for(cfg, planned, components)
+    if card is None or whole.peak <= card.budget_gib * GiB * BUDGET_FILL:
+        return RunPlan(cfg, planned, whole, {}, 1.0, card)
+    budget = card.budget_gib
+    budgeted = cfg.model_copy(deep=True)
+    budgeted.train.vram_gb = budget  # caching then holds only the VAE and text encoders, as the fit counts it
+    try:
+        fit = fit_budget(budgeted, budget, unet, native, components)
+    except BudgetError:
+        raise ConfigError(_refusal(cfg, card, unet, native, components)) from None
+    return RunPlan(fit.cfg, fit.planned, fit.memory, fit.changes, fit.slowdown, card, budget, card_budget=True)
+
+
+def _refusal(cfg: Config, card: "Card", unet: nn.Module, native: int, components: tuple[int, int]) -> str:
+    """Why `cfg` cannot fit `card`: the levers the user set that hold it back, and the nearest settings that fit
+    (the same run with those levers left to the planner), or what to change where nothing fits."""
+    held = {f"{s}.{f}": getattr(getattr(cfg, s), f) for s, f in LEVERS
+            if f in getattr(cfg, s).model_fields_set}
+    free = cfg.model_copy(deep=True)
+    for s, f in LEVERS:
+        section = getattr(free, s)
+        setattr(section, f, type(section).model_fields[f].default)
+        section.model_fields_set.discard(f)
+    free.train.vram_gb = card.budget_gib
+    set_ = ", ".join(f"{k}={v!r}" for k, v in held.items())
+    head = f"{card.describe()} cannot hold this run"
+    try:
+        fit = fit_budget(free, card.budget_gib, unet, native, components)
+    except BudgetError as e:
+        return (f"{head}{f' with {set_} as you set' if held else ''}: even with the least memory the planner has "
+                f"(an nf4 base, every block recomputed, batch 1) it needs more. Lower data.resolution, turn the "
+                f"previews off (preview.prompts=''), or train on a larger card (the least this run needs is "
+                f"about {e.least_gib:.1f} GiB)")
+    fits = "; ".join(f"{k}={v[1]!r}" for k, v in fit.changes.items())
+    return (f"{head} with {set_ or 'the settings as given'}{' as you set' if held else ''}. Settings that fit: "
+            f"{fits} (whole run about {fit.memory.peak / GiB:.1f} GiB, about {fit.slowdown:.2f}x the time per "
+            f"image). Set those, or leave {', '.join(held) or 'them'} unset so the planner chooses, or give a "
+            "budget with --vram (train.vram_gb)")
 
 
 # ---- card presets (core/presets.py): each card's budget planned by fit_budget ----

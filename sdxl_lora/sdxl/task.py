@@ -23,6 +23,8 @@ from tqdm.auto import tqdm
 
 from ..core import conv_search, inject, speed
 from . import speed as unet_speed
+from ..core.accel import local_device_index
+from ..core.card import this_card
 from ..core.config import Config, ConfigError
 from .export import save_diffusers_lora
 from ..core.runs import Run
@@ -32,7 +34,7 @@ from . import loss as diffusion
 from . import memory as sdxl_memory
 from .cache import TensorCache, cache_key, file_digest
 from .model import load_pipeline, native_resolution, resolve_model_path, stored_unet_dtype
-from .plan import fit_budget, plan_unet, run_memory_for, text_encoder_rank_alpha, unet_read_on_device
+from .plan import plan_run, plan_unet, run_memory_for, text_encoder_rank_alpha, unet_read_on_device
 from .preview import PreviewPrompt, default_prompts, encode_prompts, read_prompts, render_previews, vae_tiles
 
 log = logging.getLogger(__name__)
@@ -226,7 +228,7 @@ class SDXLTask(Task):
         self._run: Run | None = None
         self._speed_choices: dict[str, str] = {}
         self._identity: dict | None = None
-        self._budget = None  # train.vram_gb: the fit (sdxl/plan.py: fit_budget)
+        self._budget = None  # the card's or train.vram_gb's plan (sdxl/plan.py: plan_run)
         self.preview_texts: list[dict] | None = None  # the preview prompts' embeddings, made at set-up
         self.run_memory: sdxl_memory.RunMemory | None = None  # the whole run's estimate, made with the plan
         self.has_reg = False  # the data holds regularization images (set when it is read)
@@ -240,10 +242,13 @@ class SDXLTask(Task):
         """train.speed="auto": CUDA graphs, compilation and channels_last chosen for this device and run
         (sdxl/speed.py: auto_levers); set up and logged with the other levers."""
         self._explicit = set(cfg.train.model_fields_set)  # what the user set, before auto adds to it
-        self._budget = None
-        if cfg.train.vram_gb:
-            # Before the speed levers: what fits decides the quantization, which auto's choice depends on.
-            self._budget = fit_budget(cfg, cfg.train.vram_gb)
+        # The whole run planned for the card it runs on, or train.vram_gb, before any weight is read: a run
+        # that does not fit gets the levers that do, or is refused here (sdxl/plan.py: plan_run). Before the
+        # speed levers: what fits decides the quantization, which auto's choice depends on.
+        card = this_card(local_device_index(), free=processes == 1) if device_type == "cuda" else None
+        self._budget = plan_run(cfg, card) if card is not None or cfg.train.vram_gb else None
+        if self._budget is not None:
+            log.info("card: %s", self._budget.verdict())
             cfg = self._budget.cfg
         self.cfg, self._speed_choices = unet_speed.auto_levers(cfg, device_type, processes)
         return self.cfg
@@ -255,7 +260,7 @@ class SDXLTask(Task):
         self.accelerator = accelerator
         self._run = run
         self.device = accelerator.device
-        if self._budget is not None and self.device.type == "cuda":
+        if self._budget is not None and self._budget.budget_gib and self.device.type == "cuda":
             self._cap_memory()
         self.model_path = resolve_model_path(cfg.model)
         # The frozen UNet in the dtype it trains in, from the start. A base to quantize is read in the 16-bit dtype
@@ -449,13 +454,12 @@ class SDXLTask(Task):
             self._apply_budget(run)
 
     def _apply_budget(self, run: Run) -> None:
-        """train.vram_gb: say what was chosen."""
-        fit, gib = self._budget, self.cfg.train.vram_gb
-        chose = "; ".join(f"{k} {v}" for k, v in fit.choices.items()) or "the settings as given"
-        log.info("train.vram_gb=%g: %s; whole run about %.1f GiB, ~%.2fx the time per image of the settings as "
-                 "given", gib, chose, self.run_memory.peak / 2**30, fit.slowdown)
-        run.event("budget_plan", vram_gb=gib, choices=fit.choices, slowdown=fit.slowdown,
-                  peak_gib=round(self.run_memory.peak / 2**30, 3))
+        """The card's or train.vram_gb's plan: what was chosen, against the run's estimate from its own data."""
+        fit, card = self._budget, self._budget.card
+        run.event("budget_plan", vram_gb=fit.budget_gib, choices=fit.choices, slowdown=fit.slowdown,
+                  peak_gib=round(self.run_memory.peak / 2**30, 3), card_budget=fit.card_budget,
+                  **({"card": card.name, "card_gib": round(card.total / 2**30, 2),
+                      "card_free_gib": round(card.free / 2**30, 2)} if card is not None else {}))
 
     def _cap_memory(self) -> None:
         """train.vram_gb on a GPU: the process capped at the budget (core/memory.py: cap_process_memory)."""

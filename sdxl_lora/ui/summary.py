@@ -39,26 +39,35 @@ def _chosen(changes: dict[str, tuple]) -> list[str]:
 
 
 def run_summary(cfg: Config) -> str:
-    """The trainable parameters and layers, the whole run's peak (and the training and preview phases'), with
-    train.vram_gb what the budget chose, and the number of datasets where there are several. Raises ConfigError
-    (an impossible budget names the smallest that works), FileNotFoundError for a model that is not there."""
-    from sdxl_lora.sdxl.plan import component_bytes, fit_budget, plan_config, run_memory_for
+    """The trainable parameters and layers, the whole run's peak (and the training and preview phases'), what the
+    run will do on this machine's GPU (fits as set, or what its budget chose; train.vram_gb's where set), and the
+    number of datasets where there are several. Raises ConfigError (settings the card cannot hold name the
+    nearest that fit), FileNotFoundError for a model that is not there."""
+    from sdxl_lora.sdxl.plan import plan_run
 
-    budget = cfg.train.vram_gb
-    if budget:
-        fit = fit_budget(cfg, budget)
-        chosen, planned, whole = _chosen(fit.changes), fit.planned, fit.memory
-    else:
-        chosen, planned = [], plan_config(cfg)
-        whole = run_memory_for(cfg, planned, component_bytes(cfg))
-    plan = planned.plan
+    card = _card()
+    run = plan_run(cfg, card)
+    plan, whole = run.planned.plan, run.memory
     phases = ", ".join(f"{name} {_gib(b)}" for name, b in whole.phases.items() if name in ("training", "previews"))
     line = (f"{_count(plan.trainable_params)} trainable parameters in {len(plan.targets)} layers; "
             f"whole run peak on a GPU ~{_gib(whole.peak)} GiB ({phases})")
-    if budget:
-        line += f"; budget {budget:g} GiB: " + (f"chose {', '.join(chosen)}" if chosen else "fits as set")
+    chosen = _chosen(run.changes)
+    if run.budget_gib is not None:
+        where = f"this {card.size} card" if run.card_budget else f"budget {run.budget_gib:g} GiB"
+        line += f"; {where}: " + (f"chose {', '.join(chosen)}, ~{run.slowdown:.2f}x the time per image"
+                                  if chosen else "fits as set")
+    elif card is not None:
+        line += f"; fits this {card.size} card as set"
     named = [f"{k} preset {v}" for k, v in (("card", cfg.card), ("goal", cfg.goal)) if v]
     return line + _datasets(cfg) + (f"; {', '.join(named)}" if named else "")
+
+
+@functools.cache
+def _card():
+    """This machine's GPU, its whole memory (the UI holds no CUDA context of its own): read once."""
+    from sdxl_lora.core.card import card_without_context
+
+    return card_without_context(free=False)
 
 
 def _datasets(cfg: Config) -> str:
