@@ -192,8 +192,13 @@ class Outcome:
 
     @property
     def exit_code(self) -> int:
-        """0 when it finished; 130 when a signal or the NaN guard stopped it (the state is saved)."""
-        return 130 if self.main_process and self.result.interrupted else 0
+        """0 when it finished; 130 when a signal or the NaN guard stopped it, 1 when the GPU ran out of memory
+        (the state is saved either way)."""
+        from .core.loop import OUT_OF_MEMORY
+
+        if not self.main_process or not self.result.interrupted:
+            return 0
+        return 1 if self.result.interrupted == OUT_OF_MEMORY else 130
 
 
 def fit(job: Job, task=None, keep_failed: bool = False) -> Outcome:
@@ -314,7 +319,11 @@ def report(outcome: Outcome) -> list[str]:
 
     job, result = outcome.job, outcome.result
     if result.interrupted:
-        lines = ["", f"stopped by {result.interrupted} at step {result.steps}; state saved in {relpath(result.state)}"]
+        from .core.loop import OUT_OF_MEMORY
+
+        how = (f"stopped at step {result.steps}: the GPU ran out of memory" if result.interrupted == OUT_OF_MEMORY
+               else f"stopped by {result.interrupted} at step {result.steps}")
+        lines = ["", f"{how}; state saved in {relpath(result.state)}"]
         if result.message:
             lines.append(result.message)
         return lines + [f"resume with: {RESUME_COMMAND[job.cfg.task]} --resume {relpath(job.run.dir)}"]
@@ -416,7 +425,31 @@ def failure(e: BaseException) -> Failure | None:
                           "state continues with --resume)")
     if _compiler_failed(e):
         return Failure(1, _compiler_advice(e), traceback=True)
+    if isinstance(e, _several_out_of_memory()):
+        return Failure(1, f"error: {e}")
+    if _out_of_memory(e):
+        # Outside a training step (set-up, the first previews, the evaluation, the export; a step's own is saved
+        # and stopped by the loop): nothing of a saved state is lost, and the same fixes apply.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
+        return Failure(1, f"error: the GPU ran out of memory ({first[:300]}). Saved training states are intact. "
+                          "Give the run less to hold: --vram N with less than the card has free, --set "
+                          "train.gradient_checkpointing=true or a smaller --batch-size, and close other programs "
+                          "that use the GPU; then run the command again (a run with a saved state continues with "
+                          "--resume)")
     return None
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """torch's allocator ran out, on any device."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(e, torch.OutOfMemoryError)
+
+
+def _several_out_of_memory() -> type[BaseException]:
+    """A run of several processes stopped because one GPU ran out of memory (core/loop.py)."""
+    from .core.loop import OutOfMemory
+
+    return OutOfMemory
 
 
 def guarded(fn: Callable[..., int], *args: Any) -> int:

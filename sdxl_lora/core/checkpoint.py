@@ -70,6 +70,16 @@ def test_fault(point: str, step: int) -> None:
         os.kill(os.getpid(), getattr(signal, sig) if sig else signal.SIGKILL)
 
 
+# SDXL_LORA_TEST_OOM="3": step 3 fails as a GPU's allocator does when it runs out of memory (the loop's
+# save-and-stop test on a machine without one).
+_OOM_AT = os.environ.get("SDXL_LORA_TEST_OOM")
+
+
+def oom_fault(step: int) -> None:
+    if _OOM_AT is not None and step == int(_OOM_AT):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a test's fault)")
+
+
 # SDXL_LORA_TEST_NAN="1:3": from step 3 on, process 1's loss is NaN (the NaN guard's several-process test).
 _NAN_AT = os.environ.get("SDXL_LORA_TEST_NAN")
 

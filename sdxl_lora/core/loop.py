@@ -31,6 +31,7 @@ The step (`Trainer._loop`) reads on one screen; its parts are the small pieces b
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import random
@@ -116,6 +117,14 @@ class Result:
     interrupted: str | None = None   # the signal's name when stopped by Ctrl-C/SIGTERM, or "nan_guard"
     message: str | None = None       # why the run stopped, for the user, when not by a signal
     state: Path | None = None        # the last training state saved
+
+
+# Result.interrupted of a run stopped by an out-of-memory error at a step (its state saved).
+OUT_OF_MEMORY = "out of GPU memory"
+
+
+class OutOfMemory(RuntimeError):
+    """The GPU ran out of memory in a run of several processes; the message says what to do."""
 
 
 class _PendingFlag:
@@ -662,7 +671,7 @@ class Trainer:
     def _loop(self, samples: list[Path], eval_before: float) -> Result:
         """The training step: batches -> loss -> backward -> clip -> guard -> optimizer; log, check in, save."""
         cfg, acc, run = self.cfg, self.accelerator, self.run
-        total, clip = cfg.train.steps, cfg.train.max_grad_norm
+        total = cfg.train.steps
         unwrapped = acc.unwrap_model(self.model)
         bar = tqdm(total=total, initial=self.step, desc="training", unit="step", disable=not acc.is_main_process,
                    dynamic_ncols=True)
@@ -675,41 +684,15 @@ class Trainer:
         self.model.train()
         step, first = self.step, self.step + 1
         while step < total:
-            bad = torch.zeros((), dtype=torch.bool, device=acc.device)  # a non-finite loss in a micro-batch
-            skip = False
-            profiler.before_step(step)
-            for _ in range(cfg.train.grad_accum):
-                with profiler.phase("data"):
-                    batch = next(batches)
-                with acc.accumulate(self.model):
-                    loss = None
-                    for part, share in self.task.split(batch):  # one part unless the task's step needs more
-                        with profiler.phase("forward"), self._autocast():
-                            part_loss = checkpoint.nan_fault(self.task.loss(self.model, part), step + 1,
-                                                             acc.process_index)
-                            if share != 1.0:
-                                part_loss = part_loss * share
-                        with profiler.phase("backward"):
-                            acc.backward(part_loss)
-                        loss = part_loss.detach() if loss is None else loss + part_loss.detach()
-                        # Nothing of this part's autograd graph may outlive its backward: a CUDA graph
-                        # captured at the next forward (a micro-batch's size, captured after an eager step)
-                        # fails while older graph nodes, made outside the capture, are still alive.
-                        del part_loss
-                    if self._unsynced and acc.sync_gradients:
-                        with profiler.phase("backward"):
-                            self._average_unsynced()
-                    checkpoint.test_fault("step", step + 1)
-                    finite = torch.isfinite(loss)  # the parts' detached sum
-                    bad = bad | ~finite
-                    if acc.sync_gradients and (clip > 0 or guard.on):
-                        norm = self._clip_gradients()
-                        window.add_norm(norm)
-                        skip = guard.after_backward(bad, norm, step + 1, self.optimizer)
-                    with profiler.phase("optimizer"):
-                        self._optimizer_step(skip)
-                window.add_loss(loss, finite, self.task.batch_size(batch) * acc.num_processes,
-                                {k: n * acc.num_processes for k, n in self.task.units(batch).items()})
+            try:
+                skip = self._train_step(step, batches, window, guard, profiler)
+            except torch.OutOfMemoryError as e:
+                oom = str(e).splitlines()[0] if str(e) else "CUDA out of memory"
+            else:
+                oom = None
+            if oom is not None:  # outside the handler: its traceback no longer holds the step's tensors
+                bar.close()
+                return self._out_of_memory(step, oom, samples, losses, eval_before)
             step = self.step = step + 1
             bar.update(1)
             if self.task.on_step(step, unwrapped):
@@ -738,6 +721,49 @@ class Trainer:
         return self._finish(step, samples, losses, eval_before)
 
     # ---- the step's pieces, in the order the step runs them ----
+    def _train_step(self, step: int, batches, window: _LogWindow, guard: _NanGuard, profiler: StepProfiler) -> bool:
+        """Step `step` + 1: its micro-batches' forward and backward, the gradients clipped and guarded, the
+        optimizer step. Returns whether the guard skipped the update."""
+        cfg, acc = self.cfg, self.accelerator
+        clip = cfg.train.max_grad_norm
+        checkpoint.oom_fault(step + 1)
+        bad = torch.zeros((), dtype=torch.bool, device=acc.device)  # a non-finite loss in a micro-batch
+        skip = False
+        profiler.before_step(step)
+        for _ in range(cfg.train.grad_accum):
+            with profiler.phase("data"):
+                batch = next(batches)
+            with acc.accumulate(self.model):
+                loss = None
+                for part, share in self.task.split(batch):  # one part unless the task's step needs more
+                    with profiler.phase("forward"), self._autocast():
+                        part_loss = checkpoint.nan_fault(self.task.loss(self.model, part), step + 1,
+                                                         acc.process_index)
+                        if share != 1.0:
+                            part_loss = part_loss * share
+                    with profiler.phase("backward"):
+                        acc.backward(part_loss)
+                    loss = part_loss.detach() if loss is None else loss + part_loss.detach()
+                    # Nothing of this part's autograd graph may outlive its backward: a CUDA graph
+                    # captured at the next forward (a micro-batch's size, captured after an eager step)
+                    # fails while older graph nodes, made outside the capture, are still alive.
+                    del part_loss
+                if self._unsynced and acc.sync_gradients:
+                    with profiler.phase("backward"):
+                        self._average_unsynced()
+                checkpoint.test_fault("step", step + 1)
+                finite = torch.isfinite(loss)  # the parts' detached sum
+                bad = bad | ~finite
+                if acc.sync_gradients and (clip > 0 or guard.on):
+                    norm = self._clip_gradients()
+                    window.add_norm(norm)
+                    skip = guard.after_backward(bad, norm, step + 1, self.optimizer)
+                with profiler.phase("optimizer"):
+                    self._optimizer_step(skip)
+            window.add_loss(loss, finite, self.task.batch_size(batch) * acc.num_processes,
+                            {k: n * acc.num_processes for k, n in self.task.units(batch).items()})
+        return skip
+
     def _profiler(self) -> StepProfiler:
         """train.profile_steps: two warm-up steps first where the run is long enough (the first steps
         allocate and compile)."""
@@ -824,6 +850,32 @@ class Trainer:
                            **({"message": message} if message else {}))
         return Result(self.run, step, {}, samples, losses, eval_before, interrupted=stop, state=state,
                       message=message)
+
+    def _out_of_memory(self, step: int, error: str, samples: list[Path], losses: list[float],
+                       eval_before: float) -> Result:
+        """The GPU ran out of memory in step `step` + 1 (the plan's estimate was low, or another process took
+        memory): the state of step `step` saved (the failed step changed no weight) and the run stopped with
+        what to do, instead of a traceback. Several processes cannot agree on a save one of them cannot reach:
+        there the error is raised with the same advice."""
+        acc = self.accelerator
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if acc.device.type == "cuda":
+            torch.cuda.empty_cache()
+        held = ""
+        if acc.device.type == "cuda":
+            total = torch.cuda.get_device_properties(acc.device).total_memory
+            held = (f"; torch held {torch.cuda.max_memory_reserved(acc.device) / 2**30:.1f} GiB at most, of the "
+                    f"GPU's {total / 2**30:.1f}")
+        advice = ("Resume with less memory a step: add --set train.gradient_checkpointing=true (or a smaller "
+                  "--batch-size, or --vram with less than the card has) to the resume command; a run that shares "
+                  "its GPU with another program needs that program's memory left free")
+        message = f"the GPU ran out of memory in step {step + 1} ({error}{held}). {advice}"
+        log.error("the GPU ran out of memory in step %d: %s", step + 1, error)
+        if acc.num_processes > 1:
+            raise OutOfMemory(message)
+        self._last_state = self._save()
+        return self._stopped(step, OUT_OF_MEMORY, message, samples, losses, eval_before)
 
     def _finish(self, step: int, samples: list[Path], losses: list[float], eval_before: float) -> Result:
         """The run's end: the final evaluation, the adapter written, then the final previews and the done event.
