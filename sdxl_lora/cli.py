@@ -140,41 +140,50 @@ def cmd_plan(args) -> int:
     import json
 
     from .core import inject
-    from .sdxl.plan import component_bytes, fit_budget, plan_config, run_memory_for
+    from .sdxl.plan import plan_run
 
     cfg = _plan_config(args)
     preset = _preset_report(cfg)
     # On the meta device: structure only. train.mixed_precision "auto" is taken as bf16 (a GPU run).
-    if cfg.train.vram_gb:
-        fit = fit_budget(cfg, cfg.train.vram_gb)
-        cfg, choices, planned, whole = fit.cfg, fit.choices, fit.planned, fit.memory
-    else:
-        choices, planned = {}, plan_config(cfg)
-        whole = run_memory_for(cfg, planned, component_bytes(cfg))
-    slowdown = fit.slowdown if cfg.train.vram_gb else 1.0
+    run = plan_run(cfg, _card(args))
+    planned, whole = run.planned, run.memory
     plan, memory, resolution, native = planned.plan, planned.memory, planned.resolution, planned.native
     if args.json:
+        card = run.card
         print(json.dumps({"model": cfg.model.path, "preset": cfg.adapter.preset, "resolution": resolution,
-                          "card": cfg.card, "goal": cfg.goal, "preset_settings": preset, "slowdown": slowdown,
+                          "card": cfg.card, "goal": cfg.goal, "preset_settings": preset, "slowdown": run.slowdown,
                           "base_rank": plan.base_rank, "modules": len(plan.targets),
                           "trainable_params": plan.trainable_params,
                           "adapter_mb": round(plan.trainable_params * 4 / 2**20, 3),
                           "groups": plan.groups(), "memory": memory.as_dict(), "run_memory": whole.as_dict(),
-                          "budget_choices": choices}, indent=1))
-    else:
-        print(f"model {cfg.model.path}, preset {cfg.adapter.preset}, resolution {resolution} (native {native})")
+                          "budget_choices": run.choices, "budget_gib": run.budget_gib,
+                          "gpu": None if card is None else {"name": card.name, "gib": round(card.total / 2**30, 2),
+                                                            "free_gib": round(card.free / 2**30, 2),
+                                                            "budget_gib": card.budget_gib},
+                          "verdict": run.verdict()}, indent=1))
+        return 0
+    print(f"model {cfg.model.path}, preset {cfg.adapter.preset}, resolution {resolution} (native {native})")
+    if args.verbose:
         print(inject.format_plan(plan))
-        print(memory.format())
-        print(whole.format())
-        if cfg.train.vram_gb:
-            print(f"train.vram_gb={cfg.train.vram_gb:g} chose: "
-                  + ("; ".join(f"{k} {v}" for k, v in choices.items()) or "nothing (the settings fit as given)"))
-        if cfg.card or cfg.goal:
-            named = " + ".join(f"{k} {v}" for k, v in (("card", cfg.card), ("goal", cfg.goal)) if v)
-            print(f"preset {named}: " + "; ".join(f"{k} {v}" for k, v in preset.items()))
-            print(f"expected: whole run peak {whole.peak / 2**30:.1f} GiB, ~{slowdown:.2f}x the time per image of "
-                  "the same settings without a budget")
+    else:
+        print(f"adapter: {len(plan.targets)} layers, {plan.trainable_params:,} trainable parameters "
+              f"({plan.trainable_params * 4 / 2**20:.1f} MB); the layer table with -v")
+    print(memory.format())
+    print(whole.format())
+    if cfg.card or cfg.goal:
+        named = " + ".join(f"{k} {v}" for k, v in (("card", cfg.card), ("goal", cfg.goal)) if v)
+        print(f"preset {named}: " + "; ".join(f"{k} {v}" for k, v in preset.items()))
+    print(f"card: {run.verdict()}")
     return 0
+
+
+def _card(args):
+    """The card a plan is for: --card N (GB), else this machine's first GPU (from nvidia-smi: the plan holds no
+    CUDA context), else none."""
+    from .core.card import card_without_context, pretend_card
+
+    gb = getattr(args, "card", None)
+    return pretend_card(gb) if gb is not None else card_without_context()
 
 
 def _plan_config(args) -> "Config":  # noqa: F821
@@ -493,15 +502,26 @@ def cmd_llm_plan(args) -> int:
 
     from .core import inject
     from .core.memory import GiB
-    from .llm.memory import config_memory, fit_budget, format_activations
+    from .llm.memory import config_memory, fit_budget, fit_card, format_activations
     from .llm.model import check_causal_lm_folder, resolve_llm_path
 
     cfg = _llm_config_from_args(args)
     config = check_causal_lm_folder(resolve_llm_path(cfg.model), weights=False)
-    choices = None
-    if cfg.train.vram_gb:
+    choices, card, fit, given = None, _card(args), None, bool(cfg.train.vram_gb)
+    if given:
         fit = fit_budget(cfg, config, cfg.train.vram_gb)
+    elif card is not None:
+        fit = fit_card(cfg, config, card)  # None: the settings as given fit the card
+    if fit is not None:
         cfg, choices = fit.cfg, fit.choices
+    if card is None and not given:
+        verdict = "no GPU here: give --card N to plan for a card of N GB"
+    elif fit is None:
+        verdict = f"fits {card.describe()} as set"
+    else:
+        where = f"train.vram_gb={cfg.train.vram_gb:g}" if given else card.describe()
+        verdict = (f"{where}: " + (", ".join(f"{k}={v}" for k, v in choices.items()) or "fits as set")
+                   + f" (~{fit.slowdown:.2f}x the time per token of the settings as given)")
     plan, memory = config_memory(cfg, config)
     state, acts, weights = memory.parts, memory.acts, memory.weights
     n, compute = plan.trainable_params, memory.compute_dtype
@@ -518,14 +538,12 @@ def cmd_llm_plan(args) -> int:
                           "grad_accum": cfg.train.grad_accum, "max_length": cfg.llm.max_length,
                           "gradient_checkpointing": ckpt, "quantize": cfg.model.quantize,
                           "vram_gb": cfg.train.vram_gb, "budget_choices": choices,
-                          "budget_slowdown": fit.slowdown if choices is not None else None}, indent=1))
+                          "budget_slowdown": fit.slowdown if choices is not None else None,
+                          "verdict": verdict}, indent=1))
         return 0
     print(f"model {cfg.model.path} ({config.model_type}), preset {cfg.adapter.preset}")
     print(inject.format_plan(plan))
-    if choices is not None:
-        print(f"train.vram_gb={cfg.train.vram_gb:g} chose: "
-              + (", ".join(f"{k}={v}" for k, v in choices.items()) or "the settings as given (they fit)")
-              + f" (~{fit.slowdown:.2f}x the time per token of the settings as given)")
+    print(f"card: {verdict}")
     print(f"memory estimate ({method or 'unquantized'} base, {cfg.train.optimizer}, batch {cfg.train.batch_size} "
           f"x {cfg.llm.max_length} tokens, {'checkpointing' if ckpt else 'no checkpointing'}):")
     print(f"  frozen weights {state['frozen weights'] / GiB:8.2f} GiB  ("
@@ -641,6 +659,8 @@ def _add_llm_parser(sub) -> None:
     pl.add_argument("--batch-size", type=int, help="rows per step [train.batch_size]")
     pl.add_argument("--max-length", type=int, help="tokens per row [llm.max_length]")
     pl.add_argument("--vram", type=float, help="plan the step to fit this much GPU memory, GiB [train.vram_gb]")
+    pl.add_argument("--card", type=float, metavar="GB", help="plan for a card of this many GB, as a run on it "
+                                                             "would plan itself (default: this machine's GPU)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=cmd_llm_plan)
 
@@ -740,6 +760,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--resolution", type=int, help="training resolution [data.resolution]")
     pl.add_argument("--batch-size", type=int, help="images per step [train.batch_size]")
     pl.add_argument("--vram", type=float, help="plan the run to fit this much GPU memory, GiB [train.vram_gb]")
+    pl.add_argument("--card", type=float, metavar="GB", help="plan for a card of this many GB, as a run on it "
+                                                             "would plan itself (default: this machine's GPU)")
+    pl.add_argument("-v", "--verbose", action="store_true", help="the adapter's layer table too")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=cmd_plan)
 
