@@ -23,6 +23,8 @@ Settings (each a list of `--set` overrides on top of the defaults):
   recipe    train.speed="off" and fuse_qkv, fused_geglu off, lora_matmul "peft": peft's LoRA on diffusers'
             UNet, as the diffusers training example runs it
   qlora     model.quantize="nf4"
+  ckpt, fp8 train.gradient_checkpointing=true; model.quantize="fp8": levers set by hand, to compare with what the
+            planner picks for a card (--card)
   background the defaults with train.background_compile=true: training starts uncompiled while a second
             thread compiles (use --after-compile N to measure N steps after the switch)
   one-bucket the defaults on the square images only
@@ -36,6 +38,8 @@ Settings (each a list of `--set` overrides on top of the defaults):
 --after-compile N measures N steps after a background compilation's switch (the eager steps' rate before it is
 reported apart). --again runs each setting twice (the second launch finds inductor's and the latents' caches warm); --profile
 runs the CLI under cProfile (the top functions by cumulative time beside each run's log).
+--card N caps the CLI's process to an N GiB card before it starts (the run plans for the card it finds, as on a
+card of that size); --cells SETTING:BATCH@CARD ... runs a matrix of such cells (a refusal at start is a result).
 --tiny builds the embedded tiny SDXL instead (the CPU smoke test of this script).
 """
 from __future__ import annotations
@@ -52,6 +56,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# The CLI under a cap of torch's allocator that leaves a card of {gib} GiB for the whole process (the CUDA context
+# outside the allocator: core/memory.py's CAP_CONTEXT), as train.vram_gb caps it, but set before the run starts.
+CARD_LAUNCHER = ("import sys, torch; from sdxl_lora.core.memory import CAP_CONTEXT; total = torch.cuda.mem_get_info(0)[1]; "
+                 "torch.cuda.set_per_process_memory_fraction(({gib} * 2**30 - CAP_CONTEXT) / total, 0); "
+                 "sys.argv[0] = 'sdxl-lora'; from sdxl_lora.cli import main; sys.exit(main())")
 SDXL_CONFIGS = REPO / "sdxl_lora" / "assets" / "sdxl-base"
 DEMO = REPO / "sdxl_lora" / "assets" / "tiny-sdxl-demo"
 
@@ -61,6 +70,8 @@ SETTINGS = {
     "eager": ["train.speed='off'"],
     "recipe": ["train.speed='off'", "train.fuse_qkv=false", "train.fused_geglu=false", "train.lora_matmul='peft'"],
     "qlora": ["model.quantize='nf4'"],
+    "ckpt": ["train.gradient_checkpointing=true"],
+    "fp8": ["model.quantize='fp8'"],
     "background": ["train.background_compile=true"],
     "one-bucket": [],
     "dora": ["adapter.kind='dora'"],
@@ -262,13 +273,16 @@ def steps_of(args) -> int:
 
 
 def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = False) -> dict:
-    run_name = f"{name}-b{args.batch}" + ("-again" if again else "")
+    run_name = f"{name}-b{args.batch}" + (f"-card{args.card:g}" if args.card else "") + ("-again" if again else "")
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / run_name, ignore_errors=True)
     steps = args.run_steps or args.steps
     # --profile: the run under cProfile, its functions by cumulative time written beside its log
     prof = ["-m", "cProfile", "-o", str(out / f"{run_name}.prof")] if args.profile else []
-    cmd = [sys.executable, *prof, "-m", "sdxl_lora.cli", "train", "--model", str(model), "--data", str(data),
+    # --card N: the CLI's process capped to an N GB card before it starts, as a card of that size would hold it
+    # (train.vram_gb stays unset: the run finds the card's memory and plans for it itself).
+    launcher = ["-m", "sdxl_lora.cli"] if not args.card else ["-c", CARD_LAUNCHER.format(gib=args.card)]
+    cmd = [sys.executable, *prof, *launcher, "train", "--model", str(model), "--data", str(data),
            "--batch-size", str(args.batch), "--steps", str(steps), "--out", str(out), "--name", run_name,
            "--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]
     for s in SETTINGS[name] + list(args.set):
@@ -299,10 +313,16 @@ def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = F
         (out / f"{run_name}.prof.txt").write_text(text.getvalue())
     events = _events(events_path) if events_path.is_file() else []
     steps = [e for e in events if e["event"] == "step"]
-    result = {"setting": name + (" (again: caches warm)" if again else ""), "batch": args.batch, "steps": steps[-1]["step"] if steps else 0, "run_steps": steps_of(args),
-              "rc": proc.returncode, "wall_s": round(wall, 1)}
+    result = {"setting": name + (" (again: caches warm)" if again else ""), "batch": args.batch,
+              "card_gib": args.card or None, "steps": steps[-1]["step"] if steps else 0, "run_steps": steps_of(args),
+              "rc": proc.returncode, "wall_s": round(wall, 1), "peak_gib": mem.peak()}
+    budget = next((e for e in events if e["event"] == "budget_plan"), None)
+    if budget:
+        result["budget"] = {k: budget.get(k) for k in ("vram_gb", "choices", "slowdown", "card_budget", "card")}
     if proc.returncode not in ((0, 130) if stopped else (0,)) or not steps:
-        result["error"] = (out / f"{run_name}.log").read_text()[-3000:]
+        text = (out / f"{run_name}.log").read_text()
+        # A refusal at start is one paragraph after "error:"; anything else, the end of the log.
+        result["error"] = text[text.rindex("error:"):][:1500] if "error:" in text else text[-3000:]
         return result
     compiled = next((e for e in events if e["event"] == "compiled"), None)
     if compiled is not None:  # train.background_compile: eager steps, then the compiled ones
@@ -337,9 +357,6 @@ def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = F
     estimate = next((e for e in events if e["event"] == "memory_estimate"), None)
     if estimate:
         result["estimate_gib"] = estimate["run"]
-    budget = next((e for e in events if e["event"] == "budget_plan"), None)
-    if budget:
-        result["budget"] = {k: budget[k] for k in ("vram_gb", "choices", "slowdown")}
     chosen = [e for e in events if e["event"] == "speed"]
     if chosen:
         result["speed"] = {k: v for k, v in chosen[0].items() if k not in ("event", "time")}
@@ -359,6 +376,12 @@ def main() -> int:
                     help="with a background compilation: measure this many steps after the switch to the "
                          "compiled blocks (the run goes on past --steps until then)")
     ap.add_argument("--images", type=int, default=48)
+    ap.add_argument("--card", type=float, default=0, help="cap the CLI's process to a card of this many GiB before "
+                                                          "it starts (train.vram_gb unset: the run plans for the "
+                                                          "card it finds); 0: the whole GPU")
+    ap.add_argument("--cells", nargs="+", metavar="SETTING:BATCH[@CARD]",
+                    help="a matrix instead of --settings x --batch: each cell a setting, a batch and optionally a "
+                         "card (e.g. defaults:16 qlora:1@8 locon:4@12)")
     ap.add_argument("--set", action="append", default=[], help="more overrides for every setting")
     ap.add_argument("--tiny", action="store_true", help="the tiny SDXL on the CPU: a smoke test of this script")
     ap.add_argument("--json", type=Path, help="also append each run's result here, one JSON line each")
@@ -374,7 +397,15 @@ def main() -> int:
     model = build_model(args.work / ("tiny-sdxl" if args.tiny else "sdxl-random"), args.tiny)
     print(f"# model {model} ({time.time() - t0:.0f} s)", flush=True)
     results = []
-    for name in args.settings:
+    cells = [(name, args.batch, args.card) for name in args.settings]
+    if args.cells:
+        cells = []
+        for cell in args.cells:
+            name, _, rest = cell.partition(":")
+            batch, _, card = rest.partition("@")
+            cells.append((name, int(batch or args.batch), float(card or args.card)))
+    for name, batch, card in cells:
+        args.batch, args.card = batch, card
         data = build_dataset(args.work / ("data-square" if name == "one-bucket" else "data"), args.images, args.tiny,
                              square_only=name == "one-bucket")
         for again in (False, True) if args.again else (False,):
@@ -384,7 +415,8 @@ def main() -> int:
             if args.json:  # appended as each run ends: calls that share a file keep every run's line
                 with open(args.json, "a") as f:
                     f.write(json.dumps(r) + "\n")
-    return 0 if all(r["rc"] == 0 for r in results) else 1
+    # A refusal at start (exit 2) is a result of a card matrix, not a failure of this script.
+    return 0 if all(r["rc"] in ((0, 2) if args.cells else (0,)) for r in results) else 1
 
 
 if __name__ == "__main__":
