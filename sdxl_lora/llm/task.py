@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 COMPILE_MIN_TOKENS = 2_000_000
 # train.speed="auto" also replays the compiled decoder layers from CUDA graphs where a step holds at most this many
 # tokens (batch x max_length, one process): there the host's kernel launches set the pace, and the graphs took
-# them out; a step of 4 x 2048 tokens keeps the GPU busy, and they gained nothing there
+# them out; a step of 4 x 2048 tokens keeps the GPU busy, so they gain nothing there
 # (benchmarks/RESULTS.md#llm-levers). Not beside checkpointing
 # (graphs cannot replay it), a memory budget (its plan does not count the graphs' memory), several processes or
 # an adapter kind other than LoRA, none of which was measured with them.
