@@ -13,7 +13,7 @@ gains per step; `--benchmark-limit N` keeps the search but tries at most N of cu
 (torch.backends.cudnn.benchmark_limit). `--profile-first` records the first pass under torch's profiler and
 prints its longest host-side operators. Prints one JSON row. --tiny: the embedded tiny UNet on the CPU (a smoke
 test of the script).
-Figures: benchmarks/RESULTS.md.
+Figures: benchmarks/RESULTS.md#launch-to-first-step.
 """
 from __future__ import annotations
 

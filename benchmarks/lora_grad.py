@@ -1,11 +1,10 @@
 """One Triton kernel for the two products of a LoRA'd projection's backward that read the output's gradient
-dy: dh = dy B (the rank-r input of A's gradient) and B's gradient dy^T h. Written in round 9 of issue 9,
-measured by benchmarks/lora_linear.py (variant `merged_fusedgrad`) and not kept: on the H200 (session 10) it
-saved 1.9 of 10.9 ms a batch-16 step alone, and inside the projections it was slower for q/k/v (benchmarks/RESULTS.md).
+dy: dh = dy B (the rank-r input of A's gradient) and B's gradient dy^T h. Measured by
+benchmarks/lora_linear.py (variant `merged_fusedgrad`) and not kept: faster alone, but inside the projections no
+faster (benchmarks/RESULTS.md#levers-measured-and-not-kept).
 
 Why: with train.lora_matmul="merged" a projection's backward still runs dy @ B and dy^T @ h as two cuBLAS
-calls, each reading all of dy (N or K = r: bound by the memory, ~3 TB/s): at batch 16 on an H200 ~13 ms of
-a 538 ms step (round 9's matmul table) for ~6.5 ms of reads. Here each program reads its rows of dy once,
+calls, each reading all of dy (N or K = r: bound by the memory), so dy is read twice where once would do. Here each program reads its rows of dy once,
 block by block along N, and from each block adds its share to both: dh's rows stay in registers, B's
 gradient (N x r, small) is summed in fp32 by atomic adds.
 

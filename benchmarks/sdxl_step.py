@@ -55,7 +55,8 @@ on the H200), time to the first step (set-up, compilation and capture included),
 largest difference of loss and gradients from the eager step on the same batch. --profile N adds GPU time by
 kind of kernel. --tiny runs the embedded tiny UNet on the CPU, compiling with aot_eager: a smoke test of the
 script, with CPU stand-ins for what needs CUDA (checkpoint_budget_gb 0.01, sdpa_backend "math" for
-"cudnn"; CUDA graphs and the GEGLU kernel are skipped by the trainer there). Figures: benchmarks/RESULTS.md.
+"cudnn"; CUDA graphs and the GEGLU kernel are skipped by the trainer there).
+Figures: benchmarks/RESULTS.md#sdxl-step-speed.
 """
 from __future__ import annotations
 

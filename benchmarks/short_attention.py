@@ -1,6 +1,7 @@
 """A Triton attention for few keys (at most 128: SDXL's cross-attention to its 77 text tokens), measured
-against cuDNN's and not kept in the trainer (benchmarks/RESULTS.md, round 8; it was `train.short_attention`
-at commit 4372560). benchmarks/attention_backends.py times it ("short") and sweeps its launch settings.
+against cuDNN's and not kept in the trainer (benchmarks/RESULTS.md#levers-measured-and-not-kept; it was
+`train.short_attention` at commit 4372560). benchmarks/attention_backends.py times it ("short") and sweeps its
+launch settings.
 
 Why it was tried: SDXL's cross-attention attends from every latent token to the 77 text tokens, and a
 flash kernel is built for long key sequences (its backward runs one program per block of keys and walks
@@ -9,8 +10,7 @@ over all the queries). Reading and writing the cross-attention's tensors once ta
 step on an H200; cuDNN's kernels took about 17 ms there. Here all the keys fit one tile: the forward is
 one pass per query block (no running softmax), and the backward splits each (image, head)'s queries over a
 few programs that each keep the keys' gradients in registers and add them to the result once, in fp32.
-What it gave: about cuDNN's time (its best launch settings 15.9 against cuDNN's 19.1 GPU-ms alone; in the
-step, with the first settings, 20.8 ms and a slower step).
+What it gave: about cuDNN's time alone with its best launch settings, and a slower step with its first ones.
 
 On the CPU (and without Triton) the same custom ops run the formulas in torch.
 """

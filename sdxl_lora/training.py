@@ -482,7 +482,7 @@ def _compiler_advice(e: BaseException) -> str:
         where = "its default folder"
     cause = str(e).strip().splitlines()[-1][:200]
     # Compilations over a warm inductor cache have failed so where cold ones of the same settings
-    # worked (benchmarks/RESULTS.md).
+    # worked (benchmarks/RESULTS.md#levers-measured-and-not-kept).
     return (f"error: torch's compiler failed while compiling the model (train.compile): {cause}\n"
             f"  Saved training states are intact: `sdxl-lora train --resume RUN` continues from the last one. "
             f"To go on, train without compiling (--set train.compile=none), or move inductor's cache away "

@@ -1,6 +1,7 @@
 """The record of a step's convolutions and attention (core/conv_search.py) replays the very calls the step made, so
 a later run's first step finds cuDNN's choices made; a record that does not apply is left unused, with a reason,
-and never stops a run. cuDNN's search itself needs a GPU: benchmarks/RESULTS.md measures the first step."""
+and never stops a run. cuDNN's search itself needs a GPU: benchmarks/RESULTS.md#launch-to-first-step measures the
+first step."""
 import json
 import logging
 import threading

@@ -46,7 +46,8 @@ def test_each_budget_gets_a_whole_run_that_fits_and_a_smaller_one_costs_more_tim
 
 
 # Whole-process peaks (GiB) of `sdxl-lora train` with the defaults on a full-size SDXL and a three-bucket dataset at
-# 1024 (auto chose CUDA graphs, nothing compiled), by batch: benchmarks/train_e2e.py, benchmarks/RESULTS.md.
+# 1024 (auto chose CUDA graphs, nothing compiled), by batch: benchmarks/train_e2e.py,
+# benchmarks/RESULTS.md#memory-estimates-against-measured-peaks.
 MEASURED_DEFAULT_RUNS = [(1, 12.51), (2, 18.26), (4, 29.73), (8, 53.91), (16, 98.23)]
 
 

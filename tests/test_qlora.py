@@ -359,7 +359,7 @@ def sdxl_meta():
     return unet, plan.trainable_params
 
 
-# Peak GiB measured on the H200 by benchmarks/qlora_memory.py (benchmarks/RESULTS.md, 2026-11-29, the run
+# Peak GiB measured on the H200 by benchmarks/qlora_memory.py (benchmarks/RESULTS.md#qlora-memory, the run
 # after the 4-bit layers' autocast fix): SDXL base UNet, 1024x1024, LoRA rank 16 on the attention
 # projections, AdamW, bf16 compute.
 MEASURED = [("none", 1, False, 12.49), ("none", 1, True, 5.88), ("nf4", 1, False, 9.06), ("nf4", 1, True, 2.75),
@@ -376,7 +376,8 @@ def test_estimate_is_within_15_percent_of_every_measured_sdxl_peak(sdxl_meta, qu
 
 
 # Peak GiB of the trainer's step with train.compile and CUDA graphs, measured on the H200 by
-# benchmarks/sdxl_step.py (benchmarks/RESULTS.md, session 4): bf16, 1024x1024, LoRA rank 16 on the attention.
+# benchmarks/sdxl_step.py (benchmarks/RESULTS.md#memory-estimates-against-measured-peaks, before the layout
+# levers): bf16, 1024x1024, LoRA rank 16 on the attention.
 MEASURED_COMPILED = [("regional", None, 1, 10.18), ("regional", None, 4, 24.71), ("regional", None, 8, 44.09),
                      ("regional", None, 16, 82.85), ("regional", 0.4, 4, 12.74), ("transformer", None, 1, 10.81),
                      ("transformer", None, 8, 49.17)]
@@ -394,7 +395,8 @@ def test_estimate_follows_compilation_and_its_activation_budget(sdxl_meta, compi
 
 
 # The same with channels_last, which with compile="regional" lays the ResNets' surroundings out too (their
-# frozen convolutions keep no input): benchmarks/sdxl_step.py on the H200, benchmarks/RESULTS.md rounds 7 and 8.
+# frozen convolutions keep no input): benchmarks/sdxl_step.py on the H200,
+# benchmarks/RESULTS.md#memory-estimates-against-measured-peaks.
 MEASURED_REGIONAL_LAYOUT = [(None, 4, 23.42), (None, 16, 77.60), (None, 24, 113.77), (0.4, 4, 12.16)]
 
 
@@ -413,10 +415,10 @@ def test_estimate_follows_the_regional_layout_levers(sdxl_meta, budget, batch, m
     assert unet_memory.estimate(unet, channels_last=True, **tf).total == unet_memory.estimate(unet, **tf).total
 
 
-# The trainer's default since round 9, train.lora_matmul="merged" (benchmarks/RESULTS.md, round 9): its peaks do
-# not follow one factor of the above (batch 16 5.4 GiB lower, batch 4 0.5 lower, the budgeted batch 4 0.5
-# higher), so the estimate is not refitted; it must stay above them, and close.
-MEASURED_MERGED = [(None, 4, 22.95), (None, 16, 72.19), (0.4, 4, 12.61), (0.45, 4, 13.28)]  # 0.45: round 10
+# The trainer's default, train.lora_matmul="merged" (benchmarks/RESULTS.md#memory-estimates-against-measured-peaks):
+# its peaks do not follow one factor of the above (lower without a budget, higher with one), so the estimate is not
+# refitted; it must stay above them, and close.
+MEASURED_MERGED = [(None, 4, 22.95), (None, 16, 72.19), (0.4, 4, 12.61), (0.45, 4, 13.28)]
 
 
 @pytest.mark.parametrize("budget,batch,measured", MEASURED_MERGED)

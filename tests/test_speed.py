@@ -1,7 +1,7 @@
 """Speed levers give the same training signal as the plain path: the same loss and the same adapter
 gradients on the tiny UNet (channels_last, regional compilation, selective checkpointing), and the
 profiler leaves a trace and a breakdown in the run folder. CUDA graphs need a GPU; their equality check
-runs in benchmarks/sdxl_step.py (benchmarks/RESULTS.md)."""
+runs in benchmarks/sdxl_step.py (benchmarks/RESULTS.md#exactness)."""
 import json
 import pickle
 
@@ -345,7 +345,7 @@ def test_budgeted_run_and_profile_land_in_the_run_folder(tmp_path):
 
 
 def test_gpu_time_is_split_by_kind_of_kernel_with_the_h200s_kernel_names():
-    # Kernel names from a profile of the compiled + graphed SDXL step on the H200 (benchmarks/RESULTS.md).
+    # Kernel names from a profile of the compiled + graphed SDXL step on an H200.
     from types import SimpleNamespace
 
     cuda = torch.autograd.DeviceType.CUDA

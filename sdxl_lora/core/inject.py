@@ -515,9 +515,9 @@ def merged_for_inference(model: nn.Module, unwrap: bool = False):
     """The adapters folded into copies of their frozen base weights for the duration of a no-grad use (previews):
     each adapted layer then runs one product, as ComfyUI and AUTOMATIC1111 run a LoRA, instead of the base's and
     the adapter's with a Python call per layer, which costs about as much as the base's whole forward at full
-    size (benchmarks/RESULTS.md). peft merges (each kind its own way, DoRA's rescaling included) into a copy; the
-    layer's own weight tensor is put back afterwards untouched, so training resumes on exactly the weights it
-    had. Layers over quantized weights keep their adapter path (a 4-bit merge is lossy). Where the copies do not
+    size (benchmarks/RESULTS.md#previews-and-evaluation). peft merges (each kind its own way, DoRA's rescaling
+    included) into a copy; the layer's own weight tensor is put back afterwards untouched, so training resumes on
+    exactly the weights it had. Layers over quantized weights keep their adapter path (a 4-bit merge is lossy). Where the copies do not
     fit in the device's free memory nothing is merged. Yields how many layers are merged.
 
     unwrap: each merged layer also leaves the model for the duration, its base layer (holding the merged copy) in

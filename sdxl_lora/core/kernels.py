@@ -1,5 +1,5 @@
 """The 4-bit dequantization of QLoRA's Linears as one hand-written Triton kernel, where bitsandbytes
-launches three (benchmarks/RESULTS.md has the measurement). On the CPU (and without Triton) the same
+launches three (benchmarks/RESULTS.md#kernels-measured-alone). On the CPU (and without Triton) the same
 custom op runs its torch reference: the same values.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ except ImportError:  # pragma: no cover - exercised on CPU-only installs
 # fp32 scale per 256 of them plus an offset. bitsandbytes dequantizes those in three kernels (the scales'
 # codes, the offset, then the weight) and a QLoRA step dequantizes every 4-bit Linear two or three times
 # (forward, the checkpointed recompute, backward): ~1,000 calls a batch-4 SDXL step. Here it is one kernel.
-# (A torch.compile of the reference below is much slower than bitsandbytes' kernels: benchmarks/RESULTS.md.)
+# (A torch.compile of the reference below is slower than bitsandbytes' kernels:
+# benchmarks/RESULTS.md#kernels-measured-alone.)
 
 def _dequantize_4bit_reference(out: torch.Tensor, packed: torch.Tensor, code: torch.Tensor, absmax: torch.Tensor,
                                blocksize: int, code2: torch.Tensor | None, absmax2: torch.Tensor | None,

@@ -652,7 +652,7 @@ class Trainer:
         else:  # resumed: the run's own starting figure
             eval_before = next((e["loss"] for e in run.events() if e["event"] == "eval"), math.nan)
         # After the step-0 previews and evaluation: beside the task's work (sdxl: the compiling thread, whose
-        # Python holds the interpreter) they run several times slower (benchmarks/RESULTS.md).
+        # Python holds the interpreter) they run several times slower (benchmarks/RESULTS.md#previews-and-evaluation).
         self.task.start(self.model, self._autocast)
         sync = gradient_sync(cfg, acc.num_processes, acc.device.type)
         run.event("start", step=self.step, total_steps=total, state="training", processes=acc.num_processes,

@@ -12,7 +12,8 @@ GiB = 2**30
 # (cuBLAS, cuDNN) outside torch's allocator, and the allocator's reserve over what is allocated at the peak.
 CONTEXT = int(0.85 * GiB)
 # What the cap (cap_process_memory) leaves outside torch's allocator: the largest context measured under a
-# budget rather than the usual one, so that the whole process stays within the budget (benchmarks/RESULTS.md).
+# budget rather than the usual one, so that the whole process stays within the budget
+# (benchmarks/RESULTS.md#memory-budgets).
 CAP_CONTEXT = int(0.95 * GiB)
 RESERVE = 1.05
 # The share of a memory budget (train.vram_gb) a plan fills: the estimates are within about this of measured peaks.

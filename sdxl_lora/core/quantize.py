@@ -149,7 +149,8 @@ class _Fp8Weights:
 
 class _DequantizedMatmul(torch.autograd.Function):
     """x @ W^T + bias with W dequantized on the fly (layer.dequantized: fp8, or bitsandbytes 4-bit) and the
-    frozen bias added by the GEMM (a separate add is a pass over every output: benchmarks/RESULTS.md). Saving
+    frozen bias added by the GEMM (a separate add is a pass over every output:
+    benchmarks/RESULTS.md#what-each-lever-buys). Saving
     only the quantized weight for backward (not the dequantized one, as F.linear would) keeps a compute-dtype
     copy of every weight off the device."""
 
@@ -247,7 +248,7 @@ class _AutocastOutput:
     fp32 (LayerNorm and GroupNorm run in fp32 there). So every quantized projection after a norm (SDXL's
     to_q/k/v, the feed-forward's input projection, proj_in/proj_out) gave fp32 activations, which the next
     ops then saved for backward at twice the size and computed on in fp32: more memory an image and a much
-    slower step than bf16 (benchmarks/RESULTS.md)."""
+    slower step than bf16 (benchmarks/RESULTS.md#qlora-memory)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type

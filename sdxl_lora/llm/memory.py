@@ -172,18 +172,19 @@ class LLMFit:
 
 # The share of a memory budget (train.vram_gb) an LLM plan fills. Higher than core/memory.py's BUDGET_FILL
 # for SDXL: the causal-LM estimates came within a few percent of measured whole-process peaks, always above
-# them (benchmarks/RESULTS.md), so less margin is needed to stay within the budget.
+# them (benchmarks/RESULTS.md#llm-plan-against-measured-peaks), so less margin is needed to stay within the budget.
 LLM_BUDGET_FILL = 0.95
 
 # The time per token the budget's levers cost, for choosing among the configs that fit: checkpointing
 # recomputes each layer's forward in backward (a step of forward + backward is about three forwards);
 # fewer rows per step cost (B/b)**LLM_BATCH_EXPONENT a token, fitted to benchmarks/llm_step.py at batch 1
-# and 4 (benchmarks/RESULTS.md, "Causal-LM" sections).
+# and 4 (benchmarks/RESULTS.md#llm-step-against-a-plain-transformers-and-peft-loop).
 CHECKPOINT_SLOWDOWN = 4 / 3
 LLM_BATCH_EXPONENT = 0.3
 # llm.offload_activations and llm.offload_embeddings, against the same run without: the tokens/s measured on
-# Llama-3-8B at batch 4 x 2048 (benchmarks/RESULTS.md, llm_compare.py). The embedding's rows read by the GPU
-# from the pinned table (llm/offload.py: reads_on_device) cost nothing measurable; looked up by the host, 15%.
+# Llama-3-8B at batch 4 x 2048 by benchmarks/llm_compare.py (benchmarks/RESULTS.md#llm-levers). The embedding's
+# rows read by the GPU from the pinned table (llm/offload.py: reads_on_device) cost nothing measurable; looked up
+# by the host, they cost tokens/s.
 OFFLOAD_ACTIVATIONS_SLOWDOWN = 1.03
 OFFLOAD_EMBEDDINGS_SLOWDOWN = 1.15
 OFFLOAD_EMBEDDINGS_READ_ON_DEVICE_SLOWDOWN = 1.0

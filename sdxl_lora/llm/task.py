@@ -39,17 +39,19 @@ from .slots import make_plan
 log = logging.getLogger(__name__)
 
 # train.speed="auto" compiles the decoder layers of a run that trains at least this many tokens: compiling
-# adds seconds to the first step and saves about a fifth of every later one, which a short run (or a small
-# model's short steps) does not win back (benchmarks/RESULTS.md).
+# adds seconds to the first step and shortens every later one, which a short run (or a small model's short
+# steps) does not win back (benchmarks/RESULTS.md#llm-levers).
 COMPILE_MIN_TOKENS = 2_000_000
 # train.speed="auto" also replays the compiled decoder layers from CUDA graphs where a step holds at most this many
 # tokens (batch x max_length, one process): there the host's kernel launches set the pace, and the graphs took
-# them out (benchmarks/RESULTS.md: measured at batch 1 x 2048; larger steps were not). Not beside checkpointing
+# them out; a step of 4 x 2048 tokens keeps the GPU busy, so they gain nothing there
+# (benchmarks/RESULTS.md#llm-levers). Not beside checkpointing
 # (graphs cannot replay it), a memory budget (its plan does not count the graphs' memory), several processes or
 # an adapter kind other than LoRA, none of which was measured with them.
 GRAPHS_MAX_TOKENS = 2048
 # What the graphs hold beside the step's estimate (their pool's slack, the recorded outputs), rounded up from the
-# whole process's measured growth with them (benchmarks/RESULTS.md). Auto turns them off where this would not fit.
+# whole process's measured growth with them (benchmarks/RESULTS.md#llm-levers). Auto turns them off where this
+# would not fit.
 GRAPHS_RESERVE = int(0.5 * 2**30)
 
 
@@ -87,8 +89,9 @@ def auto_levers(cfg: Config, device_type: str, processes: int) -> tuple[Config, 
 def _graphs_or_checkpointing(cfg: Config, checkpointing_asked: bool) -> Config:
     """train.cuda_graphs with checkpointed decoder layers: inductor's CUDA graphs cannot replay them (the
     recomputation in backward runs the graphed layer again and overwrites the outputs the backward still
-    reads; with offloaded inputs the capture is refused: benchmarks/RESULTS.md). Refused where the user asked for
-    both; where train.vram_gb chose checkpointing to fit, the budget wins and the graphs are left off, saying so."""
+    reads; with offloaded inputs the capture is refused: benchmarks/RESULTS.md#llm-levers). Refused where the user
+    asked for both; where train.vram_gb chose checkpointing to fit, the budget wins and the graphs are left off,
+    saying so."""
     tc = cfg.train
     if not (tc.cuda_graphs and tc.gradient_checkpointing):
         return cfg

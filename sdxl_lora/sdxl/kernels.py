@@ -3,8 +3,8 @@
 SDXL's feed-forward projects to [hidden | gate] (2 x 5120 wide at 1280 channels) and multiplies hidden by
 gelu(gate). Autograd's backward of the chunk is a concatenation, and inductor builds it as one element-wise
 kernel over the concatenated output that loads both halves for every element. The kernel here reads each
-input once and writes both halves of the gradient from the same program (benchmarks/RESULTS.md has the
-measurement). The forward stays torch's own ops, so the compiler fuses it as before.
+input once and writes both halves of the gradient from the same program
+(benchmarks/RESULTS.md#kernels-measured-alone). The forward stays torch's own ops, so the compiler fuses it as before.
 
 On the CPU (and without Triton) the same custom op runs torch's element-wise ops: the same function.
 """

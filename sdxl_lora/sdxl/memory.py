@@ -5,9 +5,9 @@ Weights, adapter, gradients and optimizer state are counted exactly from the mod
 device too). Activations come from an analytic model of the UNet's config: every resnet and every
 transformer layer saves a number of tensors the size of its feature map for backward; the counts below
 are read off diffusers' blocks and then scaled by one factor fitted to the SDXL base's measured peaks
-(bf16 autocast, SDPA, LoRA rank 16 on the attention projections, 1024x1024, AdamW: benchmarks/RESULTS.md;
-docs/qlora.md has the table). With gradient checkpointing only each checkpointed unit's input stays, plus
-the activations of the one unit being recomputed.
+(bf16 autocast, SDPA, LoRA rank 16 on the attention projections, 1024x1024, AdamW:
+benchmarks/RESULTS.md#qlora-memory; docs/qlora.md has the table). With gradient checkpointing only each
+checkpointed unit's input stays, plus the activations of the one unit being recomputed.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ K_RESNET, K_LAYER, K_PROJ = 6.0, 30.0, 4.0
 K_GEGLU_FUSED_SAVES = 4.0
 # The other adapter kinds keep more for backward than LoRA's factors (DoRA's weight-normed path, LoHa's and
 # LoKr's products; LoCon's convolution adapters keep their ResNets' inputs): their activations against LoRA's,
-# from the kinds' runs through the CLI at batch 4 on SDXL base (benchmarks/RESULTS.md, the adapter kinds).
+# from the kinds' runs through the CLI at batch 4 on SDXL base (benchmarks/RESULTS.md#adapter-kinds).
 KIND_ACTIVATIONS = {"lora": 1.0, "dora": 1.19, "loha": 1.19, "lokr": 1.17}
 LOCON_ACTIVATIONS = 1.26
 # With model.quantize_convs="fp8" the two convolutions' inputs are not saved (Float8Conv2d's backward needs
@@ -38,43 +38,44 @@ LOCON_ACTIVATIONS = 1.26
 # under bf16 autocast; not fitted to a GPU peak (benchmarks/qlora_memory.py's fp8conv rows give one).
 K_RESNET_FP8CONV = 4.0
 # The tensors autocast keeps besides the counts above (bf16 copies of matmul inputs), as one factor on them.
-# Fitted to the SDXL base's bf16 peaks at batch 1 and 4 (benchmarks/RESULTS.md).
+# Fitted to the SDXL base's bf16 peaks at batch 1 and 4 (benchmarks/RESULTS.md#qlora-memory).
 ACT_SCALE = 1.077
 # With checkpointing each unit keeps its input (and the skip connections) in the compute dtype, besides the
-# recompute of the largest unit. Fitted to the SDXL base with full checkpointing at batch 4 (benchmarks/RESULTS.md).
+# recompute of the largest unit. Fitted to the SDXL base with full checkpointing at batch 4
+# (benchmarks/RESULTS.md#qlora-memory).
 K_CKPT_INPUT = 1.61
 # cuBLAS/cuDNN workspaces and allocator slack: what the bf16 batch-1 peak has beyond weights, adapter,
-# gradients, optimizer state and activations (fitted with ACT_SCALE, benchmarks/RESULTS.md).
+# gradients, optimizer state and activations (fitted with ACT_SCALE, benchmarks/RESULTS.md#qlora-memory).
 WORKSPACE = int(0.14 * GiB)
 # Quantized runs: bitsandbytes dequantizes each weight into a compute-dtype buffer for its matmuls
 # (forward and backward) and the allocator keeps those blocks. Fitted to nf4 + checkpointing at batch 1
-# (benchmarks/RESULTS.md, QLoRA memory).
+# (benchmarks/RESULTS.md#qlora-memory).
 QUANT_OVERHEAD = int(0.14 * GiB)
 
 # What quantized layers keep for backward beyond the activation model, as a fraction of it. The 4-bit
 # layers return the autocast dtype (quantize._AutocastOutput), so they keep nothing extra; fp8 (Float8Linear)
 # keeps nothing either. LLM.int8 keeps fp16 copies and outlier columns: fitted to benchmarks/qlora_memory.py's
-# int8 rows without checkpointing (benchmarks/RESULTS.md, QLoRA memory).
+# int8 rows without checkpointing (benchmarks/RESULTS.md#qlora-memory).
 QUANT_SAVED_INPUTS = {"nf4": 0.0, "fp4": 0.0, "int8": 0.50, "fp8": 0.0}
 
 # train.compile: what a compiled unit keeps of its eager activations (torch's partitioner recomputes cheap
 # element-wise work instead of saving it), per kind of unit: fitted to the SDXL base's peaks with "regional"
 # and "transformer" against eager ones, split between the layers and the ResNets by their share of the
-# modelled activations (benchmarks/RESULTS.md, compile + CUDA graphs, 1024x1024). proj_in/proj_out are never
+# modelled activations (benchmarks/RESULTS.md#memory-estimates-against-measured-peaks). proj_in/proj_out are never
 # inside a compiled block. train.compile_activation_budget F scales the compiled units' share by F, about
 # what the partitioner keeps under that budget.
 COMPILED_KEEP = {"layer": 0.723, "resnet": 0.154, "proj": 1.0}
 # compile="regional" with channels_last: the trainer lays the ResNets' surroundings out too (docs/speed.md;
 # the frozen convolutions then keep no input for backward), and the compiled units keep this fraction of the
 # above. Fitted to the SDXL base's peaks with compile + graphs + channels_last at batch 4, 16 and 24
-# (benchmarks/RESULTS.md; docs/speed.md compares estimate and peaks).
+# (benchmarks/RESULTS.md#memory-estimates-against-measured-peaks).
 REGIONAL_LAYOUT_KEEP = 0.930
 COMPILED_KINDS = {"regional": ("layer", "resnet"), "transformer": ("layer",)}
 # The trainer's own uncompiled step with a plain LoRA (train.fuse_qkv with lora_matmul="merged", the defaults)
 # keeps less than the activation model counts, which was fitted to a bare peft step, and holds a little more
 # besides (the merged weights, the CUDA graphs' workspace): a per-image factor on the activations and a fixed
 # sum, fitted to the whole-process peaks of `sdxl-lora train` with the defaults at batch 1-16, kept a few
-# percent above every one of them (benchmarks/RESULTS.md; docs/qlora.md has the table). Unquantized only:
+# percent above every one of them (benchmarks/RESULTS.md#memory-estimates-against-measured-peaks). Unquantized only:
 # the quantized and other adapter kinds' steps were not measured this way and keep the model as it is.
 MERGED_LORA_KEEP = 0.90
 MERGED_LORA_FIXED = int(0.5 * GiB)
@@ -220,7 +221,7 @@ def activation_bytes(config, resolution: int, batch_size: int, checkpointing: bo
 # for its adapter's gradient: tensors the frozen layers alone do not keep. The fitted model above adapts the
 # attention only. Counted from the layer shapes per transformer layer / Transformer2DModel, in elements of
 # their feature map; checked against the `full` and `topology` presets' uncompiled steps on SDXL base
-# (benchmarks/RESULTS.md, the adapter kinds at batch 16).
+# (benchmarks/RESULTS.md#adapter-kinds).
 K_FF_INPUTS, K_PROJ_INPUTS = 5.0, 2.0
 PRESETS_ADAPTING_FF = ("full", "locon")
 
@@ -319,7 +320,8 @@ def adapter_activations(adapter) -> float:
 # captions (caching); previews bring the text encoders and the VAE back beside the UNet and decode full-size
 # images. These figures are the whole process's (what the GPU's own counters show): the CUDA context and
 # the allocator's reserve included. Fitted to the full-size SDXL runs of benchmarks/train_e2e.py and
-# benchmarks/preview_cost.py (benchmarks/RESULTS.md); VAE_DECODE_TILE is diffusers' tiled decode with tiles
+# benchmarks/preview_cost.py (benchmarks/RESULTS.md#memory-estimates-against-measured-peaks); VAE_DECODE_TILE is
+# diffusers' tiled decode with tiles
 # of this many pixels a side.
 VAE_ENCODE_PER_PIXEL = 4800       # bytes per image pixel at the peak of an fp32 VAE encode
 VAE_DECODE_PER_PIXEL = 5000       # bytes per image pixel at the peak of a VAE decode under bf16 autocast

@@ -192,10 +192,10 @@ class BudgetFit:
         return {name: f"{after!r} (was {before!r})" for name, (before, after) in self.changes.items()}
 
 
-# Time per image of each lever against none, from benchmarks/RESULTS.md (QLoRA memory; batch 1 and 4 at
-# 1024): fp8 storage 1.26x, nf4 1.54x, full checkpointing 1.76x; selective checkpointing in proportion to
-# the activations it recomputes. A smaller batch costs (B/b)**0.49 an image (CUDA graphs without compilation,
-# what short runs use: batch 2 against 4 through the CLI, the memory-budget runs).
+# Time per image of each lever against none, from the eager steps of benchmarks/qlora_memory.py at 1024
+# (benchmarks/RESULTS.md#qlora-memory): fp8 storage, nf4, full checkpointing; selective checkpointing in
+# proportion to the activations it recomputes. A smaller batch costs (B/b)**BATCH_EXPONENT an image (CUDA graphs
+# without compilation, what short runs use: batch 2 against 4 through the CLI, benchmarks/RESULTS.md#memory-budgets).
 SLOWDOWN = {"fp8": 1.26, "nf4": 1.54, "checkpointing": 1.76}
 BATCH_EXPONENT = 0.49
 

@@ -307,7 +307,7 @@ def default_prompts(model_path: str, items: list, captions: list[str]) -> list[P
     star it learns); for any other model a few of the dataset's own captions, as training sees them (the
     trigger word in), spread over the dataset, all at the size of the dataset's most common bucket: prompts of
     one size render in one pipeline call on a GPU (render's batch), where one call per size would leave the GPU
-    waiting on the host (benchmarks/RESULTS.md)."""
+    waiting on the host (benchmarks/RESULTS.md#previews-and-evaluation)."""
     from ..core.config import DEMO_NAME, SAMPLE_DATA
 
     if model_path == DEMO_NAME:

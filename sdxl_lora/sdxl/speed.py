@@ -44,9 +44,9 @@ BUCKET_VARYING = {"BasicTransformerBlock": ("hidden_states", 0, (1,)),
 
 # train.speed="auto" compiles a run that trains at least this many images, by the smallest batch size each
 # row applies from: (on a cold compile cache, on a warm one). Compiling pays once the compiled steps' time
-# saved, against the graphed uncompiled steps, repays the compilation, during which the steps run at about
-# half the graphed rate (train.graphs_while_compiling); a cold compilation takes minutes, a warm one about a
-# minute. Derived from the measured rates and compile times in benchmarks/RESULTS.md (docs/speed.md).
+# saved, against the graphed uncompiled steps, repays the compilation, during which the steps run slower than
+# graphed (train.graphs_while_compiling); a warm compile cache shortens the compilation several-fold. Derived
+# from the measured rates and compile times (benchmarks/RESULTS.md#when-compiling-pays; docs/speed.md).
 COMPILE_PAYS_FROM = ((1, 4_400, 1_400), (4, 15_000, 4_400))
 # The train fields that change what the compiled regions are (with the model, the adapter and the data):
 # a run that matches an earlier one's finds its compiled code in the compile cache. Not the levers auto
@@ -148,13 +148,13 @@ def auto_levers(cfg, device_type: str, processes: int):
 
 # Inductor options for the UNet's compiled regions. combo_kernels: independent small kernels of a graph
 # launched as one. Not triton.multi_kernel: a second compilation with it on a warm inductor cache fails in
-# the backend, so a user's second run could fail (benchmarks/RESULTS.md).
+# the backend, so a user's second run could fail (benchmarks/RESULTS.md#levers-measured-and-not-kept).
 UNET_INDUCTOR_OPTIONS = {"combo_kernels": True}
 
 # The widest row inductor reduces with the whole row held at once ("persistent": one read). Inductor's own
 # limit is 1024 elements (InductorChoices.should_use_persistent_reduction); a wider row reduction is built
 # looped, the row read twice (the mean and variance, then the normalisation). SDXL's 32x32 stages are 1280
-# wide, so most of its transformer blocks' LayerNorms would be looped (benchmarks/RESULTS.md).
+# wide, so most of its transformer blocks' LayerNorms would be looped (benchmarks/RESULTS.md#what-each-lever-buys).
 # 1024 gives inductor's own rule back.
 PERSISTENT_ROW_MAX = 2048
 
@@ -433,7 +433,8 @@ def merge_lora_linears(model: torch.nn.Module) -> int:
 # .contiguous()`: under channels_last that is a transposing copy to NCHW, then an add of mixed layouts, and
 # the next convolution converts back. Here the way out keeps the layout the permute gives (NHWC in memory,
 # channels_last, the same values), and with compilation both ways are compiled too (one small graph each,
-# shared by every stage of one shape): fewer eager copies and mixed-layout adds a step (benchmarks/RESULTS.md).
+# shared by every stage of one shape): fewer eager copies and mixed-layout adds a step
+# (benchmarks/RESULTS.md#what-each-lever-buys).
 
 def _transformer_in(self, hidden_states):
     batch, inner_dim, height, width = hidden_states.shape
@@ -551,8 +552,8 @@ def _compiled_group_norm(self, x):
 
 def _nearest2x(x: torch.Tensor) -> torch.Tensor:
     """F.interpolate(x, scale_factor=2, mode="nearest") for a channels_last x, as a broadcast: its gradient is
-    a sum over each 2x2 block, read once, where inductor builds upsample_nearest2d's backward as a much
-    slower scatter-add with atomics (benchmarks/RESULTS.md)."""
+    a sum over each 2x2 block, read once, where inductor builds upsample_nearest2d's backward as a
+    scatter-add with atomics."""
     b, c, h, w = x.shape
     nhwc = x.permute(0, 2, 3, 1)
     return nhwc[:, :, None, :, None, :].expand(b, h, 2, w, 2, c).reshape(b, 2 * h, 2 * w, c).permute(0, 3, 1, 2)
@@ -602,7 +603,7 @@ def compile_edges(model: torch.nn.Module, backend: str | None = None, varying: b
 # aten.convolution (GraphLowering.decide_layout_opt); a compiled ResNet's backward graph holds
 # aten.convolution_backward instead, so the gradient it hands to each convolution's backward is written
 # NCHW and cuDNN copies it (and the saved input) to channels_last first, at each convolution every step
-# (benchmarks/RESULTS.md). Here the input's gradient is the transposed convolution of
+# (benchmarks/RESULTS.md#what-each-lever-buys). Here the input's gradient is the transposed convolution of
 # the output's gradient with the same weight (the same cuDNN dgrad kernel): an aten.convolution in the
 # backward graph, so inductor keeps its chain channels_last (torch.nn.grad.conv2d_input would not do: it calls
 # convolution_backward). The weight's gradient, where one is needed (a LoRA factor's convolution), is torch's

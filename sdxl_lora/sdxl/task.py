@@ -44,8 +44,9 @@ _DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # train.background_compile's memory check: the uncompiled steps save more activations than the compiled
 # ones, and the compiling thread's own stream keeps its cached blocks apart from the training thread's. Together
 # they were measured at this multiple of the training phase's estimate (batch 16 at 1024 over three buckets,
-# benchmarks/RESULTS.md), plus what the uncompiled steps keep for feed-forward adapters where the preset has
-# them (_uncompiled_adapter_inputs), which must fit in BACKGROUND_FILL of the GPU.
+# benchmarks/RESULTS.md#whole-runs-through-sdxl-lora-train), plus what the uncompiled steps keep for
+# feed-forward adapters where the preset has them (_uncompiled_adapter_inputs), which must fit in
+# BACKGROUND_FILL of the GPU.
 BACKGROUND_GROWTH = 1.55
 BACKGROUND_FILL = 0.95
 

@@ -1,3 +1,0 @@
-source benchmarks/gpu/setup.sh
-bash benchmarks/gpu/c46.sh
-echo "elapsed $(( $(date +%s) - START )) s"
