@@ -105,9 +105,9 @@ def save_state(root: Path, step: int, adapter: dict[str, torch.Tensor], optimize
         _fsync_file(tmp / "manifest.json")
         fsync_dir(tmp)
     except Exception as e:
+        full = as_disk_full(e, final)  # before the clean-up, which frees the space whose lack says "disk full"
         # Nothing half-written stays; the states saved before are untouched.
         shutil.rmtree(tmp, ignore_errors=True)
-        full = as_disk_full(e, root)
         if full is e:
             raise
         raise full from e
