@@ -557,3 +557,31 @@ def test_a_png_with_corrupt_image_data_is_a_problem_at_the_scan_as_at_caching(tm
     ds = scan(DataConfig(dirs=[str(tmp_path)]), 64)
     assert [it.path.name for it in ds.items] == ["good.png"]
     assert [p.path.name for p in ds.problems] == ["bad.png"]
+
+
+def test_a_huge_caption_file_is_read_to_its_first_64_kib_and_the_report_names_it(tmp_path, capsys):
+    # A 50 MB "caption" (a log saved as .txt, say) beside normal images: the scan reads a bounded prefix (the
+    # text encoders use 77 tokens of it) and `dataset inspect` says which file it is, instead of "problems: none".
+    import tracemalloc
+
+    from sdxl_lora.cli import main
+    from sdxl_lora.sdxl.data import CAPTION_BYTES
+
+    save(Image.new("RGB", (64, 64), RED), tmp_path / "a.png", caption=None)
+    save(Image.new("RGB", (64, 64), BLUE), tmp_path / "b.png", caption="a blue square")
+    huge = tmp_path / "a.txt"
+    with open(huge, "wb") as f:
+        f.write("a red square, ünïcode, ".encode() * (50 * 2**20 // 25))
+    tracemalloc.start()
+    try:
+        dataset = scan(DataConfig(dirs=[str(tmp_path)]), 64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * CAPTION_BYTES + 2**20, peak  # not the file: a prefix of it
+    caption = next(it.caption for it in dataset.items if it.path.name == "a.png")
+    assert caption.startswith("a red square, ünïcode,") and len(caption.encode()) <= CAPTION_BYTES
+    assert main(["dataset", "inspect", str(tmp_path), "--no-doctor"]) == 0
+    out = capsys.readouterr().out
+    note = next(line for line in out.splitlines() if str(huge) in line)
+    assert note.startswith("note: 1 caption file(s) are over 64 KiB") and "MiB" in note, out
