@@ -318,8 +318,8 @@ SLACK = 512 * 1024  # the run folder's own small files: config, log, events
 
 
 def _one_paragraph(err: str) -> str:
-    lines = [ln[ln.index("error:"):] for ln in err.splitlines() if "error:" in ln]
-    assert len(lines) == 1 and "Traceback" not in err, err
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if "error:" in ln]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in err, err
     return lines[0]
 
 
