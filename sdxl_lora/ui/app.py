@@ -151,6 +151,12 @@ def serve(folders: Folders, host: str = "127.0.0.1", port: int | None = None, au
     return app, local_url
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give a number from 1 to 65535")
+    return int(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The UI's options, for `python -m sdxl_lora.ui` and `sdxl-lora ui` alike. The folder defaults are the
     schema's own: the sample data, the model cache, the runs folder."""
@@ -160,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # The folder holding both tasks' default data (the sample images and the sample instruction files).
     datasets = os.path.commonpath([os.path.abspath(p) for p in (*cfg.data.dirs, *cfg.llm.data)])
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    parser.add_argument("--port", type=_port, default=7860, help="port (default 7860)")
     parser.add_argument("--auth", metavar="USER:PASSWORD", help="ask for this user and password")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
     parser.add_argument("--datasets", default=datasets, help="folder of datasets the UI may read and caption")
