@@ -411,7 +411,7 @@ def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem], seen: set
     ignored: Counter = Counter()
     duplicates = 0
     masks_seen = 0
-    long_captions: list[tuple[Path, int]] = []
+    long_captions: list[tuple[str | Path, int]] = []  # (where, bytes)
     known = set(CAPTION_EXTENSIONS) | {cfg.caption_extension}
     for root in roots:
         folders = _walk(root)
@@ -464,7 +464,10 @@ def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem], seen: set
                 if norm in metadata:
                     used.add(norm)
                     if caption is None:  # a sidecar next to the image wins over a metadata file
-                        caption = metadata[norm][0]
+                        caption, line = metadata[norm]
+                        if len(data := caption.encode()) > CAPTION_BYTES:
+                            long_captions.append((f"{meta_file[norm]} line {line}", len(data)))
+                            caption = data[:CAPTION_BYTES].decode("utf-8", "ignore")
                 if caption is None:
                     for alt in CAPTION_EXTENSIONS:
                         if alt != cfg.caption_extension and stem + alt in present:
@@ -489,9 +492,9 @@ def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem], seen: set
     if long_captions:
         shown = ", ".join(f"{p} ({size / 2**20:.1f} MiB)" for p, size in long_captions[:3])
         more = f" and {len(long_captions) - 3} more" if len(long_captions) > 3 else ""
-        notes.append(f"{len(long_captions)} caption file(s) are over {CAPTION_BYTES // 1024} KiB and train with their "
-                     f"first {CAPTION_BYTES // 1024} KiB only (the text encoders read 77 tokens): {shown}{more} — "
-                     "is each a caption?")
+        notes.append(f"{len(long_captions)} caption(s) are over {CAPTION_BYTES // 1024} KiB and train with their first "
+                     f"{CAPTION_BYTES // 1024} KiB only (the text encoders read 77 tokens): {shown}{more} — is each "
+                     "a caption?")
     if masks_seen and not cfg.masked_loss:
         notes.append(f"{masks_seen} file(s) named '<image>{cfg.mask_suffix}.*' look like loss masks: they are not "
                      "trained as images, and not used as masks either (set data.masked_loss=true to use them)")
