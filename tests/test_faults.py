@@ -291,12 +291,16 @@ def test_sigterm_before_the_first_step_stops_at_once_with_nothing_half_written(t
 def _signal_during(monkeypatch, owner, name: str, when) -> list[float]:
     """Patch owner.name so that a call for which when(*args) holds sends this process SIGTERM from another
     thread while the real call runs, as `kill` from a shell would; the times it was sent, in a list."""
-    real, sent = getattr(owner, name), []
+    real, sent, once = getattr(owner, name), [], threading.Lock()  # calls may come from several threads
 
     def call(*args, **kwargs):
-        if sent or not when(*args):
+        with once:
+            fire = not sent and when(*args)
+            if fire:
+                sent.append(time.monotonic())
+        if not fire:
             return real(*args, **kwargs)
-        sender = threading.Thread(target=lambda: (sent.append(time.monotonic()), os.kill(os.getpid(), signal.SIGTERM)))
+        sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM))
         sender.start()
         try:
             return real(*args, **kwargs)
