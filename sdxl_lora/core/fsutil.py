@@ -40,6 +40,19 @@ def as_disk_full(e: BaseException, target: Path) -> BaseException:
     return e
 
 
+@contextlib.contextmanager
+def naming_a_full_disk(target: str | Path) -> Iterator[None]:
+    """An error of the writes inside becomes the OSError(ENOSPC) naming `target` where the disk is full
+    (as_disk_full). Inside whatever removes what a failed write left, so the disk is measured first."""
+    try:
+        yield
+    except Exception as e:
+        full = as_disk_full(e, Path(target))
+        if full is e:
+            raise
+        raise full from e
+
+
 def check_destination(out: str | Path, overwrite: bool, reads: Iterable[str | Path] = (), reader: str = "this",
                       error: type[Exception] = FileExistsError,
                       exists_error: type[Exception] = FileExistsError) -> None:
@@ -73,13 +86,8 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        try:
+        with naming_a_full_disk(dest):
             yield tmp_path
-        except Exception as e:
-            full = as_disk_full(e, dest)  # the temp file is still there: see as_disk_full
-            if full is e:
-                raise
-            raise full from e
         # mkstemp makes the file private (0600), and some writers replace it; outputs get the usual
         # mode (0666 less the umask) so other users' tools (a ComfyUI service, say) can read them.
         umask = os.umask(0)
