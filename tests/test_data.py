@@ -6,6 +6,7 @@ Every image is built inside the test, in tmp_path.
 from __future__ import annotations
 
 import hashlib
+import json
 import io
 import logging
 import random
@@ -557,3 +558,35 @@ def test_a_png_with_corrupt_image_data_is_a_problem_at_the_scan_as_at_caching(tm
     ds = scan(DataConfig(dirs=[str(tmp_path)]), 64)
     assert [it.path.name for it in ds.items] == ["good.png"]
     assert [p.path.name for p in ds.problems] == ["bad.png"]
+
+
+def test_a_huge_caption_file_is_read_to_its_first_64_kib_and_the_report_names_it(tmp_path, capsys):
+    # A 50 MB "caption" (a log saved as .txt, say) beside normal images: the scan reads a bounded prefix (the
+    # text encoders use 77 tokens of it) and `dataset inspect` says which file it is, instead of "problems: none".
+    import tracemalloc
+
+    from sdxl_lora.cli import main
+    from sdxl_lora.sdxl.data import CAPTION_BYTES
+
+    save(Image.new("RGB", (64, 64), RED), tmp_path / "a.png", caption=None)
+    save(Image.new("RGB", (64, 64), BLUE), tmp_path / "b.png", caption="a blue square")
+    huge = tmp_path / "a.txt"
+    with open(huge, "wb") as f:  # the bound falls inside the first "ü": that character is left out, not an error
+        f.write(b"a red square, " + b"x" * (CAPTION_BYTES - 15) + "ünïcode, ".encode() * (50 * 2**20 // 11))
+    # The same for a caption in a metadata file (read whole: it holds every image's caption).
+    save(Image.new("RGB", (64, 64), BLUE), tmp_path / "c.png", caption=None)
+    (tmp_path / "metadata.jsonl").write_text(json.dumps({"file_name": "c.png", "text": "blue, " * 30000}) + "\n")
+    tracemalloc.start()
+    try:
+        dataset = scan(DataConfig(dirs=[str(tmp_path)]), 64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, peak  # a prefix of the 50 MiB file, not the file
+    captions = {it.path.name: it.caption for it in dataset.items}
+    assert captions["a.png"] == "a red square, " + "x" * (CAPTION_BYTES - 15)
+    assert captions["c.png"].startswith("blue, blue,") and len(captions["c.png"].encode()) <= CAPTION_BYTES
+    assert main(["dataset", "inspect", str(tmp_path), "--no-doctor"]) == 0
+    out = capsys.readouterr().out
+    note = next(line for line in out.splitlines() if str(huge) in line)
+    assert note.startswith("note: 2 caption(s) are over 64 KiB") and f"{tmp_path / 'metadata.jsonl'} line 1" in note, out

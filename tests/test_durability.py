@@ -1,11 +1,13 @@
 """A run is never lost: SIGKILL at any point, a corrupt newest state, Ctrl-C — each resumes to the
 same adapter, bit for bit, as an uninterrupted run with the same seed (CPU, tiny model)."""
-import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,13 +52,19 @@ def assert_same(a, b):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, as_process, cache_args):
+def reference_run(tmp_path_factory, as_process, cache_args):
+    """The run folder of an uninterrupted run of COMMON."""
     from sdxl_lora.cli import main
 
     out = tmp_path_factory.mktemp("ref")
     with as_process():  # one torch thread, as the training processes: the adapters compare bit for bit
         assert main(["train", "--out", str(out), "--name", "ref", *COMMON, *cache_args]) == 0
-    return adapter(out / "ref")
+    return out / "ref"
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return adapter(reference_run)
 
 
 def test_sigkill_during_a_save_and_during_a_step_then_resume_gives_the_same_adapter(tmp_path, reference, cli,
@@ -205,50 +213,152 @@ def test_resume_with_another_plan_or_dataset_is_refused_naming_what_changed(tmp_
     assert [e["step"] for e in read_events(run / "events.jsonl") if e["event"] == "done"][-1] == 3
 
 
-def test_a_full_disk_during_a_save_is_a_message_and_leaves_the_saved_states_as_they_were(tmp_path, monkeypatch):
-    # torch.save reports a full disk as "basic_ios::clear": the save turns it into ENOSPC, removes what it
-    # half-wrote, and the state saved before stays the newest complete one.
-    from sdxl_lora.core import fsutil
-
-    root = tmp_path / "checkpoints"
-    adapter = {"w": torch.ones(3)}
-    # The optimizer and trainer states as the loop writes them (newest_valid reads them back).
-    optimizer = {"state": {}, "param_groups": []}
-    trainer = {"step": 1, "epoch": 0, "position": 1, "schedule": {}, "rng": {}}
-    checkpoint.save_state(root, 1, adapter, optimizer, trainer, keep=3)
-    real_save = torch.save
-
-    def full(obj, f, *a, **k):
-        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
-
-    monkeypatch.setattr(torch, "save", full)
-    monkeypatch.setattr(fsutil.shutil, "disk_usage", lambda p: shutil_usage(0))
-    with pytest.raises(OSError) as err:
-        checkpoint.save_state(root, 2, adapter, optimizer, {**trainer, "step": 2}, keep=3)
-    assert err.value.errno == errno.ENOSPC
-    monkeypatch.setattr(torch, "save", real_save)
-    assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]  # no .tmp-step-* left behind
-    assert checkpoint.newest_valid(root).name == "step-00000001"
+# ---- a full disk: on a real small filesystem where the test may mount one
 
 
-def shutil_usage(free):
-    import shutil
+class _Tmpfs:
+    """A tmpfs of `size` bytes mounted at `path`: a disk that really fills (CI runs the tests as root)."""
 
-    return shutil._ntuple_diskusage(100 * 2**30, 100 * 2**30 - free, free)
+    def __init__(self, path: Path, size: int):
+        self.path = path
+        _mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path))
+
+    def resize(self, size: int) -> None:
+        _mount("-o", f"remount,size={size}", str(self.path))
+
+    def close(self) -> None:
+        if subprocess.run(["umount", str(self.path)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(self.path)], check=True)
 
 
-def test_a_full_disk_at_the_final_export_exits_1_naming_the_file(tmp_path, monkeypatch, capsys, cache_args):
-    from sdxl_lora.cli import main
-    from sdxl_lora.sdxl import export
+def _mount(*args: str) -> None:
+    p = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if p.returncode:
+        raise PermissionError(f"mount {' '.join(args)}: {p.stderr.strip()}")
 
-    def full(*a, **k):
-        raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
-                           '"No space left on device" })')
 
-    monkeypatch.setattr(export, "save_file", full)
-    rc = main(["train", "--out", str(tmp_path), "--name", "x", "--steps", "2", "--set", "preview.prompts=''",
-               "--set", "train.save_every=1", *cache_args])
-    err = capsys.readouterr().err
-    assert rc == 1 and "could not write" in err and "No space left" in err and "Traceback" not in err, err
-    assert checkpoint.newest_valid(tmp_path / "x" / "checkpoints") is not None  # the run resumes from here
-    assert not list((tmp_path / "x").glob(".*.tmp"))
+class _FakeDisk:
+    """`path` as a disk of `size` bytes for the writers of a state save and an export, where the test may not
+    mount (a container without the capability). A write past the size leaves the part that fits and fails as
+    its writer fails on a full disk: torch.save without naming the cause, safetensors with "No space left on
+    device". The free space is what the files under `path` leave, so the save's clean-up frees what it
+    removes, as on a real disk: the order of measuring and cleaning up matters here as it does there."""
+
+    def __init__(self, path: Path, size: int, monkeypatch):
+        from safetensors import SafetensorError
+
+        from sdxl_lora.sdxl import export
+
+        self.path, self.size = path, size
+        real_usage = shutil.disk_usage
+
+        def usage(p):
+            if not self._inside(p):
+                return real_usage(p)
+            free = max(0, self.size - self._used())
+            return shutil._ntuple_diskusage(self.size, self.size - free, free)
+
+        def filling(write, error):
+            def call(obj, f, *a, **k):
+                write(obj, f, *a, **k)
+                over = self._used() - self.size
+                if self._inside(f) and over > 0:
+                    os.truncate(f, max(0, os.path.getsize(f) - over))
+                    raise error
+            return call
+
+        monkeypatch.setattr(shutil, "disk_usage", usage)
+        monkeypatch.setattr(torch, "save", filling(torch.save, RuntimeError(
+            "[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 0")))
+        full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        for module in (checkpoint, export):
+            monkeypatch.setattr(module, "save_file", filling(module.save_file, full))
+
+    def _inside(self, p) -> bool:
+        return isinstance(p, (str, os.PathLike)) and Path(os.path.abspath(p)).is_relative_to(self.path)
+
+    def _used(self) -> int:
+        return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+
+    def resize(self, size: int) -> None:
+        self.size = size
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """small_disk(size): a folder (.path) on a filesystem of `size` bytes, .resize(size) to make room. A tmpfs
+    where the test may mount one; else _FakeDisk, with a warning saying why."""
+    disks = []
+
+    def make(size: int):
+        path = tmp_path / f"disk{len(disks)}"
+        path.mkdir()
+        try:
+            if os.environ.get("SDXL_LORA_TEST_NO_MOUNT"):
+                raise PermissionError("SDXL_LORA_TEST_NO_MOUNT is set")
+            disk = _Tmpfs(path, size)
+        except (PermissionError, FileNotFoundError) as e:  # no privilege, or no mount program
+            warnings.warn(f"a full disk is simulated at the writers: no tmpfs can be mounted here ({e})")
+            disk = _FakeDisk(path, size, monkeypatch)
+        disks.append(disk)
+        return disk
+    yield make
+    for disk in disks:
+        disk.close()
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+SLACK = 512 * 1024  # the run folder's own small files: config, log, events
+
+
+def _one_paragraph(err: str) -> str:
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if "error:" in ln]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_full_disk_during_a_state_save_is_one_paragraph_and_the_resume_gives_the_same_adapter(
+        small_disk, reference_run, reference, cli, cache_args):
+    # Room for the first state and half of the second: its adapter file (a third of a state, megabytes) is
+    # written, its optimizer state is not. The clean-up frees that adapter file, so the disk no longer looks
+    # full once it has run; torch's own error never says why it failed.
+    state = _size(reference_run / "checkpoints" / "step-00000009")
+    disk = small_disk(state + state // 2 + SLACK)
+    run = disk.path / "f"
+    p = cli("train", "--out", str(disk.path), "--name", "f", *COMMON, *cache_args)
+    assert p.returncode == 1, p.stderr[-3000:]
+    msg = _one_paragraph(p.stderr)
+    assert f"could not write {run / 'checkpoints' / 'step-00000006'}: No space left on device" in msg, msg
+    assert "--resume" in msg, msg
+    assert sorted(x.name for x in (run / "checkpoints").iterdir()) == ["step-00000003"]  # nothing half-written
+    assert checkpoint.newest_valid(run / "checkpoints").name == "step-00000003"
+    # Once there is space the run continues from there, to the adapter of a run that never stopped.
+    disk.resize(8 * state)
+    train_here(cli, disk.path, "--resume", str(run))
+    assert [e["step"] for e in read_events(run / "events.jsonl") if e["event"] == "resume"] == [3]
+    assert_same(adapter(run), reference)
+
+
+def test_a_full_disk_at_the_final_export_is_one_paragraph_naming_the_file_and_leaves_no_part_of_it(
+        small_disk, reference_run, cli, cache_args):
+    # Room for the state of step 1 and the kohya file, and half of the diffusers file beside it.
+    state = _size(reference_run / "checkpoints" / "step-00000009")
+    exported = (reference_run / "ref.safetensors").stat().st_size
+    disk = small_disk(state + exported + exported // 2 + SLACK)
+    run = disk.path / "x"
+    p = cli("train", "--out", str(disk.path), "--name", "x", "--steps", "2", "--set", "preview.prompts=''",
+            "--set", "train.save_every=1", *cache_args)
+    assert p.returncode == 1, p.stderr[-3000:]
+    msg = _one_paragraph(p.stderr)
+    assert f"could not write {run / 'x.diffusers.safetensors'}: No space left on device" in msg, msg
+    assert not (run / "x.diffusers.safetensors").exists() and not list(disk.path.rglob(".*tmp*"))
+    assert checkpoint.newest_valid(run / "checkpoints").name == "step-00000001"  # the run resumes from here
+    disk.resize(8 * state)
+    train_here(cli, disk.path, "--resume", str(run))
+    assert (run / "x.safetensors").is_file() and (run / "x.diffusers.safetensors").is_file()

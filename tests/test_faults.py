@@ -16,6 +16,9 @@ import json
 import os
 import pickle
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -283,6 +286,84 @@ def test_sigterm_before_the_first_step_stops_at_once_with_nothing_half_written(t
         assert not list((run / "samples").iterdir())
     assert len(list((tmp_path / "cache").rglob("*.safetensors"))) >= 1  # what was cached is kept, whole
     assert not _stray_files(tmp_path)
+
+
+def _signal_during(monkeypatch, owner, name: str, when) -> list[float]:
+    """Patch owner.name so that a call for which when(*args) holds sends this process SIGTERM from another
+    thread while the real call runs, as `kill` from a shell would; the times it was sent, in a list."""
+    real, sent, once = getattr(owner, name), [], threading.Lock()  # calls may come from several threads
+
+    def call(*args, **kwargs):
+        with once:
+            fire = not sent and when(*args)
+            if fire:
+                sent.append(time.monotonic())
+        if not fire:
+            return real(*args, **kwargs)
+        sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM))
+        sender.start()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            sender.join()  # sent before this call returns: the handler runs in it or right after
+    monkeypatch.setattr(owner, name, call)
+    return sent
+
+
+def test_a_huge_caption_is_named_in_the_run_report_and_sigterm_while_caching_it_stops_within_seconds(
+        tmp_path, cli, monkeypatch):
+    # A 50 MB caption beside normal images used to be tokenized whole while "caching text" (minutes, gigabytes),
+    # and SIGTERM waited for it. Now its first 64 KiB are read, the run's dataset report names it, and SIGTERM
+    # in that phase stops the run within seconds with the documented message.
+    from sdxl_lora.sdxl.data import CAPTION_BYTES
+    from sdxl_lora.sdxl.task import SDXLTask
+
+    images = _two_images(tmp_path)
+    huge = images / "00_red_star.txt"
+    with open(huge, "wb") as f:
+        f.write(b"a red star, " * (50 * 2**20 // 12))
+    encoded = []  # the size of each caption given to the text encoders
+
+    def long(self, caption: str) -> bool:
+        encoded.append(len(caption.encode()))
+        return len(caption) > 1000
+    sent = _signal_during(monkeypatch, SDXLTask, "encode_text", long)
+    p = cli("train", "--out", str(tmp_path / "runs"), "--name", "r", "--steps", "2", "--data", str(images),
+            "--set", f"data.cache_dir='{tmp_path / 'cache'}'", "--set", "preview.prompts=''")
+    assert sent and time.monotonic() - sent[0] < 5, "SIGTERM waited for the caption's encoding"
+    assert p.returncode == 130, p.stderr[-2000:]
+    msg = _one_paragraph(p.stderr)
+    assert "stopped by SIGTERM before the first training step" in msg, msg
+    assert max(encoded) <= CAPTION_BYTES + 100  # a prefix, plus what the caption settings add
+    log = (tmp_path / "runs" / "r" / "train.log").read_text()
+    assert f"over 64 KiB and train with their first 64 KiB only (the text encoders read 77 tokens): {huge}" in log
+
+
+def test_sigterm_while_the_images_are_checked_stops_within_seconds_without_checking_the_rest(tmp_path, cli,
+                                                                                             monkeypatch):
+    # A folder of many large images takes a while to check (each is decoded); a stop among them ends the run
+    # at once, the images not checked yet left alone.
+    import numpy as np
+    from PIL import Image
+
+    from sdxl_lora.sdxl import data
+
+    images = tmp_path / "images"
+    images.mkdir()
+    noise = np.random.default_rng(0).integers(0, 255, (1024, 1024, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(images / "0000.png", compress_level=0)
+    for i in range(1, 1000):
+        os.link(images / "0000.png", images / f"{i:04d}.png")
+    checked = []
+    monkeypatch.setattr(data, "probe_image", lambda path, limit, real=data.probe_image: (
+        checked.append(path), real(path, limit))[1])
+    sent = _signal_during(monkeypatch, data, "probe_image", lambda path, limit: len(checked) >= 20)
+    p = cli("train", "--out", str(tmp_path / "runs"), "--name", "r", "--steps", "2", "--data", str(images),
+            "--set", f"data.cache_dir='{tmp_path / 'cache'}'", "--set", "preview.prompts=''")
+    assert sent and time.monotonic() - sent[0] < 5
+    assert p.returncode == 130, p.stderr[-2000:]
+    assert "stopped by SIGTERM before the first training step" in _one_paragraph(p.stderr)
+    assert len(checked) < 500, len(checked)
 
 
 def test_sigterm_at_the_export_and_in_the_final_previews_each_saves_a_state_that_resumes(tmp_path, cli):

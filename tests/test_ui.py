@@ -1093,3 +1093,22 @@ def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_p
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_port_in_use_is_one_line_naming_it_and_nothing_starts(tmp_path, capsys):
+    # Another program (another `sdxl-lora ui`) listens on the port: the UI says so before it makes its folders
+    # or starts the run queue on the runs folder, instead of gradio's traceback after them.
+    from sdxl_lora.cli import main
+
+    (tmp_path / "datasets").mkdir()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        rc = main(["ui", "--port", str(port), "--datasets", str(tmp_path / "datasets"),
+                   "--models", str(tmp_path / "models"), "--runs", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"error: port {port} is in use on 127.0.0.1" in err and "--port" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["datasets"]  # no runs folder, no queue in it

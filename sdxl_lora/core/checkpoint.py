@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .fsutil import as_disk_full, fsync_dir
+from .fsutil import fsync_dir, naming_a_full_disk
 
 log = logging.getLogger(__name__)
 
@@ -103,24 +103,22 @@ def save_state(root: Path, step: int, adapter: dict[str, torch.Tensor], optimize
         shutil.rmtree(stale)  # left by a crash mid-save (only the main process saves); never a complete state
     tmp.mkdir()
     try:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}, str(tmp / FILES[0]))
-        test_fault("save", step)
-        torch.save(optimizer_state, tmp / FILES[1])
-        torch.save(trainer_state, tmp / FILES[2])
-        manifest = {"step": step, "files": {}}
-        for name in FILES:
-            _fsync_file(tmp / name)
-            manifest["files"][name] = file_sha256(tmp / name)
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-        _fsync_file(tmp / "manifest.json")
-        fsync_dir(tmp)
-    except Exception as e:
+        with naming_a_full_disk(final):  # before the clean-up, which frees the space whose lack says "disk full"
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}, str(tmp / FILES[0]))
+            test_fault("save", step)
+            torch.save(optimizer_state, tmp / FILES[1])
+            torch.save(trainer_state, tmp / FILES[2])
+            manifest = {"step": step, "files": {}}
+            for name in FILES:
+                _fsync_file(tmp / name)
+                manifest["files"][name] = file_sha256(tmp / name)
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+            _fsync_file(tmp / "manifest.json")
+            fsync_dir(tmp)
+    except Exception:
         # Nothing half-written stays; the states saved before are untouched.
         shutil.rmtree(tmp, ignore_errors=True)
-        full = as_disk_full(e, root)
-        if full is e:
-            raise
-        raise full from e
+        raise
     if final.exists():
         shutil.rmtree(final)  # an older state of the same step (a resumed run re-saving it)
     os.replace(tmp, final)

@@ -10,19 +10,47 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 
-def as_disk_full(e: BaseException, where: Path) -> BaseException:
-    """`e` as the OSError(ENOSPC) it is when a writer failed because `where`'s disk is full: safetensors and
-    torch.save report it as their own errors ("No space left on device", "basic_ios::clear"), which would
-    reach the user as a traceback. Anything else is returned as it is."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return e
+# What the writers say when the disk is full: safetensors passes the OS error on in its text ("... (os error 28)"),
+# torch.save only as its own failure ("unexpected pos", "basic_ios::clear"), which never names the cause.
+_DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+# A writer that ran out of space leaves less than a block free; the margin allows for what others write meanwhile.
+_NEARLY_FULL = 2**20
+
+
+def as_disk_full(e: BaseException, target: Path) -> BaseException:
+    """`e` as the OSError(ENOSPC) naming `target` when writing `target` failed because its disk is full, so the
+    user reads that rather than a writer's traceback; anything else is returned as it is. Call it before
+    removing what the failed write left: that clean-up frees the space whose lack is the evidence."""
+    target = Path(target)
+    chain, seen = [], e
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for err in chain:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return OSError(err.errno, os.strerror(err.errno), str(target))  # a temp file's name means nothing
+    # torch's error says nothing of the disk: a disk found (nearly) full right after the failure decides.
+    folder = next((p for p in (target, *target.parents) if p.is_dir()), None)
     try:
-        free = shutil.disk_usage(where).free
+        free = shutil.disk_usage(folder).free if folder is not None else None
     except OSError:
         free = None
-    if "No space left on device" in str(e) or (free is not None and free < 2**20):
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
+    if any(t in str(err) for err in chain for t in _DISK_FULL_TEXT) or (free is not None and free < _NEARLY_FULL):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
     return e
+
+
+@contextlib.contextmanager
+def naming_a_full_disk(target: str | Path) -> Iterator[None]:
+    """An error of the writes inside becomes the OSError(ENOSPC) naming `target` where the disk is full
+    (as_disk_full). Inside whatever removes what a failed write left, so the disk is measured first."""
+    try:
+        yield
+    except Exception as e:
+        full = as_disk_full(e, Path(target))
+        if full is e:
+            raise
+        raise full from e
 
 
 def check_destination(out: str | Path, overwrite: bool, reads: Iterable[str | Path] = (), reader: str = "this",
@@ -58,13 +86,8 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        try:
+        with naming_a_full_disk(dest):
             yield tmp_path
-        except Exception as e:
-            full = as_disk_full(e, dest.parent)
-            if full is e:
-                raise
-            raise full from e
         # mkstemp makes the file private (0600), and some writers replace it; outputs get the usual
         # mode (0666 less the umask) so other users' tools (a ComfyUI service, say) can read them.
         umask = os.umask(0)

@@ -304,6 +304,7 @@ class Trainer:
         self._rng_to_restore: dict | None = None
         self._stop: str | None = None
         self._stop_now = False  # a signal raises _StopNow (the final previews) instead of waiting for the step
+        self._bar = None  # the training progress bar, while the loop runs
 
     def setup(self) -> None:
         from accelerate.utils import set_seed
@@ -663,6 +664,8 @@ class Trainer:
         try:
             return self._loop(samples, eval_before)
         finally:
+            if self._bar is not None:  # ended by an error (a full disk): its message starts a line of its own
+                self._bar.close()
             for s, h in handlers.items():
                 signal.signal(s, h)
             if self.tensorboard is not None:
@@ -673,8 +676,8 @@ class Trainer:
         cfg, acc, run = self.cfg, self.accelerator, self.run
         total = cfg.train.steps
         unwrapped = acc.unwrap_model(self.model)
-        bar = tqdm(total=total, initial=self.step, desc="training", unit="step", disable=not acc.is_main_process,
-                   dynamic_ncols=True)
+        bar = self._bar = tqdm(total=total, initial=self.step, desc="training", unit="step",
+                               disable=not acc.is_main_process, dynamic_ncols=True)
         losses: list[float] = []
         window = _LogWindow(acc, self.step, total)
         guard = _NanGuard(cfg, acc, run, self.optimizer, ema=self.ema is not None)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..core.fsutil import check_destination, fsync_dir
+from ..core.fsutil import check_destination, fsync_dir, naming_a_full_disk
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ def atomic_dir(dest: Path, overwrite: bool = True) -> Iterator[Path]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        yield tmp
+        with naming_a_full_disk(dest):
+            yield tmp
         for f in tmp.rglob("*"):
             if f.is_file():
                 with open(f, "rb") as fh:

@@ -38,6 +38,10 @@ METADATA_CAPTION_FIELDS = ("text", "caption")
 # kohya's folder convention: "10_sks dog" means every image inside is seen 10 times an epoch.
 _REPEATS_PREFIX = re.compile(r"^([1-9][0-9]*)_(.+)$")
 _MAX_LISTED = 20
+# A caption file is read to this many bytes. The text encoders take 77 tokens (a few hundred characters) and a
+# long tag list is a few KiB, so every real caption is read whole, shuffled tags included; a file that is no
+# caption (a log or a dump saved as .txt) costs one small read, not minutes and gigabytes of tokenizing.
+CAPTION_BYTES = 64 * 1024
 # kohya's wildcard: {a|b|c}, one choice each time; {{ and }} are braces themselves.
 _WILDCARD = re.compile(r"\{([^{}]*\|[^{}]*)\}")
 
@@ -309,13 +313,23 @@ def _clean(text: str) -> str:
 
 def _read_text(path: Path, what: str) -> str:
     """Read a UTF-8 file; raise ValueError whose message is the reason (for a Problem)."""
+    return _read_prefix(path, what, None)[0]
+
+
+def _read_prefix(path: Path, what: str, limit: int | None) -> tuple[str, int]:
+    """The first `limit` bytes of a UTF-8 file (all of it: None) as text, and the file's size; ValueError whose
+    message is the reason (for a Problem)."""
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(-1 if limit is None else limit)
     except OSError as e:
         raise ValueError(f"cannot read the {what}: {e.strerror or e}") from e
     try:
-        return data.decode("utf-8-sig")
+        return data.decode("utf-8-sig"), size
     except UnicodeDecodeError as e:
+        if len(data) < size and e.reason == "unexpected end of data":
+            return data[:e.start].decode("utf-8-sig"), size  # the bound cut a character in two
         raise ValueError(f"{what} is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}) "
                          "— re-save it as UTF-8") from e
 
@@ -397,6 +411,7 @@ def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem], seen: set
     ignored: Counter = Counter()
     duplicates = 0
     masks_seen = 0
+    long_captions: list[tuple[str | Path, int]] = []  # (where, bytes)
     known = set(CAPTION_EXTENSIONS) | {cfg.caption_extension}
     for root in roots:
         folders = _walk(root)
@@ -436,18 +451,23 @@ def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem], seen: set
                 caption: str | None = None
                 if stem + cfg.caption_extension in present:
                     count.matched += 1
+                    side = folder / (stem + cfg.caption_extension)
                     try:
-                        # An empty caption file counts as no caption (it gets the fallback).
-                        caption = _clean(_read_text(folder / (stem + cfg.caption_extension), "caption")) or None
+                        text, size = _read_prefix(side, "caption", CAPTION_BYTES)
                     except ValueError as e:
-                        problems.append(Problem(folder / (stem + cfg.caption_extension),
-                                                f"{e}; its image {name} was skipped"))
+                        problems.append(Problem(side, f"{e}; its image {name} was skipped"))
                         used.add(norm)
                         continue
+                    if size > CAPTION_BYTES:
+                        long_captions.append((side, size))
+                    caption = _clean(text) or None  # an empty caption file counts as none (it gets the fallback)
                 if norm in metadata:
                     used.add(norm)
                     if caption is None:  # a sidecar next to the image wins over a metadata file
-                        caption = metadata[norm][0]
+                        caption, line = metadata[norm]
+                        if len(data := caption.encode()) > CAPTION_BYTES:
+                            long_captions.append((f"{meta_file[norm]} line {line}", len(data)))
+                            caption = data[:CAPTION_BYTES].decode("utf-8", "ignore")
                 if caption is None:
                     for alt in CAPTION_EXTENSIONS:
                         if alt != cfg.caption_extension and stem + alt in present:
@@ -469,6 +489,12 @@ def _find(cfg: DataConfig, roots: list[Path], problems: list[Problem], seen: set
                      f"images must be one of {' '.join(sorted(IMAGE_EXTENSIONS))}")
     if duplicates:
         notes.append(f"{duplicates} image(s) were reached through more than one dataset folder and are used once")
+    if long_captions:
+        shown = ", ".join(f"{p} ({size / 2**20:.1f} MiB)" for p, size in long_captions[:3])
+        more = f" and {len(long_captions) - 3} more" if len(long_captions) > 3 else ""
+        notes.append(f"{len(long_captions)} caption(s) are over {CAPTION_BYTES // 1024} KiB and train with their first "
+                     f"{CAPTION_BYTES // 1024} KiB only (the text encoders read 77 tokens): {shown}{more} — is each "
+                     "a caption?")
     if masks_seen and not cfg.masked_loss:
         notes.append(f"{masks_seen} file(s) named '<image>{cfg.mask_suffix}.*' look like loss masks: they are not "
                      "trained as images, and not used as masks either (set data.masked_loss=true to use them)")
@@ -487,12 +513,16 @@ def _probe(candidates: list[_Candidate], max_pixels: int,
     # Decoding releases the GIL, so a few threads use the cores; more would only hold more images in memory.
     workers = max(1, min(4, os.cpu_count() or 1))
     bar = tqdm(total=total, desc="checking images", unit="img", disable=None if on_progress is None else True)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
         for done, result in enumerate(pool.map(one, candidates), 1):
             results.append(result)
             bar.update(1)
             if on_progress is not None:
                 on_progress(done, total)
+    finally:
+        # A stop between images (Ctrl-C, SIGTERM: training.py) drops the ones not checked yet, not waiting for them.
+        pool.shutdown(cancel_futures=True)
     bar.close()
     return results
 

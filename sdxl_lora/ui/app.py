@@ -7,9 +7,11 @@ analytics, no fonts or scripts from a CDN, and the server never fetches a URL fo
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import logging
 import os
+import socket
 import sys
 import threading
 
@@ -149,6 +151,12 @@ def serve(folders: Folders, host: str = "127.0.0.1", port: int | None = None, au
     return app, local_url
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give a number from 1 to 65535")
+    return int(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The UI's options, for `python -m sdxl_lora.ui` and `sdxl-lora ui` alike. The folder defaults are the
     schema's own: the sample data, the model cache, the runs folder."""
@@ -158,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # The folder holding both tasks' default data (the sample images and the sample instruction files).
     datasets = os.path.commonpath([os.path.abspath(p) for p in (*cfg.data.dirs, *cfg.llm.data)])
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    parser.add_argument("--port", type=_port, default=7860, help="port (default 7860)")
     parser.add_argument("--auth", metavar="USER:PASSWORD", help="ask for this user and password")
     parser.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
     parser.add_argument("--datasets", default=datasets, help="folder of datasets the UI may read and caption")
@@ -170,12 +178,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _bind_error(host: str, port: int) -> OSError | None:
+    """What binding host:port as the server binds it raises; None when the port is free."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            # As the server sets it: a port that a UI stopped a moment ago leaves in TIME_WAIT is free to it.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as e:
+        return e
+    return None
+
+
+def _cannot_listen(host: str, port: int) -> tuple[int, str] | None:
+    """Why the server could not listen on host:port, for the user, with the exit code (2: --host names no
+    address of this machine; 1: the port is taken or refused); None when it can."""
+    e = _bind_error(host, port)
+    if e is None:
+        return None
+    if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+        return 2, (f"--host {host}: {e.strerror}; give an address of this machine (127.0.0.1, or 0.0.0.0 for "
+                   "every one)")
+    if e.errno == errno.EADDRINUSE:
+        free = next((p for p in range(port + 1, min(port + 100, 65536)) if _bind_error(host, p) is None), None)
+        return 1, (f"port {port} is in use on {host} (another `sdxl-lora ui`?); pick another with --port"
+                   + (f", e.g. --port {free}" if free else ""))
+    return 1, f"cannot listen on {host}:{port}: {e.strerror}; pick another --port"
+
+
 def launch(args: argparse.Namespace) -> int:
     """Serve the UI with the options add_arguments parsed, until it is stopped; the exit code."""
     if importlib.util.find_spec("gradio") is None:
         print("error: the UI needs gradio, which is not installed; install it with: pip install -e '.[ui]'",
               file=sys.stderr)
         return 2
+    # Before anything starts (the folders, the run queue on the runs folder, gradio), whose failure on a
+    # taken port is a traceback after the queue has begun.
+    if (problem := _cannot_listen(args.host, args.port)) is not None:
+        code, message = problem
+        print(f"error: {message}", file=sys.stderr)
+        return code
     folders = Folders.create(args.datasets, args.models, args.runs)
     try:
         serve(folders, host=args.host, port=args.port, auth=args.auth, share=args.share, standby=args.standby)
