@@ -100,6 +100,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from .core.config import ModelConfig
+    from .core.fsutil import check_destination
     from .core.runs import relpath
     from .sdxl.merge import applied
     from .sdxl.model import load_pipeline, native_resolution
@@ -107,9 +108,10 @@ def cmd_generate(args) -> int:
 
     out = Path(args.out)
     paths = [out / f"seed{args.seed + i}.png" for i in range(args.num)]
-    taken = [p for p in paths if p.exists()] if not args.overwrite else []
-    if taken:  # before the model loads and renders
-        raise FileExistsError(f"{relpath(taken[0])} exists; choose another --out or pass --overwrite")
+    written = paths + ([out / f"seed{args.seed}-grid.png"] if args.num > 1 else [])
+    for path in written:  # before the model loads and renders
+        check_destination(relpath(path), args.overwrite, [args.model, args.tokenizer, *(args.lora or [])],
+                          "the render")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     pipe = load_pipeline(ModelConfig(path=args.model, tokenizer=args.tokenizer), torch_dtype=dtype).to(device)
@@ -358,7 +360,7 @@ def cmd_export(args) -> int:
                                             args.format == "kohya" else None)
         out = export_adapter(adapter, args.out, args.format, metadata=not args.no_metadata, names=args.names,
                              unet_config=table.unet_config, uniform_alpha=not args.true_alpha,
-                             overwrite=args.overwrite)
+                             overwrite=args.overwrite, reads=(args.source, src, args.model))
     except AdapterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -390,13 +392,14 @@ def cmd_resize(args) -> int:
         for path, strength in picked:
             src, table, adapter = _read_adapter(args, "resize", source=str(path), table=table)
             read.append((src, adapter, strength))
-        check_dest(Path(args.out), args.overwrite, reads=[src for src, _, _ in read])  # before the SVDs
+        reads = [*(given for given, _ in picked), *(src for src, _, _ in read), args.model]
+        check_dest(Path(args.out), args.overwrite, reads, reader="the resize")  # before the SVDs
         resized = resize_adapters([(a, s) for _, a, s in read], args.rank, args.dynamic_method, args.dynamic_param,
                                   args.device, _layer_progress())
         made_from = " + ".join(src.name if s == 1.0 else f"{src.name}:{s:g}" for src, _, s in read)
         out = export_adapter(resized.adapter, args.out, args.format, names=args.names,
                              metadata=provenance(made_from, args.rank, args.dynamic_method, args.dynamic_param),
-                             unet_config=table.unet_config, overwrite=args.overwrite)
+                             unet_config=table.unet_config, overwrite=args.overwrite, reads=reads)
     except AdapterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -414,14 +417,15 @@ def cmd_extract(args) -> int:
     from .sdxl.extract import extract_adapter
 
     try:
-        check_dest(Path(args.out), args.overwrite, reads=(args.base, args.tuned))  # before minutes of loading and SVDs
+        reads = (args.base, args.tuned)
+        check_dest(Path(args.out), args.overwrite, reads, reader="the extraction")  # before minutes of loading and SVDs
         done = extract_adapter(args.base, args.tuned, args.rank, conv_rank=args.conv_rank, preset=args.preset,
                                method=args.dynamic_method, param=args.dynamic_param,
                                text_encoders=not args.no_text_encoders, min_diff=args.min_diff,
                                device=args.device, progress=_layer_progress())
         table = layer_table(args.base)
         out = export_adapter(done.adapter, args.out, args.format, names=args.names, unet_config=table.unet_config,
-                             overwrite=args.overwrite)
+                             overwrite=args.overwrite, reads=reads)
     except AdapterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

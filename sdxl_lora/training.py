@@ -205,13 +205,20 @@ def fit(job: Job, task=None, keep_failed: bool = False) -> Outcome:
     """Train `job` with `task` (default: task_for(job.cfg)); the run's train.log gets the log lines too.
     A new run refused for bad input before it trained (no images, a pickle model) leaves no folder behind,
     unless `keep_failed` (the UI's worker keeps it: the page shows the run as failed, with the message)."""
-    from .core import conv_search
+    from .core import checkpoint, conv_search
+    from .core.fsutil import clear_interrupted
     from .core.runs import attach_log_file, clear_pid, training_pid, write_pid
 
     handler = attach_log_file(job.run)
+    main = os.environ.get("RANK", "0") == "0"
+    if main and training_pid(job.run.dir) in (None, os.getpid()):
+        # What this run's interrupted saves and final exports left: no other process trains it, so none of
+        # them is being written.
+        clear_interrupted(job.run.dir)
+        checkpoint.clear_unfinished(job.run.checkpoints_dir)
     # Any front end's run shows as training, and can be stopped, from the UI. A process that named itself
     # before (the UI's worker) keeps its pid file to its end; this one goes when training ends.
-    own_pid = os.environ.get("RANK", "0") == "0" and training_pid(job.run.dir) != os.getpid()
+    own_pid = main and training_pid(job.run.dir) != os.getpid()
     if own_pid:
         write_pid(job.run.dir)
     log.info("run folder: %s", job.run.dir)

@@ -55,6 +55,24 @@ def test_missing_or_broken_config_file(tmp_path):
         load_config(bad)
 
 
+def test_a_key_set_twice_is_named_with_its_line_and_a_byte_order_mark_is_accepted(tmp_path, cli):
+    twice = tmp_path / "twice.toml"
+    twice.write_text("[train]\nsteps = 10\nlr = 1e-4\n\n[data]\nresolution = 64\n\n[train . 'x']\n\n[train]\n",
+                     encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_config(twice)
+    assert str(twice) in str(e.value) and "table [train] is declared twice (the second time at line 10)" in str(e.value)
+    twice.write_text("[data]\nresolution = 64\n[train]\nsteps = 10\nlr = 1e-4\n  steps = 20  # more\n",
+                     encoding="utf-8")
+    p = cli("plan", str(twice))  # as a user sees it: one paragraph, exit 2
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert f"config file {twice} is not valid TOML: train.steps is set twice (the second time at line 6)" in p.stderr
+    # Saved as "UTF-8 with BOM" (Notepad, PowerShell's Out-File): the same config.
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes("\ufeff[train]\nsteps = 7\n".encode("utf-8"))
+    assert load_config(bom).train.steps == 7
+
+
 def test_set_needs_key_value():
     with pytest.raises(ConfigError, match="key=value"):
         load_config(overrides=["train.lr"])

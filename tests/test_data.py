@@ -161,6 +161,16 @@ def test_missing_folder_and_empty_folder_say_what_to_do(tmp_path):
         scan(DataConfig(dirs=[str(tmp_path / "empty")]), 256)
 
 
+def test_a_dataset_folder_that_is_a_symlink_loop_or_leads_nowhere_is_named_as_such(tmp_path):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "gone").symlink_to(tmp_path / "moved")
+    for given, said in (("loop", "is a symlink loop"), ("loop/10_me", "is a symlink loop"),
+                        ("gone", f"is a symlink to {tmp_path / 'moved'}, which does not exist")):
+        with pytest.raises(DataError) as e:
+            scan(DataConfig(dirs=[str(tmp_path / given)]), 256)
+        assert f"{tmp_path / given} {said}" in str(e.value) and f"{given} does not exist" not in str(e.value)
+
+
 # ----------------------------------------------------------------------------- image handling
 
 def test_exif_rotated_image_trains_in_displayed_orientation(tmp_path):

@@ -76,6 +76,11 @@ def test_sigkill_during_a_save_and_during_a_step_then_resume_gives_the_same_adap
     assert (states / ".tmp-step-00000006").exists()  # the torn save
     assert checkpoint.newest_valid(states).name == "step-00000003"
 
+    # The resume's start clears the torn save, before any save of its own (killed before step 6's).
+    p = train(tmp_path, "--resume", str(run), kill="step:5")
+    assert p.returncode == -signal.SIGKILL
+    assert not list(states.glob(".tmp-*")) and checkpoint.newest_valid(states).name == "step-00000003"
+
     p = train(tmp_path, "--resume", str(run), kill="step:10")
     assert p.returncode == -signal.SIGKILL
     assert checkpoint.newest_valid(states).name == "step-00000009"
@@ -83,7 +88,7 @@ def test_sigkill_during_a_save_and_during_a_step_then_resume_gives_the_same_adap
 
     train_here(cli, tmp_path, "--resume", str(run))
     resumes = [e["step"] for e in read_events(run / "events.jsonl") if e["event"] == "resume"]
-    assert resumes == [3, 9]
+    assert resumes == [3, 3, 9]
     assert_same(adapter(run), reference)
 
 
@@ -170,19 +175,30 @@ def test_starts_released_together_never_share_a_run_folder(tmp_path):
         assert sorted(p.name for p in won[0].dir.iterdir()) == ["config.toml", "samples"]
 
 
-def test_a_start_killed_before_its_config_was_written_leaves_the_name_usable(tmp_path):
+def _killed_at_the_claim(runs, name: str) -> None:
+    """A start of run `name` under `runs` SIGKILLed between writing its config and linking it into place."""
+    code = ("import os, signal\n"
+            "os.link = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
+            "from sdxl_lora.core.config import load_config\n"
+            "from sdxl_lora.core.runs import create_run\n"
+            f"create_run(load_config(extra={{'output.runs_dir': {str(runs)!r}, 'output.name': {name!r}}}))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+
+
+def test_a_start_killed_at_its_claim_leaves_the_name_usable_and_the_next_claim_clears_its_file(tmp_path):
     from sdxl_lora.core.config import load_config
     from sdxl_lora.core.runs import RunExistsError, create_run
 
-    cfg = load_config(extra={"output.runs_dir": str(tmp_path), "output.name": "r"})
-    (tmp_path / "r" / "samples").mkdir(parents=True)
-    torn = tmp_path / "r" / ".config.toml.abc.tmp"
-    torn.write_text("[train]\nsteps = ")  # never linked into place
-    os.utime(torn, (time.time() - 3600,) * 2)  # an hour ago
-    run = create_run(cfg)
+    _killed_at_the_claim(tmp_path, "r")
+    assert len(list((tmp_path / "r").glob(".config.toml.*"))) == 1
+    _killed_at_the_claim(tmp_path, "q")  # the next claim in the runs folder clears what killed starts left
+    assert not list((tmp_path / "r").iterdir()) and len(list((tmp_path / "q").glob(".config.toml.*"))) == 1
+    run = create_run(load_config(extra={"output.runs_dir": str(tmp_path), "output.name": "r"}))
     assert (run.dir / "config.toml").is_file() and not list(run.dir.glob(".config.toml.*"))
+    assert not list((tmp_path / "q").iterdir())
     with pytest.raises(RunExistsError, match="already exists"):
-        create_run(cfg)
+        create_run(load_config(extra={"output.runs_dir": str(tmp_path), "output.name": "r"}))
 
 
 def test_resume_with_another_plan_or_dataset_is_refused_naming_what_changed(tmp_path, capsys, cache_args):

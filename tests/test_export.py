@@ -533,3 +533,182 @@ def test_lora_bias_travels_in_diffusers_and_peft_formats_and_merges(tiny_dir, tm
     merge_adapter(base, adapter, 1.0)
     torch.testing.assert_close(unet_io.out(base.unet, inputs), ref, rtol=0, atol=1e-5)
     assert _save_run(unet, tmp_path, "b") == {"diffusers": tmp_path / "b" / "b.safetensors"}
+
+
+# ---------------------------------------------------------------------------------------- destinations
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def resumable(run_dir, tmp_path):
+    """A copy of the finished run with a training state in checkpoints/ and its events, as a run that can be
+    resumed holds them."""
+    import shutil
+
+    from sdxl_lora.core import checkpoint
+
+    run = tmp_path / "runs" / "r"
+    shutil.copytree(run_dir, run)
+    (run / "events.jsonl").write_text('{"event": "start", "step": 0}\n', encoding="utf-8")
+    state = checkpoint.save_state(run / "checkpoints", 3, {"w": torch.ones(2)}, {"state": {}, "param_groups": []},
+                                  {"step": 3, "epoch": 0, "position": 3, "schedule": {}, "rng": {}}, keep=2)
+    return SimpleNamespace(dir=run, state=state, before=_tree(run))
+
+
+def _refused(proc, out, said: str) -> None:
+    assert proc.returncode == 2, (out, proc.stderr[-2000:])
+    err = proc.stderr.strip()
+    assert str(out) in err and said in err, err
+    assert "Traceback" not in err and "\n" not in err  # one paragraph
+
+
+def test_export_never_writes_over_or_into_what_it_reads_or_a_runs_states_with_or_without_overwrite(
+        resumable, tmp_path, cli):
+    from sdxl_lora.core import checkpoint
+
+    run, state = resumable.dir, resumable.state
+    peft = tmp_path / "peft"
+    assert cli("export", str(run), "--format", "peft", "--out", str(peft)).returncode == 0
+    peft_before = _tree(peft)
+    refusals = [(run, "peft", "is the folder of run r"),                       # the run whole
+                (run / "checkpoints", "peft", "is run r's training states"),  # every state
+                (state / "adapter.safetensors", "kohya", "run r's training states"),
+                (run / "config.toml", "kohya", "is run r's config"),
+                (run / "r.safetensors", "kohya", "is what the export reads"),  # the adapter it is read from
+                (run.parent, "peft", "holds the run folder")]                 # the runs folder
+    for out, fmt, said in refusals:
+        for overwrite in ([], ["--overwrite"]):
+            _refused(cli("export", str(run), "--format", fmt, "--out", str(out), *overwrite), out, said)
+    # A PEFT folder read is not written into either.
+    for overwrite in ([], ["--overwrite"]):
+        for out in (peft, peft / "adapter_model.safetensors", peft / "x.safetensors"):
+            proc = cli("export", str(peft), "--format", "kohya", "--out", str(out), "--model", "tiny-sdxl", *overwrite)
+            _refused(proc, out, "is what the export reads" if out == peft else "lies inside")
+    assert _tree(run) == resumable.before and _tree(peft) == peft_before
+    checkpoint.load_state(state)  # still a state --resume takes
+    # Beside the run's records, its exports go inside it.
+    assert cli("export", str(run), "--format", "kohya", "--out", str(run / "exports" / "x.safetensors")).returncode == 0
+
+
+def test_merge_extract_resize_and_generate_refuse_their_sources_and_a_runs_states(resumable, tiny_dir, tmp_path, cli):
+    import os
+    import shutil
+
+    run, state = resumable.dir, resumable.state
+    base = tmp_path / "base"  # a copy: were a refusal missed, the session's model would be written over
+    shutil.copytree(tiny_dir, base, copy_function=os.link)
+    base_before = _tree(base)
+    lora = str(run / "r.safetensors")
+    commands = {
+        "merge": (["merge", "--model", str(base), "--lora", f"{lora}:0.5"],
+                  {base: "is what the merge reads", base / "unet": "lies inside", run / "r.safetensors": "is what"}),
+        "extract": (["extract", "--base", str(base), "--tuned", lora, "--rank", "2"],
+                    {base / "unet" / "x.safetensors": "lies inside", run / "r.safetensors": "what the extraction reads"}),
+        "resize": (["resize", str(run), "--rank", "2"], {run / "r.safetensors": "what the resize reads"}),
+        "generate": (["generate", "--model", str(base), "--lora", lora, "--prompt", "x"],
+                     {base / "unet": "lies inside"}),
+    }
+    for name, (argv, refusals) in commands.items():
+        refusals.update({run / "checkpoints": "run r's training states", state: "run r's training states"})
+        if name != "generate":  # images are written beside a run's files; a folder or file at RUN replaces it
+            refusals[run] = "folder of run r"
+        for out, said in refusals.items():
+            for overwrite in ([], ["--overwrite"]):
+                shown = out / "seed0.png" if name == "generate" else out
+                _refused(cli(*argv, "--out", str(out), *overwrite), shown, said)
+    assert _tree(run) == resumable.before and _tree(base) == base_before
+
+
+def test_llm_merge_refuses_its_adapter_and_a_runs_states(resumable, tmp_path, cli):
+    from safetensors.torch import save_file as save
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": null}', encoding="utf-8")
+    save({"w": torch.ones(1)}, str(adapter / "adapter_model.safetensors"))
+    before = _tree(adapter)
+    (tmp_path / "model").mkdir()
+    for out, said in ((adapter, "is what the merge reads"), (resumable.dir / "checkpoints", "training states")):
+        for overwrite in ([], ["--overwrite"]):
+            _refused(cli("llm", "merge", "--adapter", str(adapter), "--model", str(tmp_path / "model"), "--out",
+                         str(out), *overwrite), out, said)
+    assert _tree(adapter) == before and _tree(resumable.dir) == resumable.before
+
+
+def test_the_ui_export_and_upload_refuse_what_they_read_and_a_runs_states(resumable, tmp_path):
+    import shutil
+
+    from sdxl_lora.ui import dataset_edit, tab_export
+    from sdxl_lora.ui.folders import Folders
+
+    (tmp_path / "datasets").mkdir()
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    args = ("kohya", "x", "", "", "", "", True, "sgm", False)
+    written, msg = tab_export.export(f, "runs/r", *args, False)
+    assert written == str(resumable.dir / "exports" / "x.safetensors"), msg
+    export_before = Path(written).read_bytes()
+    # Re-exporting that export under its own name, overwrite ticked: it is what the export reads.
+    written, msg = tab_export.export(f, "runs/r/exports/x.safetensors", *args, True)
+    assert written is None and "is what the export reads" in msg
+    assert Path(resumable.dir / "exports" / "x.safetensors").read_bytes() == export_before
+    # A dataset folder that is a run's states (the datasets folder holding a run): no upload lands there.
+    shutil.copytree(resumable.dir, f.datasets / "r")
+    image = tmp_path / "a.png"
+    Image.new("RGB", (64, 64), "red").save(image)
+    msg = dataset_edit.upload(f, "r/checkpoints", [("a.png", image)], ".txt", True)
+    assert msg.startswith("uploaded 0 file(s)") and "run r's training states" in msg
+    assert not (f.datasets / "r" / "checkpoints" / "a.png").exists()
+
+
+# An export in a process of its own, SIGKILLed at its KILL_AT-th rename (a write done, not yet in place): no
+# clean-up runs, as in a power cut.
+_KILLED_EXPORT = """
+import os, signal, sys
+rename, calls = os.replace, [0]
+def replace(*args, **kw):
+    calls[0] += 1
+    if calls[0] == int(os.environ["KILL_AT"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rename(*args, **kw)
+os.replace = replace
+from sdxl_lora.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _export_killed(kill_at: int, *argv: str) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _KILLED_EXPORT, "export", *argv], capture_output=True, text=True,
+                       env={**os.environ, "KILL_AT": str(kill_at), "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+
+
+def test_what_a_killed_export_left_goes_at_the_next_export_into_that_folder_and_a_replaced_folder_comes_back(
+        run_dir, tmp_path, cli):
+    import os
+
+    out = tmp_path / "exports"
+    assert cli("export", str(run_dir), "--format", "peft", "--out", str(out / "old")).returncode == 0
+    old = _tree(out / "old")
+    hidden = (lambda: sorted(p.name for p in out.iterdir() if p.name.startswith(".")))
+    _export_killed(1, str(run_dir), "--format", "kohya", "--out", str(out / "a.safetensors"))  # the file's rename
+    assert [n.split(".writing-")[0] for n in hidden()] == [".a.safetensors"]
+    _export_killed(1, str(run_dir), "--format", "peft", "--out", str(out / "p"))  # inside the folder being built
+    assert [n.split(".writing-")[0] for n in hidden()] == [".p"]  # its start cleared the file's temp
+    # Replacing "old": killed after it was moved aside, before the new one took its place.
+    _export_killed(4, str(run_dir), "--format", "peft", "--out", str(out / "old"), "--overwrite")
+    assert [n.split("-")[0] for n in hidden()] == [".old.replaced", ".old.writing"] and not (out / "old").exists()
+    # A write still going on beside it (this process's) is not litter.
+    live = out / f".b.safetensors.writing-{os.getpid()}.abcd1234.tmp"
+    live.write_bytes(b"being written")
+
+    assert cli("export", str(run_dir), "--format", "kohya", "--out", str(out / "b.safetensors")).returncode == 0
+    assert sorted(p.name for p in out.iterdir()) == [live.name, "b.safetensors", "old"]
+    assert _tree(out / "old") == old  # as it was before the interrupted replacement

@@ -398,6 +398,19 @@ def test_sigterm_at_the_export_and_in_the_final_previews_each_saves_a_state_that
     assert not _stray_files(tmp_path)
 
 
+def test_a_run_that_would_take_more_than_a_week_says_so_once_naming_train_steps(tmp_path, cli):
+    runs = tmp_path / "runs"
+    p = _train_signalled(cli, "step:3", "--out", str(runs), "--name", "long", "--data", str(_two_images(tmp_path)),
+                         "--set", "train.steps=1e9", "--set", f"data.cache_dir='{tmp_path / 'cache'}'",
+                         "--set", "preview.prompts=''", "--set", "train.save_every=0")
+    assert p.returncode == 130, p.stderr[-2000:]
+    warned = [line for line in p.stderr.splitlines() if "train.steps=1000000000" in line]
+    assert len(warned) == 1 and "years" in warned[0] and "fewer steps (--steps N" in warned[0], p.stderr[-2000:]
+    # Resumed with the steps meant: no word.
+    p = cli("train", "--resume", str(runs / "long"), "--steps", "5")
+    assert p.returncode == 0 and "train.steps=" not in p.stderr, p.stderr[-2000:]
+
+
 # ---- the UI: every path the page sends goes through one guard (ui/folders.py: Folders.inside)
 
 

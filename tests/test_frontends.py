@@ -222,7 +222,7 @@ def test_generate_refuses_an_existing_image_before_it_loads_the_model(tmp_path, 
     monkeypatch.setattr(model, "load_pipeline", no_loading)
     (tmp_path / "seed1.png").write_bytes(b"mine")
     assert cli.main(["generate", "--prompt", "a red circle", "--out", str(tmp_path), "--seed", "0", "--num", "2"]) == 2
-    assert f"{tmp_path / 'seed1.png'} exists" in capsys.readouterr().err
+    assert f"{tmp_path / 'seed1.png'} already exists" in capsys.readouterr().err
     assert (tmp_path / "seed1.png").read_bytes() == b"mine" and not (tmp_path / "seed0.png").exists()
 
 

@@ -102,7 +102,7 @@ def test_adapter_loads_in_peft_with_the_same_logits(trained, tiny_llm, tmp_path,
     # Even with --overwrite, an --out that holds what the merge reads (the run folder holds the adapter) is refused:
     # the folder would be replaced whole.
     assert main(["llm", "merge", "--adapter", str(run_dir), "--out", str(run_dir), "--overwrite"]) != 0
-    assert "which the merge reads" in capsys.readouterr().err and (adapter / "adapter_model.safetensors").is_file()
+    assert "is the folder of run" in capsys.readouterr().err and (adapter / "adapter_model.safetensors").is_file()
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), local_files_only=True).eval()
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=IDS).logits, want, atol=1e-4, rtol=1e-4)

@@ -99,8 +99,7 @@ def save_state(root: Path, step: int, adapter: dict[str, torch.Tensor], optimize
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:08d}"
     tmp = root / f".tmp-{_PREFIX}{step:08d}"
-    for stale in root.glob(f".tmp-{_PREFIX}*"):
-        shutil.rmtree(stale)  # left by a crash mid-save (only the main process saves); never a complete state
+    clear_unfinished(root)
     tmp.mkdir()
     try:
         with naming_a_full_disk(final):  # before the clean-up, which frees the space whose lack says "disk full"
@@ -127,6 +126,15 @@ def save_state(root: Path, step: int, adapter: dict[str, torch.Tensor], optimize
     for old in complete_states(root)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def clear_unfinished(root: Path) -> list[Path]:
+    """Remove the states whose save was interrupted (a crash mid-save) from `root`: they are never complete,
+    and only the process that trains the run saves, so at its saves and at its start none is being written."""
+    stale = sorted(root.glob(f".tmp-{_PREFIX}*"))
+    for path in stale:
+        shutil.rmtree(path)
+    return stale
 
 
 def verify(state: Path) -> dict:

@@ -735,6 +735,45 @@ def _section_at(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+class TOMLError(ValueError):
+    """A TOML document does not parse; the message says where and, for a key set twice, which key."""
+
+
+_TOML_AT = re.compile(r"\(at line (\d+), column \d+\)|\(at end of document\)")
+_TOML_TABLE = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(?:#.*)?$")
+_TOML_KEY = re.compile(r"^\s*([^=#\[]+?)\s*=")
+
+
+def parse_toml(text: str) -> dict:
+    """The TOML document `text`. A UTF-8 byte-order mark before it is dropped: editors on Windows write one, and
+    tomllib takes it for the start of a statement. TOMLError where it does not parse, naming the key set twice
+    where that is why (tomllib names the line only)."""
+    try:
+        return tomllib.loads(text.removeprefix("\ufeff"))
+    except tomllib.TOMLDecodeError as e:
+        raise TOMLError(_toml_problem(str(e), text.removeprefix("\ufeff"))) from None
+
+
+def _toml_problem(message: str, text: str) -> str:
+    """tomllib's `message` about `text`, with the key or table it means by position only named."""
+    at = _TOML_AT.search(message)
+    lines = text.splitlines()
+    if at is None or not lines:
+        return message
+    n = int(at.group(1)) if at.group(1) else max(i for i, line in enumerate(lines, 1) if line.strip())
+    declared = re.match(r"Cannot declare \((.*)\) twice", message)
+    if declared:
+        table = ".".join(part.strip(" '\"") for part in declared.group(1).split(",") if part.strip())
+        return f"table [{table}] is declared twice (the second time at line {n}); merge the two into one"
+    key = _TOML_KEY.match(lines[n - 1]) if message.startswith("Cannot overwrite a value") else None
+    if key is None:
+        return message
+    table = next((m.group(1) for line in reversed(lines[:n - 1]) if (m := _TOML_TABLE.match(line))), None)
+    dotted = ".".join(filter(None, (table, key.group(1))))
+    full = re.sub(r"\s*\.\s*", ".", dotted).replace('"', "").replace("'", "")
+    return f"{full} is set twice (the second time at line {n}); keep one of them"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 extra: dict[str, Any] | None = None) -> Config:
     """Build a Config from an optional TOML file, then `key=value` overrides, then a dict of dotted keys."""
@@ -745,9 +784,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
-            tree = tomllib.loads(p.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {p} is not valid TOML: {e}") from e
+            tree = parse_toml(p.read_text(encoding="utf-8"))
+        except TOMLError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
                               "save it as UTF-8 TOML") from None
@@ -831,10 +870,10 @@ def _read_recommended(tree: dict) -> tuple[dict, dict, Path | None]:
     if not path.is_file():
         return {}, {}, None
     try:
-        rec = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
+        rec = parse_toml(path.read_text(encoding="utf-8"))
+    except TOMLError as e:
         raise ConfigError(f"{path} (the model's recommended training settings) is not valid TOML: {e}; fix or "
-                          "remove it") from e
+                          "remove it") from None
     sections = {"data", "adapter", "train", "preview"}
     bad = sorted(set(rec) - sections - {"kind"})
     if bad:

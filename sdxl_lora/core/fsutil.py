@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 # What the writers say when the disk is full: safetensors passes the OS error on in its text ("... (os error 28)"),
@@ -53,19 +57,111 @@ def naming_a_full_disk(target: str | Path) -> Iterator[None]:
         raise full from e
 
 
-def check_destination(out: str | Path, overwrite: bool, reads: Iterable[str | Path] = (), reader: str = "this",
+def check_destination(out: str | Path, overwrite: bool, reads: Iterable[str | Path | None] = (),
+                      reader: str = "this command",
                       error: type[Exception] = FileExistsError,
                       exists_error: type[Exception] = FileExistsError) -> None:
-    """Refuse to write `out` over what the result is made from (`reads`: base models, adapters; `out` itself or
-    a folder holding one), asked or not, with `error`; and over anything that exists unless `overwrite`, with
-    `exists_error`. `reader` names what reads them in the message ("the merge")."""
-    target = Path(out).resolve()  # a folder written at `out` replaces it whole, with whatever lies inside
-    source = next((Path(s) for s in reads if Path(s).exists() and Path(s).resolve().is_relative_to(target)), None)
-    if source is not None:
-        raise error(f"{out} is or holds {source}, which {reader} reads: write the result elsewhere (what is read is "
-                    "never replaced)")
+    """The guard every command that writes passes before it writes `out`: refused with `error`, asked to
+    overwrite or not, where `out` is, holds or lies inside what the result is made from (`reads`: adapter
+    files, base models, a run's config; `reader` names what reads them in the message, "the merge"), or would
+    break a run (refusal); refused with `exists_error` where `out` exists, unless `overwrite`. What writes
+    into `out`'s folder that were interrupted left there goes first (clear_interrupted)."""
+    why = refusal(out, reads, reader)
+    if why is not None:
+        raise error(why)
+    clear_interrupted(Path(out).parent)
     if Path(out).exists() and not overwrite:
         raise exists_error(f"{out} already exists; choose another path or pass overwrite=True (--overwrite)")
+
+
+def refusal(out: str | Path, reads: Iterable[str | Path | None] = (), reader: str = "this command") -> str | None:
+    """Why nothing may be written at `out` (check_destination), as the message to show; None where it may.
+    A folder written at `out` replaces it whole, with whatever lies inside; a file written inside a folder that
+    is read (a PEFT folder, a model) changes what is read. `reads` entries that name no existing path (a
+    built-in model's name) are skipped."""
+    from .runs import is_run_folder, run_damage  # runs imports this module
+
+    target = Path(out).resolve()
+    damage = run_damage(target, out)
+    if damage is not None:
+        return damage
+    for given in reads:
+        if given is None or not Path(given).exists():
+            continue
+        source = Path(given).resolve()
+        if source == target:
+            said = f"{out} is what {reader} reads"
+        elif source.is_relative_to(target):
+            said = f"{out} holds {given}, which {reader} reads"
+        elif source.is_dir() and target.is_relative_to(source) and not is_run_folder(source):
+            # A run's exports go inside it: its records are run_damage's, the adapter read from it is in reads.
+            said = f"{out} lies inside {given}, which {reader} reads"
+        else:
+            continue
+        return (f"{said}: write the result to another path; what is read is never replaced (--overwrite does not "
+                "change this)")
+    return None
+
+
+# Temp names carry the writer's process id, so a later write can tell an interrupted write's leftovers
+# (their writer is gone) from a write still going on beside it, in this process or another, however long it
+# takes (a merged checkpoint's folder takes minutes). An age alone could not: it would either take a slow
+# writer's file from under it or leave a SIGKILLed one's litter for the next hour. The id is this machine's:
+# one machine writes into a folder at a time (a run is saved by its main process; exports are commands).
+_WRITING = re.compile(r"^\.(?P<name>.+)\.writing-(?P<pid>\d+)\.[a-z0-9_]{8}(?:\.tmp)?$")
+# An existing folder moved aside while its replacement is renamed into place (atomic_folder).
+_REPLACED = re.compile(r"^\.(?P<name>.+)\.replaced-(?P<pid>\d+)$")
+
+
+def temp_prefix(name: str) -> str:
+    """The start of the hidden temp name a write of `name` uses beside it (mkstemp/mkdtemp's prefix; the
+    random part and any suffix follow), which clear_interrupted recognises."""
+    return f".{name}.writing-{os.getpid()}."
+
+
+def replaced_name(name: str) -> str:
+    """Where an existing `name` waits, beside it, while its replacement is renamed into place."""
+    return f".{name}.replaced-{os.getpid()}"
+
+
+def clear_interrupted(folder: str | Path) -> list[Path]:
+    """Remove what interrupted writes (SIGKILL, a power cut) left in `folder`: temp files and folders named by
+    temp_prefix, and a folder moved aside by replaced_name (put back where its replacement never arrived),
+    whose writer is no longer running. Only these names are touched. The paths removed or put back."""
+    from .runs import process_alive  # runs imports this module
+
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    done = []
+    for entry in entries:
+        match = _WRITING.match(entry.name) or _REPLACED.match(entry.name)
+        if match is None:
+            continue
+        try:
+            written = entry.stat(follow_symlinks=False).st_mtime
+        except FileNotFoundError:  # another writer cleared it first
+            continue
+        if process_alive(int(match["pid"]), started_before=written):
+            continue
+        path, dest = Path(entry.path), Path(folder) / match["name"]
+        try:
+            if match.re is _REPLACED and not os.path.lexists(dest):
+                os.replace(path, dest)  # the writer died between moving the old one aside and the new one in
+                log.info("put %s back: its replacement was interrupted", dest)
+            elif entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as e:  # litter that cannot go (permissions) is no reason to fail the write after it
+            log.warning("could not remove %s, left by an interrupted write: %s", path, e.strerror)
+            continue
+        log.info("removed %s, left by an interrupted write", path)
+        done.append(path)
+    return done
 
 
 def fsync_dir(path: Path) -> None:
@@ -82,7 +178,7 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     """Yield a temp path beside `dest`; write it; on success it is fsynced and renamed onto `dest`."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(dest.name), suffix=".tmp", dir=dest.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -119,6 +215,41 @@ def atomic_save(dest: str | Path, writer: Callable[[Path], None]) -> Path:
     return Path(dest)
 
 
+@contextlib.contextmanager
+def atomic_folder(dest: str | Path, overwrite: bool = False,
+                  exists_error: type[Exception] = FileExistsError) -> Iterator[Path]:
+    """Yield a temp folder beside `dest`; fill it; on success its files are fsynced and it replaces `dest`
+    (an existing one, with `overwrite`, goes only once the new one is in place), so a crash leaves the old
+    folder or the new, never half of one. Refused with `exists_error` where `dest` exists, unless `overwrite`."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(dest.name), dir=dest.parent))
+    try:
+        with naming_a_full_disk(dest):
+            yield tmp
+        for root, _, files in os.walk(tmp):  # on disk before the rename makes them visible
+            for name in files:
+                with open(Path(root) / name, "rb+") as fh:
+                    os.fsync(fh.fileno())
+            fsync_dir(Path(root))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's folder is private; outputs get the usual mode
+        old = None
+        if os.path.lexists(dest):
+            if not overwrite:
+                raise exists_error(f"{dest} already exists; choose another path or pass overwrite=True "
+                                   "(--overwrite)")
+            old = dest.with_name(replaced_name(dest.name))
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        fsync_dir(dest.parent)
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def build_folder_once(dest: Path, build: Callable[[Path, Path], None], marker: str) -> Path:
     """`dest`, built once: `build(scratch, out)` writes the folder `out` inside a temp folder beside `dest`
     (with `scratch` for anything else it needs), then `out` is renamed into place, so a crash leaves no
@@ -128,7 +259,8 @@ def build_folder_once(dest: Path, build: Callable[[Path, Path], None], marker: s
     if (dest / marker).is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    clear_interrupted(dest.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(dest.name), dir=dest.parent))
     try:
         build(tmp / "_scratch", tmp / "out")
         try:

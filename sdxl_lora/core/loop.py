@@ -58,6 +58,10 @@ from .task import Task
 
 log = logging.getLogger(__name__)
 
+# Longer than this at a run's own pace, a run is more likely a typo (train.steps=1e9) than meant: said once,
+# after the second step, while stopping costs nothing.
+LONG_RUN_S = 7 * 24 * 3600
+
 
 def identity_changes(saved: dict | None, now: dict) -> list[str]:
     """What differs between the identity a state was saved with and this run's (Task.identity), in words;
@@ -698,6 +702,7 @@ class Trainer:
                 return self._out_of_memory(step, oom, samples, losses, eval_before)
             step = self.step = step + 1
             bar.update(1)
+            self._check_pace(step, first)
             if self.task.on_step(step, unwrapped):
                 self._rebuild_optimizer()
             if (trace := profiler.after_step(step, last=step == total)) is not None and acc.is_main_process:
@@ -722,6 +727,23 @@ class Trainer:
                 return self._stopped(step, stop, guard.message, samples, losses, eval_before)
         bar.close()
         return self._finish(step, samples, losses, eval_before)
+
+    def _check_pace(self, step: int, first: int) -> None:
+        """After this session's second step: where the steps left take longer than LONG_RUN_S at its pace (the
+        first step's set-up, compilation and graph capture left out), a warning naming train.steps."""
+        if step == first:
+            self._first_done = time.perf_counter()
+            return
+        if step != first + 1 or not self.accelerator.is_main_process:
+            return
+        pace = time.perf_counter() - self._first_done
+        left = pace * (self.cfg.train.steps - step)
+        if left > LONG_RUN_S:
+            days = left / 86400
+            said = f"{days / 365.25:.1f} years" if days > 365.25 else f"{days:.0f} days"
+            log.warning("train.steps=%d: at this run's pace (%.2f s a step) the %d steps left take about %s. If that "
+                        "is not meant, stop it (Ctrl-C; the state is saved) and train with fewer steps (--steps N, "
+                        "or train.steps in the config)", self.cfg.train.steps, pace, self.cfg.train.steps - step, said)
 
     # ---- the step's pieces, in the order the step runs them ----
     def _train_step(self, step: int, batches, window: _LogWindow, guard: _NanGuard, profiler: StepProfiler) -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .fsutil import fsync_dir
+from .fsutil import clear_interrupted, fsync_dir, temp_prefix
 
 
 PID_FILE = "train.pid"
@@ -113,7 +113,7 @@ def create_run(cfg: Config) -> Run:
     return _make_run(cfg, cfg.output.name or default_run_name())
 
 
-_CLAIM_PREFIX = ".config.toml."  # the config being written, before it is linked into place
+_CLAIM_PREFIX = ".config.toml."  # the config being written (temp_prefix), before it is linked into place
 
 
 def _taken(run_dir: Path) -> bool:
@@ -138,12 +138,14 @@ def _make_run(cfg: Config, name: str) -> Run:
         if not cfg.output.overwrite:
             raise RunExistsError(exists)
         shutil.rmtree(run_dir)
+    for other in _subfolders(run_dir.parent):  # what earlier starts and exports here left when killed
+        clear_interrupted(other)
     run_dir.mkdir(parents=True, exist_ok=True)
     # The run is claimed by its config.toml appearing, complete, under its name: written beside it, then
     # hard-linked into place, which fails when another process got there first (a check, then a write,
     # would let two starts released together both claim the folder).
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=run_dir, prefix=_CLAIM_PREFIX, suffix=".tmp",
-                                     delete=False) as tmp:
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=run_dir, prefix=temp_prefix("config.toml"),
+                                     suffix=".tmp", delete=False) as tmp:
         tmp.write(cfg.to_toml())
         tmp.flush()
         os.fsync(tmp.fileno())
@@ -156,17 +158,66 @@ def _make_run(cfg: Config, name: str) -> Run:
         raise RunExistsError(exists) from None
     finally:
         Path(tmp.name).unlink(missing_ok=True)
-    for stale in run_dir.glob(_CLAIM_PREFIX + "*"):
-        # What starts killed mid-write left here; not a start still writing (that takes milliseconds).
-        try:
-            if time.time() - stale.stat().st_mtime > 60:
-                stale.unlink()
-        except FileNotFoundError:
-            pass
     fsync_dir(run_dir)
     run = Run(run_dir)
     run.samples_dir.mkdir(exist_ok=True)
     return run
+
+
+# What --resume and the UI read of a run besides its adapter: no command writes over these or into them.
+RUN_RECORDS = {"config.toml": "config", "events.jsonl": "progress record",
+               "checkpoints": "training states, which --resume continues from"}
+# How deep below a destination folder a run is looked for (a runs folder, a project holding runs/): a folder
+# written there replaces everything inside.
+_RUN_DEPTH = 3
+
+
+def is_run_folder(path: Path) -> bool:
+    """Whether `path` is a run's folder: its config.toml, and its events or training states."""
+    return (path / "config.toml").is_file() and ((path / "events.jsonl").is_file() or (path / "checkpoints").is_dir())
+
+
+def run_damage(target: Path, shown: str | Path) -> str | None:
+    """Why writing the resolved path `target` (`shown` as the user gave it) would break a run, as the message
+    to show, or None: it is a run folder, or holds one, or is or lies inside a run's RUN_RECORDS. A run's
+    other files (its exports/, its adapter) are for its exports to go to and replace."""
+    for folder in (target, *target.parents):
+        if not is_run_folder(folder):
+            continue
+        exports = relpath(folder / "exports")
+        if folder == target:
+            return (f"{shown} is the folder of run {folder.name}: a write there would replace the run, its config, "
+                    f"events and training states (--overwrite does not change this); write the result to another "
+                    f"path, e.g. into {exports}/")
+        record = target.relative_to(folder).parts[0]
+        if record in RUN_RECORDS:
+            where = "is" if target == folder / record else f"lies inside {relpath(folder / record)},"
+            return (f"{shown} {where} run {folder.name}'s {RUN_RECORDS[record]}: a write there would break the run "
+                    f"(--overwrite does not change this); write the result to another path, e.g. into {exports}/")
+        break
+    held = _run_inside(target)
+    if held is not None:
+        return (f"{shown} holds the run folder {relpath(held)}: a folder written there would replace it with "
+                "everything inside (--overwrite does not change this); write the result to another path")
+    return None
+
+
+def _run_inside(folder: Path) -> Path | None:
+    """A run folder under `folder`, at most _RUN_DEPTH levels down (symlinks not followed), or None."""
+    level = [folder] if folder.is_dir() and not folder.is_symlink() else []
+    for _ in range(_RUN_DEPTH):
+        level = [p for d in level for p in _subfolders(d)]
+        run = next((p for p in level if is_run_folder(p)), None)
+        if run is not None:
+            return run
+    return None
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    try:
+        return [Path(e.path) for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)]
+    except OSError:  # unreadable: nothing of ours can be written there either
+        return []
 
 
 def _create_run_shared(cfg: Config) -> Run:

@@ -6,19 +6,14 @@ folder or the new one, never half of one.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from ..core.fsutil import check_destination, fsync_dir, naming_a_full_disk
+from ..core.fsutil import atomic_folder, check_destination
 
 log = logging.getLogger(__name__)
 
@@ -26,35 +21,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT's own key prefix: PeftModel wraps the base model as base_model.model.
 PEFT_PREFIX = "base_model.model."
-
-
-@contextlib.contextmanager
-def atomic_dir(dest: Path, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temp folder beside `dest`; on success its files are fsynced and it replaces `dest`."""
-    dest = Path(dest)
-    if dest.exists() and not overwrite:
-        raise FileExistsError(f"{dest} exists; choose another --out or pass --overwrite")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
-        with naming_a_full_disk(dest):
-            yield tmp
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        os.chmod(tmp, 0o755)
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
-        fsync_dir(dest.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_peft_adapter(model: torch.nn.Module, dest: Path, base_model: str, adapter_name: str = "default",
@@ -77,7 +43,7 @@ def save_peft_adapter(model: torch.nn.Module, dest: Path, base_model: str, adapt
     for k, v in cfg.items():  # sets (target_modules) are not JSON
         if isinstance(v, set):
             cfg[k] = sorted(v)
-    with atomic_dir(dest) as tmp:
+    with atomic_folder(dest, overwrite=True) as tmp:
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str), encoding="utf-8")
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt", **(metadata or {})})
     return dest
@@ -130,7 +96,7 @@ def merge_adapter(base: Path, adapter: Path, out: Path, dtype: torch.dtype = tor
     model, tok = load_with_adapter(base, adapter, dtype, device, quantize)
     merged = model.merge_and_unload()
     merged.to("cpu")
-    with atomic_dir(out) as tmp:
+    with atomic_folder(out, overwrite=True) as tmp:  # refused above unless asked
         merged.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
     return out

@@ -333,4 +333,5 @@ def export_checkpoint(run_dir: Path, ck: Checkpoint, strength: float, fmt: str, 
             "sdxl_lora.strength": f"{strength:g}"}
     if "ss_steps" in meta:
         meta["ss_steps"] = str(ck.step)
-    return export_adapter(adapter, out, fmt, metadata=meta, unet_config=table.unet_config, overwrite=overwrite)
+    return export_adapter(adapter, out, fmt, metadata=meta, unet_config=table.unet_config, overwrite=overwrite,
+                          reads=(ck.path, final))

@@ -8,6 +8,7 @@ stops only if nothing usable remains. Source files are only ever opened for read
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
 import logging
@@ -232,6 +233,15 @@ class _CaptionCount:
 def _root(d: str, where: str) -> Path:
     p = Path(d).expanduser().absolute()
     if not p.exists():
+        try:
+            p.stat()
+        except OSError as e:  # exists() says False for a loop and a dangling link alike
+            if e.errno == errno.ELOOP:
+                raise DataError(f"{where}: {p} is a symlink loop (its links lead back to themselves); point "
+                                "it at the folder that holds the images, or give that folder itself") from None
+        if p.is_symlink():
+            raise DataError(f"{where}: {p} is a symlink to {os.readlink(p)}, which does not exist — point it at "
+                            "the folder that holds the images, or give that folder itself")
         raise DataError(f"{where}: {p} does not exist — check the path")
     if not p.is_dir():
         raise DataError(f"{where}: {p} is a file, not a folder — give the folder that holds the images")

@@ -22,8 +22,6 @@ import logging
 import math
 import os
 import re
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +32,7 @@ from safetensors.torch import save_file
 
 from . import kohya, lycoris
 from .lycoris import LohaLayer, LokrLayer
-from ..core.fsutil import atomic_save, atomic_write_text, check_destination, fsync_dir
+from ..core.fsutil import atomic_folder, atomic_save, atomic_write_text, check_destination
 from ..core.inject import exact_patterns
 
 log = logging.getLogger(__name__)
@@ -67,12 +65,13 @@ class ExportExistsError(FileExistsError):
     pass
 
 
-def check_dest(path: Path, overwrite: bool, reads: Iterable[str | Path] = (), error: type[Exception] = AdapterError
-               ) -> None:
-    """Refuse to write over an existing file or folder unless asked: every writer here, and callers that want
-    the refusal before long work (extract, merge, resize). Asked or not, never over what the result is made
-    from (`reads`: base models, adapters), nor a folder holding it; `error` is the caller's own error class."""
-    check_destination(path, overwrite, reads, error=error, exists_error=ExportExistsError)
+def check_dest(path: str | Path, overwrite: bool, reads: Iterable[str | Path | None] = (), reader: str = "the export",
+               error: type[Exception] = AdapterError) -> None:
+    """core.fsutil.check_destination with this module's errors: every writer here passes it, and callers that
+    want the refusal before long work (extract, merge, resize) call it first. Never over what the result is
+    made from (`reads`: adapters, base models) or a run's records, asked or not; never over an existing file or
+    folder unless asked. `error` is the caller's own error class."""
+    check_destination(path, overwrite, reads, reader, error=error, exists_error=ExportExistsError)
 
 
 # --------------------------------------------------------------------------------------------
@@ -488,7 +487,7 @@ def kohya_state_dict(adapter: Adapter, unet_config: Mapping | None = None, names
 
 def save_kohya_lora(source, path: str | Path, *, metadata: bool | Mapping[str, str] = True, names: str = "sgm",
                     unet_config: Mapping | None = None, dtype: torch.dtype | None = torch.float32,
-                    uniform_alpha: bool = True, overwrite: bool = False) -> Path:
+                    uniform_alpha: bool = True, overwrite: bool = False, reads: Iterable[str | Path] = ()) -> Path:
     """Write an adapter (an `Adapter`, or a UNet with a peft adapter) as a kohya `.safetensors` file.
 
     Names are SDXL's sgm module names (names="diffusers": diffusers block names), each layer with its
@@ -499,7 +498,7 @@ def save_kohya_lora(source, path: str | Path, *, metadata: bool | Mapping[str, s
     `kohya_state_dict`).
     """
     path = Path(path)
-    check_dest(path, overwrite)
+    check_dest(path, overwrite, reads)
     if unet_config is None and not isinstance(source, Adapter):
         unet_config = dict(source.config)
     adapter = _as_adapter(source)
@@ -560,7 +559,7 @@ def _loadable_config(layers: Mapping[str, LoraLayer]) -> dict:
 
 def save_diffusers_lora(unet, path: str | Path, overwrite: bool = False,
                         extra_metadata: dict[str, str] | None = None, *, metadata: bool = True,
-                        dtype: torch.dtype | None = torch.float32) -> Path:
+                        dtype: torch.dtype | None = torch.float32, reads: Iterable[str | Path] = ()) -> Path:
     """Write an adapter (a UNet with a peft adapter, or an `Adapter`) as a diffusers LoRA file
     (`unet.`-prefixed PEFT keys) that `StableDiffusionXLPipeline.load_lora_weights` loads.
 
@@ -570,7 +569,7 @@ def save_diffusers_lora(unet, path: str | Path, overwrite: bool = False,
     weights, which is what diffusers assumes (alpha = rank) for a file without its config.
     """
     path = Path(path)
-    check_dest(path, overwrite)
+    check_dest(path, overwrite, reads)
     adapter = _as_adapter(unet)
     _lora_only(adapter, "diffusers")
     sd: dict[str, torch.Tensor] = {}
@@ -587,31 +586,13 @@ def save_diffusers_lora(unet, path: str | Path, overwrite: bool = False,
     return atomic_save(path, lambda tmp: save_file(sd, str(tmp), metadata=meta))
 
 
-def _replace_folder(tmp: Path, dest: Path, overwrite: bool) -> None:
-    """Move a finished temp folder onto dest; an existing dest (overwrite) goes only once the new one is in place."""
-    for root, _, files in os.walk(tmp):  # on disk before the rename makes them visible
-        for f in files:
-            with open(Path(root) / f, "rb+") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(Path(root))
-    old = None
-    if dest.exists():
-        if not overwrite:
-            raise ExportExistsError(f"{dest} already exists; choose another path or pass overwrite=True (--overwrite)")
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        os.replace(dest, old)
-    os.replace(tmp, dest)
-    fsync_dir(dest.parent)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-
-
 def save_peft_adapter(source, folder: str | Path, *, component: str = "unet", metadata: bool = True,
-                      dtype: torch.dtype | None = torch.float32, overwrite: bool = False) -> Path:
+                      dtype: torch.dtype | None = torch.float32, overwrite: bool = False,
+                      reads: Iterable[str | Path] = ()) -> Path:
     """Write one model's adapter as a PEFT folder (adapter_config.json + adapter_model.safetensors),
     loadable with `peft.PeftModel.from_pretrained(model, folder)`."""
     folder = Path(folder)
-    check_dest(folder, overwrite)
+    check_dest(folder, overwrite, reads)
     adapter = _as_adapter(source)
     _lora_only(adapter, "peft")
     others = [c for c in adapter.components() if c != component]
@@ -627,36 +608,25 @@ def save_peft_adapter(source, folder: str | Path, *, component: str = "unet", me
     if metadata:
         meta = {**_scrub_paths(_carried(adapter.metadata)), "format": "pt"}
     sd = _peft_tensors(layers, PEFT_PREFIX, bake=False, dtype=dtype)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with atomic_folder(folder, overwrite, ExportExistsError) as tmp:
         atomic_write_text(tmp / PEFT_CONFIG_NAME, json.dumps(cfg, indent=2, sort_keys=True, default=str))
         atomic_save(tmp / PEFT_WEIGHTS_NAME, lambda t: save_file(sd, str(t), metadata=meta))
-        os.chmod(tmp, 0o777 & ~_umask())
-        _replace_folder(tmp, folder, overwrite)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return folder
-
-
-def _umask() -> int:
-    u = os.umask(0)
-    os.umask(u)
-    return u
 
 
 def export_adapter(source, path: str | Path, format: str = "kohya", *, metadata: bool | Mapping[str, str] = True,
                    names: str = "sgm", unet_config: Mapping | None = None, uniform_alpha: bool = True,
-                   overwrite: bool = False) -> Path:
-    """Write `source` (an `Adapter` or a model with a peft adapter) in `format`: kohya, diffusers or peft."""
+                   overwrite: bool = False, reads: Iterable[str | Path | None] = ()) -> Path:
+    """Write `source` (an `Adapter` or a model with a peft adapter) in `format`: kohya, diffusers or peft; never
+    at, over or inside what it was read from (`reads`: the adapter's file or folder, its model; check_dest)."""
     if format == "kohya":
         return save_kohya_lora(source, path, metadata=metadata, names=names, unet_config=unet_config,
-                               uniform_alpha=uniform_alpha, overwrite=overwrite)
+                               uniform_alpha=uniform_alpha, overwrite=overwrite, reads=reads)
     if format == "diffusers":
         extra = dict(metadata) if isinstance(metadata, Mapping) else None
-        return save_diffusers_lora(source, path, overwrite, extra, metadata=metadata is not False)
+        return save_diffusers_lora(source, path, overwrite, extra, metadata=metadata is not False, reads=reads)
     if format == "peft":
-        return save_peft_adapter(source, path, metadata=metadata is not False, overwrite=overwrite)
+        return save_peft_adapter(source, path, metadata=metadata is not False, overwrite=overwrite, reads=reads)
     raise AdapterError(f"format={format!r}: must be one of {', '.join(FORMATS)}")
 
 

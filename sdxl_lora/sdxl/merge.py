@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +19,8 @@ from pathlib import Path
 import torch
 
 from . import kohya
-from .export import Adapter, AdapterError, _replace_folder, _umask, check_dest, load_adapter, weight_with
+from ..core.fsutil import atomic_folder
+from .export import Adapter, AdapterError, ExportExistsError, check_dest, load_adapter, weight_with
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +274,8 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
             raise FileNotFoundError(f"--lora {path}: no such file")
     mcfg = ModelConfig(path=str(model), tokenizer=str(tokenizer) if tokenizer else None)
     model_path = resolve_model_path(mcfg)
-    check_dest(out, overwrite, reads=(model_path, *(p for p, _ in loras)), error=MergeError)
+    check_dest(out, overwrite, reads=(model_path, tokenizer, *(p for p, _ in loras)), reader="the merge",
+               error=MergeError)
     stored = source_dtype(model_path)
     target = stored if dtype == "auto" else _DTYPES[dtype]
     # Loaded in a dtype that holds both the stored and the written weights exactly (fp16 when both are fp16, the
@@ -304,12 +303,6 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
         return save_single_file(pipe, out, overwrite=overwrite, dtype=target, metadata=note)
     if target != torch.float32:
         pipe.to(target)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_folder(out, overwrite, ExportExistsError) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
-        os.chmod(tmp, 0o777 & ~_umask())
-        _replace_folder(tmp, out, overwrite)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -17,12 +17,12 @@ import json
 import logging
 import shutil
 import time
-import tomllib
 from pathlib import Path
 
 import torch
 from PIL import Image, ImageDraw
 
+from ..core.config import TOMLError, parse_toml
 from ..core.fsutil import atomic_save
 from ..core.inject import dequantized_for_inference, merged_for_inference
 from ..core.speed import BACKGROUND, cudnn_search, evaluation_mode
@@ -107,8 +107,8 @@ def read_prompts(path: str | Path | None) -> list[PreviewPrompt]:
     try:
         if suffix == ".toml":
             try:
-                data = tomllib.loads(text)
-            except tomllib.TOMLDecodeError as e:
+                data = parse_toml(text)
+            except TOMLError as e:
                 raise ValueError(f"not valid TOML: {e}") from None
             entries = data.get("prompt", data.get("prompts"))
             if not isinstance(entries, list):

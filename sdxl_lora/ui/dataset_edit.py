@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdxl_lora.core.config import DataConfig
-from sdxl_lora.core.fsutil import atomic_write_bytes, atomic_write_text
+from sdxl_lora.core.fsutil import atomic_write_bytes, atomic_write_text, check_destination
 from sdxl_lora.sdxl.images import IMAGE_EXTENSIONS
 
 from .folders import Folders, PathRefused
@@ -199,6 +199,11 @@ def upload(f: Folders, folder: str, files: list[tuple[str, str | Path]], ext: st
         dest = f.inside(root / base, "datasets")
         if dest.exists() and not overwrite:
             refused.append(f"{name}: {file_name(f, str(dest))} already exists; tick overwrite to replace it")
+            continue
+        try:
+            check_destination(dest, True, [src], "the upload", error=PathRefused)
+        except PathRefused as e:  # the file itself, or a folder that is a run's record
+            refused.append(f"{name}: {e}")
             continue
         atomic_write_bytes(dest, Path(src).read_bytes())
         written.append(base)

@@ -96,7 +96,7 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
         out = f.inside(out_dir / f"{stem}{suffix}", "runs" if f.runs in out_dir.parents else "models")
         written = export_adapter(resized.adapter if resized else adapter, out, fmt, metadata=meta, names=names,
                                  unet_config=table.unet_config, uniform_alpha=not true_alpha,
-                                 overwrite=bool(overwrite))
+                                 overwrite=bool(overwrite), reads=(src, model))
     except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
         return None, error_md(e)
     download = written
@@ -127,14 +127,15 @@ def extract(f: Folders, base, tuned, rank, conv_rank, method, param, text_encode
     try:
         base_path, tuned_path = f.model(base), f.model(tuned)
         out = f.inside(f.models / "loras" / "exports" / f"{stem}.safetensors", "models")
-        check_dest(out, bool(overwrite), reads=(base_path, tuned_path))  # before minutes of reading and SVDs
+        reads = (base_path, tuned_path)
+        check_dest(out, bool(overwrite), reads, reader="the extraction")  # before minutes of reading and SVDs
         report = None if progress is None else (lambda i, n: progress((i, n), desc="layers"))
         done = extract_adapter(base_path, tuned_path, int(rank or 0), conv_rank=int(conv_rank) if conv_rank else None,
                                method=method, param=param if method else None, text_encoders=bool(text_encoders),
                                device="cuda" if torch.cuda.is_available() else "cpu", progress=report)
         done.adapter.metadata.update({"modelspec.title": stem, "ss_output_name": stem})
         written = export_adapter(done.adapter, out, "kohya", unet_config=layer_table(base_path).unet_config,
-                                 overwrite=bool(overwrite))
+                                 overwrite=bool(overwrite), reads=reads)
     except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
         return None, error_md(e)
     return str(written), f"LoRA extracted: `{written}`. {done.summary()}."
