@@ -137,3 +137,13 @@ def test_a_step_that_runs_out_of_memory_saves_the_state_and_stops_with_the_resum
     monkeypatch.setattr(checkpoint, "_OOM_AT", None)
     assert main(["train", "--resume", str(tmp_path / "r"), "--set", "train.gradient_checkpointing=true"]) == 0
     assert read_events(tmp_path / "r" / "events.jsonl")[-1]["event"] == "done"
+
+
+def test_the_forms_summary_line_names_the_card_and_what_the_run_will_do_on_it(monkeypatch):
+    from sdxl_lora.ui import summary
+
+    monkeypatch.setattr(summary, "_card", lambda: pretend_card(12))
+    line = summary.run_summary(sdxl(**{"train.batch_size": 2}))
+    assert "this 12 GB card: chose" in line and "recomputing (partial)" in line and "x the time per image" in line
+    monkeypatch.setattr(summary, "_card", lambda: pretend_card(48))
+    assert "fits this 48 GB card as set" in summary.run_summary(sdxl(**{"train.batch_size": 2}))
