@@ -368,6 +368,11 @@ def cmd_export(args) -> int:
         return 2
     print(f"{args.format} adapter: {relpath(out)}  ({len(adapter.layers)} layers, read from {relpath(src)}, "
           f"{adapter.format})")
+    if args.format == "kohya":
+        from .sdxl.loaders import file_notes
+
+        for line in file_notes(out):
+            print(f"tools      : {line}")
     return 0
 
 

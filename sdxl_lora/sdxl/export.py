@@ -937,20 +937,17 @@ def _span(values) -> str:
     return ", ".join(v if isinstance(v, str) else _num(v) for v in vals)
 
 
-# What each kind is called where users meet it, and which tools read this file of it right (docs/export.md).
+# What each kind is called where users meet it; which tools read a file of it right is sdxl/loaders.py's table.
 KIND_NAMES = {"lora": "LoRA", "dora": "DoRA (LoRA + magnitude)", "loha": "LoHa (LyCORIS)", "lokr": "LoKr (LyCORIS)"}
-LOADS_IN = {
-    "lora": "ComfyUI, AUTOMATIC1111/Forge, kohya, InvokeAI, diffusers",
-    "dora": "ComfyUI and Forge (with their own norm, see docs/export.md), kohya/LyCORIS; diffusers from the "
-            "diffusers-format file (its kohya loader drops dora_scale); not AUTOMATIC1111 or InvokeAI (input-axis "
-            "DoRA only)",
-    "loha": "ComfyUI, AUTOMATIC1111/Forge, kohya/LyCORIS, InvokeAI; not diffusers",
-    "lokr": "ComfyUI, AUTOMATIC1111/Forge, kohya/LyCORIS, InvokeAI; not diffusers",
-}
+# For a file in diffusers' or PEFT's format, which the tools' table (about kohya files) does not cover.
+OTHER_FORMAT_TOOLS = ("diffusers' load_lora_weights and peft read this format; for ComfyUI, AUTOMATIC1111/Forge, "
+                      "kohya, LyCORIS and InvokeAI export it with --format kohya (LoRA and DoRA only)")
 
 
-def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, title: str = "") -> str:
-    """A plain-text report: format, kind, base model, per-block rank and alpha, metadata, problems."""
+def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, title: str = "",
+                     tools: Sequence[str] = ()) -> str:
+    """A plain-text report: format, kind, the tools that load it (`tools`: sdxl/loaders.py's line per kind),
+    base model, per-block rank and alpha, metadata, problems."""
     from .single_file import unet_diffusers_to_sgm
 
     table = table or kohya.LayerTable.from_config_dir(None)
@@ -965,7 +962,7 @@ def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, ti
     lines = [f"adapter    : {title}" if title else None,
              f"format     : {adapter.format}",
              f"kind       : {', '.join(KIND_NAMES[k] for k in adapter.kinds())}",
-             *(f"loads in   : {LOADS_IN[k]}" for k in adapter.kinds()),
+             *(f"tools      : {line}" for line in tools),
              f"base model : {base}",
              f"layers     : {len(adapter.layers)} ({', '.join(f'{c} {n}' for c, n in sorted(counts.items()))})",
              f"rank       : {_span(lay.rank for lay in adapter.layers.values())}",
@@ -1010,6 +1007,10 @@ def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, ti
 
 def inspect_adapter(path: str | Path, model=None) -> tuple[Adapter, str]:
     """Read an adapter (see `load_adapter`) and describe it."""
+    from .loaders import file_notes
+
     table = layer_table(model)
     adapter = load_adapter(path, table)
-    return adapter, describe_adapter(adapter, table, title=Path(path).name)
+    path = Path(path)
+    tools = file_notes(path) if path.is_file() and adapter.format.startswith("kohya") else [OTHER_FORMAT_TOOLS]
+    return adapter, describe_adapter(adapter, table, title=path.name, tools=tools)
