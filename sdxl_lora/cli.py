@@ -310,7 +310,8 @@ def _trained_on(adapter: Path) -> str | None:
 
 def _true_alpha_source(src: Path) -> Path:
     """For --true-alpha: a file whose training alphas were folded into its weights (a run's main kohya file)
-    cannot give them back; the run's diffusers file beside it keeps them, so it is read instead."""
+    cannot give them back; the run's diffusers file beside it keeps them, so it is read instead. LoHa/LoKr files
+    are written with alpha = rank whatever is asked (sdxl/export.py: kohya_layers), so theirs is read as it is."""
     import json
 
     from safetensors import safe_open
@@ -322,8 +323,9 @@ def _true_alpha_source(src: Path) -> Path:
     with safe_open(str(src), "pt") as fh:
         meta = fh.metadata() or {}
     try:
-        folded = "training_alphas_folded" in json.loads(meta.get("ss_network_args", "{}"))
-    except (json.JSONDecodeError, TypeError):
+        args = json.loads(meta.get("ss_network_args", "{}"))
+        folded = "training_alphas_folded" in args and args.get("algo") not in ("loha", "lokr")
+    except (json.JSONDecodeError, TypeError, AttributeError):
         folded = False
     if not folded:
         return src
@@ -366,6 +368,11 @@ def cmd_export(args) -> int:
         return 2
     print(f"{args.format} adapter: {relpath(out)}  ({len(adapter.layers)} layers, read from {relpath(src)}, "
           f"{adapter.format})")
+    if args.format == "kohya":
+        from .sdxl.loaders import file_notes
+
+        for line in file_notes(out):
+            print(f"tools      : {line}")
     return 0
 
 

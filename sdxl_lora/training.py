@@ -319,7 +319,8 @@ def _stop_at_once(job: Job):
 
 def report(outcome: Outcome) -> list[str]:
     """What a user reads when the job ends, starting with a blank line: where the run, adapters and
-    previews are and how the eval loss moved; when stopped, where the state is and how to go on."""
+    previews are, which tools load the adapter right, and how the eval loss moved; when stopped, where the
+    state is and how to go on."""
     if not outcome.main_process:
         return []
     from .core.runs import relpath
@@ -338,6 +339,10 @@ def report(outcome: Outcome) -> list[str]:
         return [""] + _llm_summary(job.run, result)
     lines = ["", f"run folder : {relpath(job.run.dir)}"]
     lines += [f"adapter    : {relpath(path)}  ({kind} format)" for kind, path in result.adapter.items()]
+    if "kohya" in result.adapter:  # where each tool loads it right, wrongly or not at all (sdxl/loaders.py)
+        from .sdxl.loaders import file_notes
+
+        lines += [f"tools      : {line}" for line in file_notes(result.adapter["kohya"])]
     lines += [f"previews   : {relpath(p)}" for p in result.samples if p.name.endswith("grid.png")]
     lines.append(f"eval loss  : {result.eval_before:.4f} before -> {result.eval_after:.4f} after "
                  "(training images, fixed timesteps and noise)")

@@ -374,12 +374,12 @@ def kohya_metadata(adapter: Adapter, extra: Mapping[str, str] | None = None,
     LoRA, the adapter's carried-over description, then `extra` (which wins)."""
     kinds = adapter.kinds()
     lyco = [k for k in kinds if k in ("loha", "lokr")]
-    uniform_alpha = uniform_alpha and not lyco  # LoHa/LoKr layers keep their own alphas (kohya_state_dict)
+    written = kohya_layers(adapter, uniform_alpha)
     ranks = Counter(lay.rank for lay in adapter.layers.values() if lay.rank is not None) or Counter({1: 1})
-    alphas = Counter(lay.alpha for lay in adapter.layers.values())
-    folded = sorted(alphas) if uniform_alpha and len(alphas) > 1 else []
-    if uniform_alpha:
-        alphas = Counter({alphas.most_common(1)[0][0]: len(adapter.layers)})
+    alphas = Counter(lay.alpha for lay in written.values())
+    # The training alphas, where the file's differ from them (the difference is in the weights).
+    folded = sorted({lay.alpha for lay in adapter.layers.values()}) if any(
+        written[k].alpha != lay.alpha for k, lay in adapter.layers.items()) else []
     meta = {
         "ss_base_model_version": SS_BASE_MODEL_VERSION,
         # LoHa/LoKr files are LyCORIS' (kohya's sd-scripts trains them through that network module).
@@ -408,7 +408,7 @@ def kohya_metadata(adapter: Adapter, extra: Mapping[str, str] | None = None,
             args["mixed_ranks"] = sorted(ranks)
         if len(alphas) > 1:
             args["mixed_alphas"] = sorted(alphas)
-        if folded:  # the layers' training alphas, now folded into their up weights
+        if folded:  # the layers' training alphas, now folded into their up weights (LoHa/LoKr: their factors)
             args["training_alphas_folded"] = folded
         if args:
             meta["ss_network_args"] = json.dumps(args)
@@ -439,15 +439,32 @@ def _saveable(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.contiguous()
 
 
+def kohya_layers(adapter: Adapter, uniform_alpha: bool = True) -> dict[str, AnyLayer]:
+    """The adapter's layers as a kohya file holds them: each applies the same update, with the alpha that makes
+    every tool apply it (sdxl/loaders.py says which tool reads what).
+
+    LoRA and DoRA: uniform_alpha=True gives every layer the most common alpha and folds the difference into its
+    up weights, since diffusers' kohya loader applies a single alpha to all attention layers (a file with mixed
+    alphas loads at the wrong strength there); uniform_alpha=False keeps each layer's training alpha (right in
+    A1111/Forge, ComfyUI, kohya). LoHa and LoKr: alpha = rank, alpha / rank folded into the factors, either way:
+    LyCORIS' merge applies alpha / rank twice to them, and every other loader applies the same update.
+    """
+    alphas = Counter(lay.alpha for lay in adapter.layers.values() if isinstance(lay, LoraLayer))
+    common = alphas.most_common(1)[0][0] if alphas else 1.0
+    out: dict[str, AnyLayer] = {}
+    for key, layer in adapter.layers.items():
+        if not isinstance(layer, LoraLayer):
+            layer = layer.at_unit_scale()
+        elif uniform_alpha and layer.alpha != common:
+            layer = LoraLayer(layer.down, layer.up.float() * (layer.alpha / common), common, layer.magnitude)
+        out[key] = layer
+    return out
+
+
 def kohya_state_dict(adapter: Adapter, unet_config: Mapping | None = None, names: str = "sgm",
                      dtype: torch.dtype | None = torch.float32, uniform_alpha: bool = True) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under kohya names (tensors stay on their device; alphas are fp32 scalars).
-
-    uniform_alpha=True (the default) gives every layer the most common alpha and folds the difference
-    into its up weights, the same update in every tool: diffusers' kohya loader applies a single alpha
-    to all attention layers, so a file with mixed alphas loads at the wrong strength there. With
-    uniform_alpha=False each layer keeps its training alpha (right in A1111/Forge, ComfyUI, kohya).
-    """
+    """The adapter's tensors under kohya names (tensors stay on their device; alphas are fp32 scalars), its
+    layers as `kohya_layers` gives them (uniform_alpha: one alpha for every LoRA layer)."""
     biased = [k for k, lay in adapter.layers.items() if lay.bias is not None]
     if biased:
         raise AdapterError(f"{len(biased)} layers have a LoRA bias (adapter.lora_bias), which the kohya format "
@@ -458,11 +475,8 @@ def kohya_state_dict(adapter: Adapter, unet_config: Mapping | None = None, names
     unet_map = unet_diffusers_to_sgm(dict(unet_config) if unet_config is not None else sdxl_unet_config())
     out: dict[str, torch.Tensor] = {}
     owner: dict[str, str] = {}
-    common = Counter(lay.alpha for lay in adapter.layers.values()).most_common(1)[0][0] if adapter.layers else 1.0
-    for key, layer in sorted(adapter.layers.items()):
+    for key, layer in sorted(kohya_layers(adapter, uniform_alpha).items()):
         comp, module = key.split(".", 1)
-        if isinstance(layer, LoraLayer) and uniform_alpha and layer.alpha != common:
-            layer = LoraLayer(layer.down, layer.up.float() * (layer.alpha / common), common, layer.magnitude)
         try:
             name = kohya.kohya_name(comp, module, unet_map, names)
         except KeyError:
@@ -471,7 +485,7 @@ def kohya_state_dict(adapter: Adapter, unet_config: Mapping | None = None, names
         if name in owner:
             raise AdapterError(f"{key} and {owner[name]} both get the kohya name {name}")
         owner[name] = key
-        if not isinstance(layer, LoraLayer):  # LoHa / LoKr: LyCORIS' tensors, each layer with its own alpha
+        if not isinstance(layer, LoraLayer):  # LoHa / LoKr: LyCORIS' tensors, each layer with its own alpha = rank
             out.update({f"{name}.{k}": _saveable(t, dtype) for k, t in layer.tensors().items()})
             out[f"{name}.alpha"] = torch.tensor(float(layer.alpha), dtype=torch.float32)
             continue
@@ -494,8 +508,8 @@ def save_kohya_lora(source, path: str | Path, *, metadata: bool | Mapping[str, s
     own `.alpha`. metadata=True writes the `ss_*` / `modelspec.*` keys A1111/Forge use (with the
     adapter's own description), a mapping adds to or overrides them, False writes none.
     `unet_config` (default: the model's, or SDXL base's) fixes the sgm block numbers. Mixed alphas are
-    unified unless uniform_alpha=False, so diffusers loads the file at the right strength too (see
-    `kohya_state_dict`).
+    unified unless uniform_alpha=False, so diffusers loads the file at the right strength too; LoHa/LoKr layers
+    are written with alpha = rank (see `kohya_layers`).
     """
     path = Path(path)
     check_dest(path, overwrite, reads)
@@ -923,20 +937,17 @@ def _span(values) -> str:
     return ", ".join(v if isinstance(v, str) else _num(v) for v in vals)
 
 
-# What each kind is called where users meet it, and which tools read this file of it right (docs/export.md).
+# What each kind is called where users meet it; which tools read a file of it right is sdxl/loaders.py's table.
 KIND_NAMES = {"lora": "LoRA", "dora": "DoRA (LoRA + magnitude)", "loha": "LoHa (LyCORIS)", "lokr": "LoKr (LyCORIS)"}
-LOADS_IN = {
-    "lora": "ComfyUI, AUTOMATIC1111/Forge, kohya, InvokeAI, diffusers",
-    "dora": "ComfyUI and Forge (with their own norm, see docs/export.md), kohya/LyCORIS; diffusers from the "
-            "diffusers-format file (its kohya loader drops dora_scale); not AUTOMATIC1111 or InvokeAI (input-axis "
-            "DoRA only)",
-    "loha": "ComfyUI, AUTOMATIC1111/Forge, kohya/LyCORIS, InvokeAI; not diffusers",
-    "lokr": "ComfyUI, AUTOMATIC1111/Forge, kohya/LyCORIS, InvokeAI; not diffusers",
-}
+# For a file in diffusers' or PEFT's format, which the tools' table (about kohya files) does not cover.
+OTHER_FORMAT_TOOLS = ("diffusers' load_lora_weights and peft read this format; for ComfyUI, AUTOMATIC1111/Forge, "
+                      "kohya, LyCORIS and InvokeAI export it with --format kohya (LoRA and DoRA only)")
 
 
-def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, title: str = "") -> str:
-    """A plain-text report: format, kind, base model, per-block rank and alpha, metadata, problems."""
+def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, title: str = "",
+                     tools: Sequence[str] = ()) -> str:
+    """A plain-text report: format, kind, the tools that load it (`tools`: sdxl/loaders.py's line per kind),
+    base model, per-block rank and alpha, metadata, problems."""
     from .single_file import unet_diffusers_to_sgm
 
     table = table or kohya.LayerTable.from_config_dir(None)
@@ -951,7 +962,7 @@ def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, ti
     lines = [f"adapter    : {title}" if title else None,
              f"format     : {adapter.format}",
              f"kind       : {', '.join(KIND_NAMES[k] for k in adapter.kinds())}",
-             *(f"loads in   : {LOADS_IN[k]}" for k in adapter.kinds()),
+             *(f"tools      : {line}" for line in tools),
              f"base model : {base}",
              f"layers     : {len(adapter.layers)} ({', '.join(f'{c} {n}' for c, n in sorted(counts.items()))})",
              f"rank       : {_span(lay.rank for lay in adapter.layers.values())}",
@@ -996,6 +1007,10 @@ def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, ti
 
 def inspect_adapter(path: str | Path, model=None) -> tuple[Adapter, str]:
     """Read an adapter (see `load_adapter`) and describe it."""
+    from .loaders import file_notes
+
     table = layer_table(model)
     adapter = load_adapter(path, table)
-    return adapter, describe_adapter(adapter, table, title=Path(path).name)
+    path = Path(path)
+    tools = file_notes(path) if path.is_file() and adapter.format.startswith("kohya") else [OTHER_FORMAT_TOOLS]
+    return adapter, describe_adapter(adapter, table, title=path.name, tools=tools)

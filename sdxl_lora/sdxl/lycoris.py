@@ -12,11 +12,14 @@ comfy/weight_adapter/loha.py and lokr.py, A1111 extensions-builtin/Lora/network_
         trained layer's alpha / r is folded into w1 before it is written.
 
 peft trains the same layers (its LoHa and LoKr tuners follow LyCORIS, use_effective_conv2d off: a
-convolution's update is one flattened matrix, no Tucker core), so writing is a copy of its tensors.
+convolution's update is one flattened matrix, no Tucker core), so writing is a copy of its tensors, with each
+layer's alpha / r folded into its factors (`at_unit_scale`): LyCORIS' merge path applies alpha / r twice, so only
+a file with alpha = r merges right there, and every other loader applies the same update either way.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +67,14 @@ class LohaLayer:
     def scaled(self, factor: float) -> "LohaLayer":
         """The layer whose update is `factor` times this one's: its alpha scaled (the loaders scale by alpha / r)."""
         return dataclasses.replace(self, alpha=self.alpha * factor)
+
+    def at_unit_scale(self) -> "LohaLayer":
+        """The same update with alpha = rank: the square root of alpha / rank folded into each half of the
+        Hadamard product. Every loader then scales by 1, LyCORIS' merge too (it applies alpha / rank twice)."""
+        if self.alpha == self.rank:
+            return self
+        s = math.sqrt(self.scale)
+        return dataclasses.replace(self, w1_a=self.w1_a.float() * s, w2_a=self.w2_a.float() * s, alpha=float(self.rank))
 
     def finite(self) -> bool:
         return all(torch.isfinite(t).all() for t in self.tensors().values())
@@ -121,6 +132,16 @@ class LokrLayer:
         if self.rank:
             return dataclasses.replace(self, alpha=self.alpha * factor)
         return dataclasses.replace(self, w1=self.w1 * factor)
+
+    def at_unit_scale(self) -> "LokrLayer":
+        """The same update with alpha = rank: alpha / rank folded into the first factor (w1, or w1_a where it is
+        split). Every loader then scales by 1, LyCORIS' merge too (it applies alpha / rank twice where w2 is split);
+        a layer with no factored part already has scale 1."""
+        if not self.rank or self.alpha == self.rank:
+            return self
+        if self.w1 is not None:
+            return dataclasses.replace(self, w1=self.w1.float() * self.scale, alpha=float(self.rank))
+        return dataclasses.replace(self, w1_a=self.w1_a.float() * self.scale, alpha=float(self.rank))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         parts = (self.w1, self.w1_a, self.w1_b, self.w2, self.w2_a, self.w2_b)

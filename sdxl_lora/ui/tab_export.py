@@ -1,9 +1,10 @@
 """Export tab: a run's adapter (or an adapter file) written as kohya (ComfyUI/A1111/Forge), diffusers or PEFT,
 with the metadata fields people fill in, optionally resized to a smaller rank, into the run's exports/ folder,
-and offered for download (as `sdxl-lora export` and `sdxl-lora resize` do; sdxl_lora/sdxl/export.py and
-resize.py do the work). Below it, a LoRA extracted from a fine-tuned model of the models folder, as
-`sdxl-lora extract` does (sdxl/extract.py), written to models/loras/exports/; and adapters merged into a
-checkpoint of the models folder, as `sdxl-lora merge` does (sdxl/merge.py)."""
+with the line per kind saying which tools load it right (sdxl/loaders.py), and offered for download (as
+`sdxl-lora export` and `sdxl-lora resize` do; sdxl_lora/sdxl/export.py and resize.py do the work). Below it, a
+LoRA extracted from a fine-tuned model of the models folder, as `sdxl-lora extract` does (sdxl/extract.py),
+written to models/loras/exports/; and adapters merged into a checkpoint of the models folder, as
+`sdxl-lora merge` does (sdxl/merge.py)."""
 from __future__ import annotations
 
 import shutil
@@ -12,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 
 from .folders import Folders, PathRefused, model_choices
-from .text import error_md
+from .text import error_md, md_text
 from .tab_generate import adapter_choices, adapter_path
 
 FORMATS = ("kohya", "diffusers", "peft")
@@ -64,6 +65,7 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
     """Write the chosen adapter in `fmt`; with resize_rank > 0 cut to that rank first (sdxl/resize.py), by
     resize_method (FIXED, or a dynamic method with resize_param) -> (the file to download, a message)."""
     from sdxl_lora.sdxl.export import AdapterError, export_adapter, layer_table, load_adapter
+    from sdxl_lora.sdxl.loaders import file_notes
     from sdxl_lora.sdxl.resize import provenance, resize_adapter
 
     if not choice:
@@ -103,8 +105,10 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
     if written.is_dir():  # a PEFT adapter is a folder: offer it zipped
         download = Path(shutil.make_archive(str(written), "zip", root_dir=written))
     said = f" Resized: {resized.summary()}." if resized else ""
+    # Which tools load the file right, wrongly or not at all: the line `sdxl-lora inspect` prints (sdxl/loaders.py).
+    tools = "".join(f"\n\n{md_text(line)}" for line in (file_notes(written) if fmt == "kohya" else []))
     return str(download), (f"{fmt} adapter written: `{written}` ({len(adapter.layers)} layers, read from "
-                           f"`{src.name}`, {adapter.format}).{said}")
+                           f"`{src.name}`, {adapter.format}).{said}{tools}")
 
 
 def extract(f: Folders, base, tuned, rank, conv_rank, method, param, text_encoders, name, overwrite,
