@@ -58,7 +58,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 # The CLI under a cap of torch's allocator that leaves a card of {gib} GiB for the whole process (the CUDA context
 # outside the allocator: core/memory.py's CAP_CONTEXT), as train.vram_gb caps it, but set before the run starts.
-CARD_LAUNCHER = ("import sys, torch; from sdxl_lora.core.memory import CAP_CONTEXT; total = torch.cuda.mem_get_info(0)[1]; "
+# The allocator's options are set first, as the CLI sets them before torch's first CUDA call.
+CARD_LAUNCHER = ("import sys; from sdxl_lora.core.allocator import prefer_expandable_segments; "
+                 "prefer_expandable_segments(); import torch; from sdxl_lora.core.memory import CAP_CONTEXT; "
+                 "total = torch.cuda.mem_get_info(0)[1]; "
                  "torch.cuda.set_per_process_memory_fraction(({gib} * 2**30 - CAP_CONTEXT) / total, 0); "
                  "sys.argv[0] = 'sdxl-lora'; from sdxl_lora.cli import main; sys.exit(main())")
 SDXL_CONFIGS = REPO / "sdxl_lora" / "assets" / "sdxl-base"
