@@ -205,7 +205,6 @@ def fit(job: Job, task=None, keep_failed: bool = False) -> Outcome:
     """Train `job` with `task` (default: task_for(job.cfg)); the run's train.log gets the log lines too.
     A new run refused for bad input before it trained (no images, a pickle model) leaves no folder behind,
     unless `keep_failed` (the UI's worker keeps it: the page shows the run as failed, with the message)."""
-    from .core import conv_search
     from .core.runs import attach_log_file, clear_pid, training_pid, write_pid
 
     handler = attach_log_file(job.run)
@@ -215,8 +214,6 @@ def fit(job: Job, task=None, keep_failed: bool = False) -> Outcome:
     if own_pid:
         write_pid(job.run.dir)
     log.info("run folder: %s", job.run.dir)
-    # The last run like this one's first-step calls, replayed on a thread beside the set-up (core/conv_search.py).
-    conv_search.start(job.cfg)
     from .core.loop import Trainer
 
     trainer = Trainer(job.cfg, task if task is not None else task_for(job.cfg), job.run, resume=job.state)
@@ -230,7 +227,6 @@ def fit(job: Job, task=None, keep_failed: bool = False) -> Outcome:
             _discard_untrained(job.run, e)
         raise
     finally:
-        conv_search.reset()
         if own_pid:
             clear_pid(job.run.dir)
         # This run's log lines end here: another run in the same process (a notebook, a script) must not

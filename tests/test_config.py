@@ -22,6 +22,18 @@ def test_set_overrides_parse_toml_literals(tmp_path):
     assert cfg.data.dirs == ["a", "b"]
 
 
+def test_a_config_written_before_settings_were_removed_loads_with_a_warning_for_each(tmp_path, caplog):
+    # A run folder's config.toml names every field of its day: it must load (and resume) after a lever is gone.
+    path = tmp_path / "config.toml"
+    path.write_text("[train]\nsteps = 7\nreuse_conv_search = true\n")
+    with caplog.at_level("WARNING", logger="sdxl_lora.core.config"):
+        cfg = load_config(path)
+    assert cfg.train.steps == 7
+    gone = [r.getMessage() for r in caplog.records if "is gone and ignored" in r.getMessage()]
+    assert [m.split(" ", 1)[0] for m in gone] == ["train.reuse_conv_search"]
+    assert "reuse_conv_search" not in cfg.to_toml()
+
+
 def test_bad_choice_names_field_value_and_allowed_values():
     with pytest.raises(ConfigError) as e:
         load_config(overrides=["train.mixed_precision=fp8"])

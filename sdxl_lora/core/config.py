@@ -6,6 +6,7 @@ overrides. Errors name the field, the bad value and what is allowed.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import tomllib
 from pathlib import Path
@@ -15,6 +16,8 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from . import presets
+
+log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = REPO_ROOT / "sample_data"
@@ -323,6 +326,13 @@ class AdapterConfig(Section):
         "The text encoders' rank; none means adapter.rank."))
 
 
+# train.* settings that were removed, with what a user reads about each: a config that sets one loads with a
+# warning (TrainConfig._removed_fields). benchmarks/RESULTS.md#levers-measured-and-not-kept says why each went.
+REMOVED_TRAIN_FIELDS = {
+    "reuse_conv_search": "cuDNN's algorithm search now runs in the first step, as torch does it",
+}
+
+
 class TrainConfig(Section):
     steps: int = Field(300, ge=1, description="Optimizer steps to train for.")
     batch_size: int = Field(2, ge=1, description="Examples (images, or LLM rows) per step on each process.")
@@ -421,9 +431,6 @@ class TrainConfig(Section):
     cuda_graphs: bool = Field(False, description=(
         "Replay the step from CUDA graphs (CUDA only): SDXL, the UNet's forward and backward per bucket shape; "
         "LLM, the compiled decoder layers (no checkpointing)."))
-    reuse_conv_search: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
-        "CUDA: record the first step's convolutions and attention; a later run like this one has cuDNN choose "
-        "their algorithms on a thread at launch instead of in its first step."))
     background_compile: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
         "With compile: the blocks compile on a second thread while the first steps train uncompiled, then "
         "training switches to them (one process; speed='auto' turns it on where both fit the GPU)."))
@@ -472,6 +479,16 @@ class TrainConfig(Section):
         "Write TensorBoard event files to <run>/tensorboard (needs the tensorboard package)."))
     peak_tflops: float | None = Field(None, gt=0, description=(
         "Your GPU's dense bf16/fp16 peak in TFLOP/s, for the MFU figure; none looks the GPU up by name."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        # A config file or run folder written before a setting was removed still loads and resumes.
+        if isinstance(data, dict) and REMOVED_TRAIN_FIELDS.keys() & data.keys():
+            for name in sorted(REMOVED_TRAIN_FIELDS.keys() & data.keys()):
+                log.warning("train.%s is gone and ignored: %s", name, REMOVED_TRAIN_FIELDS[name])
+            data = {k: v for k, v in data.items() if k not in REMOVED_TRAIN_FIELDS}
+        return data
 
     @model_validator(mode="after")
     def _timestep_range(self) -> "TrainConfig":

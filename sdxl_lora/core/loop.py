@@ -397,7 +397,8 @@ class Trainer:
     def _flops_setup(self) -> tuple[float | None, float | None]:
         """FLOPs per image of a training step and the GPU's peak TFLOP/s, for MFU; (None, None) off a GPU.
 
-        torch's FlopCounterMode counts one forward on one batch (no grad, RNG forked, before training).
+        The task counts them where it can without the device (Task.flops_per_sample: sdxl on the meta device);
+        otherwise torch's FlopCounterMode counts one forward on one batch (no grad, RNG forked, before training).
         A step is counted as 2x that: the backward through a frozen base computes input gradients only
         (about one forward), not weight gradients; the adapter's own are negligible. Recomputation under
         gradient checkpointing is not counted (it is not model work), as MFU conventionally does."""
@@ -412,25 +413,21 @@ class Trainer:
             return None, None
         from accelerate.utils import send_to_device
 
-        from . import conv_search
+        with torch.random.fork_rng(devices=[acc.device]):  # a loader's iterator draws from the RNG as it starts
+            batch = next(iter(self.task.dataloader()))
+            per_image, how = self.task.flops_per_sample(batch), "counted on the meta device"
+            if per_image is None:
+                model = self.task.model()
+                # Eager: compiled regions (train.compile) would otherwise compile under the counter, for nothing.
+                with torch.no_grad(), _eager():
+                    batch = send_to_device(batch, acc.device)
 
-        recorded = conv_search.recorded_flops()
-        if recorded is not None:
-            log.info("MFU: %.3g GFLOP per image per step (as the last run like this one counted), peak %g TFLOP/s "
-                     "(%s)", recorded / 1e9, peak, name)
-            return recorded, peak
-        model = self.task.model()
-        # Eager: compiled regions (train.compile) would otherwise compile under the counter, for nothing.
-        with torch.random.fork_rng(devices=[acc.device]), torch.no_grad(), _eager():
-            batch = send_to_device(next(iter(self.task.dataloader())), acc.device)
-
-            def forward():
-                with acc.autocast():
-                    self.task.loss(model, batch)
-            per_image = 2 * tracking.count_flops(forward) / self.task.batch_size(batch)
-        conv_search.note_flops(per_image)  # kept in the record of this run's first step, for the next run like it
-        log.info("MFU: %.3g GFLOP per image per step (2x a measured forward), peak %g TFLOP/s (%s)",
-                 per_image / 1e9, peak, name)
+                    def forward():
+                        with acc.autocast():
+                            self.task.loss(model, batch)
+                    per_image = 2 * tracking.count_flops(forward) / self.task.batch_size(batch)
+                how = "2x a measured forward"
+        log.info("MFU: %.3g GFLOP per image per step (%s), peak %g TFLOP/s (%s)", per_image / 1e9, how, peak, name)
         return per_image, peak
 
     def _param_groups(self) -> list[dict]:

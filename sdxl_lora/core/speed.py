@@ -411,11 +411,6 @@ class GraphedCall:
         self.eager = False  # the captures ran out of memory: every call runs fn as it is
         self.too_large: set[tuple] = set()  # shapes whose capture ran out of memory ("later"): run as they are
         self.refused: str | None = None  # why CUDA refused a capture (not for memory): every call runs eager
-        # A dispatch mode entered around the warm-up (core/conv_search.py's Recorder), or None.
-        self.recorder: contextlib.AbstractContextManager | None = None
-        # Runs each capture (its warm-up included): in this thread, or in the one whose cuDNN choices were made
-        # ahead (core/conv_search.py's on_search_thread).
-        self.runner: Callable[[Callable[[], Callable]], Callable] = lambda capture: capture()
 
     @staticmethod
     def _key(args) -> tuple:
@@ -461,7 +456,7 @@ class GraphedCall:
 
     def _try_capture(self, key: tuple, args: tuple) -> Callable | None:
         try:
-            return self.runner(lambda: self._capture(key, args))
+            return self._capture(key, args)
         except torch.OutOfMemoryError:
             return None
         except torch.AcceleratorError as e:
@@ -486,11 +481,10 @@ class GraphedCall:
         if not self.graphs and self.others is not None:
             for other in self.others(args):
                 todo.setdefault(self._key(other), other)
-        warmed = len(todo) > 1 or self.recorder is not None
+        warmed = len(todo) > 1
         if warmed:
             t0 = time.perf_counter()
-            with self.recorder if self.recorder is not None else contextlib.nullcontext():
-                self._warm_up(list(todo.values()))
+            self._warm_up(list(todo.values()))
             log.info("CUDA graphs: %d input shape(s) warmed up in %.1f s (cuDNN's algorithm search included)",
                      len(todo), time.perf_counter() - t0)
         for k, sample in todo.items():

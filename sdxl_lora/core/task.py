@@ -120,6 +120,11 @@ class Task(ABC):
         differs. Empty: no check."""
         return {}
 
+    def flops_per_sample(self, batch: Any) -> float | None:
+        """FLOPs of one training step per sample of `batch`, for MFU, counted without the device (no memory, no
+        kernels: a copy of the model on the meta device). None: the loop counts a forward on the device."""
+        return None
+
     def start(self, model: torch.nn.Module, autocast) -> None:
         """Once the loop has prepared `model` (as it will call it, under `autocast()`) and run the step-0 previews
         and evaluation, before the first step: work the task runs beside the training steps (sdxl: the regions'

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..core import conv_search, inject, speed
+from ..core import inject, speed
 from . import speed as unet_speed
 from ..core.accel import local_device_index
 from ..core.card import this_card
@@ -224,7 +224,6 @@ class SDXLTask(Task):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self._graphed = None  # train.cuda_graphs: True until the first training call builds the graphs
-        self._conv_recorder = None  # core/conv_search.py: the first step's convolutions and attention, recorded
         self._checkpointing: dict | None = None  # train.checkpoint_budget_gb's measured units and choice
         self._run: Run | None = None
         self._speed_choices: dict[str, str] = {}
@@ -290,7 +289,6 @@ class SDXLTask(Task):
             # QLoRA: the Linears (and convolutions) quantized one at a time on the device (docs/qlora.md),
             # before the rest moves.
             from .quantize import quantize_unet
-            conv_search.wait()
             quantize_unet(unet, cfg.model, accelerator.mixed_precision, self.device, run)
         # Frozen weights in the compute dtype; the adapter stays fp32 (apply_plan does that).
         unet.to(self.device, dtype=_DTYPES.get(accelerator.mixed_precision, torch.float32))
@@ -384,7 +382,6 @@ class SDXLTask(Task):
     def to_encode(self, *modules: torch.nn.Module) -> None:
         """The VAE or text encoders on the device in fp32, where they are not yet: they go there when something
         is to be encoded, so a run whose caches are complete leaves them on the host as they were read."""
-        conv_search.wait()  # they compute on the GPU from here
         for m in modules:
             p = next(m.parameters())
             elsewhere = p.device.type != self.device.type or (self.device.index is not None
@@ -559,7 +556,6 @@ class SDXLTask(Task):
                      "; ".join(f"{k} {v}" for k, v in self._speed_choices.items()))
             run.event("speed", auto=True, **{k: getattr(tc, k) for k in self._speed_choices},
                       reasons=self._speed_choices)
-        conv_search.wait()  # the levers' measurements and training use the GPU from here
         speed.configure_backends(self.device)
         if tc.sdpa_backend in ("cudnn", "efficient") and self.device.type != "cuda":
             raise ConfigError(f"train.sdpa_backend={tc.sdpa_backend!r} needs a CUDA GPU (the device is "
@@ -672,16 +668,7 @@ class SDXLTask(Task):
             self._graphed = speed.GraphedCall(model, call, warmup=3 if compiled else 1, others=self._graph_inputs,
                                               on_out_of_memory=lambda: self._checkpoint_more(model)
                                               or self._split_batches())
-            self._graphed.runner = conv_search.on_search_thread
-            if conv_search.record_to() is not None and not compiled and self.accelerator.is_main_process:
-                # What this first step searches, for the next run like this one (core/conv_search.py).
-                self._graphed.recorder = self._conv_recorder = conv_search.Recorder()
-        out = self._graphed(*args)
-        if self._conv_recorder is not None and self._graphed.graphs:
-            self._graphed.recorder = None
-            self._conv_recorder.save(conv_search.record_to(), self.device)
-            self._conv_recorder = None
-        return out
+        return self._graphed(*args)
 
     def _background_compile(self) -> tuple[bool, str]:
         """train.background_compile: whether the regions compile on a second thread while the first steps train
@@ -1158,6 +1145,33 @@ class SDXLTask(Task):
 
     def batch_size(self, batch) -> int:
         return int(batch["latent_mean"].shape[0])
+
+    def flops_per_sample(self, batch) -> float | None:
+        """FLOPs per image of a training step, counted on a copy of the UNet on the meta device (no memory, no
+        kernels): built from the UNet's config with this run's adapter plan, called on one image of `batch`'s
+        bucket; 2x its forward (core/loop.py: _flops_setup says why). With the text encoders' LoRA, whose
+        forward is in the step too, the loop counts a forward on the device instead."""
+        from ..core import tracking
+
+        if "prompt_embeds" not in batch:
+            return None
+        unet = self.pipe.unet
+        try:
+            with torch.device("meta"):
+                twin = type(unet).from_config(unet.config)
+            inject.apply_plan(twin, self.plan)
+            one = {k: torch.zeros(1, *batch[k].shape[1:], device="meta")
+                   for k in ("latent_mean", "prompt_embeds", "pooled", "time_ids")}
+            t = torch.zeros(1, dtype=torch.long, device="meta")
+            with torch.no_grad():
+                forward = tracking.count_flops(lambda: twin(
+                    one["latent_mean"], t, encoder_hidden_states=one["prompt_embeds"],
+                    added_cond_kwargs={"text_embeds": one["pooled"], "time_ids": one["time_ids"]}))
+        except Exception as e:  # MFU is a figure in the log: a model the meta copy cannot run is counted on the device
+            log.info("MFU: the UNet's meta-device copy did not run (%s: %s); counting a forward on the device",
+                     type(e).__name__, e)
+            return None
+        return 2.0 * forward
 
     def _keyed_draws(self, mean: torch.Tensor, keys: torch.Tensor):
         """Each sample's latent draw, noise (and offset) and timestep from its own generator, seeded by its
