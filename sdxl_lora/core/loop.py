@@ -49,7 +49,6 @@ from . import checkpoint, speed, tracking
 from .config import Config
 from .accel import device_type, gradient_sync, make_accelerator, world_size
 from .allocator import allocator_setting
-from .bytecode import advice as bytecode_advice, compiled_from_source
 from .ema import EMA
 from .optim import build_optimizer, loraplus_groups, make_schedule
 from .profile import StepProfiler
@@ -316,9 +315,6 @@ class Trainer:
             logging.getLogger().setLevel(logging.WARNING)
             self.run = _Replica(self.run.dir)
         set_seed(cfg.train.seed)
-        uncompiled = compiled_from_source() if acc.is_main_process else []  # every process shares the environment
-        if uncompiled:
-            log.warning(bytecode_advice(uncompiled))
         if acc.device.type == "cuda":
             # Set at launch (allocator.prefer_expandable_segments) unless the user did: a run's memory depends on it.
             log.info("CUDA allocator: %s", allocator_setting() or "torch's defaults")
