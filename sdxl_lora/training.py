@@ -45,30 +45,9 @@ RESUME_COMMAND = {"sdxl": "sdxl-lora train", "llm": "sdxl-lora llm train"}
 
 
 def stay_offline() -> None:
-    """Set OFFLINE_ENV (where the environment does not set them already), and share one map of the installed
-    packages between the libraries (`_share_package_map`). Where a front end starts."""
+    """Set OFFLINE_ENV (where the environment does not set them already). Where a front end starts."""
     for name, value in OFFLINE_ENV.items():
         os.environ.setdefault(name, value)
-    _share_package_map()
-
-
-def _share_package_map() -> None:
-    """transformers and diffusers each map import names to installed distributions as they are imported
-    (importlib.metadata.packages_distributions), which reads the file list of every installed distribution: a
-    second or more each, where many packages are installed. Nothing installs packages while a run goes on, so
-    the first call's map serves the later ones (each caller gets its own copy)."""
-    import functools
-    import importlib.metadata as metadata
-
-    if getattr(metadata.packages_distributions, "shared_map", False):
-        return
-    read = functools.cache(metadata.packages_distributions)
-
-    def packages_distributions() -> dict[str, list[str]]:
-        return {name: list(dists) for name, dists in read().items()}
-
-    packages_distributions.shared_map = True
-    metadata.packages_distributions = packages_distributions
 
 
 class _OfflineKernelNotice(logging.Filter):
