@@ -446,10 +446,10 @@ class TrainConfig(Section):
     # "merged" rounds the summed weight once to bf16, which stays as close to fp32 as peft's products (tested),
     # and gives A and B peft's gradients. Projections with fewer tokens than the weight's input width keep
     # peft's products (the weight-sized copy would cost more than it saves); quantized bases take "merged"
-    # dequantized per call, "concat" leaves them to peft.
-    lora_matmul: Literal["peft", "concat", "merged"] = Field("merged", json_schema_extra=SDXL_ONLY, description=(
+    # dequantized per call.
+    lora_matmul: Literal["peft", "merged"] = Field("merged", json_schema_extra=SDXL_ONLY, description=(
         "With fuse_qkv: how the attention projections' LoRA is computed. 'merged': x @ (W + sBA)^T; "
-        "'concat': [x, xA^T] @ [W, sB]^T; 'peft': peft's own products."))
+        "'peft': peft's own products."))
     # On SDXL's attention shapes torch's own choice already runs cuDNN's kernel, the fastest (docs/speed.md).
     sdpa_backend: Literal["default", "cudnn", "flash", "efficient", "math"] = Field(
         "default", json_schema_extra=SDXL_ONLY, description=(
@@ -488,6 +488,9 @@ class TrainConfig(Section):
             for name in sorted(REMOVED_TRAIN_FIELDS.keys() & data.keys()):
                 log.warning("train.%s is gone and ignored: %s", name, REMOVED_TRAIN_FIELDS[name])
             data = {k: v for k, v in data.items() if k not in REMOVED_TRAIN_FIELDS}
+        if isinstance(data, dict) and data.get("lora_matmul") == "concat":
+            log.warning("train.lora_matmul='concat' is gone; the run trains with 'merged'")
+            data = {**data, "lora_matmul": "merged"}
         return data
 
     @model_validator(mode="after")
@@ -497,14 +500,6 @@ class TrainConfig(Section):
                              "the range is [timestep_min, timestep_max]")
         return self
 
-    @model_validator(mode="after")
-    def _lora_matmul_needs_fused_projections(self) -> "TrainConfig":
-        # Only a way other than the default: "merged" simply has nothing to act on without fuse_qkv, and a run's
-        # saved config.toml (every field written out) must load again.
-        if self.lora_matmul == "concat" and not self.fuse_qkv:
-            raise ValueError(f"lora_matmul={self.lora_matmul!r} works through the fused attention projections: set "
-                             "train.fuse_qkv=true too, or train.lora_matmul='peft'")
-        return self
 
 
 class PreviewConfig(Section):

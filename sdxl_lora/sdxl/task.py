@@ -609,11 +609,8 @@ class SDXLTask(Task):
                      "on a second thread while the first steps train uncompiled" if self._background else
                      "the first steps include compilation; train.background_compile=true trains meanwhile")
             if tc.compile == "regional" and tc.channels_last:
-                # The compiled ResNets' surroundings in their layout (docs/speed.md): the up blocks' skip
-                # concatenation inside their graphs, the last GroupNorm and the upsamplers compiled, the
-                # convolutions' input gradients as convolutions (channels_last backward graphs).
-                unet_speed.fuse_skip_concat(unet, varying=varying)
-                unet_speed.compile_edges(unet, varying=varying)
+                # The convolutions' input gradients as convolutions: the compiled ResNets' backward graphs keep
+                # the channels_last layout (docs/speed.md).
                 unet_speed.conv_input_grad(unet)
         if tc.cuda_graphs:
             if self.device.type != "cuda":
