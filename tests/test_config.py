@@ -25,13 +25,15 @@ def test_set_overrides_parse_toml_literals(tmp_path):
 def test_a_config_written_before_settings_were_removed_loads_with_a_warning_for_each(tmp_path, caplog):
     # A run folder's config.toml names every field of its day: it must load (and resume) after a lever is gone.
     path = tmp_path / "config.toml"
-    path.write_text("[train]\nsteps = 7\nreuse_conv_search = true\nlora_matmul = 'concat'\n")
+    path.write_text("[train]\nsteps = 7\nreuse_conv_search = true\nbackground_compile = true\n"
+                    "graphs_while_compiling = false\nlora_matmul = 'concat'\n")
     with caplog.at_level("WARNING", logger="sdxl_lora.core.config"):
         cfg = load_config(path)
     assert cfg.train.steps == 7 and cfg.train.lora_matmul == "merged"
     gone = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
-    assert [m.split(" ", 1)[0] for m in gone] == ["train.reuse_conv_search", "train.lora_matmul='concat'"]
-    assert "reuse_conv_search" not in cfg.to_toml()
+    assert [m.split(" ", 1)[0] for m in gone] == ["train.background_compile", "train.graphs_while_compiling",
+                                                  "train.reuse_conv_search", "train.lora_matmul='concat'"]
+    assert not any(k in cfg.to_toml() for k in ("reuse_conv_search", "background_compile", "graphs_while_compiling"))
     with pytest.raises(ConfigError, match="lora_matmul"):  # typed today, it is no choice
         load_config(overrides=["train.lora_matmul=fused"])
 

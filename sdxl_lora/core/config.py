@@ -330,6 +330,8 @@ class AdapterConfig(Section):
 # warning (TrainConfig._removed_fields). benchmarks/RESULTS.md#levers-measured-and-not-kept says why each went.
 REMOVED_TRAIN_FIELDS = {
     "reuse_conv_search": "cuDNN's algorithm search now runs in the first step, as torch does it",
+    "background_compile": "a compiled run compiles in its first step",
+    "graphs_while_compiling": "a compiled run compiles in its first step",
 }
 
 
@@ -411,7 +413,7 @@ class TrainConfig(Section):
     # Speed and memory levers: docs/speed.md.
     speed: Literal["auto", "off"] = Field("auto", description=(
         "On a CUDA GPU, 'auto' turns on the speed levers that pay for the run's length (CUDA graphs, "
-        "compilation on a second thread, channels_last) and logs why; a lever you set wins. 'off': only yours."))
+        "compilation, channels_last) and logs why; a lever you set wins. 'off': only yours."))
     vram_gb: float | None = Field(None, gt=0, description=(
         "GPU memory the whole run may use, in GiB: the fastest settings that fit are chosen and logged, the "
         "process is capped there, and a budget that cannot be met is refused at start."))
@@ -431,12 +433,6 @@ class TrainConfig(Section):
     cuda_graphs: bool = Field(False, description=(
         "Replay the step from CUDA graphs (CUDA only): SDXL, the UNet's forward and backward per bucket shape; "
         "LLM, the compiled decoder layers (no checkpointing)."))
-    background_compile: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
-        "With compile: the blocks compile on a second thread while the first steps train uncompiled, then "
-        "training switches to them (one process; speed='auto' turns it on where both fit the GPU)."))
-    graphs_while_compiling: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
-        "With background_compile and cuda_graphs: the uncompiled steps replay CUDA graphs while the blocks "
-        "compile, then the compiled ones are captured (speed='auto' turns it on with both)."))
     fuse_qkv: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
         "Compute each attention's q/k/v projections and their LoRA in one matmul instead of three: the same "
         "loss and gradients, fewer kernels."))

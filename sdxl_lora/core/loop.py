@@ -81,13 +81,7 @@ def identity_changes(saved: dict | None, now: dict) -> list[str]:
 def _eager():
     """Evaluation, validation and previews run the model's compiled regions as plain PyTorch: they see
     other shapes (and no gradients) than training, and compiling those would cost minutes for a few
-    passes and leave the training regions' compiled graphs as they were. While a background compilation runs
-    (core/speed.py: BACKGROUND) the regions are eager on this thread anyway, and the stance, which is
-    process-wide, would stop the compiling thread's compilation: nothing is set then."""
-    from .speed import BACKGROUND
-
-    if BACKGROUND.active:
-        return contextlib.nullcontext()
+    passes and leave the training regions' compiled graphs as they were."""
     return torch.compiler.set_stance("force_eager")
 
 
@@ -616,12 +610,6 @@ class Trainer:
                     self._stop)
 
     def fit(self) -> Result:
-        try:
-            return self._fit()
-        finally:
-            self.task.finish()
-
-    def _fit(self) -> Result:
         cfg, acc, run = self.cfg, self.accelerator, self.run
         total = cfg.train.steps
         unwrapped = acc.unwrap_model(self.model)
@@ -644,9 +632,6 @@ class Trainer:
                 self._track(0, validation=val)
         else:  # resumed: the run's own starting figure
             eval_before = next((e["loss"] for e in run.events() if e["event"] == "eval"), math.nan)
-        # After the step-0 previews and evaluation: beside the task's work (sdxl: the compiling thread, whose
-        # Python holds the interpreter) they run several times slower (benchmarks/RESULTS.md#previews-and-evaluation).
-        self.task.start(self.model, self._autocast)
         sync = gradient_sync(cfg, acc.num_processes, acc.device.type)
         run.event("start", step=self.step, total_steps=total, state="training", processes=acc.num_processes,
                   **({"gradient_sync": sync} if sync else {}))
@@ -673,6 +658,8 @@ class Trainer:
         guard = _NanGuard(cfg, acc, run, self.optimizer, ema=self.ema is not None)
         batches = self._batches()
         profiler = self._profiler()
+        if cfg.train.compile != "none":  # the first step waits for the compiler: the bar says so until it is done
+            bar.set_description("compiling")
         self._t_saved, self._last_state = time.perf_counter(), None
         self.model.train()
         step, first = self.step, self.step + 1
@@ -693,8 +680,8 @@ class Trainer:
             if (trace := profiler.after_step(step, last=step == total)) is not None and acc.is_main_process:
                 run.event("profile", step=step, path=str(trace), summary=profiler.summary)
             guard.after_step(step, skip)
-            if step == first and cfg.train.compile != "none" and not speed.BACKGROUND.enabled:
-                # Compiled on this thread: checked after the first step (a background compilation, at its switch).
+            if step == first and cfg.train.compile != "none":
+                bar.set_description("training")
                 if not speed.warn_if_nothing_compiled(run if acc.is_main_process else None):
                     self.task.compiled()
             # The session's first step is logged too: it ends the set-up (compilation, graph capture), and

@@ -127,20 +127,6 @@ def auto_levers(cfg, device_type: str, processes: int):
     compiled = update.get("compile", tc.compile) == "regional"
     choose("channels_last", compiled, "the compiled blocks' layout levers" if compiled
            else "it pays together with regional compilation")
-    if not compiled:
-        choose("background_compile", False, "nothing is compiled")
-    elif processes > 1:
-        choose("background_compile", False, "several processes compile on their training threads")
-    else:
-        # Set-up still turns it off where the two threads may not fit, or the run cannot use it
-        # (SDXLTask._background_compile).
-        choose("background_compile", True, "the first steps train uncompiled while the blocks compile on a "
-                                           "second thread, where memory allows")
-    background = update.get("background_compile", tc.background_compile)
-    graphs = update.get("cuda_graphs", tc.cuda_graphs)
-    choose("graphs_while_compiling", bool(background and graphs),
-           "the uncompiled steps beside the compiling thread replay CUDA graphs" if background and graphs
-           else "it needs a background compilation with CUDA graphs")
     return cfg.model_copy(update={"train": tc.model_copy(update=update)}), why
 
 
@@ -213,7 +199,7 @@ def _compiled_for_unet(fn: Callable, backend: str, varying: bool = False) -> Cal
     buckets), compiled as symbols."""
     _raise_recompile_limits()
     if not varying:
-        return core_speed.deferred(torch.compile(fn, **compile_options(backend, unet_inductor_options())), fn)
+        return torch.compile(fn, **compile_options(backend, unet_inductor_options()))
 
     def feature_maps(args, kw):  # a token sequence's length, a feature map's height and width
         return [(a, (1,) if a.ndim == 3 else (2, 3)) for a in args if isinstance(a, torch.Tensor) and a.ndim in (3, 4)]

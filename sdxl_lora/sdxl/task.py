@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import hashlib
 import json
 import logging
@@ -40,16 +39,6 @@ from .preview import PreviewPrompt, default_prompts, encode_prompts, read_prompt
 log = logging.getLogger(__name__)
 
 _DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-# train.background_compile's memory check: the uncompiled steps save more activations than the compiled
-# ones, and the compiling thread's own stream keeps its cached blocks apart from the training thread's. Together
-# they were measured at this multiple of the training phase's estimate (batch 16 at 1024 over three buckets,
-# benchmarks/RESULTS.md#whole-runs-through-sdxl-lora-train), plus what the uncompiled steps keep for
-# feed-forward adapters where the preset has them (_uncompiled_adapter_inputs), which must fit in
-# BACKGROUND_FILL of the GPU.
-BACKGROUND_GROWTH = 1.55
-BACKGROUND_FILL = 0.95
-
 
 def component_identity(model_path: Path, component: str) -> str:
     """Identifies a model component's weights for cache keys: path, sizes and mtimes of its files.
@@ -233,10 +222,7 @@ class SDXLTask(Task):
         self.run_memory: sdxl_memory.RunMemory | None = None  # the whole run's estimate, made with the plan
         self.has_reg = False  # the data holds regularization images (set when it is read)
         self._explicit: set[str] = set(cfg.train.model_fields_set)
-        self._background = False  # train.background_compile: the regions compile on a second thread
-        # train.graphs_while_compiling: the compiling thread's work, held back until the uncompiled model's
-        # graphs are captured (a capture refuses CUDA work from another thread)
-        self._compile_after_capture: Callable[[], None] | None = None
+        self._compile_said = False  # the first compiled training call says that it compiles
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
         """train.speed="auto": CUDA graphs, compilation and channels_last chosen for this device and run
@@ -487,8 +473,8 @@ class SDXLTask(Task):
         inject.apply_plan(unet, self.plan, dropout=cfg.adapter.dropout)
         if _DTYPES[accelerator.mixed_precision] != torch.float32:
             # Every UNet forward of a 16-bit run is under autocast (training, evaluation, previews, the checkpointing
-            # trials, the compiling thread): peft's cast of each adapter layer's input to its fp32 weights made a
-            # copy per layer that autocast cast back, and kept it for the backward (core/inject.py).
+            # trials): peft's cast of each adapter layer's input to its fp32 weights made a copy per layer that
+            # autocast cast back, and kept it for the backward (core/inject.py).
             inject.adapters_take_autocast_inputs(unet)
         if cfg.adapter.kind in ("loha", "lokr") and cfg.train.fuse_qkv:
             log.info("adapter.kind=%r: the attention projections run peft's %s layers (train.lora_matmul's fused "
@@ -592,22 +578,13 @@ class SDXLTask(Task):
         if tc.channels_last:
             speed.to_channels_last(unet)
             unet_speed.transformer_io(unet, compile=tc.compile != "none", varying=varying)
-        speed.BACKGROUND.reset()
-        if tc.background_compile:
-            self._background, why = self._background_compile()
-            log.info("train.background_compile=%s: %s", self._background, why)
-            run.event("background_compile", on=self._background, reason=why)
-            if self._background:
-                speed.BACKGROUND.enable()  # before the regions are compiled: they are made deferred
         if tc.compile != "none":
             classes = unet_speed.REGION_CLASSES if tc.compile == "regional" else unet_speed.TRANSFORMER_CLASSES
             n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget,
                                       options=unet_speed.unet_inductor_options(),
                                       varying=unet_speed.BUCKET_VARYING if varying else None)
-            log.info("train.compile=%r: %d blocks compiled%s (%s)", tc.compile, n,
-                     ", their shapes varying across the buckets" if varying else "",
-                     "on a second thread while the first steps train uncompiled" if self._background else
-                     "the first steps include compilation; train.background_compile=true trains meanwhile")
+            log.info("train.compile=%r: %d blocks compiled%s (the first step includes the compilation)", tc.compile, n,
+                     ", their shapes varying across the buckets" if varying else "")
             if tc.compile == "regional" and tc.channels_last:
                 # The convolutions' input gradients as convolutions: the compiled ResNets' backward graphs keep
                 # the channels_last layout (docs/speed.md).
@@ -620,14 +597,7 @@ class SDXLTask(Task):
                             "hooks cannot be captured); running without graphs on %d processes",
                             self.accelerator.num_processes)
             else:
-                # Built on the first training call, on the prepared model (with train.background_compile: the
-                # first after the switch, _unet's uncompiled calls come first)
-                self._graphed = True
-        if tc.graphs_while_compiling and "graphs_while_compiling" in self._explicit and not (
-                self._background and self._graphed):
-            log.warning("train.graphs_while_compiling has no effect: it needs train.background_compile and "
-                        "train.cuda_graphs on a CUDA GPU (here: background_compile %s, CUDA graphs %s)",
-                        self._background, bool(self._graphed))
+                self._graphed = True  # built on the first training call, on the prepared model
 
     def _unet(self, model, noisy, t, embeds, pooled, time_ids) -> torch.Tensor:
         """The UNet's prediction for a training batch; replayed from CUDA graphs with train.cuda_graphs."""
@@ -635,20 +605,6 @@ class SDXLTask(Task):
             return model(noisy, t, encoder_hidden_states=embeds,
                          added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
 
-        if self._background and speed.BACKGROUND.active:
-            if not (torch.is_grad_enabled() and speed.BACKGROUND.done()):
-                if self._compile_after_capture is None or not torch.is_grad_enabled():
-                    return call(noisy, t, embeds, pooled, time_ids)  # eager, beside the compiling thread
-                # train.graphs_while_compiling: the uncompiled model's graphs for every bucket, captured at
-                # the first training call, then the compiling thread starts; replays need the host (and so
-                # the interpreter the compiler shares) once per step instead of once per kernel.
-                out = self._graphed_call(model, call, noisy, t, embeds, pooled, time_ids, compiled=False)
-                if not speed.BACKGROUND.started:
-                    log.info("background compilation started after the uncompiled steps' graphs were captured; "
-                             "training replays them meanwhile")
-                    speed.BACKGROUND.start(self._compile_after_capture, self.device)
-                return out
-            self._switch_to_compiled()
         if self._graphed and torch.is_grad_enabled():
             return self._graphed_call(model, call, noisy, t, embeds, pooled, time_ids,
                                       compiled=self.cfg.train.compile != "none")
@@ -667,117 +623,6 @@ class SDXLTask(Task):
                                               or self._split_batches())
         return self._graphed(*args)
 
-    def _background_compile(self) -> tuple[bool, str]:
-        """train.background_compile: whether the regions compile on a second thread while the first steps train
-        eagerly, and why (core/speed.py: BackgroundCompile). Where it cannot work the run compiles as without
-        it. Set by the user: with a warning, and where the memory estimate says both threads may not fit it
-        warns and goes on. Chosen by train.speed="auto": off without a warning wherever either holds."""
-        cfg, tc = self.cfg, self.cfg.train
-        if not tc.background_compile:
-            return False, "as set"
-        asked = "background_compile" in self._explicit
-        why_not = None
-        if tc.compile == "none":
-            why_not = "train.compile is 'none': nothing to compile"
-        elif self.accelerator.num_processes > 1:
-            why_not = "several processes (one process only)"
-        elif tc.gradient_checkpointing or tc.checkpoint_budget_gb:
-            why_not = "checkpointed blocks compile their recomputation in the backward, which the compiling thread does not run"
-        elif cfg.adapter.train_text_encoder:
-            why_not = "adapter.train_text_encoder: the UNet is called through the text encoders' wrapper"
-        elif cfg.adapter.rank_schedule:
-            why_not = "adapter.rank_schedule replaces the adapter's parameters during the run"
-        elif cfg.data.crop == "random" or sdxl_data.live_text(cfg.data):
-            why_not = ("data.crop='random' or per-sample captions: the data loader runs the VAE or the text encoders "
-                       "beside the training step")
-        elif any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.pipe.unet.modules()):
-            why_not = ("dropout (adapter.dropout or the UNet's own): evaluation switches it off, which the compiling "
-                       "thread's graphs would see")
-        if why_not is not None:
-            if asked:
-                log.warning("train.background_compile=true has no effect: %s", why_not)
-            return False, why_not if asked else f"auto: off: {why_not}"
-        fits = ""
-        if self.device.type == "cuda":
-            need = BACKGROUND_GROWTH * self.run_memory.phases["training"] + self._uncompiled_adapter_inputs()
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            if tc.vram_gb:
-                total = min(total, int(tc.vram_gb * 2**30))  # the process is capped there
-            if need > BACKGROUND_FILL * total:
-                if not asked:
-                    return False, (f"auto: off: the uncompiled steps and the compiling thread would need about "
-                                   f"{need / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f}")
-                log.warning("train.background_compile=true: the eager steps and the compiling thread need about "
-                            "%.1f GiB of the GPU's %.1f; it may run out of memory (without it the run needs about "
-                            "%.1f)", need / 2**30, total / 2**30, self.run_memory.phases["training"] / 2**30)
-            fits = f" (about {need / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f})"
-        return True, ("as set" if asked else "auto: one process, the two threads fit the GPU") + fits
-
-    def _uncompiled_adapter_inputs(self) -> int:
-        """What the uncompiled steps keep for the feed-forward and projection adapters beyond the training
-        estimate (sdxl/memory.py: uncompiled_adapter_inputs)."""
-        return sdxl_memory.uncompiled_adapter_inputs(self.pipe.unet.config, self.resolution, self.cfg.train.batch_size,
-                                                     self.cfg.adapter.preset, _DTYPES[self.accelerator.mixed_precision])
-
-    def start(self, model, autocast) -> None:
-        """train.background_compile: the compiling thread runs the model's forward once per (bucket, batch size)
-        this process trains, as training calls it (the UNet's inputs made like a real batch's), so every region
-        compiles for exactly the inputs it will get."""
-        if not self._background:
-            return
-        template = _collate([CachedSDXLDataset(self)[0]])
-        template = {k: v.to(self.device) if isinstance(v, torch.Tensor) and k not in self.host_keys else v
-                    for k, v in template.items()}
-        with torch.no_grad():
-            noisy, t, _ = self._noised(template)
-        shapes = self._graph_inputs((noisy, t, template["prompt_embeds"], template["pooled"], template["time_ids"]),
-                                    fill=torch.zeros)
-        sdpa = self.cfg.train.sdpa_backend
-        model.train()  # as the loop trains it: the graphs are guarded on the modules' training flags
-
-        def work():
-            for noisy, t, embeds, pooled, time_ids in shapes:
-                with autocast(), speed.sdpa_context(sdpa):
-                    model(noisy, t, encoder_hidden_states=embeds,
-                          added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids})
-            log.info("background compilation: %d input shapes compiled", len(shapes))
-
-        if self._graphed and self.cfg.train.graphs_while_compiling:
-            self._compile_after_capture = work
-            log.info("background compilation of %d input shapes waits for the uncompiled steps' CUDA graphs "
-                     "(train.graphs_while_compiling)", len(shapes))
-            return
-        log.info("background compilation started: %d input shapes; training runs the uncompiled blocks meanwhile",
-                 len(shapes))
-        speed.BACKGROUND.start(work, self.device)
-
-    def _switch_to_compiled(self) -> None:
-        """The compiling thread is done: the regions run compiled from this call on (and CUDA graphs are built)."""
-        bg = speed.BACKGROUND
-        bg.switch()
-        if self._compile_after_capture is not None:
-            # The uncompiled model's graphs (train.graphs_while_compiling) give their pool back before the
-            # compiled model's are captured into a new one, below.
-            self._compile_after_capture = None
-            if isinstance(self._graphed, speed.GraphedCall):
-                self._graphed = True
-                gc.collect()
-        peaks = {}
-        if self.device.type == "cuda":
-            # What the eager steps and the compiling thread held together (the memory check's figure), then
-            # their cached blocks freed: the graphs' pool is allocated next.
-            peaks = {"max_allocated_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2),
-                     "max_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / 2**30, 2)}
-            torch.cuda.empty_cache()
-        failed = f"; it failed ({type(bg.error).__name__}: {bg.error}), so what it missed compiles now" if bg.error else ""
-        log.info("background compilation done after %.0f s%s: training runs the compiled blocks%s from here",
-                 bg.seconds or 0.0, failed, " and CUDA graphs" if self._graphed else "")
-        if self._run is not None:
-            self._run.event("compiled", seconds=round(bg.seconds or 0.0, 1), error=str(bg.error) if bg.error else None,
-                            **peaks)
-        if not bg.error and not speed.warn_if_nothing_compiled(self._run):
-            self.compiled()
-
     def compiled(self) -> None:
         """The regions compiled (and ran): a later run like this one finds the compile cache warm, which
         train.speed="auto" counts on (sdxl/speed.py: compile_cache_warm)."""
@@ -792,12 +637,6 @@ class SDXLTask(Task):
             self._graphed.release()
             log.info("the training steps' CUDA graphs released for the final evaluation and previews")
         self._graphed = False
-
-    def finish(self) -> None:
-        """A run that ends before the compiling thread does waits for it (see BackgroundCompile.wait)."""
-        if self._background:
-            speed.BACKGROUND.wait()
-            speed.BACKGROUND.reset()
 
     def _checkpoint_more(self, model) -> bool:
         """CUDA graphs' capture ran out of memory: checkpoint half the units selective checkpointing left
@@ -1195,6 +1034,11 @@ class SDXLTask(Task):
     def loss(self, model, batch) -> torch.Tensor:
         """The diffusion loss with the train.* options (sdxl/loss.py); draws in sdxl/loss.py's fixed order."""
         tc, sched = self.cfg.train, self.noise_scheduler
+        if not self._compile_said and tc.compile != "none" and torch.is_grad_enabled():
+            # The first compiled step waits for the compiler, which says nothing itself: the log says it first.
+            self._compile_said = True
+            log.info("compiling the UNet's blocks for this shape (once per settings; later runs reuse inductor's "
+                     "cache)")
         noisy, t, target = self._noised(batch)
         prediction_type = sched.config.prediction_type
         if tc.prior_prediction and "is_reg" in batch and bool(batch["is_reg"].any()):
@@ -1299,7 +1143,7 @@ class SDXLTask(Task):
             losses.extend(err.view(len(group), k).mean(1).tolist())
 
         was_training = model.training
-        speed.evaluation_mode(model)
+        model.eval()
         try:
             pending: dict[tuple, list] = {}
             for idx in (indices if indices is not None else range(min(8, len(self.dataset.items)))):
