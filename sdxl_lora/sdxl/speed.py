@@ -42,10 +42,10 @@ BUCKET_VARYING = {"BasicTransformerBlock": ("hidden_states", 0, (1,)),
 
 # train.speed="auto" compiles a run that trains at least this many images, by the smallest batch size each
 # row applies from: (on a cold compile cache, on a warm one). Compiling pays once the compiled steps' time
-# saved, against the graphed uncompiled steps, repays the compilation, during which the steps run slower than
-# graphed (train.graphs_while_compiling); a warm compile cache shortens the compilation several-fold. Derived
-# from the measured rates and compile times (benchmarks/RESULTS.md#when-compiling-pays; docs/speed.md).
-COMPILE_PAYS_FROM = ((1, 4_400, 1_400), (4, 15_000, 4_400))
+# saved, against the graphed uncompiled steps, repays the compilation, which the first step waits for; a warm
+# compile cache shortens the compilation several-fold. Derived from the measured rates and compile times
+# (benchmarks/RESULTS.md#when-compiling-pays; docs/speed.md).
+COMPILE_PAYS_FROM = ((1, 5_500, 1_700), (4, 22_000, 6_600))
 # The train fields that change what the compiled regions are (with the model, the adapter and the data):
 # a run that matches an earlier one's finds its compiled code in the compile cache. Not the levers auto
 # chooses itself, which follow from these.
