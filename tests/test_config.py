@@ -107,6 +107,14 @@ def test_a_model_folder_recommends_settings_that_apply_where_the_config_is_silen
         load_config(overrides=[f"model.path='{model}'"])
 
 
+def test_the_previews_are_scored_for_a_concept_only_where_the_model_asks():
+    # The shapes detector knows the demo base's shapes: the demo base asks for the star (its sdxl_lora.toml),
+    # any other model scores nothing unless the config names a concept.
+    assert load_config().preview.concept == "star"
+    assert load_config(extra={"model.path": "tiny-sdxl"}).preview.concept is None
+    assert load_config(overrides=["preview.concept=''"]).preview.concept == ""
+
+
 def test_settings_of_the_other_task_are_named_only_when_the_config_sets_them():
     from sdxl_lora.core.config import fields_for_other_tasks
 

@@ -518,10 +518,11 @@ class PreviewConfig(Section):
     before: bool = Field(True, description="Preview before training, as a baseline.")
     after: bool = Field(True, description="Preview at the end of training.")
     # A "concept" event per preview, over the prompts naming the concept: prompts naming none of its words
-    # are not scored, so it is harmless for other prompts.
-    concept: str = Field("star", json_schema_extra=SDXL_ONLY, description=(
+    # are not scored. The detector knows the demo base's shapes only, so the demo base asks for it (its
+    # RECOMMENDED_SETTINGS file); other models score nothing unless the config says so.
+    concept: str | None = Field(None, json_schema_extra=SDXL_ONLY, description=(
         "Score the previews for this concept with the shapes detector (shape and/or colour words, e.g. 'star'); "
-        "empty is off."))
+        "none or empty is off (the demo base sets 'star')."))
 
 
 class OutputConfig(Section):
