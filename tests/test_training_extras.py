@@ -381,8 +381,7 @@ def test_mfu_arithmetic_and_peak_table():
     assert tracking.count_flops(lambda: a @ b) == 2 * 8 * 16 * 4
 
 
-@pytest.mark.parametrize("kind", ["lora", "lokr"])
-def test_mfu_counts_the_unets_step_on_the_meta_device_as_the_model_itself_counts(tiny_dir, kind):
+def test_mfu_counts_the_unets_step_on_the_meta_device_as_the_model_itself_counts(tiny_dir):
     """The MFU figure's FLOPs come from a copy of the UNet on the meta device (no memory, no kernels): the same
     count as a forward of the trained model itself, doubled for the step."""
     from diffusers import UNet2DConditionModel
@@ -394,7 +393,7 @@ def test_mfu_counts_the_unets_step_on_the_meta_device_as_the_model_itself_counts
 
     unet = UNet2DConditionModel.from_pretrained(str(tiny_dir / "unet"), local_files_only=True)
     task = SDXLTask(load_config())
-    task.plan = unet_slots.make_plan(unet, AdapterConfig(kind=kind, preset="full", rank=4), resolution=128, native=128)
+    task.plan = unet_slots.make_plan(unet, AdapterConfig(preset="full", rank=4), resolution=128, native=128)
     inject.apply_plan(unet, task.plan)
     task.pipe = SimpleNamespace(unet=unet)
     c = unet.config
