@@ -13,7 +13,7 @@ Variants (x: tokens x K, W: N x K frozen, A: r x K, B: N x r trainable, s the sc
            (the trainer's train.lora_matmul = "merged")
   concat   [x, xA^T] @ [W, sB]^T: the B product inside the base GEMM (K grows by r), no separate LoRA output
            or add; backward: dy @ [W, sB] gives the input's gradient and dy B s in one GEMM, then + (dy B s) A
-           (the trainer's train.lora_matmul = "concat", sdxl_lora.core.lora_matmul.lora_linear)
+           (the trainer's train.lora_matmul = "concat" until it was removed, slower than merged in the step)
   concat_fold  the same forward (exact); backward: dy @ [W + sBA, sB], the A product folded into the weight
            (rounded to bf16) for the input's gradient alone: one GEMM, no (dy B s) A product and no add
   merged_fusedgrad  merged, with dy B and B's gradient from one Triton kernel that reads dy once
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from lora_grad import lora_dy_products  # benchmarks/lora_grad.py
-from sdxl_lora.core.lora_matmul import _LoRAConcat, _LoRAMerged, lora_linear as trainer_lora_linear
+from sdxl_lora.core.lora_matmul import _LoRAMerged, lora_linear as trainer_lora_linear
 from timing import lora_variant_row  # benchmarks/timing.py (this script's folder is on the path)
 
 
@@ -63,9 +63,31 @@ class _AddmmLoRA(torch.autograd.Function):
         return dx.reshape(ctx.x_shape), None, None, g.t() @ x2, dy2.t() @ h
 
 
-class _ConcatFold(_LoRAConcat):
-    """The trainer's "concat" forward (sdxl_lora.core.lora_matmul.lora_linear); backward: the input's gradient through
-    w + b a (rounded to the compute dtype) and dy b in one GEMM, no (dy b) a product and no add."""
+class _Concat(torch.autograd.Function):
+    """[x, x a^T] @ [w, b]^T (b scaled), and in the backward dy @ [w, b] for the input's gradient and dy b."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, a, b):
+        x2 = x.reshape(-1, x.shape[-1])
+        xc = torch.cat([x2, x2 @ a.t()], dim=1)
+        y = F.linear(xc, torch.cat([w, b], dim=1), bias)
+        ctx.save_for_backward(xc, w, a, b)
+        ctx.x_shape = x.shape
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, w, a, b = ctx.saved_tensors
+        k = w.shape[1]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dxc = dy2 @ torch.cat([w, b], dim=1)  # [dy W, dy s B]: the input's gradient through W, and h's
+        dh = dxc[:, k:]
+        return (dxc[:, :k] + dh @ a).reshape(ctx.x_shape), None, None, dh.t() @ xc[:, :k], dy2.t() @ xc[:, k:]
+
+
+class _ConcatFold(_Concat):
+    """_Concat's forward; backward: the input's gradient through w + b a (rounded to the compute dtype) and dy b
+    in one GEMM, no (dy b) a product and no add."""
 
     @staticmethod
     def backward(ctx, dy):
@@ -134,18 +156,14 @@ def _own(fn, x, w, a, b, s):
         return fn.apply(x.to(dtype), w.to(dtype), None, a.to(dtype), (b * s).to(dtype))
 
 
-def concat(x, w, a, b, s):
-    return trainer_lora_linear(x, w, None, a, b * s, "concat")
-
-
 def merged(x, w, a, b, s):
     return trainer_lora_linear(x, w, None, a, b * s, "merged")
 
 
 # This script's own autograd functions, each called as the variants above: f(x, w, a, b, s)
-concat_fold, addmm, merged_fusedgrad, merged_extf, merged_extb, merged_ext = (
-    functools.partial(_own, fn) for fn in (_ConcatFold, _AddmmLoRA, _MergedFusedGrad, _MergedExtF, _MergedExtB,
-                                           _MergedExt))
+concat, concat_fold, addmm, merged_fusedgrad, merged_extf, merged_extb, merged_ext = (
+    functools.partial(_own, fn) for fn in (_Concat, _ConcatFold, _AddmmLoRA, _MergedFusedGrad, _MergedExtF,
+                                           _MergedExtB, _MergedExt))
 
 
 # name: (tokens per image, K, N, factors side by side): the fused q/k/v (N = 3K, the three A factors side by

@@ -96,7 +96,7 @@ def main() -> None:
                   flush=True)
     if args.levers:
         from sdxl_lora.core import inject
-        from sdxl_lora.core.speed import evaluation_mode, to_channels_last
+        from sdxl_lora.core.speed import to_channels_last
         from sdxl_lora.sdxl import speed as unet_speed
         from sdxl_lora.sdxl.slots import make_plan
 
@@ -106,7 +106,7 @@ def main() -> None:
         unet_speed.fuse_projections(unet, lora_matmul=cfg.train.lora_matmul)
         if cuda and cfg.train.lora_matmul == "merged":  # as the trainer: on CUDA only
             unet_speed.merge_lora_linears(unet), unet_speed.merge_lora_convs(unet)
-        evaluation_mode(unet)
+        unet.eval()
         time_set("adapter (the default plan, fused q/k/v, merged products)")
         sync()
         t = time.perf_counter()

@@ -23,7 +23,6 @@ runs) with the train.* / model.* values below; "+x" turns a lever on, "-x" turns
   ours+compile+graphs-cl       the fastest with channels_last=false (the layout levers off)
   ours+compile+graphs-fuse     the fastest with fuse_qkv=false (peft's own projections and LoRA products)
   ours+compile+graphs+peft     the fastest with lora_matmul="peft"
-  ours+compile+graphs+concat   the fastest with lora_matmul="concat"
   ours+compile+graphs-geglu    the fastest with fused_geglu=false
   ours+compile+graphs+cudnn    the fastest with sdpa_backend="cudnn"
   ours+compile+graphs+keep45   the fastest with compile_activation_budget=0.45 (batch 4 under 16 GiB)
@@ -93,7 +92,6 @@ SETTINGS = {
     "ours+compile+graphs-cl": ("ours", [1, 16], {**FASTEST, "train.channels_last": False}),
     "ours+compile+graphs-fuse": ("ours", [1, 16], {**FASTEST, "train.fuse_qkv": False}),
     "ours+compile+graphs+peft": ("ours", [16], {**FASTEST, "train.lora_matmul": "peft"}),
-    "ours+compile+graphs+concat": ("ours", [16], {**FASTEST, "train.lora_matmul": "concat"}),
     "ours+compile+graphs-geglu": ("ours", [1, 16], {**FASTEST, "train.fused_geglu": False}),
     "ours+compile+graphs+cudnn": ("ours", [1, 16], {**FASTEST, "train.sdpa_backend": "cudnn"}),
     "ours+compile+graphs+keep45": ("ours", [4], {**FASTEST, "train.compile_activation_budget": 0.45}),

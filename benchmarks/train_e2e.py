@@ -25,8 +25,6 @@ Settings (each a list of `--set` overrides on top of the defaults):
   qlora     model.quantize="nf4"
   ckpt, fp8 train.gradient_checkpointing=true; model.quantize="fp8": levers set by hand, to compare with what the
             planner picks for a card (--card)
-  background the defaults with train.background_compile=true: training starts uncompiled while a second
-            thread compiles (use --after-compile N to measure N steps after the switch)
   one-bucket the defaults on the square images only
   dora, locon, loha, lokr
             the defaults with adapter.kind="dora", adapter.preset="locon", kind="loha", kind="lokr": the
@@ -35,8 +33,7 @@ Settings (each a list of `--set` overrides on top of the defaults):
             the defaults under a memory budget (train.vram_gb = 8, 12, 24): the run plans its levers to fit
             and caps torch's allocator; reported beside the run's own estimate of each phase
 
---after-compile N measures N steps after a background compilation's switch (the eager steps' rate before it is
-reported apart). --again runs each setting twice (the second launch finds inductor's and the latents' caches warm); --profile
+--again runs each setting twice (the second launch finds inductor's and the latents' caches warm); --profile
 runs the CLI under cProfile (the top functions by cumulative time beside each run's log).
 --card N caps the CLI's process to an N GiB card before it starts (the run plans for the card it finds, as on a
 card of that size); --cells SETTING:BATCH@CARD ... runs a matrix of such cells (a refusal at start is a result).
@@ -75,7 +72,6 @@ SETTINGS = {
     "qlora": ["model.quantize='nf4'"],
     "ckpt": ["train.gradient_checkpointing=true"],
     "fp8": ["model.quantize='fp8'"],
-    "background": ["train.background_compile=true"],
     "one-bucket": [],
     "dora": ["adapter.kind='dora'"],
     "locon": ["adapter.preset='locon'"],
@@ -217,9 +213,7 @@ def phases(events: list[dict], launch: float) -> dict[str, tuple[float, float]]:
 # The launch's steps that leave a log line but no event: seconds from launch to each line's first occurrence.
 LOG_MARKS = {"run folder": "run folder:", "dataset report": "dataset:", "adapter plan": "adapter plan:",
              "FLOP count done": "MFU:", "warm-up done": "warmed up in",
-             "first graph capture": "capturing CUDA graphs",
-             "compiling thread started": "background compilation started",
-             "cuDNN replay done": "recorded calls chosen on a thread"}
+             "first graph capture": "capturing CUDA graphs", "compiling": "compiling the UNet's blocks"}
 
 
 def log_marks(path: Path, launch: float) -> dict[str, float]:
@@ -252,23 +246,12 @@ def _events(path: Path) -> list[dict]:
 
 
 def _measured(events: list[dict], args) -> bool:
-    """Whether a long run has given what is measured: --steps steps, or with a background compilation
-    (the "compiled" event) --after-compile steps past the first step logged after the switch (whose window
-    holds the graphs' capture). Either way at least two step events of the steady window measure() times:
-    step events come every train.log_every steps, so a window of fewer steps than that needs more."""
+    """Whether a long run has given what is measured: --steps steps, and at least two step events of the steady
+    window measure() times (step events come every train.log_every steps, so a window of fewer steps than that
+    needs more)."""
     steps = [e for e in events if e["event"] == "step"]
-    compiled = next((e for e in events if e["event"] == "compiled"), None)
-    if compiled is not None and args.after_compile:
-        steady = [e for e in steps if e["time"] > compiled["time"]][1:]
-        return len(steady) >= 2 and steady[-1]["step"] >= steady[0]["step"] + args.after_compile
     steady = [e for e in steps if e["step"] > args.warmup]
-    return (len(steady) >= 2 and steps[-1]["step"] >= args.steps
-            and not (args.after_compile and _compiling(events)))
-
-
-def _compiling(events: list[dict]) -> bool:
-    on = next((e for e in events if e["event"] == "background_compile"), None)
-    return bool(on and on["on"]) and not any(e["event"] == "compiled" for e in events)
+    return len(steady) >= 2 and steps[-1]["step"] >= args.steps
 
 
 def steps_of(args) -> int:
@@ -327,23 +310,7 @@ def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = F
         # A refusal at start is one paragraph after "error:"; anything else, the end of the log.
         result["error"] = text[text.rindex("error:"):][:1500] if "error:" in text else text[-3000:]
         return result
-    compiled = next((e for e in events if e["event"] == "compiled"), None)
-    if compiled is not None:  # train.background_compile: eager steps, then the compiled ones
-        eager = [e for e in steps if e["time"] < compiled["time"]]
-        after = [e for e in steps if e["time"] > compiled["time"]]
-        result["compiled_after_s"] = round(compiled["time"] - launch, 1)
-        result["background_compile_s"] = compiled["seconds"]
-        result["peak_gib_while_compiling"] = mem.peak(launch, compiled["time"])
-        result["peak_gib_compiled"] = mem.peak(compiled["time"])
-        result["torch_at_switch_gib"] = {k: compiled[k] for k in ("max_allocated_gib", "max_reserved_gib") if k in compiled}
-        if len(eager) >= 2:
-            result["eager_images_per_s"] = round(args.batch * (eager[-1]["step"] - eager[0]["step"])
-                                                 / (eager[-1]["time"] - eager[0]["time"]), 2)
-        if after:
-            result["steps_before_switch"] = after[0]["step"] - 1 if not eager else eager[-1]["step"]
-        steady = after[1:]  # the first event after the switch holds the graphs' capture
-    else:
-        steady = [e for e in steps if e["step"] > args.warmup]
+    steady = [e for e in steps if e["step"] > args.warmup]
     if len(steady) >= 2:
         images = args.batch * (steady[-1]["step"] - steady[0]["step"])
         result["images_per_s"] = round(images / (steady[-1]["time"] - steady[0]["time"]), 2)
@@ -375,9 +342,6 @@ def main() -> int:
     ap.add_argument("--run-steps", type=int, help="the run's train.steps when longer than --steps: it is stopped "
                                                  "with Ctrl-C after --steps (what auto chooses depends on it)")
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the steady images/s")
-    ap.add_argument("--after-compile", type=int, default=0,
-                    help="with a background compilation: measure this many steps after the switch to the "
-                         "compiled blocks (the run goes on past --steps until then)")
     ap.add_argument("--images", type=int, default=48)
     ap.add_argument("--card", type=float, default=0, help="cap the CLI's process to a card of this many GiB before "
                                                           "it starts (train.vram_gb unset: the run plans for the "

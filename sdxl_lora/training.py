@@ -45,30 +45,9 @@ RESUME_COMMAND = {"sdxl": "sdxl-lora train", "llm": "sdxl-lora llm train"}
 
 
 def stay_offline() -> None:
-    """Set OFFLINE_ENV (where the environment does not set them already), and share one map of the installed
-    packages between the libraries (`_share_package_map`). Where a front end starts."""
+    """Set OFFLINE_ENV (where the environment does not set them already). Where a front end starts."""
     for name, value in OFFLINE_ENV.items():
         os.environ.setdefault(name, value)
-    _share_package_map()
-
-
-def _share_package_map() -> None:
-    """transformers and diffusers each map import names to installed distributions as they are imported
-    (importlib.metadata.packages_distributions), which reads the file list of every installed distribution: a
-    second or more each, where many packages are installed. Nothing installs packages while a run goes on, so
-    the first call's map serves the later ones (each caller gets its own copy)."""
-    import functools
-    import importlib.metadata as metadata
-
-    if getattr(metadata.packages_distributions, "shared_map", False):
-        return
-    read = functools.cache(metadata.packages_distributions)
-
-    def packages_distributions() -> dict[str, list[str]]:
-        return {name: list(dists) for name, dists in read().items()}
-
-    packages_distributions.shared_map = True
-    metadata.packages_distributions = packages_distributions
 
 
 class _OfflineKernelNotice(logging.Filter):
@@ -205,7 +184,7 @@ def fit(job: Job, task=None, keep_failed: bool = False) -> Outcome:
     """Train `job` with `task` (default: task_for(job.cfg)); the run's train.log gets the log lines too.
     A new run refused for bad input before it trained (no images, a pickle model) leaves no folder behind,
     unless `keep_failed` (the UI's worker keeps it: the page shows the run as failed, with the message)."""
-    from .core import checkpoint, conv_search
+    from .core import checkpoint
     from .core.fsutil import clear_interrupted
     from .core.runs import attach_log_file, clear_pid, training_pid, write_pid
 
@@ -222,8 +201,6 @@ def fit(job: Job, task=None, keep_failed: bool = False) -> Outcome:
     if own_pid:
         write_pid(job.run.dir)
     log.info("run folder: %s", job.run.dir)
-    # The last run like this one's first-step calls, replayed on a thread beside the set-up (core/conv_search.py).
-    conv_search.start(job.cfg)
     from .core.loop import Trainer
 
     trainer = Trainer(job.cfg, task if task is not None else task_for(job.cfg), job.run, resume=job.state)
@@ -237,7 +214,6 @@ def fit(job: Job, task=None, keep_failed: bool = False) -> Outcome:
             _discard_untrained(job.run, e)
         raise
     finally:
-        conv_search.reset()
         if own_pid:
             clear_pid(job.run.dir)
         # This run's log lines end here: another run in the same process (a notebook, a script) must not

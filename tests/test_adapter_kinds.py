@@ -538,10 +538,9 @@ def test_the_demo_base_learns_with_each_kind(tmp_path, kind, shared_cache):
 
 # ---------------------------------------------------------------- the fast path
 
-@pytest.mark.parametrize("way, compiled, quantize", [("merged", False, None), ("concat", False, None),
-                                                     ("peft", False, None), ("merged", True, None),
-                                                     ("merged", False, "nf4")],
-                         ids=["merged", "concat", "peft", "merged-compiled", "merged-nf4"])
+@pytest.mark.parametrize("way, compiled, quantize", [("merged", False, None), ("peft", False, None),
+                                                     ("merged", True, None), ("merged", False, "nf4")],
+                         ids=["merged", "peft", "merged-compiled", "merged-nf4"])
 def test_dora_keeps_the_fused_projections_with_peft_loss_and_gradients(tiny_dir, monkeypatch, way, compiled, quantize):
     """DoRA on the fused q/k/v path (train.fuse_qkv, each train.lora_matmul way, compiled, over a QLoRA base):
     the loss and every adapter gradient, the magnitudes' included, are peft's own DoRA layers', and the

@@ -22,6 +22,22 @@ def test_set_overrides_parse_toml_literals(tmp_path):
     assert cfg.data.dirs == ["a", "b"]
 
 
+def test_a_config_written_before_settings_were_removed_loads_with_a_warning_for_each(tmp_path, caplog):
+    # A run folder's config.toml names every field of its day: it must load (and resume) after a lever is gone.
+    path = tmp_path / "config.toml"
+    path.write_text("[train]\nsteps = 7\nreuse_conv_search = true\nbackground_compile = true\n"
+                    "graphs_while_compiling = false\nlora_matmul = 'concat'\n")
+    with caplog.at_level("WARNING", logger="sdxl_lora.core.config"):
+        cfg = load_config(path)
+    assert cfg.train.steps == 7 and cfg.train.lora_matmul == "merged"
+    gone = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
+    assert [m.split(" ", 1)[0] for m in gone] == ["train.background_compile", "train.graphs_while_compiling",
+                                                  "train.reuse_conv_search", "train.lora_matmul='concat'"]
+    assert not any(k in cfg.to_toml() for k in ("reuse_conv_search", "background_compile", "graphs_while_compiling"))
+    with pytest.raises(ConfigError, match="lora_matmul"):  # typed today, it is no choice
+        load_config(overrides=["train.lora_matmul=fused"])
+
+
 def test_bad_choice_names_field_value_and_allowed_values():
     with pytest.raises(ConfigError) as e:
         load_config(overrides=["train.mixed_precision=fp8"])
@@ -107,6 +123,14 @@ def test_a_model_folder_recommends_settings_that_apply_where_the_config_is_silen
     (model / "sdxl_lora.toml").write_text("[train\n")
     with pytest.raises(ConfigError, match="sdxl_lora.toml.*not valid TOML"):
         load_config(overrides=[f"model.path='{model}'"])
+
+
+def test_the_previews_are_scored_for_a_concept_only_where_the_model_asks():
+    # The shapes detector knows the demo base's shapes: the demo base asks for the star (its sdxl_lora.toml),
+    # any other model scores nothing unless the config names a concept.
+    assert load_config().preview.concept == "star"
+    assert load_config(extra={"model.path": "tiny-sdxl"}).preview.concept is None
+    assert load_config(overrides=["preview.concept=''"]).preview.concept == ""
 
 
 def test_settings_of_the_other_task_are_named_only_when_the_config_sets_them():

@@ -145,6 +145,25 @@ def test_resume_without_a_state_says_so(tmp_path, cli, cache_args):
     assert "no complete training state" in p.stderr
 
 
+def test_a_run_folder_written_before_settings_were_removed_resumes(tmp_path, cli, cache_args):
+    # A run's config.toml names every field of its day: the levers removed since are ignored with a warning each
+    # (lora_matmul='concat' trains as 'merged'), and the run resumes from its state.
+    train_here(cli, tmp_path, "--name", "old", "--steps", "2", "--set", "preview.prompts=''",
+               "--set", "train.save_every=1", *cache_args)
+    config = tmp_path / "old" / "config.toml"
+    text = config.read_text()
+    assert "\n[train]\n" in text and 'lora_matmul = "merged"' in text
+    config.write_text(text.replace("\n[train]\n", "\n[train]\nreuse_conv_search = true\nbackground_compile = true\n"
+                                   "graphs_while_compiling = true\n").replace('lora_matmul = "merged"',
+                                                                             'lora_matmul = "concat"'))
+    p = train_here(cli, tmp_path, "--resume", str(tmp_path / "old"), "--steps", "3")
+    for name in ("reuse_conv_search", "background_compile", "graphs_while_compiling"):
+        assert f"train.{name} is gone and ignored" in p.stderr
+    assert "train.lora_matmul='concat' is gone" in p.stderr
+    events = read_events(tmp_path / "old" / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "resume"] == [1] and events[-1]["event"] == "done"
+
+
 def test_starts_released_together_never_share_a_run_folder(tmp_path):
     # Several starts of one run name at the same moment: exactly one gets the folder, the others are told
     # it exists; the winner's config.toml is whole.

@@ -411,13 +411,13 @@ def test_fused_qkv_projections_give_the_same_loss_and_gradients(tiny_dir, monkey
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("matmul,compiled", [("concat", False), ("concat", True), ("merged", True)],
-                         ids=["concat-eager", "concat-compiled", "merged-compiled"])
-def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, tmp_path, monkeypatch, matmul, compiled):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_merged_lora_matmul_gives_the_same_loss_and_gradients(tiny_dir, tmp_path, monkeypatch, compiled):
     from diffusers.models.attention_processor import Attention
 
-    from sdxl_lora.core.config import ConfigError, load_config
+    from sdxl_lora.core.config import load_config
 
+    matmul = "merged"
     monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
     unet = tiny_unet_with_lora(tiny_dir)
     attns = [m for m in unet.modules() if isinstance(m, Attention)]
@@ -454,9 +454,7 @@ def test_lora_matmul_ways_give_the_same_loss_and_gradients(tiny_dir, tmp_path, m
     w = torch.nn.Parameter(torch.randn(6, 4))
     with pytest.raises(ValueError, match="frozen"):
         lora_matmul.lora_linear(torch.randn(2, 4), w, None, torch.randn(2, 4), torch.randn(6, 2), matmul)
-    with pytest.raises(ConfigError, match="train.fuse_qkv=true"):
-        load_config(extra={"train.lora_matmul": "concat", "train.fuse_qkv": False})
-    # Turning fuse_qkv off alone is no error: the default way then has nothing to act on, and the run's saved
+    # Turning fuse_qkv off is no error: the default way then has nothing to act on, and the run's saved
     # config (every field written out) loads again for --resume.
     unfused = load_config(extra={"train.fuse_qkv": False})
     assert unfused.train.lora_matmul == "merged"
@@ -743,41 +741,9 @@ def test_geglu_backward_matches_autograd_in_bf16():
     assert got_x.grad[..., 40:].abs().sum() > 0 and got_x.grad[..., :40].abs().sum() > 0
 
 
-def test_up_blocks_concatenate_skips_inside_the_compiled_resnets_with_the_same_training_signal(tiny_dir,
-                                                                                                monkeypatch):
-    monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
-    unet = tiny_unet_with_lora(tiny_dir)
-    batch = batch_for(unet)
-    ref = loss_and_grads(unet, batch)
-    speed.to_channels_last(unet)
-    unet_speed.transformer_io(unet, compile=False)
-    # The gradients that reach the outputs of the stages feeding an up block's concatenation (outside the
-    # fused ResNets): each one not channels_last in memory is a copy before that stage's compiled backward.
-    layouts = []
-
-    def watch(module, args, out):
-        t = out[0] if isinstance(out, tuple) else out
-        if t.requires_grad:
-            t.register_hook(lambda g: layouts.append(g.is_contiguous(memory_format=torch.channels_last)))
-
-    for name, m in unet.named_modules():
-        if type(m).__name__ in ("Transformer2DModel", "Upsample2D") or name.startswith("mid_block.resnets."):
-            m.register_forward_hook(watch)
-    loss_and_grads(unet, batch)
-    assert not all(layouts)  # diffusers' concatenation: channel slices of its gradient
-    blocks = sum(type(m).__name__ in ("CrossAttnUpBlock2D", "UpBlock2D") for m in unet.modules())
-    assert unet_speed.fuse_skip_concat(unet) == blocks > 0
-    layouts.clear()
-    got = loss_and_grads(unet, batch)
-    assert layouts and all(layouts)
-    assert_same(ref, got)
-    torch._dynamo.reset()
-
-
-def test_regional_compile_with_channels_last_keeps_the_resnets_surroundings_in_layout(tiny_dir, monkeypatch):
-    """The trainer's set-up (SDXLTask._speed_setup) with train.compile="regional" and channels_last: the up
-    blocks' concatenation, the last GroupNorm, the upsamplers and the convolutions' input gradients all go the
-    compiled, channels_last way, and the training signal is the same."""
+def test_regional_compile_with_channels_last_keeps_the_resnets_backward_graphs_in_layout(tiny_dir, monkeypatch):
+    """The trainer's set-up (SDXLTask._speed_setup) with train.compile="regional" and channels_last: the
+    convolutions' input gradients go the compiled, channels_last way, and the training signal is the same."""
     import types
 
     from functorch.compile import make_boxed_func
@@ -798,31 +764,15 @@ def test_regional_compile_with_channels_last_keeps_the_resnets_surroundings_in_l
     task.device = torch.device("cpu")
     task.dataset = types.SimpleNamespace(bucket_histogram=lambda: {(128, 128): 4})  # one bucket: static shapes
     task._speed_setup(unet, types.SimpleNamespace(event=lambda *a, **k: None))
-    ups = [m for m in unet.modules() if type(m).__name__ in ("CrossAttnUpBlock2D", "UpBlock2D")]
-    assert ups and all(m.forward.__func__ is unet_speed._up_block_forward for m in ups)
-    assert unet.conv_norm_out.forward.__func__ is unet_speed._compiled_group_norm
     convs = [m for b in unet.modules() if type(b).__name__ in ("ResnetBlock2D", "Upsample2D") for m in b.modules()
              if type(m) is torch.nn.Conv2d]
     assert convs and all(m.forward.__func__ is unet_speed._conv_forward for m in convs)
-    samplers = [m for m in unet.modules() if type(m).__name__ == "Upsample2D"]
-    assert samplers and all(m.forward.__func__ is unet_speed._upsample for m in samplers)
     assert_same(ref, loss_and_grads(unet, batch))
     # The compiled ResNets' backward graphs compute the input gradients as (transposed) convolutions, which
     # inductor keeps channels_last, none with convolution_backward (each one of those a copy on the GPU).
     calls = [n for g in backward_graphs for n in g.graph.nodes if n.op == "call_function"]
     assert any(n.target is torch.ops.aten.convolution.default and n.args[6] for n in calls)
     assert not [n for n in calls if n.target is torch.ops.aten.convolution_backward.default and n.args[10][0]]
-    # The upsamplers' gradient is a sum over each 2x2 block, not a scatter-add (atomics on the GPU).
-    aten = torch.ops.aten
-    assert not [n for n in calls if n.target in (aten.upsample_nearest2d_backward.default, aten.index_put.default,
-                                                 aten._unsafe_index_put.default)]
-    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last).requires_grad_()
-    up = unet_speed._nearest2x(x)
-    assert up.is_contiguous(memory_format=torch.channels_last)
-    torch.testing.assert_close(up, torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest"), rtol=0, atol=0)
-    grad = torch.randn_like(up)
-    torch.testing.assert_close(torch.autograd.grad(up, x, grad)[0],
-                               torch.autograd.grad(torch.nn.functional.interpolate(x, scale_factor=2.0), x, grad)[0])
     torch._dynamo.reset()
 
 
@@ -914,16 +864,6 @@ def test_auto_speed_picks_the_levers_for_the_device_and_the_run_and_explicit_set
     nf4 = load_config(extra={"train.steps": steps, "train.batch_size": 4, "model.quantize": "nf4"})
     cfg, why = auto_levers(nf4, "cuda", 1)
     assert cfg.train.cuda_graphs and cfg.train.compile == "none" and "quantized" in why["compile"]
-    # A compiled run trains while it compiles (on one process; set-up checks that it fits), replaying the
-    # uncompiled model's graphs meanwhile; a short one does not.
-    assert auto_levers(long, "cuda", 1)[0].train.background_compile is True
-    assert auto_levers(long, "cuda", 1)[0].train.graphs_while_compiling is True
-    assert auto_levers(short, "cuda", 1)[0].train.graphs_while_compiling is False
-    assert auto_levers(short, "cuda", 1)[0].train.background_compile is False
-    assert auto_levers(long, "cuda", 2)[0].train.background_compile is False
-    mine = load_config(extra={"train.steps": steps, "train.batch_size": 4, "train.background_compile": False})
-    cfg, why = auto_levers(mine, "cuda", 1)
-    assert cfg.train.compile == "regional" and cfg.train.background_compile is False and "as set" in why["background_compile"]
 
 
 def test_graphs_of_every_bucket_share_one_memory_pool(monkeypatch):
@@ -957,17 +897,29 @@ def _bucketed_dataset(folder, sizes, n=4):
     return folder
 
 
-def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_path, monkeypatch):
+def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_path, monkeypatch, caplog):
     # Counting compilations (a backend that counts the graphs it is given, then runs aot_eager) at each event
     # of a run over three aspect buckets with the step-0 and final previews and the eval loss on: nothing
     # compiles before training (the step-0 previews and eval), the first step compiles, and nothing after it
     # (the other buckets, the final eval and previews) compiles again. A shape per bucket, or the check-ins'
-    # own shapes and no-grad graphs, would each add compilations.
+    # own shapes and no-grad graphs, would each add compilations. The log says it compiles before the compiler
+    # starts, once: a user is never left with a silent first step.
+    import logging
+
     from torch._dynamo.backends.debugging import aot_eager
 
     from sdxl_lora.core.runs import Run
 
-    graphs, at = [], []
+    graphs, at, said = [], [], []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("compiling the UNet's blocks for this shape"):
+                said.append(len(graphs))
+
+    caplog.set_level(logging.INFO, logger="sdxl_lora.sdxl.task")
+    handler = Said()
+    logging.getLogger("sdxl_lora.sdxl.task").addHandler(handler)
 
     def counting(gm, example_inputs):
         graphs.append(gm)
@@ -992,6 +944,8 @@ def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_
                  "--set", "data.bucket_step=32", "--set", "train.save_every=0", "--set", "adapter.preset='attn'",
                  "--set", "train.log_every=1", "--set", f"preview.prompts='{prompts}'"]) == 0
     torch._dynamo.reset()
+    logging.getLogger("sdxl_lora.sdxl.task").removeHandler(handler)
+    assert said == [0]
     events = read_events(tmp_path / "three" / "events.jsonl")
     assert len(next(e for e in events if e["event"] == "dataset")["buckets"]) == 3
     assert {e["step"] for e in events if e["event"] == "samples"} == {0, 4}
@@ -1009,72 +963,12 @@ def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_
 
 def _two_bucket_run(tmp_path) -> list[str]:
     """`sdxl-lora train` arguments (but the name and the levers) for 4 steps of the tiny model on the CPU over two
-    buckets, every step logged, no previews: the background compilation's runs."""
+    buckets, every step logged, no previews."""
     two = _bucketed_dataset(tmp_path / "data", [(128, 128), (160, 96)], n=4)
     return ["--model", "tiny-sdxl", "--data", str(two), "--out", str(tmp_path), "--steps", "4", "--batch-size", "1",
             "--device", "cpu", "--set", "data.resolution=128", "--set", "data.bucket_step=32",
             "--set", "train.save_every=0", "--set", "adapter.preset='attn'", "--set", "train.log_every=1",
             "--set", "preview.prompts=''"]
-
-
-def test_background_compilation_compiles_on_its_own_thread_and_training_switches_to_it(tmp_path, monkeypatch):
-    # train.background_compile: a second thread compiles every region for every bucket (two here) while the
-    # training thread runs its first steps uncompiled (the step-0 evaluation before the thread starts). Counting the graphs the compiler is
-    # given, and on which thread: all on the compiling one, none on the training thread, neither before the
-    # switch (the evaluation's no-grad passes, the first steps) nor after it (the other buckets, the final
-    # evaluation). The switch waits here for the thread at the third step (on a real GPU the steps run on
-    # until it is done); the weights trained are those of the same run without compilation.
-    import threading
-
-    from safetensors.torch import load_file
-    from torch._dynamo.backends.debugging import aot_eager
-
-    threads = []
-
-    def counting(gm, example_inputs):
-        threads.append(threading.current_thread().name)
-        return aot_eager(gm, example_inputs)
-
-    monkeypatch.setattr(speed, "COMPILE_BACKEND", counting)
-    calls = []
-    done = speed.BackgroundCompile.done
-
-    def done_at_third_step(self):  # the first two steps eager, then the switch waits for the thread
-        if len(calls) >= 2:
-            self._thread.join()
-        calls.append(len(threads))
-        return done(self)
-
-    monkeypatch.setattr(speed.BackgroundCompile, "done", done_at_third_step)
-    started_after = []  # the run's events when the compiling thread starts: after the step-0 evaluation
-    start = speed.BackgroundCompile.start
-
-    def recording_start(self, work, device):
-        started_after.append([e["event"] for e in read_events(tmp_path / "background" / "events.jsonl")])
-        return start(self, work, device)
-
-    monkeypatch.setattr(speed.BackgroundCompile, "start", recording_start)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    common = _two_bucket_run(tmp_path)
-    torch._dynamo.reset()
-    assert main(["train", *common, "--name", "background", "--set", "train.compile='transformer'",
-                 "--set", "train.background_compile=true"]) == 0
-    torch._dynamo.reset()
-    events = read_events(tmp_path / "background" / "events.jsonl")
-    assert next(e for e in events if e["event"] == "background_compile")["on"] is True
-    assert len(started_after) == 1 and "eval" in started_after[0] and "step" not in started_after[0], started_after
-    compiled = next(e for e in events if e["event"] == "compiled")
-    assert compiled["error"] is None
-    kinds = [e["event"] for e in events if e["event"] in ("step", "compiled")]
-    assert kinds.index("compiled") == 2  # after two eager steps
-    assert threads and set(threads) == {"sdxl-lora-compile"}, threads
-    assert len(calls) == 3 and len(threads) == calls[-1]  # nothing compiled after the switch either
-    assert len(list((tmp_path / "inductor" / "sdxl_lora_compiled").iterdir())) == 1  # marked at the switch
-    assert main(["train", *common, "--name", "eager"]) == 0
-    bg, plain = (load_file(str(tmp_path / n / f"{n}.safetensors")) for n in ("background", "eager"))
-    assert bg.keys() == plain.keys()
-    for k in bg:  # fp32 rounding apart (Adam scales tiny gradient differences up): a step of lr is 1e-3
-        torch.testing.assert_close(bg[k], plain[k], rtol=1e-3, atol=1e-4, msg=k)
 
 
 def _graphs_as_on_cuda(monkeypatch, stand_in) -> None:
@@ -1083,79 +977,13 @@ def _graphs_as_on_cuda(monkeypatch, stand_in) -> None:
     from sdxl_lora.sdxl.task import SDXLTask
 
     monkeypatch.setattr(speed, "GraphedCall", stand_in)
-    start = SDXLTask.start
+    speed_setup = SDXLTask._speed_setup
 
-    def on_cuda(self, model, autocast):
+    def on_cuda(self, unet, run):
+        speed_setup(self, unet, run)
         self._graphed = True
-        return start(self, model, autocast)
 
-    monkeypatch.setattr(SDXLTask, "start", on_cuda)
-
-
-def test_graphs_while_compiling_capture_the_uncompiled_model_first_then_the_compiled_one(tmp_path, monkeypatch):
-    # train.graphs_while_compiling: the uncompiled steps replay CUDA graphs while the blocks compile. A capture
-    # refuses CUDA work from another thread, so the compiling thread must start only after the uncompiled
-    # model's graphs exist; at the switch those graphs go and the compiled model's are captured. CUDA graphs
-    # cannot run on a CPU: a stand-in records when each set of graphs is made and calls the model as it is.
-    from safetensors.torch import load_file
-    from torch._dynamo.backends.debugging import aot_eager
-
-    monkeypatch.setattr(speed, "COMPILE_BACKEND", lambda gm, inputs: aot_eager(gm, inputs))
-    made = []  # per set of graphs: was the compiling thread started when it was made, and its calls
-
-    class Graphs:
-        def __init__(self, module, fn, **kw):
-            self.module, self.fn, self.calls, self.released = module, fn, 0, False
-            made.append({"compiler_started": speed.BACKGROUND.started, "graphs": self})
-
-        def __call__(self, *args):
-            self.calls += 1
-            return self.fn(*args)
-
-        def release(self):
-            self.released = True
-
-    _graphs_as_on_cuda(monkeypatch, Graphs)
-    at_start = []
-    bg_start = speed.BackgroundCompile.start
-
-    def recording_start(self, work, device):
-        at_start.append([(m["compiler_started"], m["graphs"].calls) for m in made])
-        return bg_start(self, work, device)
-
-    monkeypatch.setattr(speed.BackgroundCompile, "start", recording_start)
-    done = speed.BackgroundCompile.done
-    steps = []
-
-    def done_at_third_step(self):  # two steps replay the uncompiled graphs, then the switch waits for the thread
-        if len(steps) >= 2 and self._thread is not None:
-            self._thread.join()
-        steps.append(1)
-        return done(self)
-
-    monkeypatch.setattr(speed.BackgroundCompile, "done", done_at_third_step)
-    common = _two_bucket_run(tmp_path)
-    torch._dynamo.reset()
-    assert main(["train", *common, "--name", "graphed", "--set", "train.compile='transformer'",
-                 "--set", "train.background_compile=true", "--set", "train.graphs_while_compiling=true"]) == 0
-    torch._dynamo.reset()
-    # The compiler started once, after the uncompiled model's graphs were made and had run the first step.
-    assert at_start == [[(False, 1)]], at_start
-    # Then, at the switch, the compiled model's graphs: two sets in all, the first one used for two steps.
-    assert [m["compiler_started"] for m in made] == [False, True], made
-    assert made[0]["graphs"].calls == 2 and made[1]["graphs"].calls == 2
-    assert made[1]["graphs"].released  # after the last step, before the final evaluation
-    events = read_events(tmp_path / "graphed" / "events.jsonl")
-    kinds = [e["event"] for e in events if e["event"] in ("step", "compiled")]
-    assert kinds == ["step", "step", "compiled", "step", "step"], kinds
-    assert next(e for e in events if e["event"] == "compiled")["error"] is None
-    # Without train.background_compile the switch says it does nothing; the weights are the same run's.
-    assert main(["train", *common, "--name", "plain", "--set", "train.graphs_while_compiling=true"]) == 0
-    assert "train.graphs_while_compiling has no effect" in (tmp_path / "plain" / "train.log").read_text()
-    graphed, plain = (load_file(str(tmp_path / n / f"{n}.safetensors")) for n in ("graphed", "plain"))
-    assert graphed.keys() == plain.keys()
-    for k in graphed:  # fp32 rounding apart (Adam scales tiny gradient differences up): a step of lr is 1e-3
-        torch.testing.assert_close(graphed[k], plain[k], rtol=1e-3, atol=1e-4, msg=k)
+    monkeypatch.setattr(SDXLTask, "_speed_setup", on_cuda)
 
 
 def test_the_steps_graphs_are_released_before_the_final_evaluation_and_previews(tmp_path, monkeypatch):
@@ -1221,109 +1049,6 @@ def test_evaluation_and_previews_run_without_cudnns_search_and_training_keeps_it
     assert {c for c in calls if c[0] == "no grad"} == {("no grad", False)}  # evaluation and previews
     assert calls.count(("no grad", False)) >= 3  # eval before and after, previews before and after
     assert torch.backends.cudnn.benchmark is True
-
-
-def test_modules_called_beside_the_compiling_thread_are_not_traced_into_its_graphs():
-    # torch.fx's tracer patches torch.nn.Module.__call__ for the whole process while it traces (inductor traces
-    # with it): a module called meanwhile on the training thread went into the compiling thread's graph and
-    # failed ("module is not installed as a submodule", seen in a GPU run). The compiling thread's patches act
-    # on that thread only: both threads run at once, the training thread's calls are plain, the traces whole.
-    net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
-
-    def long_trace(x):
-        for _ in range(400):
-            x = x * 2 + 1
-        return x
-
-    speed.BACKGROUND.enable()
-    try:
-        traced = []
-        speed.BACKGROUND.start(lambda: traced.extend(torch.fx.symbolic_trace(long_trace) for _ in range(20)),
-                               torch.device("cpu"))
-        calls = 0
-        x = torch.randn(2, 8)
-        while not speed.BACKGROUND.done():
-            assert torch.equal(net(x), net[1:](net[0](x)))
-            calls += 1
-        assert calls > 0 and speed.BACKGROUND.error is None
-        assert len(traced) == 20 and all(torch.equal(g(x), long_trace(x)) for g in traced)
-        assert torch.nn.Module.__call__ is torch.nn.Module._wrapped_call_impl  # every patch reverted
-    finally:
-        speed.BACKGROUND.wait()
-        speed.BACKGROUND.reset()
-
-
-def test_background_compilation_runs_where_it_can_and_warns_where_it_may_not_fit(monkeypatch, caplog):
-    # train.background_compile=true: on for a compiled run on one process; refused with the reason (the run
-    # then compiles as without it) with checkpointing, dropout, random crops, without compile; on a GPU where
-    # the eager steps and the compiling thread may not fit (BACKGROUND_GROWTH x the training estimate) it says so.
-    import logging
-    from types import SimpleNamespace
-
-    from sdxl_lora.sdxl import task as sdxl_task
-
-    import json
-
-    from sdxl_lora.sdxl.single_file import SDXL_BASE_CONFIG_DIR
-
-    gib = 2**30
-    unet_config = json.loads((SDXL_BASE_CONFIG_DIR / "unet" / "config.json").read_text())
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
-
-    def decide(*overrides, training_gib=40.0, device="cuda", dropout=0.0, auto=False):
-        cfg = load_config(overrides=["train.compile='regional'", *overrides] if auto else
-                          ["train.compile='regional'", "train.background_compile=true", *overrides])
-        t = sdxl_task.SDXLTask(cfg)
-        if auto:  # as train.speed="auto" chose it: not one of the user's settings
-            t.cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"background_compile": True})})
-        t.accelerator = SimpleNamespace(num_processes=1, mixed_precision="bf16")
-        t.device, t.resolution = torch.device(device), 1024
-        t.pipe = SimpleNamespace(unet=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(dropout)))
-        t.pipe.unet.config = unet_config
-        t.run_memory = SimpleNamespace(phases={"training": int(training_gib * gib)})
-        return t._background_compile()
-
-    with caplog.at_level(logging.WARNING):
-        assert decide() == (True, "as set (about 62.0 GiB of the GPU's 80.0)") and not caplog.records
-        assert decide(training_gib=50.0)[0] is True  # 1.55 x 50 = 77.5 GiB > 0.95 x 80: warned, kept as set
-        assert "77.5 GiB" in caplog.text and "may run out of memory" in caplog.text
-    assert decide("train.background_compile=false") == (False, "as set")
-    assert decide(device="cpu") == (True, "as set")
-    for why, kw in [("checkpointed", {"overrides": ["train.gradient_checkpointing=true"]}),
-                    ("dropout", {"dropout": 0.1}), ("random", {"overrides": ["data.crop='random'"]}),
-                    ("nothing to compile", {"overrides": ["train.compile='none'"]})]:
-        on, reason = decide(*kw.get("overrides", []), **{k: v for k, v in kw.items() if k != "overrides"})
-        assert on is False and why in reason, reason
-    # Chosen by auto: on where it fits, off without a warning where it may not (or cannot work), the reason told.
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        on, reason = decide(auto=True)
-        assert on is True and "auto" in reason and "62.0 GiB" in reason
-        on, reason = decide(training_gib=50.0, auto=True)
-        assert on is False and "77.5 GiB" in reason
-        on, reason = decide("train.gradient_checkpointing=true", auto=True)
-        assert on is False and "checkpointed" in reason
-        assert not caplog.records
-
-    # The uncompiled steps also keep the inputs of feed-forward adapters, which the training estimate (a compiled
-    # step's) does not hold: on SDXL base at batch 16 the `full` preset's run peaked at 133.5 of the H200's
-    # 139.8 GiB where the check counted 128.0 GiB. With its layers' shapes counted it stays off; `topology` on.
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=int(139.8 * gib)))
-
-    def on_sdxl(preset):
-        cfg = load_config(overrides=["train.compile='regional'", "train.batch_size=16", f"adapter.preset='{preset}'"])
-        t = sdxl_task.SDXLTask(cfg)
-        t.cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"background_compile": True})})
-        t.accelerator = SimpleNamespace(num_processes=1, mixed_precision="bf16")
-        t.device, t.resolution = torch.device("cuda"), 1024
-        t.pipe = SimpleNamespace(unet=torch.nn.Linear(2, 2))
-        t.pipe.unet.config = unet_config
-        t.run_memory = SimpleNamespace(phases={"training": int(82.6 * gib)})
-        return t._background_compile()
-
-    assert on_sdxl("topology")[0] is True
-    on, reason = on_sdxl("full")
-    assert on is False and "144.9 GiB" in reason, reason
 
 
 def test_graphs_warm_every_bucket_up_before_capturing_any(tmp_path, monkeypatch):

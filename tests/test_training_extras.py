@@ -381,6 +381,35 @@ def test_mfu_arithmetic_and_peak_table():
     assert tracking.count_flops(lambda: a @ b) == 2 * 8 * 16 * 4
 
 
+def test_mfu_counts_the_unets_step_on_the_meta_device_as_the_model_itself_counts(tiny_dir):
+    """The MFU figure's FLOPs come from a copy of the UNet on the meta device (no memory, no kernels): the same
+    count as a forward of the trained model itself, doubled for the step."""
+    from diffusers import UNet2DConditionModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from sdxl_lora.core import inject, tracking
+    from sdxl_lora.core.config import AdapterConfig
+    from sdxl_lora.sdxl import slots as unet_slots
+
+    unet = UNet2DConditionModel.from_pretrained(str(tiny_dir / "unet"), local_files_only=True)
+    task = SDXLTask(load_config())
+    task.plan = unet_slots.make_plan(unet, AdapterConfig(preset="full", rank=4), resolution=128, native=128)
+    inject.apply_plan(unet, task.plan)
+    task.pipe = SimpleNamespace(unet=unet)
+    c = unet.config
+    batch = {"latent_mean": torch.zeros(3, 4, 12, 16), "prompt_embeds": torch.zeros(3, 77, c.cross_attention_dim),
+             "pooled": torch.zeros(3, c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim),
+             "time_ids": torch.zeros(3, 6)}
+    # Attention as the math path, which the meta device runs too (the CPU's own kernel goes uncounted).
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        forward = tracking.count_flops(lambda: unet(
+            torch.zeros(1, 4, 12, 16), torch.tensor([500]), encoder_hidden_states=batch["prompt_embeds"][:1],
+            added_cond_kwargs={"text_embeds": batch["pooled"][:1], "time_ids": batch["time_ids"][:1]}))
+    assert forward > 0 and task.flops_per_sample(batch) == 2 * forward
+    # The text encoders' LoRA (their forward is in the step): the loop counts on the device.
+    assert task.flops_per_sample({"latent_mean": batch["latent_mean"], "input_ids": torch.zeros(3, 77)}) is None
+
+
 def test_mfu_counts_grouped_query_attention_as_every_query_head_attending():
     """Llama 3 and most LLMs have fewer key/value heads than query heads; the GPU's attention kernels take
     them as they are. The count (what the MFU figure of an LLM run rests on) is that of keys and values

@@ -6,6 +6,7 @@ overrides. Errors name the field, the bad value and what is allowed.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import tomllib
 from pathlib import Path
@@ -15,6 +16,8 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from . import presets
+
+log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = REPO_ROOT / "sample_data"
@@ -323,6 +326,15 @@ class AdapterConfig(Section):
         "The text encoders' rank; none means adapter.rank."))
 
 
+# train.* settings that were removed, with what a user reads about each: a config that sets one loads with a
+# warning (TrainConfig._removed_fields). benchmarks/RESULTS.md#levers-measured-and-not-kept says why each went.
+REMOVED_TRAIN_FIELDS = {
+    "reuse_conv_search": "cuDNN's algorithm search now runs in the first step, as torch does it",
+    "background_compile": "a compiled run compiles in its first step",
+    "graphs_while_compiling": "a compiled run compiles in its first step",
+}
+
+
 class TrainConfig(Section):
     steps: int = Field(300, ge=1, description="Optimizer steps to train for.")
     batch_size: int = Field(2, ge=1, description="Examples (images, or LLM rows) per step on each process.")
@@ -401,7 +413,7 @@ class TrainConfig(Section):
     # Speed and memory levers: docs/speed.md.
     speed: Literal["auto", "off"] = Field("auto", description=(
         "On a CUDA GPU, 'auto' turns on the speed levers that pay for the run's length (CUDA graphs, "
-        "compilation on a second thread, channels_last) and logs why; a lever you set wins. 'off': only yours."))
+        "compilation, channels_last) and logs why; a lever you set wins. 'off': only yours."))
     vram_gb: float | None = Field(None, gt=0, description=(
         "GPU memory the whole run may use, in GiB: the fastest settings that fit are chosen and logged, the "
         "process is capped there, and a budget that cannot be met is refused at start."))
@@ -421,15 +433,6 @@ class TrainConfig(Section):
     cuda_graphs: bool = Field(False, description=(
         "Replay the step from CUDA graphs (CUDA only): SDXL, the UNet's forward and backward per bucket shape; "
         "LLM, the compiled decoder layers (no checkpointing)."))
-    reuse_conv_search: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
-        "CUDA: record the first step's convolutions and attention; a later run like this one has cuDNN choose "
-        "their algorithms on a thread at launch instead of in its first step."))
-    background_compile: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
-        "With compile: the blocks compile on a second thread while the first steps train uncompiled, then "
-        "training switches to them (one process; speed='auto' turns it on where both fit the GPU)."))
-    graphs_while_compiling: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
-        "With background_compile and cuda_graphs: the uncompiled steps replay CUDA graphs while the blocks "
-        "compile, then the compiled ones are captured (speed='auto' turns it on with both)."))
     fuse_qkv: bool = Field(True, json_schema_extra=SDXL_ONLY, description=(
         "Compute each attention's q/k/v projections and their LoRA in one matmul instead of three: the same "
         "loss and gradients, fewer kernels."))
@@ -439,10 +442,10 @@ class TrainConfig(Section):
     # "merged" rounds the summed weight once to bf16, which stays as close to fp32 as peft's products (tested),
     # and gives A and B peft's gradients. Projections with fewer tokens than the weight's input width keep
     # peft's products (the weight-sized copy would cost more than it saves); quantized bases take "merged"
-    # dequantized per call, "concat" leaves them to peft.
-    lora_matmul: Literal["peft", "concat", "merged"] = Field("merged", json_schema_extra=SDXL_ONLY, description=(
+    # dequantized per call.
+    lora_matmul: Literal["peft", "merged"] = Field("merged", json_schema_extra=SDXL_ONLY, description=(
         "With fuse_qkv: how the attention projections' LoRA is computed. 'merged': x @ (W + sBA)^T; "
-        "'concat': [x, xA^T] @ [W, sB]^T; 'peft': peft's own products."))
+        "'peft': peft's own products."))
     # On SDXL's attention shapes torch's own choice already runs cuDNN's kernel, the fastest (docs/speed.md).
     sdpa_backend: Literal["default", "cudnn", "flash", "efficient", "math"] = Field(
         "default", json_schema_extra=SDXL_ONLY, description=(
@@ -473,6 +476,19 @@ class TrainConfig(Section):
     peak_tflops: float | None = Field(None, gt=0, description=(
         "Your GPU's dense bf16/fp16 peak in TFLOP/s, for the MFU figure; none looks the GPU up by name."))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        # A config file or run folder written before a setting was removed still loads and resumes.
+        if isinstance(data, dict) and REMOVED_TRAIN_FIELDS.keys() & data.keys():
+            for name in sorted(REMOVED_TRAIN_FIELDS.keys() & data.keys()):
+                log.warning("train.%s is gone and ignored: %s", name, REMOVED_TRAIN_FIELDS[name])
+            data = {k: v for k, v in data.items() if k not in REMOVED_TRAIN_FIELDS}
+        if isinstance(data, dict) and data.get("lora_matmul") == "concat":
+            log.warning("train.lora_matmul='concat' is gone; the run trains with 'merged'")
+            data = {**data, "lora_matmul": "merged"}
+        return data
+
     @model_validator(mode="after")
     def _timestep_range(self) -> "TrainConfig":
         if self.timestep_max is not None and self.timestep_max < self.timestep_min:
@@ -480,14 +496,6 @@ class TrainConfig(Section):
                              "the range is [timestep_min, timestep_max]")
         return self
 
-    @model_validator(mode="after")
-    def _lora_matmul_needs_fused_projections(self) -> "TrainConfig":
-        # Only a way other than the default: "merged" simply has nothing to act on without fuse_qkv, and a run's
-        # saved config.toml (every field written out) must load again.
-        if self.lora_matmul == "concat" and not self.fuse_qkv:
-            raise ValueError(f"lora_matmul={self.lora_matmul!r} works through the fused attention projections: set "
-                             "train.fuse_qkv=true too, or train.lora_matmul='peft'")
-        return self
 
 
 class PreviewConfig(Section):
@@ -510,10 +518,11 @@ class PreviewConfig(Section):
     before: bool = Field(True, description="Preview before training, as a baseline.")
     after: bool = Field(True, description="Preview at the end of training.")
     # A "concept" event per preview, over the prompts naming the concept: prompts naming none of its words
-    # are not scored, so it is harmless for other prompts.
-    concept: str = Field("star", json_schema_extra=SDXL_ONLY, description=(
+    # are not scored. The detector knows the demo base's shapes only, so the demo base asks for it (its
+    # RECOMMENDED_SETTINGS file); other models score nothing unless the config says so.
+    concept: str | None = Field(None, json_schema_extra=SDXL_ONLY, description=(
         "Score the previews for this concept with the shapes detector (shape and/or colour words, e.g. 'star'); "
-        "empty is off."))
+        "none or empty is off (the demo base sets 'star')."))
 
 
 class OutputConfig(Section):

@@ -49,7 +49,6 @@ from . import checkpoint, speed, tracking
 from .config import Config
 from .accel import device_type, gradient_sync, make_accelerator, world_size
 from .allocator import allocator_setting
-from .bytecode import advice as bytecode_advice, compiled_from_source
 from .ema import EMA
 from .optim import build_optimizer, loraplus_groups, make_schedule
 from .profile import StepProfiler
@@ -86,13 +85,7 @@ def identity_changes(saved: dict | None, now: dict) -> list[str]:
 def _eager():
     """Evaluation, validation and previews run the model's compiled regions as plain PyTorch: they see
     other shapes (and no gradients) than training, and compiling those would cost minutes for a few
-    passes and leave the training regions' compiled graphs as they were. While a background compilation runs
-    (core/speed.py: BACKGROUND) the regions are eager on this thread anyway, and the stance, which is
-    process-wide, would stop the compiling thread's compilation: nothing is set then."""
-    from .speed import BACKGROUND
-
-    if BACKGROUND.active:
-        return contextlib.nullcontext()
+    passes and leave the training regions' compiled graphs as they were."""
     return torch.compiler.set_stance("force_eager")
 
 
@@ -321,9 +314,6 @@ class Trainer:
             logging.getLogger().setLevel(logging.WARNING)
             self.run = _Replica(self.run.dir)
         set_seed(cfg.train.seed)
-        uncompiled = compiled_from_source() if acc.is_main_process else []  # every process shares the environment
-        if uncompiled:
-            log.warning(bytecode_advice(uncompiled))
         if acc.device.type == "cuda":
             # Set at launch (allocator.prefer_expandable_segments) unless the user did: a run's memory depends on it.
             log.info("CUDA allocator: %s", allocator_setting() or "torch's defaults")
@@ -402,7 +392,8 @@ class Trainer:
     def _flops_setup(self) -> tuple[float | None, float | None]:
         """FLOPs per image of a training step and the GPU's peak TFLOP/s, for MFU; (None, None) off a GPU.
 
-        torch's FlopCounterMode counts one forward on one batch (no grad, RNG forked, before training).
+        The task counts them where it can without the device (Task.flops_per_sample: sdxl on the meta device);
+        otherwise torch's FlopCounterMode counts one forward on one batch (no grad, RNG forked, before training).
         A step is counted as 2x that: the backward through a frozen base computes input gradients only
         (about one forward), not weight gradients; the adapter's own are negligible. Recomputation under
         gradient checkpointing is not counted (it is not model work), as MFU conventionally does."""
@@ -417,25 +408,21 @@ class Trainer:
             return None, None
         from accelerate.utils import send_to_device
 
-        from . import conv_search
+        with torch.random.fork_rng(devices=[acc.device]):  # a loader's iterator draws from the RNG as it starts
+            batch = next(iter(self.task.dataloader()))
+            per_image, how = self.task.flops_per_sample(batch), "counted on the meta device"
+            if per_image is None:
+                model = self.task.model()
+                # Eager: compiled regions (train.compile) would otherwise compile under the counter, for nothing.
+                with torch.no_grad(), _eager():
+                    batch = send_to_device(batch, acc.device)
 
-        recorded = conv_search.recorded_flops()
-        if recorded is not None:
-            log.info("MFU: %.3g GFLOP per image per step (as the last run like this one counted), peak %g TFLOP/s "
-                     "(%s)", recorded / 1e9, peak, name)
-            return recorded, peak
-        model = self.task.model()
-        # Eager: compiled regions (train.compile) would otherwise compile under the counter, for nothing.
-        with torch.random.fork_rng(devices=[acc.device]), torch.no_grad(), _eager():
-            batch = send_to_device(next(iter(self.task.dataloader())), acc.device)
-
-            def forward():
-                with acc.autocast():
-                    self.task.loss(model, batch)
-            per_image = 2 * tracking.count_flops(forward) / self.task.batch_size(batch)
-        conv_search.note_flops(per_image)  # kept in the record of this run's first step, for the next run like it
-        log.info("MFU: %.3g GFLOP per image per step (2x a measured forward), peak %g TFLOP/s (%s)",
-                 per_image / 1e9, peak, name)
+                    def forward():
+                        with acc.autocast():
+                            self.task.loss(model, batch)
+                    per_image = 2 * tracking.count_flops(forward) / self.task.batch_size(batch)
+                how = "2x a measured forward"
+        log.info("MFU: %.3g GFLOP per image per step (%s), peak %g TFLOP/s (%s)", per_image / 1e9, how, peak, name)
         return per_image, peak
 
     def _param_groups(self) -> list[dict]:
@@ -628,12 +615,6 @@ class Trainer:
                     self._stop)
 
     def fit(self) -> Result:
-        try:
-            return self._fit()
-        finally:
-            self.task.finish()
-
-    def _fit(self) -> Result:
         cfg, acc, run = self.cfg, self.accelerator, self.run
         total = cfg.train.steps
         unwrapped = acc.unwrap_model(self.model)
@@ -656,9 +637,6 @@ class Trainer:
                 self._track(0, validation=val)
         else:  # resumed: the run's own starting figure
             eval_before = next((e["loss"] for e in run.events() if e["event"] == "eval"), math.nan)
-        # After the step-0 previews and evaluation: beside the task's work (sdxl: the compiling thread, whose
-        # Python holds the interpreter) they run several times slower (benchmarks/RESULTS.md#previews-and-evaluation).
-        self.task.start(self.model, self._autocast)
         sync = gradient_sync(cfg, acc.num_processes, acc.device.type)
         run.event("start", step=self.step, total_steps=total, state="training", processes=acc.num_processes,
                   **({"gradient_sync": sync} if sync else {}))
@@ -687,6 +665,8 @@ class Trainer:
         guard = _NanGuard(cfg, acc, run, self.optimizer, ema=self.ema is not None)
         batches = self._batches()
         profiler = self._profiler()
+        if cfg.train.compile != "none":  # the first step waits for the compiler: the bar says so until it is done
+            bar.set_description("compiling")
         self._t_saved, self._last_state = time.perf_counter(), None
         self.model.train()
         step, first = self.step, self.step + 1
@@ -708,8 +688,8 @@ class Trainer:
             if (trace := profiler.after_step(step, last=step == total)) is not None and acc.is_main_process:
                 run.event("profile", step=step, path=str(trace), summary=profiler.summary)
             guard.after_step(step, skip)
-            if step == first and cfg.train.compile != "none" and not speed.BACKGROUND.enabled:
-                # Compiled on this thread: checked after the first step (a background compilation, at its switch).
+            if step == first and cfg.train.compile != "none":
+                bar.set_description("training")
                 if not speed.warn_if_nothing_compiled(run if acc.is_main_process else None):
                     self.task.compiled()
             # The session's first step is logged too: it ends the set-up (compilation, graph capture), and

@@ -2,12 +2,9 @@
 
 peft computes a LoRA'd projection as base(x) + B(A(x)) * s: besides the frozen GEMM, a rank-r product
 that writes a whole output-sized tensor, an add that reads it and the base output again, and in the
-backward a rank-r product that reads the output's gradient once more. These are memory-bound matmuls. Two
-ways with fewer of them (neither peft nor diffusers has one: peft's Linear always adds its LoRA output to
+backward a rank-r product that reads the output's gradient once more. These are memory-bound matmuls. A
+way with fewer of them (neither peft nor diffusers has one: peft's Linear always adds its LoRA output to
 the base layer's):
-  "concat"  the B product joins the frozen GEMM along its reduction: y = [x, x A^T] @ [W, s B]^T (K grows
-            by r), and in the backward dy @ [W, s B] gives the input's gradient through W and dy s B in
-            one GEMM. Exact (peft's products summed in another order), but [x, x A^T] is a copy of x.
   "merged"  y = x @ (W + s B A)^T: the delta added to the frozen weight (one small GEMM over the weight,
             rounded once to the compute dtype) and one GEMM each way; A's and B's gradients are exact
             products of the output's gradient, as peft's. The forward sees the delta at the weight's
@@ -172,7 +169,7 @@ def dora_scale(w: torch.Tensor | tuple, a: torch.Tensor, b: torch.Tensor, magnit
     return torch.cat(parts)
 
 
-# train.lora_matmul's other ways read and write a weight-sized tensor per call: they pay only where the
+# train.lora_matmul="merged" reads and writes a weight-sized tensor per call: it pays only where the
 # activation has at least this many rows (tokens) per column of the weight.
 LORA_WAY_MIN_ROWS_PER_COLUMN = 1.0
 
@@ -183,26 +180,6 @@ def _lora_way(matmul: str, x: torch.Tensor, in_features: int) -> str:
     graph, so is the choice."""
     rows = x.numel() // x.shape[-1]
     return matmul if rows >= LORA_WAY_MIN_ROWS_PER_COLUMN * in_features else "peft"
-
-class _LoRAConcat(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, bias, a, b):
-        x2 = x.reshape(-1, x.shape[-1])
-        xc = torch.cat([x2, x2 @ a.t()], dim=1)
-        y = F.linear(xc, torch.cat([w, b], dim=1), bias)
-        ctx.save_for_backward(xc, w, a, b)
-        ctx.x_shape = x.shape
-        return y.reshape(*x.shape[:-1], w.shape[0])
-
-    @staticmethod
-    def backward(ctx, dy):
-        xc, w, a, b = ctx.saved_tensors
-        k = w.shape[1]
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dxc = dy2 @ torch.cat([w, b], dim=1)  # [dy W, dy s B]: the input's gradient through W, and h's
-        dh = dxc[:, k:]
-        dx = (dxc[:, :k] + dh @ a).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        return dx, None, None, dh.t() @ xc[:, :k], dy2.t() @ xc[:, k:]
 
 
 class _LoRAMerged(torch.autograd.Function):
@@ -362,15 +339,11 @@ def lora_conv2d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, a: 
                                      tuple(padding))
 
 
-_LORA_MATMULS = {"concat": _LoRAConcat, "merged": _LoRAMerged}
-
-
 def lora_linear(x: torch.Tensor, w: torch.Tensor | tuple, bias: torch.Tensor | None, a: torch.Tensor,
                 b: torch.Tensor, matmul: str) -> torch.Tensor:
     """F.linear(x, w, bias) + F.linear(F.linear(x, a), b) (b with the LoRA scaling in it) for a frozen w and
-    bias, computed the `matmul` way (above: "concat" or "merged", or "peft": peft's products, each its own
-    GEMM); in autocast's dtype as F.linear would run, the factors' gradients reaching them through the casts.
-    `w` may be a tuple of quantized layers (_dequantizable) whose weights, stacked, are W: "merged" only."""
+    bias, computed the `matmul` way ("merged", above, or "peft": peft's products, each its own GEMM); in
+    autocast's dtype as F.linear would run, the factors' gradients reaching them through the casts. `w` may be a tuple of quantized layers (_dequantizable) whose weights, stacked, are W: "merged" only."""
     quantized = isinstance(w, tuple)
     if quantized and matmul != "merged":
         raise ValueError(f"lora_linear over quantized weights is 'merged' only, not {matmul!r}")
@@ -385,4 +358,4 @@ def lora_linear(x: torch.Tensor, w: torch.Tensor | tuple, bias: torch.Tensor | N
         if matmul == "peft":
             x = x.to(dtype)
             return F.linear(x, w.to(dtype), bias) + F.linear(F.linear(x, a.to(dtype)), b.to(dtype))
-        return _LORA_MATMULS[matmul].apply(x.to(dtype), w.to(dtype), bias, a.to(dtype), b.to(dtype))
+        return _LoRAMerged.apply(x.to(dtype), w.to(dtype), bias, a.to(dtype), b.to(dtype))

@@ -9,13 +9,9 @@ positional tensors only, so a keyword call is wrapped here.
 """
 from __future__ import annotations
 
-import builtins
 import contextlib
-import functools
 import gc
 import logging
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -86,183 +82,7 @@ def compile_varying(fn: Callable, varying: Callable[[tuple, dict], list], **kwar
             mark_varying(x, dims)
         return compiled(*args, **kw)
 
-    return deferred(call, fn)
-
-
-# ---- compilation in a background thread ----
-#
-# Compiling the UNet's regions takes minutes on a cold cache, and training would wait for it. With a background
-# compilation the regions run eagerly (as evaluation does) until a second thread has compiled every one of
-# them for every shape training will give them; the training thread then switches to the compiled code (and
-# CUDA graphs) between two steps, and finds every graph compiled. Torch has no such mode: its
-# "eager_then_compile" stance compiles on the calling thread, and the stance is process-wide.
-#
-# The compiling thread runs the model's forward once per input shape, as training calls it (grad on, the
-# same autocast), so each region sees exactly the inputs it will see in training. Each compiled region's
-# outputs are cut from their autograd graph at once (with their requires_grad kept): what the region saved
-# for a backward is freed, so the pass holds one region's activations instead of the whole forward's.
-# AOTAutograd is told to compile each backward with its forward (it would otherwise wait for the first
-# backward, which the compiling thread never runs).
-
-class BackgroundCompile:
-    """Process-wide state of the background compilation: off until `enable()`; functions made by `deferred`
-    run eagerly on every thread but the compiling one until `ready`."""
-
-    def __init__(self):
-        self.enabled = False
-        self.ready = False
-        self._here = threading.local()
-        self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.seconds: float | None = None
-    def enable(self) -> None:
-        self.enabled, self.ready, self.error, self.seconds = True, False, None, None
-
-    def reset(self) -> None:
-        """Back to off (a finished run, or a test)."""
-        self.__init__()
-
-    @property
-    def active(self) -> bool:
-        """Enabled and not yet switched: the deferred functions are eager outside the compiling thread."""
-        return self.enabled and not self.ready
-
-    @property
-    def started(self) -> bool:
-        """start() was called (the thread may have finished since)."""
-        return self._thread is not None
-
-    @property
-    def running(self) -> bool:
-        """The compiling thread is at work (started, not yet finished)."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def compiling_here(self) -> bool:
-        return getattr(self._here, "on", False)
-
-    def start(self, work: Callable[[], None], device: torch.device) -> None:
-        """`work()` (the forward passes that compile every region) on a daemon thread, on its own CUDA stream."""
-        import torch._functorch.config
-
-        self._lowering = torch._functorch.config.force_non_lazy_backward_lowering
-        torch._functorch.config.force_non_lazy_backward_lowering = True
-        _thread_guarded_fx_patches()
-
-        def target():
-            self._here.on = True
-            t0 = time.perf_counter()
-            try:
-                stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    work()
-                if stream is not None:
-                    stream.synchronize()
-            except Exception as e:  # reported by the training thread at the switch, which then compiles itself
-                self.error = e
-                log.warning("the background compilation failed (%s: %s); the regions compile on the training "
-                            "thread at the switch instead", type(e).__name__, e, exc_info=True)
-            finally:
-                self.seconds = time.perf_counter() - t0
-                self._here.on = False
-
-        self._thread = threading.Thread(target=target, name="sdxl-lora-compile", daemon=True)
-        # The compiler is Python that holds the GIL; the training thread gives it up at every torch call and
-        # waits up to the switch interval to get it back, once per op it launches. A short interval while
-        # both run keeps the eager steps fed (restored at the switch).
-        self._interval = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
-        self._thread.start()
-
-    def done(self) -> bool:
-        return self._thread is not None and not self._thread.is_alive()
-
-    def switch(self) -> None:
-        """From now on every thread runs the compiled code."""
-        if self._thread is not None:
-            self._thread.join()
-            self._restore()
-        self.ready = True
-
-    def wait(self) -> None:
-        """Until the compiling thread is done (a run that ends before it: a daemon thread killed inside the
-        compiler at exit can take the interpreter down with it), then the process's settings restored."""
-        if self._thread is not None and self._thread.is_alive():
-            log.info("waiting for the background compilation to finish before exiting (what the run wrote is "
-                     "saved; Ctrl-C again exits now)")
-            self._thread.join()
-        if self._thread is not None:
-            self._restore()
-
-    def _restore(self) -> None:
-        """The process's settings as they were before start()."""
-        import torch._functorch.config
-
-        sys.setswitchinterval(self._interval)
-        torch._functorch.config.force_non_lazy_backward_lowering = self._lowering
-
-
-BACKGROUND = BackgroundCompile()
-# Python's thread switch interval while the compiling thread runs (shorter than Python's own default).
-SWITCH_INTERVAL_S = 1e-4
-
-
-def _thread_guarded_fx_patches() -> None:
-    """torch.fx's tracer (which AOTAutograd traces with) patches torch.nn.Module.__call__ and __getattr__ (and
-    a few functions) for the whole process while it traces: a module called on the training thread meanwhile
-    went into the compiling thread's graph and failed ("module is not installed as a submodule"). torch has
-    no per-thread switch for it, so each patch the compiling thread installs is wrapped to act only on that
-    thread: every other thread gets the function the patch replaced. Installed once, for the process; patches
-    made on other threads are torch's own."""
-    from torch.fx._symbolic_trace import _Patcher
-
-    if getattr(_Patcher.patch, "_thread_guarded", False):
-        return
-    patch, patch_method = _Patcher.patch, _Patcher.patch_method
-
-    def only_here(new_fn, old_fn):
-        owner = threading.get_ident()
-
-        def guarded(*args, **kwargs):
-            if threading.get_ident() == owner:
-                return new_fn(*args, **kwargs)
-            return old_fn(*args, **kwargs)
-
-        return functools.wraps(new_fn)(guarded)
-
-    # A patch over a patch (a trace inside a trace) wraps the outer one: other threads still reach the original.
-    def guarded_patch(self, frame_dict, name, new_fn, deduplicate=True):
-        old_fn = frame_dict[name] if name in frame_dict else getattr(builtins, name, None)
-        if BACKGROUND.compiling_here() and old_fn is not None:
-            new_fn = only_here(new_fn, old_fn)
-        return patch(self, frame_dict, name, new_fn, deduplicate)
-
-    def guarded_patch_method(self, cls, name, new_fn, deduplicate=True):
-        if BACKGROUND.compiling_here():
-            new_fn = only_here(new_fn, getattr(cls, name))
-        return patch_method(self, cls, name, new_fn, deduplicate)
-
-    guarded_patch._thread_guarded = True
-    _Patcher.patch, _Patcher.patch_method = guarded_patch, guarded_patch_method
-
-
-def evaluation_mode(model: torch.nn.Module) -> None:
-    """model.eval() for an evaluation or previews (the caller restores the mode), except while a background
-    compilation runs: its graphs are guarded on the modules' training flags, and a flag flipped under it would
-    compile its graphs a second time. A task turns the compilation on only where no module's output depends on
-    the flag (no dropout), so the evaluation computes the same either way."""
-    if not BACKGROUND.active:
-        model.eval()
-
-
-def _cut(out):
-    """A compiled region's output without its autograd graph, requires_grad kept (see above)."""
-    if isinstance(out, torch.Tensor):
-        return out.detach().requires_grad_(out.requires_grad)
-    if isinstance(out, tuple):
-        return tuple(_cut(o) for o in out)
-    if isinstance(out, list):
-        return [_cut(o) for o in out]
-    return out
+    return call
 
 
 _compile_counts: tuple[int, dict] | None = None  # dynamo's graphs and graph breaks when the regions were made
@@ -293,22 +113,6 @@ def warn_if_nothing_compiled(run=None) -> bool:
     if run is not None:
         run.event("compile_failed", reasons=reasons)
     return True
-
-
-def deferred(compiled: Callable, eager: Callable) -> Callable:
-    """`compiled`, or, while a background compilation is on (BACKGROUND), `eager` on every thread but the compiling
-    one."""
-    def call(*args, **kw):
-        # Inside another region's graph this is traced: is_dynamo_compiling() first, so BACKGROUND is not read
-        # there (its flags would become the outer graph's guards, and the switch would recompile it). Not
-        # is_compiling(): that is one flag for the process, up on every thread while the compiling one traces.
-        if torch.compiler.is_dynamo_compiling() or not BACKGROUND.active:
-            return compiled(*args, **kw)
-        if BACKGROUND.compiling_here():
-            return _cut(compiled(*args, **kw))
-        return eager(*args, **kw)
-
-    return call
 
 
 def _compile_varying(module: torch.nn.Module, arg: str, position: int, dims: tuple[int, ...], **kwargs) -> None:
@@ -367,9 +171,6 @@ def compile_regions(model: torch.nn.Module, *, classes: tuple[str, ...], backend
         if name in classes:
             if varying and name in varying:
                 _compile_varying(module, *varying[name], **compile_options(backend, options, dynamic=None))
-            elif BACKGROUND.enabled:
-                module.forward = deferred(torch.compile(module.forward, **compile_options(backend, options)),
-                                          module.forward)
             else:
                 module.compile(**compile_options(backend, options))
             n += 1
@@ -411,11 +212,6 @@ class GraphedCall:
         self.eager = False  # the captures ran out of memory: every call runs fn as it is
         self.too_large: set[tuple] = set()  # shapes whose capture ran out of memory ("later"): run as they are
         self.refused: str | None = None  # why CUDA refused a capture (not for memory): every call runs eager
-        # A dispatch mode entered around the warm-up (core/conv_search.py's Recorder), or None.
-        self.recorder: contextlib.AbstractContextManager | None = None
-        # Runs each capture (its warm-up included): in this thread, or in the one whose cuDNN choices were made
-        # ahead (core/conv_search.py's on_search_thread).
-        self.runner: Callable[[Callable[[], Callable]], Callable] = lambda capture: capture()
 
     @staticmethod
     def _key(args) -> tuple:
@@ -461,7 +257,7 @@ class GraphedCall:
 
     def _try_capture(self, key: tuple, args: tuple) -> Callable | None:
         try:
-            return self.runner(lambda: self._capture(key, args))
+            return self._capture(key, args)
         except torch.OutOfMemoryError:
             return None
         except torch.AcceleratorError as e:
@@ -486,11 +282,10 @@ class GraphedCall:
         if not self.graphs and self.others is not None:
             for other in self.others(args):
                 todo.setdefault(self._key(other), other)
-        warmed = len(todo) > 1 or self.recorder is not None
+        warmed = len(todo) > 1
         if warmed:
             t0 = time.perf_counter()
-            with self.recorder if self.recorder is not None else contextlib.nullcontext():
-                self._warm_up(list(todo.values()))
+            self._warm_up(list(todo.values()))
             log.info("CUDA graphs: %d input shape(s) warmed up in %.1f s (cuDNN's algorithm search included)",
                      len(todo), time.perf_counter() - t0)
         for k, sample in todo.items():

@@ -120,17 +120,14 @@ class Task(ABC):
         differs. Empty: no check."""
         return {}
 
-    def start(self, model: torch.nn.Module, autocast) -> None:
-        """Once the loop has prepared `model` (as it will call it, under `autocast()`) and run the step-0 previews
-        and evaluation, before the first step: work the task runs beside the training steps (sdxl: the regions'
-        background compilation)."""
+    def flops_per_sample(self, batch: Any) -> float | None:
+        """FLOPs of one training step per sample of `batch`, for MFU, counted without the device (no memory, no
+        kernels: a copy of the model on the meta device). None: the loop counts a forward on the device."""
+        return None
 
     def end_training(self) -> None:
         """The last training step is done and the run finishes (the final evaluation, export and previews
         follow): free what only the training steps use (sdxl: the CUDA graphs and their memory pool)."""
-
-    def finish(self) -> None:
-        """The loop is done (finished, stopped or failed): end what `start` began."""
 
     def compiled(self) -> None:
         """The compiled regions (train.compile) have run: what the task remembers of a compilation that

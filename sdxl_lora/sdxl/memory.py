@@ -216,28 +216,6 @@ def activation_bytes(config, resolution: int, batch_size: int, checkpointing: bo
     return int(per_image * batch_size * elt * adapter_factor)
 
 
-# An uncompiled step keeps, for each adapted Linear of the transformer stages' feed-forward (ff.net.0.proj,
-# ff.net.2: the layer's input and GEGLU's 4x-wide output) and each adapted proj_in/proj_out, that Linear's input
-# for its adapter's gradient: tensors the frozen layers alone do not keep. The fitted model above adapts the
-# attention only. Counted from the layer shapes per transformer layer / Transformer2DModel, in elements of
-# their feature map; checked against the `full` and `topology` presets' uncompiled steps on SDXL base
-# (benchmarks/RESULTS.md#adapter-kinds).
-K_FF_INPUTS, K_PROJ_INPUTS = 5.0, 2.0
-PRESETS_ADAPTING_FF = ("full", "locon")
-
-
-def uncompiled_adapter_inputs(config, resolution: int, batch_size: int, preset: str, compute_dtype: torch.dtype,
-                              latent_factor: int = 8) -> int:
-    """Bytes an uncompiled step keeps beyond the activation model for the feed-forward and projection adapters
-    of `preset` (0 for the presets that adapt the attention only)."""
-    if preset not in PRESETS_ADAPTING_FF:
-        return 0
-    elt = torch.empty((), dtype=compute_dtype).element_size()
-    counts = {"layer": K_FF_INPUTS, "proj": K_PROJ_INPUTS}
-    per_image = sum(counts.get(kind, 0.0) * e for kind, e, _ in _units(config, max(1, resolution // latent_factor)))
-    return int(per_image * batch_size * elt)
-
-
 def estimate(unet: nn.Module, *, trainable_params: int, resolution: int, batch_size: int, checkpointing: bool,
              quantize: str = "none", double_quant: bool = True, compute_dtype: torch.dtype = torch.bfloat16,
              optimizer: str = "adamw", latent_factor: int = 8, skip=None,

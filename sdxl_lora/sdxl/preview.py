@@ -25,7 +25,7 @@ from PIL import Image, ImageDraw
 from ..core.config import TOMLError, parse_toml
 from ..core.fsutil import atomic_save
 from ..core.inject import dequantized_for_inference, merged_for_inference
-from ..core.speed import BACKGROUND, cudnn_search, evaluation_mode
+from ..core.speed import cudnn_search
 from .data import live_text
 from .memory import preview_batch
 from .speed import stock_attention
@@ -431,7 +431,7 @@ def render_previews(task, model, run, step: int) -> list[Path]:
         keep.add(id(p.vae))
     aux = (p.vae, p.text_encoder, p.text_encoder_2)
     was_training = model.training
-    evaluation_mode(model)
+    model.eval()
     started = time.perf_counter()
     mp = task.accelerator.mixed_precision
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
@@ -452,11 +452,8 @@ def render_previews(task, model, run, step: int) -> list[Path]:
             # would time every convolution of the pipeline at each preview size, the VAE decoder's included,
             # for a few images; its heuristics choose at no cost (speed.cudnn_search).
             # The adapter merged into copies of the weights it adapts for the set, as the tools users render with
-            # apply it, and the UNet run as the bare one (_plain_unet); not while a second thread compiles the same
-            # modules (peft's merged flag would enter its graphs' guards, and training would compile them again
-            # after the switch).
-            merged = (contextlib.nullcontext() if BACKGROUND.running
-                      else _plain_unet(model, unet, dequantized=task.dequantized_previews))
+            # apply it, and the UNet run as the bare one (_plain_unet).
+            merged = _plain_unet(model, unet, dequantized=task.dequantized_previews)
             tiled = tiled_previews(cfg)
             batch = None if device.type == "cpu" else preview_batch(tiled)
             with cudnn_search(False), vae_tiles(p.vae, tiled), merged:

@@ -2,8 +2,7 @@
 
   channels_last     NHWC memory format for the convolutional model: cuDNN's fast conv kernels; the
                     transformer stages keep it instead of copying to NCHW (transformer_io); with
-                    compile=regional the up blocks' concatenation, the last GroupNorm, the upsamplers
-                    and the backward graphs too (fuse_skip_concat, compile_edges, conv_input_grad).
+                    compile=regional the ResNets' backward graphs too (conv_input_grad).
   compile=regional  torch.compile on each repeated block (transformer and ResNet blocks), not the whole
                     model: the same kernels fused, a fraction of the compile time, and one compiled
                     graph reused by every block of the same shape (core/speed.py compiles them).
@@ -27,8 +26,7 @@ import torch.nn.functional as F
 from ..core.lora_matmul import (_base_linear, _dequantizable, _lora_factors, _lora_way, conv_input_gradient,
                                 dora_scale, lora_conv2d, lora_conv_pays, lora_linear, use_tensor_scaling)
 from ..core import speed as core_speed
-from ..core.speed import (CheckpointUnit, _compile_varying, _raise_recompile_limits, compile_options, compile_varying,
-                          sdpa_context)
+from ..core.speed import CheckpointUnit, _raise_recompile_limits, compile_options, compile_varying, sdpa_context
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +42,10 @@ BUCKET_VARYING = {"BasicTransformerBlock": ("hidden_states", 0, (1,)),
 
 # train.speed="auto" compiles a run that trains at least this many images, by the smallest batch size each
 # row applies from: (on a cold compile cache, on a warm one). Compiling pays once the compiled steps' time
-# saved, against the graphed uncompiled steps, repays the compilation, during which the steps run slower than
-# graphed (train.graphs_while_compiling); a warm compile cache shortens the compilation several-fold. Derived
-# from the measured rates and compile times (benchmarks/RESULTS.md#when-compiling-pays; docs/speed.md).
-COMPILE_PAYS_FROM = ((1, 4_400, 1_400), (4, 15_000, 4_400))
+# saved, against the graphed uncompiled steps, repays the compilation, which the first step waits for; a warm
+# compile cache shortens the compilation several-fold. Derived from the measured rates and compile times
+# (benchmarks/RESULTS.md#when-compiling-pays; docs/speed.md).
+COMPILE_PAYS_FROM = ((1, 5_500, 1_700), (4, 22_000, 6_600))
 # The train fields that change what the compiled regions are (with the model, the adapter and the data):
 # a run that matches an earlier one's finds its compiled code in the compile cache. Not the levers auto
 # chooses itself, which follow from these.
@@ -129,20 +127,6 @@ def auto_levers(cfg, device_type: str, processes: int):
     compiled = update.get("compile", tc.compile) == "regional"
     choose("channels_last", compiled, "the compiled blocks' layout levers" if compiled
            else "it pays together with regional compilation")
-    if not compiled:
-        choose("background_compile", False, "nothing is compiled")
-    elif processes > 1:
-        choose("background_compile", False, "several processes compile on their training threads")
-    else:
-        # Set-up still turns it off where the two threads may not fit, or the run cannot use it
-        # (SDXLTask._background_compile).
-        choose("background_compile", True, "the first steps train uncompiled while the blocks compile on a "
-                                           "second thread, where memory allows")
-    background = update.get("background_compile", tc.background_compile)
-    graphs = update.get("cuda_graphs", tc.cuda_graphs)
-    choose("graphs_while_compiling", bool(background and graphs),
-           "the uncompiled steps beside the compiling thread replay CUDA graphs" if background and graphs
-           else "it needs a background compilation with CUDA graphs")
     return cfg.model_copy(update={"train": tc.model_copy(update=update)}), why
 
 
@@ -215,7 +199,7 @@ def _compiled_for_unet(fn: Callable, backend: str, varying: bool = False) -> Cal
     buckets), compiled as symbols."""
     _raise_recompile_limits()
     if not varying:
-        return core_speed.deferred(torch.compile(fn, **compile_options(backend, unet_inductor_options())), fn)
+        return torch.compile(fn, **compile_options(backend, unet_inductor_options()))
 
     def feature_maps(args, kw):  # a token sequence's length, a feature map's height and width
         return [(a, (1,) if a.ndim == 3 else (2, 3)) for a in args if isinstance(a, torch.Tensor) and a.ndim in (3, 4)]
@@ -339,7 +323,7 @@ def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
     """train.fuse_qkv: every diffusers Attention on the stock SDPA processor gets FusedProjectionsProcessor,
     its base q/k/v (self-attention) or k/v (cross-attention) weights moved into one buffer they are views
     of. Projections with a bias or of another kind are left alone. `lora_matmul` (train.lora_matmul) is how
-    the processor computes its projections' LoRA: "peft" (peft's products), "concat" or "merged" (above).
+    the processor computes its projections' LoRA: "peft" (peft's products) or "merged" (above).
     Quantized bases (_dequantizable: QLoRA's nf4/fp4, fp8) are fused for "merged" only: their weights are
     dequantized into one buffer per call, the LoRA delta added to it (_LoRAMergedQuantized).
     Returns the number of attentions fused."""
@@ -408,8 +392,8 @@ def merge_lora_linears(model: torch.nn.Module) -> int:
     """train.lora_matmul="merged" for the LoRA'd Linears outside the attentions (the feed-forward's, the
     transformer stages' proj_in/proj_out: presets full and locon), where the fused processor does not reach:
     peft's forward adds an output-sized LoRA product to the base's (the GEGLU's is 8x the width), merged folds
-    it into the weight ("concat" copies the input: it pays only beside fused projections). Each call takes
-    _projection's way for its shape, DoRA included, and peft's where that cannot. Returns how many."""
+    it into the weight. Each call takes _projection's way for its shape, DoRA included, and peft's where that
+    cannot. Returns how many."""
     import types
 
     from diffusers.models.attention_processor import Attention
@@ -476,127 +460,6 @@ def transformer_io(model: torch.nn.Module, compile: bool, backend: str | None = 
     return n
 
 
-# ---- the up blocks' skip concatenation ----
-#
-# Each ResNet of the UNet's up blocks takes torch.cat([hidden_states, skip], dim=1). Under channels_last the
-# gradient of each part is a channel slice of the concatenation's gradient, which is not channels_last in
-# memory; the compiled block that made that part expects its output's gradient in its own layout, and
-# AOTAutograd copies every such gradient into it before the block's backward (most of a step's layout
-# copies are inside the compiled backward graphs, though: see conv_input_grad). Here the concatenation runs
-# inside the ResNet's compiled graph and hands back each part's gradient channels_last-contiguous, which the
-# compiler can write directly from the kernel that computes it. With compile only; checkpointed blocks and FreeU keep
-# diffusers' own forward.
-
-class _SkipConcat(torch.autograd.Function):
-    @staticmethod
-    def forward(hidden_states, skip):
-        return torch.cat([hidden_states, skip], dim=1)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.split = inputs[0].shape[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        layout = torch.channels_last
-        return (grad[:, :ctx.split].contiguous(memory_format=layout),
-                grad[:, ctx.split:].contiguous(memory_format=layout))
-
-
-def _cat_resnet(resnet, hidden_states, skip, temb):
-    return resnet(_SkipConcat.apply(hidden_states, skip), temb)
-
-
-def _up_block_forward(self, hidden_states, res_hidden_states_tuple, temb=None, upsample_size=None, **kwargs):
-    attentions = getattr(self, "attentions", None)
-    freeu = all(getattr(self, k, None) for k in ("s1", "s2", "b1", "b2"))
-    if freeu or (torch.is_grad_enabled() and self.gradient_checkpointing) or (attentions is None and kwargs):
-        return type(self).forward(self, hidden_states=hidden_states, res_hidden_states_tuple=res_hidden_states_tuple,
-                                  temb=temb, upsample_size=upsample_size, **kwargs)
-    for i, resnet in enumerate(self.resnets):
-        skip, res_hidden_states_tuple = res_hidden_states_tuple[-1], res_hidden_states_tuple[:-1]
-        hidden_states = self._cat_resnet(resnet, hidden_states, skip, temb)
-        if attentions is not None:
-            hidden_states = attentions[i](
-                hidden_states, encoder_hidden_states=kwargs.get("encoder_hidden_states"),
-                cross_attention_kwargs=kwargs.get("cross_attention_kwargs"),
-                attention_mask=kwargs.get("attention_mask"),
-                encoder_attention_mask=kwargs.get("encoder_attention_mask"), return_dict=False)[0]
-    for upsampler in self.upsamplers or ():
-        hidden_states = upsampler(hidden_states, upsample_size)
-    return hidden_states
-
-
-def fuse_skip_concat(model: torch.nn.Module, backend: str | None = None, varying: bool = False) -> int:
-    """With channels_last and compile: every diffusers up block (CrossAttnUpBlock2D, UpBlock2D) concatenates
-    its skip connections inside its ResNets' compiled graphs (above). Returns how many blocks."""
-    import types
-
-    cat_resnet = _compiled_for_unet(_cat_resnet, backend or core_speed.COMPILE_BACKEND, varying)
-    n = 0
-    for m in model.modules():
-        if type(m).__name__ in ("CrossAttnUpBlock2D", "UpBlock2D"):
-            m._cat_resnet = cat_resnet
-            m.forward = types.MethodType(_up_block_forward, m)
-            n += 1
-    return n
-
-
-def _group_norm(norm, x):
-    return F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps)
-
-
-def _compiled_group_norm(self, x):
-    return self._group_norm_fn(self, x)
-
-
-def _nearest2x(x: torch.Tensor) -> torch.Tensor:
-    """F.interpolate(x, scale_factor=2, mode="nearest") for a channels_last x, as a broadcast: its gradient is
-    a sum over each 2x2 block, read once, where inductor builds upsample_nearest2d's backward as a
-    scatter-add with atomics."""
-    b, c, h, w = x.shape
-    nhwc = x.permute(0, 2, 3, 1)
-    return nhwc[:, :, None, :, None, :].expand(b, h, 2, w, 2, c).reshape(b, 2 * h, 2 * w, c).permute(0, 3, 1, 2)
-
-
-def _upsample(self, hidden_states, output_size=None, *args, **kwargs):
-    """diffusers' Upsample2D with the plain case (interpolate 2x, then the convolution) through _nearest2x."""
-    if (args or kwargs or output_size is not None or self.norm is not None or self.use_conv_transpose
-            or not self.interpolate or not self.use_conv or self.name != "conv"):
-        return type(self).forward(self, hidden_states, output_size, *args, **kwargs)
-    return self.conv(_nearest2x(hidden_states))
-
-
-def compile_edges(model: torch.nn.Module, backend: str | None = None, varying: bool = False) -> int:
-    """With channels_last and compile: the UNet's last GroupNorm (conv_norm_out) and its upsamplers compiled as
-    regions too. On CUDA, torch's eager GroupNorm copies a channels_last input to NCHW and hands back an NCHW
-    gradient (which the compiled ResNet before it copies again), and diffusers' Upsample2D interpolates bf16 in
-    fp32 (two casts around it); compiled, each is one channels_last kernel (the upsampling as a broadcast,
-    _nearest2x). The GroupNorm goes through a function of ours: torch.compile does not trace a torch.nn
-    module's own forward as its top frame (it ran eager when compiled with Module.compile). Returns how many
-    modules."""
-    import types
-
-    n = 0
-    for name, m in model.named_modules():
-        if name == "conv_norm_out" and type(m) is torch.nn.GroupNorm:
-            m._group_norm_fn = _compiled_for_unet(_group_norm, backend or core_speed.COMPILE_BACKEND, varying)
-            m.forward = types.MethodType(_compiled_group_norm, m)
-            n += 1
-        elif type(m).__name__ == "Upsample2D":
-            m.forward = types.MethodType(_upsample, m)
-            if varying:
-                _compile_varying(m, "hidden_states", 0, (2, 3),
-                                 **compile_options(backend, unet_inductor_options(), dynamic=None))
-            elif core_speed.BACKGROUND.enabled:
-                m.forward = core_speed.deferred(
-                    torch.compile(m.forward, **compile_options(backend, unet_inductor_options())), m.forward)
-            else:
-                m.compile(**compile_options(backend, unet_inductor_options()))
-            n += 1
-    return n
-
-
 # ---- the convolutions' input gradient, channels_last in compiled backward graphs ----
 #
 # Inductor lays out a graph's tensors channels_last around its convolutions only when the graph holds an
@@ -645,9 +508,9 @@ def _conv_forward(self, x):
 
 
 def conv_input_grad(model: torch.nn.Module) -> int:
-    """With channels_last and compile: the Conv2d layers inside ResNet blocks and upsamplers (what
-    compile="regional" and compile_edges compile) compute their input's gradient as above. Plain zero-padded
-    2-D convolutions only (SDXL's); others keep torch's. Returns how many."""
+    """With channels_last and compile: the Conv2d layers inside ResNet blocks (what compile="regional" compiles)
+    and upsamplers compute their input's gradient as above; a frozen one then keeps no input for its backward.
+    Plain zero-padded 2-D convolutions only (SDXL's); others keep torch's. Returns how many."""
     import types
 
     n = 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import hashlib
 import json
 import logging
@@ -21,7 +20,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..core import conv_search, inject, speed
+from ..core import inject, speed
 from . import speed as unet_speed
 from ..core.accel import local_device_index
 from ..core.card import this_card
@@ -40,16 +39,6 @@ from .preview import PreviewPrompt, default_prompts, encode_prompts, read_prompt
 log = logging.getLogger(__name__)
 
 _DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-# train.background_compile's memory check: the uncompiled steps save more activations than the compiled
-# ones, and the compiling thread's own stream keeps its cached blocks apart from the training thread's. Together
-# they were measured at this multiple of the training phase's estimate (batch 16 at 1024 over three buckets,
-# benchmarks/RESULTS.md#whole-runs-through-sdxl-lora-train), plus what the uncompiled steps keep for
-# feed-forward adapters where the preset has them (_uncompiled_adapter_inputs), which must fit in
-# BACKGROUND_FILL of the GPU.
-BACKGROUND_GROWTH = 1.55
-BACKGROUND_FILL = 0.95
-
 
 def component_identity(model_path: Path, component: str) -> str:
     """Identifies a model component's weights for cache keys: path, sizes and mtimes of its files.
@@ -224,7 +213,6 @@ class SDXLTask(Task):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self._graphed = None  # train.cuda_graphs: True until the first training call builds the graphs
-        self._conv_recorder = None  # core/conv_search.py: the first step's convolutions and attention, recorded
         self._checkpointing: dict | None = None  # train.checkpoint_budget_gb's measured units and choice
         self._run: Run | None = None
         self._speed_choices: dict[str, str] = {}
@@ -234,10 +222,7 @@ class SDXLTask(Task):
         self.run_memory: sdxl_memory.RunMemory | None = None  # the whole run's estimate, made with the plan
         self.has_reg = False  # the data holds regularization images (set when it is read)
         self._explicit: set[str] = set(cfg.train.model_fields_set)
-        self._background = False  # train.background_compile: the regions compile on a second thread
-        # train.graphs_while_compiling: the compiling thread's work, held back until the uncompiled model's
-        # graphs are captured (a capture refuses CUDA work from another thread)
-        self._compile_after_capture: Callable[[], None] | None = None
+        self._compile_said = False  # the first compiled training call says that it compiles
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
         """train.speed="auto": CUDA graphs, compilation and channels_last chosen for this device and run
@@ -290,7 +275,6 @@ class SDXLTask(Task):
             # QLoRA: the Linears (and convolutions) quantized one at a time on the device (docs/qlora.md),
             # before the rest moves.
             from .quantize import quantize_unet
-            conv_search.wait()
             quantize_unet(unet, cfg.model, accelerator.mixed_precision, self.device, run)
         # Frozen weights in the compute dtype; the adapter stays fp32 (apply_plan does that).
         unet.to(self.device, dtype=_DTYPES.get(accelerator.mixed_precision, torch.float32))
@@ -384,7 +368,6 @@ class SDXLTask(Task):
     def to_encode(self, *modules: torch.nn.Module) -> None:
         """The VAE or text encoders on the device in fp32, where they are not yet: they go there when something
         is to be encoded, so a run whose caches are complete leaves them on the host as they were read."""
-        conv_search.wait()  # they compute on the GPU from here
         for m in modules:
             p = next(m.parameters())
             elsewhere = p.device.type != self.device.type or (self.device.index is not None
@@ -490,8 +473,8 @@ class SDXLTask(Task):
         inject.apply_plan(unet, self.plan, dropout=cfg.adapter.dropout)
         if _DTYPES[accelerator.mixed_precision] != torch.float32:
             # Every UNet forward of a 16-bit run is under autocast (training, evaluation, previews, the checkpointing
-            # trials, the compiling thread): peft's cast of each adapter layer's input to its fp32 weights made a
-            # copy per layer that autocast cast back, and kept it for the backward (core/inject.py).
+            # trials): peft's cast of each adapter layer's input to its fp32 weights made a copy per layer that
+            # autocast cast back, and kept it for the backward (core/inject.py).
             inject.adapters_take_autocast_inputs(unet)
         if cfg.adapter.kind in ("loha", "lokr") and cfg.train.fuse_qkv:
             log.info("adapter.kind=%r: the attention projections run peft's %s layers (train.lora_matmul's fused "
@@ -559,7 +542,6 @@ class SDXLTask(Task):
                      "; ".join(f"{k} {v}" for k, v in self._speed_choices.items()))
             run.event("speed", auto=True, **{k: getattr(tc, k) for k in self._speed_choices},
                       reasons=self._speed_choices)
-        conv_search.wait()  # the levers' measurements and training use the GPU from here
         speed.configure_backends(self.device)
         if tc.sdpa_backend in ("cudnn", "efficient") and self.device.type != "cuda":
             raise ConfigError(f"train.sdpa_backend={tc.sdpa_backend!r} needs a CUDA GPU (the device is "
@@ -596,28 +578,16 @@ class SDXLTask(Task):
         if tc.channels_last:
             speed.to_channels_last(unet)
             unet_speed.transformer_io(unet, compile=tc.compile != "none", varying=varying)
-        speed.BACKGROUND.reset()
-        if tc.background_compile:
-            self._background, why = self._background_compile()
-            log.info("train.background_compile=%s: %s", self._background, why)
-            run.event("background_compile", on=self._background, reason=why)
-            if self._background:
-                speed.BACKGROUND.enable()  # before the regions are compiled: they are made deferred
         if tc.compile != "none":
             classes = unet_speed.REGION_CLASSES if tc.compile == "regional" else unet_speed.TRANSFORMER_CLASSES
             n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget,
                                       options=unet_speed.unet_inductor_options(),
                                       varying=unet_speed.BUCKET_VARYING if varying else None)
-            log.info("train.compile=%r: %d blocks compiled%s (%s)", tc.compile, n,
-                     ", their shapes varying across the buckets" if varying else "",
-                     "on a second thread while the first steps train uncompiled" if self._background else
-                     "the first steps include compilation; train.background_compile=true trains meanwhile")
+            log.info("train.compile=%r: %d blocks compiled%s (the first step includes the compilation)", tc.compile, n,
+                     ", their shapes varying across the buckets" if varying else "")
             if tc.compile == "regional" and tc.channels_last:
-                # The compiled ResNets' surroundings in their layout (docs/speed.md): the up blocks' skip
-                # concatenation inside their graphs, the last GroupNorm and the upsamplers compiled, the
-                # convolutions' input gradients as convolutions (channels_last backward graphs).
-                unet_speed.fuse_skip_concat(unet, varying=varying)
-                unet_speed.compile_edges(unet, varying=varying)
+                # The convolutions' input gradients as convolutions: the compiled ResNets' backward graphs keep
+                # the channels_last layout (docs/speed.md).
                 unet_speed.conv_input_grad(unet)
         if tc.cuda_graphs:
             if self.device.type != "cuda":
@@ -627,14 +597,7 @@ class SDXLTask(Task):
                             "hooks cannot be captured); running without graphs on %d processes",
                             self.accelerator.num_processes)
             else:
-                # Built on the first training call, on the prepared model (with train.background_compile: the
-                # first after the switch, _unet's uncompiled calls come first)
-                self._graphed = True
-        if tc.graphs_while_compiling and "graphs_while_compiling" in self._explicit and not (
-                self._background and self._graphed):
-            log.warning("train.graphs_while_compiling has no effect: it needs train.background_compile and "
-                        "train.cuda_graphs on a CUDA GPU (here: background_compile %s, CUDA graphs %s)",
-                        self._background, bool(self._graphed))
+                self._graphed = True  # built on the first training call, on the prepared model
 
     def _unet(self, model, noisy, t, embeds, pooled, time_ids) -> torch.Tensor:
         """The UNet's prediction for a training batch; replayed from CUDA graphs with train.cuda_graphs."""
@@ -642,20 +605,6 @@ class SDXLTask(Task):
             return model(noisy, t, encoder_hidden_states=embeds,
                          added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
 
-        if self._background and speed.BACKGROUND.active:
-            if not (torch.is_grad_enabled() and speed.BACKGROUND.done()):
-                if self._compile_after_capture is None or not torch.is_grad_enabled():
-                    return call(noisy, t, embeds, pooled, time_ids)  # eager, beside the compiling thread
-                # train.graphs_while_compiling: the uncompiled model's graphs for every bucket, captured at
-                # the first training call, then the compiling thread starts; replays need the host (and so
-                # the interpreter the compiler shares) once per step instead of once per kernel.
-                out = self._graphed_call(model, call, noisy, t, embeds, pooled, time_ids, compiled=False)
-                if not speed.BACKGROUND.started:
-                    log.info("background compilation started after the uncompiled steps' graphs were captured; "
-                             "training replays them meanwhile")
-                    speed.BACKGROUND.start(self._compile_after_capture, self.device)
-                return out
-            self._switch_to_compiled()
         if self._graphed and torch.is_grad_enabled():
             return self._graphed_call(model, call, noisy, t, embeds, pooled, time_ids,
                                       compiled=self.cfg.train.compile != "none")
@@ -672,127 +621,7 @@ class SDXLTask(Task):
             self._graphed = speed.GraphedCall(model, call, warmup=3 if compiled else 1, others=self._graph_inputs,
                                               on_out_of_memory=lambda: self._checkpoint_more(model)
                                               or self._split_batches())
-            self._graphed.runner = conv_search.on_search_thread
-            if conv_search.record_to() is not None and not compiled and self.accelerator.is_main_process:
-                # What this first step searches, for the next run like this one (core/conv_search.py).
-                self._graphed.recorder = self._conv_recorder = conv_search.Recorder()
-        out = self._graphed(*args)
-        if self._conv_recorder is not None and self._graphed.graphs:
-            self._graphed.recorder = None
-            self._conv_recorder.save(conv_search.record_to(), self.device)
-            self._conv_recorder = None
-        return out
-
-    def _background_compile(self) -> tuple[bool, str]:
-        """train.background_compile: whether the regions compile on a second thread while the first steps train
-        eagerly, and why (core/speed.py: BackgroundCompile). Where it cannot work the run compiles as without
-        it. Set by the user: with a warning, and where the memory estimate says both threads may not fit it
-        warns and goes on. Chosen by train.speed="auto": off without a warning wherever either holds."""
-        cfg, tc = self.cfg, self.cfg.train
-        if not tc.background_compile:
-            return False, "as set"
-        asked = "background_compile" in self._explicit
-        why_not = None
-        if tc.compile == "none":
-            why_not = "train.compile is 'none': nothing to compile"
-        elif self.accelerator.num_processes > 1:
-            why_not = "several processes (one process only)"
-        elif tc.gradient_checkpointing or tc.checkpoint_budget_gb:
-            why_not = "checkpointed blocks compile their recomputation in the backward, which the compiling thread does not run"
-        elif cfg.adapter.train_text_encoder:
-            why_not = "adapter.train_text_encoder: the UNet is called through the text encoders' wrapper"
-        elif cfg.adapter.rank_schedule:
-            why_not = "adapter.rank_schedule replaces the adapter's parameters during the run"
-        elif cfg.data.crop == "random" or sdxl_data.live_text(cfg.data):
-            why_not = ("data.crop='random' or per-sample captions: the data loader runs the VAE or the text encoders "
-                       "beside the training step")
-        elif any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.pipe.unet.modules()):
-            why_not = ("dropout (adapter.dropout or the UNet's own): evaluation switches it off, which the compiling "
-                       "thread's graphs would see")
-        if why_not is not None:
-            if asked:
-                log.warning("train.background_compile=true has no effect: %s", why_not)
-            return False, why_not if asked else f"auto: off: {why_not}"
-        fits = ""
-        if self.device.type == "cuda":
-            need = BACKGROUND_GROWTH * self.run_memory.phases["training"] + self._uncompiled_adapter_inputs()
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            if tc.vram_gb:
-                total = min(total, int(tc.vram_gb * 2**30))  # the process is capped there
-            if need > BACKGROUND_FILL * total:
-                if not asked:
-                    return False, (f"auto: off: the uncompiled steps and the compiling thread would need about "
-                                   f"{need / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f}")
-                log.warning("train.background_compile=true: the eager steps and the compiling thread need about "
-                            "%.1f GiB of the GPU's %.1f; it may run out of memory (without it the run needs about "
-                            "%.1f)", need / 2**30, total / 2**30, self.run_memory.phases["training"] / 2**30)
-            fits = f" (about {need / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f})"
-        return True, ("as set" if asked else "auto: one process, the two threads fit the GPU") + fits
-
-    def _uncompiled_adapter_inputs(self) -> int:
-        """What the uncompiled steps keep for the feed-forward and projection adapters beyond the training
-        estimate (sdxl/memory.py: uncompiled_adapter_inputs)."""
-        return sdxl_memory.uncompiled_adapter_inputs(self.pipe.unet.config, self.resolution, self.cfg.train.batch_size,
-                                                     self.cfg.adapter.preset, _DTYPES[self.accelerator.mixed_precision])
-
-    def start(self, model, autocast) -> None:
-        """train.background_compile: the compiling thread runs the model's forward once per (bucket, batch size)
-        this process trains, as training calls it (the UNet's inputs made like a real batch's), so every region
-        compiles for exactly the inputs it will get."""
-        if not self._background:
-            return
-        template = _collate([CachedSDXLDataset(self)[0]])
-        template = {k: v.to(self.device) if isinstance(v, torch.Tensor) and k not in self.host_keys else v
-                    for k, v in template.items()}
-        with torch.no_grad():
-            noisy, t, _ = self._noised(template)
-        shapes = self._graph_inputs((noisy, t, template["prompt_embeds"], template["pooled"], template["time_ids"]),
-                                    fill=torch.zeros)
-        sdpa = self.cfg.train.sdpa_backend
-        model.train()  # as the loop trains it: the graphs are guarded on the modules' training flags
-
-        def work():
-            for noisy, t, embeds, pooled, time_ids in shapes:
-                with autocast(), speed.sdpa_context(sdpa):
-                    model(noisy, t, encoder_hidden_states=embeds,
-                          added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids})
-            log.info("background compilation: %d input shapes compiled", len(shapes))
-
-        if self._graphed and self.cfg.train.graphs_while_compiling:
-            self._compile_after_capture = work
-            log.info("background compilation of %d input shapes waits for the uncompiled steps' CUDA graphs "
-                     "(train.graphs_while_compiling)", len(shapes))
-            return
-        log.info("background compilation started: %d input shapes; training runs the uncompiled blocks meanwhile",
-                 len(shapes))
-        speed.BACKGROUND.start(work, self.device)
-
-    def _switch_to_compiled(self) -> None:
-        """The compiling thread is done: the regions run compiled from this call on (and CUDA graphs are built)."""
-        bg = speed.BACKGROUND
-        bg.switch()
-        if self._compile_after_capture is not None:
-            # The uncompiled model's graphs (train.graphs_while_compiling) give their pool back before the
-            # compiled model's are captured into a new one, below.
-            self._compile_after_capture = None
-            if isinstance(self._graphed, speed.GraphedCall):
-                self._graphed = True
-                gc.collect()
-        peaks = {}
-        if self.device.type == "cuda":
-            # What the eager steps and the compiling thread held together (the memory check's figure), then
-            # their cached blocks freed: the graphs' pool is allocated next.
-            peaks = {"max_allocated_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2),
-                     "max_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / 2**30, 2)}
-            torch.cuda.empty_cache()
-        failed = f"; it failed ({type(bg.error).__name__}: {bg.error}), so what it missed compiles now" if bg.error else ""
-        log.info("background compilation done after %.0f s%s: training runs the compiled blocks%s from here",
-                 bg.seconds or 0.0, failed, " and CUDA graphs" if self._graphed else "")
-        if self._run is not None:
-            self._run.event("compiled", seconds=round(bg.seconds or 0.0, 1), error=str(bg.error) if bg.error else None,
-                            **peaks)
-        if not bg.error and not speed.warn_if_nothing_compiled(self._run):
-            self.compiled()
+        return self._graphed(*args)
 
     def compiled(self) -> None:
         """The regions compiled (and ran): a later run like this one finds the compile cache warm, which
@@ -808,12 +637,6 @@ class SDXLTask(Task):
             self._graphed.release()
             log.info("the training steps' CUDA graphs released for the final evaluation and previews")
         self._graphed = False
-
-    def finish(self) -> None:
-        """A run that ends before the compiling thread does waits for it (see BackgroundCompile.wait)."""
-        if self._background:
-            speed.BACKGROUND.wait()
-            speed.BACKGROUND.reset()
 
     def _checkpoint_more(self, model) -> bool:
         """CUDA graphs' capture ran out of memory: checkpoint half the units selective checkpointing left
@@ -1159,6 +982,33 @@ class SDXLTask(Task):
     def batch_size(self, batch) -> int:
         return int(batch["latent_mean"].shape[0])
 
+    def flops_per_sample(self, batch) -> float | None:
+        """FLOPs per image of a training step, counted on a copy of the UNet on the meta device (no memory, no
+        kernels): built from the UNet's config with this run's adapter plan, called on one image of `batch`'s
+        bucket; 2x its forward (core/loop.py: _flops_setup says why). With the text encoders' LoRA, whose
+        forward is in the step too, the loop counts a forward on the device instead."""
+        from ..core import tracking
+
+        if "prompt_embeds" not in batch:
+            return None
+        unet = self.pipe.unet
+        try:
+            with torch.device("meta"):
+                twin = type(unet).from_config(unet.config)
+            inject.apply_plan(twin, self.plan)
+            one = {k: torch.zeros(1, *batch[k].shape[1:], device="meta")
+                   for k in ("latent_mean", "prompt_embeds", "pooled", "time_ids")}
+            t = torch.zeros(1, dtype=torch.long, device="meta")
+            with torch.no_grad():
+                forward = tracking.count_flops(lambda: twin(
+                    one["latent_mean"], t, encoder_hidden_states=one["prompt_embeds"],
+                    added_cond_kwargs={"text_embeds": one["pooled"], "time_ids": one["time_ids"]}))
+        except Exception as e:  # MFU is a figure in the log: a model the meta copy cannot run is counted on the device
+            log.info("MFU: the UNet's meta-device copy did not run (%s: %s); counting a forward on the device",
+                     type(e).__name__, e)
+            return None
+        return 2.0 * forward
+
     def _keyed_draws(self, mean: torch.Tensor, keys: torch.Tensor):
         """Each sample's latent draw, noise (and offset) and timestep from its own generator, seeded by its
         sample_key: (seed, epoch, sample) decide them, not a per-process RNG stream, so N processes with
@@ -1184,6 +1034,11 @@ class SDXLTask(Task):
     def loss(self, model, batch) -> torch.Tensor:
         """The diffusion loss with the train.* options (sdxl/loss.py); draws in sdxl/loss.py's fixed order."""
         tc, sched = self.cfg.train, self.noise_scheduler
+        if not self._compile_said and tc.compile != "none" and torch.is_grad_enabled():
+            # The first compiled step waits for the compiler, which says nothing itself: the log says it first.
+            self._compile_said = True
+            log.info("compiling the UNet's blocks for this shape (once per settings; later runs reuse inductor's "
+                     "cache)")
         noisy, t, target = self._noised(batch)
         prediction_type = sched.config.prediction_type
         if tc.prior_prediction and "is_reg" in batch and bool(batch["is_reg"].any()):
@@ -1288,7 +1143,7 @@ class SDXLTask(Task):
             losses.extend(err.view(len(group), k).mean(1).tolist())
 
         was_training = model.training
-        speed.evaluation_mode(model)
+        model.eval()
         try:
             pending: dict[tuple, list] = {}
             for idx in (indices if indices is not None else range(min(8, len(self.dataset.items)))):

@@ -137,9 +137,8 @@ def from_widget_value(spec: FieldSpec, value: Any) -> Any:
 # Fields a run decides when its config leaves them unset: train.speed="auto" the speed levers, train.vram_gb
 # the memory levers. A form holds every field, so one left at the schema's default must stay unset in the
 # config (and in the file the queue runs), or the run would take it as the user's choice and decide nothing.
-DECIDED_WHEN_UNSET = ("train.cuda_graphs", "train.compile", "train.channels_last", "train.background_compile",
-                      "train.gradient_checkpointing", "train.checkpoint_budget_gb", "model.quantize",
-                      "model.tiled_vae_encode", "preview.vae_tiling")
+DECIDED_WHEN_UNSET = ("train.cuda_graphs", "train.compile", "train.channels_last", "train.gradient_checkpointing",
+                      "train.checkpoint_budget_gb", "model.quantize", "model.tiled_vae_encode", "preview.vae_tiling")
 
 
 def schema_default(key: str) -> Any:

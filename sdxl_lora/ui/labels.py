@@ -212,13 +212,6 @@ LABELS: dict[str, Label] = {
                                           "intermediate results to keep; empty lets the compiler choose."),
     "train.cuda_graphs": _l("CUDA graphs", S, "Replay each step's GPU work from a recording: faster steps on "
                             "a GPU."),
-    "train.reuse_conv_search": _l("Reuse the convolution search", S, "On a GPU: a run like an earlier one picks "
-                                  "its convolution and attention methods while it starts, not in its first "
-                                  "step."),
-    "train.background_compile": _l("Train while compiling", S, "With compile: start training at once, uncompiled, "
-                                   "and switch to the compiled blocks when they are ready."),
-    "train.graphs_while_compiling": _l("Graphs while compiling", S, "With train while compiling and CUDA "
-                                       "graphs: the uncompiled steps replay a recording too."),
     "train.fuse_qkv": _l("Fuse attention projections", S, "Compute the attention inputs in one matmul "
                          "instead of three: the same result, faster."),
     "train.fused_geglu": _l("Fused feed-forward backward", S, "A faster GPU kernel for the feed-forward "
