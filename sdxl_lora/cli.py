@@ -16,6 +16,7 @@ TRAIN_FLAGS = [
                                    "demo base) or tiny-sdxl (random weights)"),
     ("--data", "data.dirs", str, "dataset folder (repeat for several)"),
     ("--steps", "train.steps", int, "optimizer steps"),
+    ("--epochs", "train.epochs", int, "train this many epochs instead of --steps (each dataset's repeats counted)"),
     ("--resolution", "data.resolution", int, "training resolution (side of the square of equal area)"),
     ("--rank", "adapter.rank", int, "LoRA rank"),
     ("--kind", "adapter.kind", str, "adapter kind: lora, dora, loha or lokr"),
@@ -75,7 +76,7 @@ def _resume_job(args) -> training.Job:
 
     if args.config:
         raise ConfigError("--resume uses the run's own config.toml; drop the CONFIG argument")
-    return training.resume_job(args.resume, args.set, {"train.steps": args.steps} if args.steps else None,
+    return training.resume_job(args.resume, args.set, {"train.steps": args.steps, "train.epochs": None} if args.steps else None,
                                runs_dir=args.out)
 
 
@@ -478,6 +479,7 @@ LLM_FLAGS = [
     ("--model", "model.path", str, "local transformers causal-LM folder, or tiny-llm"),
     ("--data", "llm.data", str, "JSONL file of alpaca or chat lines (repeat for several)"),
     ("--steps", "train.steps", int, "optimizer steps"),
+    ("--epochs", "train.epochs", int, "train this many epochs instead of --steps (each dataset's repeats counted)"),
     ("--rank", "adapter.rank", int, "LoRA rank"),
     ("--kind", "adapter.kind", str, "adapter kind: lora, dora, loha or lokr"),
     ("--batch-size", "train.batch_size", int, "rows per step"),

@@ -324,7 +324,12 @@ class AdapterConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(300, ge=1, description="Optimizer steps to train for.")
+    steps: int = Field(300, ge=1, description="Optimizer steps to train for (unless train.epochs is set).")
+    # kohya's count: an epoch is every image as many times as its dataset's repeats, in global batches of
+    # batch_size x processes, and grad_accum batches make one step.
+    epochs: int | None = Field(None, ge=1, description=(
+        "Train this many epochs instead of train.steps: an epoch is each image once per its dataset's repeats, "
+        "batch_size x processes images a batch, grad_accum batches a step (kohya's count). None: train.steps."))
     batch_size: int = Field(2, ge=1, description="Examples (images, or LLM rows) per step on each process.")
     grad_accum: int = Field(1, ge=1, description=(
         "Batches whose gradients add up into one optimizer step: a larger effective batch in the same memory."))
@@ -461,6 +466,9 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1, description="Log the loss and speed every N steps.")
     # A state is the adapter, optimizer, schedule, RNG and data position: what a resume needs.
     save_every: int = Field(100, ge=0, description="Save the training state every N steps; 0 is off.")
+    save_every_epochs: int = Field(0, ge=0, description=(
+        "Save the training state every N epochs instead of every save_every steps (as kohya's "
+        "save_every_n_epochs; `sdxl-lora export` writes a state's adapter); 0 is off."))
     save_every_minutes: float = Field(10.0, ge=0, description=(
         "Also save it every M minutes, whichever comes first; 0 is off."))
     keep_checkpoints: int = Field(3, ge=1, description="How many of the newest saved states are kept.")
@@ -497,6 +505,8 @@ class PreviewConfig(Section):
         ".toml/.jsonl/.json file; none: a few dataset captions (demo base: its own); empty: no previews."))
     every: int = Field(0, ge=0, description=(
         "Also preview, and compute the validation loss, every N steps; 0: only before and after."))
+    every_epochs: int = Field(0, ge=0, description=(
+        "Preview, and compute the validation loss, every N epochs instead of every N steps; 0 is off."))
     steps: int = Field(20, ge=1, json_schema_extra=SDXL_ONLY, description="Sampling steps of each preview image.")
     vae_tiling: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
         "Decode previews in tiles: far less memory at full size, faint seams possible. On by itself with a "
@@ -616,6 +626,22 @@ class Config(Section):
             raise ValueError(f"train.loraplus_ratio={self.train.loraplus_ratio:g} gives LoRA's B matrix a larger "
                              f"learning rate; adapter.kind={kind!r} has no B: leave it unset")
         return self
+
+    def in_epochs(self, steps_per_epoch: int) -> "Config":
+        """The config with train.epochs, save_every_epochs and preview.every_epochs turned into steps, at
+        `steps_per_epoch` optimizer steps an epoch; unchanged where none is set."""
+        tc, pc = self.train, self.preview
+        train, preview = {}, {}
+        if tc.epochs:
+            train["steps"] = tc.epochs * steps_per_epoch
+        if tc.save_every_epochs:
+            train["save_every"] = tc.save_every_epochs * steps_per_epoch
+        if pc.every_epochs:
+            preview["every"] = pc.every_epochs * steps_per_epoch
+        if not (train or preview):
+            return self
+        return self.model_copy(update={"train": tc.model_copy(update=train),
+                                       "preview": pc.model_copy(update=preview)})
 
     def cache_root(self) -> Path:
         """Where a run's caches live (latents, text embeddings, class images, records of its step): data.cache_dir,

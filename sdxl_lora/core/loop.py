@@ -329,13 +329,14 @@ class Trainer:
             log.info("CUDA allocator: %s", allocator_setting() or "torch's defaults")
         self.task.setup(self.accelerator, self.run)
         self.optimizer = build_optimizer(cfg, self._param_groups())
-        # Not prepared: Accelerate's wrapper advances a schedule num_processes times a step, so its saved
-        # state would mean something else on another process count. The loop steps it once per step.
-        self.schedule = make_schedule(cfg, self.optimizer)
         loader = self.task.dataloader()
         self.sampler = loader.batch_sampler
         self._own_shards = (hasattr(self.sampler, "skip_next")
                             and getattr(self.sampler, "num_replicas", 1) == acc.num_processes)
+        self.cfg = cfg = self._in_epochs(cfg)
+        # Not prepared: Accelerate's wrapper advances a schedule num_processes times a step, so its saved
+        # state would mean something else on another process count. The loop steps it once per step.
+        self.schedule = make_schedule(cfg, self.optimizer)
         self.flops_per_image, self.peak_tflops = self._flops_setup()
         self.flat_sync = self._flat_sync()
         # With train.gradient_sync="allreduce" the model is not prepared (no DDP wrapper, no autocast
@@ -365,6 +366,23 @@ class Trainer:
                             if cfg.train.tensorboard and self.accelerator.is_main_process else None)
         if self.resume is not None:
             self._load(self.resume)
+
+    def _in_epochs(self, cfg: Config) -> Config:
+        """train.epochs, save_every_epochs and preview.every_epochs in steps, counted as kohya does: the global
+        batches of an epoch (its sampler counts them itself, or Accelerate deals whole batches to the
+        processes in turn), grad_accum of them a step, a last partial step counted whole."""
+        if not (cfg.train.epochs or cfg.train.save_every_epochs or cfg.preview.every_epochs):
+            return cfg
+        batches = len(self.sampler)
+        if not self._own_shards:
+            batches = math.ceil(batches / self.accelerator.num_processes)
+        per_epoch = math.ceil(batches / cfg.train.grad_accum)
+        out = cfg.in_epochs(per_epoch)
+        log.info("%d steps an epoch (%d batches of %d images, grad_accum %d): %d steps%s%s", per_epoch, batches,
+                 self._global_batch(), cfg.train.grad_accum, out.train.steps,
+                 f", a state saved every {out.train.save_every}" if cfg.train.save_every_epochs else "",
+                 f", previews every {out.preview.every}" if cfg.preview.every_epochs else "")
+        return out
 
     def _prepare(self, *objects) -> tuple:
         out = self.accelerator.prepare(*objects)

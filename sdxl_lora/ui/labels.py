@@ -160,6 +160,8 @@ LABELS: dict[str, Label] = {
     # ---- how long
     "train.steps": _l("Training steps", H, "How many times the adapter is updated; more steps learn more.",
                       common=True),
+    "train.epochs": _l("Training epochs", H, "Train this many passes over the images instead of a number of "
+                       "steps (each folder's repeats counted); empty: the steps."),
     "train.batch_size": _l("Batch size", H, "Examples per step: bigger batches are smoother and need more "
                            "memory.", common=True),
     "train.lr": _l("Learning rate", H, "How big each update is: too high breaks images, too low learns "
@@ -243,6 +245,8 @@ LABELS: dict[str, Label] = {
     "preview.prompts": _l("Preview prompts", P, "One prompt a line; empty: no previews.", common=True),
     "preview.every": _l("Preview every (steps)", P, "Also render previews and measure the validation loss "
                         "this often; zero: only before and after.", common=True),
+    "preview.every_epochs": _l("Preview every (epochs)", P, "Render previews and measure the validation loss "
+                               "after every this many epochs instead; zero is off."),
     "preview.steps": _l("Preview sampling steps", P, "Sampling steps per preview image: more is cleaner and "
                         "slower."),
     "preview.vae_tiling": _l("Decode previews in tiles", P, "Much less memory for large previews, faint seams "
@@ -265,6 +269,8 @@ LABELS: dict[str, Label] = {
     "output.overwrite": _l("Replace a run of the same name", O, "Delete an existing run with this name first."),
     "train.save_every": _l("Save every (steps)", O, "Save the training state this often, to resume or pick a "
                            "step; zero is off."),
+    "train.save_every_epochs": _l("Save every (epochs)", O, "Save the training state after every this many "
+                                  "epochs instead of by steps; zero is off."),
     "train.save_every_minutes": _l("Save every (minutes)", O, "Also save this often, whichever comes first; "
                                    "zero is off."),
     "train.keep_checkpoints": _l("Saved states kept", O, "How many of the newest saved states are kept."),
