@@ -349,9 +349,12 @@ class TrainConfig(Section):
     # The paged optimizers keep their state in memory that can spill to the host under pressure; prodigy finds
     # the step size itself. docs/training.md compares them.
     optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw", "adafactor", "lion",
-                       "prodigy"] = Field("adamw", description=(
+                       "prodigy", "adamw_schedulefree", "came"] = Field("adamw", description=(
         "The optimizer; adamw8bit, the paged ones and lion need bitsandbytes (the qlora extra), prodigy needs "
-        "prodigyopt and wants lr = 1.0."))
+        "prodigyopt and wants lr = 1.0. adamw_schedulefree (the schedulefree extra) needs no decaying "
+        "schedule: keep scheduler='constant', give warmup_steps, and an lr of 1-2x AdamW's (its authors: up to "
+        "10x). came (the came extra) takes about half AdamW's optimizer memory; an lr of AdamW's or a little "
+        "lower (1e-4 to 2e-4 for SDXL LoRAs)."))
     weight_decay: float = Field(1e-2, ge=0, description="Weight decay of the adapter weights.")
     scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = Field(
         "constant", description="The learning-rate schedule, after warmup_steps of linear warmup.")

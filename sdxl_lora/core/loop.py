@@ -4,8 +4,8 @@ images or tokens.
 What a user gets from `Trainer`:
   - Accelerate underneath: one code path for CPU, one GPU or many (`accelerate launch`), mixed
     precision no/fp16/bf16 ("auto": bf16 where the GPU has it), gradient accumulation;
-  - the optimizer and lr schedule of the config (optim.py: AdamW, AdamW8bit, Adafactor, Lion, Prodigy;
-    constant, linear, cosine, cosine with restarts, polynomial, each with warmup), gradient clipping;
+  - the optimizer and lr schedule of the config (optim.py: AdamW, AdamW8bit, Adafactor, Lion, Prodigy, CAME,
+    schedule-free AdamW; constant, linear, cosine, cosine with restarts, polynomial, each with warmup), gradient clipping;
   - a NaN/Inf guard: a step with a non-finite loss or gradient is skipped (weights unchanged), counted and
     logged; after train.max_nan_steps in a row the state is saved and the run stops, naming likely causes.
     With fused AdamW the optimizer skips the step on the device and the host reads the verdict a step
@@ -51,7 +51,7 @@ from .accel import device_type, gradient_sync, make_accelerator, world_size
 from .allocator import allocator_setting
 from .bytecode import advice as bytecode_advice, compiled_from_source
 from .ema import EMA
-from .optim import build_optimizer, loraplus_groups, make_schedule
+from .optim import build_optimizer, evaluating, loraplus_groups, make_schedule, resumed
 from .profile import StepProfiler
 from .runs import Run
 from .task import Task
@@ -478,8 +478,9 @@ class Trainer:
         if self.ema is not None:
             trainer_state["ema"] = self.ema.state_dict()
         trainer_state["identity"] = self.task.identity()
-        path = checkpoint.save_state(self.run.checkpoints_dir, self.step, self._trainable(),
-                                     self.optimizer.state_dict(), trainer_state, self.cfg.train.keep_checkpoints)
+        with evaluating(self.optimizer, self.cfg.train.optimizer):  # schedule-free: its average, exportable
+            path = checkpoint.save_state(self.run.checkpoints_dir, self.step, self._trainable(),
+                                         self.optimizer.state_dict(), trainer_state, self.cfg.train.keep_checkpoints)
         self.run.event("checkpoint", step=self.step, path=str(path))
         return path
 
@@ -519,6 +520,7 @@ class Trainer:
             for name, p in params.items():
                 p.copy_(adapter[name])
         self.optimizer.load_state_dict(opt_state)
+        resumed(self.optimizer, self.cfg.train.optimizer)
         self.schedule.load_state_dict(tr["schedule"])
         if self.ema is not None:
             if "ema" not in tr:
@@ -625,8 +627,13 @@ class Trainer:
         return paths
 
     def _averaged(self):
-        """The EMA weights in the model for the block, when train.ema is on."""
-        return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+        """The weights to evaluate, preview and export in the model for the block: a schedule-free optimizer's
+        average, and the EMA's with train.ema."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(evaluating(self.optimizer, self.cfg.train.optimizer))
+        if self.ema is not None:
+            stack.enter_context(self.ema.applied())
+        return stack
 
     def _track(self, step: int, *, samples: list[Path] = (), validation: float | None = None, **scalars) -> None:
         if self.tensorboard is None:
