@@ -176,9 +176,8 @@ LABELS: dict[str, Label] = {
                                "rate; empty or one is off."),
     "train.lr_multipliers": _l("Per-layer learning rate factors", H, "Multiply the learning rate of chosen "
                                "layers by name pattern."),
-    "train.optimizer": _l("Optimizer", H, "How updates are computed; adamw is a safe choice, prodigy picks its "
-                          "own rate (set the rate to one), adamw_schedulefree needs no schedule (constant, 1-2x "
-                          "adamw's rate), came uses less memory (a rate near adamw's)."),
+    "train.optimizer": _l("Optimizer", H, "adamw is safe; prodigy wants a rate of one; schedule-free wants no "
+                          "schedule, a higher rate; came saves memory."),
     "train.weight_decay": _l("Weight decay", H, "Pulls the adapter's weights gently towards zero, against "
                              "overfitting."),
     "train.scheduler": _l("Learning rate schedule", H, "How the learning rate changes over the run."),
