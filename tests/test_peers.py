@@ -108,3 +108,81 @@ def test_a_missing_optimizer_package_names_its_extra(monkeypatch):
         with pytest.raises(ImportError, match=rf"pip install 'sdxl_lora\[{extra}\]'"):
             build_optimizer(load_config(extra={"train.optimizer": name}),
                             [{"params": [torch.nn.Parameter(torch.randn(4))]}])
+
+
+def wandb_records(run_dir: Path) -> list:
+    """The records of the W&B run in run_dir (its offline .wandb file: LevelDB's log format of protobuf
+    records, the layout wandb's own reader used)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb2
+
+    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    data, pos, block, part, out = path.read_bytes(), 7, 32768, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        part, pos = part + data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind == 0 and n == 0:
+            break
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = pb2.Record()
+            record.ParseFromString(part)
+            out.append(record)
+            part = b""
+    return out
+
+
+def test_the_wandb_and_tensorboard_trackers_get_the_losses_previews_and_config_offline(
+        tmp_path, cli, cache_args, monkeypatch):
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is the default: no network, no account
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    p = cli("train", "--out", str(tmp_path), "--name", "tracked", "--steps", "3", "--set",
+            "train.trackers=['wandb', 'tensorboard']", "--set", "preview.before=false", "--set", "train.log_every=1",
+            "--set", "train.save_every_minutes=0", *cache_args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = tmp_path / "tracked"
+    steps = [e for e in read_events(run / "events.jsonl") if e["event"] == "step"]
+    evals = [e for e in read_events(run / "events.jsonl") if e["event"] == "eval"]
+    history: dict[str, dict[int, object]] = {}
+    config = {}
+    for r in wandb_records(run):
+        kind = r.WhichOneof("record_type")
+        if kind == "history":
+            row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+            for key, value in row.items():
+                history.setdefault(key, {})[row["_step"]] = value
+        elif kind == "config":
+            config.update({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.config.update})
+        elif kind == "run":
+            config.update({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.run.config.update})
+    assert history["loss/train"] == pytest.approx({e["step"]: e["loss"] for e in steps}, rel=1e-6)
+    assert set(history["lr"]) == set(history["images_per_s"]) == {1, 2, 3}
+    assert history["loss/eval"] == pytest.approx({3: evals[-1]["loss"]}, rel=1e-6)
+    # The final previews' grid, an image file beside the run's records.
+    assert history["samples/grid/_type"] == {3: "images/separated"}
+    (media,) = history["samples/grid/filenames"][3]
+    assert next((run / "wandb").glob("offline-run-*/files")).joinpath(media).stat().st_size > 0
+    assert config["train.steps"] == 3 and config["train.trackers"] == json.dumps(["wandb", "tensorboard"])
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    assert [s.value for s in acc.Scalars("loss/train")] == pytest.approx([e["loss"] for e in steps], rel=1e-6)
+    assert "samples/grid" in acc.Tags()["images"]
+
+
+def test_a_missing_tracker_package_names_its_extra(monkeypatch, tmp_path):
+    import importlib.util
+
+    from sdxl_lora.core import tracking
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
+    with pytest.raises(ImportError, match=r"pip install 'sdxl_lora\[wandb\]'"):
+        tracking.Trackers(["wandb"], tmp_path, {})

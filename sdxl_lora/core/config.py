@@ -479,10 +479,22 @@ class TrainConfig(Section):
         "Keep an exponential moving average of the adapter weights; the export and final previews use it."))
     ema_decay: float = Field(0.999, gt=0, lt=1, description=(
         "The EMA's decay per optimizer step; closer to 1 averages over more steps."))
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description=(
+        "Dashboards that get the run's figures (loss, lr, grad norm, images/s, eval and validation losses), the "
+        "previews and the resolved config: 'tensorboard' (<run>/tensorboard; the tensorboard package), 'wandb' "
+        "(Weights & Biases in <run>/wandb, offline unless WANDB_MODE=online; the wandb extra). E.g. ['wandb']."))
     tensorboard: bool = Field(False, description=(
-        "Write TensorBoard event files to <run>/tensorboard (needs the tensorboard package)."))
+        "The same as 'tensorboard' in train.trackers (the older field)."))
     peak_tflops: float | None = Field(None, gt=0, description=(
         "Your GPU's dense bf16/fp16 peak in TFLOP/s, for the MFU figure; none looks the GPU up by name."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensorboard_is_a_tracker(cls, data: Any) -> Any:
+        # train.tensorboard, from before train.trackers, keeps meaning TensorBoard's event files.
+        if isinstance(data, dict) and data.get("tensorboard") and "tensorboard" not in (data.get("trackers") or []):
+            data = {**data, "trackers": [*(data.get("trackers") or []), "tensorboard"]}
+        return data
 
     @model_validator(mode="after")
     def _timestep_range(self) -> "TrainConfig":

@@ -12,7 +12,7 @@ What a user gets from `Trainer`:
     later; with other optimizers it costs one host sync a step (train.nan_guard=false removes it);
   - a progress bar, and an events file (step, loss, lr, grad norm, throughput in the task's units
     (Task.units: images/s, tokens/s), MFU on a GPU, eta) that the UI reads; the same figures and the
-    previews in TensorBoard with train.tensorboard. The figures are summed on the device and read back
+    previews in TensorBoard and W&B with train.trackers. The figures are summed on the device and read back
     only at log points, so a step does not wait for the GPU;
   - an exponential moving average of the adapter (train.ema): exported, previewed and evaluated at the end;
   - training states every N steps / M minutes (atomic, checksummed, last K kept), resume to the same
@@ -362,8 +362,8 @@ class Trainer:
             self._flat_collective(self.params, "broadcast")  # DDP does this at wrapping: one start for all
         # Built from the weights before any resume: _load then restores the saved averages.
         self.ema = EMA(self._trainable(), cfg.train.ema_decay) if cfg.train.ema else None
-        self.tensorboard = (tracking.TensorBoard(self.run.dir / "tensorboard")
-                            if cfg.train.tensorboard and self.accelerator.is_main_process else None)
+        self.trackers = (tracking.Trackers(cfg.train.trackers, self.run.dir, cfg.model_dump(mode="json"))
+                         if cfg.train.trackers and self.accelerator.is_main_process else None)
         if self.resume is not None:
             self._load(self.resume)
 
@@ -636,12 +636,12 @@ class Trainer:
         return stack
 
     def _track(self, step: int, *, samples: list[Path] = (), validation: float | None = None, **scalars) -> None:
-        if self.tensorboard is None:
+        if self.trackers is None:
             return
-        self.tensorboard.scalars(step, **scalars, **{"loss/validation": validation})
+        self.trackers.scalars(step, **scalars, **{"loss/validation": validation})
         if samples:
-            self.tensorboard.images(step, list(samples))
-        self.tensorboard.flush()
+            self.trackers.images(step, list(samples))
+        self.trackers.flush()
 
     def _on_signal(self, signum, frame) -> None:
         if self._stop is not None:
@@ -697,8 +697,8 @@ class Trainer:
                 self._bar.close()
             for s, h in handlers.items():
                 signal.signal(s, h)
-            if self.tensorboard is not None:
-                self.tensorboard.close()
+            if self.trackers is not None:
+                self.trackers.close()
 
     def _loop(self, samples: list[Path], eval_before: float) -> Result:
         """The training step: batches -> loss -> backward -> clip -> guard -> optimizer; log, check in, save."""
