@@ -407,15 +407,15 @@ class Failure:
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
     """The errors raised for bad input (config, data, model, checkpoint): their messages carry the fix."""
     from .core.checkpoint import CheckpointError
-    from .core.config import ConfigError
+    from .core.config import ConfigError, MissingPackage
     from .llm.data import DataError as LLMDataError
     from .llm.model import LLMModelError
     from .sdxl.data import DataError
     from .sdxl.model import ModelError
     from .sdxl.single_file import SingleFileError
 
-    return (ConfigError, DataError, ModelError, SingleFileError, CheckpointError, LLMDataError, LLMModelError,
-            FileExistsError, FileNotFoundError)
+    return (ConfigError, MissingPackage, DataError, ModelError, SingleFileError, CheckpointError, LLMDataError,
+            LLMModelError, FileExistsError, FileNotFoundError)
 
 
 def failure(e: BaseException) -> Failure | None:

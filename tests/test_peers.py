@@ -186,3 +186,100 @@ def test_a_missing_tracker_package_names_its_extra(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
     with pytest.raises(ImportError, match=r"pip install 'sdxl_lora\[wandb\]'"):
         tracking.Trackers(["wandb"], tmp_path, {})
+
+
+# ---------------------------------------------------------------- the WD14 tagger
+
+TAGS = [("general", 9), ("sensitive", 9), ("red_hair", 0), ("blue_sky", 0), ("long_hair", 0), ("^_^", 0),
+        ("hatsune_miku", 4)]
+
+
+@pytest.fixture(scope="module")
+def tagger(tmp_path_factory) -> Path:
+    """A WD14-shaped tagger: model.onnx (a batch of 32x32 BGR images in 0-255, NHWC -> one sigmoid per tag) and
+    selected_tags.csv. Each tag's logit is a weight times the image's mean of one channel plus a bias: red hair
+    from red, blue sky from blue, the character from green; long hair and ^_^ always, at 0.73 and 0.95."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.zeros((3, len(TAGS)), np.float32)  # rows: B, G, R
+    b = np.array([2.0, -2.0, -6.0, -6.0, 1.0, 3.0, -6.0], np.float32)
+    w[2, 2] = w[0, 3] = w[1, 6] = 0.05  # 255 -> logit 6.75 (0.999); 128 -> 0.4 (0.60)
+    graph = helper.make_graph(
+        [helper.make_node("ReduceMean", ["input_1:0"], ["mean"], axes=[1, 2], keepdims=0),
+         helper.make_node("MatMul", ["mean", "w"], ["logits"]),
+         helper.make_node("Add", ["logits", "b"], ["biased"]),
+         helper.make_node("Sigmoid", ["biased"], ["predictions_sigmoid"])],
+        "tiny_wd14",
+        [helper.make_tensor_value_info("input_1:0", TensorProto.FLOAT, ["batch", 32, 32, 3])],
+        [helper.make_tensor_value_info("predictions_sigmoid", TensorProto.FLOAT, ["batch", len(TAGS)])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    folder = tmp_path_factory.mktemp("wd14")
+    onnx.save(model, folder / "model.onnx")
+    (folder / "selected_tags.csv").write_text(
+        "tag_id,name,category,count\n" + "".join(f"{i},{n},{c},100\n" for i, (n, c) in enumerate(TAGS)))
+    return folder
+
+
+def images(folder: Path) -> Path:
+    from PIL import Image
+
+    folder.mkdir()
+    for name, rgb in (("red", (255, 0, 0)), ("green", (0, 255, 0)), ("dim", (0, 128, 0)), ("kept", (255, 0, 0))):
+        Image.new("RGB", (40, 40), rgb).save(folder / f"{name}.png")
+    (folder / "kept.txt").write_text("my own caption\n")
+    return folder
+
+
+def test_the_tagger_writes_tag_captions_trigger_first_and_keeps_existing_ones(tmp_path, cli, tagger):
+    data = images(tmp_path / "data")
+    p = cli("dataset", "tag", str(data), "--tagger", str(tagger), "--trigger", "sks")
+    assert p.returncode == 0, p.stderr[-3000:]
+    caption = {f.stem: f.read_text() for f in data.glob("*.txt")}
+    # The character first, then general tags by confidence; underscores are spaces except in the emoticon; the
+    # half-sure character (0.60 < 0.85) left out; no rating unless asked.
+    assert caption == {"red": "sks, red hair, ^_^, long hair\n", "green": "sks, hatsune miku, ^_^, long hair\n",
+                       "dim": "sks, ^_^, long hair\n", "kept": "my own caption\n"}
+    assert "captions written: 3; kept (already there): 1" in p.stdout
+    assert "tags written: 8 (4 distinct, 2.7 a caption); most common: ^_^ (3), long hair (3)" in p.stdout
+
+    p = cli("dataset", "tag", str(data), "--tagger", str(tagger), "--overwrite", "--ratings", "--keep-underscores",
+            "--general-threshold", "0.9", "--character-threshold", "0.5")
+    assert p.returncode == 0, p.stderr[-3000:]
+    caption = {f.stem: f.read_text() for f in data.glob("*.txt")}
+    assert caption == {"red": "general, red_hair, ^_^\n", "green": "general, hatsune_miku, ^_^\n",
+                       "dim": "general, hatsune_miku, ^_^\n", "kept": "general, red_hair, ^_^\n"}
+
+
+def test_the_tagger_says_what_is_missing(tmp_path, cli, tagger, monkeypatch):
+    import importlib.util
+
+    data = images(tmp_path / "data")
+    p = cli("dataset", "tag", str(data), "--tagger", str(tmp_path))
+    assert p.returncode == 2 and "needs a folder holding model.onnx and selected_tags.csv" in p.stderr
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "onnxruntime" else real(n, *a))
+    p = cli("dataset", "tag", str(data), "--tagger", str(tagger))
+    assert p.returncode == 2
+    assert p.stderr.strip() == "error: the tagger needs onnxruntime, which is not installed: pip install 'sdxl_lora[tagger]'"
+
+
+def test_the_dataset_tab_offers_a_tagger_under_the_models_folder_and_tags_with_it(tmp_path, tagger):
+    from sdxl_lora.ui import dataset_edit as edit
+    from sdxl_lora.ui.folders import Folders
+
+    (tmp_path / "datasets").mkdir()
+    images(tmp_path / "datasets" / "d")
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    shutil.copytree(tagger, f.models / "taggers" / "wd14")
+    assert edit.captioner_choices(f.models) == ["taggers/wd14"]
+    seen = []
+    msg = edit.caption(f, "d", "taggers/wd14", ".txt", False, "sks", lambda done, total: seen.append((done, total)))
+    assert msg.startswith("captions written: 3; kept (already there): 1") and "tags written: 8" in msg
+    assert seen[-1] == (3, 3)
+    assert (tmp_path / "datasets" / "d" / "red.txt").read_text() == "sks, red hair, ^_^, long hair\n"
+    assert (tmp_path / "datasets" / "d" / "kept.txt").read_text() == "my own caption\n"

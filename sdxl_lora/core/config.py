@@ -34,6 +34,10 @@ class ConfigError(ValueError):
     """A config value is wrong; the message names the field and says what to do."""
 
 
+class MissingPackage(ImportError):
+    """A feature asked for needs a package that is not installed; the message names what to install."""
+
+
 class Section(BaseModel):
     # No field takes inf or nan: a learning rate or noise offset of inf trains to NaN and still "finishes".
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)

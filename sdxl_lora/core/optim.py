@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from .config import Config
+from .config import Config, MissingPackage
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ SCHEDULE_FREE = ("adamw_schedulefree",)
 
 def _package(name: str, module: str, extra: str):
     if importlib.util.find_spec(module) is None:
-        raise ImportError(f"train.optimizer={name!r} needs the {module} package, which is not installed: "
-                          f"pip install 'sdxl_lora[{extra}]', or choose optimizer='adamw'")
+        raise MissingPackage(f"train.optimizer={name!r} needs the {module} package, which is not installed: "
+                             f"pip install 'sdxl_lora[{extra}]', or choose optimizer='adamw'")
     return importlib.import_module(module)
 
 

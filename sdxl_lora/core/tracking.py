@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .config import MissingPackage
+
 log = logging.getLogger(__name__)
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s, from the vendors' data sheets. Matched
@@ -91,8 +93,8 @@ class Trackers:
         for name in names:
             package, install = TRACKER_PACKAGES[name]
             if importlib.util.find_spec(package) is None:
-                raise ImportError(f"train.trackers names {name!r}, which needs the {package} package, which is not "
-                                  f"installed: {install}, or leave it out of train.trackers")
+                raise MissingPackage(f"train.trackers names {name!r}, which needs the {package} package, which is "
+                                     f"not installed: {install}, or leave it out of train.trackers")
         from accelerate.tracking import TensorBoardTracker, WandBTracker
 
         run_dir = Path(run_dir)
