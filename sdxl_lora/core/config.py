@@ -333,7 +333,7 @@ class TrainConfig(Section):
     # batch_size x processes, and grad_accum batches make one step.
     epochs: int | None = Field(None, ge=1, description=(
         "Train this many epochs instead of train.steps: an epoch is each image once per its dataset's repeats, "
-        "batch_size x processes images a batch, grad_accum batches a step (kohya's count). None: train.steps."))
+        "batch_size x processes images a batch, grad_accum batches a step (kohya's count)."))
     batch_size: int = Field(2, ge=1, description="Examples (images, or LLM rows) per step on each process.")
     grad_accum: int = Field(1, ge=1, description=(
         "Batches whose gradients add up into one optimizer step: a larger effective batch in the same memory."))
@@ -354,11 +354,8 @@ class TrainConfig(Section):
     # the step size itself. docs/training.md compares them.
     optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw", "adafactor", "lion",
                        "prodigy", "adamw_schedulefree", "came"] = Field("adamw", description=(
-        "The optimizer; adamw8bit, the paged ones and lion need bitsandbytes (the qlora extra), prodigy needs "
-        "prodigyopt and wants lr = 1.0. adamw_schedulefree (the schedulefree extra) needs no decaying "
-        "schedule: keep scheduler='constant', give warmup_steps, and an lr of 1-2x AdamW's (its authors: up to "
-        "10x). came (the came extra) takes about half AdamW's optimizer memory; an lr of AdamW's or a little "
-        "lower (1e-4 to 2e-4 for SDXL LoRAs)."))
+        "The optimizer; its lr (docs/training.md): prodigy 1.0; adamw_schedulefree 1-2x adamw's, constant "
+        "schedule; came 1e-4 to 2e-4. bitsandbytes (qlora extra) for adamw8bit, paged_*, lion."))
     weight_decay: float = Field(1e-2, ge=0, description="Weight decay of the adapter weights.")
     scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = Field(
         "constant", description="The learning-rate schedule, after warmup_steps of linear warmup.")
@@ -484,9 +481,8 @@ class TrainConfig(Section):
     ema_decay: float = Field(0.999, gt=0, lt=1, description=(
         "The EMA's decay per optimizer step; closer to 1 averages over more steps."))
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description=(
-        "Dashboards that get the run's figures (loss, lr, grad norm, images/s, eval and validation losses), the "
-        "previews and the resolved config: 'tensorboard' (<run>/tensorboard; the tensorboard package), 'wandb' "
-        "(Weights & Biases in <run>/wandb, offline unless WANDB_MODE=online; the wandb extra). E.g. ['wandb']."))
+        "Dashboards that get the run's figures, previews and config: 'tensorboard' (<run>/tensorboard), 'wandb' "
+        "(Weights & Biases in <run>/wandb, offline unless WANDB_MODE=online; the wandb extra)."))
     tensorboard: bool = Field(False, description=(
         "The same as 'tensorboard' in train.trackers (the older field)."))
     peak_tflops: float | None = Field(None, gt=0, description=(
