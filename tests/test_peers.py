@@ -49,7 +49,7 @@ def test_epochs_train_as_many_steps_as_kohya_counts_and_the_same_adapter_as_thos
     p = cli("train", "--out", str(tmp_path), "--name", "epochs", "--epochs", "2",
             "--set", "train.save_every_epochs=1", "--set", "train.save_every=1", *common)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "2 steps an epoch (3 batches of 2 images, grad_accum 2): 4 steps" in p.stderr
+    assert "2 steps an epoch (3 batches of 2, grad_accum 2): 4 steps" in p.stderr
     run = tmp_path / "epochs"
     assert steps_of(run) == [1, 2, 3, 4]
     saved = [e["step"] for e in read_events(run / "events.jsonl") if e["event"] == "checkpoint"]
@@ -283,3 +283,20 @@ def test_the_dataset_tab_offers_a_tagger_under_the_models_folder_and_tags_with_i
     assert seen[-1] == (3, 3)
     assert (tmp_path / "datasets" / "d" / "red.txt").read_text() == "sks, red hair, ^_^, long hair\n"
     assert (tmp_path / "datasets" / "d" / "kept.txt").read_text() == "my own caption\n"
+
+
+def test_the_train_form_takes_epochs_the_new_optimizers_and_trackers():
+    """The form's fields come from the schema: each new field is there, and what is typed into it is the
+    config's value (a list of trackers as the form's TOML-literal box takes lists)."""
+    from sdxl_lora.ui.form import build_config, schema_fields, to_widget_value
+
+    specs = schema_fields()
+    typed = {"train.epochs": 3, "train.save_every_epochs": 1, "preview.every_epochs": 2, "train.optimizer": "came",
+             "train.trackers": '["wandb", "tensorboard"]'}
+    assert set(typed) <= {s.key for s in specs}
+    values = [typed.get(s.key, to_widget_value(s, s.default)) for s in specs]
+    cfg = build_config(specs, values, {})
+    assert (cfg.train.epochs, cfg.train.save_every_epochs, cfg.preview.every_epochs) == (3, 1, 2)
+    assert cfg.train.optimizer == "came" and cfg.train.trackers == ["wandb", "tensorboard"]
+    defaults = build_config(specs, [to_widget_value(s, s.default) for s in specs], {})
+    assert (defaults.train.epochs, defaults.train.optimizer, defaults.train.trackers) == (None, "adamw", [])

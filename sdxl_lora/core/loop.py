@@ -378,7 +378,7 @@ class Trainer:
             batches = math.ceil(batches / self.accelerator.num_processes)
         per_epoch = math.ceil(batches / cfg.train.grad_accum)
         out = cfg.in_epochs(per_epoch)
-        log.info("%d steps an epoch (%d batches of %d images, grad_accum %d): %d steps%s%s", per_epoch, batches,
+        log.info("%d steps an epoch (%d batches of %d, grad_accum %d): %d steps%s%s", per_epoch, batches,
                  self._global_batch(), cfg.train.grad_accum, out.train.steps,
                  f", a state saved every {out.train.save_every}" if cfg.train.save_every_epochs else "",
                  f", previews every {out.preview.every}" if cfg.preview.every_epochs else "")

@@ -120,10 +120,17 @@ class Trackers:
                 tracker.log(values, step=step)
 
     def images(self, step: int, paths: list[Path]) -> None:
-        """The grid of a preview set (or every image when there is none)."""
+        """The grid of a preview set (or every image when there is none); text previews (an LLM's answers) as
+        text."""
         import numpy as np
         from PIL import Image
 
+        texts = {f"samples/{Path(p).stem.split('-')[0]}": Path(p).read_text(encoding="utf-8")
+                 for p in paths if Path(p).suffix == ".txt"}
+        if texts:
+            for tracker in self.trackers:
+                tracker.log(texts, step=step)
+        paths = [p for p in paths if Path(p).suffix != ".txt"]
         grids = [p for p in paths if Path(p).stem.endswith("grid")] or list(paths)
         images = {}
         for p in grids:
