@@ -261,6 +261,8 @@ def test_the_tagger_says_what_is_missing(tmp_path, cli, tagger, monkeypatch):
     data = images(tmp_path / "data")
     p = cli("dataset", "tag", str(data), "--tagger", str(tmp_path))
     assert p.returncode == 2 and "needs a folder holding model.onnx and selected_tags.csv" in p.stderr
+    p = cli("dataset", "tag", str(data), "--tagger", str(tagger), "--general-threshold", "35")
+    assert p.returncode == 2 and "--general-threshold 35.0: a probability in (0, 1]" in p.stderr
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "onnxruntime" else real(n, *a))
     p = cli("dataset", "tag", str(data), "--tagger", str(tagger))

@@ -16,11 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.config import DataConfig, MissingPackage
+from ..core.config import ConfigError, MissingPackage
 from ..core.fsutil import atomic_write_text
-from .captioner import CaptionReport, images_without_caption
-from .data import DataError, _root
-from .images import ImageProblem, open_image
+from .captioner import CaptionReport, caption_in_batches
+from .data import DataError
 
 RATING, GENERAL, CHARACTER = 9, 0, 4
 # The thresholds of the publisher's own demo: a general tag at 0.35 is usually right, a character needs more.
@@ -133,42 +132,29 @@ def tag_folder(folder: str | Path, tagger: str | Path, *, extension: str = ".txt
     """Tag every image under `folder` that has no `<stem><extension>` beside it (every image with overwrite):
     `trigger`, then the tagger's tags, comma-separated."""
     import numpy as np
-    from tqdm import tqdm
 
     for name, value in (("general threshold", general_threshold), ("character threshold", character_threshold)):
         if not 0 < value <= 1:
-            raise ValueError(f"{name}={value}: a probability in (0, 1], e.g. {GENERAL_THRESHOLD}")
-    extension = DataConfig(caption_extension=extension).caption_extension  # the schema's check of the extension
-    root = _root(str(folder), "dataset tag")
-    todo, kept = images_without_caption(root, extension, overwrite)
-    report = TagReport(kept=kept)
-    if not todo:
-        return report
-    session, tags = load_tagger(tagger, device)
-    put = session.get_inputs()[0]
-    size = put.shape[1] if isinstance(put.shape[1], int) else 448
-    bar = tqdm(total=len(todo), desc="tagging", unit="img", disable=None if on_progress is None else True)
-    for start in range(0, len(todo), batch_size):
-        batch, pixels = [], []
-        for path in todo[start:start + batch_size]:
-            try:
-                pixels.append(_pixels(open_image(path, DataConfig().max_pixels), size))
-                batch.append(path)
-            except ImageProblem as e:
-                report.failed.append((path, str(e)))
-        if pixels:
-            (probs,) = session.run([session.get_outputs()[0].name], {put.name: np.stack(pixels)})
+            raise ConfigError(f"--{name.replace(' ', '-')} {value}: a probability in (0, 1], e.g. {GENERAL_THRESHOLD}")
+    report = TagReport()
+
+    def load():
+        session, tags = load_tagger(tagger, device)
+        put = session.get_inputs()[0]
+        size = put.shape[1] if isinstance(put.shape[1], int) else 448
+
+        def write(batch: list[Path], images: list, extension: str) -> None:
+            pixels = np.stack([_pixels(im, size) for im in images])
+            (probs,) = session.run([session.get_outputs()[0].name], {put.name: pixels})
             for path, row in zip(batch, probs):
                 chosen = choose(row, tags, general_threshold, character_threshold, ratings, underscores)
-                words = ([trigger.strip()] if trigger.strip() else []) + [t for t in chosen if t != trigger.strip()]
                 if not chosen:  # an empty caption file would only stand in the way of a better one
                     report.failed.append((path, "no tag reached the thresholds; no caption written"))
                     continue
+                words = ([trigger.strip()] if trigger.strip() else []) + [t for t in chosen if t != trigger.strip()]
                 report.tags.update(chosen)
                 report.written.append(atomic_write_text(path.with_name(path.stem + extension), ", ".join(words) + "\n"))
-        done = min(start + batch_size, len(todo))
-        bar.update(done - bar.n)
-        if on_progress is not None:
-            on_progress(done, len(todo))
-    bar.close()
-    return report
+        return write
+
+    return caption_in_batches(folder, extension, overwrite, report, "dataset tag", "tagging", batch_size, on_progress,
+                              load)
