@@ -165,7 +165,8 @@ def test_the_wandb_and_tensorboard_trackers_get_the_losses_previews_and_config_o
             config.update({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.run.config.update})
     assert history["loss/train"] == pytest.approx({e["step"]: e["loss"] for e in steps}, rel=1e-6)
     assert set(history["lr"]) == set(history["images_per_s"]) == {1, 2, 3}
-    assert history["loss/eval"] == pytest.approx({3: evals[-1]["loss"]}, rel=1e-6)
+    assert history["loss/eval"] == pytest.approx({e["step"]: e["loss"] for e in evals}, rel=1e-6)  # before, after
+    assert sorted(history["loss/eval"]) == [0, 3]
     # The final previews' grid, an image file beside the run's records.
     assert history["samples/grid/_type"] == {3: "images/separated"}
     (media,) = history["samples/grid/filenames"][3]

@@ -678,7 +678,7 @@ class Trainer:
             run.event("eval", step=0, loss=eval_before)
             if val is not None:
                 run.event("validation", step=0, loss=val)
-                self._track(0, validation=val)
+            self._track(0, validation=val, **{"loss/eval": eval_before})
         else:  # resumed: the run's own starting figure
             eval_before = next((e["loss"] for e in run.events() if e["event"] == "eval"), math.nan)
         # After the step-0 previews and evaluation: beside the task's work (sdxl: the compiling thread, whose
