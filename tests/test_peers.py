@@ -93,6 +93,20 @@ def test_schedule_free_states_hold_its_average(tmp_path, cli, cache_args):
     assert {g["train_mode"] for g in opt["param_groups"]} == {False}
 
 
+def test_a_run_whose_optimizer_is_not_installed_stops_with_one_line_naming_the_extra(tmp_path, cli, cache_args,
+                                                                                     monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "schedulefree" else real(n, *a))
+    p = cli("train", "--out", str(tmp_path), "--steps", "1", "--set", "train.optimizer='adamw_schedulefree'", *QUIET,
+            *cache_args)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == (
+        "error: train.optimizer='adamw_schedulefree' needs the schedulefree package, which is not installed: "
+        "pip install 'sdxl_lora[schedulefree]', or choose optimizer='adamw'")
+
+
 def test_a_missing_optimizer_package_names_its_extra(monkeypatch):
     import importlib.util
 
