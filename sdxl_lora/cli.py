@@ -16,6 +16,7 @@ TRAIN_FLAGS = [
                                    "demo base) or tiny-sdxl (random weights)"),
     ("--data", "data.dirs", str, "dataset folder (repeat for several)"),
     ("--steps", "train.steps", int, "optimizer steps"),
+    ("--epochs", "train.epochs", int, "train this many epochs instead of --steps (each dataset's repeats counted)"),
     ("--resolution", "data.resolution", int, "training resolution (side of the square of equal area)"),
     ("--rank", "adapter.rank", int, "LoRA rank"),
     ("--kind", "adapter.kind", str, "adapter kind: lora, dora, loha or lokr"),
@@ -75,7 +76,7 @@ def _resume_job(args) -> training.Job:
 
     if args.config:
         raise ConfigError("--resume uses the run's own config.toml; drop the CONFIG argument")
-    return training.resume_job(args.resume, args.set, {"train.steps": args.steps} if args.steps else None,
+    return training.resume_job(args.resume, args.set, {"train.steps": args.steps, "train.epochs": None} if args.steps else None,
                                runs_dir=args.out)
 
 
@@ -261,6 +262,18 @@ def cmd_dataset_caption(args) -> int:
     report = caption_folder(args.dir, args.model, extension=args.caption_extension, overwrite=args.overwrite,
                             prompt=args.prompt, prefix=args.prefix, max_new_tokens=args.max_new_tokens,
                             batch_size=args.batch_size, device=args.device)
+    for line in report.lines():
+        print(line)
+    return 0
+
+
+def cmd_dataset_tag(args) -> int:
+    from .sdxl.tagger import tag_folder
+
+    report = tag_folder(args.dir, args.tagger, extension=args.caption_extension, overwrite=args.overwrite,
+                        general_threshold=args.general_threshold, character_threshold=args.character_threshold,
+                        ratings=args.ratings, trigger=args.trigger, underscores=args.keep_underscores,
+                        batch_size=args.batch_size, device=args.device)
     for line in report.lines():
         print(line)
     return 0
@@ -478,6 +491,7 @@ LLM_FLAGS = [
     ("--model", "model.path", str, "local transformers causal-LM folder, or tiny-llm"),
     ("--data", "llm.data", str, "JSONL file of alpaca or chat lines (repeat for several)"),
     ("--steps", "train.steps", int, "optimizer steps"),
+    ("--epochs", "train.epochs", int, "train this many epochs instead of --steps (each dataset's repeats counted)"),
     ("--rank", "adapter.rank", int, "LoRA rank"),
     ("--kind", "adapter.kind", str, "adapter kind: lora, dora, loha or lokr"),
     ("--batch-size", "train.batch_size", int, "rows per step"),
@@ -813,6 +827,26 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--batch-size", type=int, default=4, help="images per model call")
     dc.add_argument("--device", default="cpu", help="cpu or cuda")
     dc.set_defaults(func=cmd_dataset_caption)
+    from .sdxl.tagger import CHARACTER_THRESHOLD, GENERAL_THRESHOLD
+
+    dt = dsub.add_parser("tag", help="write booru-style tag captions with a local WD14-style ONNX tagger")
+    dt.add_argument("dir", help="dataset folder (subfolders too)")
+    dt.add_argument("--tagger", required=True, help="local folder holding model.onnx and selected_tags.csv "
+                                                    "(never downloaded)")
+    dt.add_argument("--trigger", default="", help="the trigger word, put first in every caption written")
+    dt.add_argument("--general-threshold", type=float, default=GENERAL_THRESHOLD,
+                    help=f"the least probability of a general tag written (default {GENERAL_THRESHOLD})")
+    dt.add_argument("--character-threshold", type=float, default=CHARACTER_THRESHOLD,
+                    help=f"the least probability of a character tag written (default {CHARACTER_THRESHOLD})")
+    dt.add_argument("--ratings", action="store_true", help="also write the likeliest rating tag (general, "
+                                                           "sensitive, ...), first")
+    dt.add_argument("--keep-underscores", action="store_true", help="write tags as the list spells them "
+                                                                    "(long_hair), not with spaces")
+    dt.add_argument("--caption-extension", default=".txt", help="extension of the caption files (default .txt)")
+    dt.add_argument("--overwrite", action="store_true", help="replace captions that are already there")
+    dt.add_argument("--batch-size", type=int, default=8, help="images per model call")
+    dt.add_argument("--device", default="cpu", help="cpu or cuda (onnxruntime-gpu)")
+    dt.set_defaults(func=cmd_dataset_tag)
 
     e = sub.add_parser("export", help="write an adapter as kohya (ComfyUI/A1111/Forge), diffusers or peft")
     e.add_argument("source", metavar="RUN_DIR_OR_FILE", help="a run folder, an adapter file or a PEFT folder")

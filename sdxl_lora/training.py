@@ -139,7 +139,8 @@ def resume_job(where: str, overrides: Sequence[str] = (), extra: dict[str, Any] 
     run_dir = find_run(where, runs_dir)
     cfg = load_config(run_dir / "config.toml", list(overrides), extra)
     done = finished_at(run_dir)
-    if done is not None and cfg.train.steps <= done:
+    # A run in epochs knows its steps once its data is read: its resume is not refused here.
+    if done is not None and cfg.train.epochs is None and cfg.train.steps <= done:
         raise FileExistsError(f"--resume {run_dir}: the run has finished ({done} steps, its adapter written); "
                               f"to train it further give more steps (--steps N, N > {done}), or start a new run")
     state = checkpoint.newest_valid(run_dir / "checkpoints")
@@ -382,15 +383,15 @@ class Failure:
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
     """The errors raised for bad input (config, data, model, checkpoint): their messages carry the fix."""
     from .core.checkpoint import CheckpointError
-    from .core.config import ConfigError
+    from .core.config import ConfigError, MissingPackage
     from .llm.data import DataError as LLMDataError
     from .llm.model import LLMModelError
     from .sdxl.data import DataError
     from .sdxl.model import ModelError
     from .sdxl.single_file import SingleFileError
 
-    return (ConfigError, DataError, ModelError, SingleFileError, CheckpointError, LLMDataError, LLMModelError,
-            FileExistsError, FileNotFoundError)
+    return (ConfigError, MissingPackage, DataError, ModelError, SingleFileError, CheckpointError, LLMDataError,
+            LLMModelError, FileExistsError, FileNotFoundError)
 
 
 def failure(e: BaseException) -> Failure | None:

@@ -215,7 +215,7 @@ ZERO_MEANS_SOMETHING = {
     "train.warmup_steps", "train.max_grad_norm", "train.noise_offset", "train.min_snr_gamma", "train.timestep_min",
     "train.multires_noise_iterations", "train.ip_noise_gamma",
     "train.timestep_max", "train.profile_steps", "train.seed", "train.save_every", "train.save_every_minutes",
-    "preview.every", "preview.guidance", "preview.guidance_rescale", "preview.seed", "llm.validation_split"}
+    "train.save_every_epochs", "preview.every", "preview.every_epochs", "preview.guidance", "preview.guidance_rescale", "preview.seed", "llm.validation_split"}
 
 
 def test_no_number_field_takes_a_negative_and_zero_only_where_it_means_off_or_none():

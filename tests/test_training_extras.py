@@ -436,7 +436,7 @@ def test_missing_tensorboard_names_the_package(monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else real(n, *a))
     with pytest.raises(ImportError, match="pip install tensorboard"):
-        tracking.TensorBoard(tmp_path / "tb")
+        tracking.Trackers(["tensorboard"], tmp_path, {})
 
 
 def test_ema_state_round_trips_and_swaps_back():

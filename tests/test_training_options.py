@@ -243,7 +243,7 @@ def test_schedules_give_the_learning_rate_of_their_formula(name):
         assert seen[step] == pytest.approx(formula(step), rel=1e-9, abs=1e-12), step
 
 
-OPTIMIZERS = ["adamw", "adamw8bit", "adafactor", "lion"]
+OPTIMIZERS = ["adamw", "adamw8bit", "adafactor", "lion", "adamw_schedulefree", "came"]
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

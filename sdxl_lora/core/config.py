@@ -37,6 +37,10 @@ class ConfigError(ValueError):
     """A config value is wrong; the message names the field and says what to do."""
 
 
+class MissingPackage(ImportError):
+    """A feature asked for needs a package that is not installed; the message names what to install."""
+
+
 class Section(BaseModel):
     # No field takes inf or nan: a learning rate or noise offset of inf trains to NaN and still "finishes".
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -336,7 +340,12 @@ REMOVED_TRAIN_FIELDS = {
 
 
 class TrainConfig(Section):
-    steps: int = Field(300, ge=1, description="Optimizer steps to train for.")
+    steps: int = Field(300, ge=1, description="Optimizer steps to train for (unless train.epochs is set).")
+    # kohya's count: an epoch is every image as many times as its dataset's repeats, in global batches of
+    # batch_size x processes, and grad_accum batches make one step.
+    epochs: int | None = Field(None, ge=1, description=(
+        "Train this many epochs instead of train.steps: an epoch is each image once per its dataset's repeats, "
+        "batch_size x processes images a batch, grad_accum batches a step (kohya's count)."))
     batch_size: int = Field(2, ge=1, description="Examples (images, or LLM rows) per step on each process.")
     grad_accum: int = Field(1, ge=1, description=(
         "Batches whose gradients add up into one optimizer step: a larger effective batch in the same memory."))
@@ -356,9 +365,9 @@ class TrainConfig(Section):
     # The paged optimizers keep their state in memory that can spill to the host under pressure; prodigy finds
     # the step size itself. docs/training.md compares them.
     optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit", "paged_adamw", "adafactor", "lion",
-                       "prodigy"] = Field("adamw", description=(
-        "The optimizer; adamw8bit, the paged ones and lion need bitsandbytes (the qlora extra), prodigy needs "
-        "prodigyopt and wants lr = 1.0."))
+                       "prodigy", "adamw_schedulefree", "came"] = Field("adamw", description=(
+        "The optimizer; its lr (docs/training.md): prodigy 1.0; adamw_schedulefree 1-2x adamw's, constant "
+        "schedule; came 1e-4 to 2e-4. bitsandbytes (qlora extra) for adamw8bit, paged_*, lion."))
     weight_decay: float = Field(1e-2, ge=0, description="Weight decay of the adapter weights.")
     scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = Field(
         "constant", description="The learning-rate schedule, after warmup_steps of linear warmup.")
@@ -464,6 +473,9 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1, description="Log the loss and speed every N steps.")
     # A state is the adapter, optimizer, schedule, RNG and data position: what a resume needs.
     save_every: int = Field(100, ge=0, description="Save the training state every N steps; 0 is off.")
+    save_every_epochs: int = Field(0, ge=0, description=(
+        "Save the training state every N epochs instead of every save_every steps (as kohya's "
+        "save_every_n_epochs; `sdxl-lora export` writes a state's adapter); 0 is off."))
     save_every_minutes: float = Field(10.0, ge=0, description=(
         "Also save it every M minutes, whichever comes first; 0 is off."))
     keep_checkpoints: int = Field(3, ge=1, description="How many of the newest saved states are kept.")
@@ -471,8 +483,11 @@ class TrainConfig(Section):
         "Keep an exponential moving average of the adapter weights; the export and final previews use it."))
     ema_decay: float = Field(0.999, gt=0, lt=1, description=(
         "The EMA's decay per optimizer step; closer to 1 averages over more steps."))
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description=(
+        "Dashboards that get the run's figures, previews and config: 'tensorboard' (<run>/tensorboard), 'wandb' "
+        "(Weights & Biases in <run>/wandb, offline unless WANDB_MODE=online; the wandb extra)."))
     tensorboard: bool = Field(False, description=(
-        "Write TensorBoard event files to <run>/tensorboard (needs the tensorboard package)."))
+        "The same as 'tensorboard' in train.trackers (the older field)."))
     peak_tflops: float | None = Field(None, gt=0, description=(
         "Your GPU's dense bf16/fp16 peak in TFLOP/s, for the MFU figure; none looks the GPU up by name."))
 
@@ -487,6 +502,14 @@ class TrainConfig(Section):
         if isinstance(data, dict) and data.get("lora_matmul") == "concat":
             log.warning("train.lora_matmul='concat' is gone; the run trains with 'merged'")
             data = {**data, "lora_matmul": "merged"}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensorboard_is_a_tracker(cls, data: Any) -> Any:
+        # train.tensorboard, from before train.trackers, keeps meaning TensorBoard's event files.
+        if isinstance(data, dict) and data.get("tensorboard") and "tensorboard" not in (data.get("trackers") or []):
+            data = {**data, "trackers": [*(data.get("trackers") or []), "tensorboard"]}
         return data
 
     @model_validator(mode="after")
@@ -505,6 +528,8 @@ class PreviewConfig(Section):
         ".toml/.jsonl/.json file; none: a few dataset captions (demo base: its own); empty: no previews."))
     every: int = Field(0, ge=0, description=(
         "Also preview, and compute the validation loss, every N steps; 0: only before and after."))
+    every_epochs: int = Field(0, ge=0, description=(
+        "Preview, and compute the validation loss, every N epochs instead of every N steps; 0 is off."))
     steps: int = Field(20, ge=1, json_schema_extra=SDXL_ONLY, description="Sampling steps of each preview image.")
     vae_tiling: bool = Field(False, json_schema_extra=SDXL_ONLY, description=(
         "Decode previews in tiles: far less memory at full size, faint seams possible. On by itself with a "
@@ -625,6 +650,22 @@ class Config(Section):
             raise ValueError(f"train.loraplus_ratio={self.train.loraplus_ratio:g} gives LoRA's B matrix a larger "
                              f"learning rate; adapter.kind={kind!r} has no B: leave it unset")
         return self
+
+    def in_epochs(self, steps_per_epoch: int) -> "Config":
+        """The config with train.epochs, save_every_epochs and preview.every_epochs turned into steps, at
+        `steps_per_epoch` optimizer steps an epoch; unchanged where none is set."""
+        tc, pc = self.train, self.preview
+        train, preview = {}, {}
+        if tc.epochs:
+            train["steps"] = tc.epochs * steps_per_epoch
+        if tc.save_every_epochs:
+            train["save_every"] = tc.save_every_epochs * steps_per_epoch
+        if pc.every_epochs:
+            preview["every"] = pc.every_epochs * steps_per_epoch
+        if not (train or preview):
+            return self
+        return self.model_copy(update={"train": tc.model_copy(update=train),
+                                       "preview": pc.model_copy(update=preview)})
 
     def cache_root(self) -> Path:
         """Where a run's caches live (latents, text embeddings, class images, records of its step): data.cache_dir,

@@ -4,15 +4,15 @@ images or tokens.
 What a user gets from `Trainer`:
   - Accelerate underneath: one code path for CPU, one GPU or many (`accelerate launch`), mixed
     precision no/fp16/bf16 ("auto": bf16 where the GPU has it), gradient accumulation;
-  - the optimizer and lr schedule of the config (optim.py: AdamW, AdamW8bit, Adafactor, Lion, Prodigy;
-    constant, linear, cosine, cosine with restarts, polynomial, each with warmup), gradient clipping;
+  - the optimizer and lr schedule of the config (optim.py: AdamW, AdamW8bit, Adafactor, Lion, Prodigy, CAME,
+    schedule-free AdamW; constant, linear, cosine, cosine with restarts, polynomial, each with warmup), gradient clipping;
   - a NaN/Inf guard: a step with a non-finite loss or gradient is skipped (weights unchanged), counted and
     logged; after train.max_nan_steps in a row the state is saved and the run stops, naming likely causes.
     With fused AdamW the optimizer skips the step on the device and the host reads the verdict a step
     later; with other optimizers it costs one host sync a step (train.nan_guard=false removes it);
   - a progress bar, and an events file (step, loss, lr, grad norm, throughput in the task's units
     (Task.units: images/s, tokens/s), MFU on a GPU, eta) that the UI reads; the same figures and the
-    previews in TensorBoard with train.tensorboard. The figures are summed on the device and read back
+    previews in TensorBoard and W&B with train.trackers. The figures are summed on the device and read back
     only at log points, so a step does not wait for the GPU;
   - an exponential moving average of the adapter (train.ema): exported, previewed and evaluated at the end;
   - training states every N steps / M minutes (atomic, checksummed, last K kept), resume to the same
@@ -50,7 +50,7 @@ from .config import Config
 from .accel import device_type, gradient_sync, make_accelerator, world_size
 from .allocator import allocator_setting
 from .ema import EMA
-from .optim import build_optimizer, loraplus_groups, make_schedule
+from .optim import build_optimizer, evaluating, loraplus_groups, make_schedule, resumed
 from .profile import StepProfiler
 from .runs import Run
 from .task import Task
@@ -319,13 +319,14 @@ class Trainer:
             log.info("CUDA allocator: %s", allocator_setting() or "torch's defaults")
         self.task.setup(self.accelerator, self.run)
         self.optimizer = build_optimizer(cfg, self._param_groups())
-        # Not prepared: Accelerate's wrapper advances a schedule num_processes times a step, so its saved
-        # state would mean something else on another process count. The loop steps it once per step.
-        self.schedule = make_schedule(cfg, self.optimizer)
         loader = self.task.dataloader()
         self.sampler = loader.batch_sampler
         self._own_shards = (hasattr(self.sampler, "skip_next")
                             and getattr(self.sampler, "num_replicas", 1) == acc.num_processes)
+        self.cfg = cfg = self._in_epochs(cfg)
+        # Not prepared: Accelerate's wrapper advances a schedule num_processes times a step, so its saved
+        # state would mean something else on another process count. The loop steps it once per step.
+        self.schedule = make_schedule(cfg, self.optimizer)
         self.flops_per_image, self.peak_tflops = self._flops_setup()
         self.flat_sync = self._flat_sync()
         # With train.gradient_sync="allreduce" the model is not prepared (no DDP wrapper, no autocast
@@ -351,10 +352,27 @@ class Trainer:
             self._flat_collective(self.params, "broadcast")  # DDP does this at wrapping: one start for all
         # Built from the weights before any resume: _load then restores the saved averages.
         self.ema = EMA(self._trainable(), cfg.train.ema_decay) if cfg.train.ema else None
-        self.tensorboard = (tracking.TensorBoard(self.run.dir / "tensorboard")
-                            if cfg.train.tensorboard and self.accelerator.is_main_process else None)
+        self.trackers = (tracking.Trackers(cfg.train.trackers, self.run.dir, cfg.model_dump(mode="json"))
+                         if cfg.train.trackers and self.accelerator.is_main_process else None)
         if self.resume is not None:
             self._load(self.resume)
+
+    def _in_epochs(self, cfg: Config) -> Config:
+        """train.epochs, save_every_epochs and preview.every_epochs in steps, counted as kohya does: the global
+        batches of an epoch (its sampler counts them itself, or Accelerate deals whole batches to the
+        processes in turn), grad_accum of them a step, a last partial step counted whole."""
+        if not (cfg.train.epochs or cfg.train.save_every_epochs or cfg.preview.every_epochs):
+            return cfg
+        batches = len(self.sampler)
+        if not self._own_shards:
+            batches = math.ceil(batches / self.accelerator.num_processes)
+        per_epoch = math.ceil(batches / cfg.train.grad_accum)
+        out = cfg.in_epochs(per_epoch)
+        log.info("%d steps an epoch (%d batches of %d, grad_accum %d): %d steps%s%s", per_epoch, batches,
+                 self._global_batch(), cfg.train.grad_accum, out.train.steps,
+                 f", a state saved every {out.train.save_every}" if cfg.train.save_every_epochs else "",
+                 f", previews every {out.preview.every}" if cfg.preview.every_epochs else "")
+        return out
 
     def _prepare(self, *objects) -> tuple:
         out = self.accelerator.prepare(*objects)
@@ -447,8 +465,9 @@ class Trainer:
         if self.ema is not None:
             trainer_state["ema"] = self.ema.state_dict()
         trainer_state["identity"] = self.task.identity()
-        path = checkpoint.save_state(self.run.checkpoints_dir, self.step, self._trainable(),
-                                     self.optimizer.state_dict(), trainer_state, self.cfg.train.keep_checkpoints)
+        with evaluating(self.optimizer, self.cfg.train.optimizer):  # schedule-free: its average, exportable
+            path = checkpoint.save_state(self.run.checkpoints_dir, self.step, self._trainable(),
+                                         self.optimizer.state_dict(), trainer_state, self.cfg.train.keep_checkpoints)
         self.run.event("checkpoint", step=self.step, path=str(path))
         return path
 
@@ -488,6 +507,7 @@ class Trainer:
             for name, p in params.items():
                 p.copy_(adapter[name])
         self.optimizer.load_state_dict(opt_state)
+        resumed(self.optimizer, self.cfg.train.optimizer)
         self.schedule.load_state_dict(tr["schedule"])
         if self.ema is not None:
             if "ema" not in tr:
@@ -594,16 +614,21 @@ class Trainer:
         return paths
 
     def _averaged(self):
-        """The EMA weights in the model for the block, when train.ema is on."""
-        return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+        """The weights to evaluate, preview and export in the model for the block: a schedule-free optimizer's
+        average, and the EMA's with train.ema."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(evaluating(self.optimizer, self.cfg.train.optimizer))
+        if self.ema is not None:
+            stack.enter_context(self.ema.applied())
+        return stack
 
     def _track(self, step: int, *, samples: list[Path] = (), validation: float | None = None, **scalars) -> None:
-        if self.tensorboard is None:
+        if self.trackers is None:
             return
-        self.tensorboard.scalars(step, **scalars, **{"loss/validation": validation})
+        self.trackers.scalars(step, **scalars, **{"loss/validation": validation})
         if samples:
-            self.tensorboard.images(step, list(samples))
-        self.tensorboard.flush()
+            self.trackers.images(step, list(samples))
+        self.trackers.flush()
 
     def _on_signal(self, signum, frame) -> None:
         if self._stop is not None:
@@ -634,7 +659,7 @@ class Trainer:
             run.event("eval", step=0, loss=eval_before)
             if val is not None:
                 run.event("validation", step=0, loss=val)
-                self._track(0, validation=val)
+            self._track(0, validation=val, **{"loss/eval": eval_before})
         else:  # resumed: the run's own starting figure
             eval_before = next((e["loss"] for e in run.events() if e["event"] == "eval"), math.nan)
         sync = gradient_sync(cfg, acc.num_processes, acc.device.type)
@@ -650,8 +675,8 @@ class Trainer:
                 self._bar.close()
             for s, h in handlers.items():
                 signal.signal(s, h)
-            if self.tensorboard is not None:
-                self.tensorboard.close()
+            if self.trackers is not None:
+                self.trackers.close()
 
     def _loop(self, samples: list[Path], eval_before: float) -> Result:
         """The training step: batches -> loss -> backward -> clip -> guard -> optimizer; log, check in, save."""

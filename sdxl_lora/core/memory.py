@@ -22,6 +22,10 @@ BUDGET_FILL = 0.9
 # Optimizer state in bytes per trainable parameter.
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw8bit": 2.0, "paged_adamw8bit": 2.0, "paged_adamw": 8.0,
                    "lion": 4.0, "prodigy": 16.0,
+                   # z and the second moment, as AdamW's two moments
+                   "adamw_schedulefree": 8.0,
+                   # the first moment, plus factored second moments and residuals (twice adafactor's)
+                   "came": 4.5,
                    # factored second moments: (rows + columns) per matrix, ~4/rank bytes for LoRA at rank 16
                    "adafactor": 0.25}
 

@@ -9,15 +9,21 @@
               moments, the least memory.
   lion        bitsandbytes' Lion: sign updates, one moment; wants a 3-10x smaller lr than AdamW.
   prodigy     prodigyopt's Prodigy: estimates the step size itself; set train.lr=1.0.
+  adamw_schedulefree
+              schedulefree's AdamWScheduleFree: no decaying schedule; it trains at one point and averages
+              another, which is what evaluation, previews, exports and states hold (`evaluating`).
+  came        pytorch-optimizer's CAME: Adafactor's factored second moments with a confidence-guided update,
+              about half AdamW's optimizer memory.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 
 import torch
 
-from .config import Config
+from .config import Config, MissingPackage
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +35,39 @@ def _bitsandbytes(name: str):
     import bitsandbytes
 
     return bitsandbytes.optim
+
+
+# Optimizers whose parameters hold the training point (y) in train mode and the average (x) in eval mode.
+SCHEDULE_FREE = ("adamw_schedulefree",)
+
+
+def _package(name: str, module: str, extra: str):
+    if importlib.util.find_spec(module) is None:
+        raise MissingPackage(f"train.optimizer={name!r} needs the {module} package, which is not installed: "
+                             f"pip install 'sdxl_lora[{extra}]', or choose optimizer='adamw'")
+    return importlib.import_module(module)
+
+
+@contextlib.contextmanager
+def evaluating(optimizer, name: str):
+    """Within the block a schedule-free optimizer's parameters hold its average (x), the weights to evaluate,
+    preview, export and save; outside it, the point it trains at (y). A state is saved in eval mode and the
+    resume calls train() (`resumed`) as the uninterrupted run does after the save, so both continue from the
+    same bits. Other optimizers: nothing."""
+    if name not in SCHEDULE_FREE:
+        yield
+        return
+    optimizer.eval()
+    try:
+        yield
+    finally:
+        optimizer.train()
+
+
+def resumed(optimizer, name: str) -> None:
+    """After a saved optimizer state is loaded: a schedule-free one back in train mode (`evaluating`)."""
+    if name in SCHEDULE_FREE:
+        optimizer.train()
 
 
 def loraplus_groups(param_groups: list[dict], model: torch.nn.Module, ratio: float | None, lr: float) -> list[dict]:
@@ -82,8 +121,20 @@ def build_optimizer(cfg: Config, param_groups: list[dict]) -> torch.optim.Optimi
         from prodigyopt import Prodigy
 
         return Prodigy(param_groups, lr=lr, weight_decay=wd)
+    if name == "adamw_schedulefree":
+        sf = _package(name, "schedulefree", "schedulefree")
+        if tc.scheduler != "constant":
+            log.warning("train.optimizer='adamw_schedulefree' needs no decaying schedule (it averages instead); "
+                        "train.scheduler=%r still scales its lr", tc.scheduler)
+        opt = sf.AdamWScheduleFree(param_groups, lr=lr, weight_decay=wd)
+        opt.train()  # it refuses to step in eval mode, where it starts
+        return opt
+    if name == "came":
+        # weight_decay as AdamW's: decoupled from the gradient.
+        return _package(name, "pytorch_optimizer", "came").CAME(param_groups, lr=lr, weight_decay=wd,
+                                                                  weight_decouple=True)
     raise ValueError(f"train.optimizer={name!r} is not one of adamw, adamw8bit, paged_adamw8bit, "
-                     "paged_adamw, adafactor, lion, prodigy")
+                     "paged_adamw, adafactor, lion, prodigy, adamw_schedulefree, came")
 
 
 def make_schedule(cfg: Config, optimizer, num_processes: int = 1):

@@ -1,17 +1,22 @@
-"""Training figures for dashboards: TensorBoard event files (train.tensorboard) and the model FLOPs
-utilisation (MFU) the progress bar and step events show on a GPU.
+"""Training figures for dashboards: the trackers of train.trackers (TensorBoard, Weights & Biases) through
+Accelerate's tracker classes, and the model FLOPs utilisation (MFU) the progress bar and step events show on a GPU.
 
-TensorBoard gets what the run's events file gets (loss, lr, grad norm, images/s, MFU, validation
-loss) plus the preview grids, under <run>/tensorboard. It is optional: torch's SummaryWriter needs
-the tensorboard package.
+The trackers get what the run's events file gets (loss, lr, grad norm, images/s, MFU, eval and validation
+losses), the preview grids as images and the resolved config. TensorBoard writes under <run>/tensorboard (the
+tensorboard package); W&B under <run>/wandb (the wandb extra), offline unless WANDB_MODE says otherwise: a run
+needs no network, and `wandb sync` uploads it later.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
+import os
 from pathlib import Path
 
 import torch
+
+from .config import MissingPackage
 
 log = logging.getLogger(__name__)
 
@@ -61,37 +66,88 @@ def count_flops(fn) -> int:
     return int(counter.get_total_flops())
 
 
-class TensorBoard:
-    """Scalars and images to <run>/tensorboard."""
+# What each tracker needs installed, and the line that says how to install it.
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard (it does not change torch)"),
+                    "wandb": ("wandb", "pip install 'sdxl_lora[wandb]'")}
 
-    def __init__(self, log_dir: Path):
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ImportError("train.tensorboard=true needs the tensorboard package, which is not installed: "
-                              "pip install tensorboard (it does not change torch), or set train.tensorboard=false")
-        from torch.utils.tensorboard import SummaryWriter
 
-        self.dir = Path(log_dir)
-        self.writer = SummaryWriter(log_dir=str(self.dir))
+def flat_config(tree: dict, prefix: str = "") -> dict[str, str | int | float | bool]:
+    """A config as dotted keys and plain values (lists, tables and none as JSON text), as TensorBoard's
+    hyperparameters take them."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and not prefix:  # the sections; a table within one stays one value
+            out.update(flat_config(value, f"{prefix}{key}."))
+        elif isinstance(value, (str, int, float, bool)):
+            out[f"{prefix}{key}"] = value
+        else:
+            out[f"{prefix}{key}"] = json.dumps(value)
+    return out
+
+
+class Trackers:
+    """The run's figures, previews and config in the dashboards named (train.trackers), each one Accelerate's
+    tracker (accelerate.tracking): TensorBoardTracker to <run>/tensorboard, WandBTracker to <run>/wandb."""
+
+    def __init__(self, names: list[str], run_dir: Path, config: dict):
+        for name in names:
+            package, install = TRACKER_PACKAGES[name]
+            if importlib.util.find_spec(package) is None:
+                raise MissingPackage(f"train.trackers names {name!r}, which needs the {package} package, which is "
+                                     f"not installed: {install}, or leave it out of train.trackers")
+        from accelerate.tracking import TensorBoardTracker, WandBTracker
+
+        run_dir = Path(run_dir)
+        self.dir = run_dir
+        self.trackers = []
+        for name in names:
+            if name == "tensorboard":
+                tracker = TensorBoardTracker("tensorboard", run_dir)
+            else:
+                # The project and mode as W&B's own variables give them; offline by default (no network).
+                tracker = WandBTracker(os.environ.get("WANDB_PROJECT", "sdxl-lora"), name=run_dir.name,
+                                       dir=str(run_dir), mode=os.environ.get("WANDB_MODE", "offline"))
+            tracker.start()
+            self.trackers.append(tracker)
+        values = flat_config(config)
+        for tracker in self.trackers:
+            tracker.store_init_configuration(values)
 
     def scalars(self, step: int, **values: float | None) -> None:
-        for name, value in values.items():
-            if value is not None:
-                self.writer.add_scalar(name, float(value), step)
+        values = {name: float(v) for name, v in values.items() if v is not None}
+        if values:
+            for tracker in self.trackers:
+                tracker.log(values, step=step)
 
     def images(self, step: int, paths: list[Path]) -> None:
-        """The grid of a preview set (or every image when there is none)."""
+        """The grid of a preview set (or every image when there is none); text previews (an LLM's answers) as
+        text."""
         import numpy as np
         from PIL import Image
 
+        texts = {f"samples/{Path(p).stem.split('-')[0]}": Path(p).read_text(encoding="utf-8")
+                 for p in paths if Path(p).suffix == ".txt"}
+        if texts:
+            for tracker in self.trackers:
+                tracker.log(texts, step=step)
+        paths = [p for p in paths if Path(p).suffix != ".txt"]
         grids = [p for p in paths if Path(p).stem.endswith("grid")] or list(paths)
+        images = {}
         for p in grids:
             with Image.open(p) as im:
-                arr = np.asarray(im.convert("RGB"))
-            tag = "samples/grid" if Path(p).stem.endswith("grid") else f"samples/{Path(p).stem.split('-')[-1]}"
-            self.writer.add_image(tag, torch.from_numpy(arr.copy()), step, dataformats="HWC")
+                tag = "samples/grid" if Path(p).stem.endswith("grid") else f"samples/{Path(p).stem.split('-')[-1]}"
+                images[tag] = np.asarray(im.convert("RGB")).copy()
+        for tracker in self.trackers:
+            if tracker.name == "tensorboard":
+                tracker.log_images({k: v[None] for k, v in images.items()}, step=step, dataformats="NHWC")
+            else:
+                tracker.log_images({k: [v] for k, v in images.items()}, step=step)
 
     def flush(self) -> None:
-        self.writer.flush()
+        for tracker in self.trackers:
+            if tracker.name == "tensorboard":
+                tracker.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        for tracker in self.trackers:
+            tracker.finish()

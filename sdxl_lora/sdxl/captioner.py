@@ -72,21 +72,19 @@ def images_without_caption(folder: Path, extension: str, overwrite: bool) -> tup
     return todo, kept
 
 
-@torch.no_grad()
-def caption_folder(folder: str | Path, model: str | Path, *, extension: str = ".txt", overwrite: bool = False,
-                   prompt: str | None = None, max_new_tokens: int = 40, batch_size: int = 4, device: str = "cpu",
-                   prefix: str = "", on_progress: Callable[[int, int], None] | None = None) -> CaptionReport:
-    """Caption every image under `folder` that has no `<stem><extension>` beside it (every image with
-    overwrite), writing `prefix` + the model's text. `prompt` starts the text for models that take one (BLIP's
-    conditional captioning: "a photo of")."""
+def caption_in_batches(folder: str | Path, extension: str, overwrite: bool, report: CaptionReport, command: str,
+                       desc: str, batch_size: int, on_progress: Callable[[int, int], None] | None,
+                       load: Callable[[], Callable[[list[Path], list, str], None]]) -> CaptionReport:
+    """What every captioner does around its model: the images under `folder` without a `<stem><extension>`
+    beside them (every image with overwrite) read in batches, `load()` called once there is work and its
+    `write(paths, images, extension)` captioning each batch into `report`, progress on a bar (or on_progress)."""
     extension = DataConfig(caption_extension=extension).caption_extension  # the schema's check of the extension
-    root = _root(str(folder), "dataset caption")
-    todo, kept = images_without_caption(root, extension, overwrite)
-    report = CaptionReport(kept=kept)
+    root = _root(str(folder), command)
+    todo, report.kept = images_without_caption(root, extension, overwrite)
     if not todo:
         return report
-    processor, net = load_captioner(model, device)
-    bar = tqdm(total=len(todo), desc="captioning", unit="img", disable=None if on_progress is None else True)
+    write = load()
+    bar = tqdm(total=len(todo), desc=desc, unit="img", disable=None if on_progress is None else True)
     for start in range(0, len(todo), batch_size):
         batch, images = [], []
         for path in todo[start:start + batch_size]:
@@ -96,6 +94,28 @@ def caption_folder(folder: str | Path, model: str | Path, *, extension: str = ".
             except ImageProblem as e:
                 report.failed.append((path, str(e)))
         if images:
+            write(batch, images, extension)
+        done = min(start + batch_size, len(todo))
+        bar.update(done - bar.n)
+        if on_progress is not None:
+            on_progress(done, len(todo))
+    bar.close()
+    return report
+
+
+@torch.no_grad()
+def caption_folder(folder: str | Path, model: str | Path, *, extension: str = ".txt", overwrite: bool = False,
+                   prompt: str | None = None, max_new_tokens: int = 40, batch_size: int = 4, device: str = "cpu",
+                   prefix: str = "", on_progress: Callable[[int, int], None] | None = None) -> CaptionReport:
+    """Caption every image under `folder` that has no `<stem><extension>` beside it (every image with
+    overwrite), writing `prefix` + the model's text. `prompt` starts the text for models that take one (BLIP's
+    conditional captioning: "a photo of")."""
+    report = CaptionReport()
+
+    def load():
+        processor, net = load_captioner(model, device)
+
+        def write(batch: list[Path], images: list, extension: str) -> None:
             kwargs = {"text": [prompt] * len(images)} if prompt else {}
             inputs = processor(images=images, return_tensors="pt", **kwargs).to(device)
             out = net.generate(**inputs, max_new_tokens=max_new_tokens)
@@ -105,9 +125,7 @@ def caption_folder(folder: str | Path, model: str | Path, *, extension: str = ".
                     continue
                 caption = " ".join(f"{prefix} {text}".split())
                 report.written.append(atomic_write_text(path.with_name(path.stem + extension), caption + "\n"))
-        done = min(start + batch_size, len(todo))
-        bar.update(done - bar.n)
-        if on_progress is not None:
-            on_progress(done, len(todo))
-    bar.close()
-    return report
+        return write
+
+    return caption_in_batches(folder, extension, overwrite, report, "dataset caption", "captioning", batch_size,
+                              on_progress, load)

@@ -117,14 +117,14 @@ def run_memory_for(cfg: Config, planned: UNetPlan, components: tuple[int, int], 
     """The whole run's phases for a config whose step estimate is planned.memory; images (the largest bucket)
     and previews of planned.resolution squared unless given."""
     square = planned.resolution ** 2
-    previews = (cfg.preview.before or cfg.preview.after or cfg.preview.every > 0) and cfg.preview.prompts != ""
+    previews = (cfg.preview.before or cfg.preview.after or cfg.preview.every > 0 or cfg.preview.every_epochs > 0) and cfg.preview.prompts != ""
 
     def phases(copies: int) -> RunMemory:
         return run_memory(planned.memory, vae_bytes=components[0], text_bytes=components[1],
                           largest_pixels=largest_pixels or square, preview_pixels=preview_pixels or square,
                           previews=previews,
                           vae_tiling=tiled_previews(cfg), tiled_encode=cfg.model.tiled_vae_encode,
-                          previews_mid_run=cfg.preview.every > 0, previews_after=cfg.preview.after,
+                          previews_mid_run=cfg.preview.every > 0 or cfg.preview.every_epochs > 0, previews_after=cfg.preview.after,
                           graphs=cfg.train.cuda_graphs,
                           encoders_stay=cfg.adapter.train_text_encoder or live_text(cfg.data),
                           vae_stays=cfg.data.crop == "random",

@@ -219,12 +219,13 @@ def upload(f: Folders, folder: str, files: list[tuple[str, str | Path]], ext: st
 
 def captioner_choices(models: Path) -> list[str]:
     """Folders under the models folder that hold an image-to-text model (transformers config, a processor's
-    settings, safetensors weights), relative to it."""
+    settings, safetensors weights) or a WD14-style tagger (model.onnx, selected_tags.csv), relative to it."""
     out = []
     for folder, dirs, names in os.walk(models):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         image_processor = {"preprocessor_config.json", "processor_config.json"} & set(names)
-        if "config.json" in names and image_processor and any(n.endswith(".safetensors") for n in names):
+        tagger = {"model.onnx", "selected_tags.csv"} <= set(names)
+        if tagger or "config.json" in names and image_processor and any(n.endswith(".safetensors") for n in names):
             out.append(os.path.relpath(folder, models))
             dirs[:] = []
     return out
@@ -235,11 +236,17 @@ def caption(f: Folders, folder: str, model: str, ext: str, overwrite: bool, pref
     import torch
 
     from sdxl_lora.sdxl.captioner import caption_folder
+    from sdxl_lora.sdxl.tagger import is_tagger, tag_folder
 
     root = f.inside(folder or "", "datasets")
     if not model:
         raise ValueError("captioning model: none picked; put an image-to-text model folder under the models folder")
     net = f.inside(model, "models")
-    report = caption_folder(root, net, extension=extension(ext), overwrite=overwrite, prefix=prefix or "",
-                            device="cuda" if torch.cuda.is_available() else "cpu", on_progress=on_progress)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if is_tagger(net):  # tags at the tagger's own thresholds; the prefix is the trigger word
+        report = tag_folder(root, net, extension=extension(ext), overwrite=overwrite, trigger=prefix or "",
+                            device=device, on_progress=on_progress)
+    else:
+        report = caption_folder(root, net, extension=extension(ext), overwrite=overwrite, prefix=prefix or "",
+                                device=device, on_progress=on_progress)
     return "\n".join(report.lines()).replace("--overwrite", "ticking overwrite")

@@ -160,6 +160,8 @@ LABELS: dict[str, Label] = {
     # ---- how long
     "train.steps": _l("Training steps", H, "How many times the adapter is updated; more steps learn more.",
                       common=True),
+    "train.epochs": _l("Training epochs", H, "Train this many passes over the images instead of a number of "
+                       "steps (each folder's repeats counted); empty: the steps."),
     "train.batch_size": _l("Batch size", H, "Examples per step: bigger batches are smoother and need more "
                            "memory.", common=True),
     "train.lr": _l("Learning rate", H, "How big each update is: too high breaks images, too low learns "
@@ -174,8 +176,8 @@ LABELS: dict[str, Label] = {
                                "rate; empty or one is off."),
     "train.lr_multipliers": _l("Per-layer learning rate factors", H, "Multiply the learning rate of chosen "
                                "layers by name pattern."),
-    "train.optimizer": _l("Optimizer", H, "How updates are computed; adamw is a safe choice, prodigy picks its "
-                          "own rate (set the rate to one)."),
+    "train.optimizer": _l("Optimizer", H, "adamw is safe; prodigy wants a rate of one; schedule-free wants no "
+                          "schedule, a higher rate; came saves memory."),
     "train.weight_decay": _l("Weight decay", H, "Pulls the adapter's weights gently towards zero, against "
                              "overfitting."),
     "train.scheduler": _l("Learning rate schedule", H, "How the learning rate changes over the run."),
@@ -236,6 +238,8 @@ LABELS: dict[str, Label] = {
     "preview.prompts": _l("Preview prompts", P, "One prompt a line; empty: no previews.", common=True),
     "preview.every": _l("Preview every (steps)", P, "Also render previews and measure the validation loss "
                         "this often; zero: only before and after.", common=True),
+    "preview.every_epochs": _l("Preview every (epochs)", P, "Render previews and measure the validation loss "
+                               "after every this many epochs instead; zero is off."),
     "preview.steps": _l("Preview sampling steps", P, "Sampling steps per preview image: more is cleaner and "
                         "slower."),
     "preview.vae_tiling": _l("Decode previews in tiles", P, "Much less memory for large previews, faint seams "
@@ -258,11 +262,16 @@ LABELS: dict[str, Label] = {
     "output.overwrite": _l("Replace a run of the same name", O, "Delete an existing run with this name first."),
     "train.save_every": _l("Save every (steps)", O, "Save the training state this often, to resume or pick a "
                            "step; zero is off."),
+    "train.save_every_epochs": _l("Save every (epochs)", O, "Save the training state after every this many "
+                                  "epochs instead of by steps; zero is off."),
     "train.save_every_minutes": _l("Save every (minutes)", O, "Also save this often, whichever comes first; "
                                    "zero is off."),
     "train.keep_checkpoints": _l("Saved states kept", O, "How many of the newest saved states are kept."),
     "train.log_every": _l("Log every (steps)", O, "How often the loss and speed are written to the log."),
-    "train.tensorboard": _l("TensorBoard logs", O, "Also write logs TensorBoard can show."),
+    "train.trackers": _l("Dashboards", O, "Also send the figures, previews and settings to TensorBoard and/or "
+                         "Weights and Biases (offline), as a list such as [\"wandb\"]."),
+    "train.tensorboard": _l("TensorBoard logs", O, "Also write logs TensorBoard can show (as tensorboard among the "
+                            "dashboards)."),
     "llm.merge": _l("Also save a merged model", O, "Write the base model with the adapter built in, at the "
                     "end."),
     # ---- the LLM task's data
