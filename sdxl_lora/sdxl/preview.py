@@ -234,12 +234,41 @@ def _batched(texts: list[dict]) -> dict:
     return {k: joined([t[k] for t in texts]) for k in texts[0]}
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """How every render samples, the same for a run's previews, the UI's Generate and Compare tabs and
+    `sdxl-lora generate`: Euler on the base model's own schedule, with what the run's training changed in it
+    (zero terminal SNR, the prediction type) and the guidance rescale that goes with it. One definition, so the
+    same prompt, seed and adapter give the same pixels wherever they are rendered."""
+    zero_terminal_snr: bool = False
+    prediction_type: str = "auto"
+    guidance_rescale: float | None = None  # None: 0.7 under zero terminal SNR (Lin et al. 2023), else none
+
+    @classmethod
+    def of_run(cls, cfg) -> "Sampler":
+        """As a run's previews sample: its schedule as trained, its preview.guidance_rescale."""
+        return cls(bool(cfg.train.zero_terminal_snr), cfg.model.prediction_type, cfg.preview.guidance_rescale)
+
+    @property
+    def rescale(self) -> float:
+        if self.guidance_rescale is not None:
+            return float(self.guidance_rescale)
+        return 0.7 if self.zero_terminal_snr else 0.0
+
+    def scheduler(self, base_config):
+        return preview_scheduler(base_config, zero_terminal_snr=self.zero_terminal_snr,
+                                 prediction_type=self.prediction_type)
+
+
 def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, guidance: float, width: int,
            height: int, negative: str | None = None, autocast_dtype: torch.dtype | None = None,
-           guidance_rescale: float = 0.0, texts: list[dict[str, torch.Tensor]] | None = None,
+           sampler: Sampler | None = None, texts: list[dict[str, torch.Tensor]] | None = None,
            batch: int | None = None) -> list[Image.Image]:
     """One image per prompt, each with its own settings where it has them; prompt i without its own seed
     uses seed + i, on a CPU generator, so images do not depend on the device or on how prompts are batched.
+    A prompt's negative prompt unset (None) is no negative prompt, not an encoded empty one: the two differ.
+    sampler: how the images are sampled (Sampler), the pipeline's scheduler swapped for the duration; None: the
+    pipeline as it is (callers that built it with the sampler they want).
     texts: the prompts' embeddings (encode_prompts), made earlier; the text encoders are then not used.
     batch: the most prompts of the same settings rendered in one pipeline call (none: CPU_PREVIEW_BATCH on a
     CPU, one elsewhere); on a GPU a batch is decoded one image at a time, so the decode needs one image's memory."""
@@ -267,6 +296,11 @@ def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, g
         if slicing:
             pipe.vae.enable_slicing()
             undo.callback(pipe.vae.disable_slicing)
+        if sampler is not None:
+            own = pipe.scheduler
+            pipe.scheduler = sampler.scheduler(own.config)
+            undo.callback(setattr, pipe, "scheduler", own)
+        rescale = sampler.rescale if sampler is not None else 0.0
         i = 0
         while i < len(entries):
             j = i + 1
@@ -277,7 +311,7 @@ def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, g
                     for k, p in zip(range(i, j), entries[i:j])]
             one = j - i == 1  # a prompt alone is called as the pipeline's single-prompt call
             out = pipe(**(texts[i] if one else _batched(texts[i:j])), num_inference_steps=n_steps, guidance_scale=g,
-                       guidance_rescale=guidance_rescale, width=w, height=h, generator=gens[0] if one else gens,
+                       guidance_rescale=rescale, width=w, height=h, generator=gens[0] if one else gens,
                        output_type="pil")
             images.extend(out.images)
             i = j
@@ -409,9 +443,6 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     device = task.device
     # With text encoder LoRA the model holds the UNet and the (adapted) text encoders: p's, in place.
     unet = getattr(model, "unet", model)
-    ztsnr = cfg.train.zero_terminal_snr
-    scheduler = preview_scheduler(p.scheduler.config, zero_terminal_snr=ztsnr,
-                                  prediction_type=cfg.model.prediction_type)
     # The prompts' embeddings were made at set-up (task.preview_texts) unless the text encoders train: then
     # they are encoded now, by the encoders being trained, which stay on the device anyway. With the embeddings
     # made, the pipeline gets no text encoders: it would cast the embeddings to their dtype, which is the files'
@@ -420,9 +451,8 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     encoders = (None, None) if texts is not None else (p.text_encoder, p.text_encoder_2)
     pipe = StableDiffusionXLPipeline(
         vae=p.vae, text_encoder=encoders[0], text_encoder_2=encoders[1], tokenizer=p.tokenizer,
-        tokenizer_2=p.tokenizer_2, unet=unet, scheduler=scheduler)
+        tokenizer_2=p.tokenizer_2, unet=unet, scheduler=p.scheduler)
     pipe.set_progress_bar_config(disable=True)
-    rescale = cfg.preview.guidance_rescale if cfg.preview.guidance_rescale is not None else (0.7 if ztsnr else 0.0)
     # Components training still uses stay on the device afterwards.
     keep = set()
     if cfg.adapter.train_text_encoder or live_text(cfg.data):
@@ -463,7 +493,7 @@ def render_previews(task, model, run, step: int) -> list[Path]:
                 ready = time.perf_counter()
                 images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps,
                                 guidance=cfg.preview.guidance, width=task.resolution, height=task.resolution,
-                                autocast_dtype=dtype, guidance_rescale=rescale, texts=texts, batch=batch)
+                                autocast_dtype=dtype, sampler=Sampler.of_run(cfg), texts=texts, batch=batch)
                 rendered = time.perf_counter()
         finally:
             if device.type != "cpu":
