@@ -251,7 +251,8 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             (staging / "circle.txt").write_text("another caption", encoding="utf-8")
             page.locator("#ds-up-files input[type=file]").set_input_files([str(staging / "circle.txt")])
             page.locator("#ds-up-go").click()
-            expect(page.locator("#ds-up-msg")).to_contain_text("uploaded/circle.txt already exists; tick overwrite")
+            expect(page.locator("#ds-up-msg")).to_contain_text(
+                "uploaded/circle.txt already exists; tick 'overwrite files already there'")
             assert (uploaded / "circle.txt").read_text(encoding="utf-8") == "sks, an uploaded circle"
             _shot(page, "1b-dataset-upload")
             _fill(page, "ds-folder", "/etc")
@@ -305,7 +306,8 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             overrides = page.locator("#f-adapter-overrides textarea").input_value()
             _fill(page, "f-adapter-overrides", '{"*attn2*" = -1}')
             page.locator("#train-plan").click()
-            expect(page.locator("#train-plan-summary")).to_contain_text("adapter.overrides.*attn2* = -1")
+            expect(page.locator("#train-plan-summary")).to_contain_text(
+                "'Per-layer ranks' entry '*attn2*' must be at least 0, not -1")
             _fill(page, "f-adapter-overrides", overrides)
             page.locator("#train-plan").click()
             expect(page.locator("#train-plan-summary")).to_contain_text("trainable parameters", timeout=WAIT)
@@ -594,7 +596,7 @@ def test_uploads_take_images_and_captions_only_and_never_overwrite_unasked(tmp_p
                                (src.name, src)], ".txt", False)
     assert msg.startswith("uploaded 1 file(s) into a: new.png")
     assert "../up.png: a file name only" in msg and ".hidden.png: a file name only" in msg
-    assert "c.txt: caption is not UTF-8" in msg and f"a/{src.name} already exists; tick overwrite" in msg
+    assert "c.txt: caption is not UTF-8" in msg and f"a/{src.name} already exists; tick 'overwrite files already there'" in msg
     assert sorted(p.name for p in tmp_path.rglob("up.png")) == [] and not (tmp_path / "datasets/a/c.txt").exists()
     with pytest.raises(ValueError, match="files: none chosen"):
         edit.upload(f, "a", [], ".txt", False)
@@ -612,7 +614,7 @@ def test_captioning_from_the_tab_writes_the_missing_captions_with_a_model_under_
     imgs[0].with_suffix(".txt").write_text("mine", encoding="utf-8")
     seen = []
     msg = edit.caption(f, "b", "captioners/blip", ".txt", False, "sks,", lambda done, total: seen.append((done, total)))
-    assert msg.startswith("captions written: 2; kept (already there): 1") and "ticking overwrite" in msg
+    assert msg.startswith("captions written: 2; kept (already there): 1") and "ticking 'replace existing captions'" in msg
     assert seen and seen[-1] == (2, 2)
     assert imgs[0].with_suffix(".txt").read_text(encoding="utf-8") == "mine"
     assert all(p.with_suffix(".txt").read_text(encoding="utf-8").startswith("sks, ") for p in imgs[1:])
@@ -889,7 +891,9 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
             # Never over an existing file unless asked.
             before = out.stat().st_mtime_ns
             page.locator("#cmp-export").click()
-            expect(page.locator("#cmp-export-msg")).to_contain_text("already exists")
+            # ... naming the page's boxes, not the CLI's flag.
+            expect(page.locator("#cmp-export-msg")).to_contain_text(
+                "already exists; type another file name, or tick 'overwrite an existing export'")
             assert out.stat().st_mtime_ns == before
             _shot(page, "7-compare-export")
 

@@ -14,7 +14,7 @@ from sdxl_lora.core.config import Config, ConfigError, DatasetConfig
 
 from .duplicate import _relative
 from .folders import Folders
-from .labels import DATASET_COLUMNS
+from .labels import DATASET_COLUMNS, must_words
 
 # The columns after the folder: the DatasetConfig field each one sets, and its cell: a whole number, a number,
 # text or a tick box. Numbers are text cells: an empty one means "the run's setting", which a number cell
@@ -94,7 +94,7 @@ def _settings(folder: str, row: list) -> dict:
     except ValidationError as e:
         err = e.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else "path"
-        msg = err["msg"].removeprefix("Value error, ")
+        msg = must_words(err)
         raise ConfigError(f"{_where(folder, field)} = {table.get(field)!r}: {msg}; change it, or leave the cell "
                           "empty for the run's setting") from None
     return table

@@ -111,23 +111,31 @@ def to_widget_value(spec: FieldSpec, value: Any) -> Any:
     return value
 
 
+def _problem(spec: FieldSpec, kind: str, value: Any, msg: str) -> ConfigError:
+    """A wrong form value as a ConfigError shaped like the schema's own (its problems), so the page words both
+    alike (labels.error_words)."""
+    return ConfigError(f"{spec.key} = {value!r}: {msg}",
+                       [{"loc": tuple(spec.key.split(".")), "type": kind, "input": value, "msg": msg}])
+
+
 def from_widget_value(spec: FieldSpec, value: Any) -> Any:
     """The page's value for a field as the schema takes it; empty means None where the schema allows it."""
     if value is None or (isinstance(value, str) and not value.strip() and spec.kind != "str"):
         if spec.optional:
             return None
-        raise ConfigError(f"{spec.key}: needs a value (default {to_widget_value(spec, spec.default)!r})")
+        default = to_widget_value(spec, spec.default)
+        raise _problem(spec, "value_error", value, f"needs a value (the default is {default!r})")
     if spec.kind == "str" and spec.optional and not str(value).strip():
         return None
     if spec.kind in ("int", "float"):
         try:
             f = float(value)
         except ValueError:
-            raise ConfigError(f"{spec.key} = {value!r}: must be a number") from None
+            raise _problem(spec, "float_parsing", value, "must be a number") from None
         if spec.kind == "float":
             return f
         if not f.is_integer():
-            raise ConfigError(f"{spec.key} = {value}: must be a whole number")
+            raise _problem(spec, "int_from_float", value, "must be a whole number")
         return int(f)
     if spec.kind == "toml":
         return _parse_value(str(value).strip())

@@ -9,7 +9,8 @@ import gradio as gr
 
 from .folders import Folders, PathRefused
 from .tab_generate import Pipelines
-from .text import error_md, md_text
+from .tab_export import OVERWRITE_EXPORT
+from .text import error_md, md_text, writer_words
 
 DEFAULT_PROMPT = "a red circle on a white background"
 FORMATS = ("kohya", "diffusers")
@@ -145,7 +146,7 @@ def export(f: Folders, name, label, strength, fmt, title, overwrite):
         written = export_checkpoint(view.dir, ck, float(strength), fmt, out, view.layer_table(), title=stem,
                                     overwrite=bool(overwrite))
     except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
-        return None, error_md(e)
+        return None, error_md(writer_words(e, "file name", OVERWRITE_EXPORT))
     return str(written), (f"{fmt} adapter written: `{written}` ({ck.label} at strength {float(strength):g})")
 
 
@@ -169,7 +170,7 @@ def build(f: Folders, pipes: Pipelines):
                 fmt = gr.Radio(list(FORMATS), value="kohya", label="format", elem_id="cmp-format",
                                info="kohya: ComfyUI, AUTOMATIC1111/Forge, kohya; diffusers: load_lora_weights")
                 title = gr.Textbox(label="file name (empty: run, step and strength)", elem_id="cmp-title")
-                overwrite = gr.Checkbox(False, label="overwrite an existing export", elem_id="cmp-overwrite")
+                overwrite = gr.Checkbox(False, label=OVERWRITE_EXPORT, elem_id="cmp-overwrite")
                 export_btn = gr.Button("Export", elem_id="cmp-export")
                 export_msg = gr.Markdown(elem_id="cmp-export-msg")
                 file = gr.File(label="download", interactive=False, elem_id="cmp-file")

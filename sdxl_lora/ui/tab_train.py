@@ -24,7 +24,7 @@ from .text import error_md, md_text
 from .form import PATH_FIELDS, FieldSpec, build_config, follow_kind, schema_fields, to_widget_value
 from .duplicate import form_for, form_values
 from .jobs import Jobs, run_status
-from .labels import GROUPS, LABELS, label_for
+from .labels import GROUPS, LABELS, error_words, label_for
 
 
 # ----------------------------------------------------------------------------------------- the form
@@ -220,7 +220,8 @@ class Form:
         model, dirs, tokenizer, _prompts, *rest = values
         rest, table = rest[:len(self.widgets)], rest[len(self.widgets):]
         if not dirs:
-            raise ConfigError(f"{self.data_key}: pick at least one under the datasets folder")
+            raise ConfigError(f"{label_for(self.data_key, self.task).text}: pick at least one under the datasets "
+                              f"folder {self.f.datasets}")
         embedded = TINY if self.task == "sdxl" else TINY_LLM
         paths = [str(self.f.inside(d, "datasets")) for d in dirs]
         datasets = dataset_table.tables(self.f, dirs, table[0]) if table and self.task == "sdxl" else []
@@ -356,7 +357,7 @@ def start_run(form: Form, jobs: Jobs, values: list):
         name = jobs.unique_name(form.name_value(values))
         cfg = form_config(form, values, name)
     except (ConfigError, PathRefused, FileExistsError, ValueError) as e:
-        return error_md(e), gr.skip()
+        return error_md(error_words(e, form.task)), gr.skip()
     jobs.enqueue_train(cfg)
     started = jobs.tick()
     busy = jobs.busy()
@@ -410,14 +411,14 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
         try:
             rows, summary = plan_view(make_config(list(values), None))
         except (ConfigError, PathRefused, FileNotFoundError, ValueError) as e:
-            return gr.skip(), error_md(e)
+            return gr.skip(), error_md(error_words(e, form.task))
         return rows, summary
 
     def summarize(*values):
         try:
             return md_text(run_summary(make_config(list(values), None)))
         except (ConfigError, PathRefused, FileNotFoundError, ValueError) as e:
-            return error_md(e)
+            return error_md(error_words(e, form.task))
 
     def start(*values):
         return start_run(form, jobs, list(values))
