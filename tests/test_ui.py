@@ -33,6 +33,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 WAIT = 150_000  # ms: a generous ceiling for work on two busy cores, never a speed assertion
+VIEWPORT = {"width": 1280, "height": 900}  # a laptop's screen: what must be seen has to fit it
 
 
 def _free_port() -> int:
@@ -173,7 +174,7 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+            page = browser.new_page(viewport=VIEWPORT, accept_downloads=True)
             page.on("request", lambda r: hosts.add(urllib.parse.urlsplit(r.url).netloc or r.url.split(":")[0]))
             _login(page, ui.url)
 
@@ -258,6 +259,12 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             _fill(page, "ds-folder", "/etc")
             page.locator("#ds-scan").click()
             expect(page.locator("#ds-status")).to_contain_text("is outside the datasets folder")
+            # The folder the upload made is offered by the Train form's picker, without a restart.
+            page.get_by_role("tab", name="Train").click()
+            page.locator("#f-data input").first.click()
+            expect(page.get_by_role("option", name="uploaded", exact=True)).to_be_visible()
+            page.keyboard.press("Escape")
+            page.get_by_role("tab", name="Dataset").click()
             shutil.rmtree(uploaded)  # the run below trains on shapes alone
 
             # ---- Train: the form, the plan, Start
@@ -849,7 +856,7 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+            page = browser.new_page(viewport=VIEWPORT, accept_downloads=True)
             _login(page, ui.url)
             page.get_by_role("tab", name="Compare").click()
             _pick(page, "cmp-run", "cmp-run")
@@ -925,6 +932,13 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
             # A person's edit of the copy shows in the line as before the fill.
             _fill(page, "f-adapter-rank", 8)
             expect(summary).to_contain_text(_trains(saved_run, {"adapter.rank": 8}))
+            # Start: the Runs panel shows the new run at once, not the one picked before.
+            _fill(page, "f-output-name", "cmp-copy")
+            page.locator("#train-start").click()
+            expect(page.locator("#train-start-msg")).to_contain_text("cmp-copy")
+            expect(page.locator("#run-progress-text")).to_contain_text("cmp-copy")
+            expect(page.locator("#run-pick input")).to_have_value("cmp-copy")
+            expect(_state(page)).to_have_attribute("data-state", "finished")
         finally:
             browser.close()
 
@@ -1076,7 +1090,7 @@ def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_p
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
-                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page = browser.new_page(viewport=VIEWPORT)
                 _login(page, server["ui"].url)
                 page.get_by_role("tab", name="Train").click()
                 expect(page.locator("#runs-table")).to_contain_text("cli-steps")

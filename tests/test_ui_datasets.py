@@ -93,7 +93,7 @@ def test_a_bad_cell_is_refused_naming_its_folder_and_column(form, row, said):
 
 def test_start_shows_the_error_and_queues_nothing(form):
     jobs = Jobs(form.f)
-    msg, _ = start_run(form, jobs, _values(["man_class"], [_row("man_class", is_regularization=True)]))
+    msg, *_ = start_run(form, jobs, _values(["man_class"], [_row("man_class", is_regularization=True)]))
     assert msg.startswith("**Error:** Per-dataset settings: every folder is ticked as regularization")
     assert jobs.queued() == []
 

@@ -41,7 +41,7 @@ def _values(form: Form, data: list[str], **changed) -> list:
 
 
 def _start(form: Form, values: list) -> str:
-    msg, _ = start_run(form, Jobs(form.f), values)
+    msg, *_ = start_run(form, Jobs(form.f), values)
     assert msg.startswith("**Error:**"), msg
     return msg
 

@@ -150,7 +150,7 @@ def export(f: Folders, name, label, strength, fmt, title, overwrite):
     return str(written), (f"{fmt} adapter written: `{written}` ({ck.label} at strength {float(strength):g})")
 
 
-def build(f: Folders, pipes: Pipelines):
+def build(f: Folders, pipes: Pipelines, pickers):
     with gr.Row():
         with gr.Column(scale=2):
             run = gr.Dropdown([], allow_custom_value=True, label="run", elem_id="cmp-run")
@@ -193,4 +193,4 @@ def build(f: Folders, pipes: Pipelines):
     go.click(do_render, [run, prompts, strengths], [table, gallery, msg])
     export_btn.click(lambda *a: export(f, *a), [run, pick, strength, fmt, title, overwrite], [file, export_msg])
     refresh.click(do_refresh, None, run)
-    return do_refresh, [run]
+    pickers.add(run, lambda: compare_runs(f))

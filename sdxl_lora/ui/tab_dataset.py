@@ -141,7 +141,7 @@ def _guarded(fn, *args):
         return None, error_md(e)
 
 
-def build(f: Folders) -> None:
+def build(f: Folders, pickers) -> None:
     folders = image_folders(f.datasets)
     with gr.Row():
         folder = gr.Dropdown(folders, value=folders[0] if folders else None, allow_custom_value=True,
@@ -203,6 +203,8 @@ def build(f: Folders) -> None:
         cap_go = gr.Button("Caption the images without one", elem_id="ds-cap-go")
         cap_msg = gr.Markdown(elem_id="ds-cap-msg")
 
+    pickers.add(folder, lambda: image_folders(f.datasets))
+    pickers.add(cap_model, lambda: edit.captioner_choices(f.models))
     shown = gr.State(None)  # the folder the table shows: a Save or an Apply refreshes its panes
     panes = [status, report, hist, doctor, tags]
     scanned = [items, grid, *panes, shown]

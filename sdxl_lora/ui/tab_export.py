@@ -172,7 +172,7 @@ def merge(f: Folders, base, name, form, dtype, overwrite, *slots):
             "Generate tab.")
 
 
-def build(f: Folders):
+def build(f: Folders, pickers):
     models = model_choices(f.models)
     with gr.Row():
         with gr.Column():
@@ -269,7 +269,11 @@ def build(f: Folders):
              [file, msg])
     refreshed = [source, x_base, x_tuned, m_base, *merge_picks]
     refresh.click(do_refresh, None, refreshed)
+    pickers.add(source, lambda: source_choices(f))
+    for d in (x_base, x_tuned, m_base):
+        pickers.add(d, lambda: model_choices(f.models))
+    for d in merge_picks:
+        pickers.add(d, lambda: adapter_choices(f))
     m_go.click(lambda *a: merge(f, *a), [m_base, m_name, m_form, m_dtype, m_overwrite, *m_slots], m_msg)
     x_go.click(do_extract, [x_base, x_tuned, x_rank, x_conv, x_method, x_param, x_te, x_name, x_overwrite],
                [x_file, x_msg])
-    return do_refresh, refreshed

@@ -102,7 +102,7 @@ def generate(f: Folders, pipes: Pipelines, model, prompt, negative, seed, steps,
     return base, tuned, f"seed {int(seed)}, {side}x{side}, {int(steps)} steps; adapters: {used}"
 
 
-def build(f: Folders, pipes: Pipelines):
+def build(f: Folders, pipes: Pipelines, pickers):
     with gr.Row():
         with gr.Column(scale=2):
             model = gr.Dropdown(model_choices(f.models), value=TINY, allow_custom_value=True, label="base model",
@@ -145,4 +145,6 @@ def build(f: Folders, pipes: Pipelines):
 
     go.click(do_generate, [model, prompt, negative, seed, steps, guidance, size, *rows], [base_img, tuned_img, msg])
     refresh.click(do_refresh, None, rows[::2])
-    return do_refresh, rows[::2]  # run on each page load: runs finish while the server runs
+    pickers.add(model, lambda: model_choices(f.models))
+    for a in rows[::2]:
+        pickers.add(a, lambda: adapter_choices(f))

@@ -10,12 +10,13 @@ from .jobs import Jobs
 from .tab_train import Form, FormTab, start_run
 
 
-def build(f: Folders, jobs: Jobs, run_pick) -> FormTab:
+def build(f: Folders, jobs: Jobs, run_pick, follow, pickers) -> FormTab:
     gr.Markdown("Train a LoRA on a causal language model (docs/llm.md). The run appears in the Train tab's "
                 "**Runs**, with its progress, charts and log.")
     form = Form(f, task="llm", prefix="llm-")
     form.render()
+    form.add_pickers(pickers)
     start = gr.Button("Start", variant="primary", elem_id="llm-start")
     msg = gr.Markdown(elem_id="llm-start-msg")
-    start.click(lambda *values: start_run(form, jobs, list(values)), form.inputs, [msg, run_pick])
+    start.click(lambda *values: start_run(form, jobs, list(values)), form.inputs, [msg, run_pick, follow])
     return FormTab(form, "llm", msg)

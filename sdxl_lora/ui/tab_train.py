@@ -23,7 +23,7 @@ from .summary import CARD_FIELDS, GOAL_FIELDS, card_choices, card_fill, goal_fil
 from .text import error_md, md_text
 from .form import PATH_FIELDS, FieldSpec, build_config, follow_kind, schema_fields, to_widget_value
 from .duplicate import form_for, form_values
-from .jobs import Jobs, run_status
+from .jobs import Jobs, RunStatus, run_status
 from .labels import GROUPS, LABELS, error_words, label_for
 
 
@@ -167,6 +167,16 @@ class Form:
                                       static_columns=[0], show_label=False, wrap=True,
                                       column_widths=["12%", "9%", "12%", "17%", "10%", "10%", "9%", "10%", "11%"],
                                       elem_id=f"{self.prefix}datasets")
+
+    def add_pickers(self, pickers) -> None:
+        """The model and data pickers' choices read from the folders again when opened (ui/pickers.py)."""
+        f = self.f
+        if self.task == "sdxl":
+            pickers.add(self.model, lambda: model_choices(f.models))
+            pickers.add(self.dirs, lambda: image_folders(f.datasets))
+        else:
+            pickers.add(self.model, lambda: llm_model_choices(f.models))
+            pickers.add(self.dirs, lambda: jsonl_files(f.datasets))
 
     @property
     def inputs(self) -> list:
@@ -329,6 +339,36 @@ def _previews(events: list[dict]) -> list[tuple[str, str]]:
     return out[::-1]
 
 
+def runs_view(jobs: Jobs, selected: str | None, seen_sig, follow: str | None = None) -> tuple:
+    """The Runs panel: the table, the run picker, the selected run's progress line, charts, previews and log, and
+    the signature of what was drawn (skipped where it has not changed since `seen_sig`). `follow`: the run the page
+    was asked to show (Start, Resume), shown whatever the picker sent: a refresh that began before Start answered
+    would otherwise put the previous run back in the picker. A person's pick clears it."""
+    runs = jobs.runs()
+    names = [s.name for s in runs]
+    if follow:
+        selected = follow
+        if follow not in names:  # between its queue entry and its process: about to start
+            runs.insert(0, RunStatus(name=follow, dir=jobs.f.runs / follow, state="starting"))
+            names.insert(0, follow)
+    table = [[s.name, s.state, f"{s.step}/{s.total}" if s.total else "",
+              "" if math.isnan(s.loss) else f"{s.loss:.4f}"] for s in runs]
+    if not selected or selected not in names:
+        selected = names[0] if names else None
+    st = next((s for s in runs if s.name == selected), None)
+    if st is None:
+        return table, gr.update(choices=names, value=selected), "", gr.skip(), gr.skip(), gr.skip(), "", None
+    ev_path = st.dir / "events.jsonl"
+    sig = (selected, ev_path.stat().st_mtime_ns if ev_path.exists() else 0, st.state, tuple(names))
+    if sig == seen_sig:
+        return (table, gr.skip(), _progress_html(st), gr.skip(), gr.skip(), gr.skip(), gr.skip(), seen_sig)
+    events = read_events(ev_path)
+    st = run_status(st.dir, events) if st.state not in ("queued", "starting") or events else st
+    loss_df, lr_df = _charts(events)
+    return (table, gr.update(choices=names, value=selected), _progress_html(st), loss_df, lr_df,
+            _previews(events), jobs.log_tail(selected), sig)
+
+
 def form_config(form: Form, values: list, name: str | None) -> Config:
     """The form's config; for a run (a name), its preview prompts saved under runs/.ui/prompts/."""
     prompts = values[3]
@@ -352,25 +392,28 @@ def duplicate_values(form: Form, jobs: Jobs, name: str) -> tuple[list, str, list
 
 
 def start_run(form: Form, jobs: Jobs, values: list):
-    """Start (or queue) a run of the form's config: (message, the runs dropdown's update)."""
+    """Start (or queue) a run of the form's config: (message, the runs dropdown's update, the run the Runs panel
+    follows: `runs_view`'s follow)."""
     try:
         name = jobs.unique_name(form.name_value(values))
         cfg = form_config(form, values, name)
     except (ConfigError, PathRefused, FileExistsError, ValueError) as e:
-        return error_md(error_words(e, form.task)), gr.skip()
+        return error_md(error_words(e, form.task)), gr.skip(), gr.skip()
     jobs.enqueue_train(cfg)
     started = jobs.tick()
     busy = jobs.busy()
     where = "started" if started == name else f"queued (after {busy})" if busy else "queued"
-    return f"run **{name}** {where}", gr.update(value=name)
+    return f"run **{name}** {where}", gr.update(value=name), name
 
 
-def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
+def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None, pickers=None):
     form = Form(f)
     with gr.Row():
         with gr.Column(scale=5):
             gr.Markdown("### New run")
             form.render()
+            if pickers is not None:
+                form.add_pickers(pickers)
             # What the run will train and need, kept up to date as the form changes (ui/summary.py).
             summary_line = gr.Markdown(elem_id="train-summary")
             with gr.Row():
@@ -402,6 +445,7 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
             with gr.Accordion("log", open=False):
                 log_box = gr.Textbox(lines=12, max_lines=12, show_label=False, elem_id="run-log")
     seen = gr.State(None)
+    follow = gr.State(None)  # the run Start or Resume asked the panel to show (runs_view)
     timer = gr.Timer(1.0)
 
     def make_config(values, name):
@@ -448,26 +492,6 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
         except (ConfigError, PathRefused, FileNotFoundError, ValueError):
             return gr.skip()
 
-    def refresh(selected, seen_sig):
-        runs = jobs.runs()
-        table = [[s.name, s.state, f"{s.step}/{s.total}" if s.total else "",
-                  "" if math.isnan(s.loss) else f"{s.loss:.4f}"] for s in runs]
-        names = [s.name for s in runs]
-        if not selected or selected not in names:
-            selected = names[0] if names else None
-        st = next((s for s in runs if s.name == selected), None)
-        if st is None:
-            return table, gr.update(choices=names, value=selected), "", gr.skip(), gr.skip(), gr.skip(), "", None
-        ev_path = st.dir / "events.jsonl"
-        sig = (selected, ev_path.stat().st_mtime_ns if ev_path.exists() else 0, st.state, tuple(names))
-        if sig == seen_sig:
-            return (table, gr.skip(), _progress_html(st), gr.skip(), gr.skip(), gr.skip(), gr.skip(), seen_sig)
-        events = read_events(ev_path)
-        st = run_status(st.dir, events) if st.state != "queued" else st
-        loss_df, lr_df = _charts(events)
-        return (table, gr.update(choices=names, value=selected), _progress_html(st), loss_df, lr_df,
-                _previews(events), jobs.log_tail(selected), sig)
-
     def stop(selected):
         try:
             return f"{jobs.stop(selected)}"
@@ -478,9 +502,9 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
         try:
             jobs.enqueue_resume(selected)
         except (ValueError, PathRefused, FileNotFoundError) as e:
-            return error_md(e)
+            return error_md(e), gr.skip()
         started = jobs.tick()
-        return f"{selected}: resuming" if started == selected else f"{selected}: queued to resume"
+        return (f"{selected}: resuming" if started == selected else f"{selected}: queued to resume"), selected
 
     load = [demo.load] if demo is not None else []
     # Not blocking: the line follows the form. The fields whose handlers fill others (the presets, the adapter
@@ -490,7 +514,7 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
                              on=load)
     plan_btn.click(show_plan, form.inputs, [plan_table, plan_summary])
     plan_btn.click(summarize, form.inputs, summary_line, show_progress="hidden", concurrency_id=summary_id)
-    start_btn.click(start, form.inputs, [start_msg, run_pick])
+    start_btn.click(start, form.inputs, [start_msg, run_pick, follow])
 
     def follow_folders(*values):
         # The rows follow the picked folders (a person's pick, or a folder typed in, which fires no `input`), and
@@ -536,11 +560,13 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
             on_kind, [form.widgets["adapter.kind"], *form.inputs], [form.widgets[k] for k in followers],
             trigger_mode="always_last"))
     outputs = [runs_table, run_pick, progress, loss_plot, lr_plot, previews, log_box, seen]
-    timer.tick(refresh, [run_pick, seen], outputs, show_progress="hidden")
-    run_pick.input(lambda sel: refresh(sel, None), run_pick, outputs)
+    timer.tick(lambda sel, sig, run: runs_view(jobs, sel, sig, run), [run_pick, seen, follow], outputs,
+               show_progress="hidden")
+    # A person's pick: that run, and the panel no longer follows the one Start showed.
+    run_pick.input(lambda sel: (*runs_view(jobs, sel, None), None), run_pick, [*outputs, follow])
     stop_btn.click(stop, run_pick, action_msg)
-    resume_btn.click(resume, run_pick, action_msg)
-    return Runs(FormTab(form, "train", start_msg), run_pick, duplicate_btn, action_msg)
+    resume_btn.click(resume, run_pick, [action_msg, follow])
+    return Runs(FormTab(form, "train", start_msg), run_pick, duplicate_btn, action_msg, follow)
 
 
 @dataclass
@@ -553,11 +579,13 @@ class FormTab:
 
 @dataclass
 class Runs:
-    """What the page wires across tabs: the Train tab's form, the runs picker, Duplicate and its message line."""
+    """What the page wires across tabs: the Train tab's form, the runs picker, Duplicate and its message line, and
+    the run the Runs panel follows (a Start on another tab sets it)."""
     form_tab: FormTab
     pick: gr.Dropdown
     duplicate: gr.Button
     message: gr.Markdown
+    follow: gr.State
 
 
 def duplicated(jobs: Jobs, form_tabs: list[FormTab], selected: str) -> list:
