@@ -322,6 +322,19 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             assert page.evaluate("() => [...document.querySelectorAll('#train-plan-summary pre')].every("
                                  "e => e.scrollWidth <= e.clientWidth + 1)")
             expect(page.locator("#train-plan-table")).to_contain_text("attn2")
+            # ---- The form as a config file: saved, changed, loaded back; the same run as a command line
+            page.locator("#f-acc-config").get_by_text("Config file").click()
+            page.locator("#f-cfg-save").click()
+            expect(page.locator("#f-cfg-msg")).to_contain_text("sdxl-lora train")
+            assert (folders["runs"] / ".ui" / "saved" / "ui-run.toml").is_file()
+            _fill(page, "f-train-steps", 7)
+            _pick(page, "f-cfg-saved", "ui-run.toml")
+            page.locator("#f-cfg-load").click()
+            expect(page.locator("#f-cfg-msg")).to_contain_text("loaded ui-run.toml into the form")
+            expect(_box(page, "f-train-steps")).to_have_value("40")
+            expect(page.locator("#f-card input").first).to_have_value("no card preset")
+            page.locator("#f-cfg-command").click()
+            expect(page.locator("#f-cfg-code")).to_contain_text("--set train.steps=40")
             page.locator("#train-start").click()
             expect(page.locator("#train-start-msg")).to_contain_text("ui-run started", timeout=WAIT)
             run = folders["runs"] / "ui-run"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from . import config_file
 from .folders import Folders
 from .jobs import Jobs
 from .tab_train import Form, FormTab, start_run
@@ -18,5 +19,6 @@ def build(f: Folders, jobs: Jobs, run_pick, follow, pickers) -> FormTab:
     form.add_pickers(pickers)
     start = gr.Button("Start", variant="primary", elem_id="llm-start")
     msg = gr.Markdown(elem_id="llm-start-msg")
+    config_file.build(form, pickers)
     start.click(lambda *values: start_run(form, jobs, list(values)), form.inputs, [msg, run_pick, follow])
     return FormTab(form, "llm", msg)

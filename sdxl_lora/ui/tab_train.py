@@ -17,7 +17,7 @@ from sdxl_lora.core.config import (Config, ConfigError, SAMPLE_DATA, kind_recomm
 from sdxl_lora.core.fsutil import atomic_write_text
 from sdxl_lora.core.runs import read_events
 
-from . import dataset_table
+from . import config_file, dataset_table
 from .folders import TINY, TINY_LLM, Folders, PathRefused, image_folders, jsonl_files, llm_model_choices, model_choices
 from .summary import CARD_FIELDS, GOAL_FIELDS, card_choices, card_fill, goal_fill, run_summary
 from .text import error_md, md_text
@@ -420,6 +420,7 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None, pickers=None):
                 plan_btn = gr.Button("Show plan", elem_id="train-plan")
                 start_btn = gr.Button("Start", variant="primary", elem_id="train-start")
             start_msg = gr.Markdown(elem_id="train-start-msg")
+            config_file.build(form, pickers)
             plan_summary = gr.Markdown(elem_id="train-plan-summary")
             plan_table = gr.Dataframe(headers=["part", "level", "block", "kind", "proj", "rank", "alpha", "modules",
                                                "params", "MB"], label="plan (slots, ranks, parameters)",
