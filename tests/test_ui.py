@@ -1098,7 +1098,9 @@ def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_p
     expect.set_options(timeout=WAIT)
     runs = folders["runs"]
     runs.mkdir(exist_ok=True)
-    proc = _cli_train(runs, "cli-steps", 5000, "--set", "train.log_every=10000")  # far longer than it is watched
+    # Far longer than it is watched; step-0 previews of many sampling steps: seconds of rendering to watch.
+    proc = _cli_train(runs, "cli-steps", 5000, "--set", "train.log_every=10000", "--set", "preview.before=true",
+                      "--set", f"preview.prompts='{REPO / 'sample_data' / 'prompts.txt'}'", "--set", "preview.steps=300")
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -1109,6 +1111,9 @@ def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_p
                 expect(page.locator("#runs-table")).to_contain_text("cli-steps")
                 _pick(page, "run-pick", "cli-steps")
                 text = page.locator("#run-progress-text")
+                # Before the first step: what it does, and how far (the images of the set done so far).
+                expect(text).to_contain_text(re.compile(r"rendering previews [0-7] of 8 \(step 0\)"))
+                _shot(page, "9a-run-rendering-previews")
                 expect(text).to_contain_text(re.compile(r"step ([3-9]|\d\d+)/5000 · .*eta \d+ s"))
                 first = int(re.search(r"step (\d+)/5000", text.inner_text())[1])
                 expect(text).not_to_contain_text(f"step {first}/5000")  # it moves on, still between log points

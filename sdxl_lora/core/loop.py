@@ -647,6 +647,8 @@ class Trainer:
 
         if self.step == 0:
             # Measured by the main process alone, whose figures the run reports.
+            if acc.is_main_process:
+                run.phase("evaluating", 0)
             with _eager():
                 eval_before = self.task.evaluate_before(unwrapped) if acc.is_main_process else math.nan
                 val = self.task.validate(unwrapped) if acc.is_main_process else None
@@ -913,6 +915,8 @@ class Trainer:
         adapter: dict[str, Path] = {}
         try:
             with self._averaged(), _eager():  # with train.ema: the averaged weights are evaluated, saved, previewed
+                if acc.is_main_process:
+                    run.phase("evaluating", step)
                 eval_after = self.task.evaluate(unwrapped) if acc.is_main_process else math.nan
                 val_after = self.task.validate(unwrapped) if acc.is_main_process else None
                 if acc.is_main_process:

@@ -17,6 +17,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -263,13 +264,15 @@ class Sampler:
 def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, guidance: float, width: int,
            height: int, negative: str | None = None, autocast_dtype: torch.dtype | None = None,
            sampler: Sampler | None = None, texts: list[dict[str, torch.Tensor]] | None = None,
-           batch: int | None = None) -> list[Image.Image]:
+           batch: int | None = None, progress: Callable[[int, int], None] | None = None) -> list[Image.Image]:
     """One image per prompt, each with its own settings where it has them; prompt i without its own seed
     uses seed + i, on a CPU generator, so images do not depend on the device or on how prompts are batched.
     A prompt's negative prompt unset (None) is no negative prompt, not an encoded empty one: the two differ.
     sampler: how the images are sampled (Sampler), the pipeline's scheduler swapped for the duration; None: the
     pipeline as it is (callers that built it with the sampler they want).
     texts: the prompts' embeddings (encode_prompts), made earlier; the text encoders are then not used.
+    progress(done, total): told the images done as sampling goes (a batch's images count as done in step with its
+    sampling steps), so a watcher sees a set of previews move, not only end.
     batch: the most prompts of the same settings rendered in one pipeline call (none: CPU_PREVIEW_BATCH on a
     CPU, one elsewhere); on a GPU a batch is decoded one image at a time, so the decode needs one image's memory."""
     device = pipe.unet.device
@@ -310,12 +313,24 @@ def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, g
             gens = [torch.Generator("cpu").manual_seed(p.seed if p.seed is not None else seed + k)
                     for k, p in zip(range(i, j), entries[i:j])]
             one = j - i == 1  # a prompt alone is called as the pipeline's single-prompt call
+            told = {} if progress is None else {"callback_on_step_end": _telling(progress, i, j, n_steps, len(entries))}
             out = pipe(**(texts[i] if one else _batched(texts[i:j])), num_inference_steps=n_steps, guidance_scale=g,
                        guidance_rescale=rescale, width=w, height=h, generator=gens[0] if one else gens,
-                       output_type="pil")
+                       output_type="pil", **told)
             images.extend(out.images)
             i = j
+            if progress is not None:
+                progress(i, len(entries))
     return images
+
+
+def _telling(progress: Callable[[int, int], None], first: int, end: int, steps: int, total: int):
+    """The pipeline's step callback that tells `progress` the images done while images first..end-1 sample."""
+    def told(pipe, k: int, timestep, kwargs: dict) -> dict:
+        progress(first + (end - first) * (k + 1) // max(steps, 1), total)
+        return kwargs
+
+    return told
 
 
 def preview_scheduler(base_config, *, zero_terminal_snr: bool, prediction_type: str = "auto"):
@@ -430,6 +445,28 @@ def _plain_unet(model, unet, dequantized: bool = False):
         yield
 
 
+@contextlib.contextmanager
+def _told(run, step: int, n: int):
+    """Yields progress(done, total) for render: a bar in the terminal and the run's phase ("rendering previews",
+    done of n: Run.phase) for the UI, each written when the count of images done changes."""
+    from tqdm.auto import tqdm
+
+    run.phase("rendering previews", step, 0, n)
+    bar = tqdm(total=n, desc=f"previews at step {step}", unit="img", leave=False, dynamic_ncols=True)
+    shown = [0]
+
+    def told(done: int, total: int) -> None:
+        if done != shown[0]:
+            shown[0] = done
+            bar.update(done - bar.n)
+            run.phase("rendering previews", step, done, total)
+
+    try:
+        yield told
+    finally:
+        bar.close()
+
+
 def render_previews(task, model, run, step: int) -> list[Path]:
     """Render the task's prompts with the model being trained; the VAE and text encoders visit the
     accelerator only for the duration."""
@@ -489,11 +526,12 @@ def render_previews(task, model, run, step: int) -> list[Path]:
                       else _plain_unet(model, unet, dequantized=task.dequantized_previews))
             tiled = tiled_previews(cfg)
             batch = None if device.type == "cpu" else preview_batch(tiled)
-            with cudnn_search(False), vae_tiles(p.vae, tiled), merged:
+            with cudnn_search(False), vae_tiles(p.vae, tiled), merged, _told(run, step, len(prompts)) as told:
                 ready = time.perf_counter()
                 images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps,
                                 guidance=cfg.preview.guidance, width=task.resolution, height=task.resolution,
-                                autocast_dtype=dtype, sampler=Sampler.of_run(cfg), texts=texts, batch=batch)
+                                autocast_dtype=dtype, sampler=Sampler.of_run(cfg), texts=texts, batch=batch,
+                                progress=told)
                 rendered = time.perf_counter()
         finally:
             if device.type != "cpu":

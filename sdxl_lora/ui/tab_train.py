@@ -286,6 +286,8 @@ def _progress_html(st) -> str:
     total = st.total or 0
     pct = 100.0 * st.step / total if total else 0.0
     bits = [f"<b>{html.escape(st.name)}</b>", html.escape(st.state)]
+    if st.alive and st.phase:  # between steps: what it does now, where the step count stands still
+        bits.append(f'<span class="run-phase">{html.escape(st.phase)}</span>')
     if total:
         bits.append(f"step {st.step}/{total}")
     if not math.isnan(st.loss):
@@ -295,7 +297,7 @@ def _progress_html(st) -> str:
     if st.tokens_per_s:
         bits.append(f"{st.tokens_per_s:,.0f} tokens/s")
     if st.alive and st.eta_s is not None:
-        bits.append(f"eta {st.eta_s:.0f} s")
+        bits.append(f"eta {st.eta_s:.0f} s")  # the previews and evaluations still due included (jobs.py)
     if st.gpu_mem_gib is not None:
         bits.append(f"GPU memory {st.gpu_mem_gib:.1f} GiB (peak {st.gpu_peak_gib:.1f})")
     msg = f"<div>{html.escape(st.message)}</div>" if st.message else ""
