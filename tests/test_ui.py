@@ -1121,6 +1121,14 @@ def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_p
                                                  .splitlines()) if e["event"] == "step"]
                 assert logged == [1]
                 _shot(page, "9-cli-run-between-log-points")
+                # Sample now: previews of the step it is at, beside the step-0 ones, while it goes on training.
+                page.locator("#run-sample-now").click()
+                expect(page.locator("#run-action-msg")).to_contain_text("asked for previews")
+                expect(page.locator("#run-previews img")).to_have_count(2)
+                shot = [e for e in map(json.loads, (runs / "cli-steps" / "events.jsonl").read_text().splitlines())
+                        if e["event"] == "samples"]
+                assert [e["step"] for e in shot][0] == 0 and shot[1]["step"] > first
+                expect(_state(page)).to_have_attribute("data-state", "training")
                 page.locator("#run-stop").click()
                 expect(_state(page)).to_have_attribute("data-state", "stopped")
             finally:

@@ -74,3 +74,58 @@ def test_a_run_records_its_phases_and_the_cli_prints_the_plans_summary(tmp_path,
     assert "adapter plan: " in r.stderr and "trainable parameters" in r.stderr
     assert "adapter plan, by layer group" not in r.stderr
     assert "adapter plan, by layer group" in (run / "train.log").read_text()
+
+
+def test_sample_now_and_save_now_act_at_the_step_the_run_is_at(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    from sdxl_lora.core.runs import read_events
+    from sdxl_lora.ui.folders import Folders
+    from sdxl_lora.ui.jobs import Jobs
+
+    (tmp_path / "datasets").mkdir()
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle --d 1\n", encoding="utf-8")
+    # A run started in a terminal, far longer than it is watched; no previews of its own before the end.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sdxl_lora.cli", "train", "--out", str(f.runs), "--name", "r", "--steps", "5000",
+         "--batch-size", "1", "--set", "train.device='cpu'", "--set", "data.resolution=64", "--set",
+         f"preview.prompts='{prompts}'", "--set", "preview.steps=2", "--set", "preview.before=false",
+         "--set", "train.log_every=10000", "--set", f"data.cache_dir='{tmp_path / 'cache'}'"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    jobs = Jobs(f)
+    run = f.runs / "r"
+
+    def wait(cond, what):
+        deadline = time.monotonic() + 150
+        while not cond():
+            assert proc.poll() is None, f"{what}: the run ended:\n{proc.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
+
+    try:
+        wait(lambda: (run / "config.toml").is_file() and run_status(run).state == "training"
+             and run_status(run).step >= 2, "training")
+        assert "asked for previews" in jobs.ask("r", "sample")
+        assert "asked for its training state saved" in jobs.ask("r", "save")
+        events = lambda: read_events(run / "events.jsonl")  # noqa: E731
+        wait(lambda: any(e["event"] == "checkpoint" for e in events()), "the state saved")
+        wait(lambda: any(e["event"] == "samples" for e in events()), "the previews")
+        shot = next(e for e in events() if e["event"] == "samples")
+        saved = next(e for e in events() if e["event"] == "checkpoint")
+        assert shot["step"] >= 3 and all(Path(p).is_file() and f"step-{shot['step']:06d}" in p for p in shot["paths"])
+        assert saved["step"] >= 3 and Path(saved["path"]).is_dir()
+        assert not (run / "sample-now").exists() and not (run / "save-now").exists()  # each taken once
+        jobs.stop("r")
+        assert proc.wait(150) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with pytest.raises(ValueError, match="Sample now: run 'r' is stopped; it works on a run that is training"):
+        jobs.ask("r", "sample")

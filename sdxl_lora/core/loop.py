@@ -606,6 +606,17 @@ class Trainer:
                 self._track(step, validation=val, samples=paths)
         return paths
 
+    def _asked(self, step: int, model, samples: list[Path]) -> bool:
+        """What was asked of the run from outside since the last step (core/runs.py: REQUESTS, the UI's Sample now
+        and Save now): previews at this step, added to `samples`; returns whether a save was asked (the processes
+        agree on it with the due saves). The main process takes the requests."""
+        if not self.accelerator.is_main_process or self.step >= self.cfg.train.steps:
+            return False
+        if self.run.take_request("sample"):
+            self.run.event("asked", step=step, what="sample")
+            samples += self._check_in(model, step)
+        return self.run.take_request("save")
+
     def _averaged(self):
         """The EMA weights in the model for the block, when train.ema is on."""
         return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
@@ -724,6 +735,7 @@ class Trainer:
                 run.progress(step, total, window.eta(step))
             if cfg.preview.every and step % cfg.preview.every == 0 and step < total:
                 samples += self._check_in(unwrapped, step)
+            due |= self._asked(step, unwrapped, samples)
             if stop := self._save_or_stop(step, due, guard, read_now=logged):
                 bar.close()
                 return self._stopped(step, stop, guard.message, samples, losses, eval_before)

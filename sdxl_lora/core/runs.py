@@ -29,6 +29,9 @@ from .fsutil import clear_interrupted, fsync_dir, temp_prefix
 PID_FILE = "train.pid"
 PROGRESS_FILE = "progress.json"
 PHASE_FILE = "phase.json"
+# Requests to a training run, each an empty file in its folder that the trainer takes between steps: previews at
+# the step it is at, and its training state saved there (the UI's Sample now and Save now; `touch` works too).
+REQUESTS = {"sample": "sample-now", "save": "save-now"}
 
 
 class RunExistsError(FileExistsError):
@@ -79,6 +82,20 @@ class Run:
         tmp.write_text(json.dumps({"step": step, "total_steps": total_steps, "eta_s": round(eta_s, 1),
                                    "time": round(time.time(), 3)}), encoding="utf-8")
         os.replace(tmp, self.dir / PROGRESS_FILE)
+
+    def ask(self, what: str) -> Path:
+        """Ask the training run for `what` ("sample" or "save") at its next step: the request file (REQUESTS)."""
+        path = self.dir / REQUESTS[what]
+        path.touch()
+        return path
+
+    def take_request(self, what: str) -> bool:
+        """Whether `what` was asked since it was last taken; taking it removes the request."""
+        try:
+            (self.dir / REQUESTS[what]).unlink()
+        except FileNotFoundError:
+            return False
+        return True
 
     def phase(self, name: str, step: int, done: int = 0, of: int | None = None) -> None:
         """What the run does between training steps ("rendering previews", "evaluating"), for a watcher: its start

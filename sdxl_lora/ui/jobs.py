@@ -167,6 +167,17 @@ def _preview_plan(run_dir: Path) -> tuple[int, bool]:
     return int(preview.get("every", 0) or 0), bool(preview.get("after", True))
 
 
+def _no_previews(run_dir: Path) -> bool:
+    """Whether the run renders no previews (preview.prompts = "" in its config.toml; unset: the model's own)."""
+    import tomllib
+
+    try:
+        cfg = tomllib.loads((run_dir / "config.toml").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return cfg.get("task", "sdxl") == "sdxl" and cfg.get("preview", {}).get("prompts") == ""
+
+
 def _phases(events: list[dict]) -> list[tuple[str, int, float, float | None]]:
     """Each phase the run went through (its "phase" events): (name, step, start, end); the end is the time of the
     next event that is not a phase's start (samples, eval), None while it goes on."""
@@ -462,6 +473,24 @@ class Jobs:
                 raise ValueError(f"run {name!r} is {st.state}, not running; nothing to stop")
             os.kill(pid, signal.SIGINT)
             return f"{name}: stop requested; the current step finishes and the state is saved"
+
+    def ask(self, name: str, what: str) -> str:
+        """Sample now / Save now on a training run, whoever started it: the request its trainer takes at its next
+        step (core/runs.py: Run.ask) -> the message for the page."""
+        from sdxl_lora.core.runs import Run
+
+        run_dir = self.run_dir(name)
+        st = run_status(run_dir)
+        button = {"sample": "Sample now", "save": "Save now"}[what]
+        if not st.alive:
+            raise ValueError(f"{button}: run {name!r} is {st.state}; it works on a run that is training")
+        if what == "sample" and _no_previews(run_dir):
+            raise ValueError(f"{button}: run {name!r} has no preview prompts (its 'Preview prompts' box was empty); "
+                             "Duplicate it with prompts to see previews")
+        Run(run_dir).ask(what)
+        said = "previews at the step it is at (they appear under previews)" if what == "sample" else \
+            "its training state saved at the step it is at (Compare lists it; Resume starts from it)"
+        return f"{name}: asked for {said}; the current step finishes first"
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         parts = []

@@ -436,6 +436,10 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None, pickers=None):
                 stop_btn = gr.Button("Stop", elem_id="run-stop", scale=1)
                 resume_btn = gr.Button("Resume", elem_id="run-resume", scale=1)
                 duplicate_btn = gr.Button("Duplicate as new run", elem_id="run-duplicate", scale=1)
+            with gr.Row():
+                # While it trains: previews or a saved state at the step it is at, without stopping it.
+                sample_btn = gr.Button("Sample now", size="sm", elem_id="run-sample-now")
+                save_btn = gr.Button("Save now", size="sm", elem_id="run-save-now")
             action_msg = gr.Markdown(elem_id="run-action-msg")
             progress = gr.HTML(elem_id="run-progress-box")
             with gr.Row():
@@ -500,6 +504,14 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None, pickers=None):
             return f"{jobs.stop(selected)}"
         except (ValueError, PathRefused) as e:
             return error_md(e)
+
+    def ask(what: str):
+        def handler(selected):
+            try:
+                return jobs.ask(selected, what)
+            except (ValueError, PathRefused, FileNotFoundError) as e:
+                return error_md(e)
+        return handler
 
     def resume(selected):
         try:
@@ -568,6 +580,8 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None, pickers=None):
     # A person's pick: that run, and the panel no longer follows the one Start showed.
     run_pick.input(lambda sel: (*runs_view(jobs, sel, None), None), run_pick, [*outputs, follow])
     stop_btn.click(stop, run_pick, action_msg)
+    sample_btn.click(ask("sample"), run_pick, action_msg)
+    save_btn.click(ask("save"), run_pick, action_msg)
     resume_btn.click(resume, run_pick, [action_msg, follow])
     return Runs(FormTab(form, "train", start_msg), run_pick, duplicate_btn, action_msg, follow)
 
