@@ -274,10 +274,16 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(page.locator("#f-train-steps")).to_contain_text("Training steps")
             expect(page.locator("#f-group-speed-and-memory #f-train-vram-gb").first).to_contain_text("GPU memory budget")
             expect(page.locator("#tab-train")).not_to_contain_text("train.steps")
-            # The picked folder has its row of per-dataset settings, folded under the picker.
+            # The picked folder has its per-dataset settings, folded under the picker: each a box with its whole
+            # label; what is typed stays and reaches the run's config (below).
             page.locator("#f-acc-datasets").get_by_text("Per-dataset settings").click()
-            expect(page.locator("#f-datasets")).to_contain_text("shapes")
-            expect(page.locator("#f-datasets")).to_contain_text("regularization")
+            expect(page.locator("#f-datasets")).to_contain_text("shapes: the run's settings")
+            expect(page.locator("#f-ds-folder input").first).to_have_value("shapes")
+            for box in ("repeats", "trigger-word", "is-regularization", "caption-extension"):  # room for the label
+                assert page.locator(f"#f-ds-{box}").bounding_box()["width"] >= 140, box
+            page.locator("#f-ds-repeats textarea, #f-ds-repeats input").first.click()
+            page.keyboard.type("2")
+            expect(page.locator("#f-datasets")).to_contain_text("shapes: repeats 2")
             # The summary line before Start: what will train and the memory the whole run needs.
             expect(page.locator("#train-summary")).to_contain_text("trainable parameters in", timeout=WAIT)
             _fill(page, "f-train-vram-gb", 8)
@@ -332,6 +338,7 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             page.locator("#f-cfg-load").click()
             expect(page.locator("#f-cfg-msg")).to_contain_text("loaded ui-run.toml into the form")
             expect(_box(page, "f-train-steps")).to_have_value("40")
+            expect(_box(page, "f-ds-repeats")).to_have_value("2")
             expect(page.locator("#f-card input").first).to_have_value("no card preset")
             page.locator("#f-cfg-command").click()
             expect(page.locator("#f-cfg-code")).to_contain_text("--set train.steps=40")
@@ -366,6 +373,9 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
                                   ".map(t => t.textContent)")
             assert "40" in ticks and len(ticks) < 30
             assert (run / "train.exit").read_text().strip() == "0"
+            from sdxl_lora.core.config import load_config
+
+            assert [d.repeats for d in load_config(run / "config.toml").data.datasets] == [2]  # the box's value
             kinds = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
             assert "interrupted" in kinds and "resume" in kinds and kinds[-1] == "done"
             _shot(page, "2-train")

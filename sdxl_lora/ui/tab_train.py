@@ -24,7 +24,7 @@ from .text import error_md, md_text
 from .form import PATH_FIELDS, FieldSpec, build_config, follow_kind, schema_fields, to_widget_value
 from .duplicate import form_for, form_values
 from .jobs import Jobs, RunStatus, run_status
-from .labels import GROUPS, LABELS, error_words, label_for
+from .labels import DATASET_COLUMNS, GROUPS, LABELS, error_words, label_for
 
 
 # ----------------------------------------------------------------------------------------- the form
@@ -87,7 +87,8 @@ class Form:
         self.specs = [s for s in schema_fields(task=task) if s.key not in PATH_FIELDS and s.key != "task"
                       and s.key != self.data_key and not s.key.startswith(other) and task in s.tasks]
         self.widgets: dict[str, gr.components.Component] = {}
-        self.table = None  # the per-dataset settings (SDXL): the last of the inputs
+        self.table = None  # the per-dataset settings' rows (SDXL): the last of the inputs
+        self.table_edits: list = []  # the events of a person's edit of a per-dataset box
         self.followers: list[tuple] = []  # (fn, outputs, concurrency id): what `follow` keeps up to date
 
     def render(self) -> None:
@@ -157,16 +158,65 @@ class Form:
             self.prompts = gr.Textbox("", visible=False)
 
     def render_table(self, dirs: list[str]) -> None:
-        """The per-dataset settings, folded under the folder picker: one row per picked folder (the tab has them
-        follow the picker, with its summary line)."""
+        """The per-dataset settings, folded under the folder picker: what each picked folder sets, and boxes with
+        one folder's settings (picked above them) to change. The rows themselves (`table`, one per picked folder,
+        following the picker) are the page's state: a box per setting keeps its label whole at any width, and takes
+        what is typed as any text box does."""
+        p = self.prefix
         words = label_for("data.datasets", self.task)
-        with gr.Accordion(words.text, open=False, elem_id=f"{self.prefix}acc-datasets"):
+        rows = dataset_table.follow(dirs, [])
+        with gr.Accordion(words.text, open=False, elem_id=f"{p}acc-datasets"):
             gr.Markdown(words.help)
-            self.table = gr.Dataframe(dataset_table.follow(dirs, []), headers=dataset_table.HEADERS,
-                                      datatype=dataset_table.DATATYPES, type="array", interactive=True,
-                                      static_columns=[0], show_label=False, wrap=True,
-                                      column_widths=["12%", "9%", "12%", "17%", "10%", "10%", "9%", "10%", "11%"],
-                                      elem_id=f"{self.prefix}datasets")
+            self.table = gr.State(rows)
+            self.table_view = gr.Markdown(dataset_table.describe(rows), elem_id=f"{p}datasets")
+            self.ds_folder = gr.Dropdown(list(dirs), value=dirs[0] if dirs else None, label="folder",
+                                         info="the picked folder whose settings the boxes below show",
+                                         elem_id=f"{p}ds-folder")
+            self.ds_cells = []
+            values = dataset_table.cells(rows, dirs[0] if dirs else None)
+            per_row = 3
+            for start in range(0, len(dataset_table.COLUMNS), per_row):
+                with gr.Row():
+                    for (field, kind), value in zip(dataset_table.COLUMNS[start:start + per_row],
+                                                    values[start:start + per_row]):
+                        label, eid = DATASET_COLUMNS[field], f"{p}ds-{field.replace('_', '-')}"
+                        self.ds_cells.append(gr.Checkbox(value, label=label, elem_id=eid) if kind == "bool" else
+                                             gr.Textbox(value, label=label, placeholder="the run's", elem_id=eid))
+
+        def shown(folder, rows):
+            return dataset_table.cells(rows, folder)
+
+        def set_cell(index: int, tick: bool):
+            def handler(rows, folder, value):
+                rows = dataset_table.with_cell(rows, folder, index, value)
+                # A tick box shows what was written (a folder's values shown a moment after its click would undo
+                # the tick on screen); a text box is left alone, as the person may type on meanwhile.
+                return rows, dataset_table.describe(rows), (value if tick else gr.skip())
+            return handler
+
+        # One at a time, in the order asked: each edit reads the rows the one before it wrote, and a folder's
+        # values are shown before an edit of them is written.
+        cid = f"{p}ds-cells"
+        self.ds_folder.input(shown, [self.ds_folder, self.table], self.ds_cells, show_progress="hidden",
+                             concurrency_id=cid)
+        for i, c in enumerate(self.ds_cells):
+            tick = isinstance(c, gr.Checkbox)
+            events = [c.input] if tick else [c.input, c.blur]
+            self.table_edits.append(gr.on(events, set_cell(i, tick), [self.table, self.ds_folder, c],
+                                          [self.table, self.table_view, c], trigger_mode="always_last",
+                                          show_progress="hidden", concurrency_id=cid))
+
+    def editor(self, dirs, rows, folder):
+        """The per-dataset boxes for the picked folders `dirs` and their `rows`: the folder picker (kept on
+        `folder` while it is picked), the list of what each sets, the boxes' values."""
+        dirs = list(dirs or [])
+        folder = folder if folder in dirs else (dirs[0] if dirs else None)
+        return (gr.update(choices=dirs, value=folder), dataset_table.describe(rows),
+                *dataset_table.cells(rows, folder))
+
+    @property
+    def editor_outputs(self) -> list:
+        return [self.ds_folder, self.table_view, *self.ds_cells] if self.table is not None else []
 
     def add_pickers(self, pickers) -> None:
         """The model and data pickers' choices read from the folders again when opened (ui/pickers.py)."""
@@ -192,6 +242,8 @@ class Form:
         `change`."""
         events = []
         for c in self.inputs if widgets is None else widgets:
+            if isinstance(c, gr.State):  # the per-dataset rows: their boxes' edits (table_edits) change them
+                continue
             events += [c.input, c.blur] if isinstance(c, gr.Textbox) else [c.input]
         return events
 
@@ -214,6 +266,9 @@ class Form:
         again.__name__ = fn.__name__
         gr.on([*on, *self.user_edits(widgets)], again, self.inputs, outputs, trigger_mode="always_last",
               show_progress="hidden", concurrency_id=cid)
+        if widgets is None or any(w is self.table for w in widgets):
+            for edit in self.table_edits:  # after a per-dataset box's edit has changed the rows
+                edit.then(again, self.inputs, outputs, show_progress="hidden", concurrency_id=cid)
         self.followers.append((again, outputs, cid))
         return cid
 
@@ -222,6 +277,9 @@ class Form:
         adapter kind's recommendations) ends, instead of once per field it set."""
         for fn, outputs, cid in self.followers:
             event.then(fn, self.inputs, outputs, show_progress="hidden", concurrency_id=cid)
+        if self.table is not None:  # the per-dataset boxes show the rows the fill put in
+            event.then(self.editor, [self.dirs, self.table, self.ds_folder], self.editor_outputs,
+                       show_progress="hidden")
 
     def config(self, values: list, name: str | None, prompts_file: Path | None) -> Config:
         """The run's config from the form's values (`inputs` order; without the per-dataset table's, every folder
@@ -535,14 +593,15 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None, pickers=None):
         # The rows follow the picked folders (a person's pick, or a folder typed in, which fires no `input`), and
         # the line with them. A table that already holds the picked folders' rows was set with the picker
         # (Duplicate), whose follow-up computes the line: nothing to do.
-        dirs, table = values[1], values[-1]
+        dirs, table, folder = values[1], values[-2], values[-1]
         if dataset_table.holds(dirs, table):
-            return gr.skip(), gr.skip()
+            return gr.skip(), gr.skip(), *(gr.skip() for _ in form.editor_outputs)
         rows = dataset_table.follow(dirs, table)
-        return rows, summarize(*values[:-1], rows)
+        return rows, summarize(*values[:-2], rows), *form.editor(dirs, rows, folder)
 
     if form.table is not None:
-        form.dirs.change(follow_folders, form.inputs, [form.table, summary_line], trigger_mode="always_last",
+        form.dirs.change(follow_folders, [*form.inputs, form.ds_folder],
+                         [form.table, summary_line, *form.editor_outputs], trigger_mode="always_last",
                          show_progress="hidden", concurrency_id=summary_id)
     if "card" in form.widgets:
         card, goal = form.widgets["card"], form.widgets["goal"]
