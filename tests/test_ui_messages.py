@@ -86,3 +86,24 @@ def test_messages_from_the_config_and_the_writers_say_the_pages_words(tmp_path):
     said = writer_words(e.value, "title", "overwrite an existing export")
     assert said.endswith("already exists; type another title, or tick 'overwrite an existing export'"), said
     assert "--overwrite" not in said and "overwrite=True" not in said
+
+
+def test_the_doctor_tells_a_prior_set_from_missing_trigger_words_and_claims_nothing_of_no_captions(tmp_path):
+    import shutil
+
+    from sdxl_lora.ui import tab_dataset
+
+    f = Folders.create(REPO / "sample_data", tmp_path / "models", tmp_path / "runs")
+    quiet = lambda *a, **k: None  # noqa: E731
+    held = sum("sks" in p.read_text() for p in (REPO / "sample_data" / "images").glob("*.txt"))
+    doctor = tab_dataset._scan(f, "images", ".txt", 64, quiet, "sks")[5]
+    # The bundled set's untagged shapes are its prior set: the doctor names that way on, not only "add the word".
+    assert f"caption(s) lack the trigger word 'sks', which {held} hold" in doctor
+    assert "a prior set" in doctor and "leave their captions" in doctor
+    bare = tmp_path / "datasets" / "bare"
+    bare.mkdir(parents=True)
+    for img in sorted((REPO / "sample_data" / "images").glob("*.png"))[:2]:
+        shutil.copy(img, bare)
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    doctor = tab_dataset._scan(f, "bare", ".txt", 64, quiet, "sks")[5]
+    assert "No image has a caption yet" in doctor and "Every caption holds" not in doctor

@@ -97,6 +97,7 @@ def apply_bulk(f: Folders, items, rows, previewed, what: edit.BulkEdit, scope: s
 
 def _doctor_md(f: Folders, found, suggested: list[str], trigger: str) -> str:
     """The doctor's findings (sdxl/doctor.py, as `dataset inspect` reports them) in the page's words."""
+    from sdxl_lora.sdxl.doctor import lacking
     def names(group) -> str:
         return ", ".join(md_text(edit.file_name(f, str(it.path))) for it in group[:10]) + (" ..." if len(group) > 10
                                                                                           else "")
@@ -110,11 +111,16 @@ def _doctor_md(f: Folders, found, suggested: list[str], trigger: str) -> str:
     if not found.duplicates and not found.near:
         lines.append("No duplicates (identical or near-identical images).")
     missing = [it for group in found.no_trigger.values() for it in group]
-    if not trigger:
+    holding = sum(found.with_trigger.values())
+    if not found.captioned:
+        lines.append("No image has a caption yet: write them in the table, or caption them with a local model "
+                     "(below); an image without one trains on the trigger word and \"What it is\" alone.")
+    elif not trigger:
         lines.append("Type the trigger word and Scan to find the captions that lack it.")
     elif missing:
-        lines.append(f"**{len(missing)} caption(s) lack the trigger word {md_text(repr(trigger))}** (bulk edit "
-                     f"\"add the trigger word where missing\" adds it): {names(missing)}")
+        said, advice = lacking(len(missing), holding, None, trigger)
+        lines.append(f"**{md_text(said)}**: {md_text(advice)} (the bulk edit \"add the trigger word where missing\" "
+                     f"adds it to the caption files): {names(missing)}")
     else:
         lines.append(f"Every caption holds the trigger word {md_text(repr(trigger))}.")
     if found.upscaled:
