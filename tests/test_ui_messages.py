@@ -107,3 +107,31 @@ def test_the_doctor_tells_a_prior_set_from_missing_trigger_words_and_claims_noth
     f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
     doctor = tab_dataset._scan(f, "bare", ".txt", 64, quiet, "sks")[5]
     assert "No image has a caption yet" in doctor and "Every caption holds" not in doctor
+
+
+def test_the_llm_tab_takes_prompts_one_a_line_shows_answers_and_says_where_its_files_go(tmp_path):
+    import json as _json
+
+    from sdxl_lora.core.runs import Run
+    from sdxl_lora.llm.preview import write_answers
+    from sdxl_lora.ui.tab_train import _answers
+
+    (tmp_path / "datasets" / "images").mkdir(parents=True)  # image folders only: no .jsonl for the LLM form
+    f = Folders.create(tmp_path / "datasets", tmp_path / "models", tmp_path / "runs")
+    form = _form(f, "llm")
+    assert "no .jsonl files" in form.dirs.info and "--datasets" in form.dirs.info
+    prompts = form.widgets["llm.preview_prompts"]
+    assert "\n" in prompts.value and not prompts.value.startswith("[")  # one question a line, not a TOML list
+    cfg = form.config(["tiny-llm", ["x.jsonl"], "", "", *(w.value for w in form.widgets.values())], "n", None)
+    assert cfg.llm.preview_prompts == prompts.value.splitlines()
+    # The run view shows each question with its answers before and after; an empty answer says so.
+    run = Run(tmp_path / "runs" / "llm")
+    run.samples_dir.mkdir(parents=True)
+    paths = [write_answers(run.samples_dir, s, ["Name a colour.", "Count to three."], a)
+             for s, a in ((0, ["blue", ""]), (40, ["red", "one two\nthree"]))]
+    events = [{"event": "samples", "step": s, "paths": [str(p)]} for s, p in zip((0, 40), paths)]
+    shown = _answers(events)
+    assert "**Name a colour.**" in shown and "> step 0: blue" in shown and "> step 40: red" in shown
+    assert "> step 0: *(an empty answer)*" in shown and "one two<br>three" in shown
+    assert _answers([{"event": "samples", "step": 0, "paths": ["x-grid.png"]}]) == ""
+    assert _json.loads(paths[0].with_suffix(".json").read_text())[1]["answer"] == ""

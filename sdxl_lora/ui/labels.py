@@ -256,8 +256,8 @@ LABELS: dict[str, Label] = {
     "preview.after": _l("Preview after training", P, "Render previews at the end."),
     "preview.concept": _l("Concept to score", P, "Score previews for a shape or colour (such as star); empty "
                           "is off."),
-    "llm.preview_prompts": _l("Preview prompts", P, "Questions answered before and after training, to see what "
-                              "changed.", common=True),
+    "llm.preview_prompts": _l("Preview prompts", P, "One question a line, answered before and after training, to "
+                              "see what changed.", common=True),
     "llm.max_new_tokens": _l("Longest preview answer (tokens)", P, "Preview answers stop after this many "
                              "tokens."),
     # ---- saving and output

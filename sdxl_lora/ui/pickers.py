@@ -14,12 +14,20 @@ class Pickers:
     """The dropdowns whose choices come from the folders, each with the function that lists them."""
 
     def __init__(self):
-        self.items: list[tuple[gr.Dropdown, Callable[[], list]]] = []
+        self.items: list[tuple[gr.Dropdown, Callable[[], dict]]] = []  # each with its update
 
-    def add(self, dropdown: gr.Dropdown, choices: Callable[[], list]) -> gr.Dropdown:
-        """Keep `dropdown`'s choices as `choices()` lists them: read again each time the person opens it."""
-        self.items.append((dropdown, choices))
-        dropdown.focus(lambda: gr.update(choices=choices()), None, dropdown, show_progress="hidden")
+    def add(self, dropdown: gr.Dropdown, choices: Callable[[], list], empty: str | None = None,
+            info: str | None = None) -> gr.Dropdown:
+        """Keep `dropdown`'s choices as `choices()` lists them: read again each time the person opens it. empty: its
+        help while there is nothing to choose (where to put what it lists), `info` (its own) otherwise."""
+        own = info if info is not None else dropdown.info
+
+        def again():
+            found = choices()
+            return gr.update(choices=found, **({"info": own if found else empty} if empty else {}))
+
+        self.items.append((dropdown, again))
+        dropdown.focus(again, None, dropdown, show_progress="hidden")
         return dropdown
 
     def mark(self) -> int:
@@ -30,6 +38,6 @@ class Pickers:
         items = self.items[since:until]
 
         def again():
-            return [gr.update(choices=fn()) for _, fn in items]
+            return [fn() for _, fn in items]
 
         return again, [d for d, _ in items]

@@ -246,7 +246,12 @@ def build(f: Folders, pickers) -> None:
         out, err = _guarded(edit.caption, f, folder, model, ext, overwrite, prefix, on)
         return err or md_text(out)
 
-    scan_btn.click(do_scan, [folder, ext, res, trigger], scanned).then(lambda: None, None, previewed)
+    # The messages of what was done in the folder shown before go with it: another folder, or the same scanned
+    # again, starts without them.
+    messages = [saved, bulk_msg, up_msg, cap_msg]
+    scan_btn.click(do_scan, [folder, ext, res, trigger], scanned).then(
+        lambda: (None, *("" for _ in messages)), None, [previewed, *messages])
+    folder.input(lambda: tuple("" for _ in messages), None, messages, show_progress="hidden")
     save.click(do_save, [items, grid, ext, shown, res, trigger], [items, grid, saved, *panes])
     preview.click(do_preview, [items, grid, op, text, find, replace, scope], [previewed, bulk_msg])
     apply.click(do_apply, [items, grid, previewed, op, text, find, replace, scope, ext, shown, res, trigger],

@@ -48,6 +48,8 @@ def _widget(spec: FieldSpec, elem_prefix: str = "f-", task: str = "sdxl"):
     if spec.kind in ("int", "float"):
         return gr.Number(value=value, label=label, info=info, precision=0 if spec.kind == "int" else None,
                          elem_id=elem_id)
+    if spec.kind == "lines":
+        return gr.Textbox(value=value, label=label, info=info, elem_id=elem_id, lines=4, max_lines=12)
     return gr.Textbox(value=value, label=label, info=info, elem_id=elem_id)
 
 
@@ -120,8 +122,10 @@ class Form:
                 self.model = gr.Dropdown(models, value=models[0], allow_custom_value=True, elem_id=f"{p}model-path",
                                          label=words.text, info=words.help)
             elif key == self.data_key:
+                self.data_help = words.help
                 self.dirs = gr.Dropdown(data, value=data_value, multiselect=True, allow_custom_value=True,
-                                        label=words.text, elem_id=f"{p}data", info=words.help)
+                                        label=words.text, elem_id=f"{p}data",
+                                        info=words.help if data else self.no_data())
                 if task == "sdxl":
                     self.render_table(data_value)
             elif key == "model.tokenizer":
@@ -223,10 +227,17 @@ class Form:
         f = self.f
         if self.task == "sdxl":
             pickers.add(self.model, lambda: model_choices(f.models))
-            pickers.add(self.dirs, lambda: image_folders(f.datasets))
+            pickers.add(self.dirs, lambda: image_folders(f.datasets), self.no_data(), self.data_help)
         else:
             pickers.add(self.model, lambda: llm_model_choices(f.models))
-            pickers.add(self.dirs, lambda: jsonl_files(f.datasets))
+            pickers.add(self.dirs, lambda: jsonl_files(f.datasets), self.no_data(), self.data_help)
+
+    def no_data(self) -> str:
+        """The data picker's help while the datasets folder holds nothing it lists: where to put it."""
+        what = ("folders of images with their captions" if self.task == "sdxl" else
+                ".jsonl files of instructions or chats (one example a line)")
+        return (f"Nothing to pick: the datasets folder {self.f.datasets} holds no {what}. Put them there (the Dataset "
+                "tab uploads images), or start the UI with --datasets naming the folder that holds them.")
 
     @property
     def inputs(self) -> list:
@@ -334,7 +345,11 @@ def plan_view(cfg: Config):
                f"preset {cfg.adapter.preset}, base rank {plan.base_rank} at resolution {resolution} "
                f"(native {native})")
     est = planned.memory
-    summary += f"\n\nEstimated peak GPU memory (bf16 unless set): **{est.total / 2**30:.2f} GiB**\n\n```\n{est.format()}\n```"
+    # Not the summary line's peak: that one is the whole process's in its largest phase (this step, the CUDA
+    # context, the encoders and VAE, the previews); two figures on one screen say which is which.
+    summary += (f"\n\nEstimated peak of one training step (the UNet, adapter, optimizer and activations; bf16 unless "
+                f"set): **{est.total / 2**30:.2f} GiB**. The line above Start gives the whole run's peak, which adds the "
+                f"CUDA context, the text encoders and VAE, and the previews.\n\n```\n{est.format()}\n```")
     return rows, summary
 
 
@@ -399,6 +414,36 @@ def _previews(events: list[dict]) -> list[tuple[str, str]]:
     return out[::-1]
 
 
+def _answers(events: list[dict]) -> str:
+    """An LLM run's preview answers (samples/answers-stepN.json), each prompt with its answer at the first and the
+    latest step that answered it, for the run view (Markdown; "" for a run without any)."""
+    import json
+
+    sets = []
+    for e in events:
+        if e.get("event") == "samples":
+            for p in e.get("paths", []):
+                if Path(p).name.startswith("answers-step") and Path(p).with_suffix(".json").is_file():
+                    sets.append((e.get("step", 0), Path(p).with_suffix(".json")))
+    if not sets:
+        return ""
+    shown = [sets[0]] + ([sets[-1]] if len(sets) > 1 else [])
+    read = []
+    for step, path in shown:
+        try:
+            read.append((step, json.loads(path.read_text(encoding="utf-8"))))
+        except (OSError, ValueError):
+            continue
+    lines = ["**Preview answers**"]
+    for i, entry in enumerate(read[0][1] if read else []):
+        lines.append(f"**{md_text(entry.get('prompt', ''))}**")
+        for step, answers in read:
+            answer = answers[i].get("answer", "") if i < len(answers) else ""
+            said = md_text(answer.strip()).replace("\n", "<br>") if answer.strip() else "*(an empty answer)*"
+            lines.append(f"> step {step}: {said}")
+    return "\n\n".join(lines)
+
+
 def runs_view(jobs: Jobs, selected: str | None, seen_sig, follow: str | None = None) -> tuple:
     """The Runs panel: the table, the run picker, the selected run's progress line, charts, previews and log, and
     the signature of what was drawn (skipped where it has not changed since `seen_sig`). `follow`: the run the page
@@ -417,16 +462,16 @@ def runs_view(jobs: Jobs, selected: str | None, seen_sig, follow: str | None = N
         selected = names[0] if names else None
     st = next((s for s in runs if s.name == selected), None)
     if st is None:
-        return table, gr.update(choices=names, value=selected), "", gr.skip(), gr.skip(), gr.skip(), "", None
+        return table, gr.update(choices=names, value=selected), "", gr.skip(), gr.skip(), gr.skip(), "", None, ""
     ev_path = st.dir / "events.jsonl"
     sig = (selected, ev_path.stat().st_mtime_ns if ev_path.exists() else 0, st.state, tuple(names))
     if sig == seen_sig:
-        return (table, gr.skip(), _progress_html(st), gr.skip(), gr.skip(), gr.skip(), gr.skip(), seen_sig)
+        return (table, gr.skip(), _progress_html(st), gr.skip(), gr.skip(), gr.skip(), gr.skip(), seen_sig, gr.skip())
     events = read_events(ev_path)
     st = run_status(st.dir, events) if st.state not in ("queued", "starting") or events else st
     loss_df, lr_df = _charts(events)
     return (table, gr.update(choices=names, value=selected), _progress_html(st), loss_df, lr_df,
-            _previews(events), jobs.log_tail(selected), sig)
+            _previews(events), jobs.log_tail(selected), sig, _answers(events))
 
 
 def form_config(form: Form, values: list, name: str | None) -> Config:
@@ -507,6 +552,7 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None, pickers=None):
                                       y_axis_format=".1e", elem_id="run-lr", scale=2)
             previews = gr.Gallery(label="previews (newest first)", columns=3, height=260, object_fit="contain",
                                   elem_id="run-previews")
+            answers = gr.Markdown(elem_id="run-answers")  # an LLM run's preview answers
             with gr.Accordion("log", open=False):
                 log_box = gr.Textbox(lines=12, max_lines=12, show_label=False, elem_id="run-log")
     seen = gr.State(None)
@@ -633,7 +679,7 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None, pickers=None):
         form.after_fill(form.widgets["adapter.kind"].input(
             on_kind, [form.widgets["adapter.kind"], *form.inputs], [form.widgets[k] for k in followers],
             trigger_mode="always_last"))
-    outputs = [runs_table, run_pick, progress, loss_plot, lr_plot, previews, log_box, seen]
+    outputs = [runs_table, run_pick, progress, loss_plot, lr_plot, previews, log_box, seen, answers]
     timer.tick(lambda sel, sig, run: runs_view(jobs, sel, sig, run), [run_pick, seen, follow], outputs,
                show_progress="hidden")
     # A person's pick: that run, and the panel no longer follows the one Start showed.
