@@ -92,3 +92,19 @@ def test_the_llm_form_saves_loads_and_shows_its_own_command_and_refuses_an_sdxl_
     with pytest.raises(ValueError, match="pic.toml is an SDXL config .* load it in the Train tab"):
         config_file.load(form, sdxl_path)
     assert config_file.saved_choices(folders) == ["my-llm.toml", "pic.toml"]
+
+
+def test_the_prompts_box_as_first_shown_means_the_models_own_previews(folders):
+    # The box starts with the demo base's prompts; left so, a run of another model previews a few of its captions
+    # (preview.prompts unset) instead of the demo's shapes. Edited or emptied, it is the person's.
+    from sdxl_lora.ui.tab_train import _default_prompts, form_config
+
+    form = _form(folders)
+    shown = _default_prompts()
+    for model in ("tiny-sdxl-demo", "mine.safetensors"):
+        values = _values(form, ["ohwx"], [dataset_table.blank("ohwx")], shown)
+        values[0] = model
+        assert form_config(form, values, "n").preview.prompts is None
+    edited = _values(form, ["ohwx"], [dataset_table.blank("ohwx")], "a blue circle")
+    assert Path(form_config(form, edited, "n2").preview.prompts).read_text() == "a blue circle\n"
+    assert form_config(form, _values(form, ["ohwx"], [dataset_table.blank("ohwx")], ""), "n3").preview.prompts == ""

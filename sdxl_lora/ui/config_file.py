@@ -36,9 +36,11 @@ def _stem(form, values: list, typed: str | None) -> str:
 def form_file_config(form, values: list, stem: str) -> Config:
     """The form's config as a file outside a run holds it: its preview prompts saved beside it (STEM.prompts.txt),
     where the form has some."""
+    from .tab_train import model_default_prompts
+
     prompts = values[3]
     prompts_file = None
-    if prompts and prompts.strip():
+    if prompts and prompts.strip() and not model_default_prompts(prompts):
         prompts_file = saved_dir(form.f) / f"{stem}.prompts.txt"
         atomic_write_text(prompts_file, prompts.strip() + "\n")
     return form.config(values, None, prompts_file)

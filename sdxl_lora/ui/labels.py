@@ -241,7 +241,8 @@ LABELS: dict[str, Label] = {
     "llm.attn_implementation": _l("Attention kernel", S, "Which attention code the model uses; sdpa keeps "
                                   "packed examples apart."),
     # ---- previews
-    "preview.prompts": _l("Preview prompts", P, "One prompt a line; empty: no previews.", common=True),
+    "preview.prompts": _l("Preview prompts", P, "One prompt a line; as first shown: the model's own (another "
+                          "model: a few of your captions); empty: no previews.", common=True),
     "preview.every": _l("Preview every (steps)", P, "Also render previews and measure the validation loss "
                         "this often; zero: only before and after.", common=True),
     "preview.steps": _l("Preview sampling steps", P, "Sampling steps per preview image: more is cleaner and "

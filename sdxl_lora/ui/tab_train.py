@@ -63,6 +63,13 @@ def _default_prompts() -> str:
     return p.read_text(encoding="utf-8") if p.is_file() else ""
 
 
+def model_default_prompts(text: str | None) -> bool:
+    """Whether the preview prompts box holds what the page put there, the demo base's prompts: that means the
+    model's own previews (preview.prompts unset), the same prompts for the demo base and a few of the dataset's
+    captions for another model, whose previews would otherwise be the demo's shapes."""
+    return bool(text and text.strip()) and text.strip() == _default_prompts().strip()
+
+
 def _default_data(f: Folders, defaults: list[str], choices: list[str], keep: int) -> list[str]:
     """The schema's default data (data.dirs, llm.data) where the datasets folder holds it, else the first
     `keep` choices."""
@@ -309,8 +316,11 @@ class Form:
             "model.cache_dir": str(self.f.models),
             **({"data.datasets": datasets} if datasets else {self.data_key: paths}),
             "output.runs_dir": str(self.f.runs),
-            "preview.prompts": str(prompts_file) if prompts_file else "",
         }
+        if self.task == "sdxl" and not model_default_prompts(_prompts):
+            fixed["preview.prompts"] = str(prompts_file) if prompts_file else ""
+        # else left unset: the model's own previews (the demo base's prompts, shown in the box; a few of the
+        # dataset's captions for any other model)
         if "task" in Config.model_fields:
             fixed["task"] = self.task
         if tokenizer and tokenizer.strip():
@@ -478,7 +488,9 @@ def form_config(form: Form, values: list, name: str | None) -> Config:
     """The form's config; for a run (a name), its preview prompts saved under runs/.ui/prompts/."""
     prompts = values[3]
     prompts_file = None
-    if name is not None and prompts and prompts.strip():
+    if model_default_prompts(prompts):
+        pass  # the model's own previews: nothing to write (Form.config leaves preview.prompts unset)
+    elif name is not None and prompts and prompts.strip():
         prompts_file = form.f.ui / "prompts" / f"{name}.txt"
         atomic_write_text(prompts_file, prompts.strip() + "\n")
     elif name is None and prompts and prompts.strip():
