@@ -26,9 +26,10 @@ def test_previews_generate_compare_and_the_cli_draw_the_same_pixels(tmp_path, as
     from sdxl_lora.ui import tab_compare, tab_generate
     from sdxl_lora.ui.folders import Folders
 
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text(f"{PROMPT} --d 3\n", encoding="utf-8")
     runs = tmp_path / "runs"
+    prompts = runs / ".ui" / "prompts" / "r.txt"  # where the UI keeps a run's prompts: the page may read it
+    prompts.parent.mkdir(parents=True)
+    prompts.write_text(f"{PROMPT} --d 3\n", encoding="utf-8")
     cfg = load_config(extra={
         "data.dirs": [str(SAMPLES)], "data.resolution": 64, "data.cache_dir": str(tmp_path / "cache"),
         "output.runs_dir": str(runs), "output.name": "r", "preview.prompts": str(prompts), "preview.steps": 4,
@@ -58,6 +59,8 @@ def test_previews_generate_compare_and_the_cli_draw_the_same_pixels(tmp_path, as
         cell, = [p for p in set((run / "compare").glob("*.png")) - before if not p.name.startswith("grid-")]
         return _pixels(cell)
 
+    # Compare starts from the run's first preview prompt with its options: the image its previews drew.
+    assert tab_compare.pick_run(f, "r")[2]["value"] == f"{PROMPT} --d 3"
     base, generated = generate("")
     assert (base != generated).any()  # the adapter changes the image: the comparison below means something
     assert np.array_equal(generated, preview)

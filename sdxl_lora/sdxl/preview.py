@@ -45,6 +45,13 @@ class PreviewPrompt:
     guidance: float | None = None
     seed: int | None = None
 
+    def line(self) -> str:
+        """The prompt as a line of a prompts file, with its own options (parse_prompt_line reads it back)."""
+        options = {"n": self.negative, "w": self.width, "h": self.height, "s": self.steps, "l": self.guidance,
+                   "d": self.seed}
+        return " ".join([self.prompt, *(f"--{k} {v:g}" if isinstance(v, float) else f"--{k} {v}"
+                                        for k, v in options.items() if v is not None)])
+
 
 # kohya's one-letter line options -> (field, type).
 _LINE_OPTIONS = {"n": ("negative", str), "w": ("width", int), "h": ("height", int), "s": ("steps", int),

@@ -73,7 +73,7 @@ class RunView:
 
 
 def _first_prompt(f: Folders, view: RunView) -> str | None:
-    """The first of the run's own preview prompts, where the page may read its file."""
+    """The first of the run's own preview prompts with its options, where the page may read its file."""
     from sdxl_lora.sdxl.preview import read_prompts
 
     path = view.cfg.preview.prompts
@@ -83,7 +83,7 @@ def _first_prompt(f: Folders, view: RunView) -> str | None:
         prompts = read_prompts(f.inside(path, "runs"))
     except (PathRefused, OSError, ValueError):
         return None
-    return prompts[0].prompt if prompts else None
+    return prompts[0].line() if prompts else None  # with its options: the image its previews drew
 
 
 def pick_run(f: Folders, name: str):
