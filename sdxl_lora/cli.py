@@ -105,7 +105,7 @@ def cmd_generate(args) -> int:
     from .core.runs import relpath
     from .sdxl.merge import applied
     from .sdxl.model import load_pipeline, native_resolution
-    from .sdxl.preview import grid, render, save_png
+    from .sdxl.preview import Sampler, grid, render, save_png
 
     out = Path(args.out)
     paths = [out / f"seed{args.seed + i}.png" for i in range(args.num)]
@@ -127,9 +127,9 @@ def cmd_generate(args) -> int:
     if loras and len(scales) != len(loras):
         raise ValueError(f"--scale given {len(scales)} times for {len(loras)} --lora files; give one or one each")
     size = args.size or native_resolution(pipe)
-    with applied(pipe, list(zip(loras, scales))):  # plain LoRA loaded, the other kinds merged for the render
+    with applied(pipe, list(zip(loras, scales))):  # merged for the render, as previews and the UI's tabs do
         images = render(pipe, [args.prompt] * args.num, seed=args.seed, steps=args.steps, guidance=args.guidance,
-                        width=size, height=size, negative=args.negative)
+                        width=size, height=size, negative=args.negative, sampler=Sampler())
     out.mkdir(parents=True, exist_ok=True)
     for im, path in zip(images, paths):
         save_png(im, path)

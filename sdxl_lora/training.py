@@ -61,15 +61,25 @@ class _OfflineKernelNotice(logging.Filter):
                     and "offline mode" in record.getMessage())
 
 
+class _Detail(logging.Filter):
+    """Drops records logged with extra={"detail": True} (the adapter plan's layer table): long, and in the run's
+    train.log anyway, whose handler has no such filter; -v shows them in the terminal too."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "detail", False)
+
+
 def setup_logging(verbose: bool = False, diffusers: bool = True) -> None:
     """Log lines on stderr (a terminal's, or the UI's run log); no download progress bars from diffusers.
     diffusers=False for a command that never uses diffusers (the causal LM's), which would otherwise import it
-    at its launch only to quiet it."""
+    at its launch only to quiet it. Detail records (_Detail) only with verbose."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, _OfflineKernelNotice) for f in handler.filters):
             handler.addFilter(_OfflineKernelNotice())
+        if not verbose and not any(isinstance(f, _Detail) for f in handler.filters):
+            handler.addFilter(_Detail())
     if diffusers:
         from diffusers.utils import logging as dlog
 

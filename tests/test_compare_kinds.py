@@ -156,7 +156,7 @@ def test_the_compare_tab_exports_a_loha_run_at_half_strength_and_names_what_to_d
 def test_a_grid_cell_is_the_base_with_the_checkpoint_merged_at_its_strength(runs, kind):
     from sdxl_lora.sdxl.merge import merge_adapter
     from sdxl_lora.sdxl.model import load_pipeline
-    from sdxl_lora.sdxl.preview import PreviewPrompt, render
+    from sdxl_lora.sdxl.preview import PreviewPrompt, Sampler, render
 
     run, table = runs[kind], _table()
     cfg = load_config(run / "config.toml")
@@ -175,7 +175,7 @@ def test_a_grid_cell_is_the_base_with_the_checkpoint_merged_at_its_strength(runs
     adapter = compare.state_adapter(state, run, cfg, table)
     cells = {}
     for s in (0.5, 1.0):
-        cells[s] = _pixels(run / compare.CACHE_DIR / f"{compare._cell_key(state, s, p, MODEL, True)}.png")
+        cells[s] = _pixels(run / compare.CACHE_DIR / f"{compare._cell_key(state, s, p, MODEL, Sampler.of_run(cfg))}.png")
         merge_adapter(pipe, adapter, s)
         image = render(pipe, [p], seed=p.seed, steps=p.steps, guidance=p.guidance, width=p.width, height=p.height)[0]
         for m in models:
@@ -214,7 +214,8 @@ def test_generate_renders_loha_and_dora_files_merged_at_their_strengths_leaving_
     again, none, _ = tab_generate.generate(f, pipes, *args, progress=lambda *a, **k: None)
     assert none is None and torch.equal(_pixels(again), _pixels(base))  # the shared pipeline is as it was
     merge_adapter(pipe, load_adapter(runs["loha"] / "loha.safetensors", _table()), 0.5)
-    merge_adapter(pipe, load_adapter(runs["dora"] / "dora.safetensors", _table()), 1.0)  # its magnitudes too
+    # A run's own adapter renders from its diffusers file where it has one (DoRA: the trained weights as they are).
+    merge_adapter(pipe, load_adapter(runs["dora"] / "dora.diffusers.safetensors", _table()), 1.0)  # magnitudes too
     expect = render(pipe, ["a red circle"], seed=3, steps=2, guidance=5.0, width=64, height=64)[0]
     assert torch.equal(_pixels(tuned), _pixels(expect)) and not torch.equal(_pixels(tuned), _pixels(base))
 

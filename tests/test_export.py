@@ -153,8 +153,8 @@ def test_kohya_export_loaded_by_diffusers_gives_the_training_time_unet_output(tr
 
 
 def test_kohya_export_gives_the_training_time_image_through_generate(trained, tiny_dir, tmp_path):
-    """The previews' pipeline (training-time peft UNet) and `sdxl-lora generate --lora` (diffusers'
-    load_lora_weights on a fresh pipeline) render the same image at the same seed."""
+    """The previews' pipeline (training-time peft UNet) and `sdxl-lora generate --lora` (the kohya file merged into
+    a fresh pipeline) render the same image at the same seed, to the rounding of the file's uniform alpha."""
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
     from sdxl_lora.sdxl.preview import render

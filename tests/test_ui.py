@@ -33,6 +33,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 WAIT = 150_000  # ms: a generous ceiling for work on two busy cores, never a speed assertion
+VIEWPORT = {"width": 1280, "height": 900}  # a laptop's screen: what must be seen has to fit it
 
 
 def _free_port() -> int:
@@ -173,7 +174,7 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+            page = browser.new_page(viewport=VIEWPORT, accept_downloads=True)
             page.on("request", lambda r: hosts.add(urllib.parse.urlsplit(r.url).netloc or r.url.split(":")[0]))
             _login(page, ui.url)
 
@@ -251,12 +252,19 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             (staging / "circle.txt").write_text("another caption", encoding="utf-8")
             page.locator("#ds-up-files input[type=file]").set_input_files([str(staging / "circle.txt")])
             page.locator("#ds-up-go").click()
-            expect(page.locator("#ds-up-msg")).to_contain_text("uploaded/circle.txt already exists; tick overwrite")
+            expect(page.locator("#ds-up-msg")).to_contain_text(
+                "uploaded/circle.txt already exists; tick 'overwrite files already there'")
             assert (uploaded / "circle.txt").read_text(encoding="utf-8") == "sks, an uploaded circle"
             _shot(page, "1b-dataset-upload")
             _fill(page, "ds-folder", "/etc")
             page.locator("#ds-scan").click()
             expect(page.locator("#ds-status")).to_contain_text("is outside the datasets folder")
+            # The folder the upload made is offered by the Train form's picker, without a restart.
+            page.get_by_role("tab", name="Train").click()
+            page.locator("#f-data input").first.click()
+            expect(page.get_by_role("option", name="uploaded", exact=True)).to_be_visible()
+            page.keyboard.press("Escape")
+            page.get_by_role("tab", name="Dataset").click()
             shutil.rmtree(uploaded)  # the run below trains on shapes alone
 
             # ---- Train: the form, the plan, Start
@@ -266,10 +274,16 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             expect(page.locator("#f-train-steps")).to_contain_text("Training steps")
             expect(page.locator("#f-group-speed-and-memory #f-train-vram-gb").first).to_contain_text("GPU memory budget")
             expect(page.locator("#tab-train")).not_to_contain_text("train.steps")
-            # The picked folder has its row of per-dataset settings, folded under the picker.
+            # The picked folder has its per-dataset settings, folded under the picker: each a box with its whole
+            # label; what is typed stays and reaches the run's config (below).
             page.locator("#f-acc-datasets").get_by_text("Per-dataset settings").click()
-            expect(page.locator("#f-datasets")).to_contain_text("shapes")
-            expect(page.locator("#f-datasets")).to_contain_text("regularization")
+            expect(page.locator("#f-datasets")).to_contain_text("shapes: the run's settings")
+            expect(page.locator("#f-ds-folder input").first).to_have_value("shapes")
+            for box in ("repeats", "trigger-word", "is-regularization", "caption-extension"):  # room for the label
+                assert page.locator(f"#f-ds-{box}").bounding_box()["width"] >= 140, box
+            page.locator("#f-ds-repeats textarea, #f-ds-repeats input").first.click()
+            page.keyboard.type("2")
+            expect(page.locator("#f-datasets")).to_contain_text("shapes: repeats 2")
             # The summary line before Start: what will train and the memory the whole run needs.
             expect(page.locator("#train-summary")).to_contain_text("trainable parameters in", timeout=WAIT)
             _fill(page, "f-train-vram-gb", 8)
@@ -305,7 +319,8 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             overrides = page.locator("#f-adapter-overrides textarea").input_value()
             _fill(page, "f-adapter-overrides", '{"*attn2*" = -1}')
             page.locator("#train-plan").click()
-            expect(page.locator("#train-plan-summary")).to_contain_text("adapter.overrides.*attn2* = -1")
+            expect(page.locator("#train-plan-summary")).to_contain_text(
+                "'Per-layer ranks' entry '*attn2*' must be at least 0, not -1")
             _fill(page, "f-adapter-overrides", overrides)
             page.locator("#train-plan").click()
             expect(page.locator("#train-plan-summary")).to_contain_text("trainable parameters", timeout=WAIT)
@@ -313,6 +328,20 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             assert page.evaluate("() => [...document.querySelectorAll('#train-plan-summary pre')].every("
                                  "e => e.scrollWidth <= e.clientWidth + 1)")
             expect(page.locator("#train-plan-table")).to_contain_text("attn2")
+            # ---- The form as a config file: saved, changed, loaded back; the same run as a command line
+            page.locator("#f-acc-config").get_by_text("Config file").click()
+            page.locator("#f-cfg-save").click()
+            expect(page.locator("#f-cfg-msg")).to_contain_text("sdxl-lora train")
+            assert (folders["runs"] / ".ui" / "saved" / "ui-run.toml").is_file()
+            _fill(page, "f-train-steps", 7)
+            _pick(page, "f-cfg-saved", "ui-run.toml")
+            page.locator("#f-cfg-load").click()
+            expect(page.locator("#f-cfg-msg")).to_contain_text("loaded ui-run.toml into the form")
+            expect(_box(page, "f-train-steps")).to_have_value("40")
+            expect(_box(page, "f-ds-repeats")).to_have_value("2")
+            expect(page.locator("#f-card input").first).to_have_value("no card preset")
+            page.locator("#f-cfg-command").click()
+            expect(page.locator("#f-cfg-code")).to_contain_text("--set train.steps=40")
             page.locator("#train-start").click()
             expect(page.locator("#train-start-msg")).to_contain_text("ui-run started", timeout=WAIT)
             run = folders["runs"] / "ui-run"
@@ -344,6 +373,9 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
                                   ".map(t => t.textContent)")
             assert "40" in ticks and len(ticks) < 30
             assert (run / "train.exit").read_text().strip() == "0"
+            from sdxl_lora.core.config import load_config
+
+            assert [d.repeats for d in load_config(run / "config.toml").data.datasets] == [2]  # the box's value
             kinds = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
             assert "interrupted" in kinds and "resume" in kinds and kinds[-1] == "done"
             _shot(page, "2-train")
@@ -594,7 +626,7 @@ def test_uploads_take_images_and_captions_only_and_never_overwrite_unasked(tmp_p
                                (src.name, src)], ".txt", False)
     assert msg.startswith("uploaded 1 file(s) into a: new.png")
     assert "../up.png: a file name only" in msg and ".hidden.png: a file name only" in msg
-    assert "c.txt: caption is not UTF-8" in msg and f"a/{src.name} already exists; tick overwrite" in msg
+    assert "c.txt: caption is not UTF-8" in msg and f"a/{src.name} already exists; tick 'overwrite files already there'" in msg
     assert sorted(p.name for p in tmp_path.rglob("up.png")) == [] and not (tmp_path / "datasets/a/c.txt").exists()
     with pytest.raises(ValueError, match="files: none chosen"):
         edit.upload(f, "a", [], ".txt", False)
@@ -612,7 +644,7 @@ def test_captioning_from_the_tab_writes_the_missing_captions_with_a_model_under_
     imgs[0].with_suffix(".txt").write_text("mine", encoding="utf-8")
     seen = []
     msg = edit.caption(f, "b", "captioners/blip", ".txt", False, "sks,", lambda done, total: seen.append((done, total)))
-    assert msg.startswith("captions written: 2; kept (already there): 1") and "ticking overwrite" in msg
+    assert msg.startswith("captions written: 2; kept (already there): 1") and "ticking 'replace existing captions'" in msg
     assert seen and seen[-1] == (2, 2)
     assert imgs[0].with_suffix(".txt").read_text(encoding="utf-8") == "mine"
     assert all(p.with_suffix(".txt").read_text(encoding="utf-8").startswith("sks, ") for p in imgs[1:])
@@ -847,7 +879,7 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+            page = browser.new_page(viewport=VIEWPORT, accept_downloads=True)
             _login(page, ui.url)
             page.get_by_role("tab", name="Compare").click()
             _pick(page, "cmp-run", "cmp-run")
@@ -889,7 +921,9 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
             # Never over an existing file unless asked.
             before = out.stat().st_mtime_ns
             page.locator("#cmp-export").click()
-            expect(page.locator("#cmp-export-msg")).to_contain_text("already exists")
+            # ... naming the page's boxes, not the CLI's flag.
+            expect(page.locator("#cmp-export-msg")).to_contain_text(
+                "already exists; type another file name, or tick 'overwrite an existing export'")
             assert out.stat().st_mtime_ns == before
             _shot(page, "7-compare-export")
 
@@ -921,6 +955,13 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
             # A person's edit of the copy shows in the line as before the fill.
             _fill(page, "f-adapter-rank", 8)
             expect(summary).to_contain_text(_trains(saved_run, {"adapter.rank": 8}))
+            # Start: the Runs panel shows the new run at once, not the one picked before.
+            _fill(page, "f-output-name", "cmp-copy")
+            page.locator("#train-start").click()
+            expect(page.locator("#train-start-msg")).to_contain_text("cmp-copy")
+            expect(page.locator("#run-progress-text")).to_contain_text("cmp-copy")
+            expect(page.locator("#run-pick input")).to_have_value("cmp-copy")
+            expect(_state(page)).to_have_attribute("data-state", "finished")
         finally:
             browser.close()
 
@@ -1067,17 +1108,22 @@ def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_p
     expect.set_options(timeout=WAIT)
     runs = folders["runs"]
     runs.mkdir(exist_ok=True)
-    proc = _cli_train(runs, "cli-steps", 5000, "--set", "train.log_every=10000")  # far longer than it is watched
+    # Far longer than it is watched; step-0 previews of many sampling steps: seconds of rendering to watch.
+    proc = _cli_train(runs, "cli-steps", 5000, "--set", "train.log_every=10000", "--set", "preview.before=true",
+                      "--set", f"preview.prompts='{REPO / 'sample_data' / 'prompts.txt'}'", "--set", "preview.steps=300")
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
-                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page = browser.new_page(viewport=VIEWPORT)
                 _login(page, server["ui"].url)
                 page.get_by_role("tab", name="Train").click()
                 expect(page.locator("#runs-table")).to_contain_text("cli-steps")
                 _pick(page, "run-pick", "cli-steps")
                 text = page.locator("#run-progress-text")
+                # Before the first step: what it does, and how far (the images of the set done so far).
+                expect(text).to_contain_text(re.compile(r"rendering previews [0-7] of 8 \(step 0\)"))
+                _shot(page, "9a-run-rendering-previews")
                 expect(text).to_contain_text(re.compile(r"step ([3-9]|\d\d+)/5000 · .*eta \d+ s"))
                 first = int(re.search(r"step (\d+)/5000", text.inner_text())[1])
                 expect(text).not_to_contain_text(f"step {first}/5000")  # it moves on, still between log points
@@ -1085,6 +1131,14 @@ def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_p
                                                  .splitlines()) if e["event"] == "step"]
                 assert logged == [1]
                 _shot(page, "9-cli-run-between-log-points")
+                # Sample now: previews of the step it is at, beside the step-0 ones, while it goes on training.
+                page.locator("#run-sample-now").click()
+                expect(page.locator("#run-action-msg")).to_contain_text("asked for previews")
+                expect(page.locator("#run-previews img")).to_have_count(2)
+                shot = [e for e in map(json.loads, (runs / "cli-steps" / "events.jsonl").read_text().splitlines())
+                        if e["event"] == "samples"]
+                assert [e["step"] for e in shot][0] == 0 and shot[1]["step"] > first
+                expect(_state(page)).to_have_attribute("data-state", "training")
                 page.locator("#run-stop").click()
                 expect(_state(page)).to_have_attribute("data-state", "stopped")
             finally:

@@ -76,12 +76,12 @@ def test_repeats_and_a_regularization_set_make_one_table_per_folder_with_only_wh
 
 
 @pytest.mark.parametrize("row, said", [
-    (_row("ohwx", repeats="0"), "folder 'ohwx', repeats = 0: Input should be greater than or equal to 1"),
+    (_row("ohwx", repeats="0"), "folder 'ohwx', repeats = 0: must be at least 1"),
     (_row("ohwx", resolution="big"), "folder 'ohwx', resolution = 'big': not a number"),
     (_row("ohwx", repeats="1.5"), "folder 'ohwx', repeats = '1.5': must be a whole number"),
     (_row("ohwx", caption_dropout="2"), "folder 'ohwx', empty-caption share = 2.0: must be between 0 and 1"),
     (_row("ohwx", tag_dropout="-1"), "folder 'ohwx', tag dropout = -1.0: must be between 0 and 1"),
-    (_row("ohwx", keep_tokens="-1"), "folder 'ohwx', kept leading tags = -1: Input should be greater than or equal"),
+    (_row("ohwx", keep_tokens="-1"), "folder 'ohwx', kept leading tags = -1: must be at least 0"),
     (_row("man_class", is_regularization=True, trigger_word="sks"),
      "folder 'man_class', trigger word = 'sks': a regularization set never gets the trigger word"),
 ])
@@ -93,7 +93,7 @@ def test_a_bad_cell_is_refused_naming_its_folder_and_column(form, row, said):
 
 def test_start_shows_the_error_and_queues_nothing(form):
     jobs = Jobs(form.f)
-    msg, _ = start_run(form, jobs, _values(["man_class"], [_row("man_class", is_regularization=True)]))
+    msg, *_ = start_run(form, jobs, _values(["man_class"], [_row("man_class", is_regularization=True)]))
     assert msg.startswith("**Error:** Per-dataset settings: every folder is ticked as regularization")
     assert jobs.queued() == []
 

@@ -34,7 +34,12 @@ _EXTENSION = re.compile(r"\.[A-Za-z0-9_.-]{1,32}")
 
 
 class ConfigError(ValueError):
-    """A config value is wrong; the message names the field and says what to do."""
+    """A config value is wrong; the message names the field and says what to do. problems: each wrong value as
+    pydantic describes it (loc, type, msg, input, ctx), for a front end that names fields in its own words."""
+
+    def __init__(self, message: str, problems: list[dict] | tuple = ()):
+        super().__init__(message)
+        self.problems = list(problems)
 
 
 class MissingPackage(ImportError):
@@ -874,7 +879,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, source)) from None
+        raise ConfigError(_format_errors(e, source), e.errors()) from None
 
 
 def preset_settings(tree: dict) -> tuple[dict, str]:

@@ -380,12 +380,17 @@ def format_plan(plan: Plan) -> str:
         lvl = "" if r["level"] is None else str(r["level"])
         lines.append(f"{r['part']:5} {lvl:>3} {r['block']:6} {r['kind']:6} {r['proj']:14} {r['modules']:>5} "
                      f"{r['rank']:>5} {r['alpha']:>6g} {r['params']:>12,} {r['params'] * 4 / 2**20:>8.2f}")
-    n = plan.trainable_params
     lines.append("-" * len(head))
-    kind = f"{plan.kind}{' (rsLoRA)' if plan.rslora else ''}"
-    lines.append(f"total: {len(plan.targets)} modules of {kind}, {n:,} trainable parameters, {n * 4 / 2**20:.2f} MB (fp32)"
-                 + (f"; base rank {plan.base_rank} at resolution {plan.resolution}" if plan.resolution else ""))
+    lines.append(f"total: {plan_summary(plan)}")
     return "\n".join(lines)
+
+
+def plan_summary(plan: Plan) -> str:
+    """The plan in one line: modules, kind, trainable parameters, the fp32 file's size, the base rank."""
+    n = plan.trainable_params
+    kind = f"{plan.kind}{' (rsLoRA)' if plan.rslora else ''}"
+    return (f"{len(plan.targets)} modules of {kind}, {n:,} trainable parameters, {n * 4 / 2**20:.2f} MB (fp32)"
+            + (f"; base rank {plan.base_rank} at resolution {plan.resolution}" if plan.resolution else ""))
 
 
 def rank_budget(cfg: AdapterConfig) -> int | None:

@@ -613,6 +613,17 @@ class Trainer:
                 self._track(step, validation=val, samples=paths)
         return paths
 
+    def _asked(self, step: int, model, samples: list[Path]) -> bool:
+        """What was asked of the run from outside since the last step (core/runs.py: REQUESTS, the UI's Sample now
+        and Save now): previews at this step, added to `samples`; returns whether a save was asked (the processes
+        agree on it with the due saves). The main process takes the requests."""
+        if not self.accelerator.is_main_process or self.step >= self.cfg.train.steps:
+            return False
+        if self.run.take_request("sample"):
+            self.run.event("asked", step=step, what="sample")
+            samples += self._check_in(model, step)
+        return self.run.take_request("save")
+
     def _averaged(self):
         """The weights to evaluate, preview and export in the model for the block: a schedule-free optimizer's
         average, and the EMA's with train.ema."""
@@ -653,6 +664,8 @@ class Trainer:
 
         if self.step == 0:
             # Measured by the main process alone, whose figures the run reports.
+            if acc.is_main_process:
+                run.phase("evaluating", 0)
             with _eager():
                 eval_before = self.task.evaluate_before(unwrapped) if acc.is_main_process else math.nan
                 val = self.task.validate(unwrapped) if acc.is_main_process else None
@@ -727,6 +740,7 @@ class Trainer:
                 run.progress(step, total, window.eta(step))
             if cfg.preview.every and step % cfg.preview.every == 0 and step < total:
                 samples += self._check_in(unwrapped, step)
+            due |= self._asked(step, unwrapped, samples)
             if stop := self._save_or_stop(step, due, guard, read_now=logged):
                 bar.close()
                 return self._stopped(step, stop, guard.message, samples, losses, eval_before)
@@ -918,6 +932,8 @@ class Trainer:
         adapter: dict[str, Path] = {}
         try:
             with self._averaged(), _eager():  # with train.ema: the averaged weights are evaluated, saved, previewed
+                if acc.is_main_process:
+                    run.phase("evaluating", step)
                 eval_after = self.task.evaluate(unwrapped) if acc.is_main_process else math.nan
                 val_after = self.task.validate(unwrapped) if acc.is_main_process else None
                 if acc.is_main_process:

@@ -28,6 +28,10 @@ from .fsutil import clear_interrupted, fsync_dir, temp_prefix
 
 PID_FILE = "train.pid"
 PROGRESS_FILE = "progress.json"
+PHASE_FILE = "phase.json"
+# Requests to a training run, each an empty file in its folder that the trainer takes between steps: previews at
+# the step it is at, and its training state saved there (the UI's Sample now and Save now; `touch` works too).
+REQUESTS = {"sample": "sample-now", "save": "save-now"}
 
 
 class RunExistsError(FileExistsError):
@@ -78,6 +82,41 @@ class Run:
         tmp.write_text(json.dumps({"step": step, "total_steps": total_steps, "eta_s": round(eta_s, 1),
                                    "time": round(time.time(), 3)}), encoding="utf-8")
         os.replace(tmp, self.dir / PROGRESS_FILE)
+
+    def ask(self, what: str) -> Path:
+        """Ask the training run for `what` ("sample" or "save") at its next step: the request file (REQUESTS)."""
+        path = self.dir / REQUESTS[what]
+        path.touch()
+        return path
+
+    def take_request(self, what: str) -> bool:
+        """Whether `what` was asked since it was last taken; taking it removes the request."""
+        try:
+            (self.dir / REQUESTS[what]).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def phase(self, name: str, step: int, done: int = 0, of: int | None = None) -> None:
+        """What the run does between training steps ("rendering previews", "evaluating"), for a watcher: its start
+        (done 0) as a "phase" event, so how long each phase took is on record, and how far it is (done of `of`)
+        in phase.json, replaced whole like progress.json. The event that ends the phase (samples, eval) or the
+        next step's record supersedes it."""
+        now = round(time.time(), 3)
+        if done == 0:
+            self.event("phase", step=step, phase=name, **({"of": of} if of is not None else {}))
+        tmp = self.dir / f".{PHASE_FILE}.tmp"
+        tmp.write_text(json.dumps({"phase": name, "step": step, "done": done, "of": of, "time": now}),
+                       encoding="utf-8")
+        os.replace(tmp, self.dir / PHASE_FILE)
+
+
+def read_phase(run_dir: Path) -> dict:
+    """The run's latest phase record (Run.phase), or {} where there is none."""
+    try:
+        return json.loads((run_dir / PHASE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
 
 
 def read_progress(run_dir: Path) -> dict:

@@ -230,7 +230,9 @@ class LLMTask(Task):
                                      options={"triton.cudagraphs": True} if graphs else None)
             log.info("train.compile=%r: %d decoder layers compiled%s (the first steps include compilation)",
                      cfg.train.compile, n, ", replayed from CUDA graphs" if graphs else "")
-        log.info("adapter plan:\n%s", inject.format_plan(self.plan))
+        log.info("adapter plan: %s", inject.plan_summary(self.plan))
+        # The layer table in the run's train.log, and in the terminal with -v (training.setup_logging: detail).
+        log.info("adapter plan, by layer group:\n%s", inject.format_plan(self.plan), extra={"detail": True})
         run.event("plan", layers=len(self.plan.targets), trainable_params=self.plan.trainable_params,
                   preset=cfg.adapter.preset, base_rank=self.plan.base_rank, groups=self.plan.groups())
         self._estimate(run)

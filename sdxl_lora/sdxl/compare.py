@@ -8,13 +8,14 @@ a LoRA or DoRA run's final diffusers adapter's (the same layers), else the plann
 
 A strength s multiplies a layer's update as the loaders apply it: LoRA's, LoHa's and LoKr's are W + s * delta,
 so an export at s is the layer with its update scaled (`at_strength`); DoRA's blends the base and the trained
-weight (export.weight_with), which no DoRA file holds at another strength. LoRA renders as diffusers loads it;
-the other kinds (diffusers loads no LoHa or LoKr, and blends no DoRA) are merged into the pipeline's weights
-at each strength, as `sdxl-lora merge` does, and taken out again.
+weight (export.weight_with), which no DoRA file holds at another strength. Every kind renders merged into the
+pipeline's weights at each strength, as `sdxl-lora merge` does, and taken out again; with the run's preview
+sampler (preview.Sampler), a prompt's unset negative prompt left unset: a cell is the image the run's previews,
+the Generate tab and `sdxl-lora generate` draw for the same checkpoint and settings.
 
 Cache: RUN/compare/ holds one PNG per cell, named by a digest of what decides the image (the checkpoint's
-weights, the strength, the prompt with its kohya options, seed, steps, size, guidance, the base model), the
-grids, and each state's adapter converted to a diffusers file (so the pipeline loads it as any LoRA).
+weights, the strength, the prompt with its kohya options, seed, steps, size, guidance, the sampler, the base
+model) and the grids.
 """
 from __future__ import annotations
 
@@ -33,17 +34,15 @@ from ..core.config import Config, load_config
 from ..core.inject import lora_scale
 from ..core.runs import read_events
 from . import lycoris
-from .export import (Adapter, AdapterError, LoraLayer, export_adapter, load_adapter, peft_key_groups,
-                     save_diffusers_lora)
+from .export import Adapter, AdapterError, LoraLayer, export_adapter, load_adapter, peft_key_groups
 from .merge import merged
-from .preview import PreviewPrompt, grid, parse_prompt_line, render, save_png
+from .preview import PreviewPrompt, Sampler, grid, parse_prompt_line, render, save_png
 
 log = logging.getLogger(__name__)
 
 STRENGTHS = (0.5, 0.75, 1.0)
 CACHE_DIR = "compare"
 GRID_CELL = 192  # px: the smallest cell side in a grid image
-ADAPTER_NAME = "compare"
 # A state's parameter names: the UNet's bare (a run that trains only the UNet) or each model's under its name.
 _STATE_PREFIXES = {"": "unet", "unet.": "unet", "text_encoder.": "text_encoder", "text_encoder_2.": "text_encoder_2"}
 
@@ -216,7 +215,9 @@ class Settings:
         return cls(cfg.preview.seed, cfg.preview.steps, cfg.preview.guidance, cfg.data.resolution or native)
 
     def resolve(self, p: PreviewPrompt) -> PreviewPrompt:
-        return PreviewPrompt(p.prompt, p.negative or "", int(p.width or self.size), int(p.height or self.size),
+        """The prompt with every unset option the run's, but the negative prompt: unset stays unset (no negative
+        prompt), as the previews, Generate and `sdxl-lora generate` render it."""
+        return PreviewPrompt(p.prompt, p.negative, int(p.width or self.size), int(p.height or self.size),
                              int(p.steps or self.steps), float(self.guidance if p.guidance is None else p.guidance),
                              int(self.seed if p.seed is None else p.seed))
 
@@ -229,37 +230,16 @@ class Grid:
     rendered: int              # cells rendered now
 
 
-def _cell_key(ck: Checkpoint, strength: float, p: PreviewPrompt, model: str, merges: bool) -> str:
+def _cell_key(ck: Checkpoint, strength: float, p: PreviewPrompt, model: str, sampler: Sampler) -> str:
     what = {"weights": ck.digest, "strength": strength, "prompt": dataclasses.asdict(p), "model": model,
-            **({"applied": "merged"} if merges else {})}
+            "sampler": dataclasses.asdict(sampler), "applied": "merged"}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _merges(cfg: Config) -> bool:
-    """Whether the run's checkpoints render merged into the weights (every kind but LoRA: see the module's doc)."""
-    return cfg.adapter.kind != "lora"
-
-
-def _loadable(ck: Checkpoint, run_dir: Path, cfg: Config, table) -> Path:
-    """A file the pipeline loads with load_lora_weights: the final adapter, or the state converted (cached)."""
-    if ck.final:
-        return ck.path
-    path = run_dir / CACHE_DIR / "adapters" / f"{ck.digest[:24]}.diffusers.safetensors"
-    if not path.is_file():
-        save_diffusers_lora(state_adapter(ck, run_dir, cfg, table), path, overwrite=True)
-    return path
 
 
 @contextmanager
 def _applied(pipe, ck: Checkpoint, run_dir: Path, cfg: Config, table):
-    """Yields at(strength): checkpoint `ck` on the pipeline at that strength; the pipeline is as it was after."""
-    if not _merges(cfg):
-        pipe.load_lora_weights(str(_loadable(ck, run_dir, cfg, table)), adapter_name=ADAPTER_NAME)
-        try:
-            yield lambda s: pipe.set_adapters([ADAPTER_NAME], adapter_weights=[s])
-        finally:
-            pipe.unload_lora_weights()
-        return
+    """Yields at(strength): checkpoint `ck` merged into the pipeline's weights at that strength (every kind, as the
+    run's previews merge the adapter being trained); the pipeline is as it was after."""
     with merged(pipe, adapter_of(ck, run_dir, cfg, table)) as merge:
         yield merge
 
@@ -274,8 +254,8 @@ def compare_grids(pipe, run_dir: Path, checkpoints: list[Checkpoint], prompts: l
     cfg = load_config(run_dir / "config.toml")
     cache = run_dir / CACHE_DIR
     resolved = [settings.resolve(p) for p in prompts]
-    merges = _merges(cfg)
-    cells = {(c, s, i): cache / f"{_cell_key(c, s, p, model, merges)}.png" for c in checkpoints for s in strengths
+    sampler = Sampler.of_run(cfg)
+    cells = {(c, s, i): cache / f"{_cell_key(c, s, p, model, sampler)}.png" for c in checkpoints for s in strengths
              for i, p in enumerate(resolved)}
     todo = [k for k, path in cells.items() if not path.is_file()]
     done = 0
@@ -288,7 +268,7 @@ def compare_grids(pipe, run_dir: Path, checkpoints: list[Checkpoint], prompts: l
                 at(s)
                 p = resolved[i]
                 image = render(pipe, [p], seed=p.seed, steps=p.steps, guidance=p.guidance, width=p.width,
-                               height=p.height, negative=p.negative or None)[0]
+                               height=p.height, sampler=sampler)[0]
                 save_png(image, cells[(ck, s, i)])
                 done += 1
                 if progress is not None:

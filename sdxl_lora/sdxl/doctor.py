@@ -51,6 +51,7 @@ class Findings:
     duplicates: list[list[Item]]  # groups of byte-identical images
     near: list[list[Item]]  # groups of images whose dHashes are within NEAR_BITS (and not identical)
     no_trigger: dict[int, list[Item]]  # dataset index -> its captioned images whose caption lacks the trigger
+    with_trigger: dict[int, int]  # dataset index -> how many of its captions hold the trigger
     reg_with_trigger: list[Item]  # regularization captions that hold a training dataset's trigger word
     tags: Counter
     captioned: int
@@ -105,6 +106,7 @@ def examine(dataset: Dataset, show: bool = True) -> Findings:
                 pairs.append((i, j))
     near = _groups(items, pairs)
     no_trigger: dict[int, list[Item]] = {}
+    with_trigger: dict[int, int] = {}
     triggers = {spec.settings.trigger_word.strip() for spec in dataset.specs if not spec.is_reg} - {""}
     reg_with_trigger = []
     for it in items:
@@ -116,6 +118,8 @@ def examine(dataset: Dataset, show: bool = True) -> Findings:
                 reg_with_trigger.append(it)
         elif trigger and not _has_word(it.caption, trigger):
             no_trigger.setdefault(it.source, []).append(it)
+        elif trigger:
+            with_trigger[it.source] = with_trigger.get(it.source, 0) + 1
     tags: Counter = Counter()
     for it in items:
         if it.has_caption:
@@ -125,7 +129,7 @@ def examine(dataset: Dataset, show: bool = True) -> Findings:
         scale = max(it.bucket[0] / it.size[0], it.bucket[1] / it.size[1])
         if scale > UPSCALE_LIMIT:
             upscaled.append((it, scale))
-    return Findings(duplicates, near, no_trigger, reg_with_trigger, tags, sum(it.has_caption for it in items),
+    return Findings(duplicates, near, no_trigger, with_trigger, reg_with_trigger, tags, sum(it.has_caption for it in items),
                     sorted(upscaled, key=lambda p: -p[1]))
 
 
@@ -152,6 +156,21 @@ def suggestion(dataset: Dataset, batch_size: int) -> list[str]:
     return lines
 
 
+def lacking(missing: int, holding: int, name: str | None, trigger: str) -> tuple[str, str]:
+    """What the doctor says of a dataset's captions without its trigger word: the finding, and what to do. Where
+    others in it hold the word, the ones without may be a prior set on purpose (other subjects the model should
+    keep drawing as before, as in the bundled sample data), which the trigger word would teach as the concept too:
+    both ways on are named."""
+    said = f"{missing} caption(s){f' in {name}' if name else ''} lack the trigger word {trigger!r}"
+    if not holding:
+        return said, "training puts it first in each; add it to the captions, or leave that to training"
+    return (f"{said}, which {holding} hold",
+            "if those show other subjects the model should keep drawing as before (a prior set, as in the bundled "
+            "sample data), leave their captions and train them without the word (no trigger word for the run, as "
+            "the default job does, or their own folder ticked as regularization); if they show your subject, add "
+            "the word to them")
+
+
 def doctor_lines(dataset: Dataset, batch_size: int, show: bool = True) -> list[str]:
     f = examine(dataset, show)
 
@@ -172,8 +191,8 @@ def doctor_lines(dataset: Dataset, batch_size: int, show: bool = True) -> list[s
         lines.append("  duplicates: none (identical or near-identical)")
     for source, missing in f.no_trigger.items():
         spec = dataset.specs[source]
-        lines.append(f"  {len(missing)} caption(s) in {spec.name} lack the trigger word "
-                     f"{spec.settings.trigger_word!r} (training puts it first): {names(missing)}")
+        said, advice = lacking(len(missing), f.with_trigger.get(source, 0), spec.name, spec.settings.trigger_word)
+        lines.append(f"  {said} — {advice}: {names(missing)}")
     if f.reg_with_trigger:
         lines.append(f"  {len(f.reg_with_trigger)} regularization caption(s) hold a training dataset's trigger word, "
                      f"which then learns the class too — remove it: {names(f.reg_with_trigger)}")

@@ -149,15 +149,14 @@ def merged(pipe, adapter: Adapter):
 
 
 @contextmanager
-def applied(pipe, loras: Sequence[tuple[str | Path, float]], name: str = "lora"):
-    """The pipeline with each (adapter file, strength) applied, for renders (`sdxl-lora generate`, the UI's
-    Generate tab); as it was when the block ends. Plain LoRA files go through diffusers' `load_lora_weights`
-    and `set_adapters` (adapters NAME0, NAME1, ...). The other kinds are merged into the weights at their
-    strength (`merge_adapters`, the update ComfyUI's and A1111/Forge's loaders apply, in the order given) and
-    the weights put back after: diffusers does not load LyCORIS LoHa or LoKr files, and from a kohya DoRA
-    file it drops dora_scale with a warning, which would render plain LoRA."""
+def applied(pipe, loras: Sequence[tuple[str | Path, float]]):
+    """The pipeline with each (adapter file, strength) merged into its weights, for renders (`sdxl-lora generate`,
+    the UI's Generate tab); as it was when the block ends. Every kind is merged at its strength (`merge_adapters`,
+    the update ComfyUI's and A1111/Forge's loaders apply, in the order given), as a run's previews merge the
+    adapter being trained and Compare merges a checkpoint: the same adapter and settings give the same pixels in
+    each. diffusers' `load_lora_weights` would run LoRA beside the weights (other float rounding), reads no
+    LyCORIS LoHa or LoKr file, and drops a kohya DoRA file's dora_scale with a warning."""
     table = None
-    loaded: list[tuple[str, float]] = []
     merging: list[tuple[Adapter, float]] = []
     for path, strength in loras:
         path = Path(path)
@@ -166,27 +165,16 @@ def applied(pipe, loras: Sequence[tuple[str | Path, float]], name: str = "lora")
         if table is None:
             table = kohya.LayerTable.from_pipeline(pipe)
         adapter = load_adapter(path, table)
-        if set(adapter.kinds()) <= {"lora"}:
-            loaded.append((str(path), strength))
-            continue
         if adapter.unknown:
             raise MergeError(f"{path}: {adapter.problems[0]}; rendering without those layers would not show the "
                              "adapter as trained")
         merging.append((adapter, strength))
     put_back = _kept_weights(pipe, [a for a, _ in merging])
-    names = []
     try:
         if merging:
             merge_adapters(pipe, merging)
-        for i, (path, _) in enumerate(loaded):
-            pipe.load_lora_weights(path, adapter_name=f"{name}{i}")
-            names.append(f"{name}{i}")
-        if names:
-            pipe.set_adapters(names, adapter_weights=[s for _, s in loaded])
         yield pipe
     finally:
-        if names:
-            pipe.unload_lora_weights()
         put_back()
 
 

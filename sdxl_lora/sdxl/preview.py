@@ -17,6 +17,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,6 +44,13 @@ class PreviewPrompt:
     steps: int | None = None
     guidance: float | None = None
     seed: int | None = None
+
+    def line(self) -> str:
+        """The prompt as a line of a prompts file, with its own options (parse_prompt_line reads it back)."""
+        options = {"n": self.negative, "w": self.width, "h": self.height, "s": self.steps, "l": self.guidance,
+                   "d": self.seed}
+        return " ".join([self.prompt, *(f"--{k} {v:g}" if isinstance(v, float) else f"--{k} {v}"
+                                        for k, v in options.items() if v is not None)])
 
 
 # kohya's one-letter line options -> (field, type).
@@ -234,13 +242,44 @@ def _batched(texts: list[dict]) -> dict:
     return {k: joined([t[k] for t in texts]) for k in texts[0]}
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """How every render samples, the same for a run's previews, the UI's Generate and Compare tabs and
+    `sdxl-lora generate`: Euler on the base model's own schedule, with what the run's training changed in it
+    (zero terminal SNR, the prediction type) and the guidance rescale that goes with it. One definition, so the
+    same prompt, seed and adapter give the same pixels wherever they are rendered."""
+    zero_terminal_snr: bool = False
+    prediction_type: str = "auto"
+    guidance_rescale: float | None = None  # None: 0.7 under zero terminal SNR (Lin et al. 2023), else none
+
+    @classmethod
+    def of_run(cls, cfg) -> "Sampler":
+        """As a run's previews sample: its schedule as trained, its preview.guidance_rescale."""
+        return cls(bool(cfg.train.zero_terminal_snr), cfg.model.prediction_type, cfg.preview.guidance_rescale)
+
+    @property
+    def rescale(self) -> float:
+        if self.guidance_rescale is not None:
+            return float(self.guidance_rescale)
+        return 0.7 if self.zero_terminal_snr else 0.0
+
+    def scheduler(self, base_config):
+        return preview_scheduler(base_config, zero_terminal_snr=self.zero_terminal_snr,
+                                 prediction_type=self.prediction_type)
+
+
 def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, guidance: float, width: int,
            height: int, negative: str | None = None, autocast_dtype: torch.dtype | None = None,
-           guidance_rescale: float = 0.0, texts: list[dict[str, torch.Tensor]] | None = None,
-           batch: int | None = None) -> list[Image.Image]:
+           sampler: Sampler | None = None, texts: list[dict[str, torch.Tensor]] | None = None,
+           batch: int | None = None, progress: Callable[[int, int], None] | None = None) -> list[Image.Image]:
     """One image per prompt, each with its own settings where it has them; prompt i without its own seed
     uses seed + i, on a CPU generator, so images do not depend on the device or on how prompts are batched.
+    A prompt's negative prompt unset (None) is no negative prompt, not an encoded empty one: the two differ.
+    sampler: how the images are sampled (Sampler), the pipeline's scheduler swapped for the duration; None: the
+    pipeline as it is (callers that built it with the sampler they want).
     texts: the prompts' embeddings (encode_prompts), made earlier; the text encoders are then not used.
+    progress(done, total): told the images done as sampling goes (a batch's images count as done in step with its
+    sampling steps), so a watcher sees a set of previews move, not only end.
     batch: the most prompts of the same settings rendered in one pipeline call (none: CPU_PREVIEW_BATCH on a
     CPU, one elsewhere); on a GPU a batch is decoded one image at a time, so the decode needs one image's memory."""
     device = pipe.unet.device
@@ -267,6 +306,11 @@ def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, g
         if slicing:
             pipe.vae.enable_slicing()
             undo.callback(pipe.vae.disable_slicing)
+        if sampler is not None:
+            own = pipe.scheduler
+            pipe.scheduler = sampler.scheduler(own.config)
+            undo.callback(setattr, pipe, "scheduler", own)
+        rescale = sampler.rescale if sampler is not None else 0.0
         i = 0
         while i < len(entries):
             j = i + 1
@@ -276,12 +320,24 @@ def render(pipe, prompts: list[str | PreviewPrompt], *, seed: int, steps: int, g
             gens = [torch.Generator("cpu").manual_seed(p.seed if p.seed is not None else seed + k)
                     for k, p in zip(range(i, j), entries[i:j])]
             one = j - i == 1  # a prompt alone is called as the pipeline's single-prompt call
+            told = {} if progress is None else {"callback_on_step_end": _telling(progress, i, j, n_steps, len(entries))}
             out = pipe(**(texts[i] if one else _batched(texts[i:j])), num_inference_steps=n_steps, guidance_scale=g,
-                       guidance_rescale=guidance_rescale, width=w, height=h, generator=gens[0] if one else gens,
-                       output_type="pil")
+                       guidance_rescale=rescale, width=w, height=h, generator=gens[0] if one else gens,
+                       output_type="pil", **told)
             images.extend(out.images)
             i = j
+            if progress is not None:
+                progress(i, len(entries))
     return images
+
+
+def _telling(progress: Callable[[int, int], None], first: int, end: int, steps: int, total: int):
+    """The pipeline's step callback that tells `progress` the images done while images first..end-1 sample."""
+    def told(pipe, k: int, timestep, kwargs: dict) -> dict:
+        progress(first + (end - first) * (k + 1) // max(steps, 1), total)
+        return kwargs
+
+    return told
 
 
 def preview_scheduler(base_config, *, zero_terminal_snr: bool, prediction_type: str = "auto"):
@@ -396,6 +452,28 @@ def _plain_unet(model, unet, dequantized: bool = False):
         yield
 
 
+@contextlib.contextmanager
+def _told(run, step: int, n: int):
+    """Yields progress(done, total) for render: a bar in the terminal and the run's phase ("rendering previews",
+    done of n: Run.phase) for the UI, each written when the count of images done changes."""
+    from tqdm.auto import tqdm
+
+    run.phase("rendering previews", step, 0, n)
+    bar = tqdm(total=n, desc=f"previews at step {step}", unit="img", leave=False, dynamic_ncols=True)
+    shown = [0]
+
+    def told(done: int, total: int) -> None:
+        if done != shown[0]:
+            shown[0] = done
+            bar.update(done - bar.n)
+            run.phase("rendering previews", step, done, total)
+
+    try:
+        yield told
+    finally:
+        bar.close()
+
+
 def render_previews(task, model, run, step: int) -> list[Path]:
     """Render the task's prompts with the model being trained; the VAE and text encoders visit the
     accelerator only for the duration."""
@@ -409,9 +487,6 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     device = task.device
     # With text encoder LoRA the model holds the UNet and the (adapted) text encoders: p's, in place.
     unet = getattr(model, "unet", model)
-    ztsnr = cfg.train.zero_terminal_snr
-    scheduler = preview_scheduler(p.scheduler.config, zero_terminal_snr=ztsnr,
-                                  prediction_type=cfg.model.prediction_type)
     # The prompts' embeddings were made at set-up (task.preview_texts) unless the text encoders train: then
     # they are encoded now, by the encoders being trained, which stay on the device anyway. With the embeddings
     # made, the pipeline gets no text encoders: it would cast the embeddings to their dtype, which is the files'
@@ -420,9 +495,8 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     encoders = (None, None) if texts is not None else (p.text_encoder, p.text_encoder_2)
     pipe = StableDiffusionXLPipeline(
         vae=p.vae, text_encoder=encoders[0], text_encoder_2=encoders[1], tokenizer=p.tokenizer,
-        tokenizer_2=p.tokenizer_2, unet=unet, scheduler=scheduler)
+        tokenizer_2=p.tokenizer_2, unet=unet, scheduler=p.scheduler)
     pipe.set_progress_bar_config(disable=True)
-    rescale = cfg.preview.guidance_rescale if cfg.preview.guidance_rescale is not None else (0.7 if ztsnr else 0.0)
     # Components training still uses stay on the device afterwards.
     keep = set()
     if cfg.adapter.train_text_encoder or live_text(cfg.data):
@@ -456,11 +530,12 @@ def render_previews(task, model, run, step: int) -> list[Path]:
             merged = _plain_unet(model, unet, dequantized=task.dequantized_previews)
             tiled = tiled_previews(cfg)
             batch = None if device.type == "cpu" else preview_batch(tiled)
-            with cudnn_search(False), vae_tiles(p.vae, tiled), merged:
+            with cudnn_search(False), vae_tiles(p.vae, tiled), merged, _told(run, step, len(prompts)) as told:
                 ready = time.perf_counter()
                 images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps,
                                 guidance=cfg.preview.guidance, width=task.resolution, height=task.resolution,
-                                autocast_dtype=dtype, guidance_rescale=rescale, texts=texts, batch=batch)
+                                autocast_dtype=dtype, sampler=Sampler.of_run(cfg), texts=texts, batch=batch,
+                                progress=told)
                 rendered = time.perf_counter()
         finally:
             if device.type != "cpu":

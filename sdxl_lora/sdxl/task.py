@@ -280,7 +280,9 @@ class SDXLTask(Task):
         unet.to(self.device, dtype=_DTYPES.get(accelerator.mixed_precision, torch.float32))
         self._inject_adapter(unet, run)
         self._speed_setup(unet, run)
-        log.info("adapter plan:\n%s", inject.format_plan(self.plan))
+        log.info("adapter plan: %s", inject.plan_summary(self.plan))
+        # The layer table in the run's train.log, and in the terminal with -v (training.setup_logging: detail).
+        log.info("adapter plan, by layer group:\n%s", inject.format_plan(self.plan), extra={"detail": True})
         run.event("plan", layers=len(self.plan.targets), trainable_params=self.plan.trainable_params,
                   preset=cfg.adapter.preset, adapter_kind=cfg.adapter.kind, base_rank=self.plan.base_rank,
                   groups=self.plan.groups())

@@ -7,6 +7,7 @@ analytics, no fonts or scripts from a CDN, and the server never fetches a URL fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib.util
 import logging
@@ -48,35 +49,50 @@ def build_app(folders: Folders, jobs):
     import gradio as gr
 
     from . import tab_compare, tab_dataset, tab_export, tab_generate, tab_train
+    from .pickers import Pickers
 
     # Dataset images and run outputs are served from where they are (no copies into the cache).
     gr.set_static_paths([str(folders.datasets), str(folders.runs)])
-    loaders = []
+    pickers = Pickers()
+    shown: list[tuple[gr.Tab, int, int]] = []  # each tab with the range of its pickers
+
+    @contextlib.contextmanager
+    def tab(*args, **kwargs):
+        with gr.Tab(*args, **kwargs) as t:
+            first = pickers.mark()
+            yield
+        shown.append((t, first, pickers.mark()))
+
     with gr.Blocks(title="sdxl-lora", analytics_enabled=False) as demo:
         gr.Markdown(f"## sdxl-lora &nbsp; <small>datasets `{folders.datasets}` · models `{folders.models}` · "
                     f"runs `{folders.runs}`</small>")
         with gr.Tabs() as tabs:
-            with gr.Tab("Dataset", id="dataset", elem_id="tab-dataset"):
-                tab_dataset.build(folders)
-            with gr.Tab("Train", id="train", elem_id="tab-train"):
-                runs = tab_train.build(folders, jobs, demo)
+            with tab("Dataset", id="dataset", elem_id="tab-dataset"):
+                tab_dataset.build(folders, pickers)
+            with tab("Train", id="train", elem_id="tab-train"):
+                runs = tab_train.build(folders, jobs, demo, pickers)
             form_tabs = [runs.form_tab]
             if _has_llm():
                 from . import tab_llm
 
-                with gr.Tab("LLM", id="llm", elem_id="tab-llm"):
-                    form_tabs.append(tab_llm.build(folders, jobs, runs.pick))
+                with tab("LLM", id="llm", elem_id="tab-llm"):
+                    form_tabs.append(tab_llm.build(folders, jobs, runs.pick, runs.follow, pickers))
             tab_train.wire_duplicate(runs, jobs, tabs, form_tabs)
             # One loaded model for the tabs that render (a second model replaces the first).
             pipes = tab_generate.Pipelines(folders)
-            with gr.Tab("Generate", id="generate", elem_id="tab-generate"):
-                loaders.append(tab_generate.build(folders, pipes))
-            with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
-                loaders.append(tab_compare.build(folders, pipes))
-            with gr.Tab("Export", id="export", elem_id="tab-export"):
-                loaders.append(tab_export.build(folders))
-        for fn, outputs in loaders:
-            demo.load(fn, None, outputs)
+            with tab("Generate", id="generate", elem_id="tab-generate"):
+                tab_generate.build(folders, pipes, pickers)
+            with tab("Compare", id="compare", elem_id="tab-compare"):
+                tab_compare.build(folders, pipes, pickers)
+            with tab("Export", id="export", elem_id="tab-export"):
+                tab_export.build(folders, pickers)
+        # Each picker's choices as the folders hold them now: when the page loads and when its tab is shown.
+        fn, outputs = pickers.refresh()
+        demo.load(fn, None, outputs, show_progress="hidden")
+        for t, first, last in shown:
+            if last > first:
+                fn, outputs = pickers.refresh(first, last)
+                t.select(fn, None, outputs, show_progress="hidden")
     return demo
 
 

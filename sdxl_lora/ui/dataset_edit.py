@@ -198,7 +198,7 @@ def upload(f: Folders, folder: str, files: list[tuple[str, str | Path]], ext: st
             continue
         dest = f.inside(root / base, "datasets")
         if dest.exists() and not overwrite:
-            refused.append(f"{name}: {file_name(f, str(dest))} already exists; tick overwrite to replace it")
+            refused.append(f"{name}: {file_name(f, str(dest))} already exists; tick 'overwrite files already there' to replace it")
             continue
         try:
             check_destination(dest, True, [src], "the upload", error=PathRefused)
@@ -249,4 +249,4 @@ def caption(f: Folders, folder: str, model: str, ext: str, overwrite: bool, pref
     else:
         report = caption_folder(root, net, extension=extension(ext), overwrite=overwrite, prefix=prefix or "",
                                 device=device, on_progress=on_progress)
-    return "\n".join(report.lines()).replace("--overwrite", "ticking overwrite")
+    return "\n".join(report.lines()).replace("--overwrite", "ticking 'replace existing captions'")

@@ -14,7 +14,7 @@ from sdxl_lora.core.config import Config, ConfigError, DatasetConfig
 
 from .duplicate import _relative
 from .folders import Folders
-from .labels import DATASET_COLUMNS
+from .labels import DATASET_COLUMNS, must_words
 
 # The columns after the folder: the DatasetConfig field each one sets, and its cell: a whole number, a number,
 # text or a tick box. Numbers are text cells: an empty one means "the run's setting", which a number cell
@@ -94,7 +94,7 @@ def _settings(folder: str, row: list) -> dict:
     except ValidationError as e:
         err = e.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else "path"
-        msg = err["msg"].removeprefix("Value error, ")
+        msg = must_words(err)
         raise ConfigError(f"{_where(folder, field)} = {table.get(field)!r}: {msg}; change it, or leave the cell "
                           "empty for the run's setting") from None
     return table
@@ -148,3 +148,37 @@ def from_config(f: Folders, cfg: Config, dirs: list[str]) -> tuple[list[str], li
 
 def _cell(value) -> str:
     return "" if value is None else str(value)
+
+
+def describe(data) -> str:
+    """What each picked folder sets, as the page lists it above the boxes (Markdown): "**ohwx**: repeats 3,
+    trigger word sks" or "**ohwx**: the run's settings"."""
+    from .text import md_text
+
+    lines = []
+    for row in _rows(data):
+        said = []
+        for (field, kind), raw in zip(COLUMNS, row[1:]):
+            if kind == "bool":
+                if _ticked(raw):
+                    said.append(DATASET_COLUMNS[field])
+            elif str(raw if raw is not None else "").strip():
+                said.append(f"{DATASET_COLUMNS[field]} {str(raw).strip()}")
+        shown = md_text(", ".join(said)) if said else "the run's settings"
+        lines.append(f"- **{md_text(row[0])}**: {shown}")
+    return "\n".join(lines) or "Pick an image folder above."
+
+
+def cells(data, folder: str | None) -> list:
+    """The settings of `folder`'s row (after the folder), empty where it has no row."""
+    row = next((r for r in _rows(data) if str(r[0]) == folder), blank(folder or ""))
+    return [(_ticked(v) if kind == "bool" else ("" if v is None else str(v))) for (_, kind), v in zip(COLUMNS, row[1:])]
+
+
+def with_cell(data, folder: str | None, index: int, value) -> list[list]:
+    """The rows with `folder`'s setting number `index` (COLUMNS) set to `value`; unchanged without a folder."""
+    rows = _rows(data)
+    for r in rows:
+        if folder and str(r[0]) == folder:
+            r[1 + index] = value
+    return rows

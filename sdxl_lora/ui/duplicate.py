@@ -78,14 +78,21 @@ def form_values(form, jobs, name: str, default_prompts: str) -> tuple[list, str]
     cfg = saved_config(jobs, name)
     if cfg.task != form.task:
         raise ValueError(f"run {name!r} is an {cfg.task.upper()} run; this form makes {form.task.upper()} runs")
-    f = form.f
     copy = new_name(jobs.unique_name, name)
+    return config_values(form, cfg, copy, default_prompts), copy
+
+
+def config_values(form, cfg: Config, name: str, default_prompts: str) -> list:
+    """The form's values (in `form.inputs` order, without the per-dataset table) that make `cfg` again, under run
+    name `name`: paths as the pickers list them where they lie in the UI's folders."""
+    f = form.f
     model = cfg.model.path if is_builtin(cfg.model.path) else _relative(f, cfg.model.path, "models")
     dirs = [_relative(f, d, "datasets") for d in _value(cfg, form.data_key)]
     tokenizer = _relative(f, cfg.model.tokenizer, "models") if getattr(cfg.model, "tokenizer", None) else ""
     prompts = _prompts_text(f, cfg, default_prompts) if form.task == "sdxl" else ""
     widgets = []
     for spec in form.widgets_specs():
-        value = copy if spec.key == "output.name" else _value(cfg, spec.key)
-        widgets.append(to_widget_value(spec, value))
-    return [model, dirs, tokenizer, prompts, *widgets], copy
+        value = name if spec.key == "output.name" else _value(cfg, spec.key)
+        # A preset box's "none" is its empty choice (no card preset): None would leave the box blank.
+        widgets.append("" if spec.key in ("card", "goal") and value is None else to_widget_value(spec, value))
+    return [model, dirs, tokenizer, prompts, *widgets]

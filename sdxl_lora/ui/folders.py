@@ -78,8 +78,9 @@ class Folders:
         p = Path(os.path.expanduser(raw.replace("\\", "/")))
         full = Path(os.path.abspath(p if p.is_absolute() else root / p))
         if not _within(full, root):
-            raise PathRefused(f"{raw} is outside the {kind} folder {root}; this UI only reads and writes "
-                              f"under the folders it was started with (--{kind})")
+            raise PathRefused(f"{raw} is outside the {kind} folder {root}; pick one from the list: this UI reads and "
+                              f"writes only under the folders it was started with (to use another {kind} folder, "
+                              f"start the UI again with --{kind} naming it)")
         real = Path(os.path.realpath(full))
         if not _within(real, Path(os.path.realpath(root))):
             raise PathRefused(f"{raw} leads outside the {kind} folder {root} through a symlink (to {real}); this "

@@ -1,8 +1,8 @@
 """The Train form, generated from the config schema (core/config.py): one widget per field, the schema's
 defaults. Nothing here restates a default or an allowed value.
 
-Literal -> dropdown, bool -> checkbox, int/float -> number, anything else -> text (TOML literal for
-lists and tables). Labels, help and grouping are the page's own words (labels.py). Fields that name files
+Literal -> dropdown, bool -> checkbox, int/float -> number, a list of texts -> one a line, anything else -> text
+(TOML literal for lists and tables). Labels, help and grouping are the page's own words (labels.py). Fields that name files
 or folders are not free text: the page picks them inside the UI's folders (see PATH_FIELDS).
 """
 from __future__ import annotations
@@ -61,6 +61,8 @@ class FieldSpec:
             return "float"
         if b is str:
             return "str"
+        if typing.get_origin(b) is list and typing.get_args(b) == (str,):
+            return "lines"  # a list of texts (prompts): one a line, not a TOML list on one line
         return "toml"
 
 
@@ -104,6 +106,8 @@ def _toml_literal(value: Any) -> str:
 
 
 def to_widget_value(spec: FieldSpec, value: Any) -> Any:
+    if spec.kind == "lines":
+        return "\n".join(value or [])
     if spec.kind == "toml":
         return "" if value is None else _toml_literal(value)
     if spec.kind == "str" and value is None:
@@ -111,23 +115,33 @@ def to_widget_value(spec: FieldSpec, value: Any) -> Any:
     return value
 
 
+def _problem(spec: FieldSpec, kind: str, value: Any, msg: str) -> ConfigError:
+    """A wrong form value as a ConfigError shaped like the schema's own (its problems), so the page words both
+    alike (labels.error_words)."""
+    return ConfigError(f"{spec.key} = {value!r}: {msg}",
+                       [{"loc": tuple(spec.key.split(".")), "type": kind, "input": value, "msg": msg}])
+
+
 def from_widget_value(spec: FieldSpec, value: Any) -> Any:
     """The page's value for a field as the schema takes it; empty means None where the schema allows it."""
     if value is None or (isinstance(value, str) and not value.strip() and spec.kind != "str"):
         if spec.optional:
             return None
-        raise ConfigError(f"{spec.key}: needs a value (default {to_widget_value(spec, spec.default)!r})")
+        default = to_widget_value(spec, spec.default)
+        raise _problem(spec, "value_error", value, f"needs a value (the default is {default!r})")
     if spec.kind == "str" and spec.optional and not str(value).strip():
         return None
+    if spec.kind == "lines":
+        return [line.strip() for line in str(value).splitlines() if line.strip()]
     if spec.kind in ("int", "float"):
         try:
             f = float(value)
         except ValueError:
-            raise ConfigError(f"{spec.key} = {value!r}: must be a number") from None
+            raise _problem(spec, "float_parsing", value, "must be a number") from None
         if spec.kind == "float":
             return f
         if not f.is_integer():
-            raise ConfigError(f"{spec.key} = {value}: must be a whole number")
+            raise _problem(spec, "int_from_float", value, "must be a whole number")
         return int(f)
     if spec.kind == "toml":
         return _parse_value(str(value).strip())

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from sdxl_lora.core.config import Config
 from sdxl_lora.core.fsutil import atomic_write_text
-from sdxl_lora.core.runs import PID_FILE, default_run_name, process_alive, read_events, read_progress, training_pid
+from sdxl_lora.core.runs import (PID_FILE, default_run_name, process_alive, read_events, read_phase, read_progress,
+                                 training_pid)
 
 from .folders import Folders
 from .form import DECIDED_WHEN_UNSET
@@ -73,6 +74,7 @@ class RunStatus:
     pid: int | None = None
     message: str = ""
     started: float = 0.0
+    phase: str = ""                     # what it does between steps now: "rendering previews 2 of 8 (step 10)"
 
     @property
     def alive(self) -> bool:
@@ -106,9 +108,21 @@ def run_status(run_dir: Path, events: list[dict] | None = None) -> RunStatus:
     st.pid = pid
     # Between log points the run replaces progress.json each step: newer than the last event, it is the step now.
     latest = read_progress(run_dir) if pid is not None else {}
+    step_time = next((e.get("time", 0) for e in reversed(events) if e.get("event") == "step"), 0)
     if latest.get("step", 0) > st.step and latest.get("time", 0) > (events[-1].get("time", 0) if events else 0):
         st.step, st.eta_s = latest["step"], latest.get("eta_s", st.eta_s)
         st.total = latest.get("total_steps", st.total)
+        step_time = latest["time"]
+    if pid is not None:
+        # A phase goes on while its start is the run's last event (the samples or eval event ends it) and no step
+        # was recorded after it: by the events' order, which a clock's resolution cannot confuse.
+        phase = read_phase(run_dir)
+        if phase and events and events[-1].get("event") == "phase" and latest.get("time", 0) <= phase.get("time", 0):
+            st.phase = phase_text(phase)
+        else:
+            phase = {}
+        eta = eta_with_phases(events, st.step, st.total, step_time, time.time(), _preview_plan(run_dir), phase)
+        st.eta_s = eta if eta is not None else st.eta_s
     ended = ("done", "interrupted", "failed", "start", "resume")
     last = next((e for e in reversed(events) if e.get("event") in ended), {})
     # Alive until the process is gone: its exit file is written just before it ends.
@@ -133,6 +147,82 @@ def run_status(run_dir: Path, events: list[dict] | None = None) -> RunStatus:
     elif last_kind in ("start", "resume") or (run_dir / PID_FILE).exists():
         st.state, st.message = "died", "the run process is gone without a word (killed?); see its log"
     return st
+
+
+def phase_text(phase: dict) -> str:
+    """A phase record (core/runs.py: Run.phase) in words: "rendering previews 2 of 8 (step 10)"."""
+    done, of = phase.get("done"), phase.get("of")
+    count = f" {done} of {of}" if of else ""
+    return f"{phase.get('phase', 'working')}{count} (step {phase.get('step', 0)})"
+
+
+def _preview_plan(run_dir: Path) -> tuple[int, bool]:
+    """The run's preview.every and preview.after, from its config.toml (every field is written there)."""
+    import tomllib
+
+    try:
+        preview = tomllib.loads((run_dir / "config.toml").read_text(encoding="utf-8")).get("preview", {})
+    except (OSError, ValueError):
+        return 0, True
+    return int(preview.get("every", 0) or 0), bool(preview.get("after", True))
+
+
+def _no_previews(run_dir: Path) -> bool:
+    """Whether the run renders no previews (preview.prompts = "" in its config.toml; unset: the model's own)."""
+    import tomllib
+
+    try:
+        cfg = tomllib.loads((run_dir / "config.toml").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return cfg.get("task", "sdxl") == "sdxl" and cfg.get("preview", {}).get("prompts") == ""
+
+
+def _phases(events: list[dict]) -> list[tuple[str, int, float, float | None]]:
+    """Each phase the run went through (its "phase" events): (name, step, start, end); the end is the time of the
+    next event that is not a phase's start (samples, eval), None while it goes on."""
+    out = []
+    for i, e in enumerate(events):
+        if e.get("event") == "phase":
+            end = next((x.get("time") for x in events[i + 1:] if x.get("event") != "phase"), None)
+            out.append((e.get("phase", ""), e.get("step", 0), e.get("time", 0.0), end))
+    return out
+
+
+PREVIEWS, EVALUATING = "rendering previews", "evaluating"
+
+
+def eta_with_phases(events: list[dict], step: int, total: int, step_time: float, now: float,
+                    preview_plan: tuple[int, bool], phase: dict) -> float | None:
+    """Seconds left, the previews and the final evaluation counted: the steps left at the training pace (this
+    session's time since its start, the phases' time taken out), each preview set still due (preview.every, and
+    the final one) at the last set's length, the final evaluation at the last one's, and what is left of the
+    phase going on now. None before the session's first step (no pace yet)."""
+    start = next((e for e in reversed(events) if e.get("event") == "start"), None)
+    if start is None or not total or step <= start.get("step", 0) or not step_time:
+        return None
+    t0, s0 = start.get("time", 0.0), start.get("step", 0)
+    phases = _phases(events)
+    done = [(name, st, a, b) for name, st, a, b in phases if b is not None]
+    spent = sum(b - a for _, _, a, b in done if t0 <= a and b <= step_time)
+    pace = max(step_time - t0 - spent, 0.0) / (step - s0)
+    last = {name: b - a for name, _, a, b in done}  # each kind's latest length
+    set_s, eval_s = last.get(PREVIEWS, 0.0), last.get(EVALUATING, 0.0)
+    every, after = preview_plan
+    left = (total - step) * pace
+    left += set_s * sum(1 for k in range(step + 1, total) if every and k % every == 0)
+    now_name, now_step = phase.get("phase"), phase.get("step", step)
+    if now_name:  # what is left of the phase going on now
+        elapsed = max(now - next((a for name, st, a, b in reversed(phases) if b is None), now), 0.0)
+        if now_name == PREVIEWS and phase.get("done") and phase.get("of"):
+            left += elapsed * (phase["of"] - phase["done"]) / phase["done"]
+        else:
+            left += max((set_s if now_name == PREVIEWS else eval_s) - elapsed, 0.0)
+    final_eval_now = now_name == EVALUATING and now_step >= total
+    final_previews_now = now_name == PREVIEWS and now_step >= total
+    left += (0.0 if final_eval_now or final_previews_now else eval_s) + (set_s if after and not final_previews_now
+                                                                          else 0.0)
+    return left
 
 
 def _setting_up(run_dir: Path) -> str:
@@ -383,6 +473,24 @@ class Jobs:
                 raise ValueError(f"run {name!r} is {st.state}, not running; nothing to stop")
             os.kill(pid, signal.SIGINT)
             return f"{name}: stop requested; the current step finishes and the state is saved"
+
+    def ask(self, name: str, what: str) -> str:
+        """Sample now / Save now on a training run, whoever started it: the request its trainer takes at its next
+        step (core/runs.py: Run.ask) -> the message for the page."""
+        from sdxl_lora.core.runs import Run
+
+        run_dir = self.run_dir(name)
+        st = run_status(run_dir)
+        button = {"sample": "Sample now", "save": "Save now"}[what]
+        if not st.alive:
+            raise ValueError(f"{button}: run {name!r} is {st.state}; it works on a run that is training")
+        if what == "sample" and _no_previews(run_dir):
+            raise ValueError(f"{button}: run {name!r} has no preview prompts (its 'Preview prompts' box was empty); "
+                             "Duplicate it with prompts to see previews")
+        Run(run_dir).ask(what)
+        said = "previews at the step it is at (they appear under previews)" if what == "sample" else \
+            "its training state saved at the step it is at (Compare lists it; Resume starts from it)"
+        return f"{name}: asked for {said}; the current step finishes first"
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         parts = []

@@ -8,6 +8,7 @@ group, folded); tests/test_ui.py asks every field the forms show to have its own
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # The groups, in the order the form shows them.
@@ -235,7 +236,8 @@ LABELS: dict[str, Label] = {
     "llm.attn_implementation": _l("Attention kernel", S, "Which attention code the model uses; sdpa keeps "
                                   "packed examples apart."),
     # ---- previews
-    "preview.prompts": _l("Preview prompts", P, "One prompt a line; empty: no previews.", common=True),
+    "preview.prompts": _l("Preview prompts", P, "One prompt a line; as first shown: the model's own (another "
+                          "model: a few of your captions); empty: no previews.", common=True),
     "preview.every": _l("Preview every (steps)", P, "Also render previews and measure the validation loss "
                         "this often; zero: only before and after.", common=True),
     "preview.every_epochs": _l("Preview every (epochs)", P, "Render previews and measure the validation loss "
@@ -252,8 +254,8 @@ LABELS: dict[str, Label] = {
     "preview.after": _l("Preview after training", P, "Render previews at the end."),
     "preview.concept": _l("Concept to score", P, "Score previews for a shape or colour (such as star); empty "
                           "is off."),
-    "llm.preview_prompts": _l("Preview prompts", P, "Questions answered before and after training, to see what "
-                              "changed.", common=True),
+    "llm.preview_prompts": _l("Preview prompts", P, "One question a line, answered before and after training, to "
+                              "see what changed.", common=True),
     "llm.max_new_tokens": _l("Longest preview answer (tokens)", P, "Preview answers stop after this many "
                              "tokens."),
     # ---- saving and output
@@ -306,6 +308,8 @@ LLM_LABELS: dict[str, Label] = {
     "model.path": _l("Base model", M, "The language model the adapter is trained on.", common=True),
     "train.batch_size": _l("Batch size", H, "Rows per step: bigger batches are smoother and need more memory.",
                            common=True),
+    "train.lr": _l("Learning rate", H, "How big each update is: too high garbles the answers, too low learns "
+                   "nothing.", common=True),
     "adapter.preset": _l("Layers to adapt", W, "Which parts of the model learn: attention only, attention and "
                          "feed-forward weighted by kind, or all of them alike.", common=True),
 }
@@ -319,3 +323,99 @@ def label_for(key: str, task: str = "sdxl") -> Label:
         return LABELS[key]
     section, _, name = key.rpartition(".")
     return Label(name.replace("_", " ").capitalize(), SECTION_GROUP.get(section, O), False, "")
+
+
+# ------------------------------------------------------------------------------------- messages in its words
+
+# A config key as messages from the config, the planner or a writer name it: "train.steps", "data.dirs".
+_KEY = re.compile(r"\b(?:model|data|adapter|train|preview|output|llm)\.[a-z][a-z0-9_]*\b")
+# A key set to a value in such a message ("set train.fuse_qkv=true", "train.steps = -5").
+_KEY_SET = re.compile(r"(set\s+|--set\s+)?'?(" + _KEY.pattern + r")\s*=\s*('[^']*'|\"[^\"]*\"|[^\s,;:)]+)'?")
+
+
+def shown_label(key: str, task: str = "sdxl") -> str:
+    """The label the page shows for config key `key`, quoted as messages quote it."""
+    if key in LABELS or (task == "llm" and key in LLM_LABELS):
+        return f"'{label_for(key, task).text}'"
+    return key
+
+
+def page_words(text: str, task: str = "sdxl") -> str:
+    """A message from the config, the planner or a writer in the words of the page: each config key it names as
+    the label the form shows (train.steps -> 'Training steps'), a key set on or off as the box to tick or untick."""
+    def setting(m: re.Match) -> str:
+        verb, key, value = m.group(1), m.group(2), m.group(3)
+        label = shown_label(key, task)
+        if label == key:
+            return m.group(0)
+        if value in ("true", "True"):
+            return f"tick {label}"
+        if value in ("false", "False"):
+            return f"untick {label}"
+        value = value.strip("'\"")
+        return f"set {label} to {value}" if verb else f"{label} = {value}"
+
+    text = _KEY_SET.sub(setting, text)
+    return _KEY.sub(lambda m: shown_label(m.group(0), task), text)
+
+
+def _number(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def must_words(err: dict, task: str = "sdxl") -> str:
+    """What a validation error (pydantic's, or the form's own in that shape) asks of the value, in words."""
+    kind, ctx, msg = err.get("type", ""), err.get("ctx") or {}, str(err.get("msg", ""))
+    bounds = {"greater_than_equal": ("at least", "ge"), "greater_than": ("more than", "gt"),
+              "less_than_equal": ("at most", "le"), "less_than": ("less than", "lt")}
+    if kind in bounds:
+        words, k = bounds[kind]
+        return f"must be {words} {_number(ctx.get(k))}"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}"
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        return "must be a whole number"
+    if kind in ("float_parsing", "float_type", "finite_number"):
+        return "must be a number"
+    if kind in ("bool_parsing", "bool_type"):
+        return "must be ticked or not"
+    if kind == "missing":
+        return "needs a value"
+    if kind == "extra_forbidden":
+        return "is not a setting of this form"
+    return page_words(msg.removeprefix("Value error, ").removeprefix("Assertion failed, "), task)
+
+
+def problem_words(err: dict, task: str = "sdxl") -> str:
+    """One wrong value in the page's words: "'Training steps' must be at least 1, not -5"."""
+    loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
+    field = ""  # none: a section's own check (its loc is the section), or a field the form does not show
+    if ".".join(loc).startswith("data.datasets"):
+        field = f"'{label_for('data.datasets', task).text}'"
+    else:
+        # The longest labelled key the location starts with; what follows is an entry of that field's table
+        # (Per-layer ranks' '*attn2*').
+        for n in range(len(loc), 1, -1):
+            key = ".".join(loc[:n])
+            if shown_label(key, task) != key:
+                rest = ".".join(loc[n:])
+                field = shown_label(key, task) + (f" entry {rest!r}" if rest else "")
+                break
+    value = err.get("input")
+    shown = "" if isinstance(value, (dict, list)) or value is None or err.get("type") == "missing" else \
+        f", not {value!r}" if isinstance(value, str) else f", not {_number(value)}"
+    said = must_words(err, task)
+    if not field:
+        return said[:1].upper() + said[1:]
+    if err.get("type") in ("value_error", "assertion_error"):
+        return f"{field}: {said}"
+    return f"{field} {said}{shown}"
+
+
+def error_words(e: BaseException, task: str = "sdxl") -> str:
+    """An error about the form's settings in the page's words: each wrong value named by its label with what it
+    must be; any other message with the config keys it names as labels."""
+    problems = getattr(e, "problems", None)
+    if problems:
+        return "; ".join(problem_words(p, task) for p in problems)
+    return page_words(str(e), task)

@@ -9,7 +9,8 @@ import gradio as gr
 
 from .folders import Folders, PathRefused
 from .tab_generate import Pipelines
-from .text import error_md, md_text
+from .tab_export import OVERWRITE_EXPORT
+from .text import error_md, md_text, writer_words
 
 DEFAULT_PROMPT = "a red circle on a white background"
 FORMATS = ("kohya", "diffusers")
@@ -72,7 +73,7 @@ class RunView:
 
 
 def _first_prompt(f: Folders, view: RunView) -> str | None:
-    """The first of the run's own preview prompts, where the page may read its file."""
+    """The first of the run's own preview prompts with its options, where the page may read its file."""
     from sdxl_lora.sdxl.preview import read_prompts
 
     path = view.cfg.preview.prompts
@@ -82,7 +83,7 @@ def _first_prompt(f: Folders, view: RunView) -> str | None:
         prompts = read_prompts(f.inside(path, "runs"))
     except (PathRefused, OSError, ValueError):
         return None
-    return prompts[0].prompt if prompts else None
+    return prompts[0].line() if prompts else None  # with its options: the image its previews drew
 
 
 def pick_run(f: Folders, name: str):
@@ -145,11 +146,11 @@ def export(f: Folders, name, label, strength, fmt, title, overwrite):
         written = export_checkpoint(view.dir, ck, float(strength), fmt, out, view.layer_table(), title=stem,
                                     overwrite=bool(overwrite))
     except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
-        return None, error_md(e)
+        return None, error_md(writer_words(e, "file name", OVERWRITE_EXPORT))
     return str(written), (f"{fmt} adapter written: `{written}` ({ck.label} at strength {float(strength):g})")
 
 
-def build(f: Folders, pipes: Pipelines):
+def build(f: Folders, pipes: Pipelines, pickers):
     with gr.Row():
         with gr.Column(scale=2):
             run = gr.Dropdown([], allow_custom_value=True, label="run", elem_id="cmp-run")
@@ -169,7 +170,7 @@ def build(f: Folders, pipes: Pipelines):
                 fmt = gr.Radio(list(FORMATS), value="kohya", label="format", elem_id="cmp-format",
                                info="kohya: ComfyUI, AUTOMATIC1111/Forge, kohya; diffusers: load_lora_weights")
                 title = gr.Textbox(label="file name (empty: run, step and strength)", elem_id="cmp-title")
-                overwrite = gr.Checkbox(False, label="overwrite an existing export", elem_id="cmp-overwrite")
+                overwrite = gr.Checkbox(False, label=OVERWRITE_EXPORT, elem_id="cmp-overwrite")
                 export_btn = gr.Button("Export", elem_id="cmp-export")
                 export_msg = gr.Markdown(elem_id="cmp-export-msg")
                 file = gr.File(label="download", interactive=False, elem_id="cmp-file")
@@ -192,4 +193,4 @@ def build(f: Folders, pipes: Pipelines):
     go.click(do_render, [run, prompts, strengths], [table, gallery, msg])
     export_btn.click(lambda *a: export(f, *a), [run, pick, strength, fmt, title, overwrite], [file, export_msg])
     refresh.click(do_refresh, None, run)
-    return do_refresh, [run]
+    pickers.add(run, lambda: compare_runs(f))

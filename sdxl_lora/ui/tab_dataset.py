@@ -97,6 +97,7 @@ def apply_bulk(f: Folders, items, rows, previewed, what: edit.BulkEdit, scope: s
 
 def _doctor_md(f: Folders, found, suggested: list[str], trigger: str) -> str:
     """The doctor's findings (sdxl/doctor.py, as `dataset inspect` reports them) in the page's words."""
+    from sdxl_lora.sdxl.doctor import lacking
     def names(group) -> str:
         return ", ".join(md_text(edit.file_name(f, str(it.path))) for it in group[:10]) + (" ..." if len(group) > 10
                                                                                           else "")
@@ -110,11 +111,16 @@ def _doctor_md(f: Folders, found, suggested: list[str], trigger: str) -> str:
     if not found.duplicates and not found.near:
         lines.append("No duplicates (identical or near-identical images).")
     missing = [it for group in found.no_trigger.values() for it in group]
-    if not trigger:
+    holding = sum(found.with_trigger.values())
+    if not found.captioned:
+        lines.append("No image has a caption yet: write them in the table, or caption them with a local model "
+                     "(below); an image without one trains on the trigger word and \"What it is\" alone.")
+    elif not trigger:
         lines.append("Type the trigger word and Scan to find the captions that lack it.")
     elif missing:
-        lines.append(f"**{len(missing)} caption(s) lack the trigger word {md_text(repr(trigger))}** (bulk edit "
-                     f"\"add the trigger word where missing\" adds it): {names(missing)}")
+        said, advice = lacking(len(missing), holding, None, trigger)
+        lines.append(f"**{md_text(said)}**: {md_text(advice)} (the bulk edit \"add the trigger word where missing\" "
+                     f"adds it to the caption files): {names(missing)}")
     else:
         lines.append(f"Every caption holds the trigger word {md_text(repr(trigger))}.")
     if found.upscaled:
@@ -141,7 +147,7 @@ def _guarded(fn, *args):
         return None, error_md(e)
 
 
-def build(f: Folders) -> None:
+def build(f: Folders, pickers) -> None:
     folders = image_folders(f.datasets)
     with gr.Row():
         folder = gr.Dropdown(folders, value=folders[0] if folders else None, allow_custom_value=True,
@@ -203,6 +209,8 @@ def build(f: Folders) -> None:
         cap_go = gr.Button("Caption the images without one", elem_id="ds-cap-go")
         cap_msg = gr.Markdown(elem_id="ds-cap-msg")
 
+    pickers.add(folder, lambda: image_folders(f.datasets))
+    pickers.add(cap_model, lambda: edit.captioner_choices(f.models))
     shown = gr.State(None)  # the folder the table shows: a Save or an Apply refreshes its panes
     panes = [status, report, hist, doctor, tags]
     scanned = [items, grid, *panes, shown]
@@ -238,7 +246,12 @@ def build(f: Folders) -> None:
         out, err = _guarded(edit.caption, f, folder, model, ext, overwrite, prefix, on)
         return err or md_text(out)
 
-    scan_btn.click(do_scan, [folder, ext, res, trigger], scanned).then(lambda: None, None, previewed)
+    # The messages of what was done in the folder shown before go with it: another folder, or the same scanned
+    # again, starts without them.
+    messages = [saved, bulk_msg, up_msg, cap_msg]
+    scan_btn.click(do_scan, [folder, ext, res, trigger], scanned).then(
+        lambda: (None, *("" for _ in messages)), None, [previewed, *messages])
+    folder.input(lambda: tuple("" for _ in messages), None, messages, show_progress="hidden")
     save.click(do_save, [items, grid, ext, shown, res, trigger], [items, grid, saved, *panes])
     preview.click(do_preview, [items, grid, op, text, find, replace, scope], [previewed, bulk_msg])
     apply.click(do_apply, [items, grid, previewed, op, text, find, replace, scope, ext, shown, res, trigger],

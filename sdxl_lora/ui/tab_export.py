@@ -13,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 
 from .folders import Folders, PathRefused, model_choices
-from .text import error_md, md_text
+from .text import error_md, md_text, writer_words
 from .tab_generate import adapter_choices, adapter_path
 
 FORMATS = ("kohya", "diffusers", "peft")
@@ -21,6 +21,10 @@ FIXED = "fixed rank"
 RESIZE_METHODS = (FIXED, "sv_fro", "sv_cumulative", "sv_ratio")
 MERGE_SLOTS = 3  # adapters merged at once from the page (the CLI takes any number)
 MERGE_FORMS = ("single file", "diffusers folder")
+# The overwrite checkboxes' labels, which the messages name.
+OVERWRITE_EXPORT = "overwrite an existing export"
+OVERWRITE_MODEL = "overwrite an existing model"
+OVERWRITE_FILE = "overwrite an existing file"
 
 
 def bad_stem(stem: str, what: str) -> str | None:
@@ -100,7 +104,7 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
                                  unet_config=table.unet_config, uniform_alpha=not true_alpha,
                                  overwrite=bool(overwrite), reads=(src, model))
     except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
-        return None, error_md(e)
+        return None, error_md(writer_words(e, "title", OVERWRITE_EXPORT))
     download = written
     if written.is_dir():  # a PEFT adapter is a folder: offer it zipped
         download = Path(shutil.make_archive(str(written), "zip", root_dir=written))
@@ -141,7 +145,7 @@ def extract(f: Folders, base, tuned, rank, conv_rank, method, param, text_encode
         written = export_adapter(done.adapter, out, "kohya", unet_config=layer_table(base_path).unet_config,
                                  overwrite=bool(overwrite), reads=reads)
     except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
-        return None, error_md(e)
+        return None, error_md(writer_words(e, "file name", OVERWRITE_FILE))
     return str(written), f"LoRA extracted: `{written}`. {done.summary()}."
 
 
@@ -166,13 +170,13 @@ def merge(f: Folders, base, name, form, dtype, overwrite, *slots):
         out = f.inside(f"{stem}.safetensors" if form == MERGE_FORMS[0] else stem, "models")
         written = merge_checkpoint(f.model(base), loras, out, dtype=dtype or "auto", overwrite=bool(overwrite))
     except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
-        return error_md(e)
+        return error_md(writer_words(e, "new model's name", OVERWRITE_MODEL))
     said = ", ".join(f"{p.name} at {s:g}" for p, s in loras)
     return (f"Merged {said} into `{written}`: pick `{written.relative_to(f.models)}` as the model in the Train or "
             "Generate tab.")
 
 
-def build(f: Folders):
+def build(f: Folders, pickers):
     models = model_choices(f.models)
     with gr.Row():
         with gr.Column():
@@ -188,6 +192,7 @@ def build(f: Folders):
                 trigger = gr.Textbox(label="trigger phrase", elem_id="exp-trigger")
                 license_ = gr.Textbox(label="license", elem_id="exp-license")
                 write_meta = gr.Checkbox(True, label="write metadata (ss_* / modelspec.*)", elem_id="exp-meta")
+        with gr.Column():
             with gr.Accordion("kohya options", open=False):
                 names = gr.Radio(["sgm", "diffusers"], value="sgm", label="layer names", elem_id="exp-names",
                                  info="sgm: SDXL's original names, what A1111/ComfyUI expect")
@@ -205,9 +210,9 @@ def build(f: Folders):
                                                  "largest)")
                 resize_param = gr.Number(0.9, label="share (sv_fro, sv_cumulative) or factor (sv_ratio)",
                                          elem_id="exp-resize-param")
-            overwrite = gr.Checkbox(False, label="overwrite an existing export", elem_id="exp-overwrite")
+            overwrite = gr.Checkbox(False, label=OVERWRITE_EXPORT, elem_id="exp-overwrite")
             go = gr.Button("Export", variant="primary", elem_id="exp-go")
-        with gr.Column():
+            # Under the button: where the person looks after pressing it.
             msg = gr.Markdown(elem_id="exp-msg")
             file = gr.File(label="download", interactive=False, elem_id="exp-file")
     with gr.Accordion("Merge adapters into a checkpoint", open=False), gr.Row():
@@ -220,15 +225,15 @@ def build(f: Folders):
                     m_slots.append(gr.Dropdown([], allow_custom_value=True, label=f"adapter {i + 1}",
                                                elem_id=f"mrg-adapter-{i}"))
                     m_slots.append(gr.Number(1.0, label="strength", elem_id=f"mrg-strength-{i}"))
+        with gr.Column():
             m_name = gr.Textbox(label="new model's name", elem_id="mrg-name")
             m_form = gr.Radio(list(MERGE_FORMS), value=MERGE_FORMS[0], label="written as", elem_id="mrg-form",
                               info="single file: models/NAME.safetensors (ComfyUI, A1111/Forge); diffusers folder: "
                                    "models/NAME")
             m_dtype = gr.Radio(["auto", "fp16", "bf16", "fp32"], value="auto", label="dtype", elem_id="mrg-dtype",
                                info="auto: the base's own")
-            m_overwrite = gr.Checkbox(False, label="overwrite an existing model", elem_id="mrg-overwrite")
+            m_overwrite = gr.Checkbox(False, label=OVERWRITE_MODEL, elem_id="mrg-overwrite")
             m_go = gr.Button("Merge", variant="primary", elem_id="mrg-go")
-        with gr.Column():
             m_msg = gr.Markdown(elem_id="mrg-msg")
     with gr.Accordion("Extract a LoRA from a fine-tuned model", open=False), gr.Row():
         with gr.Column():
@@ -244,11 +249,11 @@ def build(f: Folders):
                                    info="as for resize: a fixed rank, or per layer the fewest ranks (at most the "
                                         "rank above) that keep a share of the difference")
             x_param = gr.Number(0.9, label="share (sv_fro, sv_cumulative) or factor (sv_ratio)", elem_id="ext-param")
+        with gr.Column():
             x_te = gr.Checkbox(True, label="the text encoders' layers too", elem_id="ext-te")
             x_name = gr.Textbox(label="file name (empty: the tuned model's name + '-extracted')", elem_id="ext-name")
-            x_overwrite = gr.Checkbox(False, label="overwrite an existing file", elem_id="ext-overwrite")
+            x_overwrite = gr.Checkbox(False, label=OVERWRITE_FILE, elem_id="ext-overwrite")
             x_go = gr.Button("Extract", variant="primary", elem_id="ext-go")
-        with gr.Column():
             x_msg = gr.Markdown(elem_id="ext-msg")
             x_file = gr.File(label="download", interactive=False, elem_id="ext-file")
 
@@ -268,7 +273,11 @@ def build(f: Folders):
              [file, msg])
     refreshed = [source, x_base, x_tuned, m_base, *merge_picks]
     refresh.click(do_refresh, None, refreshed)
+    pickers.add(source, lambda: source_choices(f))
+    for d in (x_base, x_tuned, m_base):
+        pickers.add(d, lambda: model_choices(f.models))
+    for d in merge_picks:
+        pickers.add(d, lambda: adapter_choices(f))
     m_go.click(lambda *a: merge(f, *a), [m_base, m_name, m_form, m_dtype, m_overwrite, *m_slots], m_msg)
     x_go.click(do_extract, [x_base, x_tuned, x_rank, x_conv, x_method, x_param, x_te, x_name, x_overwrite],
                [x_file, x_msg])
-    return do_refresh, refreshed

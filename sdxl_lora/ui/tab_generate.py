@@ -1,5 +1,6 @@
 """Generate tab: a base model and up to three adapters with strengths; the base alone and the base with the
-adapters rendered side by side at the same seed (sdxl_lora.sdxl.preview.render, as `sdxl-lora generate`)."""
+adapters rendered side by side at the same seed, as `sdxl-lora generate`, a run's previews and the Compare tab
+render (sdxl_lora.sdxl.preview.render with its Sampler, the adapters merged: sdxl/merge.py applied)."""
 from __future__ import annotations
 
 import threading
@@ -14,10 +15,13 @@ N_ADAPTERS = 3
 
 
 def adapter_choices(f: Folders) -> list[str]:
-    """Adapter files the page offers: each run's adapters and exports (runs/...) and models/loras/ (models/...)."""
+    """Adapter files the page offers: each run's adapter once (its kohya file, the one people take elsewhere; the
+    diffusers twin beside it is the same adapter), its exports (runs/...), and models/loras/ (models/...)."""
     out = []
     for run in sorted(p for p in f.runs.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        for p in sorted(run.glob("*.safetensors")) + sorted((run / "exports").glob("*.safetensors")):
+        own = [p for p in sorted(run.glob("*.safetensors")) if p.name != f"{run.name}.diffusers.safetensors"
+               or not (run / f"{run.name}.safetensors").is_file()]
+        for p in own + sorted((run / "exports").glob("*.safetensors")):
             out.append(f"runs/{p.relative_to(f.runs)}")
     loras = f.models / "loras"
     if loras.is_dir():
@@ -30,6 +34,18 @@ def adapter_path(f: Folders, choice: str) -> Path:
     if kind not in ("runs", "models") or not rel:
         raise PathRefused(f"{choice}: pick an adapter from the list (runs/... or models/loras/...)")
     return f.inside(rel, kind)
+
+
+def rendered_file(f: Folders, path: Path) -> Path:
+    """The file a render reads for adapter `path`: for a run's own adapter its diffusers twin where there is one,
+    which holds the trained weights as they are, as the run's previews and Compare read them (the kohya file gives
+    every layer one alpha, folding the rest into the weights: the same adapter to float rounding)."""
+    from sdxl_lora.sdxl.compare import final_adapter
+
+    run = path.parent
+    if run.parent == f.runs and path.name == f"{run.name}.safetensors":
+        return final_adapter(run) or path
+    return path
 
 
 class Pipelines:
@@ -63,7 +79,7 @@ def generate(f: Folders, pipes: Pipelines, model, prompt, negative, seed, steps,
              progress=gr.Progress()):
     from sdxl_lora.sdxl.merge import applied
     from sdxl_lora.sdxl.model import native_resolution
-    from sdxl_lora.sdxl.preview import render
+    from sdxl_lora.sdxl.preview import Sampler, render
 
     chosen = [(a, float(s)) for a, s in zip(adapter_args[::2], adapter_args[1::2]) if a]
     if not prompt or not prompt.strip():
@@ -73,20 +89,20 @@ def generate(f: Folders, pipes: Pipelines, model, prompt, negative, seed, steps,
         pipe = pipes.get(model)
         side = int(size) if size else native_resolution(pipe)
         kw = dict(seed=int(seed), steps=int(steps), guidance=float(guidance), width=side, height=side,
-                  negative=negative or None)
+                  negative=negative or None, sampler=Sampler())
         progress(0.3, desc="base")
         base = render(pipe, [prompt], **kw)[0]
         if not chosen:
             return base, None, f"base only (seed {int(seed)}, {side}x{side}); pick an adapter to compare"
-        # Plain LoRA files loaded, the other kinds merged into the weights for this render (sdxl/merge.py: applied).
-        with applied(pipe, [(adapter_path(f, c), s) for c, s in chosen], name="ui"):
+        # Merged into the weights for this render, as the run's previews and Compare apply it (sdxl/merge.py).
+        with applied(pipe, [(rendered_file(f, adapter_path(f, c)), s) for c, s in chosen]):
             progress(0.65, desc="with adapters")
             tuned = render(pipe, [prompt], **kw)[0]
     used = ", ".join(f"{Path(c).name} x {s:g}" for c, s in chosen)
     return base, tuned, f"seed {int(seed)}, {side}x{side}, {int(steps)} steps; adapters: {used}"
 
 
-def build(f: Folders, pipes: Pipelines):
+def build(f: Folders, pipes: Pipelines, pickers):
     with gr.Row():
         with gr.Column(scale=2):
             model = gr.Dropdown(model_choices(f.models), value=TINY, allow_custom_value=True, label="base model",
@@ -129,4 +145,6 @@ def build(f: Folders, pipes: Pipelines):
 
     go.click(do_generate, [model, prompt, negative, seed, steps, guidance, size, *rows], [base_img, tuned_img, msg])
     refresh.click(do_refresh, None, rows[::2])
-    return do_refresh, rows[::2]  # run on each page load: runs finish while the server runs
+    pickers.add(model, lambda: model_choices(f.models))
+    for a in rows[::2]:
+        pickers.add(a, lambda: adapter_choices(f))

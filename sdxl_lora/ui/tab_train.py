@@ -17,14 +17,14 @@ from sdxl_lora.core.config import (Config, ConfigError, SAMPLE_DATA, kind_recomm
 from sdxl_lora.core.fsutil import atomic_write_text
 from sdxl_lora.core.runs import read_events
 
-from . import dataset_table
+from . import config_file, dataset_table
 from .folders import TINY, TINY_LLM, Folders, PathRefused, image_folders, jsonl_files, llm_model_choices, model_choices
 from .summary import CARD_FIELDS, GOAL_FIELDS, card_choices, card_fill, goal_fill, run_summary
 from .text import error_md, md_text
 from .form import PATH_FIELDS, FieldSpec, build_config, follow_kind, schema_fields, to_widget_value
 from .duplicate import form_for, form_values
-from .jobs import Jobs, run_status
-from .labels import GROUPS, LABELS, label_for
+from .jobs import Jobs, RunStatus, run_status
+from .labels import DATASET_COLUMNS, GROUPS, LABELS, error_words, label_for
 
 
 # ----------------------------------------------------------------------------------------- the form
@@ -48,6 +48,8 @@ def _widget(spec: FieldSpec, elem_prefix: str = "f-", task: str = "sdxl"):
     if spec.kind in ("int", "float"):
         return gr.Number(value=value, label=label, info=info, precision=0 if spec.kind == "int" else None,
                          elem_id=elem_id)
+    if spec.kind == "lines":
+        return gr.Textbox(value=value, label=label, info=info, elem_id=elem_id, lines=4, max_lines=12)
     return gr.Textbox(value=value, label=label, info=info, elem_id=elem_id)
 
 
@@ -59,6 +61,13 @@ def _default_prompts() -> str:
     # The demo base's prompts (what preview.prompts unset gives it) ship with the repository: shown to edit.
     p = SAMPLE_DATA / "prompts.txt"
     return p.read_text(encoding="utf-8") if p.is_file() else ""
+
+
+def model_default_prompts(text: str | None) -> bool:
+    """Whether the preview prompts box holds what the page put there, the demo base's prompts: that means the
+    model's own previews (preview.prompts unset), the same prompts for the demo base and a few of the dataset's
+    captions for another model, whose previews would otherwise be the demo's shapes."""
+    return bool(text and text.strip()) and text.strip() == _default_prompts().strip()
 
 
 def _default_data(f: Folders, defaults: list[str], choices: list[str], keep: int) -> list[str]:
@@ -87,7 +96,8 @@ class Form:
         self.specs = [s for s in schema_fields(task=task) if s.key not in PATH_FIELDS and s.key != "task"
                       and s.key != self.data_key and not s.key.startswith(other) and task in s.tasks]
         self.widgets: dict[str, gr.components.Component] = {}
-        self.table = None  # the per-dataset settings (SDXL): the last of the inputs
+        self.table = None  # the per-dataset settings' rows (SDXL): the last of the inputs
+        self.table_edits: list = []  # the events of a person's edit of a per-dataset box
         self.followers: list[tuple] = []  # (fn, outputs, concurrency id): what `follow` keeps up to date
 
     def render(self) -> None:
@@ -119,8 +129,10 @@ class Form:
                 self.model = gr.Dropdown(models, value=models[0], allow_custom_value=True, elem_id=f"{p}model-path",
                                          label=words.text, info=words.help)
             elif key == self.data_key:
+                self.data_help = words.help
                 self.dirs = gr.Dropdown(data, value=data_value, multiselect=True, allow_custom_value=True,
-                                        label=words.text, elem_id=f"{p}data", info=words.help)
+                                        label=words.text, elem_id=f"{p}data",
+                                        info=words.help if data else self.no_data())
                 if task == "sdxl":
                     self.render_table(data_value)
             elif key == "model.tokenizer":
@@ -157,16 +169,82 @@ class Form:
             self.prompts = gr.Textbox("", visible=False)
 
     def render_table(self, dirs: list[str]) -> None:
-        """The per-dataset settings, folded under the folder picker: one row per picked folder (the tab has them
-        follow the picker, with its summary line)."""
+        """The per-dataset settings, folded under the folder picker: what each picked folder sets, and boxes with
+        one folder's settings (picked above them) to change. The rows themselves (`table`, one per picked folder,
+        following the picker) are the page's state: a box per setting keeps its label whole at any width, and takes
+        what is typed as any text box does."""
+        p = self.prefix
         words = label_for("data.datasets", self.task)
-        with gr.Accordion(words.text, open=False, elem_id=f"{self.prefix}acc-datasets"):
+        rows = dataset_table.follow(dirs, [])
+        with gr.Accordion(words.text, open=False, elem_id=f"{p}acc-datasets"):
             gr.Markdown(words.help)
-            self.table = gr.Dataframe(dataset_table.follow(dirs, []), headers=dataset_table.HEADERS,
-                                      datatype=dataset_table.DATATYPES, type="array", interactive=True,
-                                      static_columns=[0], show_label=False, wrap=True,
-                                      column_widths=["12%", "9%", "12%", "17%", "10%", "10%", "9%", "10%", "11%"],
-                                      elem_id=f"{self.prefix}datasets")
+            self.table = gr.State(rows)
+            self.table_view = gr.Markdown(dataset_table.describe(rows), elem_id=f"{p}datasets")
+            self.ds_folder = gr.Dropdown(list(dirs), value=dirs[0] if dirs else None, label="folder",
+                                         info="the picked folder whose settings the boxes below show",
+                                         elem_id=f"{p}ds-folder")
+            self.ds_cells = []
+            values = dataset_table.cells(rows, dirs[0] if dirs else None)
+            per_row = 3
+            for start in range(0, len(dataset_table.COLUMNS), per_row):
+                with gr.Row():
+                    for (field, kind), value in zip(dataset_table.COLUMNS[start:start + per_row],
+                                                    values[start:start + per_row]):
+                        label, eid = DATASET_COLUMNS[field], f"{p}ds-{field.replace('_', '-')}"
+                        self.ds_cells.append(gr.Checkbox(value, label=label, elem_id=eid) if kind == "bool" else
+                                             gr.Textbox(value, label=label, placeholder="the run's", elem_id=eid))
+
+        def shown(folder, rows):
+            return dataset_table.cells(rows, folder)
+
+        def set_cell(index: int, tick: bool):
+            def handler(rows, folder, value):
+                rows = dataset_table.with_cell(rows, folder, index, value)
+                # A tick box shows what was written (a folder's values shown a moment after its click would undo
+                # the tick on screen); a text box is left alone, as the person may type on meanwhile.
+                return rows, dataset_table.describe(rows), (value if tick else gr.skip())
+            return handler
+
+        # One at a time, in the order asked: each edit reads the rows the one before it wrote, and a folder's
+        # values are shown before an edit of them is written.
+        cid = f"{p}ds-cells"
+        self.ds_folder.input(shown, [self.ds_folder, self.table], self.ds_cells, show_progress="hidden",
+                             concurrency_id=cid)
+        for i, c in enumerate(self.ds_cells):
+            tick = isinstance(c, gr.Checkbox)
+            events = [c.input] if tick else [c.input, c.blur]
+            self.table_edits.append(gr.on(events, set_cell(i, tick), [self.table, self.ds_folder, c],
+                                          [self.table, self.table_view, c], trigger_mode="always_last",
+                                          show_progress="hidden", concurrency_id=cid))
+
+    def editor(self, dirs, rows, folder):
+        """The per-dataset boxes for the picked folders `dirs` and their `rows`: the folder picker (kept on
+        `folder` while it is picked), the list of what each sets, the boxes' values."""
+        dirs = list(dirs or [])
+        folder = folder if folder in dirs else (dirs[0] if dirs else None)
+        return (gr.update(choices=dirs, value=folder), dataset_table.describe(rows),
+                *dataset_table.cells(rows, folder))
+
+    @property
+    def editor_outputs(self) -> list:
+        return [self.ds_folder, self.table_view, *self.ds_cells] if self.table is not None else []
+
+    def add_pickers(self, pickers) -> None:
+        """The model and data pickers' choices read from the folders again when opened (ui/pickers.py)."""
+        f = self.f
+        if self.task == "sdxl":
+            pickers.add(self.model, lambda: model_choices(f.models))
+            pickers.add(self.dirs, lambda: image_folders(f.datasets), self.no_data(), self.data_help)
+        else:
+            pickers.add(self.model, lambda: llm_model_choices(f.models))
+            pickers.add(self.dirs, lambda: jsonl_files(f.datasets), self.no_data(), self.data_help)
+
+    def no_data(self) -> str:
+        """The data picker's help while the datasets folder holds nothing it lists: where to put it."""
+        what = ("folders of images with their captions" if self.task == "sdxl" else
+                ".jsonl files of instructions or chats (one example a line)")
+        return (f"Nothing to pick: the datasets folder {self.f.datasets} holds no {what}. Put them there (the Dataset "
+                "tab uploads images), or start the UI with --datasets naming the folder that holds them.")
 
     @property
     def inputs(self) -> list:
@@ -182,6 +260,8 @@ class Form:
         `change`."""
         events = []
         for c in self.inputs if widgets is None else widgets:
+            if isinstance(c, gr.State):  # the per-dataset rows: their boxes' edits (table_edits) change them
+                continue
             events += [c.input, c.blur] if isinstance(c, gr.Textbox) else [c.input]
         return events
 
@@ -204,6 +284,9 @@ class Form:
         again.__name__ = fn.__name__
         gr.on([*on, *self.user_edits(widgets)], again, self.inputs, outputs, trigger_mode="always_last",
               show_progress="hidden", concurrency_id=cid)
+        if widgets is None or any(w is self.table for w in widgets):
+            for edit in self.table_edits:  # after a per-dataset box's edit has changed the rows
+                edit.then(again, self.inputs, outputs, show_progress="hidden", concurrency_id=cid)
         self.followers.append((again, outputs, cid))
         return cid
 
@@ -212,6 +295,9 @@ class Form:
         adapter kind's recommendations) ends, instead of once per field it set."""
         for fn, outputs, cid in self.followers:
             event.then(fn, self.inputs, outputs, show_progress="hidden", concurrency_id=cid)
+        if self.table is not None:  # the per-dataset boxes show the rows the fill put in
+            event.then(self.editor, [self.dirs, self.table, self.ds_folder], self.editor_outputs,
+                       show_progress="hidden")
 
     def config(self, values: list, name: str | None, prompts_file: Path | None) -> Config:
         """The run's config from the form's values (`inputs` order; without the per-dataset table's, every folder
@@ -220,7 +306,8 @@ class Form:
         model, dirs, tokenizer, _prompts, *rest = values
         rest, table = rest[:len(self.widgets)], rest[len(self.widgets):]
         if not dirs:
-            raise ConfigError(f"{self.data_key}: pick at least one under the datasets folder")
+            raise ConfigError(f"{label_for(self.data_key, self.task).text}: pick at least one under the datasets "
+                              f"folder {self.f.datasets}")
         embedded = TINY if self.task == "sdxl" else TINY_LLM
         paths = [str(self.f.inside(d, "datasets")) for d in dirs]
         datasets = dataset_table.tables(self.f, dirs, table[0]) if table and self.task == "sdxl" else []
@@ -229,8 +316,11 @@ class Form:
             "model.cache_dir": str(self.f.models),
             **({"data.datasets": datasets} if datasets else {self.data_key: paths}),
             "output.runs_dir": str(self.f.runs),
-            "preview.prompts": str(prompts_file) if prompts_file else "",
         }
+        if self.task == "sdxl" and not model_default_prompts(_prompts):
+            fixed["preview.prompts"] = str(prompts_file) if prompts_file else ""
+        # else left unset: the model's own previews (the demo base's prompts, shown in the box; a few of the
+        # dataset's captions for any other model)
         if "task" in Config.model_fields:
             fixed["task"] = self.task
         if tokenizer and tokenizer.strip():
@@ -265,7 +355,11 @@ def plan_view(cfg: Config):
                f"preset {cfg.adapter.preset}, base rank {plan.base_rank} at resolution {resolution} "
                f"(native {native})")
     est = planned.memory
-    summary += f"\n\nEstimated peak GPU memory (bf16 unless set): **{est.total / 2**30:.2f} GiB**\n\n```\n{est.format()}\n```"
+    # Not the summary line's peak: that one is the whole process's in its largest phase (this step, the CUDA
+    # context, the encoders and VAE, the previews); two figures on one screen say which is which.
+    summary += (f"\n\nEstimated peak of one training step (the UNet, adapter, optimizer and activations; bf16 unless "
+                f"set): **{est.total / 2**30:.2f} GiB**. The line above Start gives the whole run's peak, which adds the "
+                f"CUDA context, the text encoders and VAE, and the previews.\n\n```\n{est.format()}\n```")
     return rows, summary
 
 
@@ -275,6 +369,8 @@ def _progress_html(st) -> str:
     total = st.total or 0
     pct = 100.0 * st.step / total if total else 0.0
     bits = [f"<b>{html.escape(st.name)}</b>", html.escape(st.state)]
+    if st.alive and st.phase:  # between steps: what it does now, where the step count stands still
+        bits.append(f'<span class="run-phase">{html.escape(st.phase)}</span>')
     if total:
         bits.append(f"step {st.step}/{total}")
     if not math.isnan(st.loss):
@@ -284,7 +380,7 @@ def _progress_html(st) -> str:
     if st.tokens_per_s:
         bits.append(f"{st.tokens_per_s:,.0f} tokens/s")
     if st.alive and st.eta_s is not None:
-        bits.append(f"eta {st.eta_s:.0f} s")
+        bits.append(f"eta {st.eta_s:.0f} s")  # the previews and evaluations still due included (jobs.py)
     if st.gpu_mem_gib is not None:
         bits.append(f"GPU memory {st.gpu_mem_gib:.1f} GiB (peak {st.gpu_peak_gib:.1f})")
     msg = f"<div>{html.escape(st.message)}</div>" if st.message else ""
@@ -328,11 +424,73 @@ def _previews(events: list[dict]) -> list[tuple[str, str]]:
     return out[::-1]
 
 
+def _answers(events: list[dict]) -> str:
+    """An LLM run's preview answers (samples/answers-stepN.json), each prompt with its answer at the first and the
+    latest step that answered it, for the run view (Markdown; "" for a run without any)."""
+    import json
+
+    sets = []
+    for e in events:
+        if e.get("event") == "samples":
+            for p in e.get("paths", []):
+                if Path(p).name.startswith("answers-step") and Path(p).with_suffix(".json").is_file():
+                    sets.append((e.get("step", 0), Path(p).with_suffix(".json")))
+    if not sets:
+        return ""
+    shown = [sets[0]] + ([sets[-1]] if len(sets) > 1 else [])
+    read = []
+    for step, path in shown:
+        try:
+            read.append((step, json.loads(path.read_text(encoding="utf-8"))))
+        except (OSError, ValueError):
+            continue
+    lines = ["**Preview answers**"]
+    for i, entry in enumerate(read[0][1] if read else []):
+        lines.append(f"**{md_text(entry.get('prompt', ''))}**")
+        for step, answers in read:
+            answer = answers[i].get("answer", "") if i < len(answers) else ""
+            said = md_text(answer.strip()).replace("\n", "<br>") if answer.strip() else "*(an empty answer)*"
+            lines.append(f"> step {step}: {said}")
+    return "\n\n".join(lines)
+
+
+def runs_view(jobs: Jobs, selected: str | None, seen_sig, follow: str | None = None) -> tuple:
+    """The Runs panel: the table, the run picker, the selected run's progress line, charts, previews and log, and
+    the signature of what was drawn (skipped where it has not changed since `seen_sig`). `follow`: the run the page
+    was asked to show (Start, Resume), shown whatever the picker sent: a refresh that began before Start answered
+    would otherwise put the previous run back in the picker. A person's pick clears it."""
+    runs = jobs.runs()
+    names = [s.name for s in runs]
+    if follow:
+        selected = follow
+        if follow not in names:  # between its queue entry and its process: about to start
+            runs.insert(0, RunStatus(name=follow, dir=jobs.f.runs / follow, state="starting"))
+            names.insert(0, follow)
+    table = [[s.name, s.state, f"{s.step}/{s.total}" if s.total else "",
+              "" if math.isnan(s.loss) else f"{s.loss:.4f}"] for s in runs]
+    if not selected or selected not in names:
+        selected = names[0] if names else None
+    st = next((s for s in runs if s.name == selected), None)
+    if st is None:
+        return table, gr.update(choices=names, value=selected), "", gr.skip(), gr.skip(), gr.skip(), "", None, ""
+    ev_path = st.dir / "events.jsonl"
+    sig = (selected, ev_path.stat().st_mtime_ns if ev_path.exists() else 0, st.state, tuple(names))
+    if sig == seen_sig:
+        return (table, gr.skip(), _progress_html(st), gr.skip(), gr.skip(), gr.skip(), gr.skip(), seen_sig, gr.skip())
+    events = read_events(ev_path)
+    st = run_status(st.dir, events) if st.state not in ("queued", "starting") or events else st
+    loss_df, lr_df = _charts(events)
+    return (table, gr.update(choices=names, value=selected), _progress_html(st), loss_df, lr_df,
+            _previews(events), jobs.log_tail(selected), sig, _answers(events))
+
+
 def form_config(form: Form, values: list, name: str | None) -> Config:
     """The form's config; for a run (a name), its preview prompts saved under runs/.ui/prompts/."""
     prompts = values[3]
     prompts_file = None
-    if name is not None and prompts and prompts.strip():
+    if model_default_prompts(prompts):
+        pass  # the model's own previews: nothing to write (Form.config leaves preview.prompts unset)
+    elif name is not None and prompts and prompts.strip():
         prompts_file = form.f.ui / "prompts" / f"{name}.txt"
         atomic_write_text(prompts_file, prompts.strip() + "\n")
     elif name is None and prompts and prompts.strip():
@@ -351,31 +509,35 @@ def duplicate_values(form: Form, jobs: Jobs, name: str) -> tuple[list, str, list
 
 
 def start_run(form: Form, jobs: Jobs, values: list):
-    """Start (or queue) a run of the form's config: (message, the runs dropdown's update)."""
+    """Start (or queue) a run of the form's config: (message, the runs dropdown's update, the run the Runs panel
+    follows: `runs_view`'s follow)."""
     try:
         name = jobs.unique_name(form.name_value(values))
         cfg = form_config(form, values, name)
     except (ConfigError, PathRefused, FileExistsError, ValueError) as e:
-        return error_md(e), gr.skip()
+        return error_md(error_words(e, form.task)), gr.skip(), gr.skip()
     jobs.enqueue_train(cfg)
     started = jobs.tick()
     busy = jobs.busy()
     where = "started" if started == name else f"queued (after {busy})" if busy else "queued"
-    return f"run **{name}** {where}", gr.update(value=name)
+    return f"run **{name}** {where}", gr.update(value=name), name
 
 
-def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
+def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None, pickers=None):
     form = Form(f)
     with gr.Row():
         with gr.Column(scale=5):
             gr.Markdown("### New run")
             form.render()
+            if pickers is not None:
+                form.add_pickers(pickers)
             # What the run will train and need, kept up to date as the form changes (ui/summary.py).
             summary_line = gr.Markdown(elem_id="train-summary")
             with gr.Row():
                 plan_btn = gr.Button("Show plan", elem_id="train-plan")
                 start_btn = gr.Button("Start", variant="primary", elem_id="train-start")
             start_msg = gr.Markdown(elem_id="train-start-msg")
+            config_file.build(form, pickers)
             plan_summary = gr.Markdown(elem_id="train-plan-summary")
             plan_table = gr.Dataframe(headers=["part", "level", "block", "kind", "proj", "rank", "alpha", "modules",
                                                "params", "MB"], label="plan (slots, ranks, parameters)",
@@ -389,6 +551,10 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
                 stop_btn = gr.Button("Stop", elem_id="run-stop", scale=1)
                 resume_btn = gr.Button("Resume", elem_id="run-resume", scale=1)
                 duplicate_btn = gr.Button("Duplicate as new run", elem_id="run-duplicate", scale=1)
+            with gr.Row():
+                # While it trains: previews or a saved state at the step it is at, without stopping it.
+                sample_btn = gr.Button("Sample now", size="sm", elem_id="run-sample-now")
+                save_btn = gr.Button("Save now", size="sm", elem_id="run-save-now")
             action_msg = gr.Markdown(elem_id="run-action-msg")
             progress = gr.HTML(elem_id="run-progress-box")
             with gr.Row():
@@ -398,9 +564,11 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
                                       y_axis_format=".1e", elem_id="run-lr", scale=2)
             previews = gr.Gallery(label="previews (newest first)", columns=3, height=260, object_fit="contain",
                                   elem_id="run-previews")
+            answers = gr.Markdown(elem_id="run-answers")  # an LLM run's preview answers
             with gr.Accordion("log", open=False):
                 log_box = gr.Textbox(lines=12, max_lines=12, show_label=False, elem_id="run-log")
     seen = gr.State(None)
+    follow = gr.State(None)  # the run Start or Resume asked the panel to show (runs_view)
     timer = gr.Timer(1.0)
 
     def make_config(values, name):
@@ -410,14 +578,14 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
         try:
             rows, summary = plan_view(make_config(list(values), None))
         except (ConfigError, PathRefused, FileNotFoundError, ValueError) as e:
-            return gr.skip(), error_md(e)
+            return gr.skip(), error_md(error_words(e, form.task))
         return rows, summary
 
     def summarize(*values):
         try:
             return md_text(run_summary(make_config(list(values), None)))
         except (ConfigError, PathRefused, FileNotFoundError, ValueError) as e:
-            return error_md(e)
+            return error_md(error_words(e, form.task))
 
     def start(*values):
         return start_run(form, jobs, list(values))
@@ -447,39 +615,27 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
         except (ConfigError, PathRefused, FileNotFoundError, ValueError):
             return gr.skip()
 
-    def refresh(selected, seen_sig):
-        runs = jobs.runs()
-        table = [[s.name, s.state, f"{s.step}/{s.total}" if s.total else "",
-                  "" if math.isnan(s.loss) else f"{s.loss:.4f}"] for s in runs]
-        names = [s.name for s in runs]
-        if not selected or selected not in names:
-            selected = names[0] if names else None
-        st = next((s for s in runs if s.name == selected), None)
-        if st is None:
-            return table, gr.update(choices=names, value=selected), "", gr.skip(), gr.skip(), gr.skip(), "", None
-        ev_path = st.dir / "events.jsonl"
-        sig = (selected, ev_path.stat().st_mtime_ns if ev_path.exists() else 0, st.state, tuple(names))
-        if sig == seen_sig:
-            return (table, gr.skip(), _progress_html(st), gr.skip(), gr.skip(), gr.skip(), gr.skip(), seen_sig)
-        events = read_events(ev_path)
-        st = run_status(st.dir, events) if st.state != "queued" else st
-        loss_df, lr_df = _charts(events)
-        return (table, gr.update(choices=names, value=selected), _progress_html(st), loss_df, lr_df,
-                _previews(events), jobs.log_tail(selected), sig)
-
     def stop(selected):
         try:
             return f"{jobs.stop(selected)}"
         except (ValueError, PathRefused) as e:
             return error_md(e)
 
+    def ask(what: str):
+        def handler(selected):
+            try:
+                return jobs.ask(selected, what)
+            except (ValueError, PathRefused, FileNotFoundError) as e:
+                return error_md(e)
+        return handler
+
     def resume(selected):
         try:
             jobs.enqueue_resume(selected)
         except (ValueError, PathRefused, FileNotFoundError) as e:
-            return error_md(e)
+            return error_md(e), gr.skip()
         started = jobs.tick()
-        return f"{selected}: resuming" if started == selected else f"{selected}: queued to resume"
+        return (f"{selected}: resuming" if started == selected else f"{selected}: queued to resume"), selected
 
     load = [demo.load] if demo is not None else []
     # Not blocking: the line follows the form. The fields whose handlers fill others (the presets, the adapter
@@ -489,20 +645,21 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
                              on=load)
     plan_btn.click(show_plan, form.inputs, [plan_table, plan_summary])
     plan_btn.click(summarize, form.inputs, summary_line, show_progress="hidden", concurrency_id=summary_id)
-    start_btn.click(start, form.inputs, [start_msg, run_pick])
+    start_btn.click(start, form.inputs, [start_msg, run_pick, follow])
 
     def follow_folders(*values):
         # The rows follow the picked folders (a person's pick, or a folder typed in, which fires no `input`), and
         # the line with them. A table that already holds the picked folders' rows was set with the picker
         # (Duplicate), whose follow-up computes the line: nothing to do.
-        dirs, table = values[1], values[-1]
+        dirs, table, folder = values[1], values[-2], values[-1]
         if dataset_table.holds(dirs, table):
-            return gr.skip(), gr.skip()
+            return gr.skip(), gr.skip(), *(gr.skip() for _ in form.editor_outputs)
         rows = dataset_table.follow(dirs, table)
-        return rows, summarize(*values[:-1], rows)
+        return rows, summarize(*values[:-2], rows), *form.editor(dirs, rows, folder)
 
     if form.table is not None:
-        form.dirs.change(follow_folders, form.inputs, [form.table, summary_line], trigger_mode="always_last",
+        form.dirs.change(follow_folders, [*form.inputs, form.ds_folder],
+                         [form.table, summary_line, *form.editor_outputs], trigger_mode="always_last",
                          show_progress="hidden", concurrency_id=summary_id)
     if "card" in form.widgets:
         card, goal = form.widgets["card"], form.widgets["goal"]
@@ -534,12 +691,16 @@ def build(f: Folders, jobs: Jobs, demo: gr.Blocks | None = None):
         form.after_fill(form.widgets["adapter.kind"].input(
             on_kind, [form.widgets["adapter.kind"], *form.inputs], [form.widgets[k] for k in followers],
             trigger_mode="always_last"))
-    outputs = [runs_table, run_pick, progress, loss_plot, lr_plot, previews, log_box, seen]
-    timer.tick(refresh, [run_pick, seen], outputs, show_progress="hidden")
-    run_pick.input(lambda sel: refresh(sel, None), run_pick, outputs)
+    outputs = [runs_table, run_pick, progress, loss_plot, lr_plot, previews, log_box, seen, answers]
+    timer.tick(lambda sel, sig, run: runs_view(jobs, sel, sig, run), [run_pick, seen, follow], outputs,
+               show_progress="hidden")
+    # A person's pick: that run, and the panel no longer follows the one Start showed.
+    run_pick.input(lambda sel: (*runs_view(jobs, sel, None), None), run_pick, [*outputs, follow])
     stop_btn.click(stop, run_pick, action_msg)
-    resume_btn.click(resume, run_pick, action_msg)
-    return Runs(FormTab(form, "train", start_msg), run_pick, duplicate_btn, action_msg)
+    sample_btn.click(ask("sample"), run_pick, action_msg)
+    save_btn.click(ask("save"), run_pick, action_msg)
+    resume_btn.click(resume, run_pick, [action_msg, follow])
+    return Runs(FormTab(form, "train", start_msg), run_pick, duplicate_btn, action_msg, follow)
 
 
 @dataclass
@@ -552,11 +713,13 @@ class FormTab:
 
 @dataclass
 class Runs:
-    """What the page wires across tabs: the Train tab's form, the runs picker, Duplicate and its message line."""
+    """What the page wires across tabs: the Train tab's form, the runs picker, Duplicate and its message line, and
+    the run the Runs panel follows (a Start on another tab sets it)."""
     form_tab: FormTab
     pick: gr.Dropdown
     duplicate: gr.Button
     message: gr.Markdown
+    follow: gr.State
 
 
 def duplicated(jobs: Jobs, form_tabs: list[FormTab], selected: str) -> list:

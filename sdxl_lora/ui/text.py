@@ -14,3 +14,14 @@ def md_text(text: str) -> str:
 def error_md(message) -> str:
     """An error for a Markdown message box: "**Error:**" and the message as written."""
     return f"**Error:** {md_text(message)}"
+
+
+_PASS_OVERWRITE = "choose another path or pass overwrite=True (--overwrite)"
+_OVERWRITE_FLAG = "(--overwrite does not change this)"
+
+
+def writer_words(message, name_box: str, overwrite_box: str) -> str:
+    """A writer's refusal (core/fsutil.check_destination) in the words of the page that asked for the write: the
+    box that names the file and the overwrite checkbox by their labels, instead of the CLI's path and flag."""
+    text = str(message).replace(_PASS_OVERWRITE, f"type another {name_box}, or tick '{overwrite_box}'")
+    return text.replace(_OVERWRITE_FLAG, f"(ticking '{overwrite_box}' does not change this)")
