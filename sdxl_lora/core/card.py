@@ -41,7 +41,7 @@ class Card:
         return f"{round(self.total / GiB):g} GB"
 
     def describe(self) -> str:
-        """"this 24 GB card (NVIDIA GeForce RTX 4090, 23.1 GiB free; a 23 GiB budget)"."""
+        """The card as the log names it: its size, name, free memory and the budget that leaves."""
         if self.pretend:
             return f"a {self.size} card (budget {self.budget_gib:g} GiB)"
         return (f"this {self.size} card ({self.name}, {self.free / GiB:.1f} GiB free; budget {self.budget_gib:g} GiB "
@@ -89,3 +89,16 @@ def card_without_context(free: bool = True) -> Card | None:
         return Card(name, total_bytes, int(float(available) * 2**20) if free else total_bytes)
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None  # a driver that does not answer: the plan is shown without a card
+
+
+def left_to_planner(cfg, levers: tuple[tuple[str, str], ...]) -> tuple[dict[str, object], object]:
+    """For a refusal that names the nearest settings that fit: the memory levers among `levers` ((section,
+    field) pairs) that the config sets itself, dotted name -> value, and a copy of `cfg` with each of them back
+    at its default and unset, so that a task's planner chooses them."""
+    held = {f"{s}.{f}": getattr(getattr(cfg, s), f) for s, f in levers if f in getattr(cfg, s).model_fields_set}
+    free = cfg.model_copy(deep=True)
+    for s, f in levers:
+        section = getattr(free, s)
+        setattr(section, f, type(section).model_fields[f].default)
+        section.model_fields_set.discard(f)
+    return held, free

@@ -279,6 +279,7 @@ def fit_card(cfg, config, card) -> LLMFit | None:
     card's budget; else the fastest that do (fit_budget at the card's budget, which the returned config sets as
     train.vram_gb, so the run caps itself there). Raises ConfigError where the settings the user set cannot fit,
     naming them and the nearest settings that fit."""
+    from ..core.card import left_to_planner
     from ..core.config import ConfigError
     from ..core.memory import GiB
 
@@ -292,12 +293,7 @@ def fit_card(cfg, config, card) -> LLMFit | None:
     else:
         fit.cfg.train.vram_gb = budget
         return fit
-    held = {f"{s}.{f}": getattr(getattr(cfg, s), f) for s, f in LEVERS if f in getattr(cfg, s).model_fields_set}
-    free = cfg.model_copy(deep=True)
-    for s, f in LEVERS:
-        section = getattr(free, s)
-        setattr(section, f, type(section).model_fields[f].default)
-        section.model_fields_set.discard(f)
+    held, free = left_to_planner(cfg, LEVERS)
     head = f"{card.describe()} cannot hold this run"
     try:
         nearest = fit_budget(free, config, budget)

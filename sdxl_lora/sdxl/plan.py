@@ -322,9 +322,7 @@ class RunPlan:
     budget_gib: float | None = None  # what the plan was held to: train.vram_gb, or the card's budget
     card_budget: bool = False        # the budget is the card's: the settings as given did not fit it
 
-    @property
-    def choices(self) -> dict[str, str]:
-        return {name: f"{after!r} (was {before!r})" for name, (before, after) in self.changes.items()}
+    choices = BudgetFit.choices  # the same words for the same changes
 
     def verdict(self) -> str:
         """One line on the card: "fits this 24 GB card as set (...)", "this 12 GB card (...): <choices>, about
@@ -369,13 +367,9 @@ def plan_run(cfg: Config, card: "Card | None" = None) -> RunPlan:
 def _refusal(cfg: Config, card: "Card", unet: nn.Module, native: int, components: tuple[int, int]) -> str:
     """Why `cfg` cannot fit `card`: the levers the user set that hold it back, and the nearest settings that fit
     (the same run with those levers left to the planner), or what to change where nothing fits."""
-    held = {f"{s}.{f}": getattr(getattr(cfg, s), f) for s, f in LEVERS
-            if f in getattr(cfg, s).model_fields_set}
-    free = cfg.model_copy(deep=True)
-    for s, f in LEVERS:
-        section = getattr(free, s)
-        setattr(section, f, type(section).model_fields[f].default)
-        section.model_fields_set.discard(f)
+    from ..core.card import left_to_planner
+
+    held, free = left_to_planner(cfg, LEVERS)
     free.train.vram_gb = card.budget_gib
     set_ = ", ".join(f"{k}={v!r}" for k, v in held.items())
     head = f"{card.describe()} cannot hold this run"
