@@ -325,8 +325,8 @@ class RunPlan:
     choices = BudgetFit.choices  # the same words for the same changes
 
     def verdict(self) -> str:
-        """One line on the card: "fits this 24 GB card as set (...)", "this 12 GB card (...): <choices>, about
-        1.4x the time per image", the budget's choices where train.vram_gb was given, or that no card is known."""
+        """One line on the card: that the settings as given fit it, or what was chosen so that they do and their
+        time per image; the budget's choices where train.vram_gb was given; or that no card is known."""
         if self.card is None and self.budget_gib is None:
             return "no GPU here: give --card N to plan for a card of N GB"
         where = self.card.describe() if self.card_budget or self.budget_gib is None else \
