@@ -1127,6 +1127,8 @@ def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_p
                 expect(text).to_contain_text(re.compile(r"step ([3-9]|\d\d+)/5000 · .*eta \d+ s"))
                 first = int(re.search(r"step (\d+)/5000", text.inner_text())[1])
                 expect(text).not_to_contain_text(f"step {first}/5000")  # it moves on, still between log points
+                # The loss and speed are from the one log point so far, and say so.
+                expect(text).to_contain_text(re.compile(r"loss \d+\.\d{4} · [\d.]+ img/s \(at step 1\)"))
                 logged = [e["step"] for e in map(json.loads, (runs / "cli-steps" / "events.jsonl").read_text()
                                                  .splitlines()) if e["event"] == "step"]
                 assert logged == [1]

@@ -373,12 +373,18 @@ def _progress_html(st) -> str:
         bits.append(f'<span class="run-phase">{html.escape(st.phase)}</span>')
     if total:
         bits.append(f"step {st.step}/{total}")
+    figures = []
     if not math.isnan(st.loss):
-        bits.append(f"loss {st.loss:.4f}")
+        figures.append(f"loss {st.loss:.4f}")
     if st.images_per_s:
-        bits.append(f"{st.images_per_s:.2f} img/s")
+        figures.append(f"{st.images_per_s:.2f} img/s")
     if st.tokens_per_s:
-        bits.append(f"{st.tokens_per_s:,.0f} tokens/s")
+        figures.append(f"{st.tokens_per_s:,.0f} tokens/s")
+    if figures and st.logged_step and st.logged_step != st.step:
+        # The run writes its loss and speed at its log points ("Log every N steps") only, while the step moves on
+        # each step: the figures say which step they are from.
+        figures[-1] += f" (at step {st.logged_step})"
+    bits += figures
     if st.alive and st.eta_s is not None:
         bits.append(f"eta {st.eta_s:.0f} s")  # the previews and evaluations still due included (jobs.py)
     if st.gpu_mem_gib is not None:
