@@ -918,6 +918,11 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
                 meta = fh.metadata()
             assert meta["sdxl_lora.steps"] == "2" and meta["sdxl_lora.strength"] == "0.5"
             _half_of_the_state(out, saved_run)
+            # Which tools load the file, as the Export tab and `sdxl-lora inspect` say it.
+            from sdxl_lora.sdxl.loaders import file_notes
+
+            expect(page.locator("#cmp-export-msg")).to_contain_text(file_notes(out)[0])
+            expect(page.locator("#cmp-export-msg")).to_contain_text("LoRA: exact in ComfyUI")
             # Never over an existing file unless asked.
             before = out.stat().st_mtime_ns
             page.locator("#cmp-export").click()
