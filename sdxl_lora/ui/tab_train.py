@@ -41,6 +41,9 @@ def _widget(spec: FieldSpec, elem_prefix: str = "f-", task: str = "sdxl"):
         return gr.Dropdown(list(get_args(spec.base)), value=value, label=label, info=info, elem_id=elem_id)
     if spec.kind == "bool":
         return gr.Checkbox(value=value, label=label, info=info, elem_id=elem_id)
+    if spec.kind == "picks":
+        (allowed,) = get_args(spec.base)
+        return gr.CheckboxGroup(list(get_args(allowed)), value=value, label=label, info=info, elem_id=elem_id)
     if spec.kind in ("int", "float") and spec.optional:
         # An empty number box reads as 0 in the page; a text box can say "none" by being empty.
         return gr.Textbox("" if value is None else str(value), label=label, info=info, elem_id=elem_id,
