@@ -440,6 +440,67 @@ def _listening(port: int) -> list[str]:
     return out
 
 
+# Each kohya_ss everyday action (docs/ui.md's table, in its order): the tab, the section to unfold (None: none), and
+# the controls with the label a person reads on them.
+EVERYDAY = [
+    ("pick the image folders", "Train", None, [("f-data", "Image folders")]),
+    ("set repeats per folder", "Train", "Per-dataset settings", [("f-ds-folder", "folder"), ("f-ds-repeats", "repeats")]),
+    ("caption images by hand", "Dataset", None, [("ds-grid", "images and captions"), ("ds-save", "Save captions")]),
+    ("caption or tag images with a model", "Dataset", "Caption with a local model",
+     [("ds-cap-model", "captioning model"), ("ds-tag-general", "tagger: least probability of a general tag"),
+      ("ds-tag-character", "tagger: least probability of a character tag")]),
+    ("pick the base model", "Train", None, [("f-model-path", "Base model")]),
+    ("pick a preset", "Train", None, [("f-card", "Card preset"), ("f-goal", "Goal preset")]),
+    ("load a config", "Train", "Config file", [("f-cfg-load", "Load into the form")]),
+    ("save a config", "Train", "Config file", [("f-cfg-save", "Save the form as a config")]),
+    ("print the training command", "Train", "Config file", [("f-cfg-command", "Show the command")]),
+    ("start training", "Train", None, [("train-start", "Start")]),
+    ("stop training", "Train", None, [("run-stop", "Stop")]),
+    ("sample images while training", "Train", None, [("run-sample-now", "Sample now")]),
+    ("sample images from a LoRA", "Generate", None, [("gen-go", "Generate")]),
+    ("watch the loss", "Train", None, [("runs-table", "loss"), ("run-loss", "")]),
+    ("resume training", "Train", None, [("run-resume", "Resume")]),
+    ("save the state now", "Train", None, [("run-save-now", "Save now")]),
+    ("extract a LoRA", "Export", "Extract a LoRA from a fine-tuned model", [("ext-go", "Extract")]),
+    ("resize a LoRA", "Export", "resize (a smaller file)", [("exp-resize-rank", "rank (0: as trained)")]),
+    ("merge LoRAs into a model", "Export", "Merge adapters into a checkpoint", [("mrg-go", "Merge")]),
+]
+
+
+def test_each_kohya_ss_everyday_action_is_two_clicks_from_the_start_page(folders, server):
+    # From the page as it opens, for each action: a click on its tab and at most one more (the section it is in);
+    # then its controls are on screen with their labels. docs/ui.md lists the same actions.
+    table = (REPO / "docs" / "ui.md").read_text(encoding="utf-8").split("## kohya_ss's everyday actions here")[1]
+    rows = [line.split("|")[1].strip() for line in table.split("\n## ")[0].splitlines() if line.startswith("| ")]
+    assert rows[1:] == [action for action, *_ in EVERYDAY]  # the table's actions, under its header
+    expect.set_options(timeout=WAIT)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport=VIEWPORT)
+            _login(page, server["ui"].url)
+            paths: dict[tuple, list] = {}
+            for action, tab, section, controls in EVERYDAY:
+                paths.setdefault((tab, section), []).append((action, controls))
+            for (tab, section), actions in paths.items():
+                page.goto(server["ui"].url)  # the start page: the Dataset tab, every section as it first shows
+                expect(page.get_by_role("tab", name="Dataset", selected=True)).to_be_visible()
+                page.get_by_role("tab", name=tab, exact=True).click()
+                if section is not None:
+                    page.locator(f"#tab-{tab.lower()}").get_by_text(section).first.click()
+                for action, controls in actions:
+                    for elem_id, label in controls:
+                        control = page.locator(f"#{elem_id}")
+                        expect(control, f"{action}: #{elem_id}").to_be_visible()
+                        expect(control, f"{action}: #{elem_id}").to_contain_text(label)
+                if (tab, section) == ("Dataset", "Caption with a local model"):
+                    _shot(page, "0-dataset-caption-and-tag")
+                if (tab, section) == ("Train", "Config file"):
+                    _shot(page, "0-train-config-file")
+        finally:
+            browser.close()
+
+
 def test_binds_loopback_asks_the_password_and_serves_only_its_folders(folders, server):
     ui = server["ui"]
     assert _listening(ui.port) == ["0100007F"]  # 127.0.0.1 only (the default), no IPv6 or wildcard socket
