@@ -310,6 +310,13 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             _fill(page, "f-preview-steps", 2)
             page.locator("#f-acc-saving-and-output").get_by_text("More: Saving and output").click()
             _fill(page, "f-train-log-every", 1)
+            # The dashboards: a tick box each, none ticked; one ticked goes into the saved config and back (below).
+            trackers = page.locator("#f-train-trackers")
+            expect(trackers).to_contain_text("Dashboards")
+            tensorboard, wandb = trackers.get_by_label("tensorboard"), trackers.get_by_label("wandb")
+            expect(tensorboard).not_to_be_checked()
+            expect(wandb).not_to_be_checked()
+            tensorboard.check()
             # Each folded field has its label and a one-line help in user terms, no benchmark figures.
             page.locator("#f-acc-speed-and-memory").get_by_text("More: Speed and memory").click()
             expect(page.locator("#f-train-fuse-qkv")).to_contain_text("Fuse attention projections")
@@ -332,14 +339,21 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             page.locator("#f-acc-config").get_by_text("Config file").click()
             page.locator("#f-cfg-save").click()
             expect(page.locator("#f-cfg-msg")).to_contain_text("sdxl-lora train")
-            assert (folders["runs"] / ".ui" / "saved" / "ui-run.toml").is_file()
+            saved = folders["runs"] / ".ui" / "saved" / "ui-run.toml"
+            from sdxl_lora.core.config import load_config
+
+            assert load_config(saved).train.trackers == ["tensorboard"]
             _fill(page, "f-train-steps", 7)
+            tensorboard.uncheck()
             _pick(page, "f-cfg-saved", "ui-run.toml")
             page.locator("#f-cfg-load").click()
             expect(page.locator("#f-cfg-msg")).to_contain_text("loaded ui-run.toml into the form")
             expect(_box(page, "f-train-steps")).to_have_value("40")
             expect(_box(page, "f-ds-repeats")).to_have_value("2")
             expect(page.locator("#f-card input").first).to_have_value("no card preset")
+            expect(tensorboard).to_be_checked()
+            expect(wandb).not_to_be_checked()
+            tensorboard.uncheck()  # the run below logs nowhere else
             page.locator("#f-cfg-command").click()
             expect(page.locator("#f-cfg-code")).to_contain_text("--set train.steps=40")
             page.locator("#train-start").click()
@@ -373,8 +387,6 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
                                   ".map(t => t.textContent)")
             assert "40" in ticks and len(ticks) < 30
             assert (run / "train.exit").read_text().strip() == "0"
-            from sdxl_lora.core.config import load_config
-
             assert [d.repeats for d in load_config(run / "config.toml").data.datasets] == [2]  # the box's value
             kinds = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
             assert "interrupted" in kinds and "resume" in kinds and kinds[-1] == "done"
