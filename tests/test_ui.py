@@ -996,6 +996,7 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
 
             expect(page.locator("#cmp-export-msg")).to_contain_text(file_notes(out)[0])
             expect(page.locator("#cmp-export-msg")).to_contain_text("LoRA: exact in ComfyUI")
+            _shot(page, "6b-compare-exported")
             # Never over an existing file unless asked.
             before = out.stat().st_mtime_ns
             page.locator("#cmp-export").click()
@@ -1207,6 +1208,7 @@ def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_p
                 expect(text).not_to_contain_text(f"step {first}/5000")  # it moves on, still between log points
                 # The loss and speed are from the one log point so far, and say so.
                 expect(text).to_contain_text(re.compile(r"loss \d+\.\d{4} · [\d.]+ img/s \(at step 1\)"))
+                expect(page.locator("#runs-table")).to_contain_text(re.compile(r"\d\.\d{4} \(at step 1\)"))
                 logged = [e["step"] for e in map(json.loads, (runs / "cli-steps" / "events.jsonl").read_text()
                                                  .splitlines()) if e["event"] == "step"]
                 assert logged == [1]

@@ -39,7 +39,7 @@ def test_the_eta_counts_the_preview_sets_and_the_evaluation_still_due():
 
 
 def test_the_run_view_shows_the_phase_between_steps_and_not_after_it(tmp_path):
-    from sdxl_lora.ui.tab_train import _progress_html
+    from sdxl_lora.ui.tab_train import _loss_cell, _progress_html
 
     run = Run(tmp_path / "r")
     run.dir.mkdir()
@@ -137,7 +137,7 @@ def test_the_progress_line_says_which_step_its_loss_and_speed_are_from(tmp_path)
     # step with "Log every" 1) the figures are that step's own.
     import time
 
-    from sdxl_lora.ui.tab_train import _progress_html
+    from sdxl_lora.ui.tab_train import _loss_cell, _progress_html
 
     run = Run(tmp_path / "r")
     run.dir.mkdir()
@@ -149,6 +149,8 @@ def test_the_progress_line_says_which_step_its_loss_and_speed_are_from(tmp_path)
     run.progress(14, 20, 6.0)
     text = _progress_html(run_status(run.dir))
     assert "step 14/20" in text and "loss 0.1000 · 2.00 img/s (at step 10)" in text
+    assert _loss_cell(run_status(run.dir)) == "0.1000 (at step 10)"  # the Runs table's column
     run.event("step", step=15, total_steps=20, loss=0.2, lr=1e-4, images_per_s=3.0, eta_s=5.0)
     text = _progress_html(run_status(run.dir))
     assert "step 15/20" in text and "loss 0.2000 · 3.00 img/s" in text and "(at step" not in text
+    assert _loss_cell(run_status(run.dir)) == "0.2000"

@@ -463,6 +463,13 @@ def _answers(events: list[dict]) -> str:
     return "\n\n".join(lines)
 
 
+def _loss_cell(st) -> str:
+    """The Runs table's loss: the last log point's, with its step where the run has gone past it."""
+    if math.isnan(st.loss):
+        return ""
+    return f"{st.loss:.4f}" + (f" (at step {st.logged_step})" if st.logged_step and st.logged_step != st.step else "")
+
+
 def runs_view(jobs: Jobs, selected: str | None, seen_sig, follow: str | None = None) -> tuple:
     """The Runs panel: the table, the run picker, the selected run's progress line, charts, previews and log, and
     the signature of what was drawn (skipped where it has not changed since `seen_sig`). `follow`: the run the page
@@ -476,7 +483,7 @@ def runs_view(jobs: Jobs, selected: str | None, seen_sig, follow: str | None = N
             runs.insert(0, RunStatus(name=follow, dir=jobs.f.runs / follow, state="starting"))
             names.insert(0, follow)
     table = [[s.name, s.state, f"{s.step}/{s.total}" if s.total else "",
-              "" if math.isnan(s.loss) else f"{s.loss:.4f}"] for s in runs]
+              _loss_cell(s)] for s in runs]
     if not selected or selected not in names:
         selected = names[0] if names else None
     st = next((s for s in runs if s.name == selected), None)
