@@ -456,7 +456,8 @@ def _listening(port: int) -> list[str]:
 # the controls with the label a person reads on them.
 EVERYDAY = [
     ("pick the image folders", "Train", None, [("f-data", "Image folders")]),
-    ("set repeats per folder", "Train", "Per-dataset settings", [("f-ds-folder", "folder"), ("f-ds-repeats", "repeats")]),
+    ("set repeats per folder", "Train", "Per-dataset settings",
+     [("f-ds-folder", "folder"), ("f-ds-repeats", "repeats")]),
     ("caption images by hand", "Dataset", None, [("ds-grid", "images and captions"), ("ds-save", "Save captions")]),
     ("caption or tag images with a model", "Dataset", "Caption with a local model",
      [("ds-cap-model", "captioning model"), ("ds-tag-general", "tagger: least probability of a general tag"),
@@ -1006,6 +1007,26 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
             assert out.stat().st_mtime_ns == before
             _shot(page, "7-compare-export")
 
+            # One rendering path: Generate draws, with the run's final adapter, the image Compare drew for that
+            # checkpoint at the same prompt, seed, steps, guidance and size (no negative prompt in either).
+            before = set((saved_run / "compare").glob("*.png"))
+            _fill(page, "cmp-prompts", "a red circle on a white background --s 1 --w 64 --h 64 --d 5 --l 5")
+            _fill(page, "cmp-strengths", "1")
+            page.locator("#cmp-go").click()
+            expect(page.locator("#cmp-msg")).to_contain_text("0 image(s) from the cache, 3 rendered")
+            drawn = [_png_pixels(p.read_bytes()) for p in set((saved_run / "compare").glob("*.png")) - before
+                     if not p.name.startswith("grid-")]
+            page.get_by_role("tab", name="Generate").click()
+            _pick(page, "gen-adapter-0", "runs/cmp-run/cmp-run.safetensors")
+            _fill(page, "gen-prompt", "a red circle on a white background")
+            for box, value in (("gen-seed", 5), ("gen-steps", 1), ("gen-guidance", 5), ("gen-size", 64)):
+                _fill(page, box, value)
+            page.locator("#gen-go").click()
+            expect(page.locator("#gen-msg")).to_contain_text("adapters: cmp-run.safetensors x 1")
+            generated = _png_pixels(page.request.get(page.locator("#gen-tuned img").get_attribute("src")).body())
+            base = _png_pixels(page.request.get(page.locator("#gen-base img").get_attribute("src")).body())
+            assert len(drawn) == 3 and sum((generated == d).all() for d in drawn) == 1 and (generated != base).any()
+
             # Duplicate as new run: the New run form holds the run's settings under a new name.
             page.get_by_role("tab", name="Train").click()
             summary = page.locator("#train-summary")
@@ -1043,6 +1064,16 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
             expect(_state(page)).to_have_attribute("data-state", "finished")
         finally:
             browser.close()
+
+
+def _png_pixels(data: bytes):
+    """An image file's RGB pixels, as an array."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
 
 
 def _trains(run: Path | None, changes: dict | None = None) -> str:

@@ -2,9 +2,9 @@
 defaults. Nothing here restates a default or an allowed value.
 
 Literal -> dropdown, bool -> checkbox, int/float -> number, a list of texts -> one a line, a list of Literals -> a
-tick box per value, anything else -> text
-(TOML literal for lists and tables). Labels, help and grouping are the page's own words (labels.py). Fields that name files
-or folders are not free text: the page picks them inside the UI's folders (see PATH_FIELDS).
+tick box per value, anything else -> text (TOML literal for lists and tables). Labels, help and grouping are the
+page's own words (labels.py). Fields that name files or folders are not free text: the page picks them inside the
+UI's folders (see PATH_FIELDS).
 """
 from __future__ import annotations
 

@@ -266,8 +266,8 @@ def build(f: Folders, pickers) -> None:
     apply.click(do_apply, [items, grid, previewed, op, text, find, replace, scope, ext, shown, res, trigger],
                 [items, grid, previewed, bulk_msg, *panes])
     up_go.click(do_upload, [folder, up_files, ext, up_overwrite], [up_msg, folder, up_files])
-    cap_go.click(do_caption, [folder, cap_model, ext, cap_overwrite, cap_prefix, cap_general, cap_character], cap_msg).then(
-        do_scan, [folder, ext, res, trigger], scanned)
+    cap_go.click(do_caption, [folder, cap_model, ext, cap_overwrite, cap_prefix, cap_general, cap_character],
+                 cap_msg).then(do_scan, [folder, ext, res, trigger], scanned)
 
 
 def _ticked(rows) -> tuple[int, ...]:
