@@ -310,6 +310,13 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             _fill(page, "f-preview-steps", 2)
             page.locator("#f-acc-saving-and-output").get_by_text("More: Saving and output").click()
             _fill(page, "f-train-log-every", 1)
+            # The dashboards: a tick box each, none ticked; one ticked goes into the saved config and back (below).
+            trackers = page.locator("#f-train-trackers")
+            expect(trackers).to_contain_text("Dashboards")
+            tensorboard, wandb = trackers.get_by_label("tensorboard"), trackers.get_by_label("wandb")
+            expect(tensorboard).not_to_be_checked()
+            expect(wandb).not_to_be_checked()
+            tensorboard.check()
             # Each folded field has its label and a one-line help in user terms, no benchmark figures.
             page.locator("#f-acc-speed-and-memory").get_by_text("More: Speed and memory").click()
             expect(page.locator("#f-train-fuse-qkv")).to_contain_text("Fuse attention projections")
@@ -332,14 +339,21 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             page.locator("#f-acc-config").get_by_text("Config file").click()
             page.locator("#f-cfg-save").click()
             expect(page.locator("#f-cfg-msg")).to_contain_text("sdxl-lora train")
-            assert (folders["runs"] / ".ui" / "saved" / "ui-run.toml").is_file()
+            saved = folders["runs"] / ".ui" / "saved" / "ui-run.toml"
+            from sdxl_lora.core.config import load_config
+
+            assert load_config(saved).train.trackers == ["tensorboard"]
             _fill(page, "f-train-steps", 7)
+            tensorboard.uncheck()
             _pick(page, "f-cfg-saved", "ui-run.toml")
             page.locator("#f-cfg-load").click()
             expect(page.locator("#f-cfg-msg")).to_contain_text("loaded ui-run.toml into the form")
             expect(_box(page, "f-train-steps")).to_have_value("40")
             expect(_box(page, "f-ds-repeats")).to_have_value("2")
             expect(page.locator("#f-card input").first).to_have_value("no card preset")
+            expect(tensorboard).to_be_checked()
+            expect(wandb).not_to_be_checked()
+            tensorboard.uncheck()  # the run below logs nowhere else
             page.locator("#f-cfg-command").click()
             expect(page.locator("#f-cfg-code")).to_contain_text("--set train.steps=40")
             page.locator("#train-start").click()
@@ -373,8 +387,6 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
                                   ".map(t => t.textContent)")
             assert "40" in ticks and len(ticks) < 30
             assert (run / "train.exit").read_text().strip() == "0"
-            from sdxl_lora.core.config import load_config
-
             assert [d.repeats for d in load_config(run / "config.toml").data.datasets] == [2]  # the box's value
             kinds = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
             assert "interrupted" in kinds and "resume" in kinds and kinds[-1] == "done"
@@ -438,6 +450,68 @@ def _listening(port: int) -> list[str]:
             if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
                 out.append(local.rsplit(":", 1)[0])
     return out
+
+
+# Each kohya_ss everyday action (docs/ui.md's table, in its order): the tab, the section to unfold (None: none), and
+# the controls with the label a person reads on them.
+EVERYDAY = [
+    ("pick the image folders", "Train", None, [("f-data", "Image folders")]),
+    ("set repeats per folder", "Train", "Per-dataset settings",
+     [("f-ds-folder", "folder"), ("f-ds-repeats", "repeats")]),
+    ("caption images by hand", "Dataset", None, [("ds-grid", "images and captions"), ("ds-save", "Save captions")]),
+    ("caption or tag images with a model", "Dataset", "Caption with a local model",
+     [("ds-cap-model", "captioning model"), ("ds-tag-general", "tagger: least probability of a general tag"),
+      ("ds-tag-character", "tagger: least probability of a character tag")]),
+    ("pick the base model", "Train", None, [("f-model-path", "Base model")]),
+    ("pick a preset", "Train", None, [("f-card", "Card preset"), ("f-goal", "Goal preset")]),
+    ("load a config", "Train", "Config file", [("f-cfg-load", "Load into the form")]),
+    ("save a config", "Train", "Config file", [("f-cfg-save", "Save the form as a config")]),
+    ("print the training command", "Train", "Config file", [("f-cfg-command", "Show the command")]),
+    ("start training", "Train", None, [("train-start", "Start")]),
+    ("stop training", "Train", None, [("run-stop", "Stop")]),
+    ("sample images while training", "Train", None, [("run-sample-now", "Sample now")]),
+    ("sample images from a LoRA", "Generate", None, [("gen-go", "Generate")]),
+    ("watch the loss", "Train", None, [("runs-table", "loss"), ("run-loss", "")]),
+    ("resume training", "Train", None, [("run-resume", "Resume")]),
+    ("save the state now", "Train", None, [("run-save-now", "Save now")]),
+    ("extract a LoRA", "Export", "Extract a LoRA from a fine-tuned model", [("ext-go", "Extract")]),
+    ("resize a LoRA", "Export", "resize (a smaller file)", [("exp-resize-rank", "rank (0: as trained)")]),
+    ("merge LoRAs into a model", "Export", "Merge adapters into a checkpoint", [("mrg-go", "Merge")]),
+]
+
+
+def test_each_kohya_ss_everyday_action_is_two_clicks_from_the_start_page(folders, server):
+    # From the page as it opens, for each action: a click on its tab and at most one more (the section it is in);
+    # then its controls are on screen with their labels. docs/ui.md lists the same actions.
+    table = (REPO / "docs" / "ui.md").read_text(encoding="utf-8").split("## kohya_ss's everyday actions here")[1]
+    rows = [line.split("|")[1].strip() for line in table.split("\n## ")[0].splitlines() if line.startswith("| ")]
+    assert rows[1:] == [action for action, *_ in EVERYDAY]  # the table's actions, under its header
+    expect.set_options(timeout=WAIT)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport=VIEWPORT)
+            _login(page, server["ui"].url)
+            paths: dict[tuple, list] = {}
+            for action, tab, section, controls in EVERYDAY:
+                paths.setdefault((tab, section), []).append((action, controls))
+            for (tab, section), actions in paths.items():
+                page.goto(server["ui"].url)  # the start page: the Dataset tab, every section as it first shows
+                expect(page.get_by_role("tab", name="Dataset", selected=True)).to_be_visible()
+                page.get_by_role("tab", name=tab, exact=True).click()
+                if section is not None:
+                    page.locator(f"#tab-{tab.lower()}").get_by_text(section).first.click()
+                for action, controls in actions:
+                    for elem_id, label in controls:
+                        control = page.locator(f"#{elem_id}")
+                        expect(control, f"{action}: #{elem_id}").to_be_visible()
+                        expect(control, f"{action}: #{elem_id}").to_contain_text(label)
+                if (tab, section) == ("Dataset", "Caption with a local model"):
+                    _shot(page, "0-dataset-caption-and-tag")
+                if (tab, section) == ("Train", "Config file"):
+                    _shot(page, "0-train-config-file")
+        finally:
+            browser.close()
 
 
 def test_binds_loopback_asks_the_password_and_serves_only_its_folders(folders, server):
@@ -918,6 +992,12 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
                 meta = fh.metadata()
             assert meta["sdxl_lora.steps"] == "2" and meta["sdxl_lora.strength"] == "0.5"
             _half_of_the_state(out, saved_run)
+            # Which tools load the file, as the Export tab and `sdxl-lora inspect` say it.
+            from sdxl_lora.sdxl.loaders import file_notes
+
+            expect(page.locator("#cmp-export-msg")).to_contain_text(file_notes(out)[0])
+            expect(page.locator("#cmp-export-msg")).to_contain_text("LoRA: exact in ComfyUI")
+            _shot(page, "6b-compare-exported")
             # Never over an existing file unless asked.
             before = out.stat().st_mtime_ns
             page.locator("#cmp-export").click()
@@ -926,6 +1006,26 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
                 "already exists; type another file name, or tick 'overwrite an existing export'")
             assert out.stat().st_mtime_ns == before
             _shot(page, "7-compare-export")
+
+            # One rendering path: Generate draws, with the run's final adapter, the image Compare drew for that
+            # checkpoint at the same prompt, seed, steps, guidance and size (no negative prompt in either).
+            before = set((saved_run / "compare").glob("*.png"))
+            _fill(page, "cmp-prompts", "a red circle on a white background --s 1 --w 64 --h 64 --d 5 --l 5")
+            _fill(page, "cmp-strengths", "1")
+            page.locator("#cmp-go").click()
+            expect(page.locator("#cmp-msg")).to_contain_text("0 image(s) from the cache, 3 rendered")
+            drawn = [_png_pixels(p.read_bytes()) for p in set((saved_run / "compare").glob("*.png")) - before
+                     if not p.name.startswith("grid-")]
+            page.get_by_role("tab", name="Generate").click()
+            _pick(page, "gen-adapter-0", "runs/cmp-run/cmp-run.safetensors")
+            _fill(page, "gen-prompt", "a red circle on a white background")
+            for box, value in (("gen-seed", 5), ("gen-steps", 1), ("gen-guidance", 5), ("gen-size", 64)):
+                _fill(page, box, value)
+            page.locator("#gen-go").click()
+            expect(page.locator("#gen-msg")).to_contain_text("adapters: cmp-run.safetensors x 1")
+            generated = _png_pixels(page.request.get(page.locator("#gen-tuned img").get_attribute("src")).body())
+            base = _png_pixels(page.request.get(page.locator("#gen-base img").get_attribute("src")).body())
+            assert len(drawn) == 3 and sum((generated == d).all() for d in drawn) == 1 and (generated != base).any()
 
             # Duplicate as new run: the New run form holds the run's settings under a new name.
             page.get_by_role("tab", name="Train").click()
@@ -964,6 +1064,16 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
             expect(_state(page)).to_have_attribute("data-state", "finished")
         finally:
             browser.close()
+
+
+def _png_pixels(data: bytes):
+    """An image file's RGB pixels, as an array."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
 
 
 def _trains(run: Path | None, changes: dict | None = None) -> str:
@@ -1127,6 +1237,9 @@ def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_p
                 expect(text).to_contain_text(re.compile(r"step ([3-9]|\d\d+)/5000 · .*eta \d+ s"))
                 first = int(re.search(r"step (\d+)/5000", text.inner_text())[1])
                 expect(text).not_to_contain_text(f"step {first}/5000")  # it moves on, still between log points
+                # The loss and speed are from the one log point so far, and say so.
+                expect(text).to_contain_text(re.compile(r"loss \d+\.\d{4} · [\d.]+ img/s \(at step 1\)"))
+                expect(page.locator("#runs-table")).to_contain_text(re.compile(r"\d\.\d{4} \(at step 1\)"))
                 logged = [e["step"] for e in map(json.loads, (runs / "cli-steps" / "events.jsonl").read_text()
                                                  .splitlines()) if e["event"] == "step"]
                 assert logged == [1]

@@ -108,3 +108,27 @@ def test_the_prompts_box_as_first_shown_means_the_models_own_previews(folders):
     edited = _values(form, ["ohwx"], [dataset_table.blank("ohwx")], "a blue circle")
     assert Path(form_config(form, edited, "n2").preview.prompts).read_text() == "a blue circle\n"
     assert form_config(form, _values(form, ["ohwx"], [dataset_table.blank("ohwx")], ""), "n3").preview.prompts == ""
+
+
+def test_the_dashboards_are_tick_boxes_that_round_trip_through_a_saved_config(folders):
+    # train.trackers is some of a fixed set: a tick box for each value the schema allows, none ticked by default; what
+    # is ticked is in the saved file, loads back ticked, and the command line makes the same.
+    from typing import get_args
+
+    from sdxl_lora.core.config import Config, load_config
+
+    form = _form(folders)
+    box = form.widgets["train.trackers"]
+    allowed = get_args(get_args(Config.model_fields["train"].annotation.model_fields["trackers"].annotation)[0])
+    assert isinstance(box, gr.CheckboxGroup) and box.label == "Dashboards"
+    assert [value for _, value in box.choices] == list(allowed) == ["tensorboard", "wandb"] and box.value == []
+    values = _values(form, ["ohwx"], [dataset_table.blank("ohwx")], train__trackers=["wandb", "tensorboard"],
+                     output__name="dash")
+    path, _ = config_file.save(form, values, None)
+    assert load_config(path).train.trackers == ["wandb", "tensorboard"]
+    loaded, _, _ = config_file.load(form, path)
+    assert loaded[4 + list(form.widgets).index("train.trackers")] == ["wandb", "tensorboard"]
+    line = config_file.command(form, values)
+    assert _cli_config(line).train.trackers == ["wandb", "tensorboard"]
+    plain = _values(form, ["ohwx"], [dataset_table.blank("ohwx")], output__name="none")
+    assert config_file.form_file_config(form, plain, "none").train.trackers == []

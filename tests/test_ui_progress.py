@@ -39,7 +39,7 @@ def test_the_eta_counts_the_preview_sets_and_the_evaluation_still_due():
 
 
 def test_the_run_view_shows_the_phase_between_steps_and_not_after_it(tmp_path):
-    from sdxl_lora.ui.tab_train import _progress_html
+    from sdxl_lora.ui.tab_train import _loss_cell, _progress_html
 
     run = Run(tmp_path / "r")
     run.dir.mkdir()
@@ -129,3 +129,28 @@ def test_sample_now_and_save_now_act_at_the_step_the_run_is_at(tmp_path):
             proc.kill()
     with pytest.raises(ValueError, match="Sample now: run 'r' is stopped; it works on a run that is training"):
         jobs.ask("r", "sample")
+
+
+def test_the_progress_line_says_which_step_its_loss_and_speed_are_from(tmp_path):
+    # The run writes its loss and images/s at its log points only ("Log every N steps"), its step each step: between
+    # log points the line shows the step it is at and the figures with the step they are from; at a log point (every
+    # step with "Log every" 1) the figures are that step's own.
+    import time
+
+    from sdxl_lora.ui.tab_train import _loss_cell, _progress_html
+
+    run = Run(tmp_path / "r")
+    run.dir.mkdir()
+    (run.dir / "config.toml").write_text("[preview]\nevery = 0\n")
+    (run.dir / "train.pid").write_text(f"{os.getpid()}\n")
+    run.event("start", step=0, total_steps=20)
+    run.event("step", step=10, total_steps=20, loss=0.1, lr=1e-4, images_per_s=2.0, eta_s=10.0)
+    time.sleep(0.01)  # a later record than the event's (their times are in milliseconds)
+    run.progress(14, 20, 6.0)
+    text = _progress_html(run_status(run.dir))
+    assert "step 14/20" in text and "loss 0.1000 · 2.00 img/s (at step 10)" in text
+    assert _loss_cell(run_status(run.dir)) == "0.1000 (at step 10)"  # the Runs table's column
+    run.event("step", step=15, total_steps=20, loss=0.2, lr=1e-4, images_per_s=3.0, eta_s=5.0)
+    text = _progress_html(run_status(run.dir))
+    assert "step 15/20" in text and "loss 0.2000 · 3.00 img/s" in text and "(at step" not in text
+    assert _loss_cell(run_status(run.dir)) == "0.2000"

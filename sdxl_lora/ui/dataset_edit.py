@@ -231,21 +231,37 @@ def captioner_choices(models: Path) -> list[str]:
     return out
 
 
-def caption(f: Folders, folder: str, model: str, ext: str, overwrite: bool, prefix: str, on_progress=None) -> str:
-    """`sdxl-lora dataset caption` on a dataset folder with a model under the models folder; the report."""
+GENERAL_LABEL = "tagger: least probability of a general tag"
+CHARACTER_LABEL = "tagger: least probability of a character tag"
+
+
+def caption(f: Folders, folder: str, model: str, ext: str, overwrite: bool, prefix: str, on_progress=None,
+            general: float | None = None, character: float | None = None) -> str:
+    """`sdxl-lora dataset caption` on a dataset folder with a model under the models folder, or `sdxl-lora dataset
+    tag` with a tagger there at the thresholds `general` and `character` (None: the tagger's defaults); the
+    report."""
     import torch
 
     from sdxl_lora.sdxl.captioner import caption_folder
-    from sdxl_lora.sdxl.tagger import is_tagger, tag_folder
+    from sdxl_lora.sdxl.tagger import CHARACTER_THRESHOLD, GENERAL_THRESHOLD, is_tagger, tag_folder
 
     root = f.inside(folder or "", "datasets")
     if not model:
         raise ValueError("captioning model: none picked; put an image-to-text model folder under the models folder")
     net = f.inside(model, "models")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if is_tagger(net):  # tags at the tagger's own thresholds; the prefix is the trigger word
+    if is_tagger(net):  # the prefix is the trigger word
+        thresholds = []
+        for label, value, default in ((GENERAL_LABEL, general, GENERAL_THRESHOLD),
+                                      (CHARACTER_LABEL, character, CHARACTER_THRESHOLD)):
+            value = default if value is None else float(value)
+            # Checked here to name the page's box (the tagger's own message names the CLI's flag).
+            if not 0 < value <= 1:
+                raise ValueError(f"'{label}' is {value:g}: give a probability above 0 and at most 1, e.g. {default}")
+            thresholds.append(value)
         report = tag_folder(root, net, extension=extension(ext), overwrite=overwrite, trigger=prefix or "",
-                            device=device, on_progress=on_progress)
+                            general_threshold=thresholds[0], character_threshold=thresholds[1], device=device,
+                            on_progress=on_progress)
     else:
         report = caption_folder(root, net, extension=extension(ext), overwrite=overwrite, prefix=prefix or "",
                                 device=device, on_progress=on_progress)

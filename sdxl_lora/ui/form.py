@@ -1,9 +1,10 @@
 """The Train form, generated from the config schema (core/config.py): one widget per field, the schema's
 defaults. Nothing here restates a default or an allowed value.
 
-Literal -> dropdown, bool -> checkbox, int/float -> number, a list of texts -> one a line, anything else -> text
-(TOML literal for lists and tables). Labels, help and grouping are the page's own words (labels.py). Fields that name files
-or folders are not free text: the page picks them inside the UI's folders (see PATH_FIELDS).
+Literal -> dropdown, bool -> checkbox, int/float -> number, a list of texts -> one a line, a list of Literals -> a
+tick box per value, anything else -> text (TOML literal for lists and tables). Labels, help and grouping are the
+page's own words (labels.py). Fields that name files or folders are not free text: the page picks them inside the
+UI's folders (see PATH_FIELDS).
 """
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ class FieldSpec:
             return "str"
         if typing.get_origin(b) is list and typing.get_args(b) == (str,):
             return "lines"  # a list of texts (prompts): one a line, not a TOML list on one line
+        if typing.get_origin(b) is list and typing.get_origin(typing.get_args(b)[0]) is Literal:
+            return "picks"  # some of a fixed set (the trackers): a tick box for each value the schema allows
         return "toml"
 
 
@@ -110,6 +113,8 @@ def to_widget_value(spec: FieldSpec, value: Any) -> Any:
         return "\n".join(value or [])
     if spec.kind == "toml":
         return "" if value is None else _toml_literal(value)
+    if spec.kind == "picks":
+        return list(value or [])
     if spec.kind == "str" and value is None:
         return ""
     return value
@@ -143,8 +148,10 @@ def from_widget_value(spec: FieldSpec, value: Any) -> Any:
         if not f.is_integer():
             raise _problem(spec, "int_from_float", value, "must be a whole number")
         return int(f)
-    if spec.kind == "toml":
+    if spec.kind == "toml" or spec.kind == "picks" and isinstance(value, str):  # a list typed as TOML, too
         return _parse_value(str(value).strip())
+    if spec.kind == "picks":
+        return list(value)
     return value
 
 

@@ -68,6 +68,7 @@ class RunStatus:
     loss: float = math.nan
     eta_s: float | None = None
     images_per_s: float | None = None
+    logged_step: int = 0                # the step the loss and throughput above are from: the last log point
     tokens_per_s: float | None = None   # an LLM run's throughput (it has tokens, not images)
     gpu_mem_gib: float | None = None    # GPU memory torch's allocator held at the last logged step
     gpu_peak_gib: float | None = None   # and at most so far
@@ -97,6 +98,7 @@ def run_status(run_dir: Path, events: list[dict] | None = None) -> RunStatus:
     for e in events:
         if e.get("event") == "step":
             st.step, st.total = e.get("step", 0), e.get("total_steps", 0)
+            st.logged_step = st.step
             st.loss, st.eta_s, st.images_per_s = e.get("loss", math.nan), e.get("eta_s"), e.get("images_per_s")
             st.tokens_per_s = e.get("tokens_per_s")
             st.gpu_mem_gib, st.gpu_peak_gib = e.get("gpu_mem_gib"), e.get("gpu_peak_gib")

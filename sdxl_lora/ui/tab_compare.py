@@ -9,7 +9,7 @@ import gradio as gr
 
 from .folders import Folders, PathRefused
 from .tab_generate import Pipelines
-from .tab_export import OVERWRITE_EXPORT
+from .tab_export import OVERWRITE_EXPORT, tools_md
 from .text import error_md, md_text, writer_words
 
 DEFAULT_PROMPT = "a red circle on a white background"
@@ -147,7 +147,8 @@ def export(f: Folders, name, label, strength, fmt, title, overwrite):
                                     overwrite=bool(overwrite))
     except (AdapterError, PathRefused, FileExistsError, FileNotFoundError, ValueError) as e:
         return None, error_md(writer_words(e, "file name", OVERWRITE_EXPORT))
-    return str(written), (f"{fmt} adapter written: `{written}` ({ck.label} at strength {float(strength):g})")
+    return str(written), (f"{fmt} adapter written: `{written}` ({ck.label} at strength {float(strength):g})"
+                          f"{tools_md(written, fmt)}")
 
 
 def build(f: Folders, pipes: Pipelines, pickers):

@@ -9,6 +9,7 @@ import os
 import gradio as gr
 
 from sdxl_lora.core.config import DataConfig, ConfigError, load_config
+from sdxl_lora.sdxl.tagger import CHARACTER_THRESHOLD, GENERAL_THRESHOLD
 
 from . import dataset_edit as edit
 from .folders import Folders, PathRefused, image_folders
@@ -206,6 +207,14 @@ def build(f: Folders, pickers) -> None:
             cap_prefix = gr.Textbox(label="put before each caption (e.g. the trigger word)", elem_id="ds-cap-prefix",
                                     scale=2)
             cap_overwrite = gr.Checkbox(False, label="replace existing captions", elem_id="ds-cap-overwrite", scale=1)
+        with gr.Row():  # a WD14-style tagger's own thresholds, as `sdxl-lora dataset tag` takes them
+            cap_general = gr.Number(GENERAL_THRESHOLD, label=edit.GENERAL_LABEL, step=0.05,
+                                    elem_id="ds-tag-general",
+                                    info="a tagger writes each general tag it is at least this sure of (lower: more "
+                                         "tags); a captioning model ignores it")
+            cap_character = gr.Number(CHARACTER_THRESHOLD, label=edit.CHARACTER_LABEL, step=0.05,
+                                      elem_id="ds-tag-character",
+                                      info="the same for a character's name tag; a captioning model ignores it")
         cap_go = gr.Button("Caption the images without one", elem_id="ds-cap-go")
         cap_msg = gr.Markdown(elem_id="ds-cap-msg")
 
@@ -241,9 +250,9 @@ def build(f: Folders, pickers) -> None:
         # The list is emptied once sent, so the next upload sends only what is picked then.
         return err or md_text(out), gr.update(choices=choices), (files if err else None)
 
-    def do_caption(folder, model, ext, overwrite, prefix, progress=gr.Progress()):
+    def do_caption(folder, model, ext, overwrite, prefix, general, character, progress=gr.Progress()):
         on = lambda done, total: progress((done, total), desc="captioning")  # noqa: E731
-        out, err = _guarded(edit.caption, f, folder, model, ext, overwrite, prefix, on)
+        out, err = _guarded(edit.caption, f, folder, model, ext, overwrite, prefix, on, general, character)
         return err or md_text(out)
 
     # The messages of what was done in the folder shown before go with it: another folder, or the same scanned
@@ -257,8 +266,8 @@ def build(f: Folders, pickers) -> None:
     apply.click(do_apply, [items, grid, previewed, op, text, find, replace, scope, ext, shown, res, trigger],
                 [items, grid, previewed, bulk_msg, *panes])
     up_go.click(do_upload, [folder, up_files, ext, up_overwrite], [up_msg, folder, up_files])
-    cap_go.click(do_caption, [folder, cap_model, ext, cap_overwrite, cap_prefix], cap_msg).then(
-        do_scan, [folder, ext, res, trigger], scanned)
+    cap_go.click(do_caption, [folder, cap_model, ext, cap_overwrite, cap_prefix, cap_general, cap_character],
+                 cap_msg).then(do_scan, [folder, ext, res, trigger], scanned)
 
 
 def _ticked(rows) -> tuple[int, ...]:

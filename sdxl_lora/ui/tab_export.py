@@ -64,12 +64,19 @@ def _source(f: Folders, choice: str) -> tuple[Path, str | Path | None, Path]:
     return p, model, out_dir
 
 
+def tools_md(written: Path, fmt: str) -> str:
+    """Which tools load a written kohya file right, wrongly or not at all: the lines `sdxl-lora inspect` prints
+    (sdxl/loaders.py), each a paragraph to put after an export's message; "" for another format."""
+    from sdxl_lora.sdxl.loaders import file_notes
+
+    return "".join(f"\n\n{md_text(line)}" for line in (file_notes(written) if fmt == "kohya" else []))
+
+
 def export(f: Folders, choice, fmt, title, author, description, trigger, license_, write_meta, names, true_alpha,
            overwrite, resize_rank=0, resize_method=FIXED, resize_param=None):
     """Write the chosen adapter in `fmt`; with resize_rank > 0 cut to that rank first (sdxl/resize.py), by
     resize_method (FIXED, or a dynamic method with resize_param) -> (the file to download, a message)."""
     from sdxl_lora.sdxl.export import AdapterError, export_adapter, layer_table, load_adapter
-    from sdxl_lora.sdxl.loaders import file_notes
     from sdxl_lora.sdxl.resize import provenance, resize_adapter
 
     if not choice:
@@ -109,8 +116,7 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
     if written.is_dir():  # a PEFT adapter is a folder: offer it zipped
         download = Path(shutil.make_archive(str(written), "zip", root_dir=written))
     said = f" Resized: {resized.summary()}." if resized else ""
-    # Which tools load the file right, wrongly or not at all: the line `sdxl-lora inspect` prints (sdxl/loaders.py).
-    tools = "".join(f"\n\n{md_text(line)}" for line in (file_notes(written) if fmt == "kohya" else []))
+    tools = tools_md(written, fmt)
     return str(download), (f"{fmt} adapter written: `{written}` ({len(adapter.layers)} layers, read from "
                            f"`{src.name}`, {adapter.format}).{said}{tools}")
 

@@ -41,6 +41,9 @@ def _widget(spec: FieldSpec, elem_prefix: str = "f-", task: str = "sdxl"):
         return gr.Dropdown(list(get_args(spec.base)), value=value, label=label, info=info, elem_id=elem_id)
     if spec.kind == "bool":
         return gr.Checkbox(value=value, label=label, info=info, elem_id=elem_id)
+    if spec.kind == "picks":
+        (allowed,) = get_args(spec.base)
+        return gr.CheckboxGroup(list(get_args(allowed)), value=value, label=label, info=info, elem_id=elem_id)
     if spec.kind in ("int", "float") and spec.optional:
         # An empty number box reads as 0 in the page; a text box can say "none" by being empty.
         return gr.Textbox("" if value is None else str(value), label=label, info=info, elem_id=elem_id,
@@ -373,12 +376,18 @@ def _progress_html(st) -> str:
         bits.append(f'<span class="run-phase">{html.escape(st.phase)}</span>')
     if total:
         bits.append(f"step {st.step}/{total}")
+    figures = []
     if not math.isnan(st.loss):
-        bits.append(f"loss {st.loss:.4f}")
+        figures.append(f"loss {st.loss:.4f}")
     if st.images_per_s:
-        bits.append(f"{st.images_per_s:.2f} img/s")
+        figures.append(f"{st.images_per_s:.2f} img/s")
     if st.tokens_per_s:
-        bits.append(f"{st.tokens_per_s:,.0f} tokens/s")
+        figures.append(f"{st.tokens_per_s:,.0f} tokens/s")
+    if figures and st.logged_step and st.logged_step != st.step:
+        # The run writes its loss and speed at its log points ("Log every N steps") only, while the step moves on
+        # each step: the figures say which step they are from.
+        figures[-1] += f" (at step {st.logged_step})"
+    bits += figures
     if st.alive and st.eta_s is not None:
         bits.append(f"eta {st.eta_s:.0f} s")  # the previews and evaluations still due included (jobs.py)
     if st.gpu_mem_gib is not None:
@@ -454,6 +463,13 @@ def _answers(events: list[dict]) -> str:
     return "\n\n".join(lines)
 
 
+def _loss_cell(st) -> str:
+    """The Runs table's loss: the last log point's, with its step where the run has gone past it."""
+    if math.isnan(st.loss):
+        return ""
+    return f"{st.loss:.4f}" + (f" (at step {st.logged_step})" if st.logged_step and st.logged_step != st.step else "")
+
+
 def runs_view(jobs: Jobs, selected: str | None, seen_sig, follow: str | None = None) -> tuple:
     """The Runs panel: the table, the run picker, the selected run's progress line, charts, previews and log, and
     the signature of what was drawn (skipped where it has not changed since `seen_sig`). `follow`: the run the page
@@ -467,7 +483,7 @@ def runs_view(jobs: Jobs, selected: str | None, seen_sig, follow: str | None = N
             runs.insert(0, RunStatus(name=follow, dir=jobs.f.runs / follow, state="starting"))
             names.insert(0, follow)
     table = [[s.name, s.state, f"{s.step}/{s.total}" if s.total else "",
-              "" if math.isnan(s.loss) else f"{s.loss:.4f}"] for s in runs]
+              _loss_cell(s)] for s in runs]
     if not selected or selected not in names:
         selected = names[0] if names else None
     st = next((s for s in runs if s.name == selected), None)
