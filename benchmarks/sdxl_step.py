@@ -263,13 +263,13 @@ def bench(unet, batch, steps, warmup, device, mode, cfg, profile=0, top=15, shap
         if nan_guard:
             # As the trainer runs it with fused AdamW: the optimizer skips a flagged step on the device and the
             # host reads the verdict a step later.
-            from sdxl_lora.core.loop import _PendingFlag
+            from sdxl_lora.core.nan_guard import PendingFlag
 
             flag = (~torch.isfinite(loss.detach()) | ~torch.isfinite(norm)).float()
             opt.found_inf = flag
             if pending is not None:
                 pending.bad()
-            pending = _PendingFlag(flag, 0)
+            pending = PendingFlag(flag, 0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss

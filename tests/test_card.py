@@ -147,3 +147,16 @@ def test_the_forms_summary_line_names_the_card_and_what_the_run_will_do_on_it(mo
     assert "this 12 GB card: chose" in line and "recomputing (partial)" in line and "x the time per image" in line
     monkeypatch.setattr(summary, "_card", lambda: pretend_card(48))
     assert "fits this 48 GB card as set" in summary.run_summary(sdxl(**{"train.batch_size": 2}))
+
+
+def test_plan_and_the_forms_summary_say_the_same_for_the_same_config_and_card(monkeypatch, capsys):
+    # One plan entry (sdxl/plan.py: plan_run) behind both: the same card gives the same peak and the same levers.
+    from sdxl_lora.ui import summary
+
+    monkeypatch.setattr(summary, "_card", lambda: pretend_card(12))
+    line = summary.run_summary(sdxl(**{"train.batch_size": 2}))
+    assert main(["plan", "--model", "arch:sdxl", "--batch-size", "2", "--card", "12", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert f"~{shown['run_memory']['peak_gib']:.1f} GiB" in line
+    assert shown["budget_choices"] and "this 12 GB card: chose" in line
+    assert f"~{shown['slowdown']:.2f}x the time per image" in line

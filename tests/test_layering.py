@@ -9,13 +9,13 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sdxl_lora"
 
-FRONT_ENDS = ("sdxl_lora.cli", "sdxl_lora.ui")
+FRONT_ENDS = ("sdxl_lora.cli", "sdxl_lora.commands", "sdxl_lora.ui")  # commands: the CLI's groups
 RULES = {
     # layer -> modules (and their submodules) it must not import
     "sdxl_lora.core": ("sdxl_lora.sdxl", "sdxl_lora.llm", "sdxl_lora.training", "diffusers", *FRONT_ENDS),
     "sdxl_lora.sdxl": ("sdxl_lora.llm", "sdxl_lora.training", *FRONT_ENDS),
     "sdxl_lora.llm": ("sdxl_lora.sdxl", "sdxl_lora.training", *FRONT_ENDS),
-    "sdxl_lora.ui": ("sdxl_lora.cli",),
+    "sdxl_lora.ui": ("sdxl_lora.cli", "sdxl_lora.commands"),
 }
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from sdxl_lora.core.config import load_config
-from sdxl_lora.core.loop import Trainer, throughput_postfix
+from sdxl_lora.core.log_window import throughput_postfix
+from sdxl_lora.core.loop import Trainer
 from sdxl_lora.core.runs import create_run, read_events
 from sdxl_lora.llm.task import LLMTask
 

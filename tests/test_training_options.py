@@ -366,13 +366,13 @@ def test_the_guard_reads_each_steps_verdict_a_step_later_and_the_optimizer_skips
         tmp_path, monkeypatch, shared_cache):
     # Fused AdamW skips a step itself (found_inf), so the host need not wait for a step before queueing the
     # next one: the verdict on step k is read once step k+1 is queued (and at log, save and stop points).
-    from sdxl_lora.core import loop
+    from sdxl_lora.core.nan_guard import NanGuard, PendingFlag
 
     inject_nan(monkeypatch, lambda n: n == 3)
     reads, steps_seen, now = [], {}, [0]
-    real_bad = loop._PendingFlag.bad
-    real_verdict = loop._NanGuard.verdict
-    real_after_step = loop._NanGuard.after_step
+    real_bad = PendingFlag.bad
+    real_verdict = NanGuard.verdict
+    real_after_step = NanGuard.after_step
 
     def bad(self):
         reads.append(self.step)
@@ -386,9 +386,9 @@ def test_the_guard_reads_each_steps_verdict_a_step_later_and_the_optimizer_skips
         steps_seen[step] = now[0]  # the step counter when the verdict on `step` is known
         return real_verdict(self, step, was_bad)
 
-    monkeypatch.setattr(loop._PendingFlag, "bad", bad)
-    monkeypatch.setattr(loop._NanGuard, "after_step", after_step)
-    monkeypatch.setattr(loop._NanGuard, "verdict", verdict)
+    monkeypatch.setattr(PendingFlag, "bad", bad)
+    monkeypatch.setattr(NanGuard, "after_step", after_step)
+    monkeypatch.setattr(NanGuard, "verdict", verdict)
     assert main(["train", "--out", str(tmp_path), "--name", "d", "--steps", "7", "--set", "preview.prompts=''",
                  "--set", f"data.cache_dir='{shared_cache}'", "--set", "train.log_every=5",
                  "--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]) == 0

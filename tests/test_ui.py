@@ -826,11 +826,12 @@ def test_the_llm_form_starts_from_what_llm_train_uses_and_the_default_folders_ho
     import argparse
 
     from sdxl_lora import cli
+    from sdxl_lora.commands.llm import llm_config_from_args
     from sdxl_lora.ui.app import add_arguments
     from sdxl_lora.ui.folders import image_folders, jsonl_files
     from sdxl_lora.ui.form import schema_fields
 
-    cfg = cli._llm_config_from_args(cli.build_parser().parse_args(["llm", "train"])).model_dump()
+    cfg = llm_config_from_args(cli.build_parser().parse_args(["llm", "train"])).model_dump()
     differs = {}
     for spec in schema_fields(task="llm"):
         section, _, name = spec.key.rpartition(".")

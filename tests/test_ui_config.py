@@ -45,11 +45,13 @@ def _values(form: Form, data: list[str], rows=None, prompts: str = "", **typed) 
 def _cli_config(line: str):
     """The config the shown command line makes, through the CLI's own parser."""
     from sdxl_lora import cli
+    from sdxl_lora.commands.common import config_from_args
+    from sdxl_lora.commands.llm import llm_config_from_args
 
     argv = shlex.split(line.split("\n#")[0].replace("\\\n", " "))
     assert argv[0] == "sdxl-lora"
     args = cli.build_parser().parse_args(argv[1:])
-    return cli._llm_config_from_args(args) if argv[1] == "llm" else cli._config_from_args(args)
+    return llm_config_from_args(args) if argv[1] == "llm" else config_from_args(args)
 
 
 def test_the_form_saved_loads_back_the_same_and_its_command_makes_the_same_config(folders):

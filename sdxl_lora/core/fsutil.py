@@ -1,4 +1,5 @@
-"""Atomic file writes: a temp file in the same folder, fsync, rename; a crash leaves the old file or the new."""
+"""Atomic file writes: a temp file in the same folder, fsync, rename; a crash leaves the old file or the new.
+And the guard before a command writes (check_destination): never over what it reads, nor into a run's records."""
 from __future__ import annotations
 
 import contextlib
@@ -79,8 +80,6 @@ def refusal(out: str | Path, reads: Iterable[str | Path | None] = (), reader: st
     A folder written at `out` replaces it whole, with whatever lies inside; a file written inside a folder that
     is read (a PEFT folder, a model) changes what is read. `reads` entries that name no existing path (a
     built-in model's name) are skipped."""
-    from .runs import is_run_folder, run_damage  # runs imports this module
-
     target = Path(out).resolve()
     damage = run_damage(target, out)
     if damage is not None:
@@ -128,8 +127,6 @@ def clear_interrupted(folder: str | Path) -> list[Path]:
     """Remove what interrupted writes (SIGKILL, a power cut) left in `folder`: temp files and folders named by
     temp_prefix, and a folder moved aside by replaced_name (put back where its replacement never arrived),
     whose writer is no longer running. Only these names are touched. The paths removed or put back."""
-    from .runs import process_alive  # runs imports this module
-
     try:
         entries = list(os.scandir(folder))
     except (FileNotFoundError, NotADirectoryError):
@@ -271,3 +268,96 @@ def build_folder_once(dest: Path, build: Callable[[Path, Path], None], marker: s
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+# ---- what a write must not break: a run's folder and records (core/runs.py makes them)
+
+# What --resume and the UI read of a run besides its adapter: no command writes over these or into them.
+RUN_RECORDS = {"config.toml": "config", "events.jsonl": "progress record",
+               "checkpoints": "training states, which --resume continues from"}
+# How deep below a destination folder a run is looked for (a runs folder, a project holding runs/): a folder
+# written there replaces everything inside.
+_RUN_DEPTH = 3
+
+
+def is_run_folder(path: Path) -> bool:
+    """Whether `path` is a run's folder: its config.toml, and its events or training states."""
+    return (path / "config.toml").is_file() and ((path / "events.jsonl").is_file() or (path / "checkpoints").is_dir())
+
+
+def run_damage(target: Path, shown: str | Path) -> str | None:
+    """Why writing the resolved path `target` (`shown` as the user gave it) would break a run, as the message
+    to show, or None: it is a run folder, or holds one, or is or lies inside a run's RUN_RECORDS. A run's
+    other files (its exports/, its adapter) are for its exports to go to and replace."""
+    for folder in (target, *target.parents):
+        if not is_run_folder(folder):
+            continue
+        exports = relpath(folder / "exports")
+        if folder == target:
+            return (f"{shown} is the folder of run {folder.name}: a write there would replace the run, its config, "
+                    f"events and training states (--overwrite does not change this); write the result to another "
+                    f"path, e.g. into {exports}/")
+        record = target.relative_to(folder).parts[0]
+        if record in RUN_RECORDS:
+            where = "is" if target == folder / record else f"lies inside {relpath(folder / record)},"
+            return (f"{shown} {where} run {folder.name}'s {RUN_RECORDS[record]}: a write there would break the run "
+                    f"(--overwrite does not change this); write the result to another path, e.g. into {exports}/")
+        break
+    held = _run_inside(target)
+    if held is not None:
+        return (f"{shown} holds the run folder {relpath(held)}: a folder written there would replace it with "
+                "everything inside (--overwrite does not change this); write the result to another path")
+    return None
+
+
+def _run_inside(folder: Path) -> Path | None:
+    """A run folder under `folder`, at most _RUN_DEPTH levels down (symlinks not followed), or None."""
+    level = [folder] if folder.is_dir() and not folder.is_symlink() else []
+    for _ in range(_RUN_DEPTH):
+        level = [p for d in level for p in subfolders(d)]
+        run = next((p for p in level if is_run_folder(p)), None)
+        if run is not None:
+            return run
+    return None
+
+
+def subfolders(folder: Path) -> list[Path]:
+    """The folders in `folder` (symlinks not followed); none where it cannot be read."""
+    try:
+        return [Path(e.path) for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)]
+    except OSError:  # unreadable: nothing of ours can be written there either
+        return []
+
+
+def process_alive(pid: int, started_before: float | None = None) -> bool:
+    """Whether `pid` is a live process (not a zombie), started no later than `started_before` (epoch
+    seconds) when given. Without /proc (not Linux) only the first is checked."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return True
+    if fields[0] == "Z":
+        return False
+    if started_before is None:
+        return True
+    try:
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, ValueError, IndexError):
+        return True
+    return started <= started_before + 2.0  # btime is whole seconds
+
+
+def relpath(p: Path) -> str:
+    """A path as the user should see it: relative to the working folder when under it, else as given
+    (an absolute path stays absolute, never `../../...`)."""
+    p = Path(p)
+    try:
+        return str(p.absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)

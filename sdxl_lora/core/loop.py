@@ -25,8 +25,9 @@ What a user gets from `Trainer`:
     agreed by all processes at the same step; a state resumes on any number of processes.
 Set-up reads top to bottom in the order things depend on each other:
 accelerator -> seed -> task (model, data, caches) -> optimizer -> schedule -> prepare -> EMA -> resume.
-The step (`Trainer._loop`) reads on one screen; its parts are the small pieces below it: the NaN guard
-(`_NanGuard`), the log window (`_LogWindow`), the optimizer step, saving and stopping, the finish.
+The step (`Trainer._loop`) reads on one screen; its parts are the NaN guard (`NanGuard`,
+core/nan_guard.py), the log window (`LogWindow`, core/log_window.py) and the small methods below it: the
+optimizer step, saving and stopping, the finish.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ from .config import Config
 from .accel import device_type, gradient_sync, make_accelerator, world_size
 from .allocator import allocator_setting
 from .ema import EMA
+from .log_window import LogWindow, throughput_postfix
+from .nan_guard import NanGuard
 from .optim import build_optimizer, evaluating, loraplus_groups, make_schedule, resumed
 from .profile import StepProfiler
 from .runs import Run
@@ -122,173 +125,6 @@ OUT_OF_MEMORY = "out of GPU memory"
 
 class OutOfMemory(RuntimeError):
     """The GPU ran out of memory in a run of several processes; the message says what to do."""
-
-
-class _PendingFlag:
-    """A flag on the device, copied to the host without waiting; bad() waits for the copy only when read."""
-
-    def __init__(self, flag: torch.Tensor, step: int):
-        self.step = step
-        self.host = flag.to("cpu", non_blocking=True)
-        self.event = None
-        if flag.is_cuda:
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def bad(self) -> bool:
-        if self.event is not None:
-            self.event.synchronize()
-        return bool(self.host > 0)
-
-
-def _inner(optimizer) -> torch.optim.Optimizer:
-    return getattr(optimizer, "optimizer", optimizer)  # Accelerate wraps it
-
-
-class _NanGuard:
-    """The NaN/Inf guard (train.nan_guard): an optimizer step with a non-finite loss (in any micro-batch) or
-    gradient norm, on any process, is skipped (weights unchanged), logged and counted; train.max_nan_steps
-    in a row set `message`, the reason the run stops with.
-
-    Deferred where the optimizer can skip a step on the device (torch's fused Adam/AdamW take a
-    `found_inf` tensor, as from a grad scaler): the verdict is a flag the optimizer reads, copied to the host
-    without waiting and read one step later, so the host queues step k+1 while the GPU still runs step k.
-    Otherwise the host waits for each step's verdict and skips the optimizer step itself."""
-
-    def __init__(self, cfg: Config, accelerator, run: Run, optimizer, ema: bool):
-        self.cfg, self.acc, self.run = cfg, accelerator, run
-        self.on = cfg.train.nan_guard
-        self.deferred = self.on and self._can_defer(optimizer, ema)
-        self.pending: _PendingFlag | None = None  # the verdict of the last step, not read yet
-        self._queued: _PendingFlag | None = None  # the verdict of the step under way
-        self.in_a_row = self.skipped = 0
-        self.message: str | None = None
-
-    def _can_defer(self, optimizer, ema: bool) -> bool:
-        """Fused Adam/AdamW skip the update (weights, moments, step count) when found_inf == 1. Not with
-        fp16's grad scaler (it sets found_inf itself) nor with train.ema (its update would still run)."""
-        opt = _inner(optimizer)
-        return (isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and bool(opt.defaults.get("fused"))
-                and self.acc.scaler is None and not ema)
-
-    def after_backward(self, bad: torch.Tensor, grad_norm: torch.Tensor | None, step: int, optimizer) -> bool:
-        """The verdict on optimizer step `step`, before it is taken. True when the host must skip it (the
-        waiting mode); deferred, the optimizer is told and skips it itself."""
-        if not self.on:
-            return False
-        flag = self._flag(bad, grad_norm)
-        if self.deferred:
-            _inner(optimizer).found_inf = flag
-            self._queued = _PendingFlag(flag, step)
-            return False
-        return flag.item() > 0  # the host waits for the step here
-
-    def after_step(self, step: int, skipped: bool) -> None:
-        """Once step `step` is queued: deferred, the previous step's verdict is read (this step's work is
-        queued behind it by now); otherwise this step's (`skipped`) is recorded."""
-        if self.deferred:
-            if self.pending is not None:
-                self._read(self.pending)
-            self.pending, self._queued = self._queued, None
-        elif self.on:
-            self.message = self.verdict(step, skipped) or self.message
-
-    def settle(self) -> None:
-        """Read the pending verdict now: at points where the host waits for the device anyway."""
-        if self.pending is not None:
-            self._read(self.pending)
-            self.pending = None
-
-    def _read(self, pending: _PendingFlag) -> None:
-        self.message = self.verdict(pending.step, pending.bad()) or self.message
-
-    def _flag(self, bad: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
-        """On the device, 1.0 if this optimizer step must be skipped (0.0 if not), agreed by all processes.
-        Under fp16, gradient overflow is the grad scaler's to handle (it skips the step and lowers its
-        scale), so only the loss counts there."""
-        if self.acc.scaler is None and grad_norm is not None:  # DeepSpeed may not give the norm
-            bad = bad | ~torch.isfinite(grad_norm)
-        # Exactly 1.0, not the sum over processes: fused Adam skips only when found_inf == 1 (with a sum of 2 on
-        # two processes it would step into NaN weights while the log said "skipped").
-        return (self.acc.reduce(bad.float(), "sum") > 0).float()
-
-    def verdict(self, step: int, bad: bool) -> str | None:
-        """Record the verdict on `step`: a skipped step is logged and counted; max_nan_steps in a row give
-        the message the run stops with."""
-        if not bad:
-            self.in_a_row = 0
-            return None
-        self.in_a_row += 1
-        self.skipped += 1
-        n, acc, cfg = self.in_a_row, self.acc, self.cfg
-        log.warning("step %d: non-finite loss or gradient; step skipped, weights unchanged (%d in a row, "
-                    "%d in all)", step, n, self.skipped)
-        if acc.is_main_process:
-            self.run.event("nonfinite", step=step, in_a_row=n, skipped=self.skipped)
-        if n < cfg.train.max_nan_steps:
-            return None
-        msg = (f"{n} steps in a row (up to step {step}) had a non-finite loss or gradient, "
-               f"so the run stopped. Likely causes: fp16 overflow (mixed_precision="
-               f"{acc.mixed_precision!r}; try train.mixed_precision='bf16', or 'no'), or a learning rate "
-               f"too high (train.lr={cfg.train.lr:g}; try a smaller one, or more warmup_steps, or "
-               f"max_grad_norm). The state is saved: fix the cause and resume.")
-        log.error(msg)
-        return msg
-
-
-def throughput_postfix(rates: dict[str, float], labels: dict[str, str]) -> dict[str, str]:
-    """The progress bar's fields for the units per second of a log window, under the task's short labels
-    (Task.unit_labels): {"img_s": "12.3"}."""
-    return {labels.get(name, f"{name}_s"): f"{v:.1f}" for name, v in rates.items()}
-
-
-class _LogWindow:
-    """The figures between two log points, kept on the device (finite losses and gradient norms summed,
-    and their counts) so that a step never waits for it; read back, one host sync, at flush."""
-
-    def __init__(self, accelerator, step: int, total: int):
-        self.acc, self.step0, self.total = accelerator, step, total
-        dev = accelerator.device
-        self.losses, self.n_losses, self.norms, self.n_norms = (torch.zeros((), device=dev) for _ in range(4))
-        self.samples = 0  # over all processes, for MFU (FLOPs are counted per sample)
-        self.units: dict[str, int | torch.Tensor] = {}  # the task's throughput units (Task.units), ditto
-        self.started = self.opened = time.perf_counter()
-
-    def add_norm(self, norm: torch.Tensor | None) -> None:
-        """A step's gradient norm before clipping (None where the backend gives none)."""
-        if norm is not None:
-            self.norms += torch.where(torch.isfinite(norm), norm, 0.0)
-            self.n_norms += torch.isfinite(norm)
-
-    def add_loss(self, loss: torch.Tensor, finite: torch.Tensor, samples: int, units: dict) -> None:
-        """A micro-batch's loss (counted when finite), and the samples and units (ints, or device tensors
-        read at flush) all processes took with it."""
-        self.losses += torch.where(finite, loss, 0.0)
-        self.n_losses += finite
-        self.samples += samples
-        for name, n in units.items():
-            self.units[name] = self.units.get(name, 0) + n
-
-    def eta(self, step: int, now: float | None = None) -> float:
-        """Seconds left at `step`, at this session's mean pace so far."""
-        now = time.perf_counter() if now is None else now
-        return (now - self.started) / max(step - self.step0, 1) * (self.total - step)
-
-    def flush(self, step: int) -> tuple[float, float, dict[str, float], float | None, float]:
-        """The window's mean loss over all processes, samples/s, each unit per second, mean gradient norm
-        (None when none was finite) and the run's eta in seconds at `step`; then a new window opens."""
-        acc = self.acc
-        mean = (acc.reduce(self.losses, "sum") / acc.reduce(self.n_losses, "sum")).item()
-        now = time.perf_counter()
-        seconds = max(now - self.opened, 1e-9)
-        rates = {name: float(n) / seconds for name, n in self.units.items()}
-        eta = self.eta(step, now)
-        grad_norm = (self.norms / self.n_norms).item() if self.n_norms.item() else None
-        for t in (self.losses, self.n_losses, self.norms, self.n_norms):
-            t.zero_()
-        sps = self.samples / seconds
-        self.samples, self.units, self.opened = 0, {}, now
-        return mean, sps, rates, grad_norm, eta
 
 
 class Trainer:
@@ -699,8 +535,8 @@ class Trainer:
         bar = self._bar = tqdm(total=total, initial=self.step, desc="training", unit="step",
                                disable=not acc.is_main_process, dynamic_ncols=True)
         losses: list[float] = []
-        window = _LogWindow(acc, self.step, total)
-        guard = _NanGuard(cfg, acc, run, self.optimizer, ema=self.ema is not None)
+        window = LogWindow(acc, self.step, total)
+        guard = NanGuard(cfg, acc, run, self.optimizer, ema=self.ema is not None)
         batches = self._batches()
         profiler = self._profiler()
         if cfg.train.compile != "none":  # the first step waits for the compiler: the bar says so until it is done
@@ -765,7 +601,7 @@ class Trainer:
                         "or train.steps in the config)", self.cfg.train.steps, pace, self.cfg.train.steps - step, said)
 
     # ---- the step's pieces, in the order the step runs them ----
-    def _train_step(self, step: int, batches, window: _LogWindow, guard: _NanGuard, profiler: StepProfiler) -> bool:
+    def _train_step(self, step: int, batches, window: LogWindow, guard: NanGuard, profiler: StepProfiler) -> bool:
         """Step `step` + 1: its micro-batches' forward and backward, the gradients clipped and guarded, the
         optimizer step. Returns whether the guard skipped the update."""
         cfg, acc = self.cfg, self.accelerator
@@ -835,7 +671,7 @@ class Trainer:
             self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _log(self, step: int, window: _LogWindow, bar) -> float:
+    def _log(self, step: int, window: LogWindow, bar) -> float:
         """A log point: the window's figures in the progress bar, the events file and TensorBoard. Returns
         the mean loss."""
         acc = self.accelerator
@@ -867,7 +703,7 @@ class Trainer:
         return bool((tc.save_every and step % tc.save_every == 0) or (
             tc.save_every_minutes and time.perf_counter() - self._t_saved >= 60 * tc.save_every_minutes))
 
-    def _save_or_stop(self, step: int, due: bool, guard: _NanGuard, read_now: bool) -> str | None:
+    def _save_or_stop(self, step: int, due: bool, guard: NanGuard, read_now: bool) -> str | None:
         """Save the state when due or stopping, at the same step on every process. Returns why the run
         stops (a signal's name, or "nan_guard"), or None. read_now: the host reads the device at this step
         anyway (a log point), so it reads the guard's pending verdict too."""

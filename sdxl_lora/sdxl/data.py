@@ -1,9 +1,13 @@
-"""SDXL training data: find images and captions, bucket them by aspect, load pixels with SDXL's
-micro-conditioning, build captions, and draw batches one bucket at a time.
+"""SDXL training data: find every dataset's images, captions and masks, check each image once, and bucket
+the good ones by aspect (`scan`); the report and the doctor's findings `dataset inspect` prints.
 
 `scan()` reads every file once before training: bad images and captions are listed with their
 reason and skipped, a caption setting that matches nothing stops the run with the fix, and the run
 stops only if nothing usable remains. Source files are only ever opened for reading.
+
+The rest of the data path has a module each: what a scan finds (dataset.py), buckets and the batch sampler
+(buckets.py), captions (captions.py), pixels and masks (pixels.py). Their names are also read from here,
+where training and tests have always found them.
 """
 from __future__ import annotations
 
@@ -12,23 +16,29 @@ import errno
 import io
 import json
 import logging
-import math
 import os
-import random
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import torch
-from PIL import Image
 from tqdm import tqdm
 
 from sdxl_lora.core.config import DataConfig
-from sdxl_lora.sdxl.images import IMAGE_EXTENSIONS, ImageProblem, open_image, probe_image
+from sdxl_lora.sdxl.images import IMAGE_EXTENSIONS, ImageProblem, probe_image
+
+from .buckets import BucketBatchSampler, make_buckets, nearest_bucket
+from .captions import fallback_caption, live_caption, live_text, make_caption
+from .captions import has_word as _has_word  # noqa: F401  (the name ui/dataset_edit.py imports)
+from .dataset import DataError, Dataset, DatasetSpec, Item, Problem
+from .pixels import check_mask, load_mask, load_pixels
+
+__all__ = ["BucketBatchSampler", "CAPTION_BYTES", "CAPTION_EXTENSIONS", "DataError", "Dataset", "DatasetSpec",
+           "Item", "Problem", "balance_regularization", "dataset_specs", "fallback_caption", "inspect_text",
+           "live_caption", "live_text", "load_mask", "load_pixels", "make_buckets", "make_caption",
+           "nearest_bucket", "scan"]
 
 log = logging.getLogger(__name__)
 
@@ -43,164 +53,6 @@ _MAX_LISTED = 20
 # long tag list is a few KiB, so every real caption is read whole, shuffled tags included; a file that is no
 # caption (a log or a dump saved as .txt) costs one small read, not minutes and gigabytes of tokenizing.
 CAPTION_BYTES = 64 * 1024
-# kohya's wildcard: {a|b|c}, one choice each time; {{ and }} are braces themselves.
-_WILDCARD = re.compile(r"\{([^{}]*\|[^{}]*)\}")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A file that was skipped, and why."""
-    path: Path
-    reason: str
-
-
-@dataclass
-class Item:
-    """One usable image: where it is, its caption and the bucket it trains in."""
-    path: Path
-    caption: str  # the caption file's text, whitespace collapsed; "" when it has none
-    repeats: int
-    size: tuple[int, int]  # (width, height) as displayed, i.e. after EXIF orientation
-    bucket: tuple[int, int]  # (width, height), multiples of bucket_step
-    dataset: Path  # the data.dirs entry (or [[data.datasets]] path) it came from
-    has_caption: bool
-    mask: Path | None = None  # with data.masked_loss: its loss mask (white learns, black is ignored)
-    # Its dataset's settings (data.* with the [[data.datasets]] table over them); None: the caller's config.
-    settings: DataConfig | None = None
-    is_reg: bool = False  # a regularization image: no trigger word, loss times train.prior_loss_weight
-    source: int = 0  # the index of its DatasetSpec in Dataset.specs
-
-
-@dataclass
-class DatasetSpec:
-    """One dataset as configured: a data.dirs entry, or a [[data.datasets]] table with its own settings."""
-    index: int  # its position in Dataset.specs (Item.source)
-    name: str
-    root: Path
-    settings: DataConfig  # data.* with this dataset's table over it
-    resolution: int
-    repeats: int | None = None  # the table's repeats, over kohya folder names
-    is_reg: bool = False
-    field: str = "data.dirs"  # where errors point: "data.datasets[1]"
-
-
-class DataError(Exception):
-    """The dataset cannot be used as configured; the message says what to do."""
-
-
-@dataclass
-class Dataset:
-    items: list[Item]
-    problems: list[Problem]
-    resolution: int
-    bucket_step: int
-    roots: list[Path] = field(default_factory=list)
-    # Things a user should know that are not errors (fallback captions, upscaled images...).
-    notes: list[str] = field(default_factory=list)
-    specs: list[DatasetSpec] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return sum(item.repeats for item in self.items)
-
-    def expanded(self) -> list[int]:
-        """Item index for every position of an epoch: item i appears items[i].repeats times."""
-        return [i for i, item in enumerate(self.items) for _ in range(item.repeats)]
-
-    def bucket_histogram(self, items: list[Item] | None = None) -> dict[tuple[int, int], int]:
-        """Images per bucket (not counting repeats), narrowest (tallest) bucket first. A bucket is a shape:
-        datasets at different resolutions have buckets of different areas, so they never share a batch."""
-        counts = Counter(item.bucket for item in (self.items if items is None else items))
-        return dict(sorted(counts.items(), key=lambda kv: (kv[0][0] / kv[0][1], kv[0])))
-
-    def spec_items(self, spec: DatasetSpec) -> list[Item]:
-        return [it for it in self.items if it.source == spec.index]
-
-    def summary(self) -> list[dict]:
-        """Per dataset: what it holds and how it trains (the run's dataset event, the UI)."""
-        out = []
-        for spec in self.specs:
-            mine = self.spec_items(spec)
-            out.append({"name": spec.name, "path": str(spec.root), "images": len(mine),
-                        "samples": sum(it.repeats for it in mine), "resolution": spec.resolution,
-                        "is_regularization": spec.is_reg, "trigger_word": spec.settings.trigger_word,
-                        "buckets": {f"{w}x{h}": n for (w, h), n in self.bucket_histogram(mine).items()}})
-        return out
-
-    def report(self) -> str:
-        n = len(self.items)
-        resolutions = sorted({spec.resolution for spec in self.specs} or {self.resolution})
-        shown_res = ", ".join(map(str, resolutions))
-        lines = [f"{n} images ({len(self)} per epoch with repeats) from {len(self.specs or self.roots)} "
-                 f"dataset(s); resolution {shown_res}, bucket sides in steps of {self.bucket_step}"]
-        for spec in self.specs:
-            mine = self.spec_items(spec)
-            repeats = sorted({it.repeats for it in mine})
-            shown = "" if repeats in ([], [1]) else f", repeats {', '.join(map(str, repeats))}"
-            label = str(spec.root) if spec.field == "data.dirs" else f"{spec.field} {spec.name} ({spec.root})"
-            extra = []
-            if len(resolutions) > 1:
-                extra.append(f"resolution {spec.resolution}")
-            if spec.is_reg:
-                extra.append("regularization")
-            if spec.settings.trigger_word and spec.field != "data.dirs":
-                extra.append(f"trigger {spec.settings.trigger_word!r}")
-            lines.append(f"  {label}: {len(mine)} images{shown}" + "".join(f", {e}" for e in extra))
-        captioned = sum(it.has_caption for it in self.items)
-        pct = f" ({100 * captioned / n:.0f}%)" if n else ""
-        lines.append(f"captions: {captioned} of {n} images have one{pct}")
-        for res in resolutions:
-            hist = self.bucket_histogram([it for it in self.items if self._resolution_of(it) == res])
-            if not hist:
-                continue
-            lines.append("buckets (width x height: images):" if len(resolutions) == 1 else
-                         f"buckets at resolution {res} (width x height: images):")
-            top = max(hist.values())
-            for (w, h), count in hist.items():
-                bar = "#" * max(1, round(30 * count / top))
-                lines.append(f"  {w:>5}x{h:<5} {count:>6}  {bar}")
-        lines.extend(f"note: {note}" for note in self.notes)
-        if self.problems:
-            lines.append(f"problems: {len(self.problems)}, each skipped")
-            lines.extend(f"  {p.path}: {p.reason}" for p in self.problems)
-        else:
-            lines.append("problems: none")
-        return "\n".join(lines)
-
-    def _resolution_of(self, item: Item) -> int:
-        return self.specs[item.source].resolution if self.specs else self.resolution
-
-
-# ---------------------------------------------------------------------------------------- buckets
-
-def make_buckets(resolution: int, step: int, max_aspect: float) -> list[tuple[int, int]]:
-    """(width, height) buckets with sides in multiples of `step`, area at most about resolution^2 and
-    aspect at most `max_aspect`; for each height the widest such width is kept. Sorted by aspect."""
-    if step < 8 or step % 8:
-        raise DataError(f"data.bucket_step={step} must be a positive multiple of 8 (the VAE downsamples by 8)")
-    if resolution < step:
-        raise DataError(f"resolution {resolution} is smaller than data.bucket_step={step}; lower the step")
-    if max_aspect < 1.0:
-        raise DataError(f"data.max_aspect={max_aspect} must be at least 1.0 (it bounds long side / short side)")
-    side = max(step, round(resolution / step) * step)
-    area = side * side
-    widest: dict[int, int] = {}  # height -> widest landscape width that fits the area
-    w = side
-    while True:
-        h = (area // w) // step * step
-        if h < step or w / h > max_aspect:
-            break
-        widest[h] = w
-        w += step
-    buckets = {(w, h) for h, w in widest.items()} | {(h, w) for h, w in widest.items()}
-    return sorted(buckets, key=lambda b: (b[0] / b[1], b))
-
-
-def nearest_bucket(size: tuple[int, int], buckets: list[tuple[int, int]]) -> tuple[int, int]:
-    """The bucket whose aspect ratio is closest to the image's, by log-aspect (so 2:1 and 1:2 are
-    equally far from 1:1); ties go to the larger bucket."""
-    w, h = size
-    target = math.log(w / h)
-    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - target), -b[0] * b[1], b))
 
 
 # ------------------------------------------------------------------------------------------- scan
@@ -275,23 +127,6 @@ def dataset_specs(cfg: DataConfig, resolution: int) -> list[DatasetSpec]:
         raise DataError("every [[data.datasets]] table has is_regularization=true, so nothing teaches the concept "
                         "— add a dataset of your subject (is_regularization=false)")
     return specs
-
-
-def live_text(cfg: DataConfig) -> bool:
-    """Whether some dataset's captions change from one use to the next (tag shuffle or tag dropout), so its
-    text embeddings are encoded per sample and the text encoders stay on the device."""
-    return any(_live(s) for s in [cfg, *(d.settings(cfg) for d in cfg.datasets)])
-
-
-def _live(settings: DataConfig) -> bool:
-    return settings.shuffle_tags or settings.tag_dropout > 0 or settings.wildcards
-
-
-def live_caption(item: Item, cfg: DataConfig) -> bool:
-    """Whether this image's caption changes from one use to the next, so it is encoded per sample."""
-    s = item.settings if item.settings is not None else cfg
-    return s.shuffle_tags or s.tag_dropout > 0 or (s.wildcards and _WILDCARD.search(item.caption) is not None)
-
 
 def _walk(root: Path) -> list[tuple[Path, list[str]]]:
     """(folder, file names) for every folder under root, in a stable order, hidden entries skipped
@@ -537,11 +372,6 @@ def _probe(candidates: list[_Candidate], max_pixels: int,
     return results
 
 
-def fallback_caption(cfg: DataConfig) -> str:
-    """What an image without a caption trains with: "<trigger_word> <class_token>" (either may be empty)."""
-    return " ".join(part for part in (cfg.trigger_word.strip(), cfg.class_token.strip()) if part)
-
-
 def scan(cfg: DataConfig, resolution: int,
          on_progress: Callable[[int, int], None] | None = None) -> Dataset:
     """Find every image and caption of every dataset, check each image decodes, and bucket the good ones at
@@ -610,7 +440,7 @@ def scan(cfg: DataConfig, resolution: int,
         if max(w / h, h / w) > cfg.max_aspect:
             over_aspect += 1
         if c.mask is not None:
-            _check_mask(c.mask, c.path, (w, h), cfg.max_pixels)
+            check_mask(c.mask, c.path, (w, h), cfg.max_pixels)
         items.append(Item(path=c.path, caption=c.caption or "", repeats=spec.repeats or c.repeats, size=(w, h),
                           bucket=nearest_bucket((w, h), buckets[spec.resolution]), dataset=c.root,
                           has_caption=bool(c.caption), mask=c.mask, settings=spec.settings, is_reg=spec.is_reg,
@@ -707,239 +537,3 @@ def inspect_text(cfg: DataConfig, resolution: int, doctor: bool = False, batch_s
 
     return "\n".join([dataset.report(), *doctor_lines(dataset, batch_size)])
 
-
-# ------------------------------------------------------------------------------ pixels & captions
-
-def load_pixels(item: Item, crop: str, flip: bool,
-                rng: random.Random) -> tuple[torch.Tensor, tuple[int, int, int, int, int, int]]:
-    """Pixels float32 [3, H, W] in [-1, 1] at exactly the item's bucket, and SDXL's time_ids.
-
-    The image is resized so it covers the bucket, mirrored if `flip` (the caller draws it, so a
-    cache can key on it), then cropped: "center", or "random" (position drawn from rng).
-    time_ids = (original_h, original_w, crop_top, crop_left, target_h, target_w) as SDXL was trained:
-    original size before resizing, crop top-left in the resized (and mirrored) image, as diffusers'
-    SDXL training example computes them.
-    """
-    w, h = item.size
-    # The scan already applied data.max_pixels; this limit only guards against a file replaced since.
-    limit = max(w * h, DataConfig.model_fields["max_pixels"].default)
-    try:
-        img = open_image(item.path, max_pixels=limit)
-    except ImageProblem as e:
-        raise ImageProblem(f"{item.path}: {e} (it was readable when the dataset was scanned; "
-                           "was it changed or replaced since?)") from e
-    if img.size != (w, h):
-        raise ImageProblem(f"{item.path} is now {img.size[0]}x{img.size[1]} but was {w}x{h} when the dataset "
-                           "was scanned — the file changed; start the run again to rescan")
-    bw, bh = item.bucket
-    scale = max(bw / w, bh / h)
-    rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
-    if (rw, rh) != (w, h):
-        # reducing_gap first shrinks big photos by a cheap integer box filter, then Lanczos finishes.
-        img = img.resize((rw, rh), Image.Resampling.LANCZOS, reducing_gap=3.0 if scale < 1 else None)
-    if flip:
-        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    if crop == "center":
-        top, left = int(round((rh - bh) / 2.0)), int(round((rw - bw) / 2.0))
-    elif crop == "random":
-        top, left = rng.randint(0, rh - bh), rng.randint(0, rw - bw)
-    else:
-        raise ValueError(f"crop={crop!r}: use 'center' or 'random'")
-    img = img.crop((left, top, left + bw, top + bh))
-    arr = np.asarray(img, dtype=np.uint8)
-    pixels = torch.from_numpy(arr.copy()).permute(2, 0, 1).float().div_(127.5).sub_(1.0).contiguous()
-    return pixels, (h, w, top, left, bh, bw)
-
-
-def _check_mask(mask: Path, image: Path, size: tuple[int, int], max_pixels: int) -> None:
-    try:
-        msize = probe_image(mask, max_pixels)
-    except ImageProblem as e:
-        raise DataError(f"mask {mask} (of {image.name}) cannot be read: {e} — fix or remove it") from e
-    if msize != size:
-        raise DataError(f"mask {mask} is {msize[0]}x{msize[1]} but its image {image.name} is {size[0]}x{size[1]}; "
-                        "a mask must have its image's size — resize the mask (or remove it to train on every pixel)")
-
-
-def load_mask(item: Item, flip: bool, time_ids) -> torch.Tensor:
-    """The item's loss mask, float32 [1, H/8, W/8] in [0, 1] at latent resolution: resized, mirrored and
-    cropped exactly as its image was (the crop read from the image's time_ids), then box-averaged down
-    by the VAE's factor 8, so a latent pixel's weight is the mean of the pixels it covers. All ones
-    (every pixel learns) when the item has no mask."""
-    bw, bh = item.bucket
-    if item.mask is None:
-        return torch.ones(1, bh // 8, bw // 8)
-    w, h = item.size
-    img = open_image(item.mask, max_pixels=max(w * h, DataConfig.model_fields["max_pixels"].default)).convert("L")
-    if img.size != (w, h):
-        raise DataError(f"mask {item.mask} is now {img.size[0]}x{img.size[1]} but its image is {w}x{h}; "
-                        "a mask must have its image's size")
-    # The same cover-resize as load_pixels (bilinear: a mask's grey levels must stay within [0, 1]).
-    scale = max(bw / w, bh / h)
-    rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
-    if (rw, rh) != (w, h):
-        img = img.resize((rw, rh), Image.Resampling.BILINEAR)
-    if flip:
-        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    top, left = int(time_ids[2]), int(time_ids[3])
-    img = img.crop((left, top, left + bw, top + bh)).resize((bw // 8, bh // 8), Image.Resampling.BOX)
-    return torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)[None].contiguous()
-
-
-def _has_word(text: str, word: str) -> bool:
-    return re.search(rf"(?<!\w){re.escape(word)}(?!\w)", text) is not None
-
-
-def _tags(text: str, settings: DataConfig) -> tuple[list[str], list[str], list[str]]:
-    """A caption's comma-separated tags as (kept first, free, kept last): data.keep_tokens_separator marks the
-    kept parts when the caption has it (kohya's 'a, b ||| c, d ||| e'), else the first keep_tokens are kept."""
-    def split(part: str) -> list[str]:
-        return [t.strip() for t in part.split(",") if t.strip()]
-    sep = settings.keep_tokens_separator
-    if sep and sep in text:
-        head, rest = text.split(sep, 1)
-        rest, _, tail = rest.partition(sep)
-        return split(head), split(rest), split(tail)
-    tags = split(text)
-    keep = max(0, settings.keep_tokens)
-    return tags[:keep], tags[keep:], []
-
-
-def _wildcards(text: str, rng: random.Random | None) -> str:
-    """Each {a|b|c} replaced by one of its choices (rng None: the first, for the text cache)."""
-    text = text.replace("{{", "\0").replace("}}", "\1")
-    text = _WILDCARD.sub(lambda m: (rng.choice if rng else (lambda c: c[0]))(m.group(1).split("|")).strip(), text)
-    return text.replace("\0", "{").replace("\1", "}")
-
-
-def make_caption(item: Item, cfg: DataConfig, rng: random.Random, fixed: bool = False) -> str:
-    """The caption an image trains with this time, by its dataset's settings (item.settings; `cfg` for an item
-    made without them). In order, as kohya's sd-scripts process a caption:
-
-    - caption dropout: with probability caption_dropout the caption is "" (for classifier-free guidance);
-    - no caption: "<trigger_word> <class_token>";
-    - caption_prefix and caption_suffix around it;
-    - wildcards: each {a|b|c} becomes one of its choices;
-    - tags: the kept ones (keep_tokens, or keep_tokens_separator) stay in place, each other tag is left out with
-      probability tag_dropout, and with shuffle_tags the rest are shuffled;
-    - a trigger word missing from the caption is put first, so every image teaches it (a regularization
-      dataset has none).
-
-    fixed=True: the caption without its random parts (no dropout, no shuffle), as the text cache holds it.
-    """
-    s = item.settings if item.settings is not None else cfg
-    if not fixed and s.caption_dropout > 0 and rng.random() < s.caption_dropout:
-        return ""
-    text = item.caption if item.has_caption else fallback_caption(s)
-    text = " ".join(part for part in (s.caption_prefix.strip(), text, s.caption_suffix.strip()) if part)
-    if s.wildcards:
-        text = _wildcards(text, None if fixed else rng)
-    tagged = s.keep_tokens_separator and s.keep_tokens_separator in text
-    if tagged or (not fixed and _live(s)):
-        head, rest, tail = _tags(text, s)
-        if not fixed and s.tag_dropout > 0:
-            rest = [t for t in rest if rng.random() >= s.tag_dropout]
-        if not fixed and s.shuffle_tags:
-            rng.shuffle(rest)
-        text = ", ".join(head + rest + tail)
-    trigger = s.trigger_word.strip()
-    if trigger and not _has_word(text, trigger):
-        text = f"{trigger}, {text}" if text else trigger
-    return text
-
-
-# ---------------------------------------------------------------------------------------- sampler
-
-class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
-    """Batches of positions in `dataset.expanded()`, every batch from one bucket (so they stack).
-
-    Each epoch shuffles within buckets and then the order of batches, from (seed, epoch) alone, so
-    a resumed run sees the same batches. With several processes (DDP) the epoch is cut into global
-    batches of batch_size x num_replicas, and each global batch is split between the processes: at
-    every step they all train on the same bucket, no image comes twice in an epoch, and the global
-    batch holds exactly the images one process with batch_size x num_replicas would take at that
-    step. A bucket's last, partial global batch is split as evenly as it goes (when it has fewer
-    images than processes, its images are repeated so each process has one); drop_last leaves
-    partial batches out instead. Positions (skip_next, len) count global batches, so they mean the
-    same on any number of processes.
-    """
-
-    def __init__(self, dataset: Dataset, batch_size: int, seed: int, num_replicas: int = 1,
-                 rank: int = 0, drop_last: bool = False):
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be at least 1")
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank={rank} must be in 0..{num_replicas - 1}")
-        super().__init__()
-        self.batch_size = batch_size
-        self.global_batch_size = batch_size * num_replicas
-        self.seed = seed
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.drop_last = drop_last
-        self.epoch = 0
-        self.skip = 0
-        groups: dict[tuple[int, int], list[int]] = {}
-        for pos, i in enumerate(dataset.expanded()):
-            groups.setdefault(dataset.items[i].bucket, []).append(pos)
-        self._groups = dict(sorted(groups.items()))
-        sizes = [len(g) for g in self._groups.values()]
-        if not sizes:
-            raise DataError("the dataset has no images to draw batches from")
-        gb = self.global_batch_size
-        self._total = sum(n // gb if drop_last else -(-n // gb) for n in sizes)
-        if self._total < 1:
-            raise DataError(f"batch_size={batch_size} x {num_replicas} process(es) with drop_last leaves no full "
-                            f"batch (the largest bucket has {max(sizes)} images) — lower train.batch_size or add images")
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def skip_next(self, batches: int) -> None:
-        """The next iteration leaves out its first `batches` global batches (resuming mid-epoch). Kept
-        apart from set_epoch, which may be called again on every iteration."""
-        self.skip = batches
-
-    def __len__(self) -> int:
-        return self._total
-
-    def batch_shapes(self) -> list[tuple[tuple[int, int], int]]:
-        """(bucket, batch size) of every batch this process can be given: each bucket's full batches and
-        its last, partial one (what CUDA graphs capture, one pair per shape)."""
-        gb, shapes = self.global_batch_size, set()
-        for bucket, positions in self._groups.items():
-            n = len(positions)
-            sizes = {gb} if n >= gb else set()
-            if n % gb and not self.drop_last:
-                sizes.add(n % gb)
-            shapes |= {(bucket, len(self.share(list(range(size))))) for size in sizes}
-        return sorted(shapes)
-
-    def global_batches(self) -> list[list[int]]:
-        """The epoch's global batches, in order: the same whatever this process's rank."""
-        # A string seed hashes the same in every process (unlike hash() of a tuple).
-        rng = random.Random(f"{self.seed}:{self.epoch}")
-        batches = []
-        for positions in self._groups.values():
-            order = list(positions)
-            rng.shuffle(order)
-            for start in range(0, len(order), self.global_batch_size):
-                batch = order[start:start + self.global_batch_size]
-                if len(batch) == self.global_batch_size or not self.drop_last:
-                    batches.append(batch)
-        rng.shuffle(batches)
-        return batches
-
-    def share(self, batch: list[int]) -> list[int]:
-        """This process's contiguous slice of a global batch (sizes differ by at most one)."""
-        n = self.num_replicas
-        if len(batch) < n:
-            batch = [batch[i % len(batch)] for i in range(n)]
-        size, extra = divmod(len(batch), n)
-        start = self.rank * size + min(self.rank, extra)
-        return batch[start:start + size + (self.rank < extra)]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        skip, self.skip = self.skip, 0
-        for batch in self.global_batches()[skip:]:
-            yield self.share(batch)

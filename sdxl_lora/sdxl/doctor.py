@@ -14,7 +14,8 @@ from PIL import Image
 from tqdm import tqdm
 
 from .cache import file_digest
-from .data import Dataset, Item, _has_word
+from .captions import has_word
+from .dataset import Dataset, Item
 from .images import ImageProblem, open_image
 
 # The dHash's side (HASH x HASH bits) and how many bits may differ for two images to count as near-duplicates:
@@ -114,9 +115,9 @@ def examine(dataset: Dataset, show: bool = True) -> Findings:
             continue  # the fallback caption holds the trigger word
         trigger = (it.settings.trigger_word.strip() if it.settings is not None else "")
         if it.is_reg:
-            if any(_has_word(it.caption, t) for t in triggers):
+            if any(has_word(it.caption, t) for t in triggers):
                 reg_with_trigger.append(it)
-        elif trigger and not _has_word(it.caption, trigger):
+        elif trigger and not has_word(it.caption, trigger):
             no_trigger.setdefault(it.source, []).append(it)
         elif trigger:
             with_trigger[it.source] = with_trigger.get(it.source, 0) + 1

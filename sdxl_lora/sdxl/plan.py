@@ -13,7 +13,7 @@ from torch import nn
 from ..core.config import AdapterConfig, Config, ConfigError
 from ..core.inject import Plan
 from ..core.memory import BUDGET_FILL, GiB
-from .data import live_text
+from .captions import live_text
 from .memory import MemoryEstimate, RunMemory, estimate_for_config, run_memory
 from .preview import tiled_previews
 from .slots import make_plan

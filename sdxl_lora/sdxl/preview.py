@@ -27,7 +27,7 @@ from ..core.config import TOMLError, parse_toml
 from ..core.fsutil import atomic_save
 from ..core.inject import dequantized_for_inference, merged_for_inference
 from ..core.speed import cudnn_search
-from .data import live_text
+from .captions import live_text
 from .memory import preview_batch
 from .speed import stock_attention
 

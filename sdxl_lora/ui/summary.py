@@ -1,8 +1,8 @@
 """The one line the Train form shows before Start: what the run will train and the memory it will need, from the
-planner `sdxl-lora plan` uses (sdxl/plan.py: plan_config, run_memory_for, component_bytes, and fit_budget when
-train.vram_gb is set), and the card presets' choices with their memory and time per image (sdxl/plan.py:
-card_plans). Time is the planner's relative slowdown, never minutes: it has no model of a step's time on a
-given GPU, so any minutes shown here would be made up."""
+one plan entry `sdxl-lora plan` and the training task call too (sdxl/plan.py: plan_run), and the card presets'
+choices with their memory and time per image (sdxl/plan.py: card_plans). Time is the planner's relative
+slowdown, never minutes: it has no model of a step's time on a given GPU, so any minutes shown here would be
+made up."""
 from __future__ import annotations
 
 import functools
