@@ -1116,14 +1116,15 @@ def test_a_duplicated_run_starts_from_the_same_config_under_a_new_name(folders, 
     from sdxl_lora.ui.duplicate import form_values
     from sdxl_lora.ui.folders import Folders
     from sdxl_lora.ui.jobs import Jobs
-    from sdxl_lora.ui.tab_train import Form, _default_prompts
+    from sdxl_lora.ui.form import default_prompts
+    from sdxl_lora.ui.tab_train import Form
 
     f = Folders.create(folders["datasets"], folders["models"], folders["runs"])
     with gr.Blocks():
         form = Form(f)
         form.render()
     files = sorted(p.name for p in saved_run.iterdir())
-    values, copy = form_values(form, Jobs(f), "cmp-run", _default_prompts())
+    values, copy = form_values(form, Jobs(f), "cmp-run", default_prompts())
     assert copy == "cmp-run-2" and not (folders["runs"] / copy).exists()
     got, want = form.config(values, copy, None).model_dump(), load_config(saved_run / "config.toml").model_dump()
     assert got["output"]["name"] == "cmp-run-2" and got["data"]["dirs"] == want["data"]["dirs"]

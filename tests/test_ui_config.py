@@ -99,10 +99,11 @@ def test_the_llm_form_saves_loads_and_shows_its_own_command_and_refuses_an_sdxl_
 def test_the_prompts_box_as_first_shown_means_the_models_own_previews(folders):
     # The box starts with the demo base's prompts; left so, a run of another model previews a few of its captions
     # (preview.prompts unset) instead of the demo's shapes. Edited or emptied, it is the person's.
-    from sdxl_lora.ui.tab_train import _default_prompts, form_config
+    from sdxl_lora.ui.form import default_prompts
+    from sdxl_lora.ui.tab_train import form_config
 
     form = _form(folders)
-    shown = _default_prompts()
+    shown = default_prompts()
     for model in ("tiny-sdxl-demo", "mine.safetensors"):
         values = _values(form, ["ohwx"], [dataset_table.blank("ohwx")], shown)
         values[0] = model

@@ -31,7 +31,6 @@ from sdxl_lora.sdxl.images import IMAGE_EXTENSIONS, ImageProblem, probe_image
 
 from .buckets import BucketBatchSampler, make_buckets, nearest_bucket
 from .captions import fallback_caption, live_caption, live_text, make_caption
-from .captions import has_word as _has_word  # noqa: F401  (the name ui/dataset_edit.py imports)
 from .dataset import DataError, Dataset, DatasetSpec, Item, Problem
 from .pixels import check_mask, load_mask, load_pixels
 

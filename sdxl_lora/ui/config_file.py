@@ -11,7 +11,7 @@ from typing import Any
 from sdxl_lora.core.config import Config, load_config
 from sdxl_lora.core.fsutil import atomic_write_text
 
-from .form import DECIDED_WHEN_UNSET, _toml_literal
+from .form import DECIDED_WHEN_UNSET, _toml_literal, default_prompts, model_default_prompts
 
 SAVED = "saved"  # runs/.ui/saved/: the configs saved from the page
 
@@ -36,8 +36,6 @@ def _stem(form, values: list, typed: str | None) -> str:
 def form_file_config(form, values: list, stem: str) -> Config:
     """The form's config as a file outside a run holds it: its preview prompts saved beside it (STEM.prompts.txt),
     where the form has some."""
-    from .tab_train import model_default_prompts
-
     prompts = values[3]
     prompts_file = None
     if prompts and prompts.strip() and not model_default_prompts(prompts):
@@ -62,7 +60,6 @@ def load(form, path: str | Path, name: str | None = None) -> tuple[list, str, li
     form), the run name it names, and what the form has no place for (left out)."""
     from . import dataset_table
     from .duplicate import config_values
-    from .tab_train import _default_prompts
 
     cfg = load_config(path)
     shown = name or Path(path).name
@@ -70,7 +67,7 @@ def load(form, path: str | Path, name: str | None = None) -> tuple[list, str, li
         tab = "Train tab" if cfg.task == "sdxl" else f"{cfg.task.upper()} tab"
         raise ValueError(f"{shown} is an {cfg.task.upper()} config (task = {cfg.task!r}); load it in the {tab}")
     run_name = cfg.output.name or ""
-    values = config_values(form, cfg, run_name, _default_prompts())
+    values = config_values(form, cfg, run_name, default_prompts())
     if form.task != "sdxl":
         return values, run_name, []
     values[1], rows, left_out = dataset_table.from_config(form.f, cfg, values[1])

@@ -116,7 +116,7 @@ class BulkEdit:
         return self
 
     def apply(self, caption: str) -> str:
-        from sdxl_lora.sdxl.data import _has_word
+        from sdxl_lora.sdxl.captions import has_word
 
         text = clean(self.text)
         if self.operation == "add prefix":
@@ -126,7 +126,7 @@ class BulkEdit:
         if self.operation == "find and replace":
             return clean(caption.replace(self.find, self.replace))
         # The trigger word first, as kohya's captions and this trainer's fallback caption put it.
-        return caption if _has_word(caption, text) else _join(f"{text}," if caption else text, caption)
+        return caption if has_word(caption, text) else _join(f"{text}," if caption else text, caption)
 
 
 def _join(a: str, b: str) -> str:

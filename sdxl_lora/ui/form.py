@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from sdxl_lora.core.config import TASKS, Config, ConfigError, _parse_value, field_tasks, load_config
+from sdxl_lora.core.config import SAMPLE_DATA, TASKS, Config, ConfigError, _parse_value, field_tasks, load_config
 
 # Paths: set by the UI from its folders (or picked from them), never typed as free text.
 #   model.path / data.dirs: picked from the models / datasets folder; model.cache_dir: the models folder;
@@ -179,3 +179,16 @@ def build_config(specs: list[FieldSpec], values: list[Any], fixed: dict[str, Any
             extra[spec.key] = v
     extra.update(fixed)
     return load_config(None, None, extra)
+
+
+def default_prompts() -> str:
+    # The demo base's prompts (what preview.prompts unset gives it) ship with the repository: shown to edit.
+    p = SAMPLE_DATA / "prompts.txt"
+    return p.read_text(encoding="utf-8") if p.is_file() else ""
+
+
+def model_default_prompts(text: str | None) -> bool:
+    """Whether the preview prompts box holds what the page put there, the demo base's prompts: that means the
+    model's own previews (preview.prompts unset), the same prompts for the demo base and a few of the dataset's
+    captions for another model, whose previews would otherwise be the demo's shapes."""
+    return bool(text and text.strip()) and text.strip() == default_prompts().strip()

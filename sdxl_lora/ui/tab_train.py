@@ -21,7 +21,7 @@ from . import config_file, dataset_table
 from .folders import TINY, TINY_LLM, Folders, PathRefused, image_folders, jsonl_files, llm_model_choices, model_choices
 from .summary import CARD_FIELDS, GOAL_FIELDS, card_choices, card_fill, goal_fill, run_summary
 from .text import error_md, md_text
-from .form import PATH_FIELDS, FieldSpec, build_config, follow_kind, schema_fields, to_widget_value
+from .form import PATH_FIELDS, default_prompts, model_default_prompts, FieldSpec, build_config, follow_kind, schema_fields, to_widget_value
 from .duplicate import form_for, form_values
 from .jobs import Jobs, RunStatus, run_status
 from .labels import DATASET_COLUMNS, GROUPS, LABELS, error_words, label_for
@@ -58,19 +58,6 @@ def _widget(spec: FieldSpec, elem_prefix: str = "f-", task: str = "sdxl"):
 
 def _slug(group: str) -> str:
     return group.lower().replace(" ", "-")
-
-
-def _default_prompts() -> str:
-    # The demo base's prompts (what preview.prompts unset gives it) ship with the repository: shown to edit.
-    p = SAMPLE_DATA / "prompts.txt"
-    return p.read_text(encoding="utf-8") if p.is_file() else ""
-
-
-def model_default_prompts(text: str | None) -> bool:
-    """Whether the preview prompts box holds what the page put there, the demo base's prompts: that means the
-    model's own previews (preview.prompts unset), the same prompts for the demo base and a few of the dataset's
-    captions for another model, whose previews would otherwise be the demo's shapes."""
-    return bool(text and text.strip()) and text.strip() == _default_prompts().strip()
 
 
 def _default_data(f: Folders, defaults: list[str], choices: list[str], keep: int) -> list[str]:
@@ -142,7 +129,7 @@ class Form:
                 self.tokenizer = gr.Textbox("", label=words.text, elem_id=f"{p}model-tokenizer", info=words.help)
             elif key == "preview.prompts":
                 # The demo base's prompts (what preview.prompts unset gives it) are shown to edit.
-                self.prompts = gr.Textbox(_default_prompts(), lines=3, label=words.text, info=words.help,
+                self.prompts = gr.Textbox(default_prompts(), lines=3, label=words.text, info=words.help,
                                           elem_id=f"{p}prompts")
             else:
                 self.widgets[key] = _widget(by_key[key], p, task)
@@ -517,7 +504,7 @@ def form_config(form: Form, values: list, name: str | None) -> Config:
 def duplicate_values(form: Form, jobs: Jobs, name: str) -> tuple[list, str, list[str]]:
     """The form's values (`form.inputs` order) for a copy of run `name`, its per-dataset settings in the table, the
     copy's name, and what the table has no column for (left out of the copy)."""
-    values, copy = form_values(form, jobs, name, _default_prompts())
+    values, copy = form_values(form, jobs, name, default_prompts())
     if form.task != "sdxl":
         return values, copy, []
     values[1], rows, left_out = dataset_table.from_config(form.f, load_config(jobs.config_path(name)), values[1])
