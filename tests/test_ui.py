@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.cookiejar
 import json
+import math
 import os
 import re
 import shutil
@@ -769,6 +770,8 @@ def test_runs_started_from_the_cli_show_their_state_and_can_be_stopped_and_queue
     logged = [e["step"] for e in map(json.loads, (f.runs / "cli-run" / "events.jsonl").read_text().splitlines())
               if e["event"] == "step"]
     assert logged == [1] and st.step > 1 and st.total == 400 and st.eta_s is not None and st.eta_s > 0
+    # and the loss and images/s of the step it is at, not the first step's (on the CPU read at once).
+    assert st.logged_step == st.step and math.isfinite(st.loss) and st.images_per_s and st.images_per_s > 0
     assert jobs.stop("cli-run").endswith("the state is saved")  # Stop works on a run the UI did not start
     assert proc.wait(WAIT / 1000) == 130
     st = state("cli-run")
@@ -1215,8 +1218,8 @@ def test_a_form_left_at_its_defaults_lets_the_run_choose_its_speed_and_memory_le
 
 
 def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_points(folders, server):
-    # The run logs every 10000 steps, so its events hold step 1 only; the page still shows the step it is at and
-    # the time left, moving, and its Stop button stops a run it did not start.
+    # The run logs every 10000 steps, so its events hold step 1 only; the page still shows the step it is at, its
+    # loss and speed, and the time left, moving, and its Stop button stops a run it did not start.
     expect.set_options(timeout=WAIT)
     runs = folders["runs"]
     runs.mkdir(exist_ok=True)
@@ -1239,9 +1242,11 @@ def test_a_run_started_from_the_cli_shows_each_step_in_the_browser_between_log_p
                 expect(text).to_contain_text(re.compile(r"step ([3-9]|\d\d+)/5000 · .*eta \d+ s"))
                 first = int(re.search(r"step (\d+)/5000", text.inner_text())[1])
                 expect(text).not_to_contain_text(f"step {first}/5000")  # it moves on, still between log points
-                # The loss and speed are from the one log point so far, and say so.
-                expect(text).to_contain_text(re.compile(r"loss \d+\.\d{4} · [\d.]+ img/s \(at step 1\)"))
-                expect(page.locator("#runs-table")).to_contain_text(re.compile(r"\d\.\d{4} \(at step 1\)"))
+                # The loss and speed move with the steps too: a recent step's, not the one log point's (step 1).
+                expect(text).to_contain_text(re.compile(r"loss \d+\.\d{4} · [\d.]+ img/s"))
+                expect(text).not_to_contain_text("(at step 1)")
+                expect(page.locator("#runs-table")).to_contain_text(re.compile(r"\d\.\d{4}"))
+                expect(page.locator("#runs-table")).not_to_contain_text("(at step 1)")
                 logged = [e["step"] for e in map(json.loads, (runs / "cli-steps" / "events.jsonl").read_text()
                                                  .splitlines()) if e["event"] == "step"]
                 assert logged == [1]

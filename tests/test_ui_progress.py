@@ -154,3 +154,9 @@ def test_the_progress_line_says_which_step_its_loss_and_speed_are_from(tmp_path)
     text = _progress_html(run_status(run.dir))
     assert "step 15/20" in text and "loss 0.2000 · 3.00 img/s" in text and "(at step" not in text
     assert _loss_cell(run_status(run.dir)) == "0.2000"
+    # Between log points the run writes a recent step's loss and the pace so far (one step late on a GPU, where it
+    # is read without waiting): shown as the step's own.
+    time.sleep(0.01)
+    run.progress(17, 20, 3.0, loss=0.3, loss_step=16, images_per_s=4.0)
+    text = _progress_html(run_status(run.dir))
+    assert "step 17/20" in text and "loss 0.3000 · 4.00 img/s" in text and "(at step" not in text

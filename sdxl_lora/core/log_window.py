@@ -24,6 +24,39 @@ class LogWindow:
         self.samples = 0  # over all processes, for MFU (FLOPs are counted per sample)
         self.units: dict[str, int | torch.Tensor] = {}  # the task's throughput units (Task.units), ditto
         self.started = self.opened = time.perf_counter()
+        # The latest step's loss for a watcher between log points, read one step late so that no step waits:
+        # each step's loss is copied to the host asynchronously and read at the next step once its copy is done.
+        cuda = dev.type == "cuda"
+        self._step_loss = torch.zeros((), device=dev)
+        self._host = torch.zeros((), pin_memory=cuda)
+        self._copied = torch.cuda.Event() if cuda else None
+        self._host_step = 0  # the step whose loss _host holds (or will, once _copied is done)
+
+    def add_step_loss(self, loss: torch.Tensor) -> None:
+        """A micro-batch's loss, kept as the step's latest for peek()."""
+        self._step_loss.copy_(loss.detach().float())
+
+    def peek(self, step: int) -> dict:
+        """What a watcher sees between log points at `step`, read without waiting on the device: the loss of
+        the latest step whose copy has arrived ({"loss": ..., "loss_step": N}; this process's own micro-batch)
+        and each count unit per second so far in this window. Starts the copy of this step's loss."""
+        out: dict = {}
+        if self._copied is None:  # on the CPU the loss is at hand
+            self._host.copy_(self._step_loss)
+            self._host_step, ready = step, True
+        else:
+            ready = self._host_step > 0 and self._copied.query()
+        if ready:
+            value = float(self._host)
+            if value == value:  # a non-finite step has no loss to show
+                out.update(loss=value, loss_step=self._host_step)
+        if self._copied is not None and (ready or not self._host_step):  # the next copy, read at a later step
+            self._host.copy_(self._step_loss, non_blocking=True)
+            self._copied.record()
+            self._host_step = step
+        seconds = max(time.perf_counter() - self.opened, 1e-9)
+        out.update({f"{name}_per_s": round(n / seconds, 3) for name, n in self.units.items() if isinstance(n, int)})
+        return out
 
     def add_norm(self, norm: torch.Tensor | None) -> None:
         """A step's gradient norm before clipping (None where the backend gives none)."""

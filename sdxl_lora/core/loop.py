@@ -572,8 +572,8 @@ class Trainer:
             due = self._save_due(step)
             if logged:
                 losses.append(self._log(step, window, bar))
-            elif acc.is_main_process:  # the step and eta for a watcher; reads nothing from the device
-                run.progress(step, total, window.eta(step))
+            elif acc.is_main_process:  # the step, eta, a recent loss and the pace for a watcher; never waits
+                run.progress(step, total, window.eta(step), **window.peek(step))
             if cfg.preview.every and step % cfg.preview.every == 0 and step < total:
                 samples += self._check_in(unwrapped, step)
             due |= self._asked(step, unwrapped, samples)
@@ -640,6 +640,7 @@ class Trainer:
                     skip = guard.after_backward(bad, norm, step + 1, self.optimizer)
                 with profiler.phase("optimizer"):
                     self._optimizer_step(skip)
+            window.add_step_loss(loss)
             window.add_loss(loss, finite, self.task.batch_size(batch) * acc.num_processes,
                             {k: n * acc.num_processes for k, n in self.task.units(batch).items()})
         return skip

@@ -75,13 +75,14 @@ class Run:
     def events(self) -> list[dict]:
         return read_events(self.events_path)
 
-    def progress(self, step: int, total_steps: int, eta_s: float) -> None:
+    def progress(self, step: int, total_steps: int, eta_s: float, **figures) -> None:
         """The latest step, for a watcher between log points (events.jsonl gets a line every
-        train.log_every steps). Replaced whole each step (a rename, no fsync: a lost update is rewritten
-        by the next step), so a reader sees one complete record."""
+        train.log_every steps), with what the loop could read without waiting (`figures`: a recent step's loss
+        and its step, images_per_s so far). Replaced whole each step (a rename, no fsync: a lost update is
+        rewritten by the next step), so a reader sees one complete record."""
         tmp = self.dir / f".{PROGRESS_FILE}.tmp"
         tmp.write_text(json.dumps({"step": step, "total_steps": total_steps, "eta_s": round(eta_s, 1),
-                                   "time": round(time.time(), 3)}), encoding="utf-8")
+                                   **figures, "time": round(time.time(), 3)}), encoding="utf-8")
         os.replace(tmp, self.dir / PROGRESS_FILE)
 
     def ask(self, what: str) -> Path:

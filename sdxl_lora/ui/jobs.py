@@ -114,6 +114,9 @@ def run_status(run_dir: Path, events: list[dict] | None = None) -> RunStatus:
     if latest.get("step", 0) > st.step and latest.get("time", 0) > (events[-1].get("time", 0) if events else 0):
         st.step, st.eta_s = latest["step"], latest.get("eta_s", st.eta_s)
         st.total = latest.get("total_steps", st.total)
+        if "loss" in latest:  # a step's own loss (read a step late, so as not to hold the run up) and pace
+            st.loss, st.logged_step = latest["loss"], latest.get("loss_step", latest["step"])
+            st.images_per_s = latest.get("images_per_s", st.images_per_s)
         step_time = latest["time"]
     if pid is not None:
         # A phase goes on while its start is the run's last event (the samples or eval event ends it) and no step

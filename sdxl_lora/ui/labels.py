@@ -269,8 +269,8 @@ LABELS: dict[str, Label] = {
     "train.save_every_minutes": _l("Save every (minutes)", O, "Also save this often, whichever comes first; "
                                    "zero is off."),
     "train.keep_checkpoints": _l("Saved states kept", O, "How many of the newest saved states are kept."),
-    "train.log_every": _l("Log every (steps)", O, "How often the loss and speed are written to the log and shown "
-                          "on the run's progress line; one for every step."),
+    "train.log_every": _l("Log every (steps)", O, "How often the loss and speed are written to the log and the "
+                          "dashboards (the progress line shows a recent step's between them)."),
     "train.trackers": _l("Dashboards", O, "Also send the figures, previews and settings to each one ticked: "
                          "TensorBoard, Weights and Biases (offline)."),
     "train.tensorboard": _l("TensorBoard logs", O, "Also write logs TensorBoard can show (as tensorboard among the "

@@ -370,9 +370,9 @@ def _progress_html(st) -> str:
         figures.append(f"{st.images_per_s:.2f} img/s")
     if st.tokens_per_s:
         figures.append(f"{st.tokens_per_s:,.0f} tokens/s")
-    if figures and st.logged_step and st.logged_step != st.step:
-        # The run writes its loss and speed at its log points ("Log every N steps") only, while the step moves on
-        # each step: the figures say which step they are from.
+    if figures and st.logged_step and st.logged_step < st.step - 1:
+        # Between log points ("Log every N steps") the run's loss is a step late (read without holding the run
+        # up), or from the last log point where the run could not read it: older figures say their step.
         figures[-1] += f" (at step {st.logged_step})"
     bits += figures
     if st.alive and st.eta_s is not None:
@@ -451,10 +451,11 @@ def _answers(events: list[dict]) -> str:
 
 
 def _loss_cell(st) -> str:
-    """The Runs table's loss: the last log point's, with its step where the run has gone past it."""
+    """The Runs table's loss: a recent step's, with its step where it is older than the one before the step now."""
     if math.isnan(st.loss):
         return ""
-    return f"{st.loss:.4f}" + (f" (at step {st.logged_step})" if st.logged_step and st.logged_step != st.step else "")
+    old = st.logged_step and st.logged_step < st.step - 1
+    return f"{st.loss:.4f}" + (f" (at step {st.logged_step})" if old else "")
 
 
 def runs_view(jobs: Jobs, selected: str | None, seen_sig, follow: str | None = None) -> tuple:
