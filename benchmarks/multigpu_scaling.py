@@ -122,7 +122,7 @@ def worker(args) -> None:
 
     from sdxl_lora.core.config import load_config
     from sdxl_lora.core.runs import create_run
-    from sdxl_lora.sdxl.single_file import unet_config
+    from sdxl_lora.sdxl.formats.single_file import unet_config
     from sdxl_lora.core.loop import Trainer
 
     n = int(os.environ.get("WORLD_SIZE", "1"))

@@ -128,12 +128,12 @@ def setting_config(values: dict, sets: list[str], rank: int, cpu: bool):
 def build_unet(device, tiny=False):
     from diffusers import UNet2DConditionModel
 
-    from sdxl_lora.sdxl.single_file import unet_config
+    from sdxl_lora.sdxl.formats.single_file import unet_config
 
     torch.manual_seed(0)
     if tiny:
         from sdxl_lora.core.config import ModelConfig
-        from sdxl_lora.sdxl.tiny import materialize_tiny
+        from sdxl_lora.sdxl.demo.tiny import materialize_tiny
 
         return UNet2DConditionModel.from_pretrained(str(materialize_tiny(ModelConfig().cache_dir) / "unet"))
     with torch.device(device):

@@ -227,7 +227,7 @@ def test_text_encoder_lora_trains_and_is_exported_for_kohya_and_diffusers(full_r
         module = n.split(".lora_B")[0]
         assert torch.equal(p.detach(), file[f"text_encoder_2.{module}.lora_B.weight"])
     # And the kohya file reads back with its text encoder layers.
-    from sdxl_lora.sdxl.export import load_adapter
+    from sdxl_lora.sdxl.formats.export import load_adapter
 
     adapter = load_adapter(full_run.final["kohya"])
     assert {"unet", "text_encoder", "text_encoder_2"} <= set(adapter.components())

@@ -981,7 +981,7 @@ def _half_of_the_state(exported: Path, run: Path) -> None:
     alphas of the run's own diffusers file)."""
     from safetensors.torch import load_file
 
-    from sdxl_lora.sdxl.export import layer_table, load_adapter
+    from sdxl_lora.sdxl.formats.export import layer_table, load_adapter
 
     table = layer_table("tiny-sdxl-demo")
     got = load_adapter(exported, table).layers

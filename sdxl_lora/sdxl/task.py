@@ -25,7 +25,7 @@ from . import speed as unet_speed
 from ..core.accel import local_device_index
 from ..core.card import this_card
 from ..core.config import Config, ConfigError
-from .export import save_diffusers_lora
+from .formats.export import save_diffusers_lora
 from ..core.runs import Run
 from ..core.task import Task, micro_sizes
 from . import data as sdxl_data
@@ -1165,7 +1165,7 @@ class SDXLTask(Task):
     def save_adapter(self, model, run: Run, step: int) -> dict[str, Path]:
         # The kohya file is the main one (ComfyUI, AUTOMATIC1111/Forge, kohya and diffusers load it); the
         # diffusers/PEFT file sits beside it, with the same description (no absolute paths in either).
-        from .export import adapter_from_model, save_kohya_lora, training_metadata
+        from .formats.export import adapter_from_model, save_kohya_lora, training_metadata
 
         cfg = self.cfg
         datasets: dict[str, list[tuple[str, int]]] = {}

@@ -68,9 +68,9 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
            overwrite, resize_rank=0, resize_method=FIXED, resize_param=None):
     """Write the chosen adapter in `fmt`; with resize_rank > 0 cut to that rank first (sdxl/resize.py), by
     resize_method (FIXED, or a dynamic method with resize_param) -> (the file to download, a message)."""
-    from sdxl_lora.sdxl.export import AdapterError, export_adapter, layer_table, load_adapter
-    from sdxl_lora.sdxl.loaders import file_notes
-    from sdxl_lora.sdxl.resize import provenance, resize_adapter
+    from sdxl_lora.sdxl.formats.export import AdapterError, export_adapter, layer_table, load_adapter
+    from sdxl_lora.sdxl.formats.loaders import file_notes
+    from sdxl_lora.sdxl.formats.resize import provenance, resize_adapter
 
     if not choice:
         return None, "**Error:** pick a run or an adapter"
@@ -123,8 +123,8 @@ def extract(f: Folders, base, tuned, rank, conv_rank, method, param, text_encode
     on the GPU where there is one (a full SDXL's take minutes on a CPU)."""
     import torch
 
-    from sdxl_lora.sdxl.export import AdapterError, check_dest, export_adapter, layer_table
-    from sdxl_lora.sdxl.extract import extract_adapter
+    from sdxl_lora.sdxl.formats.export import AdapterError, check_dest, export_adapter, layer_table
+    from sdxl_lora.sdxl.formats.extract import extract_adapter
 
     if not base or not tuned:
         return None, "**Error:** pick the base model and the fine-tuned one"
@@ -154,8 +154,8 @@ def merge(f: Folders, base, name, form, dtype, overwrite, *slots):
     and write the checkpoint into the models folder, as `models/NAME.safetensors` (one original-layout file:
     ComfyUI, A1111/Forge) or the diffusers folder `models/NAME` -> a message. The result is a model the Train
     and Generate tabs offer."""
-    from sdxl_lora.sdxl.export import AdapterError
-    from sdxl_lora.sdxl.merge import merge_checkpoint
+    from sdxl_lora.sdxl.formats.export import AdapterError
+    from sdxl_lora.sdxl.formats.merge import merge_checkpoint
 
     pairs = [(slots[i], slots[i + 1]) for i in range(0, len(slots), 2) if slots[i]]
     if not base or not pairs:

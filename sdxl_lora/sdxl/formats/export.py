@@ -8,7 +8,7 @@ from. Every conversion is read -> Adapter -> write, so a new format is one reade
 
   kohya      `lora_unet_<sgm module>.lora_down.weight` / `.lora_up.weight` / `.alpha` (+ `.dora_scale`),
              `ss_*` and `modelspec.*` metadata; or diffusers block names with names="diffusers"; LoHa and
-             LoKr layers with LyCORIS' `.hada_*` / `.lokr_*` tensors under the same names (sdxl/lycoris.py)
+             LoKr layers with LyCORIS' `.hada_*` / `.lokr_*` tensors under the same names (sdxl/formats/lycoris.py)
   diffusers  `unet.<module>.lora_A.weight` / `.lora_B.weight`, the LoRA config (ranks, alphas) in the
              `lora_adapter_metadata` entry; `load_lora_weights` reads it
   peft       a folder: adapter_config.json + adapter_model.safetensors (`base_model.model.<module>...`)
@@ -32,8 +32,8 @@ from safetensors.torch import save_file
 
 from . import kohya, lycoris
 from .lycoris import LohaLayer, LokrLayer
-from ..core.fsutil import atomic_folder, atomic_save, atomic_write_text, check_destination
-from ..core.inject import exact_patterns
+from ...core.fsutil import atomic_folder, atomic_save, atomic_write_text, check_destination
+from ...core.inject import exact_patterns
 
 log = logging.getLogger(__name__)
 
@@ -441,7 +441,7 @@ def _saveable(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 def kohya_layers(adapter: Adapter, uniform_alpha: bool = True) -> dict[str, AnyLayer]:
     """The adapter's layers as a kohya file holds them: each applies the same update, with the alpha that makes
-    every tool apply it (sdxl/loaders.py says which tool reads what).
+    every tool apply it (sdxl/formats/loaders.py says which tool reads what).
 
     LoRA and DoRA: uniform_alpha=True gives every layer the most common alpha and folds the difference into its
     up weights, since diffusers' kohya loader applies a single alpha to all attention layers (a file with mixed
@@ -860,8 +860,8 @@ def layer_table(model=None) -> kohya.LayerTable:
     if model is None or str(model) == "arch:sdxl":  # SDXL base's configs (model.ARCH_SDXL)
         return kohya.LayerTable.from_config_dir(None)
     if isinstance(model, (str, Path)):
-        from ..core.config import ModelConfig
-        from .model import resolve_model_path
+        from ...core.config import ModelConfig
+        from ..model import resolve_model_path
 
         p = resolve_model_path(ModelConfig(path=str(model)))
         if not p.exists():
@@ -937,7 +937,7 @@ def _span(values) -> str:
     return ", ".join(v if isinstance(v, str) else _num(v) for v in vals)
 
 
-# What each kind is called where users meet it; which tools read a file of it right is sdxl/loaders.py's table.
+# What each kind is called where users meet it; which tools read a file of it right is sdxl/formats/loaders.py's table.
 KIND_NAMES = {"lora": "LoRA", "dora": "DoRA (LoRA + magnitude)", "loha": "LoHa (LyCORIS)", "lokr": "LoKr (LyCORIS)"}
 # For a file in diffusers' or PEFT's format, which the tools' table (about kohya files) does not cover.
 OTHER_FORMAT_TOOLS = ("diffusers' load_lora_weights and peft read this format; for ComfyUI, AUTOMATIC1111/Forge, "
@@ -946,7 +946,7 @@ OTHER_FORMAT_TOOLS = ("diffusers' load_lora_weights and peft read this format; f
 
 def describe_adapter(adapter: Adapter, table: kohya.LayerTable | None = None, title: str = "",
                      tools: Sequence[str] = ()) -> str:
-    """A plain-text report: format, kind, the tools that load it (`tools`: sdxl/loaders.py's line per kind),
+    """A plain-text report: format, kind, the tools that load it (`tools`: sdxl/formats/loaders.py's line per kind),
     base model, per-block rank and alpha, metadata, problems."""
     from .single_file import unet_diffusers_to_sgm
 
