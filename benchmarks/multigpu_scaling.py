@@ -84,7 +84,7 @@ def synthetic_task(cfg, unet_config: dict, latent_side: int, samples: int = 16):
             import torch
 
             from sdxl_lora.sdxl.data import BucketBatchSampler
-            from sdxl_lora.sdxl.task import sample_key
+            from sdxl_lora.sdxl.batches import sample_key
 
             acc, pool, seed = self.accelerator, self.pool, self.cfg.train.seed
 

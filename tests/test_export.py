@@ -309,7 +309,7 @@ def test_unknown_keys_are_returned_and_logged_not_dropped(trained, tiny_dir, tmp
              "something_else": torch.zeros(1)}
     path = tmp_path / "odd.safetensors"
     save_file({**sd, **extra}, str(path))
-    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.formats.export"):
+    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.formats.read"):
         adapter = export.load_adapter(path, tiny_dir)
     assert adapter.unknown == sorted(extra)
     assert len(adapter.layers) == len(trained.plan.targets)
