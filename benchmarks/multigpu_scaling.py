@@ -84,7 +84,7 @@ def synthetic_task(cfg, unet_config: dict, latent_side: int, samples: int = 16):
             import torch
 
             from sdxl_lora.sdxl.data import BucketBatchSampler
-            from sdxl_lora.sdxl.task import sample_key
+            from sdxl_lora.sdxl.batches import sample_key
 
             acc, pool, seed = self.accelerator, self.pool, self.cfg.train.seed
 
@@ -122,7 +122,7 @@ def worker(args) -> None:
 
     from sdxl_lora.core.config import load_config
     from sdxl_lora.core.runs import create_run
-    from sdxl_lora.sdxl.single_file import unet_config
+    from sdxl_lora.sdxl.formats.single_file import unet_config
     from sdxl_lora.core.loop import Trainer
 
     n = int(os.environ.get("WORLD_SIZE", "1"))

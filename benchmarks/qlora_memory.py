@@ -44,11 +44,11 @@ def host_unet(tiny: bool):
 
     if tiny:
         from sdxl_lora.core.config import ModelConfig
-        from sdxl_lora.sdxl.tiny import materialize_tiny
+        from sdxl_lora.sdxl.demo.tiny import materialize_tiny
 
         config = json.loads((materialize_tiny(ModelConfig().cache_dir) / "unet" / "config.json").read_text())
     else:
-        from sdxl_lora.sdxl.single_file import unet_config
+        from sdxl_lora.sdxl.formats.single_file import unet_config
 
         config = unet_config()
     torch.manual_seed(0)

@@ -128,12 +128,12 @@ def setting_config(values: dict, sets: list[str], rank: int, cpu: bool):
 def build_unet(device, tiny=False):
     from diffusers import UNet2DConditionModel
 
-    from sdxl_lora.sdxl.single_file import unet_config
+    from sdxl_lora.sdxl.formats.single_file import unet_config
 
     torch.manual_seed(0)
     if tiny:
         from sdxl_lora.core.config import ModelConfig
-        from sdxl_lora.sdxl.tiny import materialize_tiny
+        from sdxl_lora.sdxl.demo.tiny import materialize_tiny
 
         return UNet2DConditionModel.from_pretrained(str(materialize_tiny(ModelConfig().cache_dir) / "unet"))
     with torch.device(device):
@@ -195,7 +195,7 @@ def our_task(cfg, device, data):
     run = SimpleNamespace(event=lambda *a, **k: print(json.dumps({"event": a[0], **k}), flush=True))
     task.dataloader = lambda shard=True: [data]
     task.dataset = SimpleNamespace(bucket_histogram=lambda: {tuple(data["latent_mean"].shape[-2:]): 1})  # one shape
-    task._graph_inputs = lambda args: []  # no other shapes to capture
+    task.unet_call.graph_inputs = lambda args: []  # no other shapes to capture
     return task, run
 
 
@@ -241,11 +241,13 @@ def bench(unet, batch, steps, warmup, device, mode, cfg, profile=0, top=15, shap
                             added_cond_kwargs={"text_embeds": data["pooled"], "time_ids": data["time_ids"]}).sample
             return torch.nn.functional.mse_loss(pred.float(), noise)
     else:
+        from sdxl_lora.sdxl.unet_call import CallState
+
         task, run = our_task(cfg, device, data)
         t_setup = time.perf_counter()
         task._speed_setup(unet, run)  # every train.* lever, as the trainer's set-up applies them
         setup_s = time.perf_counter() - t_setup
-        if task._graphed:
+        if task.unet_call.state is not CallState.EAGER:
             # The check's passes compile (with train.compile) and capture: counted in the first step.
             t_check = time.perf_counter()
             check = graph_check(task, unet, data, params)
@@ -405,10 +407,13 @@ def profile_steps(step, n, ms_per_step, top=15, shapes=False):
 
 def graph_check(task, unet, data, params):
     """Loss and gradients of the graphed step against the eager one, on the same batch and noise."""
-    state = {"graphed": task._graphed}
+    from sdxl_lora.sdxl.unet_call import CallState
+
+    call = task.unet_call
+    state = {"graphed": (call.state, call.graphed)}
 
     def once(graphed):
-        task._graphed = state["graphed"] if graphed else None
+        call.state, call.graphed = state["graphed"] if graphed else (CallState.EAGER, None)
         torch.manual_seed(123)
         for p in params:
             p.grad = None
@@ -416,13 +421,13 @@ def graph_check(task, unet, data, params):
             loss = task.loss(unet, data)
         loss.backward()
         if graphed:
-            state["graphed"] = task._graphed
+            state["graphed"] = (call.state, call.graphed)
         return loss.item(), [p.grad.detach().float().clone() for p in params]
 
     eager_loss, eager_grads = once(False)
     once(True)  # the first graphed call captures (and runs warm-up iterations)
     g_loss, g_grads = once(True)
-    task._graphed = state["graphed"]
+    call.state, call.graphed = state["graphed"]
     for p in params:
         p.grad = None
     rel = max(((a - b).norm() / b.norm().clamp_min(1e-12)).item() for a, b in zip(g_grads, eager_grads))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from train_e2e import build_model  # benchmarks/ (this script's folder is on the path)
 
-from sdxl_lora.sdxl.export import Adapter, LoraLayer, save_kohya_lora
+from sdxl_lora.sdxl.formats.export import Adapter, LoraLayer, save_kohya_lora
 
 
 def random_adapter(model: Path, out: Path, rank: int) -> Path:

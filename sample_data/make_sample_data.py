@@ -2,7 +2,7 @@
 the demo base never saw), 16 shapes the base knows without the trigger (prior preservation), and the
 preview prompts (the trigger prompts, then prompts without it).
 
-Deterministic: running it again writes the same files (sdxl_lora/sdxl/shapes.py draws them from a seed).
+Deterministic: running it again writes the same files (sdxl_lora/sdxl/demo/shapes.py draws them from a seed).
 Old images in sample_data/images are removed first, so the folder holds exactly this set.
     python sample_data/make_sample_data.py
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 
-from sdxl_lora.sdxl import shapes  # noqa: E402
+from sdxl_lora.sdxl.demo import shapes  # noqa: E402
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from sdxl_lora.core.config import ConfigError, _parse_value, _set_dotted  # noqa: E402
 from sdxl_lora.core.fsutil import atomic_write_text  # noqa: E402
 from sdxl_lora.core.runs import Run  # noqa: E402
-from sdxl_lora.sdxl import pretrain  # noqa: E402
+from sdxl_lora.sdxl.demo import pretrain  # noqa: E402
 from sdxl_lora.sdxl.preview import grid, save_png  # noqa: E402
 from sdxl_lora.core.loop import Trainer  # noqa: E402
 

@@ -33,7 +33,7 @@ def cmd_generate(args) -> int:
     from .core.config import ModelConfig
     from .core.fsutil import check_destination
     from .core.runs import relpath
-    from .sdxl.merge import applied
+    from .sdxl.formats.merge import applied
     from .sdxl.model import load_pipeline, native_resolution
     from .sdxl.preview import Sampler, grid, render, save_png
 

@@ -326,8 +326,8 @@ def report(outcome: Outcome) -> list[str]:
         return [""] + _llm_summary(job.run, result)
     lines = ["", f"run folder : {relpath(job.run.dir)}"]
     lines += [f"adapter    : {relpath(path)}  ({kind} format)" for kind, path in result.adapter.items()]
-    if "kohya" in result.adapter:  # where each tool loads it right, wrongly or not at all (sdxl/loaders.py)
-        from .sdxl.loaders import file_notes
+    if "kohya" in result.adapter:  # where each tool loads it right, wrongly or not at all (sdxl/formats/loaders.py)
+        from .sdxl.formats.loaders import file_notes
 
         lines += [f"tools      : {line}" for line in file_notes(result.adapter["kohya"])]
     lines += [f"previews   : {relpath(p)}" for p in result.samples if p.name.endswith("grid.png")]
@@ -356,7 +356,7 @@ def _llm_summary(run: "Run", result: "Result") -> list[str]:
 
 
 def concept_lines(run: "Run") -> list[str]:
-    """preview.concept's figures (sdxl/shapes.py: report_concept), first preview -> last: the detector's
+    """preview.concept's figures (sdxl/demo/shapes.py: report_concept), first preview -> last: the detector's
     score on the prompts naming the concept, and how the other prompts fared (their own shape's score,
     their mean pixel change from the base's render at the same seed). None when the run has none."""
     events = [e for e in run.events() if e["event"] == "concept"]
@@ -398,7 +398,7 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
     from .llm.model import LLMModelError
     from .sdxl.data import DataError
     from .sdxl.model import ModelError
-    from .sdxl.single_file import SingleFileError
+    from .sdxl.formats.single_file import SingleFileError
 
     return (ConfigError, MissingPackage, DataError, ModelError, SingleFileError, CheckpointError, LLMDataError,
             LLMModelError, FileExistsError, FileNotFoundError)

@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
 def tiny_dir():
     """The embedded tiny SDXL as a diffusers folder (built once, in the repo's model cache)."""
     from sdxl_lora.core.config import ModelConfig
-    from sdxl_lora.sdxl.tiny import materialize_tiny
+    from sdxl_lora.sdxl.demo.tiny import materialize_tiny
 
     return materialize_tiny(ModelConfig().cache_dir)
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from sdxl_lora.core import inject
 from sdxl_lora.core.config import AdapterConfig, ConfigError, load_config
-from sdxl_lora.sdxl import export
+from sdxl_lora.sdxl.formats import export
 from sdxl_lora.sdxl import slots as unet_slots
 
 KINDS = ("lora", "dora", "loha", "lokr")
@@ -126,7 +126,7 @@ def _loader_weight(kind, parts, w):
 def test_each_kind_gives_the_loaders_the_weights_training_used(tiny_dir, tmp_path, kind):
     """Exported, every file key is read by the loaders' rule on the base weight it names, and the result is
     the weight peft trained with, on attention, feed-forward and 3x3/1x1 convolutions alike."""
-    from sdxl_lora.sdxl.single_file import _unet_sgm
+    from sdxl_lora.sdxl.formats.single_file import _unet_sgm
 
     unet, plan = _trained(tiny_dir, kind)
     want = _training_deltas(unet)
@@ -254,7 +254,7 @@ def test_each_kind_imports_inspects_and_merges_back(tiny_dir, tmp_path, kind, ca
     """The file read back (import) gives the trained UNet's output on a fresh UNet; `inspect` names the kind;
     `merge` at strength 1 bakes the same output into a checkpoint, at 0 leaves the base as it was."""
     from sdxl_lora.cli import main
-    from sdxl_lora.sdxl.merge import merge_adapter
+    from sdxl_lora.sdxl.formats.merge import merge_adapter
     from sdxl_lora.sdxl.model import load_pipeline
     from sdxl_lora.core.config import ModelConfig
 
@@ -298,7 +298,7 @@ def test_each_kinds_keys_and_shapes_on_sdxl_base(kind):
                                                          _maybe_map_sgm_blocks_to_diffusers)
     from diffusers.utils import convert_unet_state_dict_to_peft
 
-    from sdxl_lora.sdxl.single_file import unet_config, unet_diffusers_to_sgm
+    from sdxl_lora.sdxl.formats.single_file import unet_config, unet_diffusers_to_sgm
 
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(unet_config())

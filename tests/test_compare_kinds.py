@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from sdxl_lora.core import inject
 from sdxl_lora.core.config import ModelConfig, load_config
 from sdxl_lora.sdxl import compare
-from sdxl_lora.sdxl.export import layer_table, load_adapter, weight_with
+from sdxl_lora.sdxl.formats.export import layer_table, load_adapter, weight_with
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_data" / "images"
 MODEL = "tiny-sdxl"
@@ -154,7 +154,7 @@ def test_the_compare_tab_exports_a_loha_run_at_half_strength_and_names_what_to_d
 
 @pytest.mark.parametrize("kind", ["loha", "dora"])
 def test_a_grid_cell_is_the_base_with_the_checkpoint_merged_at_its_strength(runs, kind):
-    from sdxl_lora.sdxl.merge import merge_adapter
+    from sdxl_lora.sdxl.formats.merge import merge_adapter
     from sdxl_lora.sdxl.model import load_pipeline
     from sdxl_lora.sdxl.preview import PreviewPrompt, Sampler, render
 
@@ -198,7 +198,7 @@ def test_generate_renders_loha_and_dora_files_merged_at_their_strengths_leaving_
     # dora_scale: the Generate tab and `sdxl-lora generate` merge them into the weights for the render, in
     # the order given, and put the weights back after.
     from sdxl_lora.cli import main
-    from sdxl_lora.sdxl.merge import merge_adapter
+    from sdxl_lora.sdxl.formats.merge import merge_adapter
     from sdxl_lora.sdxl.preview import render
     from sdxl_lora.ui import tab_generate
     from sdxl_lora.ui.folders import Folders

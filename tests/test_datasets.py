@@ -16,7 +16,8 @@ from PIL import Image
 
 from sdxl_lora.core.config import ConfigError, load_config
 from sdxl_lora.sdxl import data as sdxl_data
-from sdxl_lora.sdxl.task import SDXLTask, sample_key
+from sdxl_lora.sdxl.batches import sample_key
+from sdxl_lora.sdxl.task import SDXLTask
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_data" / "images"
 

@@ -9,7 +9,7 @@ import torch
 
 from sdxl_lora.core.config import Config, ModelConfig, PreviewConfig, TrainConfig
 from sdxl_lora.core.runs import Run
-from sdxl_lora.sdxl import pretrain, shapes
+from sdxl_lora.sdxl.demo import pretrain, shapes
 from sdxl_lora.core.loop import Trainer
 
 

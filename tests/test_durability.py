@@ -282,7 +282,7 @@ class _FakeDisk:
     def __init__(self, path: Path, size: int, monkeypatch):
         from safetensors import SafetensorError
 
-        from sdxl_lora.sdxl import export
+        from sdxl_lora.sdxl.formats import export
 
         self.path, self.size = path, size
         real_usage = shutil.disk_usage

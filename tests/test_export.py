@@ -17,7 +17,7 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from sdxl_lora.sdxl import export
+from sdxl_lora.sdxl.formats import export
 from sdxl_lora.core import inject
 from sdxl_lora.sdxl import slots as unet_slots
 from sdxl_lora.cli import main
@@ -85,7 +85,7 @@ def test_kohya_keys_are_sgm_names_with_each_layers_true_alpha(mixed, tmp_path):
     assert "lora_unet_output_blocks_5_1_transformer_blocks_0_attn2_to_out_0.alpha" in sd
     assert len(sd) == 3 * len(mixed.plan.targets)
     assert not any("down_blocks" in k or "up_blocks" in k or "mid_block" in k for k in sd)
-    from sdxl_lora.sdxl.single_file import map_module_path, unet_diffusers_to_sgm
+    from sdxl_lora.sdxl.formats.single_file import map_module_path, unet_diffusers_to_sgm
     m = unet_diffusers_to_sgm(dict(mixed.unet.config))
     for s in mixed.plan.targets:
         k = "lora_unet_" + map_module_path(s.name, m).replace(".", "_")
@@ -178,7 +178,7 @@ def test_kohya_export_gives_the_training_time_image_through_generate(trained, ti
 def test_mixed_alphas_load_in_diffusers_at_the_right_strength(mixed, tiny_dir, tmp_path, caplog):
     """diffusers' kohya loader gives attention layers one alpha, so by default the file has one alpha
     and the rest folded into the weights; keeping the training alphas warns."""
-    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.export"):
+    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.formats.export"):
         export.save_kohya_lora(mixed.unet, tmp_path / "true.safetensors", uniform_alpha=False)
     assert "different alphas" in caplog.text
     _, text = export.inspect_adapter(tmp_path / "true.safetensors", tiny_dir)
@@ -198,7 +198,7 @@ def test_full_sdxl_kohya_keys_map_onto_the_unet_through_diffusers_mapper(preset)
                                                          _maybe_map_sgm_blocks_to_diffusers)
     from diffusers.utils import convert_unet_state_dict_to_peft
 
-    from sdxl_lora.sdxl.single_file import unet_config
+    from sdxl_lora.sdxl.formats.single_file import unet_config
 
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(unet_config())
@@ -309,7 +309,7 @@ def test_unknown_keys_are_returned_and_logged_not_dropped(trained, tiny_dir, tmp
              "something_else": torch.zeros(1)}
     path = tmp_path / "odd.safetensors"
     save_file({**sd, **extra}, str(path))
-    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.export"):
+    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.formats.read"):
         adapter = export.load_adapter(path, tiny_dir)
     assert adapter.unknown == sorted(extra)
     assert len(adapter.layers) == len(trained.plan.targets)
@@ -426,7 +426,7 @@ def test_merge_equals_base_plus_adapter_at_that_strength(trained, run_dir, tiny_
     torch.testing.assert_close(unet_io.out(merged, trained.inputs), want, rtol=0, atol=1e-5)
 
     # A single file, two adapters in two formats whose strengths add up to the same 0.7.
-    from sdxl_lora.sdxl.merge import merge_checkpoint
+    from sdxl_lora.sdxl.formats.merge import merge_checkpoint
 
     single = merge_checkpoint(tiny_dir, [(trained.kohya, 0.5), (run_dir / "r.diffusers.safetensors", 0.2)],
                               tmp_path / "merged.safetensors")
@@ -444,8 +444,8 @@ def test_merging_into_a_16_bit_base_rounds_each_weight_once(trained, tiny_dir, t
     fp32 over every adapter and rounded once: bit for bit what merging in fp32 and storing fp16 gives."""
     from diffusers import UNet2DConditionModel
 
-    from sdxl_lora.sdxl.export import load_adapter, weight_with
-    from sdxl_lora.sdxl.merge import merge_checkpoint, source_dtype
+    from sdxl_lora.sdxl.formats.export import load_adapter, weight_with
+    from sdxl_lora.sdxl.formats.merge import merge_checkpoint, source_dtype
 
     base16 = tmp_path / "base16"
     unet_io.pipe(tiny_dir).to(torch.float16).save_pretrained(base16, safe_serialization=True)
@@ -469,7 +469,7 @@ def test_a_single_file_merged_into_a_built_in_base_loads_back_in_generate(traine
     from diffusers import UNet2DConditionModel
 
     from sdxl_lora.core.config import ModelConfig
-    from sdxl_lora.sdxl.merge import merge_checkpoint
+    from sdxl_lora.sdxl.formats.merge import merge_checkpoint
     from sdxl_lora.sdxl.model import load_pipeline, unet_skeleton
 
     # tiny-sdxl is not SDXL base's size: read as SDXL base, the file would not load.
@@ -511,7 +511,7 @@ def test_lora_bias_travels_in_diffusers_and_peft_formats_and_merges(tiny_dir, tm
     file in diffusers format, and the bias loads in diffusers, imports and merges exactly."""
     from peft import LoraConfig
 
-    from sdxl_lora.sdxl.merge import merge_adapter
+    from sdxl_lora.sdxl.formats.merge import merge_adapter
 
     unet = unet_io.fresh_unet(tiny_dir)
     unet.add_adapter(LoraConfig(r=4, lora_alpha=2, lora_bias=True, target_modules=["to_out.0", "ff.net.2"]))

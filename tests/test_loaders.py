@@ -1,4 +1,4 @@
-"""Which tools load each adapter kind (sdxl/loaders.py): the docs' table is the code's, and the line per kind that
+"""Which tools load each adapter kind (sdxl/formats/loaders.py): the docs' table is the code's, and the line per kind that
 the end of a run, `inspect`, `export` and the UI's Export tab print is the table's for that file; LoHa/LoKr files
 are written with alpha = rank, so LyCORIS' merge applies the trained update too; the facts a line depends on are
 read from the file as the tools read it.
@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sdxl_lora.sdxl import export, loaders
+from sdxl_lora.sdxl.formats import export, loaders
 from test_adapter_kinds import KINDS, _key, _loader_weight, _trained, _training_deltas, _unet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,8 +30,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "export.md"
 def test_the_docs_table_is_the_codes_and_cites_the_versions_it_was_read_from():
     text = DOCS.read_text(encoding="utf-8")
     table = loaders.docs_table()
-    assert table in text, ("docs/export.md's table of the kinds in each tool differs from sdxl/loaders.py's; "
-                           "paste `python -m sdxl_lora.sdxl.loaders` over it:\n" + table)
+    assert table in text, ("docs/export.md's table of the kinds in each tool differs from sdxl/formats/loaders.py's; "
+                           "paste `python -m sdxl_lora.sdxl.formats.loaders` over it:\n" + table)
     header = table.splitlines()[0]
     for tool in loaders.TOOLS:
         assert (tool.version and f"{tool.name} {tool.version}" in header) or (tool.source and tool.source in table)
@@ -134,7 +134,7 @@ def _lycoris_merge_weight(kind, parts, w):
 
 def _file_deltas(path, base, rule) -> dict[str, torch.Tensor]:
     """Each file layer's weight change by a loader's `rule` on the tiny base, keyed as `_training_deltas`."""
-    from sdxl_lora.sdxl.single_file import _unet_sgm
+    from sdxl_lora.sdxl.formats.single_file import _unet_sgm
 
     sgm = {k.removeprefix("model.diffusion_model.").removesuffix(".weight"): v
            for k, v in _unet_sgm(base).items() if k.endswith(".weight")}
@@ -256,7 +256,7 @@ def test_invokeais_probe_on_sdxl_base_is_what_the_line_says(tmp_path, kind, sett
     from sdxl_lora.core import inject
     from sdxl_lora.core.config import AdapterConfig
     from sdxl_lora.sdxl import slots as unet_slots
-    from sdxl_lora.sdxl.single_file import unet_config
+    from sdxl_lora.sdxl.formats.single_file import unet_config
 
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(unet_config())

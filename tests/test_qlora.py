@@ -87,14 +87,14 @@ def test_adapter_trained_on_nf4_says_so_and_loads_onto_the_unquantized_base(runs
 
 
 def test_merge_warns_that_the_adapter_saw_quantized_weights(runs, tmp_path, caplog):
-    from sdxl_lora.sdxl.merge import merge_checkpoint
+    from sdxl_lora.sdxl.formats.merge import merge_checkpoint
 
     lora = runs["nf4"] / "nf4.safetensors"
-    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.merge"):
+    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.formats.merge"):
         merge_checkpoint("tiny-sdxl", [(lora, 1.0)], tmp_path / "plain")
     assert "learned against the quantized weights" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.merge"):
+    with caplog.at_level(logging.WARNING, logger="sdxl_lora.sdxl.formats.merge"):
         assert main(["merge", "--model", "tiny-sdxl", "--lora", str(lora), "--out", str(tmp_path / "as_trained"),
                      "--as-trained"]) == 0
     assert "dequantized" in caplog.text

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from sdxl_lora.core import inject
 from sdxl_lora.core.config import AdapterConfig
-from sdxl_lora.sdxl import export, resize
+from sdxl_lora.sdxl.formats import export, resize
 from sdxl_lora.sdxl import slots as unet_slots
-from sdxl_lora.sdxl.lycoris import LohaLayer, LokrLayer
+from sdxl_lora.sdxl.formats.lycoris import LohaLayer, LokrLayer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -234,7 +234,7 @@ def test_the_export_tab_resizes_a_runs_adapter_into_its_exports(rank8, tiny_dir,
 @pytest.fixture(scope="module")
 def tuned(rank8, tiny_dir, tmp_path_factory):
     """The tiny SDXL with rank8's adapter merged in: a "fine-tuned" model whose difference from the base is known."""
-    from sdxl_lora.sdxl.merge import merge_checkpoint
+    from sdxl_lora.sdxl.formats.merge import merge_checkpoint
 
     return merge_checkpoint(str(tiny_dir), [(rank8.path, 1.0)], tmp_path_factory.mktemp("tuned") / "model")
 
@@ -279,7 +279,7 @@ def test_extract_reads_text_encoder_changes_from_a_folder_and_from_a_single_file
     """Rank-1 changes to three text-encoder layers (the second encoder's k projection is stored fused with q and
     v in a single file, so reading the wrong third would show) come back exactly, from either form of the model."""
     from sdxl_lora.sdxl.model import CONFIGS_FROM
-    from sdxl_lora.sdxl.single_file import save_single_file
+    from sdxl_lora.sdxl.formats.single_file import save_single_file
 
     pipe = unet_io.pipe(tiny_dir)
     g = torch.Generator().manual_seed(5)
@@ -339,8 +339,8 @@ def test_the_export_tab_merges_adapters_into_a_model_the_other_tabs_offer(rank8,
 
     from safetensors import safe_open
 
-    from sdxl_lora.sdxl.export import weight_with
-    from sdxl_lora.sdxl.single_file import UNET_PREFIX, map_module_path, unet_diffusers_to_sgm
+    from sdxl_lora.sdxl.formats.export import weight_with
+    from sdxl_lora.sdxl.formats.single_file import UNET_PREFIX, map_module_path, unet_diffusers_to_sgm
     from sdxl_lora.ui import tab_export
     from sdxl_lora.ui.folders import Folders, model_choices
 
@@ -377,7 +377,7 @@ def test_the_export_tab_merges_adapters_into_a_model_the_other_tabs_offer(rank8,
     assert msg.startswith("**Error:**") and "never replaced" in msg
     assert (f.models / "base" / "unet" / "diffusion_pytorch_model.safetensors").read_bytes() == before
     # Nor does a folder that holds the base or an adapter get replaced by the merge written there.
-    from sdxl_lora.sdxl.merge import MergeError, merge_checkpoint
+    from sdxl_lora.sdxl.formats.merge import MergeError, merge_checkpoint
 
     for out, holds in ((f.models, "base"), (f.models / "loras", "r8.safetensors")):
         with pytest.raises(MergeError, match=f"holds .*{holds}"):

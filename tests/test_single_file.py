@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sdxl_lora.sdxl import single_file as sf
-from sdxl_lora.sdxl.tiny import bytes_to_unicode, materialize_tiny
+from sdxl_lora.sdxl.formats import single_file as sf
+from sdxl_lora.sdxl.demo.tiny import bytes_to_unicode, materialize_tiny
 
 
 # ---------------------------------------------------------------------------------------------

@@ -917,9 +917,9 @@ def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_
             if record.getMessage().startswith("compiling the UNet's blocks for this shape"):
                 said.append(len(graphs))
 
-    caplog.set_level(logging.INFO, logger="sdxl_lora.sdxl.task")
+    caplog.set_level(logging.INFO, logger="sdxl_lora.sdxl.unet_call")
     handler = Said()
-    logging.getLogger("sdxl_lora.sdxl.task").addHandler(handler)
+    logging.getLogger("sdxl_lora.sdxl.unet_call").addHandler(handler)
 
     def counting(gm, example_inputs):
         graphs.append(gm)
@@ -944,7 +944,7 @@ def test_several_buckets_compile_once_and_previews_and_eval_compile_nothing(tmp_
                  "--set", "data.bucket_step=32", "--set", "train.save_every=0", "--set", "adapter.preset='attn'",
                  "--set", "train.log_every=1", "--set", f"preview.prompts='{prompts}'"]) == 0
     torch._dynamo.reset()
-    logging.getLogger("sdxl_lora.sdxl.task").removeHandler(handler)
+    logging.getLogger("sdxl_lora.sdxl.unet_call").removeHandler(handler)
     assert said == [0]
     events = read_events(tmp_path / "three" / "events.jsonl")
     assert len(next(e for e in events if e["event"] == "dataset")["buckets"]) == 3
@@ -975,13 +975,14 @@ def _graphs_as_on_cuda(monkeypatch, stand_in) -> None:
     """The SDXL task's training calls go through `stand_in` (in place of speed.GraphedCall), as set-up decides on
     a CUDA GPU with train.cuda_graphs: CUDA graphs cannot run on a CPU."""
     from sdxl_lora.sdxl.task import SDXLTask
+    from sdxl_lora.sdxl.unet_call import CallState
 
     monkeypatch.setattr(speed, "GraphedCall", stand_in)
     speed_setup = SDXLTask._speed_setup
 
     def on_cuda(self, unet, run):
         speed_setup(self, unet, run)
-        self._graphed = True
+        self.unet_call.state = CallState.CAPTURE
 
     monkeypatch.setattr(SDXLTask, "_speed_setup", on_cuda)
 
@@ -1085,7 +1086,7 @@ def test_graphs_warm_every_bucket_up_before_capturing_any(tmp_path, monkeypatch)
     assert len(seen) > len(task.dataset.bucket_histogram())  # a partial batch among them
 
     first = (torch.randn(2, 4, 8, 8), torch.zeros(2), torch.randn(2, 77, 32), torch.randn(2, 32), torch.randn(2, 6))
-    graphed = speed.GraphedCall(torch.nn.Linear(1, 1), lambda *a: a[0], others=task._graph_inputs)
+    graphed = speed.GraphedCall(torch.nn.Linear(1, 1), lambda *a: a[0], others=task.unet_call.graph_inputs)
     graphed(*first)
     expected = {(b, 4, h // 8, w // 8) for (w, h), b in seen}
     warmed = [e[1] for e in events if e[0] == "warm"]
@@ -1167,7 +1168,7 @@ def _task_whose_graphs_do_not_fit(tiny_dir, monkeypatch, checkpointed: int | Non
     task.accelerator = SimpleNamespace(unwrap_model=lambda m: m)
     events = []
     task._run = SimpleNamespace(event=lambda kind, **kw: events.append((kind, kw)))
-    task._checkpointing = {"units": units, "chosen": order[:checkpointed], "graph_safe": True, "budget_gb": 1.0}
+    task.unet_call.checkpointing = {"units": units, "chosen": order[:checkpointed], "graph_safe": True, "budget_gb": 1.0}
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     return unet, units, order, task, events
@@ -1192,7 +1193,7 @@ def test_graphs_that_do_not_fit_beside_a_checkpoint_budget_checkpoint_more_and_c
 
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
     lin = torch.nn.Linear(3, 2)
-    graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1, on_out_of_memory=lambda: task._checkpoint_more(unet))
+    graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1, on_out_of_memory=lambda: task.unet_call.checkpoint_more(unet))
     with caplog.at_level("WARNING"):
         graphed(torch.randn(4, 3))
     # Each retry checkpoints half of what was left (at least one), in checkpoint order, until it fits.
@@ -1201,18 +1202,18 @@ def test_graphs_that_do_not_fit_beside_a_checkpoint_budget_checkpoint_more_and_c
         on += max(1, (len(order) - on) // 2)
         expect.append(on)
     assert tries == expect and not graphed.eager and len(graphed.graphs) == 1
-    assert task._checkpointing["chosen"] == order[:expect[-1]]
+    assert task.unet_call.checkpointing["chosen"] == order[:expect[-1]]
     assert "capturing again" in caplog.text and "training on without them" not in caplog.text
     assert [kw["reason"] for kind, kw in events if kind == "checkpointing"] == ["cuda_graphs_out_of_memory"] * \
         (len(expect) - 1)
 
     # Nothing fits: every unit gets checkpointed, then the run goes on without graphs.
     fits_with = len(order) + 1
-    graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1, on_out_of_memory=lambda: task._checkpoint_more(unet))
+    graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1, on_out_of_memory=lambda: task.unet_call.checkpoint_more(unet))
     x = torch.randn(2, 3)
     with caplog.at_level("WARNING"):
         assert torch.equal(graphed(x), lin(x))
-    assert graphed.eager and task._checkpointing["chosen"] == order
+    assert graphed.eager and task.unet_call.checkpointing["chosen"] == order
     assert all(u.switch.gradient_checkpointing for u in units if u.name in order)
     assert "training on without them" in caplog.text
 
@@ -1239,7 +1240,7 @@ def test_graphs_that_do_not_fit_with_every_unit_checkpointed_split_the_batch_and
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
     lin = torch.nn.Linear(3, 2)
     graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1,
-                                on_out_of_memory=lambda: task._checkpoint_more(unet) or task._split_batches())
+                                on_out_of_memory=lambda: task.unet_call.checkpoint_more(unet) or task.unet_call.split_batches())
     x = torch.randn(4, 3)
     with caplog.at_level("WARNING"):
         assert torch.equal(graphed(x), lin(x))  # this call without graphs
@@ -1260,7 +1261,7 @@ def test_graphs_that_do_not_fit_with_every_unit_checkpointed_split_the_batch_and
     # Single images do not fit either: halving stops there and the run trains without graphs.
     fits = 0
     graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1,
-                                on_out_of_memory=lambda: task._checkpoint_more(unet) or task._split_batches())
+                                on_out_of_memory=lambda: task.unet_call.checkpoint_more(unet) or task.unet_call.split_batches())
     for rows in (2, 1):
         graphed(torch.randn(rows, 3))
     assert task.micro_batches == 4 and graphed.eager
@@ -1270,7 +1271,7 @@ def test_graphs_that_do_not_fit_with_every_unit_checkpointed_split_the_batch_and
 def test_a_large_batch_is_measured_on_a_centre_crop_that_scales_to_the_same_activations(tiny_dir):
     # Selective checkpointing measures one sample's activations with every one kept; at 1024 on SDXL that
     # alone is more than an 8 GiB budget holds, so large latents are measured on a crop and scaled up.
-    from sdxl_lora.sdxl.task import measuring_sample
+    from sdxl_lora.sdxl.unet_call import measuring_sample
 
     unet = tiny_unet_with_lora(tiny_dir)
     side = 4 * unet.config.sample_size

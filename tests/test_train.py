@@ -131,7 +131,7 @@ def test_without_the_prior_shapes_the_other_prompts_lose_their_shapes(default_ru
 
 
 def test_adapter_loads_in_diffusers_in_another_process_and_changes_the_image(default_run, tmp_path):
-    from sdxl_lora.sdxl.pretrain import SHIPPED  # the demo base the default job trains on
+    from sdxl_lora.sdxl.demo.pretrain import SHIPPED  # the demo base the default job trains on
 
     script = textwrap.dedent(f"""
         import json, torch

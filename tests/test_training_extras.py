@@ -70,7 +70,6 @@ def test_the_task_loss_applies_the_batch_mask():
     task.pipe = SimpleNamespace(vae=SimpleNamespace(config=SimpleNamespace(scaling_factor=0.13)),
                                 scheduler=DDPMScheduler(num_train_timesteps=1000))
     task.noise_scheduler = task._noise_scheduler()
-    task._graphed = None
     unet = lambda x, t, encoder_hidden_states, added_cond_kwargs: SimpleNamespace(sample=0.5 * x)  # noqa: E731
     g = torch.Generator().manual_seed(1)
     batch = {"latent_mean": torch.randn(2, 4, 8, 8, generator=g), "latent_std": torch.zeros(2, 4, 8, 8),
@@ -227,7 +226,7 @@ def test_text_encoder_lora_trains_and_is_exported_for_kohya_and_diffusers(full_r
         module = n.split(".lora_B")[0]
         assert torch.equal(p.detach(), file[f"text_encoder_2.{module}.lora_B.weight"])
     # And the kohya file reads back with its text encoder layers.
-    from sdxl_lora.sdxl.export import load_adapter
+    from sdxl_lora.sdxl.formats.export import load_adapter
 
     adapter = load_adapter(full_run.final["kohya"])
     assert {"unet", "text_encoder", "text_encoder_2"} <= set(adapter.components())

@@ -161,7 +161,7 @@ def test_each_loss_option_gives_the_loss_its_definition_gives(train, definition)
 def test_the_noise_options_draw_from_each_samples_key_whatever_its_batch():
     """In training every sample draws from its own key (so N processes draw what one does, and a resume what the
     run did): with the noise options on, a sample's loss alone is its share of the batch's, and again the same."""
-    from sdxl_lora.sdxl.task import sample_key
+    from sdxl_lora.sdxl.batches import sample_key
 
     opts = {"multires_noise_iterations": 4, "ip_noise_gamma": 0.1, "noise_offset": 0.05, "debiased_estimation": True}
     task, plain = make_task(**opts), make_task()

@@ -997,7 +997,7 @@ def test_compare_checkpoints_by_eye_export_the_chosen_one_and_duplicate_the_run(
             assert meta["sdxl_lora.steps"] == "2" and meta["sdxl_lora.strength"] == "0.5"
             _half_of_the_state(out, saved_run)
             # Which tools load the file, as the Export tab and `sdxl-lora inspect` say it.
-            from sdxl_lora.sdxl.loaders import file_notes
+            from sdxl_lora.sdxl.formats.loaders import file_notes
 
             expect(page.locator("#cmp-export-msg")).to_contain_text(file_notes(out)[0])
             expect(page.locator("#cmp-export-msg")).to_contain_text("LoRA: exact in ComfyUI")
@@ -1095,7 +1095,7 @@ def _half_of_the_state(exported: Path, run: Path) -> None:
     alphas of the run's own diffusers file)."""
     from safetensors.torch import load_file
 
-    from sdxl_lora.sdxl.export import layer_table, load_adapter
+    from sdxl_lora.sdxl.formats.export import layer_table, load_adapter
 
     table = layer_table("tiny-sdxl-demo")
     got = load_adapter(exported, table).layers

@@ -28,7 +28,7 @@ def _trained_on(adapter: Path) -> str | None:
     """The model an adapter file says it was trained on, where that is known here: the run folder it sits in
     (its config.toml), else a built-in model its metadata names (ss_sd_model_name); none means SDXL base."""
     from ..core.config import DEMO_NAME, load_config
-    from ..sdxl.tiny import TINY_NAME
+    from ..sdxl.demo.tiny import TINY_NAME
 
     run_config = adapter.parent / "config.toml"
     if adapter.is_file() and run_config.is_file():
@@ -57,7 +57,7 @@ def _true_alpha_source(src: Path) -> Path:
 
     from safetensors import safe_open
 
-    from ..sdxl.export import AdapterError
+    from ..sdxl.formats.export import AdapterError
 
     if not (src.is_file() and src.suffix == ".safetensors"):
         return src
@@ -82,7 +82,7 @@ def _read_adapter(args, verb: str, redirect=None, source: str | None = None, tab
     """The adapter `source` (default args.source) names, read against `table` or args.model (else the run's,
     else SDXL base): (the file read, its layer table, the Adapter). `redirect(path)` may name another file to
     read. Keys that fit no layer of the model are refused unless args.drop_unknown."""
-    from ..sdxl.export import AdapterError, layer_table, load_adapter
+    from ..sdxl.formats.export import AdapterError, layer_table, load_adapter
 
     src, model = _adapter_source(args.source if source is None else source, args.model)
     if redirect is not None:
@@ -95,7 +95,7 @@ def _read_adapter(args, verb: str, redirect=None, source: str | None = None, tab
 
 
 def cmd_export(args) -> int:
-    from ..sdxl.export import AdapterError, export_adapter
+    from ..sdxl.formats.export import AdapterError, export_adapter
     from ..core.runs import relpath
 
     try:
@@ -110,7 +110,7 @@ def cmd_export(args) -> int:
     print(f"{args.format} adapter: {relpath(out)}  ({len(adapter.layers)} layers, read from {relpath(src)}, "
           f"{adapter.format})")
     if args.format == "kohya":
-        from ..sdxl.loaders import file_notes
+        from ..sdxl.formats.loaders import file_notes
 
         for line in file_notes(out):
             print(f"tools      : {line}")
@@ -130,9 +130,9 @@ def _layer_progress():
 
 def cmd_resize(args) -> int:
     from ..core.runs import relpath
-    from ..sdxl.export import AdapterError, check_dest, export_adapter
-    from ..sdxl.merge import parse_lora_arg
-    from ..sdxl.resize import provenance, resize_adapters
+    from ..sdxl.formats.export import AdapterError, check_dest, export_adapter
+    from ..sdxl.formats.merge import parse_lora_arg
+    from ..sdxl.formats.resize import provenance, resize_adapters
 
     try:
         picked = [parse_lora_arg(x) for x in args.source]
@@ -161,8 +161,8 @@ def cmd_resize(args) -> int:
 
 def cmd_extract(args) -> int:
     from ..core.runs import relpath
-    from ..sdxl.export import AdapterError, check_dest, export_adapter, layer_table
-    from ..sdxl.extract import extract_adapter
+    from ..sdxl.formats.export import AdapterError, check_dest, export_adapter, layer_table
+    from ..sdxl.formats.extract import extract_adapter
 
     try:
         reads = (args.base, args.tuned)
@@ -183,7 +183,7 @@ def cmd_extract(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from ..sdxl.export import AdapterError, inspect_adapter
+    from ..sdxl.formats.export import AdapterError, inspect_adapter
 
     try:
         src, model = _adapter_source(args.file, args.model)
@@ -196,8 +196,8 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from ..sdxl.export import AdapterError
-    from ..sdxl.merge import merge_checkpoint, parse_lora_arg
+    from ..sdxl.formats.export import AdapterError
+    from ..sdxl.formats.merge import merge_checkpoint, parse_lora_arg
     from ..core.runs import relpath
 
     loras = [parse_lora_arg(a) for a in args.lora]

@@ -38,6 +38,19 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def component_identity(model_path: Path, component: str) -> str:
+    """Identifies a model component's weights for cache keys: path, sizes and mtimes of its files.
+    Cheap (no hashing of gigabytes) and changes whenever the weights are replaced."""
+    root = model_path / component if model_path.is_dir() else model_path
+    files = sorted(root.rglob("*")) if root.is_dir() else [root]
+    h = hashlib.sha256(str(root.resolve()).encode())
+    for f in files:
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
 def _plain(part):
     if isinstance(part, (str, int, float, bool)) or part is None:
         return part

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from ..core.accel import indexed
 from ..core.config import DataConfig, DatasetConfig
 from ..core.fsutil import atomic_save, atomic_write_text
+from .cache import component_identity
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,6 @@ def with_class_images(task, data: DataConfig, resolution: int) -> DataConfig:
     from diffusers import StableDiffusionXLPipeline
 
     from .preview import preview_scheduler
-    from .task import component_identity  # here: the task module imports this one
 
     tables = [i for i, d in enumerate(data.datasets) if d.path is None]
     if not tables:

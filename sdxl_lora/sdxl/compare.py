@@ -33,9 +33,9 @@ from ..core.checkpoint import CheckpointError, complete_states, file_sha256, ver
 from ..core.config import Config, load_config
 from ..core.inject import lora_scale
 from ..core.runs import read_events
-from . import lycoris
-from .export import Adapter, AdapterError, LoraLayer, export_adapter, load_adapter, peft_key_groups
-from .merge import merged
+from .formats import lycoris
+from .formats.export import Adapter, AdapterError, LoraLayer, export_adapter, load_adapter, peft_key_groups
+from .formats.merge import merged
 from .preview import PreviewPrompt, Sampler, grid, parse_prompt_line, render, save_png
 
 log = logging.getLogger(__name__)

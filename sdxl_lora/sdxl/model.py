@@ -14,7 +14,7 @@ import torch
 from ..core.config import DEMO_DIR, DEMO_NAME, ModelConfig
 from ..core.weights import (PickleWeights, WeightFileError, float_dtypes, read_json, shape_problems,
                             stored_float_dtype, weight_files)
-from .tiny import TINY_NAME, materialize_tiny
+from .demo.tiny import TINY_NAME, materialize_tiny
 
 # diffusers folder layout of an SDXL pipeline: what must be there for from_pretrained to work.
 CONFIGS = ("model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json",
@@ -46,7 +46,7 @@ def resolve_model_path(cfg: ModelConfig) -> Path:
 
 
 # A single-file checkpoint's metadata: the built-in model whose configs and tokenizers describe it (a merge
-# into the demo base or tiny-sdxl writes it, sdxl/merge.py); without it a single file is read as SDXL base.
+# into the demo base or tiny-sdxl writes it, sdxl/formats/merge.py); without it a single file is read as SDXL base.
 CONFIGS_FROM = "sdxl_lora.configs_from"
 
 
@@ -84,7 +84,7 @@ def load_pipeline(cfg: ModelConfig, torch_dtype: torch.dtype = torch.float32, un
         if path.suffix.lower() in (".ckpt", ".pt", ".pth", ".bin"):
             raise ModelError(f"{path}: pickle checkpoints can run code when loaded and are refused; "
                              "convert it to .safetensors first")
-        from .single_file import load_single_file
+        from .formats.single_file import load_single_file
         configs = single_file_configs(path, cfg)
         tok = Path(cfg.tokenizer) if cfg.tokenizer else configs
         pipe = load_single_file(path, tokenizer_dir=tok, config_dir=configs, torch_dtype=torch_dtype)
@@ -277,7 +277,7 @@ def unet_skeleton(cfg: ModelConfig):
     """The model's UNet on the meta device (structure only: no memory, no weights read), and its
     native resolution. `arch:sdxl` is SDXL base's own config, bundled with the package. A diffusers folder
     is checked as training would load it (check_folder: configs, and the weight files' headers)."""
-    from .single_file import SDXL_BASE_CONFIG_DIR
+    from .formats.single_file import SDXL_BASE_CONFIG_DIR
 
     path = SDXL_BASE_CONFIG_DIR if cfg.path == ARCH_SDXL else resolve_model_path(cfg)
     if path.is_file():  # a single-file checkpoint is read as its loading reads it: SDXL base, or what it names

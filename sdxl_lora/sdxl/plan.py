@@ -75,7 +75,7 @@ def component_bytes(cfg: Config) -> tuple[int, int]:
     """(VAE, both text encoders) in bytes as the trainer holds them (fp32), from their configs on the meta
     device: no weights read."""
     from .model import ARCH_SDXL, resolve_model_path, single_file_configs
-    from .single_file import SDXL_BASE_CONFIG_DIR
+    from .formats.single_file import SDXL_BASE_CONFIG_DIR
 
     path = SDXL_BASE_CONFIG_DIR if cfg.model.path == ARCH_SDXL else resolve_model_path(cfg.model)
     if path.is_file():

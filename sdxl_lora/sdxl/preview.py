@@ -560,7 +560,7 @@ def render_previews(task, model, run, step: int) -> list[Path]:
         if store is not None:
             _store_images(store, paths[:-1], paths[-1])
     if cfg.preview.concept:
-        from .shapes import report_concept
+        from .demo.shapes import report_concept
 
         # The step-0 preview is the base at the same seeds: what the prompts without the concept should stay close to.
         before = [run.samples_dir / f"step-{0:06d}-{i:02d}.png" for i in range(len(images))]

@@ -31,7 +31,7 @@ def _kohya_blocks(model: nn.Module) -> dict[str, str]:
     config = getattr(model, "config", None)
     if config is None or "down_block_types" not in config:
         return {}
-    from .single_file import SingleFileError, unet_diffusers_to_sgm
+    from .formats.single_file import SingleFileError, unet_diffusers_to_sgm
 
     try:
         mapping = unet_diffusers_to_sgm(dict(config))

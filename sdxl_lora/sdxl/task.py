@@ -9,13 +9,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
-import math
 import os
 import random
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -25,32 +22,23 @@ from . import speed as unet_speed
 from ..core.accel import local_device_index
 from ..core.card import this_card
 from ..core.config import Config, ConfigError
-from .export import save_diffusers_lora
+from .formats.export import save_diffusers_lora
 from ..core.runs import Run
-from ..core.task import Task, micro_sizes
+from ..core.task import Task
 from . import data as sdxl_data
 from . import loss as diffusion
 from . import memory as sdxl_memory
-from .cache import TensorCache, cache_key, file_digest
+from . import baseline
+from .batches import CachedSDXLDataset, collate
+from .cache import TensorCache, cache_key, component_identity, file_digest
 from .model import load_pipeline, native_resolution, resolve_model_path, stored_unet_dtype
 from .plan import plan_run, plan_unet, run_memory_for, text_encoder_rank_alpha, unet_read_on_device
 from .preview import PreviewPrompt, default_prompts, encode_prompts, read_prompts, render_previews, vae_tiles
+from .unet_call import UNetCall
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-def component_identity(model_path: Path, component: str) -> str:
-    """Identifies a model component's weights for cache keys: path, sizes and mtimes of its files.
-    Cheap (no hashing of gigabytes) and changes whenever the weights are replaced."""
-    root = model_path / component if model_path.is_dir() else model_path
-    files = sorted(root.rglob("*")) if root.is_dir() else [root]
-    h = hashlib.sha256(str(root.resolve()).encode())
-    for f in files:
-        if f.is_file():
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
 
 
 def _split(items: list, fraction: float) -> tuple[list, list]:
@@ -89,98 +77,6 @@ class SDXLAdapterModel(torch.nn.Module):
 TE_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 
 
-class CachedSDXLDataset(torch.utils.data.Dataset):
-    """Items of the dataset (repeats expanded) as tensors read from the on-disk cache."""
-
-    def __init__(self, task: "SDXLTask"):
-        self.task = task
-        self.index = task.dataset.expanded()
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        t = self.task
-        item_idx = self.index[i]
-        item = t.dataset.items[item_idx]
-        settings = item.settings or t.cfg.data  # its dataset's settings ([[data.datasets]])
-        # Flip and dropout decisions from (seed, epoch, sample) alone: no RNG state to carry, so a
-        # resumed run (and a loader that reads ahead) makes the same decisions.
-        rng = random.Random(f"{t.cfg.train.seed}:{self.epoch}:{i}")
-        flip = settings.flip and rng.random() < 0.5
-        if t.cfg.data.crop == "random":
-            # A new crop each time: encoded now, with the VAE kept on the device (fp32).
-            pixels, time_ids = sdxl_data.load_pixels(t.dataset.items[item_idx], "random", flip, rng)
-            with torch.no_grad():
-                dist = t.pipe.vae.encode(pixels[None].to(t.device, torch.float32)).latent_dist
-            lat = {"mean": dist.mean[0].cpu(), "std": dist.std[0].cpu(),
-                   "time_ids": torch.tensor(time_ids, dtype=torch.float32)}
-            if t.cfg.data.masked_loss:
-                lat["mask"] = sdxl_data.load_mask(t.dataset.items[item_idx], flip, time_ids)
-        else:
-            lat = t.cache.get(t.latent_keys[item_idx][flip])
-            if lat is not None and t.cfg.data.masked_loss:
-                lat["mask"] = t.cache.get(t.mask_keys[item_idx][flip])["mask"]
-        if lat is None:
-            raise RuntimeError(f"latent cache entry for {t.dataset.items[item_idx].path} vanished during training")
-        extra = {"mask": lat["mask"]} if t.cfg.data.masked_loss else {}
-        # The key of this sample's noise and timestep draws (SDXLTask.loss): the same whichever process
-        # or batch the sample lands in.
-        extra["sample_key"] = torch.tensor(sample_key(t.cfg.train.seed, self.epoch, i))
-        if t.has_reg:
-            # Regularization samples weigh train.prior_loss_weight in the loss, and with train.prior_prediction
-            # learn the base's own prediction (SDXLTask.loss).
-            extra["loss_weight"] = torch.tensor(t.cfg.train.prior_loss_weight if item.is_reg else 1.0)
-            extra["is_reg"] = torch.tensor(item.is_reg)
-        if t.cfg.adapter.train_text_encoder:
-            # The text encoders train: captions go in as tokens, encoded in the forward with gradients.
-            caption = sdxl_data.make_caption(item, t.cfg.data, rng)
-            return {"latent_mean": lat["mean"], "latent_std": lat["std"], "time_ids": lat["time_ids"],
-                    **t.tokenize(caption), **extra}
-        if sdxl_data.live_caption(item, t.cfg.data):
-            # A new caption each time: encoded now, with the text encoders kept on the device.
-            caption = sdxl_data.make_caption(item, t.cfg.data, rng)
-            with torch.no_grad():
-                text = t.encode_text(caption)
-        else:
-            text = t.cache.get(t.text_keys[item_idx])
-            if settings.caption_dropout and rng.random() < settings.caption_dropout:
-                text = t.empty_text
-        return {"latent_mean": lat["mean"], "latent_std": lat["std"], "time_ids": lat["time_ids"],
-                "prompt_embeds": text["prompt_embeds"], "pooled": text["pooled"], **extra}
-
-
-# The measuring pass of selective checkpointing keeps every activation of one sample, which at SDXL's full
-# size is more than a small card holds beside the weights; above this many latent pixels it measures a
-# centre crop instead.
-MEASURE_LATENT_PIXELS = 64 * 64
-
-
-def measuring_sample(batch: dict, n: int, limit: int = MEASURE_LATENT_PIXELS) -> tuple[dict, float]:
-    """One sample of `batch` (n samples), its latents centre-cropped to at most `limit` pixels (sides kept
-    multiples of 8), and the factor that scales what it measures to the whole batch. Saved activations scale
-    with the batch and the pixels; so do the FLOPs but attention's, which grow faster (they only order the
-    units, see speed.checkpoint_order)."""
-    one = {k: v[:1] for k, v in batch.items()}
-    h, w = one["latent_mean"].shape[-2:]
-    side = 1.0
-    while h * w / side ** 2 > limit:
-        side *= 2
-    ch, cw = max(8, int(h / side) // 8 * 8), max(8, int(w / side) // 8 * 8)
-    if (ch, cw) != (h, w):
-        top, left = (h - ch) // 2, (w - cw) // 2
-        for k in ("latent_mean", "latent_std", "mask"):
-            if k in one and one[k].dim() >= 3:
-                v = one[k]
-                fy, fx = v.shape[-2] // h, v.shape[-1] // w  # a mask at pixel resolution: the same share
-                one[k] = v[..., top * fy:(top + ch) * fy, left * fx:(left + cw) * fx]
-    return one, n * (h * w) / (ch * cw)
-
-
 @contextlib.contextmanager
 def adapters_off(model: torch.nn.Module):
     """Every peft adapter layer of `model` computes its base layer's output alone, for the duration. peft's
@@ -197,23 +93,13 @@ def adapters_off(model: torch.nn.Module):
             m._disable_adapters = flag
 
 
-def sample_key(seed: int, epoch: int, position: int) -> int:
-    """A 63-bit seed for one sample's random draws, from (seed, epoch, position in the epoch)."""
-    return int(hashlib.sha256(f"{seed}:{epoch}:{position}".encode()).hexdigest()[:15], 16)
-
-
-def _collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
-
-
 class SDXLTask(Task):
     # The per-sample RNG keys stay on the host: _keyed_draws reads them without waiting for the GPU.
     host_keys = ("sample_key",)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self._graphed = None  # train.cuda_graphs: True until the first training call builds the graphs
-        self._checkpointing: dict | None = None  # train.checkpoint_budget_gb's measured units and choice
+        self.unet_call = UNetCall(self)  # how the training steps call the UNet (eager, graphed, compiled)
         self._run: Run | None = None
         self._speed_choices: dict[str, str] = {}
         self._identity: dict | None = None
@@ -222,7 +108,6 @@ class SDXLTask(Task):
         self.run_memory: sdxl_memory.RunMemory | None = None  # the whole run's estimate, made with the plan
         self.has_reg = False  # the data holds regularization images (set when it is read)
         self._explicit: set[str] = set(cfg.train.model_fields_set)
-        self._compile_said = False  # the first compiled training call says that it compiles
 
     def configure(self, cfg: Config, device_type: str, processes: int) -> Config:
         """train.speed="auto": CUDA graphs, compilation and channels_last chosen for this device and run
@@ -525,8 +410,7 @@ class SDXLTask(Task):
             return False
         before = self.plan.trainable_params
         self.plan = inject.shrink_adapters(unet, self.plan, ranks, dropout=self.cfg.adapter.dropout)
-        if self._graphed:
-            self._graphed = True  # the captured graphs hold the old factors: capture again
+        self.unet_call.adapter_changed()  # captured graphs hold the old factors
         log.info("step %d: adapter ranks shrunk to base rank %d by SVD (%s -> %s trainable parameters)",
                  step, target, f"{before:,}", f"{self.plan.trainable_params:,}")
         if self.accelerator.is_main_process:
@@ -535,95 +419,8 @@ class SDXLTask(Task):
         return True
 
     def _speed_setup(self, unet, run: Run) -> None:
-        """The train.* speed levers (core/speed.py, sdxl/speed.py, docs/speed.md), after the adapter is in place."""
-        from ..core.accel import gradient_sync
-
-        tc = self.cfg.train
-        if self._speed_choices:
-            log.info("train.speed='auto' on %s: %s", self.device,
-                     "; ".join(f"{k} {v}" for k, v in self._speed_choices.items()))
-            run.event("speed", auto=True, **{k: getattr(tc, k) for k in self._speed_choices},
-                      reasons=self._speed_choices)
-        speed.configure_backends(self.device)
-        if tc.sdpa_backend in ("cudnn", "efficient") and self.device.type != "cuda":
-            raise ConfigError(f"train.sdpa_backend={tc.sdpa_backend!r} needs a CUDA GPU (the device is "
-                              f"{self.device}); use 'default'")
-        if tc.compile_activation_budget is not None and tc.compile == "none":
-            log.warning("train.compile_activation_budget=%g has no effect without train.compile",
-                        tc.compile_activation_budget)
-        # Several buckets: the compiled blocks' token and spatial dims are symbols, one compilation for all.
-        varying = len(self.dataset.bucket_histogram()) > 1
-        graphs = tc.cuda_graphs and self.device.type == "cuda"
-        if graphs and self.cfg.adapter.dropout and (tc.gradient_checkpointing or tc.checkpoint_budget_gb):
-            raise ConfigError("train.cuda_graphs with gradient checkpointing needs adapter.dropout=0 (a checkpointed "
-                              "block that draws random numbers must save the RNG state, which a graph cannot)")
-        if tc.fuse_qkv:
-            n = unet_speed.fuse_projections(unet, lora_matmul=tc.lora_matmul)
-            log.info("train.fuse_qkv: %d attention layers project q/k/v (or k/v) with one matmul", n)
-        if tc.lora_matmul == "merged" and self.device.type == "cuda":  # measured on CUDA; the CPU keeps peft's
-            n, m = unet_speed.merge_lora_linears(unet), unet_speed.merge_lora_convs(unet)
-            if n or m:
-                log.info("train.lora_matmul='merged': %d LoRA'd Linears outside the attentions and %d ResNet "
-                         "convolutions with their LoRA folded into the weight", n, m)
-        if tc.fused_geglu and self.device.type == "cuda":  # the kernel is Triton's; the CPU keeps torch's ops
-            from . import kernels as unet_kernels
-
-            if unet_kernels.triton is None:  # e.g. Windows builds of torch: autograd's own backward
-                log.info("train.fused_geglu: Triton is not installed; the GEGLU backward stays torch's")
-            else:
-                unet_kernels.use_fused_geglu(unet)
-        if tc.gradient_checkpointing:
-            unet_speed.enable_checkpointing(unet, graph_safe=graphs, sdpa_backend=tc.sdpa_backend)
-        elif tc.checkpoint_budget_gb:
-            fit = self._fit_checkpointing(unet, tc.checkpoint_budget_gb, graph_safe=graphs)
-            run.event("checkpointing", budget_gb=tc.checkpoint_budget_gb, **fit)
-        if tc.channels_last:
-            speed.to_channels_last(unet)
-            unet_speed.transformer_io(unet, compile=tc.compile != "none", varying=varying)
-        if tc.compile != "none":
-            classes = unet_speed.REGION_CLASSES if tc.compile == "regional" else unet_speed.TRANSFORMER_CLASSES
-            n = speed.compile_regions(unet, classes=classes, activation_budget=tc.compile_activation_budget,
-                                      options=unet_speed.unet_inductor_options(),
-                                      varying=unet_speed.BUCKET_VARYING if varying else None)
-            log.info("train.compile=%r: %d blocks compiled%s (the first step includes the compilation)", tc.compile, n,
-                     ", their shapes varying across the buckets" if varying else "")
-            if tc.compile == "regional" and tc.channels_last:
-                # The convolutions' input gradients as convolutions: the compiled ResNets' backward graphs keep
-                # the channels_last layout (docs/speed.md).
-                unet_speed.conv_input_grad(unet)
-        if tc.cuda_graphs:
-            if self.device.type != "cuda":
-                log.warning("train.cuda_graphs needs a CUDA device; running without (device is %s)", self.device)
-            elif gradient_sync(self.cfg, self.accelerator.num_processes, self.device.type) == "ddp":
-                log.warning("train.cuda_graphs does not combine with train.gradient_sync='ddp' (DDP's gradient "
-                            "hooks cannot be captured); running without graphs on %d processes",
-                            self.accelerator.num_processes)
-            else:
-                self._graphed = True  # built on the first training call, on the prepared model
-
-    def _unet(self, model, noisy, t, embeds, pooled, time_ids) -> torch.Tensor:
-        """The UNet's prediction for a training batch; replayed from CUDA graphs with train.cuda_graphs."""
-        def call(noisy, t, embeds, pooled, time_ids):
-            return model(noisy, t, encoder_hidden_states=embeds,
-                         added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
-
-        if self._graphed and torch.is_grad_enabled():
-            return self._graphed_call(model, call, noisy, t, embeds, pooled, time_ids,
-                                      compiled=self.cfg.train.compile != "none")
-        return call(noisy, t, embeds, pooled, time_ids)
-
-    def _graphed_call(self, model, call, *args, compiled: bool) -> torch.Tensor:
-        """`call(*args)` replayed from this model's CUDA graphs (train.cuda_graphs), captured on first use.
-
-        Each shape is warmed up once before the captures where nothing in the model is compiled: its first
-        pass does the lazy initialisation and cuDNN's algorithm search, and every further pass of an uncompiled
-        model only delays the first step (each a full eager step, seconds at batch 16). A compiled model keeps
-        make_graphed_callables' three: a guard that recompiles on a later call must do so before the capture."""
-        if not isinstance(self._graphed, speed.GraphedCall) or self._graphed.module is not model:
-            self._graphed = speed.GraphedCall(model, call, warmup=3 if compiled else 1, others=self._graph_inputs,
-                                              on_out_of_memory=lambda: self._checkpoint_more(model)
-                                              or self._split_batches())
-        return self._graphed(*args)
+        """The train.* speed levers on the UNet and how its training calls run (sdxl/unet_call.py)."""
+        self.unet_call.setup(unet, run)
 
     def compiled(self) -> None:
         """The regions compiled (and ran): a later run like this one finds the compile cache warm, which
@@ -632,159 +429,8 @@ class SDXLTask(Task):
             unet_speed.mark_compiled(self.cfg)
 
     def end_training(self) -> None:
-        """The training steps' CUDA graphs go before the final evaluation and previews: their pool holds a
-        batch's activations, which the previews' render would otherwise need beside it (the run's estimate
-        counts the final previews without it)."""
-        if isinstance(self._graphed, speed.GraphedCall):
-            self._graphed.release()
-            log.info("the training steps' CUDA graphs released for the final evaluation and previews")
-        self._graphed = False
-
-    def _checkpoint_more(self, model) -> bool:
-        """CUDA graphs' capture ran out of memory: checkpoint half the units selective checkpointing left
-        out (train.checkpoint_budget_gb) and say so; False when there is nothing left to checkpoint. The
-        budget's trial passes run in ordinary memory and cannot see the graphs' own pool; graphs with more
-        recomputation are still much faster than the same step without graphs, whose launches the host
-        cannot keep up with."""
-        fit = self._checkpointing
-        more = speed.checkpoint_more(fit["units"], fit["chosen"]) if fit is not None else []
-        if not more:
-            return False
-        fit["chosen"] += more
-        unet = self.accelerator.unwrap_model(model)
-        unet_speed.apply_selective_checkpointing(unet, fit["chosen"], fit["graph_safe"], self.cfg.train.sdpa_backend)
-        total = len(speed.checkpoint_order(fit["units"]))
-        log.warning("CUDA graphs did not fit in memory beside train.checkpoint_budget_gb=%g's step: checkpointing "
-                    "%d of %d units and capturing again", fit["budget_gb"], len(fit["chosen"]), total)
-        if self._run is not None:
-            self._run.event("checkpointing", budget_gb=fit["budget_gb"], blocks=list(fit["chosen"]),
-                            reason="cuda_graphs_out_of_memory")
-        return True
-
-    def _split_batches(self) -> bool | str:
-        """CUDA graphs' capture ran out of memory with every unit checkpointed that can be: from the next
-        step on each batch trains in twice as many micro-batches, one forward and backward each (the same
-        gradient: the loss is a mean over the batch), and the graphs are captured at the smaller shape. False
-        when the micro-batches are single images already. Without graphs the checkpointed step is host-bound
-        (several times slower per image at these budgets); smaller batches cost the GPU's efficiency instead."""
-        largest = max(b for _, b in self._sampler().batch_shapes())
-        if self.micro_batches >= largest:
-            return False
-        self.micro_batches *= 2
-        sizes = micro_sizes(largest, self.micro_batches)
-        log.warning("CUDA graphs did not fit in memory with the checkpointing the step allows: each batch of %d "
-                    "now trains as %d micro-batches of up to %d images (the same gradient), captured at that "
-                    "size from the next step", largest, len(sizes), sizes[0])
-        if self._run is not None:
-            self._run.event("micro_batches", parts=self.micro_batches, images=sizes[0],
-                            reason="cuda_graphs_out_of_memory")
-        return "later"
-
-    def _graph_inputs(self, args: tuple, fill: Callable = torch.randn) -> list[tuple]:
-        """The UNet's inputs for every (bucket, batch size) this process's batches come in, made like the
-        first batch's `args` (its dtypes, devices and memory formats): CUDA graphs capture them all at the
-        first step. fill: how the latents are made (torch.zeros draws nothing from the RNG)."""
-        noisy, *rest = args
-        sampler = self._sampler()
-        f = int(self.pipe.vae_scale_factor)
-        layout = (torch.channels_last if noisy.dim() == 4 and not noisy.is_contiguous()
-                  and noisy.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format)
-        out = []
-        shapes = {((w, h), size) for (w, h), b in sampler.batch_shapes()
-                  for size in micro_sizes(b, self.micro_batches)}  # the micro-batches' sizes (_split_batches)
-        for (w, h), b in sorted(shapes):
-            x = fill(b, noisy.shape[1], h // f, w // f, dtype=noisy.dtype, device=noisy.device)
-            out.append((x.contiguous(memory_format=layout),
-                        *(a[:1].expand(b, *a.shape[1:]).clone() for a in rest)))
-        return out
-
-    def _fit_checkpointing(self, unet, budget_gb: float, graph_safe: bool = False) -> dict:
-        """Selective checkpointing (speed.py): measure what each checkpointable unit saves for backward and
-        costs to recompute on one sample of a real batch, checkpoint the units that free the most memory per
-        FLOP until the estimate fits the budget, then (on CUDA) run real forward + backward passes and
-        checkpoint more until the measured peak, plus the optimizer state still to come, fits too: the
-        estimate cannot see the backward pass's transients (activation gradients, attention and cuDNN
-        workspaces). Returns what was chosen and measured."""
-        from ..core.memory import OPTIMIZER_BYTES
-
-        budget = int(budget_gb * 2**30)
-        units = unet_speed.checkpoint_units(unet)
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            batch = next(iter(self.dataloader()))
-            batch = {k: v if k in self.host_keys else v.to(self.device) for k, v in batch.items()}
-            one, scale = measuring_sample(batch, self.batch_size(batch))
-            with self.accelerator.autocast():
-                speed.measure_units(unet, units, lambda: self.loss(unet, one))
-            for u in units:
-                u.saved, u.flops = round(u.saved * scale), round(u.flops * scale)
-            trainable = sum(p.numel() for p in unet.parameters() if p.requires_grad)
-            optimizer = int(trainable * OPTIMIZER_BYTES.get(self.cfg.train.optimizer, 8.0))
-            # Frozen weights as they are stored, plus the fp32 adapter's gradient and the optimizer state.
-            other = sum(p.numel() * p.element_size() for p in unet.parameters()) + trainable * 4 + optimizer
-            chosen = speed.choose_checkpointed(units, budget, other)
-            estimate = other + sum(u.saved for u in units if u.name not in chosen)
-            trials = []
-            if self.device.type == "cuda":
-                order = speed.checkpoint_order(units)
-                while True:
-                    unet_speed.apply_selective_checkpointing(unet, chosen, graph_safe, self.cfg.train.sdpa_backend)
-                    left = [u for u in order if u.name not in chosen]
-                    try:
-                        peak = self._trial_peak(unet, batch, warm=not trials) + optimizer
-                    except torch.OutOfMemoryError:
-                        # The allocator's cap (train.vram_gb) reached inside the trial: the same answer as a
-                        # peak over the budget, with no figure to size the excess by. Half the rest next.
-                        for p in unet.parameters():
-                            p.grad = None
-                        torch.cuda.empty_cache()
-                        trials.append({"units": len(chosen), "peak_gib": None})
-                        log.info("train.checkpoint_budget_gb=%g: %d of %d units checkpointed ran out of memory",
-                                 budget_gb, len(chosen), len(order))
-                        if not left:
-                            raise
-                        chosen += speed.checkpoint_more(units, chosen)
-                        continue
-                    trials.append({"units": len(chosen), "peak_gib": round(peak / 2**30, 2)})
-                    log.info("train.checkpoint_budget_gb=%g: %d of %d units checkpointed, measured peak %.2f GiB "
-                             "(optimizer state included)", budget_gb, len(chosen), len(order), peak / 2**30)
-                    if peak <= budget or not left:
-                        break
-                    over = peak - budget
-                    for u in left:  # at least one more, as many as the estimate says cover the excess
-                        chosen.append(u.name)
-                        over -= u.saved
-                        if over <= 0:
-                            break
-        unet_speed.apply_selective_checkpointing(unet, chosen, graph_safe, self.cfg.train.sdpa_backend)
-        self._checkpointing = {"units": units, "chosen": chosen, "graph_safe": graph_safe, "budget_gb": budget_gb}
-        flops = sum(u.flops for u in units)
-        recompute = sum(u.flops for u in units if u.name in chosen) / max(flops, 1)
-        log.info("train.checkpoint_budget_gb=%g: checkpointing %s (%.0f%% of the forward FLOPs recomputed); "
-                 "activations per unit (MiB) %s", budget_gb, chosen or "nothing", 100 * recompute,
-                 {u.name: round(u.saved / 2**20, 1) for u in units})
-        final = trials[-1]["peak_gib"] * 2**30 if trials else estimate
-        if final > budget:
-            log.warning("train.checkpoint_budget_gb=%g cannot be met even with every unit checkpointed (%s %.2f "
-                        "GiB); lower the batch size or resolution, or quantize the base", budget_gb,
-                        "measured" if trials else "estimated", final / 2**30)
-        return {"blocks": chosen, "recomputed_flops": round(recompute, 3), "trials": trials,
-                "estimate_gib": round(estimate / 2**30, 2)}
-
-    def _trial_peak(self, unet, batch, warm: bool) -> int:
-        """Peak allocated bytes of one forward + backward on `batch` (gradients dropped after). warm: run it
-        once before measuring, so cuDNN's algorithm search (train.* sets cudnn.benchmark) is not counted."""
-        for _ in range(2 if warm else 1):
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            with self.accelerator.autocast():
-                loss = self.loss(unet, batch)
-            loss.backward()
-            del loss
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            for p in unet.parameters():
-                p.grad = None
-        return peak
+        """The training steps' CUDA graphs go before the final evaluation and previews (UNetCall.release)."""
+        self.unet_call.release()
 
     def _text_encoder_lora(self, run: Run) -> None:
         """The adapter (adapter.kind) on both text encoders' attention projections (kohya's lora_te1_/lora_te2_
@@ -972,7 +618,7 @@ class SDXLTask(Task):
         """This process's share of each global batch (BucketBatchSampler): the loop uses it as it is,
         without Accelerate re-sharding it. shard=False: every batch whole (calibration)."""
         ds = CachedSDXLDataset(self)
-        return torch.utils.data.DataLoader(ds, batch_sampler=self._sampler(shard), collate_fn=_collate, num_workers=0)
+        return torch.utils.data.DataLoader(ds, batch_sampler=self._sampler(shard), collate_fn=collate, num_workers=0)
 
     def _sampler(self, shard: bool = True) -> sdxl_data.BucketBatchSampler:
         """The batches of this process (shard) or of all (shard=False), as the loop and the graphs see them."""
@@ -1036,11 +682,7 @@ class SDXLTask(Task):
     def loss(self, model, batch) -> torch.Tensor:
         """The diffusion loss with the train.* options (sdxl/loss.py); draws in sdxl/loss.py's fixed order."""
         tc, sched = self.cfg.train, self.noise_scheduler
-        if not self._compile_said and tc.compile != "none" and torch.is_grad_enabled():
-            # The first compiled step waits for the compiler, which says nothing itself: the log says it first.
-            self._compile_said = True
-            log.info("compiling the UNet's blocks for this shape (once per settings; later runs reuse inductor's "
-                     "cache)")
+        self.unet_call.say_compiling()
         noisy, t, target = self._noised(batch)
         prediction_type = sched.config.prediction_type
         if tc.prior_prediction and "is_reg" in batch and bool(batch["is_reg"].any()):
@@ -1052,7 +694,7 @@ class SDXLTask(Task):
                 pred = model(noisy, t, input_ids=batch["input_ids"], input_ids_2=batch["input_ids_2"],
                              time_ids=batch["time_ids"]).sample
             else:
-                pred = self._unet(model, noisy, t, batch["prompt_embeds"], batch["pooled"], batch["time_ids"])
+                pred = self.unet_call(model, noisy, t, batch["prompt_embeds"], batch["pooled"], batch["time_ids"])
         return diffusion.diffusion_loss(pred, target, t, sched.alphas_cumprod, kind=tc.loss,
                                         huber_delta=tc.huber_delta, min_snr_gamma=tc.min_snr_gamma,
                                         prediction_type=prediction_type, mask=batch.get("mask"),
@@ -1088,7 +730,7 @@ class SDXLTask(Task):
             raise ConfigError("train.prior_prediction needs the text encoders frozen (their LoRA would change the "
                               "base's prediction too); set adapter.train_text_encoder=false or drop prior_prediction")
         with torch.no_grad(), adapters_off(model):
-            base = self._unet(model, noisy, t, batch["prompt_embeds"], batch["pooled"], batch["time_ids"])
+            base = self.unet_call(model, noisy, t, batch["prompt_embeds"], batch["pooled"], batch["time_ids"])
         reg = batch["is_reg"].to(target.device).view(-1, *([1] * (target.dim() - 1)))
         return torch.where(reg, base.to(target.dtype), target)
 
@@ -1165,7 +807,7 @@ class SDXLTask(Task):
     def save_adapter(self, model, run: Run, step: int) -> dict[str, Path]:
         # The kohya file is the main one (ComfyUI, AUTOMATIC1111/Forge, kohya and diffusers load it); the
         # diffusers/PEFT file sits beside it, with the same description (no absolute paths in either).
-        from .export import adapter_from_model, save_kohya_lora, training_metadata
+        from .formats.export import adapter_from_model, save_kohya_lora, training_metadata
 
         cfg = self.cfg
         datasets: dict[str, list[tuple[str, int]]] = {}
@@ -1217,71 +859,11 @@ class SDXLTask(Task):
     def preview(self, model, run: Run, step: int) -> list[Path]:
         return render_previews(self, model, run, step)
 
-    # Bump when what the previews render changes, so earlier runs' step-0 previews are not reused.
-    PREVIEW_CACHE_VERSION = 4
-
-    def _step0_identity(self) -> tuple:
-        """What decides the step-0 model's outputs: the base's weights as this run holds them, the levers the UNet
-        runs with, the software and device. The step-0 model is the base itself: LoRA's, LoHa's and LoKr's
-        updates start at exactly zero; DoRA's rescaling is the identity only up to rounding, so it holds the
-        plan too."""
-        import diffusers
-
-        from .. import __version__
-
-        cfg = self.cfg
-        device = self.device.type + (f":{torch.cuda.get_device_name(self.device)}" if self.device.type == "cuda" else "")
-        train = {k: getattr(cfg.train, k) for k in ("fuse_qkv", "fused_geglu", "lora_matmul", "channels_last",
-                                                     "compile", "cuda_graphs", "sdpa_backend", "zero_terminal_snr")}
-        return (__version__, torch.__version__, diffusers.__version__, device, self.accelerator.mixed_precision,
-                [component_identity(self.model_path, c) for c in ("unet", "vae", "text_encoder", "text_encoder_2")],
-                json.dumps(cfg.model.model_dump(mode="json", exclude={"cache_dir"}), sort_keys=True),
-                self.resolution, json.dumps(train, sort_keys=True), cfg.adapter.kind, cfg.adapter.train_text_encoder,
-                json.dumps(self.plan.groups(), sort_keys=True, default=str) if cfg.adapter.kind == "dora" else None)
-
-    # The preview settings that change what a step-0 image looks like; the prompts' own text and options are in
-    # the key apart. When to preview (every, before, after) and the concept score do not change the images.
-    PREVIEW_RENDER_FIELDS = {"steps", "vae_tiling", "guidance", "guidance_rescale", "seed"}
-
     def baseline_previews_key(self) -> str | None:
-        """The step-0 previews' cache key: the step-0 model (_step0_identity), the prompts and the settings they
-        render with, so a later run on the same base with the same previews reuses them. None where previews
-        render nothing."""
-        if not self.preview_prompts:
-            return None
-        return cache_key("previews-step0", self.PREVIEW_CACHE_VERSION, *self._step0_identity(),
-                         json.dumps(self.cfg.preview.model_dump(mode="json", include=self.PREVIEW_RENDER_FIELDS),
-                                    sort_keys=True),
-                         [json.dumps(dataclasses.asdict(e), sort_keys=True) for e in self.preview_prompts])
-
-    # Bump when what evaluate() computes changes, so earlier runs' step-0 figures are not reused.
-    EVAL_CACHE_VERSION = 1
-
-    def baseline_eval_key(self) -> str | None:
-        """The step-0 eval loss's cache key: the step-0 model (_step0_identity), the images and captions it is
-        measured on (their latent and text cache entries), the noise schedule, and how many images share a call.
-        None with text-encoder LoRA (the captions are encoded by the encoders being trained)."""
-        if self.cfg.adapter.train_text_encoder:
-            return None
-        indices = range(min(8, len(self.dataset.items)))
-        return cache_key("eval-step0", self.EVAL_CACHE_VERSION, *self._step0_identity(),
-                         # Not diffusers' own "_..." entries: _use_default_values is a set's order, another each process.
-                         json.dumps({k: v for k, v in self.noise_scheduler.config.items() if not k.startswith("_")},
-                                    sort_keys=True, default=str),
-                         self._eval_per_call(), [self.latent_keys[i][False] for i in indices],
-                         [self.text_keys[i] for i in indices])
+        """The step-0 previews' cache key (sdxl/baseline.py), or None where previews render nothing."""
+        return baseline.previews_key(self)
 
     def evaluate_before(self, model) -> float:
-        """The step-0 eval loss, from the cache where an earlier run measured the same base on the same images."""
-        key = self.baseline_eval_key()
-        hit = self.cache.get(key) if key is not None else None
-        if hit is not None and "loss" in hit:
-            loss = float(hit["loss"].item())
-            log.info("eval loss at step 0: %.4f from the cache (an earlier run measured the same base on the same "
-                     "images)", loss)
-            self._run.event("eval_reused", step=0, loss=loss)
-            return loss
-        loss = self.evaluate(model)
-        if key is not None and math.isfinite(loss):
-            self.cache.put(key, {"loss": torch.tensor([loss], dtype=torch.float64)})
-        return loss
+        """The step-0 eval loss, from the cache where an earlier run measured the same base on the same images
+        (sdxl/baseline.py)."""
+        return baseline.evaluate_before(self, model)

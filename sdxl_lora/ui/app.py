@@ -122,7 +122,7 @@ def _warm_up() -> None:
     try:
         from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel  # noqa: F401
 
-        from sdxl_lora.sdxl import export  # noqa: F401
+        from sdxl_lora.sdxl.formats import export  # noqa: F401
         from sdxl_lora.core import inject  # noqa: F401
         from sdxl_lora.sdxl import data, model, preview  # noqa: F401
     except ImportError:

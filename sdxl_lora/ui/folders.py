@@ -17,7 +17,7 @@ from sdxl_lora.sdxl.images import IMAGE_EXTENSIONS
 
 
 # The default model's name (the shipped demo base, "tiny-sdxl-demo") is the schema's default (importing
-# sdxl.tiny would pull in torch, which the page does not need until it trains, renders or plans).
+# sdxl.demo.tiny would pull in torch, which the page does not need until it trains, renders or plans).
 TINY = ModelConfig.model_fields["path"].default
 TINY_LLM = "tiny-llm"  # the embedded tiny causal LM (sdxl_lora/llm/tiny.py)
 

@@ -67,7 +67,7 @@ class RunView:
                          f"({', '.join(c.label for c in self.checkpoints)})")
 
     def layer_table(self):
-        from sdxl_lora.sdxl.export import layer_table
+        from sdxl_lora.sdxl.formats.export import layer_table
 
         return layer_table(self.model_dir)
 
@@ -130,7 +130,7 @@ def default_name(name: str, label: str | None, strength) -> str:
 
 def export(f: Folders, name, label, strength, fmt, title, overwrite):
     from sdxl_lora.sdxl.compare import export_checkpoint
-    from sdxl_lora.sdxl.export import AdapterError
+    from sdxl_lora.sdxl.formats.export import AdapterError
 
     try:
         view = RunView(f, name)

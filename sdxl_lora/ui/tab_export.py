@@ -1,7 +1,7 @@
 """Export tab: a run's adapter (or an adapter file) written as kohya (ComfyUI/A1111/Forge), diffusers or PEFT,
 with the metadata fields people fill in, optionally resized to a smaller rank, into the run's exports/ folder,
 with the line per kind saying which tools load it right (sdxl/loaders.py), and offered for download (as
-`sdxl-lora export` and `sdxl-lora resize` do; sdxl_lora/sdxl/export.py and resize.py do the work). Below it, a
+`sdxl-lora export` and `sdxl-lora resize` do; sdxl_lora/sdxl/formats/export.py and resize.py do the work). Below it, a
 LoRA extracted from a fine-tuned model of the models folder, as `sdxl-lora extract` does (sdxl/extract.py),
 written to models/loras/exports/; and adapters merged into a checkpoint of the models folder, as
 `sdxl-lora merge` does (sdxl/merge.py)."""
@@ -67,7 +67,7 @@ def _source(f: Folders, choice: str) -> tuple[Path, str | Path | None, Path]:
 def tools_md(written: Path, fmt: str) -> str:
     """Which tools load a written kohya file right, wrongly or not at all: the lines `sdxl-lora inspect` prints
     (sdxl/loaders.py), each a paragraph to put after an export's message; "" for another format."""
-    from sdxl_lora.sdxl.loaders import file_notes
+    from sdxl_lora.sdxl.formats.loaders import file_notes
 
     return "".join(f"\n\n{md_text(line)}" for line in (file_notes(written) if fmt == "kohya" else []))
 
@@ -76,8 +76,8 @@ def export(f: Folders, choice, fmt, title, author, description, trigger, license
            overwrite, resize_rank=0, resize_method=FIXED, resize_param=None):
     """Write the chosen adapter in `fmt`; with resize_rank > 0 cut to that rank first (sdxl/resize.py), by
     resize_method (FIXED, or a dynamic method with resize_param) -> (the file to download, a message)."""
-    from sdxl_lora.sdxl.export import AdapterError, export_adapter, layer_table, load_adapter
-    from sdxl_lora.sdxl.resize import provenance, resize_adapter
+    from sdxl_lora.sdxl.formats.export import AdapterError, export_adapter, layer_table, load_adapter
+    from sdxl_lora.sdxl.formats.resize import provenance, resize_adapter
 
     if not choice:
         return None, "**Error:** pick a run or an adapter"
@@ -129,8 +129,8 @@ def extract(f: Folders, base, tuned, rank, conv_rank, method, param, text_encode
     on the GPU where there is one (a full SDXL's take minutes on a CPU)."""
     import torch
 
-    from sdxl_lora.sdxl.export import AdapterError, check_dest, export_adapter, layer_table
-    from sdxl_lora.sdxl.extract import extract_adapter
+    from sdxl_lora.sdxl.formats.export import AdapterError, check_dest, export_adapter, layer_table
+    from sdxl_lora.sdxl.formats.extract import extract_adapter
 
     if not base or not tuned:
         return None, "**Error:** pick the base model and the fine-tuned one"
@@ -160,8 +160,8 @@ def merge(f: Folders, base, name, form, dtype, overwrite, *slots):
     and write the checkpoint into the models folder, as `models/NAME.safetensors` (one original-layout file:
     ComfyUI, A1111/Forge) or the diffusers folder `models/NAME` -> a message. The result is a model the Train
     and Generate tabs offer."""
-    from sdxl_lora.sdxl.export import AdapterError
-    from sdxl_lora.sdxl.merge import merge_checkpoint
+    from sdxl_lora.sdxl.formats.export import AdapterError
+    from sdxl_lora.sdxl.formats.merge import merge_checkpoint
 
     pairs = [(slots[i], slots[i + 1]) for i in range(0, len(slots), 2) if slots[i]]
     if not base or not pairs:

@@ -77,7 +77,7 @@ class Pipelines:
 
 def generate(f: Folders, pipes: Pipelines, model, prompt, negative, seed, steps, guidance, size, *adapter_args,
              progress=gr.Progress()):
-    from sdxl_lora.sdxl.merge import applied
+    from sdxl_lora.sdxl.formats.merge import applied
     from sdxl_lora.sdxl.model import native_resolution
     from sdxl_lora.sdxl.preview import Sampler, render
 

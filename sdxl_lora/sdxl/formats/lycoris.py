@@ -206,7 +206,7 @@ def peft_config(kind: str, layers: dict[str, LohaLayer | LokrLayer]):
     each layer's r and alpha; raises ValueError where peft's layers cannot hold one."""
     from peft import LoHaConfig, LoKrConfig
 
-    from ..core.inject import exact_patterns
+    from ...core.inject import exact_patterns
 
     if kind == "loha":
         return LoHaConfig(r=1, alpha=1.0, target_modules=sorted(layers),

@@ -7,7 +7,7 @@ when generating, wrong with no message, nothing at all, or a refusal, with the w
 files, so the line for a file reads its facts first (`file_facts`, from the header and the alphas):
   - LyCORIS' merge path (merge_to, what baking into a checkpoint runs) multiplies a LoHa layer's, and a LoKr layer's
     with a split `lokr_w2`, by alpha / rank twice: such layers merge right only where alpha = rank, which is how
-    this project writes them (sdxl/export.py: `kohya_layers`);
+    this project writes them (sdxl/formats/export.py: `kohya_layers`);
   - InvokeAI's model probe reads the base model from the input width of a UNet cross-attention `to_k`/`to_v`
     layer; a LoKr layer gives it that width only where `lokr_w1` and `lokr_w2` are both whole, so a file without
     such a layer is refused as of an unknown base.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 KINDS = ("lora", "dora", "loha", "lokr")
 NAMES = {"lora": "LoRA", "dora": "DoRA", "loha": "LoHa", "lokr": "LoKr"}
-# kohya layer-name prefixes (sdxl/kohya.py's, with SD 1.x's lora_te_).
+# kohya layer-name prefixes (sdxl/formats/kohya.py's, with SD 1.x's lora_te_).
 PREFIXES = ("lora_unet_", "lora_te1_", "lora_te2_", "lora_te_")
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.fsutil import build_folder_once
+from ...core.fsutil import build_folder_once
 
 TINY_NAME = "tiny-sdxl"
 # Bump when the architecture or the build changes, so old materialised copies are not reused.

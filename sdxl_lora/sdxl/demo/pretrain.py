@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors.torch import save_file
 
-from ..core.config import DEMO_DIR, Config, PreviewConfig, TrainConfig
-from ..core.fsutil import atomic_save
-from ..core.runs import Run
-from ..core.task import Task
-from . import loss as diffusion
+from ...core.config import DEMO_DIR, Config, PreviewConfig, TrainConfig
+from ...core.fsutil import atomic_save
+from ...core.runs import Run
+from ...core.task import Task
+from .. import loss as diffusion
 from . import shapes
 from .tiny import SCHEDULER_CONFIG
 
@@ -134,8 +134,8 @@ def _maybe_compile(module: torch.nn.Module, cfg: Config) -> None:
     tc = cfg.train
     if tc.compile == "none":
         return
-    from ..core import speed
-    from . import speed as unet_speed
+    from ...core import speed
+    from .. import speed as unet_speed
 
     classes = unet_speed.REGION_CLASSES if tc.compile == "regional" else unet_speed.TRANSFORMER_CLASSES
     n = speed.compile_regions(module, classes=classes)
@@ -403,7 +403,7 @@ def render_and_score(pipe, *, per_shape: int, size: int, steps: int, guidance: f
     {shape: {"shape": mean P(shape), "colour": mean P(asked colour)}}, and the images by shape."""
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
-    from .preview import render
+    from ..preview import render
 
     p = StableDiffusionXLPipeline(vae=pipe.vae, text_encoder=pipe.text_encoder, text_encoder_2=pipe.text_encoder_2,
                                   tokenizer=pipe.tokenizer, tokenizer_2=pipe.tokenizer_2, unet=pipe.unet,

@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.fsutil import atomic_save
-from .tiny import bytes_to_unicode
+from ...core.fsutil import atomic_save
+from ..demo.tiny import bytes_to_unicode
 
 if TYPE_CHECKING:  # heavy imports stay lazy: the CLI imports this module to parse arguments
     from diffusers import StableDiffusionXLPipeline
     from transformers import CLIPTokenizer
 
-SDXL_BASE_CONFIG_DIR: Path = Path(__file__).resolve().parent.parent / "assets" / "sdxl-base"
+SDXL_BASE_CONFIG_DIR: Path = Path(__file__).resolve().parents[2] / "assets" / "sdxl-base"
 
 MODELSPEC_ARCHITECTURE = "stable-diffusion-xl-v1-base"
 UNET_PREFIX = "model.diffusion_model."

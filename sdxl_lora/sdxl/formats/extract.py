@@ -32,9 +32,9 @@ class _Weights:
     read opens the file and closes it again, so the pages safetensors maps are not kept by the process."""
 
     def __init__(self, model: str | Path, role: str):
-        from ..core.config import ModelConfig
-        from ..core.weights import header_shapes, read_json, weight_files
-        from .model import COMPONENTS, check_folder, resolve_model_path, single_file_configs
+        from ...core.config import ModelConfig
+        from ...core.weights import header_shapes, read_json, weight_files
+        from ..model import COMPONENTS, check_folder, resolve_model_path, single_file_configs
         from .single_file import SDXL_BASE_CONFIG_DIR, check_single_file, unet_diffusers_to_sgm
 
         cfg = ModelConfig(path=str(model))
@@ -90,8 +90,8 @@ class _Weights:
 
 def _targets(modules: dict[str, torch.nn.Module], preset: str, text_encoders: bool) -> dict[str, torch.nn.Module]:
     """"unet.<path>" / "text_encoder.<path>" -> the (meta) module, for every layer the extraction considers."""
-    from ..core.config import AdapterConfig
-    from . import slots as unet_slots
+    from ...core.config import AdapterConfig
+    from .. import slots as unet_slots
 
     unet = modules["unet"]
     named = dict(unet.named_modules())

@@ -3,7 +3,7 @@
 
 Each adapted weight becomes W + strength * delta, computed in fp32 and stored in the checkpoint's dtype:
 for LoRA delta = alpha / rank * up @ down, what `load_lora_weights` + `set_adapters(weights=[strength])`
-computes on the fly; LoHa's and LoKr's are their own products (sdxl/lycoris.py); DoRA's is the normalised
+computes on the fly; LoHa's and LoKr's are their own products (sdxl/formats/lycoris.py); DoRA's is the normalised
 weight minus the base, so strength blends base and trained weight linearly, as ComfyUI and Forge do
 (export.weight_with). Adapters are read with `export.load_adapter` against the base model's own layers, so a key
 that fits no layer stops the merge instead of vanishing from the result.
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from . import kohya
-from ..core.fsutil import atomic_folder
+from ...core.fsutil import atomic_folder
 from .export import Adapter, AdapterError, ExportExistsError, check_dest, load_adapter, weight_with
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def merge_adapters(pipe, adapters: Sequence[tuple[Adapter, float]]) -> list[int]
     taken to fp32, every adapter's update added there, and stored once in the weight's dtype. So a pipeline
     loaded in its 16-bit storage dtype gets the same weights as one merged in fp32 and cast after, without
     holding the model in fp32. Returns each adapter's layer count."""
-    from ..core.quantize import dequantize_model, is_quantized
+    from ...core.quantize import dequantize_model, is_quantized
 
     for comp in sorted({c for adapter, _ in adapters for c in adapter.components()}):
         model = getattr(pipe, comp, None)
@@ -226,8 +226,8 @@ def _quantized_base(pipe, adapters, as_trained: bool) -> None:
                         "into the full-precision ones the result is close to, not the same as, what was trained "
                         "(--as-trained merges into the dequantized weights instead)", ", ".join(names), method)
     if as_trained:
-        from ..core.quantize import dequantize_model, quantize_model
-        from .quantize import unet_skip
+        from ...core.quantize import dequantize_model, quantize_model
+        from ..quantize import unet_skip
 
         method = next(iter(methods))
         double = all(a.metadata.get("sdxl_lora.quant_double", "true") == "true" for _, _, a in adapters)
@@ -246,11 +246,11 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
     weights: merged into the full-precision ones (the default) it gives a model close to, not the same
     as, the one trained, and a warning says so. `as_trained` instead quantizes the UNet the same way and
     dequantizes it before merging: the weights the adapter saw, quantization error included."""
-    from ..core.config import ModelConfig
-    from ..core.config import DEMO_NAME
-    from .model import CONFIGS_FROM, load_pipeline, resolve_model_path
+    from ...core.config import ModelConfig
+    from ...core.config import DEMO_NAME
+    from ..model import CONFIGS_FROM, load_pipeline, resolve_model_path
     from .single_file import save_single_file
-    from .tiny import TINY_NAME
+    from ..demo.tiny import TINY_NAME
 
     out = Path(out)
     if not loras:

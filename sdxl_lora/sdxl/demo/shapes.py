@@ -2,7 +2,7 @@
 
 The generator draws one coloured shape on a plain background ("a red circle on a grey background"),
 deterministic from (seed, index): no files, any number of images, on any device, in batches. It feeds
-the demo base's pretraining (sdxl/pretrain.py: circles, squares and triangles) and the demo LoRA's
+the demo base's pretraining (sdxl/demo/pretrain.py: circles, squares and triangles) and the demo LoRA's
 images (a shape the base never saw: the star).
 
 The detector is deliberately small and deterministic, with no learned weights, so a score means the
@@ -129,7 +129,7 @@ def write_set(folder: str | Path, specs: list[Spec], size: int = 256, prefix: st
               trigger: str = "") -> list[Path]:
     """Write the images with .txt captions (a captioned folder the SDXL task reads), the trigger word
     first when given ("sks, a red star on a white background"); returns the image paths."""
-    from ..core.fsutil import atomic_save, atomic_write_text
+    from ...core.fsutil import atomic_save, atomic_write_text
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -438,6 +438,6 @@ def write_demo_set(folder: str | Path, n: int = 16, prior: int = 48, size: int =
 
 def write_demo_prompts(path: str | Path) -> Path:
     """The preview prompts of the default job: each of DEMO_PROMPTS at each of DEMO_SEEDS (`--d`), one a line."""
-    from ..core.fsutil import atomic_write_text
+    from ...core.fsutil import atomic_write_text
 
     return atomic_write_text(path, "".join(f"{p} --d {d}\n" for p in DEMO_PROMPTS for d in DEMO_SEEDS))

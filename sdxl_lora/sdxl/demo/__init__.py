@@ -1,0 +1,2 @@
+"""The demo: the embedded tiny SDXL, the synthetic shapes with their detector, and the demo base's
+pretraining."""
