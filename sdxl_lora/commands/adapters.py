@@ -52,7 +52,7 @@ def _trained_on(adapter: Path) -> str | None:
 def _true_alpha_source(src: Path) -> Path:
     """For --true-alpha: a file whose training alphas were folded into its weights (a run's main kohya file)
     cannot give them back; the run's diffusers file beside it keeps them, so it is read instead. LoHa/LoKr files
-    are written with alpha = rank whatever is asked (sdxl/export.py: kohya_layers), so theirs is read as it is."""
+    are written with alpha = rank whatever is asked (sdxl/formats/export.py: kohya_layers), so theirs is read as it is."""
     import json
 
     from safetensors import safe_open

@@ -120,7 +120,7 @@ def model_choices(models: Path) -> list[str]:
         here = Path(folder)
         if (here / "model_index.json").is_file():
             dirs[:] = []
-            # "tiny-sdxl-v1-seed0": a materialised copy of the random-weights tiny SDXL (sdxl/tiny.py).
+            # "tiny-sdxl-v1-seed0": a materialised copy of the random-weights tiny SDXL (sdxl/demo/tiny.py).
             if not here.name.startswith("tiny-sdxl-v") and here != models:
                 out.append(os.path.relpath(here, models))
             continue

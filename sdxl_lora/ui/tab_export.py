@@ -1,10 +1,10 @@
 """Export tab: a run's adapter (or an adapter file) written as kohya (ComfyUI/A1111/Forge), diffusers or PEFT,
 with the metadata fields people fill in, optionally resized to a smaller rank, into the run's exports/ folder,
-with the line per kind saying which tools load it right (sdxl/loaders.py), and offered for download (as
+with the line per kind saying which tools load it right (sdxl/formats/loaders.py), and offered for download (as
 `sdxl-lora export` and `sdxl-lora resize` do; sdxl_lora/sdxl/formats/export.py and resize.py do the work). Below it, a
-LoRA extracted from a fine-tuned model of the models folder, as `sdxl-lora extract` does (sdxl/extract.py),
+LoRA extracted from a fine-tuned model of the models folder, as `sdxl-lora extract` does (sdxl/formats/extract.py),
 written to models/loras/exports/; and adapters merged into a checkpoint of the models folder, as
-`sdxl-lora merge` does (sdxl/merge.py)."""
+`sdxl-lora merge` does (sdxl/formats/merge.py)."""
 from __future__ import annotations
 
 import shutil
@@ -66,7 +66,7 @@ def _source(f: Folders, choice: str) -> tuple[Path, str | Path | None, Path]:
 
 def tools_md(written: Path, fmt: str) -> str:
     """Which tools load a written kohya file right, wrongly or not at all: the lines `sdxl-lora inspect` prints
-    (sdxl/loaders.py), each a paragraph to put after an export's message; "" for another format."""
+    (sdxl/formats/loaders.py), each a paragraph to put after an export's message; "" for another format."""
     from sdxl_lora.sdxl.formats.loaders import file_notes
 
     return "".join(f"\n\n{md_text(line)}" for line in (file_notes(written) if fmt == "kohya" else []))
@@ -74,7 +74,7 @@ def tools_md(written: Path, fmt: str) -> str:
 
 def export(f: Folders, choice, fmt, title, author, description, trigger, license_, write_meta, names, true_alpha,
            overwrite, resize_rank=0, resize_method=FIXED, resize_param=None):
-    """Write the chosen adapter in `fmt`; with resize_rank > 0 cut to that rank first (sdxl/resize.py), by
+    """Write the chosen adapter in `fmt`; with resize_rank > 0 cut to that rank first (sdxl/formats/resize.py), by
     resize_method (FIXED, or a dynamic method with resize_param) -> (the file to download, a message)."""
     from sdxl_lora.sdxl.formats.export import AdapterError, export_adapter, layer_table, load_adapter
     from sdxl_lora.sdxl.formats.resize import provenance, resize_adapter

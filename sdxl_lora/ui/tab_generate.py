@@ -1,6 +1,6 @@
 """Generate tab: a base model and up to three adapters with strengths; the base alone and the base with the
 adapters rendered side by side at the same seed, as `sdxl-lora generate`, a run's previews and the Compare tab
-render (sdxl_lora.sdxl.preview.render with its Sampler, the adapters merged: sdxl/merge.py applied)."""
+render (sdxl_lora.sdxl.preview.render with its Sampler, the adapters merged: sdxl/formats/merge.py applied)."""
 from __future__ import annotations
 
 import threading
@@ -94,7 +94,7 @@ def generate(f: Folders, pipes: Pipelines, model, prompt, negative, seed, steps,
         base = render(pipe, [prompt], **kw)[0]
         if not chosen:
             return base, None, f"base only (seed {int(seed)}, {side}x{side}); pick an adapter to compare"
-        # Merged into the weights for this render, as the run's previews and Compare apply it (sdxl/merge.py).
+        # Merged into the weights for this render, as the run's previews and Compare apply it (sdxl/formats/merge.py).
         with applied(pipe, [(rendered_file(f, adapter_path(f, c)), s) for c, s in chosen]):
             progress(0.65, desc="with adapters")
             tuned = render(pipe, [prompt], **kw)[0]
