@@ -11,8 +11,13 @@ FIXTURES = Path(__file__).parent / "fixtures"
 def test_a_run_folder_written_before_the_split_resumes_through_the_cli(tmp_path, cli, cache_args):
     # Killed before step 3 of 4 with a state at step 2 (fixtures/sdxl_run_before_issue71/README.md): the
     # resume trains steps 3 and 4 and writes the adapter.
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.sdxl.config import SDXLConfig
+
     run = tmp_path / "old_run"
     shutil.copytree(FIXTURES / "sdxl_run_before_issue71", run)
+    cfg = load_config(run / "config.toml")  # every key of its day is one of SDXL's or the core's
+    assert isinstance(cfg, SDXLConfig) and (cfg.adapter.rank, cfg.train.steps, cfg.train.fuse_qkv) == (1, 4, True)
     p = cli("train", "--resume", str(run), *cache_args)
     assert p.returncode == 0, p.stderr[-3000:]
     events = read_events(run / "events.jsonl")

@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from sdxl_lora.core.config import DataConfig
+from sdxl_lora.sdxl.config import DataConfig
 from sdxl_lora.sdxl.images import IMAGE_EXTENSIONS, ImageProblem, open_image, probe_image
 
 log = logging.getLogger(__name__)

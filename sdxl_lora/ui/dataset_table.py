@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from sdxl_lora.core.config import Config, ConfigError, DatasetConfig
+from sdxl_lora.core.config import Config, ConfigError
+from sdxl_lora.sdxl.config import DatasetConfig
 
 from .duplicate import _relative
 from .folders import Folders

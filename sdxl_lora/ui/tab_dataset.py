@@ -8,7 +8,8 @@ import os
 
 import gradio as gr
 
-from sdxl_lora.core.config import DataConfig, ConfigError, load_config
+from sdxl_lora.core.config import ConfigError, load_config
+from sdxl_lora.sdxl.config import DataConfig
 
 from . import dataset_edit as edit
 from .folders import Folders, PathRefused, image_folders
