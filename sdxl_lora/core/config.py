@@ -263,7 +263,8 @@ class Config(Section):
     @classmethod
     def settings_over(cls, tree: dict, source: str) -> tuple[dict, str]:
         """The (not yet validated) config tree with the settings the task adds where the config is silent (SDXL:
-        the model's recommended settings, the card and goal presets), and the source naming them. None here."""
+        the model's recommended settings, the card and goal presets), and the source naming them; the core adds
+        nothing."""
         return tree, source
 
     @model_validator(mode="after")
@@ -514,12 +515,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return cls.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source, cls), e.errors()) from None
-
-
-def parse_config(tree: dict) -> Config:
-    """A config tree (a model_dump of a Config, say) validated as its task's config, nothing added."""
-    task = tree.get("task", Config.model_fields["task"].default)
-    return config_class(task).model_validate(tree)
 
 
 def preset_value(tree: dict, dotted: str, default: Any = None) -> Any:
