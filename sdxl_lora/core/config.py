@@ -403,8 +403,8 @@ def _format_errors(err: ValidationError, source: str, cls: type[Config]) -> str:
             others = [t for t in TASKS if field in task_keys(t)]
             if others:
                 # A whole section of the other task ([llm], [data]) is named key by key, as the user wrote them.
-                shown = [(f"{field}.{k}", v) for k, v in value.items()] if isinstance(value, dict) and value else \
-                    [(field, value)]
+                whole = len(e["loc"]) == 1 and isinstance(value, dict) and value
+                shown = [(f"{field}.{k}", v) for k, v in value.items()] if whole else [(field, value)]
                 lines += [f"  {key}{'' if isinstance(v, dict) else f' = {v!r}'}: a setting of task={others[0]!r}, "
                           f"which does nothing for task={task!r}: remove it from {_where(source)}" for key, v in shown]
                 continue

@@ -48,6 +48,7 @@ class LLMConfig(Section):
 
 
 class AdapterConfig(core.AdapterConfig):
+    """The causal LM's [adapter]: the core's fields and how the adapter starts (adapter.init)."""
     init: Literal["default", "pissa", "olora", "loftq"] = Field("default", description=(
         "How lora starts: default (B = 0), pissa (the weight's top singular vectors), olora (a QR of the weight) "
         "or loftq (the 4-bit quantization error; needs model.quantize='nf4'). docs/llm.md."))

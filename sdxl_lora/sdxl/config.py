@@ -29,10 +29,11 @@ _EXTENSION = re.compile(r"\.[A-Za-z0-9_.-]{1,32}")
 
 
 class ModelConfig(core.ModelConfig):
+    """SDXL's [model]: the core's fields, the tokenizers of a single file, the UNet's prediction, its storage."""
     tokenizer: str | None = Field(None, description=(
         "Folder holding tokenizer/ and tokenizer_2/, for single-file checkpoints (they carry none)."))
-    prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field("auto",
-        description="What the UNet predicts; 'auto' reads the model's scheduler config.")
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field("auto", description=(
+        "What the UNet predicts; 'auto' reads the model's scheduler config."))
     quantize_convs: Literal["none", "fp8"] = Field("none", description=(
         "Also keep the frozen UNet's convolutions (not conv_in/conv_out) in fp8: less memory, fp8's rounding "
         "error; works with any model.quantize."))
@@ -198,6 +199,7 @@ DataConfig.model_rebuild()
 
 
 class AdapterConfig(core.AdapterConfig):
+    """SDXL's [adapter]: the core's fields, the convolutions' rank, the rank schedule, the text encoders."""
     # A convolution's update sees 9x more inputs per output than a projection's; LyCORIS' conv_dim/conv_alpha.
     conv_rank: int | None = Field(None, ge=1, le=1024, description=(
         "The rank of the convolution layers the plan adapts (preset locon, or overrides naming convs), scaled "
@@ -235,6 +237,7 @@ class AdapterConfig(core.AdapterConfig):
 
 
 class TrainConfig(core.TrainConfig):
+    """SDXL's [train]: the core's fields, the diffusion loss and timesteps, the UNet's levers."""
     unet_lr: float | None = Field(None, gt=0, description=(
         "Learning rate of the UNet's adapters; none means train.lr."))
     text_encoder_lr: float | None = Field(None, gt=0, description=(
@@ -319,6 +322,7 @@ class TrainConfig(core.TrainConfig):
 
 
 class PreviewConfig(core.PreviewConfig):
+    """SDXL's [preview]: the core's fields and how the preview images are sampled."""
     # The entry fields of .toml ([[prompt]] tables), .jsonl and .json files: docs/training.md.
     prompts: str | None = Field(None, description=(
         "Preview prompts, one a line with kohya's options (a cat --n blurry --w 1024 --s 30 --d 42), or a "
