@@ -34,6 +34,7 @@ DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / DEMO_NAME
 TASK_CONFIGS = {"sdxl": "sdxl_lora.sdxl.config:SDXLConfig", "llm": "sdxl_lora.llm.config:CausalLMConfig"}
 TASKS: tuple[str, ...] = tuple(TASK_CONFIGS)
 
+
 class ConfigError(ValueError):
     """A config value is wrong; the message names the field and says what to do. problems: each wrong value as
     pydantic describes it (loc, type, msg, input, ctx), for a front end that names fields in its own words."""
@@ -50,7 +51,6 @@ class MissingPackage(ImportError):
 class Section(BaseModel):
     # No field takes inf or nan: a learning rate or noise offset of inf trains to NaN and still "finishes".
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
 
 
 class ModelConfig(Section):
@@ -395,7 +395,7 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
 
 def _format_errors(err: ValidationError, source: str, cls: type[Config]) -> str:
     lines = [f"invalid config ({source}):"]
-    task = getattr(cls.model_fields["task"], "default", None)
+    task = cls.model_fields["task"].default
     for e in err.errors():
         field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".")
         msg, value = e["msg"], e.get("input")
@@ -404,9 +404,9 @@ def _format_errors(err: ValidationError, source: str, cls: type[Config]) -> str:
             if others:
                 # A whole section of the other task ([llm], [data]) is named key by key, as the user wrote them.
                 whole = len(e["loc"]) == 1 and isinstance(value, dict) and value
-                shown = [(f"{field}.{k}", v) for k, v in value.items()] if whole else [(field, value)]
+                named = [(f"{field}.{k}", v) for k, v in value.items()] if whole else [(field, value)]
                 lines += [f"  {key}{'' if isinstance(v, dict) else f' = {v!r}'}: a setting of task={others[0]!r}, "
-                          f"which does nothing for task={task!r}: remove it from {_where(source)}" for key, v in shown]
+                          f"which does nothing for task={task!r}: remove it from {_where(source)}" for key, v in named]
                 continue
             section = _section_at(cls, e["loc"][:-1])
             msg = f"unknown field; allowed here: {', '.join(section.model_fields) if section else ''}"
