@@ -26,3 +26,17 @@ def test_a_run_folder_written_before_the_split_resumes_through_the_cli(tmp_path,
     assert [e["step"] for e in resumed if e["event"] == "step"] == [3, 4]
     assert events[-1]["event"] == "done" and events[-1]["step"] == 4
     assert (run / "old_run.safetensors").is_file()
+
+
+def test_config_files_saved_before_the_split_load_as_their_tasks_config():
+    # Each task's config.toml as the one schema wrote it (fixtures/*_config_before_issue71.toml): every key is
+    # the task's own or the core's, so it loads as before, into the task's config class.
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.llm.config import CausalLMConfig
+    from sdxl_lora.sdxl.config import SDXLConfig
+
+    llm = load_config(FIXTURES / "llm_config_before_issue71.toml")
+    assert isinstance(llm, CausalLMConfig) and (llm.adapter.init, llm.llm.max_length, llm.model.path) == \
+        ("pissa", 64, "tiny-llm")
+    sdxl = load_config(FIXTURES / "sdxl_config_before_issue71.toml")
+    assert isinstance(sdxl, SDXLConfig) and (sdxl.card, sdxl.train.fuse_qkv, sdxl.train.vram_gb) == ("8gb", False, 8.0)
