@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from sdxl_lora.core.config import AdapterConfig, ModelConfig
+from sdxl_lora.sdxl.config import AdapterConfig, ModelConfig
 from sdxl_lora.core.inject import apply_plan
 from sdxl_lora.sdxl.model import unet_skeleton
 from sdxl_lora.sdxl.slots import make_plan

@@ -29,7 +29,7 @@ import torch
 
 from sdxl_lora.core import inject
 from sdxl_lora.llm import slots as llm_slots
-from sdxl_lora.core.config import AdapterConfig
+from sdxl_lora.llm.config import AdapterConfig
 from sdxl_lora.llm.loss import response_loss
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

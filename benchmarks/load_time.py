@@ -33,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.parts:
         return parts(args)
-    from sdxl_lora.core.config import ModelConfig
+    from sdxl_lora.sdxl.config import ModelConfig
     from sdxl_lora.sdxl.model import load_pipeline
 
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.unet_dtype]

@@ -34,7 +34,7 @@ from llm_step import LLAMA3_8B, TINY, batches, build_model  # benchmarks/ (this 
 from timing import timed
 
 from sdxl_lora.core import inject, speed
-from sdxl_lora.core.config import AdapterConfig
+from sdxl_lora.llm.config import AdapterConfig
 from sdxl_lora.llm import offload
 from sdxl_lora.llm import slots as llm_slots
 

@@ -65,7 +65,7 @@ def host_unet(tiny: bool):
 def prepare(base, quantize: str, checkpointing: bool, convs: str, rank: int, device, dtype):
     from sdxl_lora.core import inject
     from sdxl_lora.sdxl import slots as unet_slots
-    from sdxl_lora.core.config import AdapterConfig, ModelConfig
+    from sdxl_lora.sdxl.config import AdapterConfig, ModelConfig
     from sdxl_lora.sdxl.quantize import quantize_unet
 
     unet = copy.deepcopy(base)

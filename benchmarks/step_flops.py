@@ -39,7 +39,7 @@ def main(argv=None) -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--resolution", type=int, default=1024)
     args = p.parse_args(argv)
-    from sdxl_lora.core.config import AdapterConfig
+    from sdxl_lora.sdxl.config import AdapterConfig
 
     unet = sdxl_step.build_unet("meta")
     unet.config.sample_size = args.resolution // 8

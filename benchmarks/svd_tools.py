@@ -29,7 +29,7 @@ def random_adapter(model: Path, out: Path, rank: int) -> Path:
         return out
     from diffusers import UNet2DConditionModel
 
-    from sdxl_lora.core.config import AdapterConfig
+    from sdxl_lora.sdxl.config import AdapterConfig
     from sdxl_lora.sdxl import slots as unet_slots
 
     config = json.loads((model / "unet" / "config.json").read_text())

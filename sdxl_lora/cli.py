@@ -30,7 +30,7 @@ def cmd_train(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    from .core.config import ModelConfig
+    from .sdxl.config import ModelConfig
     from .core.fsutil import check_destination
     from .core.runs import relpath
     from .sdxl.formats.merge import applied

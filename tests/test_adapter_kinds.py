@@ -21,7 +21,8 @@ from torch import nn
 from safetensors.torch import load_file
 
 from sdxl_lora.core import inject
-from sdxl_lora.core.config import AdapterConfig, ConfigError, load_config
+from sdxl_lora.core.config import ConfigError, load_config
+from sdxl_lora.sdxl.config import AdapterConfig
 from sdxl_lora.sdxl.formats import export
 from sdxl_lora.sdxl import slots as unet_slots
 

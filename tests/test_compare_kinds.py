@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from sdxl_lora.core import inject
-from sdxl_lora.core.config import ModelConfig, load_config
+from sdxl_lora.core.config import load_config
+from sdxl_lora.sdxl.config import ModelConfig
 from sdxl_lora.sdxl import compare
 from sdxl_lora.sdxl.formats.export import layer_table, load_adapter, weight_with
 

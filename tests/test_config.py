@@ -27,12 +27,12 @@ def test_a_config_written_before_settings_were_removed_loads_with_a_warning_for_
     path = tmp_path / "config.toml"
     path.write_text("[train]\nsteps = 7\nreuse_conv_search = true\nbackground_compile = true\n"
                     "graphs_while_compiling = false\nlora_matmul = 'concat'\n")
-    with caplog.at_level("WARNING", logger="sdxl_lora.core.config"):
+    with caplog.at_level("WARNING"):
         cfg = load_config(path)
     assert cfg.train.steps == 7 and cfg.train.lora_matmul == "merged"
     gone = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
-    assert [m.split(" ", 1)[0] for m in gone] == ["train.background_compile", "train.graphs_while_compiling",
-                                                  "train.reuse_conv_search", "train.lora_matmul='concat'"]
+    assert sorted(m.split(" ", 1)[0] for m in gone) == ["train.background_compile", "train.graphs_while_compiling",
+                                                        "train.lora_matmul='concat'", "train.reuse_conv_search"]
     assert not any(k in cfg.to_toml() for k in ("reuse_conv_search", "background_compile", "graphs_while_compiling"))
     with pytest.raises(ConfigError, match="lora_matmul"):  # typed today, it is no choice
         load_config(overrides=["train.lora_matmul=fused"])
@@ -133,32 +133,44 @@ def test_the_previews_are_scored_for_a_concept_only_where_the_model_asks():
     assert load_config(overrides=["preview.concept=''"]).preview.concept == ""
 
 
-def test_settings_of_the_other_task_are_named_only_when_the_config_sets_them():
-    from sdxl_lora.core.config import fields_for_other_tasks
+def test_a_setting_of_the_other_task_is_refused_naming_the_key_the_file_and_what_to_do(tmp_path):
+    # Each task's config holds only its own fields (sdxl/config.py, llm/config.py): one the task would ignore is
+    # refused where it is read, not trained past.
+    llm = tmp_path / "llm.toml"
+    llm.write_text("task = 'llm'\n[train]\nsteps = 3\nfuse_qkv = true\ncompile = 'regional'\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(llm)
+    assert f"train.fuse_qkv = True: a setting of task='sdxl', which does nothing for task='llm': remove it from " \
+           f"{llm}" in str(err.value)
+    assert err.value.problems[0]["loc"] == ("train", "fuse_qkv")
+    with pytest.raises(ConfigError, match=r"llm.max_length = 64: a setting of task='llm'.*remove it from the "
+                                          r"settings given"):
+        load_config(overrides=["llm.max_length=64", "data.flip=true"])
+    with pytest.raises(ConfigError, match=r"card = '8gb': a setting of task='sdxl'"):
+        load_config(extra={"task": "llm", "card": "8gb"})
+    # The shared fields (train.compile, preview.every) are every task's; an unknown one is still named as such.
+    assert load_config(overrides=["task='llm'", "train.compile='regional'", "preview.every=5"]).train.compile == \
+        "regional"
+    with pytest.raises(ConfigError, match="train.fuse_qvk = True: unknown field; allowed here: steps"):
+        load_config(overrides=["train.fuse_qvk=true"])
 
-    llm = load_config(overrides=["task='llm'", "train.fuse_qkv=true", "train.channels_last=true",
-                                 "train.compile='regional'", "preview.every=5", "llm.max_length=64"])
-    assert fields_for_other_tasks(llm) == ["train.channels_last", "train.fuse_qkv"]  # the shared ones do something
-    assert fields_for_other_tasks(load_config(overrides=["task='llm'"])) == []      # defaults say nothing
-    assert fields_for_other_tasks(load_config()) == []
-    assert fields_for_other_tasks(load_config(overrides=["llm.max_length=64", "data.flip=true"])) == ["llm.max_length"]
 
+def test_each_task_loads_its_own_config_class_and_a_saved_config_loads_back_the_same(tmp_path):
+    from sdxl_lora.core.config import config_class
+    from sdxl_lora.llm.config import CausalLMConfig
+    from sdxl_lora.sdxl.config import SDXLConfig
 
-
-def test_a_saved_config_leaves_out_the_other_tasks_fields_so_loading_it_again_warns_nothing(tmp_path):
-    from sdxl_lora.core.config import fields_for_other_tasks
-
-    # The UI and a run's config.toml write every field; read back, each counts as set by the user.
-    set_ = ["train.channels_last=true", "llm.max_length=64", "train.steps=7"]
-    llm, sdxl = load_config(overrides=["task='llm'", *set_]), load_config(overrides=set_)
+    assert config_class("sdxl") is SDXLConfig and config_class("llm") is CausalLMConfig
+    llm = load_config(overrides=["task='llm'", "train.steps=7", "llm.max_length=64"])
+    sdxl = load_config(overrides=["train.channels_last=true", "train.steps=7"])
+    assert isinstance(llm, CausalLMConfig) and isinstance(sdxl, SDXLConfig)
     (tmp_path / "llm.toml").write_text(llm.to_toml())
     (tmp_path / "sdxl.toml").write_text(sdxl.to_toml())
     llm2, sdxl2 = load_config(tmp_path / "llm.toml"), load_config(tmp_path / "sdxl.toml")
-    assert fields_for_other_tasks(llm2) == fields_for_other_tasks(sdxl2) == []
     assert "[data]" not in (tmp_path / "llm.toml").read_text() and "[llm]" not in (tmp_path / "sdxl.toml").read_text()
-    # What the task uses comes back the same.
-    assert (llm2.train.steps, llm2.llm.max_length, llm2.task) == (7, 64, "llm")
-    assert sdxl2.model_dump(exclude={"llm"}) == sdxl.model_dump(exclude={"llm"}) and sdxl2.train.channels_last is True
+    assert llm2 == llm and sdxl2 == sdxl
+    assert (llm2.train.steps, llm2.llm.max_length, llm2.task) == (7, 64, "llm") and sdxl2.train.channels_last is True
+
 
 def test_every_field_has_a_short_description_for_users():
     import re
@@ -172,40 +184,44 @@ def test_every_field_has_a_short_description_for_users():
             else:
                 yield f"{prefix}{name}", f.description or ""
 
+    from sdxl_lora.core.config import TASKS, config_class
+
     lab_notes = re.compile(r"H100|H200|A100|\bround \d|\bsession \d|\d ?ms\b|images/s|sdxl_lora/")
-    for key, text in leaves(Config):
+    for key, text in [leaf for task in TASKS for leaf in leaves(config_class(task))]:
         assert text, f"{key} has no description"
         assert len(text) <= 200 and not lab_notes.search(text), f"{key}: {text!r}"
 
 
 def _number_fields():
-    """Every int and float field of the schema, as (dotted key, type)."""
+    """Every int and float field of each task's schema, as (dotted key, type, {"task": the first task with it})."""
     import types as _types
     import typing
 
-    from sdxl_lora.core.config import Config
+    from sdxl_lora.core.config import TASKS, config_class
 
-    out = []
-    for section, info in Config.model_fields.items():
-        model = info.annotation
-        if not isinstance(model, type) or not hasattr(model, "model_fields"):
-            continue
-        for name, f in model.model_fields.items():
-            ann = f.annotation
-            args = [a for a in typing.get_args(ann) if a is not type(None)] \
-                if typing.get_origin(ann) in (typing.Union, _types.UnionType) else [ann]
-            if len(args) == 1 and args[0] in (int, float):
-                out.append((f"{section}.{name}", args[0]))
+    out, seen = [], set()
+    for task in TASKS:
+        for section, info in config_class(task).model_fields.items():
+            model = info.annotation
+            if not isinstance(model, type) or not hasattr(model, "model_fields"):
+                continue
+            for name, f in model.model_fields.items():
+                ann = f.annotation
+                args = [a for a in typing.get_args(ann) if a is not type(None)] \
+                    if typing.get_origin(ann) in (typing.Union, _types.UnionType) else [ann]
+                if len(args) == 1 and args[0] in (int, float) and f"{section}.{name}" not in seen:
+                    seen.add(f"{section}.{name}")
+                    out.append((f"{section}.{name}", args[0], {"task": task}))
     return out
 
 
 def test_no_number_field_takes_inf_or_nan_and_each_refusal_names_the_field():
     fields = _number_fields()
     assert len(fields) > 40  # the walk reaches the whole schema
-    for key, typ in fields:
+    for key, typ, task in fields:
         for bad in (float("inf"), float("-inf"), float("nan")):
             with pytest.raises(ConfigError, match=key.split(".")[1]):
-                load_config(extra={key: bad})
+                load_config(extra={**task, key: bad})
 
 
 # Number fields where 0 means something a user asks for: off, none, no held-out images, the first timestep.
@@ -220,14 +236,15 @@ ZERO_MEANS_SOMETHING = {
 
 def test_no_number_field_takes_a_negative_and_zero_only_where_it_means_off_or_none():
     # A new number field without bounds fails here until it gets them (or is listed above, with why).
-    for key, typ in _number_fields():
+    for key, typ, task in _number_fields():
         with pytest.raises(ConfigError, match=key.split(".")[1]):
-            load_config(extra={key: typ(-1)})
+            load_config(extra={**task, key: typ(-1)})
         if key in ZERO_MEANS_SOMETHING:
-            assert getattr(getattr(load_config(extra={key: typ(0)}), key.split(".")[0]), key.split(".")[1]) == 0
+            assert getattr(getattr(load_config(extra={**task, key: typ(0)}), key.split(".")[0]),
+                           key.split(".")[1]) == 0
         else:
             with pytest.raises(ConfigError, match=key.split(".")[1]):
-                load_config(extra={key: typ(0)})
+                load_config(extra={**task, key: typ(0)})
 
 
 def test_out_of_range_numbers_are_refused_with_the_field_and_the_bound():
@@ -251,7 +268,7 @@ def test_a_config_file_that_is_not_utf8_text_is_a_clear_error(tmp_path):
 
 
 def test_a_form_follows_the_models_settings_per_adapter_kind_and_keeps_what_the_user_typed(tmp_path):
-    from sdxl_lora.core.config import kind_recommendations
+    from sdxl_lora.sdxl.config import kind_recommendations
     from sdxl_lora.ui.form import follow_kind
 
     model = tmp_path / "base"

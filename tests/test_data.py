@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from sdxl_lora.core.config import DataConfig
+from sdxl_lora.sdxl.config import DataConfig
 from sdxl_lora.sdxl.images import ImageProblem, open_image, probe_image
 from sdxl_lora.sdxl.cache import TensorCache, cache_key, file_digest
 from sdxl_lora.sdxl.data import (BucketBatchSampler, DataError, Dataset, Item, inspect_text, load_pixels,

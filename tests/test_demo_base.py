@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sdxl_lora.core.config import Config, ModelConfig, PreviewConfig, TrainConfig
+from sdxl_lora.sdxl.config import ModelConfig, PreviewConfig, SDXLConfig as Config, TrainConfig
 from sdxl_lora.core.runs import Run
 from sdxl_lora.sdxl.demo import pretrain, shapes
 from sdxl_lora.core.loop import Trainer
@@ -58,7 +58,7 @@ def test_synthetic_set_is_deterministic_and_never_shows_the_new_concept():
 
 
 def test_demo_concept_set_is_captioned_stars(tmp_path):
-    from sdxl_lora.core.config import DataConfig
+    from sdxl_lora.sdxl.config import DataConfig
     from sdxl_lora.sdxl import data
 
     paths = shapes.write_demo_concept(tmp_path / "images", n=4, size=64)

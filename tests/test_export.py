@@ -21,7 +21,7 @@ from sdxl_lora.sdxl.formats import export
 from sdxl_lora.core import inject
 from sdxl_lora.sdxl import slots as unet_slots
 from sdxl_lora.cli import main
-from sdxl_lora.core.config import AdapterConfig
+from sdxl_lora.sdxl.config import AdapterConfig
 
 PROMPT = "a red circle on a white background"
 
@@ -468,7 +468,7 @@ def test_merging_into_a_16_bit_base_rounds_each_weight_once(trained, tiny_dir, t
 def test_a_single_file_merged_into_a_built_in_base_loads_back_in_generate(trained, tmp_path):
     from diffusers import UNet2DConditionModel
 
-    from sdxl_lora.core.config import ModelConfig
+    from sdxl_lora.sdxl.config import ModelConfig
     from sdxl_lora.sdxl.formats.merge import merge_checkpoint
     from sdxl_lora.sdxl.model import load_pipeline, unet_skeleton
 

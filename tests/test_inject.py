@@ -8,7 +8,7 @@ from sdxl_lora.core import inject
 from sdxl_lora.llm import slots as llm_slots
 from sdxl_lora.sdxl import slots as unet_slots
 from sdxl_lora.cli import main
-from sdxl_lora.core.config import AdapterConfig, ModelConfig
+from sdxl_lora.sdxl.config import AdapterConfig, ModelConfig
 from sdxl_lora.sdxl.model import unet_skeleton
 
 
@@ -135,7 +135,9 @@ def test_llm_slots_by_layer_and_projection():
     slots = [s for s in llm_slots.slots(model) if s.part == "layer"]
     assert {(s.index, s.proj) for s in slots} == {(i, p) for i in range(2)
                                                  for p in ("q", "k", "v", "o", "gate", "up", "down")}
-    plan = llm_slots.make_plan(model, AdapterConfig(preset="attn", rank=4))
+    from sdxl_lora.llm.config import AdapterConfig as LLMAdapterConfig
+
+    plan = llm_slots.make_plan(model, LLMAdapterConfig(preset="attn", rank=4))
     assert {s.proj for s in plan.targets} == {"q", "k", "v", "o"}
 
 

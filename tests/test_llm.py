@@ -245,7 +245,7 @@ def test_under_autocast_the_adapters_keep_each_input_once_with_the_same_gradient
     # kept its copy for the backward (q, k and v three of one input). The run turns it off: the step keeps less,
     # the gradients are the same bit for bit (the bf16 -> fp32 -> bf16 round trip is exact).
     from sdxl_lora.core import inject
-    from sdxl_lora.core.config import AdapterConfig
+    from sdxl_lora.llm.config import AdapterConfig
     from sdxl_lora.llm import slots as llm_slots
 
     ids = torch.randint(3, 400, (2, 45), generator=torch.Generator().manual_seed(0))
@@ -440,7 +440,7 @@ def test_resumed_run_gives_the_same_adapter(tmp_path):
 
 def test_presets_and_rank_budget_on_a_causal_lm(tiny_llm, tmp_path, caplog):
     from sdxl_lora.llm import slots as llm_slots
-    from sdxl_lora.core.config import AdapterConfig
+    from sdxl_lora.llm.config import AdapterConfig
     from sdxl_lora.llm.task import LLMTask
     from sdxl_lora.core.runs import create_run
     from sdxl_lora.core.loop import Trainer
@@ -470,22 +470,8 @@ def test_presets_and_rank_budget_on_a_causal_lm(tiny_llm, tmp_path, caplog):
     assert result.adapter["peft"].is_dir()
 
 
-def test_sdxl_only_settings_set_for_an_llm_run_are_named_in_one_warning(tmp_path, caplog):
-    from sdxl_lora.core.loop import Trainer
-    from sdxl_lora.core.runs import create_run
-    from sdxl_lora.llm.task import LLMTask
-
-    cfg = load_config(extra={"task": "llm", "output.runs_dir": str(tmp_path), "train.steps": 1,
-                             "train.fuse_qkv": True, "train.channels_last": True})
-    with caplog.at_level("WARNING"):
-        Trainer(cfg, LLMTask(cfg), create_run(cfg)).setup()
-    warned = [r.getMessage() for r in caplog.records if "SDXL-only" in r.getMessage()]
-    assert len(warned) == 1 and "train.fuse_qkv" in warned[0] and "train.channels_last" in warned[0]
-
-
 def test_llm_speed_auto_compiles_the_decoder_layers_of_a_long_run_on_a_gpu_and_keeps_what_the_user_set():
     # train.speed is no longer SDXL-only: for a causal LM "auto" decides the compilation of its decoder layers.
-    from sdxl_lora.core.config import fields_for_other_tasks
     from sdxl_lora.llm.task import COMPILE_MIN_TOKENS, auto_levers
 
     def cfg(**extra):
@@ -506,7 +492,6 @@ def test_llm_speed_auto_compiles_the_decoder_layers_of_a_long_run_on_a_gpu_and_k
     assert auto_levers(long, "cpu", 1) == (long, {})
     off = cfg(**{"train.steps": 10**6, "train.speed": "off"})
     assert auto_levers(off, "cuda", 1) == (off, {})
-    assert fields_for_other_tasks(off) == []  # setting it on an LLM run is not "SDXL-only" any more
 
 
 def test_llm_speed_auto_replays_small_steps_from_cuda_graphs_where_they_fit(monkeypatch):
@@ -558,7 +543,7 @@ def test_llm_cuda_graphs_compile_the_layers_and_refuse_checkpointing_unless_a_bu
     # refused before any weight is read, while a memory budget that needs checkpointing wins with a warning.
     from transformers import LlamaConfig
 
-    from sdxl_lora.core.config import ConfigError, fields_for_other_tasks
+    from sdxl_lora.core.config import ConfigError
     from sdxl_lora.core.loop import Trainer
     from sdxl_lora.core.runs import create_run
     from sdxl_lora.llm.task import LLMTask, auto_levers
@@ -570,7 +555,6 @@ def test_llm_cuda_graphs_compile_the_layers_and_refuse_checkpointing_unless_a_bu
     short = cfg()
     got, why = auto_levers(short, "cuda", 1)
     assert got.train.compile == "regional" and "cuda_graphs" in why["compile"]
-    assert fields_for_other_tasks(short) == []  # not an SDXL-only setting any more
     with pytest.raises(ConfigError, match="it needs train.compile = 'regional'"):
         LLMTask(c := cfg(**{"train.compile": "none"})).configure(c, "cuda", 1)
     for device in ("cuda", "cpu"):

@@ -206,7 +206,6 @@ def test_adapter_inits_train_and_export_a_lora_of_the_original_base(init, quanti
 @pytest.mark.parametrize("extra,named", [
     ({"adapter.init": "loftq"}, "model.quantize"),
     ({"adapter.init": "pissa", "model.quantize": "nf4"}, "model.quantize"),
-    ({"adapter.init": "pissa", "adapter.rank_schedule": {10: 4}}, "adapter.rank_schedule"),
     ({"adapter.init": "olora", "adapter.kind": "dora"}, "adapter.kind"),
     ({"adapter.init": "pissa", "adapter.rank_budget": 1000}, "adapter.rank_budget"),
 ])

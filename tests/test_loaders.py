@@ -254,7 +254,7 @@ def test_invokeais_probe_on_sdxl_base_is_what_the_line_says(tmp_path, kind, sett
     from diffusers import UNet2DConditionModel
 
     from sdxl_lora.core import inject
-    from sdxl_lora.core.config import AdapterConfig
+    from sdxl_lora.sdxl.config import AdapterConfig
     from sdxl_lora.sdxl import slots as unet_slots
     from sdxl_lora.sdxl.formats.single_file import unet_config
 

@@ -290,7 +290,7 @@ def test_training_loads_the_frozen_unet_in_its_compute_dtype_and_a_base_to_quant
     # stay fp32. A base to quantize is read as before, so its 4-bit blocks come from the file's values.
     from types import SimpleNamespace
 
-    from sdxl_lora.core.config import ModelConfig
+    from sdxl_lora.sdxl.config import ModelConfig
     from sdxl_lora.sdxl import task as sdxl_task
     from sdxl_lora.sdxl.model import load_pipeline
 

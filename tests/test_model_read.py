@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sdxl_lora.core.config import ModelConfig
+from sdxl_lora.sdxl.config import ModelConfig
 from sdxl_lora.sdxl.model import ModelError, _load_component, load_pipeline
 
 UNET = "unet/diffusion_pytorch_model.safetensors"

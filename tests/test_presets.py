@@ -110,7 +110,7 @@ def test_an_unknown_preset_is_refused_naming_the_choices(capsys):
     assert "--layers attn" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"goal='portrait': no such goal preset; card presets: 6gb"):
         load_config(extra={"goal": "portrait"})
-    with pytest.raises(ConfigError, match="presets are for the SDXL task"):
+    with pytest.raises(ConfigError, match="card = '8gb': a setting of task='sdxl', which does nothing for task='llm'"):
         load_config(extra={"task": "llm", "card": "8gb"})
 
 

@@ -13,7 +13,7 @@ from sdxl_lora.core import inject
 from sdxl_lora.sdxl import slots as unet_slots
 from sdxl_lora.sdxl import memory as unet_memory
 from sdxl_lora.cli import main
-from sdxl_lora.core.config import AdapterConfig, ModelConfig
+from sdxl_lora.sdxl.config import AdapterConfig, ModelConfig
 from sdxl_lora.core.quantize import METHODS, QuantizationError, dequantize_model, is_quantized, quantize_model
 from sdxl_lora.sdxl.quantize import unet_skip
 from sdxl_lora.core.runs import read_events

@@ -13,7 +13,7 @@ import unet_io
 from safetensors.torch import load_file
 
 from sdxl_lora.core import inject
-from sdxl_lora.core.config import AdapterConfig
+from sdxl_lora.sdxl.config import AdapterConfig
 from sdxl_lora.sdxl.formats import export, resize
 from sdxl_lora.sdxl import slots as unet_slots
 from sdxl_lora.sdxl.formats.lycoris import LohaLayer, LokrLayer

@@ -10,7 +10,8 @@ import torch
 
 from sdxl_lora.cli import main
 from sdxl_lora.core import inject, lora_matmul, profile, speed
-from sdxl_lora.core.config import AdapterConfig, load_config
+from sdxl_lora.core.config import load_config
+from sdxl_lora.sdxl.config import AdapterConfig
 from sdxl_lora.core.runs import read_events
 from sdxl_lora.sdxl import slots as unet_slots
 from sdxl_lora.sdxl import speed as unet_speed

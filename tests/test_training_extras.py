@@ -387,7 +387,7 @@ def test_mfu_counts_the_unets_step_on_the_meta_device_as_the_model_itself_counts
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from sdxl_lora.core import inject, tracking
-    from sdxl_lora.core.config import AdapterConfig
+    from sdxl_lora.sdxl.config import AdapterConfig
     from sdxl_lora.sdxl import slots as unet_slots
 
     unet = UNet2DConditionModel.from_pretrained(str(tiny_dir / "unet"), local_files_only=True)

@@ -124,7 +124,8 @@ def _adapter_base(adapter: Path, model: str | None) -> tuple[Path, tuple]:
 def cmd_llm_generate(args) -> int:
     import torch
 
-    from ..core.config import LLMConfig, ModelConfig
+    from ..core.config import ModelConfig
+    from ..llm.config import LLMConfig
     from ..llm.data import chat_template
     from ..llm.export import adapter_folder, load_with_adapter
     from ..llm.model import check_causal_lm_folder, load_tokenizer, resolve_llm_path

@@ -210,18 +210,20 @@ def slot_override(s: Slot, overrides: dict[str, float]) -> float | None:
 
 
 def make_plan(model: nn.Module, cfg: AdapterConfig, topology: Topology, resolution: int | None = None,
-              native: int | None = None) -> Plan:
+              native: int | None = None, *, scale_with_resolution: bool = True, conv_rank: int | None = None,
+              conv_alpha: float | None = None, init: str = "default") -> Plan:
     """The plan for `model` under the adapter config: the topology's slots weighted by the preset, the base
-    rank scaled with `resolution` (against the model's `native` one), the overrides applied."""
+    rank scaled with `resolution` (against the model's `native` one), the overrides applied. The keywords are
+    a task's own adapter settings (SDXL's adapter.scale_rank_with_resolution, conv_rank and conv_alpha; the
+    causal LM's adapter.init), which the core's section does not hold."""
     all_slots = topology.slots(model)
     deepest = max((s.level for s in all_slots if s.level is not None), default=None)
-    base = scaled_rank(cfg.rank, resolution, native, cfg.scale_rank_with_resolution, cfg.min_rank, cfg.max_rank)
+    base = scaled_rank(cfg.rank, resolution, native, scale_with_resolution, cfg.min_rank, cfg.max_rank)
     scale = (cfg.alpha if cfg.alpha is not None else cfg.rank) / cfg.rank  # alpha/rank, the same on every slot
     # Convolutions (locon) at adapter.conv_rank, scaled the same way, with their own alpha/rank ratio.
-    conv_rank = cfg.conv_rank or cfg.rank
-    conv_base = scaled_rank(conv_rank, resolution, native, cfg.scale_rank_with_resolution, cfg.min_rank,
-                            cfg.max_rank)
-    conv_scale = cfg.conv_alpha / conv_rank if cfg.conv_alpha is not None else scale
+    conv_rank = conv_rank or cfg.rank
+    conv_base = scaled_rank(conv_rank, resolution, native, scale_with_resolution, cfg.min_rank, cfg.max_rank)
+    conv_scale = conv_alpha / conv_rank if conv_alpha is not None else scale
     targets, rank, alpha = [], {}, {}
     for s in all_slots:
         w = topology.weight(s, cfg.preset, deepest)
@@ -234,14 +236,14 @@ def make_plan(model: nn.Module, cfg: AdapterConfig, topology: Topology, resoluti
         targets.append(s)
         rank[s.name] = r
         if cfg.rslora:  # one alpha for every rank: the scale alpha / sqrt(r) is rsLoRA's rule across ranks
-            alpha[s.name] = float((cfg.conv_alpha if s.conv and cfg.conv_alpha else cfg.alpha) or cfg.rank)
+            alpha[s.name] = float((conv_alpha if s.conv and conv_alpha else cfg.alpha) or cfg.rank)
         else:
             alpha[s.name] = float(r * (conv_scale if s.conv else scale))
     if not targets:
         raise ValueError(f"adapter.preset={cfg.preset!r} with adapter.overrides={cfg.overrides} selects no layer "
                          f"of {type(model).__name__}")
     return Plan(targets, rank, alpha, cfg.lora_bias, base, resolution, kind=cfg.kind, rslora=cfg.rslora,
-                lokr_factor=-1 if cfg.lokr_factor is None else cfg.lokr_factor, init=cfg.init)
+                lokr_factor=-1 if cfg.lokr_factor is None else cfg.lokr_factor, init=init)
 
 
 def budget_plan(plan: Plan, sensitivity: dict[str, float], budget: int, lo: int, hi: int) -> Plan:

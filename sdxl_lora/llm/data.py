@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.config import LLMConfig
+from .config import LLMConfig
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from ..core.config import Config, LLMConfig, ModelConfig
+from ..core.config import Config, ModelConfig
+from .config import LLMConfig
 from ..core.weights import PickleWeights, WeightFileError, read_json, weight_files
 from .tiny import TINY_LLM, materialize_tiny_llm
 

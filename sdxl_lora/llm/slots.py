@@ -8,7 +8,7 @@ import re
 from torch import nn
 
 from ..core import inject
-from ..core.config import AdapterConfig
+from .config import AdapterConfig
 from ..core.inject import Plan, Slot, layer_slot, unknown_preset
 
 # The projections of a decoder layer, in transformers' names, and the slot's short name. Phi-3 fuses q/k/v
@@ -66,4 +66,4 @@ def slots(model: nn.Module) -> list[Slot]:
 
 def make_plan(model: nn.Module, cfg: AdapterConfig) -> Plan:
     """The LM's adapter plan (LMs have no training resolution: the base rank is used as it is)."""
-    return inject.make_plan(model, cfg, DECODER)
+    return inject.make_plan(model, cfg, DECODER, init=cfg.init)

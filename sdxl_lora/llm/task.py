@@ -184,11 +184,6 @@ class LLMTask(Task):
 
             # The probe's layers are reused; its deletion left them with no active adapter.
             set_adapter(self.lm, "default", inference_mode=False)
-        from ..core.config import fields_for_other_tasks
-
-        if unused := fields_for_other_tasks(cfg):  # only what the config sets: the defaults say nothing
-            log.warning("SDXL-only settings do nothing for task='llm': %s; leave them out of the config",
-                        ", ".join(unused))
         if cfg.llm.offload_embeddings:
             from .offload import embeddings_to_host
 

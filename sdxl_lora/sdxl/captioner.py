@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..core.config import DataConfig
+from .config import DataConfig
 from ..core.fsutil import atomic_write_text
 from .data import DataError, _root, _walk
 from .images import IMAGE_EXTENSIONS, ImageProblem, open_image

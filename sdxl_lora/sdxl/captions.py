@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import re
 
-from sdxl_lora.core.config import DataConfig
+from sdxl_lora.sdxl.config import DataConfig
 
 from .dataset import Item
 

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..core.accel import indexed
-from ..core.config import DataConfig, DatasetConfig
+from .config import DataConfig, DatasetConfig
 from ..core.fsutil import atomic_save, atomic_write_text
 from .cache import component_identity
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sdxl_lora.core.config import DataConfig
+from sdxl_lora.sdxl.config import DataConfig
 from sdxl_lora.sdxl.images import IMAGE_EXTENSIONS, ImageProblem, probe_image
 
 from .buckets import BucketBatchSampler, make_buckets, nearest_bucket

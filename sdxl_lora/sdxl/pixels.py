@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from sdxl_lora.core.config import DataConfig
+from sdxl_lora.sdxl.config import DataConfig
 from sdxl_lora.sdxl.images import ImageProblem, open_image, probe_image
 
 from .dataset import DataError, Item

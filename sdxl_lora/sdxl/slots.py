@@ -8,7 +8,7 @@ import re
 from torch import nn
 
 from ..core import inject
-from ..core.config import AdapterConfig
+from .config import AdapterConfig
 from ..core.inject import Plan, Slot, layer_slot, unknown_preset
 
 # Projections of an attention block, in the names diffusers uses.
@@ -123,4 +123,6 @@ def slots(unet: nn.Module) -> list[Slot]:
 
 def make_plan(unet: nn.Module, cfg: AdapterConfig, resolution: int | None = None, native: int | None = None) -> Plan:
     """The UNet's adapter plan: ranks scaled from the model's `native` resolution to `resolution`."""
-    return inject.make_plan(unet, cfg, UNET, resolution=resolution, native=native)
+    return inject.make_plan(unet, cfg, UNET, resolution=resolution, native=native,
+                            scale_with_resolution=cfg.scale_rank_with_resolution, conv_rank=cfg.conv_rank,
+                            conv_alpha=cfg.conv_alpha)

@@ -176,11 +176,11 @@ def _port(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The UI's options, for `python -m sdxl_lora.ui` and `sdxl-lora ui` alike. The folder defaults are the
     schema's own: the sample data, the model cache, the runs folder."""
-    from sdxl_lora.core.config import Config
+    from sdxl_lora.core.config import config_class
 
-    cfg = Config()
+    cfg = config_class("sdxl")()
     # The folder holding both tasks' default data (the sample images and the sample instruction files).
-    datasets = os.path.commonpath([os.path.abspath(p) for p in (*cfg.data.dirs, *cfg.llm.data)])
+    datasets = os.path.commonpath([os.path.abspath(p) for p in (*cfg.data.dirs, *config_class("llm")().llm.data)])
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=_port, default=7860, help="port (default 7860)")
     parser.add_argument("--auth", metavar="USER:PASSWORD", help="ask for this user and password")

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdxl_lora.core.config import DataConfig
+from sdxl_lora.sdxl.config import DataConfig
 from sdxl_lora.core.fsutil import atomic_write_bytes, atomic_write_text, check_destination
 from sdxl_lora.sdxl.images import IMAGE_EXTENSIONS
 

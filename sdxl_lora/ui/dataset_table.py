@@ -1,7 +1,7 @@
 """The Train form's per-dataset settings: one row per picked image folder (its repeats, trigger word, whether it
 is a regularization set, its resolution, empty-caption share, tag dropout, kept leading tags and caption file
 extension) and the [[data.datasets]] tables they make
-(core/config.py: DatasetConfig), as kohya's subsets and OneTrainer's concepts set each folder apart.
+(sdxl/config.py: DatasetConfig), as kohya's subsets and OneTrainer's concepts set each folder apart.
 
 An empty cell means the run's setting. While every row is empty the form trains on data.dirs, exactly as it
 does without the table; a row that sets something turns every picked folder into a table holding its path and
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from sdxl_lora.core.config import Config, ConfigError, DatasetConfig
+from sdxl_lora.core.config import Config, ConfigError
+from sdxl_lora.sdxl.config import DatasetConfig
 
 from .duplicate import _relative
 from .folders import Folders

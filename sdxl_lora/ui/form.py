@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from sdxl_lora.core.config import SAMPLE_DATA, TASKS, Config, ConfigError, _parse_value, field_tasks, load_config
+from sdxl_lora.core.config import (SAMPLE_DATA, TASKS, Config, ConfigError, _parse_value, field_tasks, load_config,
+                                   schema_field)
 
 # Paths: set by the UI from its folders (or picked from them), never typed as free text.
 #   model.path / data.dirs: picked from the models / datasets folder; model.cache_dir: the models folder;
@@ -77,6 +78,8 @@ def schema_fields(model: type[BaseModel] = Config, prefix: str = "", defaults: B
     out = []
     if defaults is None:
         defaults = load_config(None, None, {"task": task}) if model is Config else model()
+    if model is Config:
+        model = type(defaults)  # the task's own config class: its sections hold the task's fields
     for name, info in model.model_fields.items():
         ann = info.annotation
         key = f"{prefix}{name}"
@@ -163,8 +166,7 @@ DECIDED_WHEN_UNSET = ("train.cuda_graphs", "train.compile", "train.channels_last
 
 
 def schema_default(key: str) -> Any:
-    section, name = key.split(".", 1)
-    return Config.model_fields[section].annotation.model_fields[name].default
+    return schema_field(key).default
 
 
 def build_config(specs: list[FieldSpec], values: list[Any], fixed: dict[str, Any]) -> Config:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 from sdxl_lora.core import presets
-from sdxl_lora.core.config import Config
+from sdxl_lora.core.config import Config, config_class
 from sdxl_lora.core.memory import GiB
 
 
@@ -108,7 +108,7 @@ def for_cards(cfg: Config) -> Config:
             drop.setdefault(section, set()).add(field)
     tree = cfg.model_dump(exclude=drop)
     tree["train"]["batch_size"] = cfg.train.batch_size * cfg.train.grad_accum
-    return Config.model_validate(tree)
+    return type(cfg).model_validate(tree)
 
 
 def card_choices(cfg: Config) -> list[tuple[str, str]]:
@@ -123,7 +123,7 @@ def _card_choices(config_json: str) -> tuple[tuple[str, str], ...]:
     from sdxl_lora.sdxl.plan import card_plans
 
     out = [("no card preset", "")]
-    for p in card_plans(Config.model_validate_json(config_json)):
+    for p in card_plans(config_class("sdxl").model_validate_json(config_json)):
         shown = (f"{p.name} · does not fit" if p.memory is None else
                  f"{p.name} · ~{_gib(p.memory.peak)} GiB · {p.slowdown:.2f}x time per image")
         out.append((shown, p.name))

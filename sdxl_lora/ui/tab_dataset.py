@@ -8,7 +8,8 @@ import os
 
 import gradio as gr
 
-from sdxl_lora.core.config import DataConfig, ConfigError, load_config
+from sdxl_lora.core.config import ConfigError, load_config
+from sdxl_lora.sdxl.config import DataConfig
 from sdxl_lora.sdxl.tagger import CHARACTER_THRESHOLD, GENERAL_THRESHOLD
 
 from . import dataset_edit as edit

@@ -61,7 +61,7 @@ class Pipelines:
     def get(self, model: str):
         import torch
 
-        from sdxl_lora.core.config import ModelConfig
+        from sdxl_lora.sdxl.config import ModelConfig
         from sdxl_lora.sdxl.model import load_pipeline
 
         path = self.f.model(model)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import gradio as gr
 
-from sdxl_lora.core.config import (Config, ConfigError, SAMPLE_DATA, kind_recommendations, load_config,
-                                   preset_value)
+from sdxl_lora.core.config import Config, ConfigError, SAMPLE_DATA, config_class, load_config, preset_value
+from sdxl_lora.sdxl.config import kind_recommendations
 from sdxl_lora.core.fsutil import atomic_write_text
 from sdxl_lora.core.runs import read_events
 
@@ -96,10 +96,10 @@ class Form:
         f, p, task = self.f, self.prefix, self.task
         if task == "sdxl":
             models, data = model_choices(f.models), image_folders(f.datasets)
-            data_value = _default_data(f, Config().data.dirs, data, 1)
+            data_value = _default_data(f, config_class("sdxl")().data.dirs, data, 1)
         else:
             models, data = llm_model_choices(f.models), jsonl_files(f.datasets)
-            data_value = _default_data(f, Config().llm.data, data, 2)
+            data_value = _default_data(f, config_class("llm")().llm.data, data, 2)
         by_key = {s.key: s for s in self.specs}
         # The fields the page sets itself (picked from its folders) and the schema's, in label order.
         shown = ["model.path", self.data_key, *(["model.tokenizer", "preview.prompts"] if task == "sdxl" else []),

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors.torch import save_file
 
-from ...core.config import DEMO_DIR, Config, PreviewConfig, TrainConfig
+from ...core.config import DEMO_DIR, Config
+from ..config import PreviewConfig, SDXLConfig, TrainConfig
 from ...core.fsutil import atomic_save
 from ...core.runs import Run
 from ...core.task import Task
@@ -70,7 +71,7 @@ class PretrainConfig(BaseModel):
 
     def stage(self, name: str) -> Config:
         """A full Config for one stage: its train section, no adapter previews (the script renders)."""
-        return Config(train=getattr(self, name), preview=PreviewConfig(prompts="", before=False, after=False))
+        return SDXLConfig(train=getattr(self, name), preview=PreviewConfig(prompts="", before=False, after=False))
 
 
 # ----------------------------------------------------------------------------------------------- data

@@ -90,7 +90,7 @@ class _Weights:
 
 def _targets(modules: dict[str, torch.nn.Module], preset: str, text_encoders: bool) -> dict[str, torch.nn.Module]:
     """"unet.<path>" / "text_encoder.<path>" -> the (meta) module, for every layer the extraction considers."""
-    from ...core.config import AdapterConfig
+    from ..config import AdapterConfig
     from .. import slots as unet_slots
 
     unet = modules["unet"]
