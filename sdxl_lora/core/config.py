@@ -30,7 +30,7 @@ DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / DEMO_NAME
 
 # Each task's config class, "module:Class", as an entry-point table names a plugin. The core names a task's
 # config by this string and imports it (importlib, no import statement) only when a config of that task is
-# read: the tasks build on the core, never the other way round (tests/test_layering.py).
+# read: the tasks build on the core, never the other way round (tests/core/test_layering.py).
 TASK_CONFIGS = {"sdxl": "sdxl_lora.sdxl.config:SDXLConfig", "llm": "sdxl_lora.llm.config:CausalLMConfig"}
 TASKS: tuple[str, ...] = tuple(TASK_CONFIGS)
 

@@ -10,7 +10,7 @@ the base layer's):
             products of the output's gradient, as peft's. The forward sees the delta at the weight's
             precision (bf16: 2^-9 of each weight), not at its own; peft's bf16 output, rounded at 2^-9 of
             its own size, loses as much of a small delta: merged's output and gradients are as close to
-            fp32 as peft's (tests/test_speed.py). In fp32 both are exact. The default.
+            fp32 as peft's (tests/sdxl/test_speed.py). In fp32 both are exact. The default.
 The trainable parameters stay peft's own, so saving and export are unchanged. A task decides where to use
 them (sdxl/speed.py: the UNet's fused attention projections).
 

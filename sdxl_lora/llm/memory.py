@@ -68,7 +68,7 @@ def activation_bytes(config, batch_size: int, max_length: int, checkpointing: bo
     # its fp32 copy, then that copy and the gradient in the head's dtype. A trained head (checkpointed
     # chunks, recomputed in the backward): the output's fp32 copy, the log-softmax kept for the backward and
     # the gradient coming back through it, all fp32. Logit soft-capping (Gemma 2) keeps one more fp32 buffer
-    # (the tanh) either way. As torch's MemTracker counts them (benchmarks/llm_loss_memory.py, tests/test_llm.py).
+    # (the tanh) either way. As torch's MemTracker counts them (benchmarks/llm_loss_memory.py, tests/llm/test_llm.py).
     capped = 4 if getattr(config, "final_logit_softcapping", None) else 0
     loss = min(loss_chunk, tokens) * vocab * ((4 + 4 + 4 if head_trained else elt + 4) + capped)
     return LLMActivations(saved, recompute, loss, tokens)

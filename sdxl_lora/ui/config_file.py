@@ -1,7 +1,7 @@
 """A New run form's config as a file and as a command: save the form as a TOML config (the file `sdxl-lora train
 CONFIG` reads, kept in runs/.ui/saved/ and offered for download), load one into the form (a saved one, or a .toml
 uploaded from this computer: any run's config.toml too), and the `sdxl-lora train` command line that trains what
-the form holds. The file and the command make the same config as Start (tests/test_ui_config.py)."""
+the form holds. The file and the command make the same config as Start (tests/ui/test_ui_config.py)."""
 from __future__ import annotations
 
 import shlex

@@ -4,7 +4,7 @@ folded into its group's "more" section.
 
 The schema's descriptions (core/config.py) are for the config file and the CLI; these are their plain
 versions for the page. A field missing here still shows (with a label made from its name, in its section's
-group, folded); tests/test_ui.py asks every field the forms show to have its own entry.
+group, folded); tests/ui/test_ui.py asks every field the forms show to have its own entry.
 """
 from __future__ import annotations
 

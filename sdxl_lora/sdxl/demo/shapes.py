@@ -145,7 +145,7 @@ def write_set(folder: str | Path, specs: list[Spec], size: int = 256, prefix: st
 # ------------------------------------------------------------------------------------------ detector
 
 # Descriptor prototypes (fill, solidity) of each shape, as the generator draws them (measured on its
-# own images at 64-256 px; tests/test_demo_base.py checks the detector against the generator).
+# own images at 64-256 px; tests/sdxl/test_demo_base.py checks the detector against the generator).
 PROTOTYPES = {"circle": (0.785, 0.97), "square": (1.0, 1.0), "triangle": (0.515, 0.965), "star": (0.41, 0.59)}
 _SHAPE_SIGMA = 0.07
 _COLOUR_SIGMA = 0.12        # in [0, 1] RGB units

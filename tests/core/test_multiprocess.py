@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from sdxl_lora.core import checkpoint
 from sdxl_lora.core.runs import read_events
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 # The 64 sample images (16 stars, 48 prior shapes) are square: at resolution 64 they share one bucket, so
 # every global batch of 4 is full and one process with batch 4 and two with batch 2 see the same batches.

@@ -18,7 +18,7 @@ from sdxl_lora import training
 from sdxl_lora.core.config import load_config
 from sdxl_lora.core.runs import read_events
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 # The worker as ui/jobs.py starts it, reporting at the end whether anything imported the CLI.

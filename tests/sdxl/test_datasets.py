@@ -19,7 +19,7 @@ from sdxl_lora.sdxl import data as sdxl_data
 from sdxl_lora.sdxl.batches import sample_key
 from sdxl_lora.sdxl.task import SDXLTask
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_data" / "images"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_data" / "images"
 
 
 def snapshot(root: Path) -> dict[str, str]:

@@ -13,7 +13,7 @@ from sdxl_lora.ui.folders import Folders
 from sdxl_lora.ui.jobs import Jobs
 from sdxl_lora.ui.tab_train import Form, start_run
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # What the page must not show: a config key (train.steps, data.dirs), pydantic's wording, a CLI flag.
 SCHEMA = re.compile(r"\b(model|data|adapter|train|preview|output|llm)\.[a-z_]+|Input should|--[a-z]")
 

@@ -9,7 +9,7 @@ from PIL import Image
 
 from sdxl_lora.core.config import load_config
 
-SAMPLES = Path(__file__).resolve().parents[1] / "sample_data" / "images"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_data" / "images"
 PROMPT = "a red circle on a white background"
 
 pytestmark = pytest.mark.usefixtures("one_thread")

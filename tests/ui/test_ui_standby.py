@@ -13,7 +13,7 @@ from sdxl_lora.core.runs import read_events
 from sdxl_lora.ui.folders import Folders
 from sdxl_lora.ui.jobs import Jobs, run_status
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WAIT = 240  # seconds a tiny run may take on a busy 2-core machine
 
 

@@ -408,7 +408,7 @@ def test_locon_on_a_causal_lm_is_refused_with_what_to_use():
 
 # ---------------------------------------------------------------- runs of each kind
 
-SAMPLES = __import__("pathlib").Path(__file__).resolve().parents[1] / "sample_data" / "images"
+SAMPLES = __import__("pathlib").Path(__file__).resolve().parents[2] / "sample_data" / "images"
 
 
 def _run_cfg(tmp, name, kind, **extra):

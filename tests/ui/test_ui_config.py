@@ -15,7 +15,7 @@ from sdxl_lora.ui.folders import Folders
 from sdxl_lora.ui.form import to_widget_value
 from sdxl_lora.ui.tab_train import Form
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

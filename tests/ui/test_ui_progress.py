@@ -11,7 +11,7 @@ from pathlib import Path
 from sdxl_lora.core.runs import Run
 from sdxl_lora.ui.jobs import eta_with_phases, run_status
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _events(times: list[tuple[float, str, dict]]) -> list[dict]:

@@ -12,7 +12,7 @@ from sdxl_lora.core.config import ConfigError, load_config
 from sdxl_lora.sdxl.plan import card_plans
 
 GIB = 2**30
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "training.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 
 
 def _docs_table(first_column: str) -> dict[str, list[str]]:

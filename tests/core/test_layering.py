@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "sdxl_lora"
+PACKAGE = Path(__file__).resolve().parents[2] / "sdxl_lora"
 
 FRONT_ENDS = ("sdxl_lora.cli", "sdxl_lora.commands", "sdxl_lora.ui")  # commands: the CLI's groups
 RULES = {

@@ -12,7 +12,7 @@ from sdxl_lora.core.runs import Run
 from sdxl_lora.ui.folders import Folders
 from sdxl_lora.ui.jobs import Jobs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _folders(tmp_path) -> Folders:

@@ -5,12 +5,12 @@ traceback, and nothing half-written left behind. CPU, the tiny models.
 Faults tested where their subject lives, not repeated here:
   - a full disk during a state save and at the final export; SIGKILL mid-save and mid-step; a truncated
     newest state; Ctrl-C; two starts of one run name; a start killed before its config.toml was whole;
-    resume with another plan or dataset: tests/test_durability.py
+    resume with another plan or dataset: tests/core/test_durability.py
   - the config fuzz over the whole schema (inf, nan, negatives, zero, ranges; a file that is not UTF-8):
-    tests/test_config.py
-  - images of each damaged kind, decoded at the scan as at caching: tests/test_data.py
-  - LLM data lines that are not UTF-8, unknown roles, empty answers: tests/test_llm.py
-  - the UI's caption editor writing only beside its image: tests/test_frontends.py
+    tests/core/test_config.py
+  - images of each damaged kind, decoded at the scan as at caching: tests/sdxl/test_data.py
+  - LLM data lines that are not UTF-8, unknown roles, empty answers: tests/llm/test_llm.py
+  - the UI's caption editor writing only beside its image: tests/e2e/test_frontends.py
 """
 import json
 import os

@@ -14,7 +14,7 @@ from sdxl_lora.sdxl.config import ModelConfig
 from sdxl_lora.sdxl import compare
 from sdxl_lora.sdxl.formats.export import layer_table, load_adapter, weight_with
 
-SAMPLES = Path(__file__).resolve().parents[1] / "sample_data" / "images"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_data" / "images"
 MODEL = "tiny-sdxl"
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -18,7 +18,7 @@ from sdxl_lora.sdxl import data as sdxl_data
 from sdxl_lora.sdxl import loss as diffusion
 from sdxl_lora.sdxl.task import SDXLTask
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_data" / "images"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_data" / "images"
 
 
 # ---------------------------------------------------------------- masked loss (the formula)

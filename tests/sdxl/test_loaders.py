@@ -24,7 +24,7 @@ from test_adapter_kinds import KINDS, _key, _loader_weight, _trained, _training_
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "export.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "export.md"
 
 
 def test_the_docs_table_is_the_codes_and_cites_the_versions_it_was_read_from():

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from sdxl_lora.cli import main
 from sdxl_lora.core.runs import read_events
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
