@@ -59,18 +59,24 @@ def violations(package: Path = PACKAGE) -> list[str]:
     return sorted(found)
 
 
+def fake_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A package named sdxl_lora under tmp_path holding `files` (path inside it -> source)."""
+    root = tmp_path / "sdxl_lora"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
 def test_each_layer_imports_only_what_is_below_it():
     assert violations() == []
 
 
 def test_the_check_sees_a_violation_inside_a_function(tmp_path):
     # A lazy import in a core module is still a dependency: the check must report it.
-    fake = tmp_path / "sdxl_lora"
-    (fake / "core").mkdir(parents=True)
-    (fake / "core" / "bad.py").write_text("def f():\n    from ..sdxl import task\n    import diffusers\n")
-    (fake / "ui").mkdir()
-    (fake / "ui" / "tab.py").write_text("from sdxl_lora.cli import main\n")
-    found = violations(fake)
+    found = violations(fake_package(tmp_path, {
+        "core/bad.py": "def f():\n    from ..sdxl import task\n    import diffusers\n",
+        "ui/tab.py": "from sdxl_lora.cli import main\n"}))
     assert any("core/bad.py:2" in v and "must not import sdxl_lora.sdxl" in v for v in found), found
     assert any("core/bad.py:3" in v and "must not import diffusers" in v for v in found), found
     assert any("ui/tab.py:1" in v and "must not import sdxl_lora.cli" in v for v in found), found
@@ -171,13 +177,10 @@ def test_no_modules_import_each_other_in_a_circle():
 def test_the_check_sees_a_circle_through_a_function_level_import(tmp_path):
     # A lazy import that closes a circle still ties the two modules together: the check must report it, with
     # the files and the lines of the cycle.
-    fake = tmp_path / "sdxl_lora"
-    (fake / "sdxl").mkdir(parents=True)
-    (fake / "__init__.py").write_text("")
-    (fake / "sdxl" / "__init__.py").write_text("")
-    (fake / "sdxl" / "task.py").write_text("from .images import scan\n")
-    (fake / "sdxl" / "images.py").write_text("import os\n\n\ndef scan():\n    from .task import load\n")
-    (fake / "sdxl" / "loss.py").write_text("from . import images\n")  # imports into the circle, not part of it
+    fake = fake_package(tmp_path, {
+        "__init__.py": "", "sdxl/__init__.py": "", "sdxl/task.py": "from .images import scan\n",
+        "sdxl/images.py": "import os\n\n\ndef scan():\n    from .task import load\n",
+        "sdxl/loss.py": "from . import images\n"})  # loss imports into the circle, is not part of it
     found = circles(fake, exceptions=frozenset())
     assert found == ["import circle among sdxl_lora/sdxl/images.py, sdxl_lora/sdxl/task.py: "
                      "sdxl_lora/sdxl/images.py:5 imports sdxl_lora.sdxl.task; "
