@@ -8,7 +8,7 @@ trainable, s the scaling):
   base     F.conv2d(x, W) alone (the floor: a frozen layer without LoRA)
   peft     F.conv2d(x, W) + F.conv2d(F.conv2d(x, A), B) * s, as peft's Conv2d does
   merged   F.conv2d(x, W + s B A): one convolution each way with the delta folded into the weight (the
-           trainer's train.lora_matmul = "merged" for the ResNets' convolutions, sdxl_lora.core.lora_matmul)
+           trainer's train.lora_matmul = "merged" for the ResNets' convolutions, sdxl_lora.sdxl.lora_matmul)
 Prints one JSON row per shape and variant: ms for forward + backward (wall time; --kernel-time: the GPU time of
 its kernels, what a CUDA-graphed step pays), the largest difference of the output and of the gradients from
 peft's. --tiny runs small shapes on the CPU (a smoke test).
@@ -21,7 +21,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from sdxl_lora.core.lora_matmul import lora_conv2d
+from sdxl_lora.sdxl.lora_matmul import lora_conv2d
 from timing import lora_variant_row  # benchmarks/timing.py (this script's folder is on the path)
 
 # name: (C_in, C_out, feature map side at 1024 px, kernel): SDXL's ResNet convolutions at each level, the up

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from lora_grad import lora_dy_products  # benchmarks/lora_grad.py
-from sdxl_lora.core.lora_matmul import _LoRAMerged, lora_linear as trainer_lora_linear
+from sdxl_lora.sdxl.lora_matmul import _LoRAMerged, lora_linear as trainer_lora_linear
 from timing import lora_variant_row  # benchmarks/timing.py (this script's folder is on the path)
 
 

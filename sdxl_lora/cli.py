@@ -125,7 +125,7 @@ def _plan_config(args) -> "Config":  # noqa: F821
 def _preset_report(cfg) -> dict[str, str]:
     """Each field the config's presets name, with its value in the config: the preset's, or yours where you set
     another (which wins)."""
-    from .core import presets
+    from .sdxl import presets
 
     out = {}
     for key, value in presets.settings(cfg.card, cfg.goal).items():
@@ -138,7 +138,7 @@ def _preset_report(cfg) -> dict[str, str]:
 def cmd_presets(args) -> int:
     import json
 
-    from .core import presets
+    from .sdxl import presets
     from .sdxl.plan import card_plans, format_cards
 
     cfg = _plan_config(args)

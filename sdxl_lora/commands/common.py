@@ -49,7 +49,7 @@ def preset_fields(names: list[str] | None) -> dict[str, str]:
     """--preset 8gb,style as {"card": "8gb", "goal": "style"}; a layer preset's name points at --layers."""
     from typing import get_args
 
-    from ..core import presets
+    from ..sdxl import presets
     from ..core.config import AdapterConfig, ConfigError
 
     layers = [n.strip() for item in names or [] for n in item.split(",")

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ..core import config as core
-from ..core import presets
+from . import presets
 from ..core.config import (ADAPTER_KINDS, DEMO_DIR, DEMO_NAME, SAMPLE_DATA, ConfigError, Section, TOMLError,
                            _set_dotted, parse_toml, preset_value)
 

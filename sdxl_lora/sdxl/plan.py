@@ -387,7 +387,7 @@ def _refusal(cfg: Config, card: "Card", unet: nn.Module, native: int, components
             "budget with --vram (train.vram_gb)")
 
 
-# ---- card presets (core/presets.py): each card's budget planned by fit_budget ----
+# ---- card presets (sdxl/presets.py): each card's budget planned by fit_budget ----
 
 @dataclass
 class CardPlan:
@@ -411,7 +411,7 @@ class CardPlan:
 
 def with_card(cfg: Config, name: str) -> Config:
     """cfg with card preset `name`'s settings over it (the card is what varies; none: no budget)."""
-    from ..core.presets import CARDS
+    from .presets import CARDS
 
     c = cfg.model_copy(deep=True)
     c.card, c.train.vram_gb = name, None
@@ -425,7 +425,7 @@ def card_plans(cfg: Config) -> list[CardPlan]:
     """Every card preset for this config's model, adapter, batch and resolution, planned from the model's config
     alone (no weights read)."""
     from ..core.config import ConfigError
-    from ..core.presets import CARDS
+    from .presets import CARDS
     from .model import unet_skeleton
 
     unet, native = unet_skeleton(cfg.model)

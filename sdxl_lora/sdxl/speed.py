@@ -9,7 +9,7 @@
   checkpoint_budget selective activation checkpointing over the UNet's units (checkpoint_units), chosen
                     by core/speed.py for a budget, instead of diffusers' all-or-nothing switch.
   fuse_qkv,         each attention's q/k/v (or k/v) projections as one matmul, and their LoRA (lora_matmul,
-  lora_matmul       core/lora_matmul.py) as one GEMM each way over the weight plus its delta; the
+  lora_matmul       sdxl/lora_matmul.py) as one GEMM each way over the weight plus its delta; the
                     ResNets' LoRA'd convolutions (LoCon) as one convolution each way (merge_lora_convs),
                     the other LoRA'd Linears (feed-forward, proj_in/out) merged too (merge_lora_linears).
 """
@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..core.lora_matmul import (_base_linear, _dequantizable, _lora_factors, _lora_way, conv_input_gradient,
+from .lora_matmul import (base_linear, dequantizable, lora_factors, lora_way, conv_input_gradient,
                                 dora_scale, lora_conv2d, lora_conv_pays, lora_linear, use_tensor_scaling)
 from ..core import speed as core_speed
 from ..core.speed import CheckpointUnit, _raise_recompile_limits, compile_options, compile_varying, sdpa_context
@@ -215,7 +215,7 @@ def _compiled_for_unet(fn: Callable, backend: str, varying: bool = False) -> Cal
 # projections (Attention.fuse_projections) but its fused processor then skips peft's LoRA layers, so this
 # is ours: one matmul for the frozen weights (the three base weights become views of one buffer: no extra
 # memory), one for the LoRA A factors side by side and one for the B factors as a block-diagonal matrix
-# (scaling folded in, read as a tensor: core/lora_matmul.py TensorScaling). The trainable parameters stay
+# (scaling folded in, read as a tensor: sdxl/lora_matmul.py TensorScaling). The trainable parameters stay
 # peft's own, so saving and export are unchanged.
 
 class _FusedWeight(torch.nn.Module):
@@ -238,12 +238,12 @@ class _QuantizedProjections(torch.nn.Module):
 
 def _fused_projections(x: torch.Tensor, fused: torch.nn.Module, layers: tuple, matmul: str = "peft"
                        ) -> list[torch.Tensor]:
-    factors = [_lora_factors(layer, dora=True) for layer in layers]
+    factors = [lora_factors(layer, dora=True) for layer in layers]
     quantized = isinstance(fused, _QuantizedProjections)
     if any(f is None for f in factors) or (quantized and (
-            not any(factors) or _lora_way(matmul, x, fused.in_features) != "merged")):
+            not any(factors) or lora_way(matmul, x, fused.in_features) != "merged")):
         return [layer(x) for layer in layers]  # a quantized base's other ways: peft's own layers
-    widths = [_base_linear(layer).out_features for layer in layers]
+    widths = [base_linear(layer).out_features for layer in layers]
     if not any(factors):
         out = F.linear(x, fused.weight)
     else:
@@ -252,7 +252,7 @@ def _fused_projections(x: torch.Tensor, fused: torch.nn.Module, layers: tuple, m
         if quantized:
             out = lora_linear(x, fused.bases, None, a, b, "merged")
         else:
-            out = lora_linear(x, fused.weight, None, a, b, _lora_way(matmul, x, fused.weight.shape[1]))
+            out = lora_linear(x, fused.weight, None, a, b, lora_way(matmul, x, fused.weight.shape[1]))
         if any(f and f[3] is not None for f in factors):  # DoRA: each projection's columns by its own scale
             out = out * dora_scale(fused.bases if quantized else fused.weight, a, b,
                                    [f[3] if f else None for f in factors], widths, out.dtype).to(out.dtype)
@@ -265,15 +265,15 @@ def _projection(layer: torch.nn.Module, x: torch.Tensor, matmul: str, peft: Call
     layer is a plain LoRA'd or DoRA Linear with a frozen base ("merged" only, for a quantized base), else peft's
     forward (`peft`, else the layer's call)."""
     peft = peft or layer
-    base = _base_linear(layer)
-    way = _lora_way(matmul, x, base.in_features)
-    if _dequantizable(base) and way == "merged":
+    base = base_linear(layer)
+    way = lora_way(matmul, x, base.in_features)
+    if dequantizable(base) and way == "merged":
         weight = (base,)
     elif type(base) is torch.nn.Linear and not base.weight.requires_grad:
         weight = base.weight
     else:
         return peft(x)
-    factors = _lora_factors(layer, dora=True)
+    factors = lora_factors(layer, dora=True)
     if not factors:
         return peft(x)
     a, b, magnitude = factors[0], factors[1] * factors[2], factors[3]
@@ -324,7 +324,7 @@ def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
     its base q/k/v (self-attention) or k/v (cross-attention) weights moved into one buffer they are views
     of. Projections with a bias or of another kind are left alone. `lora_matmul` (train.lora_matmul) is how
     the processor computes its projections' LoRA: "peft" (peft's products) or "merged" (above).
-    Quantized bases (_dequantizable: QLoRA's nf4/fp4, fp8) are fused for "merged" only: their weights are
+    Quantized bases (dequantizable: QLoRA's nf4/fp4, fp8) are fused for "merged" only: their weights are
     dequantized into one buffer per call, the LoRA delta added to it (_LoRAMergedQuantized).
     Returns the number of attentions fused."""
     from diffusers.models.attention_processor import Attention, AttnProcessor2_0
@@ -334,10 +334,10 @@ def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
         if not isinstance(attn, Attention) or type(attn.processor) is not AttnProcessor2_0:
             continue
         names = ("to_k", "to_v") if attn.is_cross_attention else ("to_q", "to_k", "to_v")
-        bases = [_base_linear(getattr(attn, name)) for name in names]
+        bases = [base_linear(getattr(attn, name)) for name in names]
         if any(b.bias is not None for b in bases) or len({(b.in_features, b.weight.device) for b in bases}) != 1:
             continue
-        if all(_dequantizable(b) for b in bases):
+        if all(dequantizable(b) for b in bases):
             if lora_matmul != "merged":  # nothing to gain: peft's layers dequantize one by one anyway
                 continue
             holder = _QuantizedProjections(bases)
@@ -403,7 +403,7 @@ def merge_lora_linears(model: torch.nn.Module) -> int:
     for m in model.modules():
         base = getattr(m, "base_layer", None)
         if (hasattr(m, "lora_A") and id(m) not in inside and base is not None
-                and (_dequantizable(base) or (type(base) is torch.nn.Linear and not base.weight.requires_grad))):
+                and (dequantizable(base) or (type(base) is torch.nn.Linear and not base.weight.requires_grad))):
             m.forward = types.MethodType(_lora_linear_forward, m)
             use_tensor_scaling(m)
             n += 1
@@ -529,12 +529,12 @@ def conv_input_grad(model: torch.nn.Module) -> int:
 # peft computes a LoRA'd convolution as base(x) + B(A(x)) * s: three cuDNN convolutions each way, A's with r
 # output channels (and its weight gradient) far below the memory bandwidth, and two adds of base-sized tensors.
 # train.lora_matmul="merged" computes it as one convolution with W + s B A each way and A's products as GEMMs
-# (core/lora_matmul.py: _LoRAConvMerged), where the feature map is large enough to repay the merged weight,
-# and peft's three convolutions where it is not. Both read the scaling as a tensor (core/lora_matmul.py:
+# (sdxl/lora_matmul.py: _LoRAConvMerged), where the feature map is large enough to repay the merged weight,
+# and peft's three convolutions where it is not. Both read the scaling as a tensor (sdxl/lora_matmul.py:
 # TensorScaling), so ResNets whose convolutions scale differently share one compiled graph.
 
 def _lora_conv_forward(self, x, *args, **kwargs):
-    factors = _lora_factors(self) if not (args or kwargs) else None
+    factors = lora_factors(self) if not (args or kwargs) else None
     if not factors:
         return type(self).forward(self, x, *args, **kwargs)
     a, b, scaling = factors

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 
-from sdxl_lora.core import presets
+from sdxl_lora.sdxl import presets
 from sdxl_lora.core.config import Config, config_class
 from sdxl_lora.core.memory import GiB
 
@@ -80,7 +80,7 @@ def _datasets(cfg: Config) -> str:
     return f"; {n} datasets" + (f" ({regularization} regularization)" if regularization else "")
 
 
-# ---- the presets' dropdowns (core/presets.py) -----------------------------------------------------------
+# ---- the presets' dropdowns (sdxl/presets.py) -----------------------------------------------------------
 
 # The fields a card preset's plan decides: the budget's levers (sdxl/plan.py: changes) and what a card sets.
 CARD_FIELDS = ("train.vram_gb", "train.compile", "train.channels_last", "model.quantize", "model.tiled_vae_encode",

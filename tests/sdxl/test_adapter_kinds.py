@@ -549,7 +549,8 @@ def test_dora_keeps_the_fused_projections_with_peft_loss_and_gradients(tiny_dir,
     from diffusers.models.attention_processor import Attention
     from test_speed import assert_same, batch_for, loss_and_grads
 
-    from sdxl_lora.core import lora_matmul, speed
+    from sdxl_lora.core import speed
+    from sdxl_lora.sdxl import lora_matmul
     from sdxl_lora.sdxl import speed as unet_speed
 
     unet, _ = _trained(tiny_dir, "dora", quantize=quantize)

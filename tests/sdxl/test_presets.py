@@ -1,4 +1,4 @@
-"""Presets (core/presets.py): card presets are budgets the planner fits on SDXL base's real architecture (meta
+"""Presets (sdxl/presets.py): card presets are budgets the planner fits on SDXL base's real architecture (meta
 device: no weights), goal presets set what docs/training.md says, and whatever the user sets wins."""
 import json
 import re
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sdxl_lora.cli import main
-from sdxl_lora.core import presets
+from sdxl_lora.sdxl import presets
 from sdxl_lora.core.config import ConfigError, load_config
 from sdxl_lora.sdxl.plan import card_plans
 

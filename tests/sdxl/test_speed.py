@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sdxl_lora.cli import main
-from sdxl_lora.core import inject, lora_matmul, profile, speed
+from sdxl_lora.core import inject, profile, speed
+from sdxl_lora.sdxl import lora_matmul
 from sdxl_lora.core.config import load_config
 from sdxl_lora.sdxl.config import AdapterConfig
 from sdxl_lora.core.runs import read_events
@@ -449,8 +450,8 @@ def test_merged_lora_matmul_gives_the_same_loss_and_gradients(tiny_dir, tmp_path
     # At SDXL's sizes: peft's products where the weight would cost more than the activations (77 text tokens).
     monkeypatch.undo()
     text, image = torch.empty(2, 77, 2048), torch.empty(16, 1024, 1280)
-    assert lora_matmul._lora_way(matmul, text, 2048) == "peft"
-    assert lora_matmul._lora_way(matmul, image, 1280) == matmul
+    assert lora_matmul.lora_way(matmul, text, 2048) == "peft"
+    assert lora_matmul.lora_way(matmul, image, 1280) == matmul
     # A base weight or bias being trained has no gradient on this path: refused, not silently frozen.
     w = torch.nn.Parameter(torch.randn(6, 4))
     with pytest.raises(ValueError, match="frozen"):
@@ -536,7 +537,7 @@ def test_blocks_whose_lora_scalings_differ_share_compiled_graphs_and_follow_peft
     def way(layer, args):
         x, base = args[0], layer.base_layer
         ways.add(("conv", lora_matmul.lora_conv_pays(x, base.weight, base.stride)) if x.ndim == 4
-                 else ("linear", lora_matmul._lora_way("merged", x, base.in_features)))
+                 else ("linear", lora_matmul.lora_way("merged", x, base.in_features)))
 
     hooks = [m.register_forward_pre_hook(way) for m in reference.modules() if hasattr(m, "lora_A")]
     ref = loss_and_grads(reference, batch)

@@ -29,11 +29,11 @@ from collections.abc import MutableMapping
 import torch
 import torch.nn.functional as F
 
-def _base_linear(layer: torch.nn.Module) -> torch.nn.Module:
+def base_linear(layer: torch.nn.Module) -> torch.nn.Module:
     return getattr(layer, "base_layer", layer)
 
 
-def _dequantizable(base: torch.nn.Module) -> bool:
+def dequantizable(base: torch.nn.Module) -> bool:
     """A frozen quantized Linear of ours that rebuilds its weight (`dequantized(dtype, out=)`): bitsandbytes
     4-bit (nf4/fp4) or fp8 (core/quantize.py). LLM.int8 is not: its product splits outlier columns off,
     which one dequantized weight does not reproduce."""
@@ -51,7 +51,7 @@ def _dequantized(bases: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 class TensorScaling(dict):
     """peft's `layer.scaling` (adapter -> float) that also holds each value in a 0-d fp32 buffer of the layer (not
-    persistent: state_dict, saving and export see peft's floats only), which the fast paths read (_lora_factors).
+    persistent: state_dict, saving and export see peft's floats only), which the fast paths read (lora_factors).
     torch.compile guards on a float's value, so each distinct scaling would compile a region again (past the
     recompile limit, eager); a tensor is a graph input, guarded on its shape, dtype and device only.
 
@@ -132,7 +132,7 @@ def _scaling(layer: torch.nn.Module, adapter: str) -> torch.Tensor | float:
 _NO_LORA = ()
 
 
-def _lora_factors(layer: torch.nn.Module, dora: bool = False) -> tuple | None:
+def lora_factors(layer: torch.nn.Module, dora: bool = False) -> tuple | None:
     """The active plain-LoRA factors of a projection as (A, B, scaling), the scaling a 0-d tensor where the layer
     has one (use_tensor_scaling), else peft's float; _NO_LORA without LoRA, or None where
     fusing would not reproduce its forward: dropout, DoRA (unless `dora`) or another variant, several
@@ -174,7 +174,7 @@ def dora_scale(w: torch.Tensor | tuple, a: torch.Tensor, b: torch.Tensor, magnit
 LORA_WAY_MIN_ROWS_PER_COLUMN = 1.0
 
 
-def _lora_way(matmul: str, x: torch.Tensor, in_features: int) -> str:
+def lora_way(matmul: str, x: torch.Tensor, in_features: int) -> str:
     """train.lora_matmul's way for one product, or "peft" where it would cost more than it saves (SDXL: the
     cross-attention's k/v over 77 text tokens, the 32x32 stages at batch 1). Shapes are fixed per compiled
     graph, so is the choice."""
@@ -317,7 +317,7 @@ def _conv_merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
 def lora_conv_pays(x: torch.Tensor, weight: torch.Tensor, stride) -> bool:
     """Whether "merged" pays for a convolution: the merged weight is read and written each way, so it pays where
     the output has at least LORA_WAY_MIN_ROWS_PER_COLUMN pixels (batch x height x width) per weight column
-    (input channels x kernel size), as for a Linear's rows (_lora_way)."""
+    (input channels x kernel size), as for a Linear's rows (lora_way)."""
     pixels = x.shape[0] * (x.shape[2] // stride[0]) * (x.shape[3] // stride[1])
     return pixels >= LORA_WAY_MIN_ROWS_PER_COLUMN * weight[0].numel()
 
@@ -343,7 +343,7 @@ def lora_linear(x: torch.Tensor, w: torch.Tensor | tuple, bias: torch.Tensor | N
                 b: torch.Tensor, matmul: str) -> torch.Tensor:
     """F.linear(x, w, bias) + F.linear(F.linear(x, a), b) (b with the LoRA scaling in it) for a frozen w and
     bias, computed the `matmul` way ("merged", above, or "peft": peft's products, each its own GEMM); in
-    autocast's dtype as F.linear would run, the factors' gradients reaching them through the casts. `w` may be a tuple of quantized layers (_dequantizable) whose weights, stacked, are W: "merged" only."""
+    autocast's dtype as F.linear would run, the factors' gradients reaching them through the casts. `w` may be a tuple of quantized layers (dequantizable) whose weights, stacked, are W: "merged" only."""
     quantized = isinstance(w, tuple)
     if quantized and matmul != "merged":
         raise ValueError(f"lora_linear over quantized weights is 'merged' only, not {matmul!r}")
