@@ -29,6 +29,10 @@ def _l(text: str, group: str, help: str, common: bool = False) -> Label:
 
 M, D, W, H, S, P, O = GROUPS
 
+# The words a tick box shows for a value of a list field's fixed choices (train.trackers).
+CHOICE_WORDS = {"tensorboard": "TensorBoard", "wandb": "Weights & Biases (offline)"}
+
+
 LABELS: dict[str, Label] = {
     # ---- presets, shown above the groups
     "card": _l("Card preset", M, "Your card's memory: the planner picks the fastest settings that fit; each "

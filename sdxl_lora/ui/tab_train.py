@@ -24,7 +24,7 @@ from .text import error_md, md_text
 from .form import PATH_FIELDS, default_prompts, model_default_prompts, FieldSpec, build_config, follow_kind, schema_fields, to_widget_value
 from .duplicate import form_for, form_values
 from .jobs import Jobs, RunStatus, run_status
-from .labels import DATASET_COLUMNS, GROUPS, LABELS, error_words, label_for
+from .labels import CHOICE_WORDS, DATASET_COLUMNS, GROUPS, LABELS, error_words, label_for
 
 
 # ----------------------------------------------------------------------------------------- the form
@@ -43,7 +43,8 @@ def _widget(spec: FieldSpec, elem_prefix: str = "f-", task: str = "sdxl"):
         return gr.Checkbox(value=value, label=label, info=info, elem_id=elem_id)
     if spec.kind == "picks":
         (allowed,) = get_args(spec.base)
-        return gr.CheckboxGroup(list(get_args(allowed)), value=value, label=label, info=info, elem_id=elem_id)
+        choices = [(CHOICE_WORDS.get(v, v), v) for v in get_args(allowed)]  # the tool's name, the config's value
+        return gr.CheckboxGroup(choices, value=value, label=label, info=info, elem_id=elem_id)
     if spec.kind in ("int", "float") and spec.optional:
         # An empty number box reads as 0 in the page; a text box can say "none" by being empty.
         return gr.Textbox("" if value is None else str(value), label=label, info=info, elem_id=elem_id,

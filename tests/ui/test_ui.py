@@ -314,7 +314,7 @@ def test_train_generate_export_in_the_browser(folders, server, tmp_path):
             # The dashboards: a tick box each, none ticked; one ticked goes into the saved config and back (below).
             trackers = page.locator("#f-train-trackers")
             expect(trackers).to_contain_text("Dashboards")
-            tensorboard, wandb = trackers.get_by_label("tensorboard"), trackers.get_by_label("wandb")
+            tensorboard, wandb = trackers.get_by_label("TensorBoard"), trackers.get_by_label("Weights & Biases (offline)")
             expect(tensorboard).not_to_be_checked()
             expect(wandb).not_to_be_checked()
             tensorboard.check()

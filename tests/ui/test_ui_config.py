@@ -125,6 +125,7 @@ def test_the_dashboards_are_tick_boxes_that_round_trip_through_a_saved_config(fo
     allowed = get_args(get_args(Config.model_fields["train"].annotation.model_fields["trackers"].annotation)[0])
     assert isinstance(box, gr.CheckboxGroup) and box.label == "Dashboards"
     assert [value for _, value in box.choices] == list(allowed) == ["tensorboard", "wandb"] and box.value == []
+    assert [word for word, _ in box.choices] == ["TensorBoard", "Weights & Biases (offline)"]  # the tools' names
     values = _values(form, ["ohwx"], [dataset_table.blank("ohwx")], train__trackers=["wandb", "tensorboard"],
                      output__name="dash")
     path, _ = config_file.save(form, values, None)
