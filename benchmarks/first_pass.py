@@ -65,7 +65,7 @@ def main() -> None:
     unet.train()
     data = inputs(unet, args.batch, device)
     task, run = our_task(cfg, device, data)
-    task._speed_setup(unet, run)  # the trainer's levers; sets cudnn.benchmark as a run does
+    task.unet_call.setup(unet, run)  # the trainer's levers; sets cudnn.benchmark as a run does
     if args.no_cudnn_benchmark:
         torch.backends.cudnn.benchmark = False
     if args.benchmark_limit is not None:

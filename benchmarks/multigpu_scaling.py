@@ -78,7 +78,7 @@ def synthetic_task(cfg, unet_config: dict, latent_side: int, samples: int = 16):
             # One bucket of 1024 positions: BucketBatchSampler shards it exactly as it shards a real dataset.
             items = [Item(Path(f"{i}.png"), "", 1, (px, px), (px, px), Path("."), False) for i in range(1024)]
             self.dataset = Dataset(items, [], px, 64)
-            self._speed_setup(unet, run)  # checkpointing, channels_last, compile, CUDA graphs: as configured
+            self.unet_call.setup(unet, run)  # checkpointing, channels_last, compile, CUDA graphs: as configured
 
         def dataloader(self, shard: bool = True):
             import torch

@@ -245,7 +245,7 @@ def bench(unet, batch, steps, warmup, device, mode, cfg, profile=0, top=15, shap
 
         task, run = our_task(cfg, device, data)
         t_setup = time.perf_counter()
-        task._speed_setup(unet, run)  # every train.* lever, as the trainer's set-up applies them
+        task.unet_call.setup(unet, run)  # every train.* lever, as the trainer's set-up applies them
         setup_s = time.perf_counter() - t_setup
         if task.unet_call.state is not CallState.EAGER:
             # The check's passes compile (with train.compile) and capture: counted in the first step.

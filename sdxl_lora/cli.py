@@ -14,8 +14,8 @@ training.stay_offline()  # before anything imports transformers or diffusers
 
 # The sub-command groups and what the commands share; imported after stay_offline, like everything else here.
 from .commands import adapters, llm  # noqa: E402
-from .commands.common import (PRESET_HELP, TRAIN_FLAGS, card_for, config_from_args, preset_fields,  # noqa: E402
-                              resume_job, train_job)
+from .commands.common import (PRESET_HELP, TRAIN_FLAGS, add_config_arguments, card_for,  # noqa: E402
+                              config_from_args, preset_fields, resume_job, train_job)
 
 
 def cmd_train(args) -> int:
@@ -32,7 +32,7 @@ def cmd_generate(args) -> int:
 
     from .sdxl.config import ModelConfig
     from .core.fsutil import check_destination
-    from .core.runs import relpath
+    from .core.fsutil import relpath
     from .sdxl.formats.merge import applied
     from .sdxl.model import load_pipeline, native_resolution
     from .sdxl.preview import Sampler, grid, render, save_png
@@ -230,12 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train an adapter (no arguments: the demo base, tiny-sdxl-demo, on sample_data/)")
-    t.add_argument("config", nargs="?", help="TOML config file")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set train.lr=1e-4 (repeatable)")
-    for flag, field, typ, help_ in TRAIN_FLAGS:
-        kw = {"action": "append"} if field == "data.dirs" else {}
-        t.add_argument(flag, type=typ, help=f"{help_} [{field}]", **kw)
+    add_config_arguments(t, TRAIN_FLAGS, "train.lr=1e-4")
     t.add_argument("--preset", action="append", metavar="NAME[,NAME]", help=PRESET_HELP)
     t.add_argument("--overwrite", action="store_true", help="replace an existing run folder of the same name")
     t.add_argument("--resume", metavar="RUN_DIR|latest",

@@ -285,7 +285,7 @@ def _stop_at_once(job: Job):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    from .core.runs import relpath
+    from .core.fsutil import relpath
 
     def stop(signum, frame):
         name = signal.Signals(signum).name
@@ -310,7 +310,7 @@ def report(outcome: Outcome) -> list[str]:
     state is and how to go on."""
     if not outcome.main_process:
         return []
-    from .core.runs import relpath
+    from .core.fsutil import relpath
 
     job, result = outcome.job, outcome.result
     if result.interrupted:
@@ -338,7 +338,7 @@ def report(outcome: Outcome) -> list[str]:
 
 def _llm_summary(run: "Run", result: "Result") -> list[str]:
     """The first and last preview answers side by side, then the adapter and the eval loss."""
-    from .core.runs import relpath
+    from .core.fsutil import relpath
     from .llm.preview import read_answers
 
     lines = []

@@ -96,7 +96,7 @@ def _read_adapter(args, verb: str, redirect=None, source: str | None = None, tab
 
 def cmd_export(args) -> int:
     from ..sdxl.formats.export import AdapterError, export_adapter
-    from ..core.runs import relpath
+    from ..core.fsutil import relpath
 
     try:
         src, table, adapter = _read_adapter(args, "export", _true_alpha_source if args.true_alpha and
@@ -129,7 +129,7 @@ def _layer_progress():
 
 
 def cmd_resize(args) -> int:
-    from ..core.runs import relpath
+    from ..core.fsutil import relpath
     from ..sdxl.formats.export import AdapterError, check_dest, export_adapter
     from ..sdxl.formats.merge import parse_lora_arg
     from ..sdxl.formats.resize import provenance, resize_adapters
@@ -160,7 +160,7 @@ def cmd_resize(args) -> int:
 
 
 def cmd_extract(args) -> int:
-    from ..core.runs import relpath
+    from ..core.fsutil import relpath
     from ..sdxl.formats.export import AdapterError, check_dest, export_adapter, layer_table
     from ..sdxl.formats.extract import extract_adapter
 
@@ -198,7 +198,7 @@ def cmd_inspect(args) -> int:
 def cmd_merge(args) -> int:
     from ..sdxl.formats.export import AdapterError
     from ..sdxl.formats.merge import merge_checkpoint, parse_lora_arg
-    from ..core.runs import relpath
+    from ..core.fsutil import relpath
 
     loras = [parse_lora_arg(a) for a in args.lora]
     try:

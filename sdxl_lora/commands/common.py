@@ -24,6 +24,20 @@ TRAIN_FLAGS = [
 ]
 
 
+# Fields whose flag repeats (--data A --data B): a list.
+LIST_FIELDS = ("data.dirs", "llm.data")
+
+
+def add_config_arguments(parser, flags, example: str) -> None:
+    """A train command's CONFIG file, --set (`example`: a KEY=VALUE for its help) and its flags."""
+    parser.add_argument("config", nargs="?", help="TOML config file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override a config field, e.g. --set {example} (repeatable)")
+    for flag, field, typ, help_ in flags:
+        parser.add_argument(flag, type=typ, help=f"{help_} [{field}]",
+                            **({"action": "append"} if field in LIST_FIELDS else {}))
+
+
 PRESET_HELP = ("recommended settings where yours are silent: a card (6gb, 8gb, 12gb, 16gb, 16gb-fast, 24gb, "
                "24gb-fast, 48gb, none) and/or a goal (character, style, concept), e.g. 8gb,style [card, goal]")
 
@@ -38,7 +52,7 @@ def config_from_args(args, flags=None, **fixed) -> "Config":  # noqa: F821
         value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if value is None:
             continue
-        extra[field] = list(value) if field in ("data.dirs", "llm.data") else value
+        extra[field] = list(value) if field in LIST_FIELDS else value
     if getattr(args, "overwrite", False):
         extra["output.overwrite"] = True
     extra.update(preset_fields(getattr(args, "preset", None)))

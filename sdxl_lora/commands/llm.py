@@ -5,7 +5,7 @@ import logging
 from pathlib import Path
 
 from .. import training
-from .common import card_for, config_from_args, resume_job, train_job
+from .common import add_config_arguments, card_for, config_from_args, resume_job, train_job
 
 LLM_FLAGS = [
     ("--model", "model.path", str, "local transformers causal-LM folder, or tiny-llm"),
@@ -157,7 +157,7 @@ def cmd_llm_merge(args) -> int:
     import torch
 
     from ..llm.export import adapter_folder, merge_adapter
-    from ..core.runs import relpath
+    from ..core.fsutil import relpath
 
     adapter = adapter_folder(args.adapter)
     base, quant = _adapter_base(adapter, args.model)
@@ -179,12 +179,7 @@ def add_parser(sub) -> None:
     lp = sub.add_parser("llm", help="LoRA/QLoRA for causal language models (docs/llm.md)")
     lsub = lp.add_subparsers(dest="llm_command", required=True)
     t = lsub.add_parser("train", help="train an adapter (no arguments: the embedded tiny Llama on sample_data/llm)")
-    t.add_argument("config", nargs="?", help="TOML config file")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set llm.max_length=1024 (repeatable)")
-    for flag, field, typ, help_ in LLM_FLAGS:
-        kw = {"action": "append"} if field == "llm.data" else {}
-        t.add_argument(flag, type=typ, help=f"{help_} [{field}]", **kw)
+    add_config_arguments(t, LLM_FLAGS, "llm.max_length=1024")
     t.add_argument("--overwrite", action="store_true", help="replace an existing run folder of the same name")
     t.add_argument("--resume", metavar="RUN_DIR|latest", help="continue a run from its newest complete state")
     t.set_defaults(func=cmd_llm_train)

@@ -249,7 +249,6 @@ class OutputConfig(Section):
     overwrite: bool = Field(False, description="Replace an existing run of the same name.")
 
 
-
 class Config(Section):
     """The sections every task reads. A task's config (TASK_CONFIGS) subclasses it, and its sections these."""
     task: Literal[TASKS] = Field("sdxl", description=(

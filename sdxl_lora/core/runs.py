@@ -24,7 +24,6 @@ from typing import Any
 
 from .config import Config
 from .fsutil import clear_interrupted, fsync_dir, process_alive, subfolders, temp_prefix
-from .fsutil import relpath  # noqa: F401  (where the front ends and tasks import it from)
 
 
 PID_FILE = "train.pid"

@@ -27,6 +27,7 @@ from ..core.config import TOMLError, parse_toml
 from ..core.fsutil import atomic_save
 from ..core.inject import dequantized_for_inference, merged_for_inference
 from ..core.speed import cudnn_search
+from .baseline import previews_key
 from .captions import live_text
 from .memory import preview_batch
 from .speed import stock_attention
@@ -509,7 +510,7 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     started = time.perf_counter()
     mp = task.accelerator.mixed_precision
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
-    key = task.baseline_previews_key() if step == 0 else None
+    key = previews_key(task) if step == 0 else None
     store = task.cache.root / "previews" / key if key else None
     images = _cached_images(store, len(prompts)) if store is not None else None
     reused = images is not None

@@ -164,7 +164,7 @@ class SDXLTask(Task):
         # Frozen weights in the compute dtype; the adapter stays fp32 (apply_plan does that).
         unet.to(self.device, dtype=_DTYPES.get(accelerator.mixed_precision, torch.float32))
         self._inject_adapter(unet, run)
-        self._speed_setup(unet, run)
+        self.unet_call.setup(unet, run)  # the speed levers and how training calls run (sdxl/unet_call.py)
         log.info("adapter plan: %s", inject.plan_summary(self.plan))
         # The layer table in the run's train.log, and in the terminal with -v (training.setup_logging: detail).
         log.info("adapter plan, by layer group:\n%s", inject.format_plan(self.plan), extra={"detail": True})
@@ -417,10 +417,6 @@ class SDXLTask(Task):
             self._run.event("rank_schedule", step=step, base_rank=target, trainable_params=self.plan.trainable_params,
                             groups=self.plan.groups())
         return True
-
-    def _speed_setup(self, unet, run: Run) -> None:
-        """The train.* speed levers on the UNet and how its training calls run (sdxl/unet_call.py)."""
-        self.unet_call.setup(unet, run)
 
     def compiled(self) -> None:
         """The regions compiled (and ran): a later run like this one finds the compile cache warm, which
@@ -858,10 +854,6 @@ class SDXLTask(Task):
 
     def preview(self, model, run: Run, step: int) -> list[Path]:
         return render_previews(self, model, run, step)
-
-    def baseline_previews_key(self) -> str | None:
-        """The step-0 previews' cache key (sdxl/baseline.py), or None where previews render nothing."""
-        return baseline.previews_key(self)
 
     def evaluate_before(self, model) -> float:
         """The step-0 eval loss, from the cache where an earlier run measured the same base on the same images

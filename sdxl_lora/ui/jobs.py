@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdxl_lora.core.config import Config
-from sdxl_lora.core.fsutil import atomic_write_text
-from sdxl_lora.core.runs import (PID_FILE, default_run_name, process_alive, read_events, read_phase, read_progress,
+from sdxl_lora.core.fsutil import atomic_write_text, process_alive
+from sdxl_lora.core.runs import (PID_FILE, default_run_name, read_events, read_phase, read_progress,
                                  training_pid)
 
 from .folders import Folders

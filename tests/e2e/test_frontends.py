@@ -204,7 +204,7 @@ def test_resume_latest_skips_finished_runs(tmp_path):
 
 
 def test_paths_outside_the_working_folder_print_as_given(tmp_path, monkeypatch):
-    from sdxl_lora.core.runs import relpath
+    from sdxl_lora.core.fsutil import relpath
 
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")

@@ -495,17 +495,17 @@ def test_a_16_bit_run_keeps_no_cast_copy_of_the_adapters_inputs_and_trains_the_s
     export run (every UNet call of the run is under autocast)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from sdxl_lora.sdxl.task import SDXLTask
+    from sdxl_lora.sdxl.unet_call import UNetCall
     from sdxl_lora.training import fit, new_job
 
     flags = []
-    setup = SDXLTask._speed_setup
+    setup = UNetCall.setup
 
     def recording(self, unet, run):  # each adapter layer's cast switch once the levers are set
         setup(self, unet, run)
         flags.append({m.cast_input_dtype_enabled for m in unet.modules() if isinstance(m, BaseTunerLayer)})
 
-    monkeypatch.setattr(SDXLTask, "_speed_setup", recording)
+    monkeypatch.setattr(UNetCall, "setup", recording)
     common = {"adapter.kind": kind, "train.steps": 2, "train.mixed_precision": "bf16", "train.save_every": 0}
     if kind == "loha":
         common["adapter.preset"] = "attn"

@@ -744,7 +744,7 @@ def test_geglu_backward_matches_autograd_in_bf16():
 
 
 def test_regional_compile_with_channels_last_keeps_the_resnets_backward_graphs_in_layout(tiny_dir, monkeypatch):
-    """The trainer's set-up (SDXLTask._speed_setup) with train.compile="regional" and channels_last: the
+    """The trainer's set-up (UNetCall.setup) with train.compile="regional" and channels_last: the
     convolutions' input gradients go the compiled, channels_last way, and the training signal is the same."""
     import types
 
@@ -765,7 +765,7 @@ def test_regional_compile_with_channels_last_keeps_the_resnets_backward_graphs_i
     task = SDXLTask(load_config(extra={"train.compile": "regional", "train.channels_last": True}))
     task.device = torch.device("cpu")
     task.dataset = types.SimpleNamespace(bucket_histogram=lambda: {(128, 128): 4})  # one bucket: static shapes
-    task._speed_setup(unet, types.SimpleNamespace(event=lambda *a, **k: None))
+    task.unet_call.setup(unet, types.SimpleNamespace(event=lambda *a, **k: None))
     convs = [m for b in unet.modules() if type(b).__name__ in ("ResnetBlock2D", "Upsample2D") for m in b.modules()
              if type(m) is torch.nn.Conv2d]
     assert convs and all(m.forward.__func__ is unet_speed._conv_forward for m in convs)
@@ -976,17 +976,16 @@ def _two_bucket_run(tmp_path) -> list[str]:
 def _graphs_as_on_cuda(monkeypatch, stand_in) -> None:
     """The SDXL task's training calls go through `stand_in` (in place of speed.GraphedCall), as set-up decides on
     a CUDA GPU with train.cuda_graphs: CUDA graphs cannot run on a CPU."""
-    from sdxl_lora.sdxl.task import SDXLTask
-    from sdxl_lora.sdxl.unet_call import CallState
+    from sdxl_lora.sdxl.unet_call import CallState, UNetCall
 
     monkeypatch.setattr(speed, "GraphedCall", stand_in)
-    speed_setup = SDXLTask._speed_setup
+    speed_setup = UNetCall.setup
 
     def on_cuda(self, unet, run):
         speed_setup(self, unet, run)
-        self.unet_call.state = CallState.CAPTURE
+        self.state = CallState.CAPTURE
 
-    monkeypatch.setattr(SDXLTask, "_speed_setup", on_cuda)
+    monkeypatch.setattr(UNetCall, "setup", on_cuda)
 
 
 def test_the_steps_graphs_are_released_before_the_final_evaluation_and_previews(tmp_path, monkeypatch):
