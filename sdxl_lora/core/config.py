@@ -24,9 +24,6 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DATA = REPO_ROOT / "sample_data"
-# The shipped demo base (model.path = "tiny-sdxl-demo"): the tiny SDXL pretrained on shapes.
-DEMO_NAME = "tiny-sdxl-demo"
-DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / DEMO_NAME
 
 # Each task's config class, "module:Class", as an entry-point table names a plugin. The core names a task's
 # config by this string and imports it (importlib, no import statement) only when a config of that task is
@@ -54,9 +51,8 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    path: str = Field("tiny-sdxl-demo", description=(
-        "Base model: 'tiny-sdxl-demo' (the shipped demo), 'tiny-sdxl' (random weights), a diffusers SDXL folder or "
-        "a single-file .safetensors; for the LLM task 'tiny-llm' or a transformers causal-LM folder."))
+    # Each task's ModelConfig overrides the default with its own embedded model and says what it takes.
+    path: str = Field("", description="Base model; empty: the task's own embedded default model.")
     cache_dir: str = Field(str(REPO_ROOT / ".cache" / "models"), description=(
         "Where the built-in tiny models are written out (once) as model folders."))
     # QLoRA (docs/qlora.md): the adapter itself always trains in full precision.

@@ -4,10 +4,24 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..core import config as core
 from ..core.config import SAMPLE_DATA, Section
+
+TINY_LLM = "tiny-llm"  # the embedded tiny Llama (llm/tiny.py), the LLM's default model
+
+
+class ModelConfig(core.ModelConfig):
+    """The causal LM's [model]: the core's fields, its own default model."""
+    path: str = Field(TINY_LLM, description="Base model: 'tiny-llm' (the embedded tiny Llama) or a transformers "
+                                            "causal-LM folder.")
+
+    @field_validator("path")
+    @classmethod
+    def _embedded(cls, v: str) -> str:
+        # Empty, or SDXL's embedded names in a config saved before the LLM had its own default: the tiny Llama.
+        return TINY_LLM if v in ("", "tiny-sdxl-demo", "tiny-sdxl") else v
 
 
 class LLMConfig(Section):
@@ -71,15 +85,9 @@ class AdapterConfig(core.AdapterConfig):
 class CausalLMConfig(core.Config):
     """A config of the causal-LM task: the core's sections, adapter.init and [llm]."""
     task: Literal["llm"] = Field("llm", description=core.Config.model_fields["task"].description)
+    model: ModelConfig = Field(default_factory=ModelConfig)
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     llm: LLMConfig = Field(default_factory=LLMConfig)
-
-    @model_validator(mode="after")
-    def _llm_model(self) -> "CausalLMConfig":
-        # The SDXL default model means "the embedded one": for an LLM run that is the tiny Llama.
-        if self.model.path in ("tiny-sdxl-demo", "tiny-sdxl"):
-            self.model.path = "tiny-llm"
-        return self
 
     @model_validator(mode="after")
     def _init_fits_the_base(self) -> "CausalLMConfig":

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from ..core.config import Config, ModelConfig
-from .config import LLMConfig
+from ..core.config import Config
+from .config import TINY_LLM, LLMConfig, ModelConfig
 from ..core.weights import PickleWeights, WeightFileError, read_json, weight_files
-from .tiny import TINY_LLM, materialize_tiny_llm
+from .tiny import materialize_tiny_llm
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import torch
 
 from ..core.config import SAMPLE_DATA
 from ..core.fsutil import build_folder_once
+from .config import TINY_LLM
 
-TINY_LLM = "tiny-llm"
 # Bump when the architecture, the tokenizer or the build changes, so old copies are not reused.
 TINY_VERSION = 2
 

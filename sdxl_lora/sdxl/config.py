@@ -15,10 +15,14 @@ from pydantic import Field, field_validator, model_validator
 
 from ..core import config as core
 from . import presets
-from ..core.config import (ADAPTER_KINDS, DEMO_DIR, DEMO_NAME, SAMPLE_DATA, ConfigError, Section, TOMLError,
-                           _set_dotted, parse_toml, preset_value)
+from ..core.config import (ADAPTER_KINDS, SAMPLE_DATA, ConfigError, Section, TOMLError, _set_dotted, parse_toml,
+                           preset_value)
 
 log = logging.getLogger(__name__)
+
+# The shipped demo base (model.path = "tiny-sdxl-demo"): the tiny SDXL pretrained on shapes, SDXL's default model.
+DEMO_NAME = "tiny-sdxl-demo"
+DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / DEMO_NAME
 
 # A model folder may hold the training settings it is meant to be trained with (TOML sections as in a
 # config, no [model]): they apply wherever the user's config is silent. A 9M-parameter base wants other
@@ -30,6 +34,9 @@ _EXTENSION = re.compile(r"\.[A-Za-z0-9_.-]{1,32}")
 
 class ModelConfig(core.ModelConfig):
     """SDXL's [model]: the core's fields, the tokenizers of a single file, the UNet's prediction, its storage."""
+    path: str = Field(DEMO_NAME, description=(
+        "Base model: 'tiny-sdxl-demo' (the shipped demo), 'tiny-sdxl' (random weights), a diffusers SDXL folder or "
+        "a single-file .safetensors."))
     tokenizer: str | None = Field(None, description=(
         "Folder holding tokenizer/ and tokenizer_2/, for single-file checkpoints (they carry none)."))
     prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field("auto", description=(
@@ -40,6 +47,11 @@ class ModelConfig(core.ModelConfig):
     tiled_vae_encode: bool = Field(False, description=(
         "Encode images in tiles when caching latents: far less memory at full size; the latents differ slightly "
         "near tile seams. train.vram_gb turns it on where the budget needs it."))
+
+    @field_validator("path")
+    @classmethod
+    def _embedded(cls, v: str) -> str:
+        return v or DEMO_NAME  # empty means the task's embedded default (core.ModelConfig.path)
 
 
 class DataConfig(Section):
@@ -431,7 +443,7 @@ def _read_recommended(tree: dict) -> tuple[dict, dict, Path | None]:
     """The RECOMMENDED_SETTINGS file of the model a (not yet validated) config tree names, parsed into its
     general settings and its [kind.<kind>.*] ones: ({}, {}, None) when the model folder has none."""
     model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
-    name = str(model.get("path", ModelConfig.model_fields["path"].default))
+    name = str(model.get("path") or DEMO_NAME)  # unset or empty: the demo base (ModelConfig.path)
     folder = DEMO_DIR if name == DEMO_NAME else Path(name).expanduser()
     path = folder / RECOMMENDED_SETTINGS
     if not path.is_file():

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.config import DEMO_DIR, DEMO_NAME, ModelConfig
 from ..core.weights import (PickleWeights, WeightFileError, float_dtypes, read_json, shape_problems,
                             stored_float_dtype, weight_files)
+from .config import DEMO_DIR, DEMO_NAME, ModelConfig
 from .demo.tiny import TINY_NAME, materialize_tiny
 
 # diffusers folder layout of an SDXL pipeline: what must be there for from_pretrained to work.

@@ -365,7 +365,8 @@ def default_prompts(model_path: str, items: list, captions: list[str]) -> list[P
     trigger word in), spread over the dataset, all at the size of the dataset's most common bucket: prompts of
     one size render in one pipeline call on a GPU (render's batch), where one call per size would leave the GPU
     waiting on the host (benchmarks/RESULTS.md#previews-and-evaluation)."""
-    from ..core.config import DEMO_NAME, SAMPLE_DATA
+    from ..core.config import SAMPLE_DATA
+    from .config import DEMO_NAME
 
     if model_path == DEMO_NAME:
         return read_prompts(SAMPLE_DATA / "prompts.txt")

@@ -12,19 +12,16 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdxl_lora.core.config import ModelConfig
+# The built-in models' names come from the task configs: importing sdxl.demo.tiny or llm.tiny would pull in
+# torch, which the page does not need until it trains, renders or plans.
+from sdxl_lora.llm.config import TINY_LLM
+from sdxl_lora.sdxl.config import DEMO_NAME
 from sdxl_lora.sdxl.images import IMAGE_EXTENSIONS
-
-
-# The default model's name (the shipped demo base, "tiny-sdxl-demo") is the schema's default (importing
-# sdxl.demo.tiny would pull in torch, which the page does not need until it trains, renders or plans).
-TINY = ModelConfig.model_fields["path"].default
-TINY_LLM = "tiny-llm"  # the embedded tiny causal LM (sdxl_lora/llm/tiny.py)
 
 
 def is_builtin(model: str) -> bool:
     """The shipped demo base or the random-weights tiny SDXL: made by the package, in no folder of the page."""
-    return model in (TINY, "tiny-sdxl")
+    return model in (DEMO_NAME, "tiny-sdxl")
 
 
 class PathRefused(ValueError):
@@ -115,7 +112,7 @@ def model_choices(models: Path) -> list[str]:
     single .safetensors checkpoints under the models folder (relative paths). A materialised copy of the
     random-weights tiny SDXL is not offered."""
 
-    out = [TINY]
+    out = [DEMO_NAME]
     for folder, dirs, files in os.walk(models):
         here = Path(folder)
         if (here / "model_index.json").is_file():

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import gradio as gr
 
-from .folders import TINY, Folders, PathRefused, model_choices
+from sdxl_lora.sdxl.config import DEMO_NAME
+
+from .folders import Folders, PathRefused, model_choices
 from .text import error_md
 
 N_ADAPTERS = 3
@@ -105,7 +107,7 @@ def generate(f: Folders, pipes: Pipelines, model, prompt, negative, seed, steps,
 def build(f: Folders, pipes: Pipelines, pickers):
     with gr.Row():
         with gr.Column(scale=2):
-            model = gr.Dropdown(model_choices(f.models), value=TINY, allow_custom_value=True, label="base model",
+            model = gr.Dropdown(model_choices(f.models), value=DEMO_NAME, allow_custom_value=True, label="base model",
                                 elem_id="gen-model")
             rows = []
             for i in range(N_ADAPTERS):

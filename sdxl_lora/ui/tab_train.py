@@ -13,12 +13,13 @@ from pathlib import Path
 import gradio as gr
 
 from sdxl_lora.core.config import Config, ConfigError, SAMPLE_DATA, config_class, load_config, preset_value
-from sdxl_lora.sdxl.config import kind_recommendations
+from sdxl_lora.llm.config import TINY_LLM
+from sdxl_lora.sdxl.config import DEMO_NAME, kind_recommendations
 from sdxl_lora.core.fsutil import atomic_write_text
 from sdxl_lora.core.runs import read_events
 
 from . import config_file, dataset_table
-from .folders import TINY, TINY_LLM, Folders, PathRefused, image_folders, jsonl_files, llm_model_choices, model_choices
+from .folders import Folders, PathRefused, image_folders, jsonl_files, llm_model_choices, model_choices
 from .summary import CARD_FIELDS, GOAL_FIELDS, card_choices, card_fill, goal_fill, run_summary
 from .text import error_md, md_text
 from .form import PATH_FIELDS, default_prompts, model_default_prompts, FieldSpec, build_config, follow_kind, schema_fields, to_widget_value
@@ -299,7 +300,7 @@ class Form:
         if not dirs:
             raise ConfigError(f"{label_for(self.data_key, self.task).text}: pick at least one under the datasets "
                               f"folder {self.f.datasets}")
-        embedded = TINY if self.task == "sdxl" else TINY_LLM
+        embedded = DEMO_NAME if self.task == "sdxl" else TINY_LLM
         paths = [str(self.f.inside(d, "datasets")) for d in dirs]
         datasets = dataset_table.tables(self.f, dirs, table[0]) if table and self.task == "sdxl" else []
         fixed = {

@@ -308,7 +308,7 @@ def test_training_loads_the_frozen_unet_in_its_compute_dtype_and_a_base_to_quant
     assert all(torch.equal(a, b) for a, b in zip(bf16.unet.state_dict().values(), placed.unet.state_dict().values()))
     # Training reads the text encoders as their files store them (the demo base's: fp16; the tiny model's: fp32)
     # and casts them to fp32 only when they encode.
-    from sdxl_lora.core.config import DEMO_DIR
+    from sdxl_lora.sdxl.config import DEMO_DIR
 
     for folder, dtype in ((DEMO_DIR, torch.float16), (tiny_dir, torch.float32)):
         stored = load_pipeline(ModelConfig(path=str(folder)), encoders_as_stored=True)

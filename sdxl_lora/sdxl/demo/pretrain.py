@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors.torch import save_file
 
-from ...core.config import DEMO_DIR, Config
-from ..config import PreviewConfig, SDXLConfig, TrainConfig
+from ...core.config import Config
+from ..config import DEMO_DIR, PreviewConfig, SDXLConfig, TrainConfig
 from ...core.fsutil import atomic_save
 from ...core.runs import Run
 from ...core.task import Task
