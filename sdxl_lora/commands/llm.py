@@ -109,11 +109,11 @@ def _adapter_base(adapter: Path, model: str | None) -> tuple[Path, tuple]:
     """The base model folder (given, or the one the adapter names) and the quantization it trained with."""
     from safetensors import safe_open
 
-    from ..core.config import ModelConfig
+    from ..llm.config import TINY_LLM, ModelConfig
     from ..llm.export import ADAPTER_WEIGHTS, read_adapter_config
     from ..llm.model import resolve_llm_path
 
-    base = model or read_adapter_config(adapter).get("base_model_name_or_path") or "tiny-llm"
+    base = model or read_adapter_config(adapter).get("base_model_name_or_path") or TINY_LLM
     with safe_open(str(adapter / ADAPTER_WEIGHTS), "pt") as f:
         meta = f.metadata() or {}
     q = meta.get("sdxl_lora.quantize", "none")
@@ -124,8 +124,7 @@ def _adapter_base(adapter: Path, model: str | None) -> tuple[Path, tuple]:
 def cmd_llm_generate(args) -> int:
     import torch
 
-    from ..core.config import ModelConfig
-    from ..llm.config import LLMConfig
+    from ..llm.config import TINY_LLM, LLMConfig, ModelConfig
     from ..llm.data import chat_template
     from ..llm.export import adapter_folder, load_with_adapter
     from ..llm.model import check_causal_lm_folder, load_tokenizer, resolve_llm_path
@@ -140,7 +139,7 @@ def cmd_llm_generate(args) -> int:
     else:
         from transformers import AutoModelForCausalLM
 
-        base = resolve_llm_path(ModelConfig(path=args.model or "tiny-llm"))
+        base = resolve_llm_path(ModelConfig(path=args.model or TINY_LLM))
         check_causal_lm_folder(base)
         tok = load_tokenizer(base)
         model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype, local_files_only=True,

@@ -31,9 +31,10 @@ class RunView:
     """A run's config, checkpoints and losses, and the model its layer names refer to."""
 
     def __init__(self, f: Folders, name: str):
-        from sdxl_lora.core.config import ModelConfig, load_config
+        from sdxl_lora.core.config import load_config
         from sdxl_lora.core.runs import read_events
         from sdxl_lora.sdxl.compare import checkpoint_losses, run_checkpoints
+        from sdxl_lora.sdxl.config import ModelConfig
         from sdxl_lora.sdxl.model import resolve_model_path
 
         if not name:

@@ -42,7 +42,8 @@ def source_choices(f: Folders) -> list[str]:
 
 def _source(f: Folders, choice: str) -> tuple[Path, str | Path | None, Path]:
     """(adapter file, the model its layer names refer to, the folder exports go to)."""
-    from sdxl_lora.core.config import ModelConfig, load_config
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.sdxl.config import ModelConfig
     from sdxl_lora.sdxl.model import resolve_model_path
 
     p = adapter_path(f, choice)

@@ -32,8 +32,8 @@ class _Weights:
     read opens the file and closes it again, so the pages safetensors maps are not kept by the process."""
 
     def __init__(self, model: str | Path, role: str):
-        from ...core.config import ModelConfig
         from ...core.weights import header_shapes, read_json, weight_files
+        from ..config import ModelConfig
         from ..model import COMPONENTS, check_folder, resolve_model_path, single_file_configs
         from .single_file import SDXL_BASE_CONFIG_DIR, check_single_file, unet_diffusers_to_sgm
 

@@ -230,7 +230,7 @@ def layer_table(model=None) -> kohya.LayerTable:
     if model is None or str(model) == "arch:sdxl":  # SDXL base's configs (model.ARCH_SDXL)
         return kohya.LayerTable.from_config_dir(None)
     if isinstance(model, (str, Path)):
-        from ...core.config import ModelConfig
+        from ..config import ModelConfig
         from ..model import resolve_model_path
 
         p = resolve_model_path(ModelConfig(path=str(model)))
