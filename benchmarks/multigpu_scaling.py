@@ -48,7 +48,7 @@ def synthetic_task(cfg, unet_config: dict, latent_side: int, samples: int = 16):
 
             from sdxl_lora.core import inject
             from sdxl_lora.sdxl import slots as unet_slots
-            from sdxl_lora.sdxl.data import Dataset, Item
+            from sdxl_lora.sdxl.dataset import Dataset, Item
 
             self.accelerator, self._run, self.device = accelerator, run, accelerator.device
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
@@ -83,8 +83,8 @@ def synthetic_task(cfg, unet_config: dict, latent_side: int, samples: int = 16):
         def dataloader(self, shard: bool = True):
             import torch
 
-            from sdxl_lora.sdxl.data import BucketBatchSampler
             from sdxl_lora.sdxl.batches import sample_key
+            from sdxl_lora.sdxl.buckets import BucketBatchSampler
 
             acc, pool, seed = self.accelerator, self.pool, self.cfg.train.seed
 

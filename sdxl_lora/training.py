@@ -396,7 +396,7 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
     from .core.config import ConfigError, MissingPackage
     from .llm.data import DataError as LLMDataError
     from .llm.model import LLMModelError
-    from .sdxl.data import DataError
+    from .sdxl.dataset import DataError
     from .sdxl.model import ModelError
     from .sdxl.formats.single_file import SingleFileError
 

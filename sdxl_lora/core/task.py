@@ -43,7 +43,7 @@ class Task(ABC):
     @abstractmethod
     def dataloader(self) -> torch.utils.data.DataLoader:
         """Batches for this process. When its batch_sampler has skip_next(n) and num_replicas (1 if
-        absent) equal to the process count (sdxl.data.BucketBatchSampler), it shards itself: the loop
+        absent) equal to the process count (sdxl.buckets.BucketBatchSampler), it shards itself: the loop
         iterates it as it is, positions count global batches, and the loop moves batches to the device
         (keys in host_keys stay on the CPU). Otherwise Accelerate prepares (shards) it, dealing whole
         batches to the processes in turn."""

@@ -8,7 +8,8 @@ import random
 
 import torch
 
-from . import data as sdxl_data
+from .captions import live_caption, make_caption
+from .pixels import load_mask, load_pixels
 
 
 def sample_key(seed: int, epoch: int, position: int) -> int:
@@ -46,13 +47,13 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
         flip = settings.flip and rng.random() < 0.5
         if t.cfg.data.crop == "random":
             # A new crop each time: encoded now, with the VAE kept on the device (fp32).
-            pixels, time_ids = sdxl_data.load_pixels(t.dataset.items[item_idx], "random", flip, rng)
+            pixels, time_ids = load_pixels(t.dataset.items[item_idx], "random", flip, rng)
             with torch.no_grad():
                 dist = t.pipe.vae.encode(pixels[None].to(t.device, torch.float32)).latent_dist
             lat = {"mean": dist.mean[0].cpu(), "std": dist.std[0].cpu(),
                    "time_ids": torch.tensor(time_ids, dtype=torch.float32)}
             if t.cfg.data.masked_loss:
-                lat["mask"] = sdxl_data.load_mask(t.dataset.items[item_idx], flip, time_ids)
+                lat["mask"] = load_mask(t.dataset.items[item_idx], flip, time_ids)
         else:
             lat = t.cache.get(t.latent_keys[item_idx][flip])
             if lat is not None and t.cfg.data.masked_loss:
@@ -70,12 +71,12 @@ class CachedSDXLDataset(torch.utils.data.Dataset):
             extra["is_reg"] = torch.tensor(item.is_reg)
         if t.cfg.adapter.train_text_encoder:
             # The text encoders train: captions go in as tokens, encoded in the forward with gradients.
-            caption = sdxl_data.make_caption(item, t.cfg.data, rng)
+            caption = make_caption(item, t.cfg.data, rng)
             return {"latent_mean": lat["mean"], "latent_std": lat["std"], "time_ids": lat["time_ids"],
                     **t.tokenize(caption), **extra}
-        if sdxl_data.live_caption(item, t.cfg.data):
+        if live_caption(item, t.cfg.data):
             # A new caption each time: encoded now, with the text encoders kept on the device.
-            caption = sdxl_data.make_caption(item, t.cfg.data, rng)
+            caption = make_caption(item, t.cfg.data, rng)
             with torch.no_grad():
                 text = t.encode_text(caption)
         else:

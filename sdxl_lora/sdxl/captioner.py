@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from .config import DataConfig
 from ..core.fsutil import atomic_write_text
-from .data import DataError, _root, _walk
+from .data import _root, _walk
+from .dataset import DataError
 from .images import IMAGE_EXTENSIONS, ImageProblem, open_image
 
 log = logging.getLogger(__name__)

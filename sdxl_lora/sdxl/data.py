@@ -6,8 +6,8 @@ reason and skipped, a caption setting that matches nothing stops the run with th
 stops only if nothing usable remains. Source files are only ever opened for reading.
 
 The rest of the data path has a module each: what a scan finds (dataset.py), buckets and the batch sampler
-(buckets.py), captions (captions.py), pixels and masks (pixels.py). Their names are also read from here,
-where training and tests have always found them.
+(buckets.py), captions (captions.py), pixels and masks (pixels.py). Callers import their names from those
+modules, not from here.
 """
 from __future__ import annotations
 
@@ -29,15 +29,12 @@ from tqdm import tqdm
 from sdxl_lora.sdxl.config import DataConfig
 from sdxl_lora.sdxl.images import IMAGE_EXTENSIONS, ImageProblem, probe_image
 
-from .buckets import BucketBatchSampler, make_buckets, nearest_bucket
-from .captions import fallback_caption, live_caption, live_text, make_caption
+from .buckets import make_buckets, nearest_bucket
+from .captions import fallback_caption
 from .dataset import DataError, Dataset, DatasetSpec, Item, Problem
-from .pixels import check_mask, load_mask, load_pixels
+from .pixels import check_mask
 
-__all__ = ["BucketBatchSampler", "CAPTION_BYTES", "CAPTION_EXTENSIONS", "DataError", "Dataset", "DatasetSpec",
-           "Item", "Problem", "balance_regularization", "dataset_specs", "fallback_caption", "inspect_text",
-           "live_caption", "live_text", "load_mask", "load_pixels", "make_buckets", "make_caption",
-           "nearest_bucket", "scan"]
+__all__ = ["CAPTION_BYTES", "CAPTION_EXTENSIONS", "balance_regularization", "dataset_specs", "inspect_text", "scan"]
 
 log = logging.getLogger(__name__)
 

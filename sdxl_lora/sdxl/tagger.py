@@ -19,7 +19,7 @@ from pathlib import Path
 from ..core.config import ConfigError, MissingPackage
 from ..core.fsutil import atomic_write_text
 from .captioner import CaptionReport, caption_in_batches
-from .data import DataError
+from .dataset import DataError
 
 RATING, GENERAL, CHARACTER = 9, 0, 4
 # The thresholds of the publisher's own demo: a general tag at 0.35 is usually right, a character needs more.

@@ -30,8 +30,11 @@ from . import loss as diffusion
 from . import memory as sdxl_memory
 from . import baseline
 from .batches import CachedSDXLDataset, collate
+from .buckets import BucketBatchSampler
 from .cache import TensorCache, cache_key, component_identity, file_digest
+from .captions import live_text, make_caption
 from .model import load_pipeline, native_resolution, resolve_model_path, stored_unet_dtype
+from .pixels import load_mask, load_pixels
 from .plan import plan_run, plan_unet, run_memory_for, text_encoder_rank_alpha, unet_read_on_device
 from .preview import PreviewPrompt, default_prompts, encode_prompts, read_prompts, render_previews, vae_tiles
 from .unet_call import UNetCall
@@ -290,7 +293,7 @@ class SDXLTask(Task):
         if cfg.adapter.train_text_encoder:
             log.info("adapter.train_text_encoder: the text encoders train, so text embeddings are computed live "
                      "(with gradients) and not cached; the text encoders stay on %s", self.device)
-        elif sdxl_data.live_text(cfg.data):
+        elif live_text(cfg.data):
             log.info("data.shuffle_tags, data.tag_dropout or data.wildcards: text embeddings are computed per sample (not cached); "
                      "the text encoders stay on %s", self.device)
         else:
@@ -474,7 +477,7 @@ class SDXLTask(Task):
             self.mask_keys.append(keys)
         for idx, flip, key in tqdm(todo, desc="caching masks", unit="img", disable=not todo):
             time_ids = self.cache.get(self.latent_keys[idx][flip])["time_ids"].tolist()
-            self.cache.put(key, {"mask": sdxl_data.load_mask(self.all_items[idx], flip, time_ids)})
+            self.cache.put(key, {"mask": load_mask(self.all_items[idx], flip, time_ids)})
 
     def validate(self, model) -> float | None:
         """The loss on the held-out images, or None when data.validation_split is 0."""
@@ -524,7 +527,7 @@ class SDXLTask(Task):
             self.to_encode(vae)
             idx, flip = source[key]
             item = self.all_items[idx]
-            pixels, time_ids = sdxl_data.load_pixels(item, "center", flip, rng)
+            pixels, time_ids = load_pixels(item, "center", flip, rng)
             dist = vae.encode(pixels[None].to(self.device, torch.float32)).latent_dist
             mean, std = dist.mean[0].cpu(), dist.std[0].cpu()
             if not (torch.isfinite(mean).all() and torch.isfinite(std).all()):
@@ -551,14 +554,14 @@ class SDXLTask(Task):
         pipe = self.pipe
         cfg = self.cfg
         encoders = (pipe.text_encoder, pipe.text_encoder_2)
-        if cfg.adapter.train_text_encoder or sdxl_data.live_text(cfg.data):
+        if cfg.adapter.train_text_encoder or live_text(cfg.data):
             self.to_encode(*encoders)  # they encode during training; otherwise only what the cache lacks
         te_id = component_identity(self.model_path, "text_encoder") + component_identity(self.model_path, "text_encoder_2")
         self.text_encoders_id = te_id
         # Captions are fixed here (trigger word, class token, prefix and suffix); dropout happens per sample at
         # train time.
         rng = random.Random(0)
-        captions = [sdxl_data.make_caption(item, self.cfg.data, rng, fixed=True) for item in self.all_items]
+        captions = [make_caption(item, self.cfg.data, rng, fixed=True) for item in self.all_items]
         self.captions = captions
         if self.cfg.adapter.train_text_encoder:
             return  # the encoders train: embeddings change every step, so none are cached
@@ -616,11 +619,11 @@ class SDXLTask(Task):
         ds = CachedSDXLDataset(self)
         return torch.utils.data.DataLoader(ds, batch_sampler=self._sampler(shard), collate_fn=collate, num_workers=0)
 
-    def _sampler(self, shard: bool = True) -> sdxl_data.BucketBatchSampler:
+    def _sampler(self, shard: bool = True) -> BucketBatchSampler:
         """The batches of this process (shard) or of all (shard=False), as the loop and the graphs see them."""
         acc = self.accelerator
         n, rank = (acc.num_processes, acc.process_index) if shard else (1, 0)
-        return sdxl_data.BucketBatchSampler(self.dataset, self.cfg.train.batch_size, self.cfg.train.seed,
+        return BucketBatchSampler(self.dataset, self.cfg.train.batch_size, self.cfg.train.seed,
                                             num_replicas=n, rank=rank)
 
     def batch_size(self, batch) -> int:

@@ -24,7 +24,8 @@ def _scan(f: Folders, folder: str, ext: str, resolution, progress, trigger: str 
     """(items, table rows, status, report, histogram, doctor's findings, tag table)."""
     import pandas as pd
 
-    from sdxl_lora.sdxl.data import DataError, scan
+    from sdxl_lora.sdxl.data import scan
+    from sdxl_lora.sdxl.dataset import DataError
     from sdxl_lora.sdxl.doctor import examine, suggestion
 
     try:

@@ -23,8 +23,11 @@ from PIL import Image
 from sdxl_lora.sdxl.config import DataConfig
 from sdxl_lora.sdxl.images import ImageProblem, open_image, probe_image
 from sdxl_lora.sdxl.cache import TensorCache, cache_key, file_digest
-from sdxl_lora.sdxl.data import (BucketBatchSampler, DataError, Dataset, Item, inspect_text, load_pixels,
-                                 make_buckets, make_caption, nearest_bucket, scan)
+from sdxl_lora.sdxl.buckets import BucketBatchSampler, make_buckets, nearest_bucket
+from sdxl_lora.sdxl.captions import make_caption
+from sdxl_lora.sdxl.data import inspect_text, scan
+from sdxl_lora.sdxl.dataset import DataError, Dataset, Item
+from sdxl_lora.sdxl.pixels import load_pixels
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 

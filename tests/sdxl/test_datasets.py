@@ -17,6 +17,9 @@ from PIL import Image
 from sdxl_lora.core.config import ConfigError, load_config
 from sdxl_lora.sdxl import data as sdxl_data
 from sdxl_lora.sdxl.batches import sample_key
+from sdxl_lora.sdxl.buckets import BucketBatchSampler
+from sdxl_lora.sdxl.captions import live_caption, make_caption
+from sdxl_lora.sdxl.dataset import DataError, Item
 from sdxl_lora.sdxl.task import SDXLTask
 
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_data" / "images"
@@ -56,13 +59,13 @@ def test_each_dataset_table_gives_its_images_its_own_repeats_resolution_and_capt
     # Buckets at each dataset's own resolution (the sample images are square).
     assert {it.bucket for it in star_items} == {(128, 128)} and {it.bucket for it in shape_items} == {(64, 64)}
     rng = random.Random(0)
-    star = sdxl_data.make_caption(star_items[0], cfg, rng)
+    star = make_caption(star_items[0], cfg, rng)
     assert star.startswith("ohwx, photo of ") and "zzz" not in star
     # The second table sets no trigger word: data.trigger_word is its default; its dropout is its own.
-    assert all(sdxl_data.make_caption(it, cfg, rng) == "" for it in shape_items for _ in range(5))
-    assert "zzz" in sdxl_data.make_caption(shape_items[0], cfg, rng, fixed=True)
+    assert all(make_caption(it, cfg, rng) == "" for it in shape_items for _ in range(5))
+    assert "zzz" in make_caption(shape_items[0], cfg, rng, fixed=True)
     # A batch never mixes resolutions: every batch is one bucket, one shape.
-    sampler = sdxl_data.BucketBatchSampler(ds, 4, seed=0)
+    sampler = BucketBatchSampler(ds, 4, seed=0)
     for batch in sampler:
         assert len({ds.items[ds.expanded()[p]].bucket for p in batch}) == 1
     report = ds.report()
@@ -83,13 +86,13 @@ def test_dataset_table_errors_name_the_table_and_field(tmp_path):
         data_cfg({"path": str(stars)}, {"path": str(stars), "repeats": 0})
     with pytest.raises(ConfigError, match=r"data\.datasets\[0\]\.colour = 'red': unknown field; allowed here: path"):
         data_cfg({"path": str(stars), "colour": "red"})
-    with pytest.raises(sdxl_data.DataError, match=r"data\.datasets\[1\]\.path: .*nowhere does not exist"):
+    with pytest.raises(DataError, match=r"data\.datasets\[1\]\.path: .*nowhere does not exist"):
         sdxl_data.scan(data_cfg({"path": str(stars)}, {"path": str(tmp_path / "nowhere")}), 128)
     other = tmp_path / "other"
     other.mkdir()
     for p in stars.iterdir():
         shutil.copy(p, other / (p.stem + (".caption" if p.suffix == ".txt" else p.suffix)))
-    with pytest.raises(sdxl_data.DataError, match=r"set data\.datasets\[1\]\.caption_extension='\.caption'"):
+    with pytest.raises(DataError, match=r"set data\.datasets\[1\]\.caption_extension='\.caption'"):
         sdxl_data.scan(data_cfg({"path": str(stars)}, {"path": str(other)}), 128)
     # With its own extension the same folder is fine.
     ds = sdxl_data.scan(data_cfg({"path": str(stars)}, {"path": str(other), "caption_extension": ".caption"}), 128)
@@ -111,11 +114,11 @@ def test_dataset_tables_survive_the_runs_config_file(tmp_path):
 def test_tag_dropout_prefix_suffix_and_keep_separator():
     def item(caption, **settings):
         cfg = load_config(extra={f"data.{k}": v for k, v in settings.items()}).data
-        return sdxl_data.Item(Path("x.png"), caption, 1, (64, 64), (64, 64), Path("."), bool(caption),
+        return Item(Path("x.png"), caption, 1, (64, 64), (64, 64), Path("."), bool(caption),
                               settings=cfg), cfg
     tags = "sks, star ||| " + ", ".join(f"t{i}" for i in range(10)) + " ||| best quality"
     it, cfg = item(tags, keep_tokens_separator="|||", tag_dropout=0.5, shuffle_tags=True, caption_dropout=0.0)
-    outs = [sdxl_data.make_caption(it, cfg, random.Random(s)).split(", ") for s in range(50)]
+    outs = [make_caption(it, cfg, random.Random(s)).split(", ") for s in range(50)]
     for parts in outs:
         assert parts[:2] == ["sks", "star"] and parts[-1] == "best quality"
         assert set(parts[2:-1]) <= {f"t{i}" for i in range(10)}
@@ -123,25 +126,25 @@ def test_tag_dropout_prefix_suffix_and_keep_separator():
     assert 2 < sum(kept) / len(kept) < 8  # about half of the ten free tags survive
     assert len({tuple(p) for p in outs}) > 10
     # Fixed (the text cache's caption): every tag, in order, the separators gone.
-    assert sdxl_data.make_caption(it, cfg, random.Random(0), fixed=True) == tags.replace(" |||", ",")
+    assert make_caption(it, cfg, random.Random(0), fixed=True) == tags.replace(" |||", ",")
     it, cfg = item("a star", caption_prefix="photo of", caption_suffix="masterpiece", trigger_word="sks",
                    caption_dropout=0.0)
-    assert sdxl_data.make_caption(it, cfg, random.Random(0)) == "sks, photo of a star masterpiece"
+    assert make_caption(it, cfg, random.Random(0)) == "sks, photo of a star masterpiece"
 
 
 def test_wildcards_pick_one_choice_each_time_and_the_cache_takes_the_first():
     cfg = load_config(extra={"data.wildcards": True, "data.caption_dropout": 0.0}).data
-    it = sdxl_data.Item(Path("x.png"), "sks, a {red|blue|green} star, {{literal}}", 1, (64, 64), (64, 64),
+    it = Item(Path("x.png"), "sks, a {red|blue|green} star, {{literal}}", 1, (64, 64), (64, 64),
                         Path("."), True, settings=cfg)
-    seen = {sdxl_data.make_caption(it, cfg, random.Random(s)) for s in range(40)}
+    seen = {make_caption(it, cfg, random.Random(s)) for s in range(40)}
     assert seen == {f"sks, a {c} star, {{literal}}" for c in ("red", "blue", "green")}
-    assert sdxl_data.make_caption(it, cfg, random.Random(0), fixed=True) == "sks, a red star, {literal}"
-    assert sdxl_data.live_caption(it, cfg)
-    plain = sdxl_data.Item(Path("y.png"), "sks, a star", 1, (64, 64), (64, 64), Path("."), True, settings=cfg)
-    assert not sdxl_data.live_caption(plain, cfg)  # nothing to choose: its embedding is cached
+    assert make_caption(it, cfg, random.Random(0), fixed=True) == "sks, a red star, {literal}"
+    assert live_caption(it, cfg)
+    plain = Item(Path("y.png"), "sks, a star", 1, (64, 64), (64, 64), Path("."), True, settings=cfg)
+    assert not live_caption(plain, cfg)  # nothing to choose: its embedding is cached
     off = load_config().data
     it.settings = off
-    assert sdxl_data.make_caption(it, off, random.Random(0), fixed=True) == it.caption
+    assert make_caption(it, off, random.Random(0), fixed=True) == it.caption
 
 
 # ------------------------------------------------------------------------ regularization
@@ -171,11 +174,11 @@ def test_regularization_images_never_get_the_trigger_word(tmp_path):
                    trigger_word="sks", class_token="shape", caption_dropout=0.0)
     ds = sdxl_data.scan(cfg, 128)
     reg_items = [it for it in ds.items if it.is_reg]
-    captions = {sdxl_data.make_caption(it, cfg, random.Random(s)) for it in reg_items for s in range(3)}
+    captions = {make_caption(it, cfg, random.Random(s)) for it in reg_items for s in range(3)}
     assert "shape" in captions and not any("sks" in c for c in captions)
-    assert all(sdxl_data.make_caption(it, cfg, random.Random(0)).startswith("sks")
+    assert all(make_caption(it, cfg, random.Random(0)).startswith("sks")
                for it in ds.items if not it.is_reg)
-    with pytest.raises(sdxl_data.DataError, match="every \\[\\[data.datasets\\]\\] table has is_regularization"):
+    with pytest.raises(DataError, match="every \\[\\[data.datasets\\]\\] table has is_regularization"):
         sdxl_data.scan(data_cfg({"path": str(reg), "is_regularization": True}), 128)
 
 

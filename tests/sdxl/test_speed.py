@@ -1061,6 +1061,7 @@ def test_graphs_warm_every_bucket_up_before_capturing_any(tmp_path, monkeypatch)
     from types import SimpleNamespace
 
     from sdxl_lora.sdxl import data as sdxl_data
+    from sdxl_lora.sdxl.buckets import BucketBatchSampler
     from sdxl_lora.sdxl.task import SDXLTask
 
     events = []
@@ -1080,7 +1081,7 @@ def test_graphs_warm_every_bucket_up_before_capturing_any(tmp_path, monkeypatch)
     task.accelerator = SimpleNamespace(num_processes=1, process_index=0)
     task.pipe = SimpleNamespace(vae_scale_factor=8)
     task.dataset = sdxl_data.scan(cfg.data, 64)
-    sampler = sdxl_data.BucketBatchSampler(task.dataset, 2, cfg.train.seed)
+    sampler = BucketBatchSampler(task.dataset, 2, cfg.train.seed)
     order = task.dataset.expanded()
     seen = {(task.dataset.items[order[b[0]]].bucket, len(b)) for b in sampler}
     assert sorted(seen) == sampler.batch_shapes()

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 from sdxl_lora.core.config import load_config
 from sdxl_lora.sdxl import data as sdxl_data
 from sdxl_lora.sdxl import loss as diffusion
+from sdxl_lora.sdxl.dataset import DataError
+from sdxl_lora.sdxl.pixels import load_mask, load_pixels
 from sdxl_lora.sdxl.task import SDXLTask
 
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_data" / "images"
@@ -117,15 +119,15 @@ def test_masks_pair_with_their_images_and_follow_crop_and_flip(tmp_path):
     item = next(it for it in ds.items if it.path == first)
     assert item.mask == mask
     assert "2 of 3 images have no mask" in ds.report()
-    _, time_ids = sdxl_data.load_pixels(item, "center", False, None)
-    m = sdxl_data.load_mask(item, False, time_ids)
+    _, time_ids = load_pixels(item, "center", False, None)
+    m = load_mask(item, False, time_ids)
     bw, bh = item.bucket
     assert m.shape == (1, bh // 8, bw // 8)
     assert m[0, :, : bw // 16 - 1].min() > 0.99 and m[0, :, bw // 16 + 1:].max() < 0.01
-    flipped = sdxl_data.load_mask(item, True, time_ids)
+    flipped = load_mask(item, True, time_ids)
     assert torch.allclose(flipped, m.flip(-1), atol=1e-2)  # mirrored with its image
     other = next(it for it in ds.items if it.path != first)
-    assert torch.equal(sdxl_data.load_mask(other, False, time_ids), torch.ones(1, bh // 8, bw // 8))
+    assert torch.equal(load_mask(other, False, time_ids), torch.ones(1, bh // 8, bw // 8))
     # Without masked_loss the mask is neither used nor trained on as an image, and the report says so.
     off = sdxl_data.scan(load_config(extra={"data.dirs": [str(folder)]}).data, 128)
     assert len(off.items) == 3 and all(it.mask is None for it in off.items)
@@ -138,7 +140,7 @@ def test_a_mask_of_the_wrong_size_is_refused_naming_it(tmp_path):
     bad = first.with_name(first.stem + ".mask.png")
     Image.new("L", (31, 17), 255).save(bad)
     cfg = load_config(extra={"data.dirs": [str(folder)], "data.masked_loss": True, "data.mask_suffix": ".mask"}).data
-    with pytest.raises(sdxl_data.DataError, match=r"\.mask\.png is 31x17 but its image"):
+    with pytest.raises(DataError, match=r"\.mask\.png is 31x17 but its image"):
         sdxl_data.scan(cfg, 128)
 
 
