@@ -103,6 +103,9 @@ def synthetic_task(cfg, unet_config: dict, latent_side: int, samples: int = 16):
         def evaluate(self, model, indices=None) -> float:
             return float("nan")
 
+        def evaluate_before(self, model) -> float:  # no files, so no cached step-0 figure to look up
+            return float("nan")
+
         def validate(self, model):
             return None
 
