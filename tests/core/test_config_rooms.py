@@ -40,3 +40,15 @@ def test_config_files_saved_before_the_split_load_as_their_tasks_config():
         ("pissa", 64, "tiny-llm")
     sdxl = load_config(FIXTURES / "sdxl_config_before_issue71.toml")
     assert isinstance(sdxl, SDXLConfig) and (sdxl.card, sdxl.train.fuse_qkv, sdxl.train.vram_gb) == ("8gb", False, 8.0)
+
+
+def test_each_task_trains_its_own_embedded_model_where_the_config_names_none():
+    # The core names no task's model: an SDXL config without model.path (or with it empty) trains the shipped
+    # demo base, an LLM config the tiny Llama.
+    from sdxl_lora.core.config import load_config
+    from sdxl_lora.sdxl.config import DEMO_DIR, DEMO_NAME
+
+    assert load_config().model.path == DEMO_NAME and (DEMO_DIR / "model_index.json").is_file()
+    assert load_config(extra={"model.path": ""}).model.path == DEMO_NAME
+    assert load_config(extra={"task": "llm"}).model.path == "tiny-llm"
+    assert load_config(extra={"task": "llm", "model.path": ""}).model.path == "tiny-llm"
