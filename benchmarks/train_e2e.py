@@ -14,6 +14,8 @@ whole process: CUDA context, caches, graphs, everything):
   images/s        steady throughput: the step events after the first `--warmup` steps
   peak GiB        the GPU memory in use at its highest, for the whole run and for each phase
   previews %      the share of the run's wall time spent rendering previews
+  checkpointing   what train.checkpoint_budget_gb checkpointed (units, share of the forward recomputed), and any
+                  micro-batch split: what the planner's time model is fitted against
 
 Settings (each a list of `--set` overrides on top of the defaults):
   defaults  nothing: what `sdxl-lora train --model M --data D --batch-size B` does
@@ -339,6 +341,13 @@ def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = F
     chosen = [e for e in events if e["event"] == "speed"]
     if chosen:
         result["speed"] = {k: v for k, v in chosen[0].items() if k not in ("event", "time")}
+    # What train.checkpoint_budget_gb checkpointed (the share of the forward recomputed): the planner's time
+    # model (sdxl/plan.py: SLOWDOWN) is fitted to images/s against it. Micro-batches: a fallback that split them.
+    ckpt = [e for e in events if e["event"] == "checkpointing"]
+    if ckpt:  # the first: the fit's choice; a later one: more units after the graphs' capture ran out
+        result["checkpointing"] = {"units": len(ckpt[0]["blocks"]), "recomputed_flops": ckpt[0]["recomputed_flops"],
+                                   "trials": ckpt[0]["trials"], "units_after_fallback": len(ckpt[-1]["blocks"])}
+    result["micro_batches"] = [e["parts"] for e in events if e["event"] == "micro_batches"]
     return result
 
 
