@@ -28,8 +28,7 @@ def _trained_on(adapter: Path) -> str | None:
     """The model an adapter file says it was trained on, where that is known here: the run folder it sits in
     (its config.toml), else a built-in model its metadata names (ss_sd_model_name); none means SDXL base."""
     from ..core.config import load_config
-    from ..sdxl.config import DEMO_NAME
-    from ..sdxl.demo.tiny import TINY_NAME
+    from ..sdxl.config import DEMO_NAME, TINY_NAME
 
     run_config = adapter.parent / "config.toml"
     if adapter.is_file() and run_config.is_file():

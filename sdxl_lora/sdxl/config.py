@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 # The shipped demo base (model.path = "tiny-sdxl-demo"): the tiny SDXL pretrained on shapes, SDXL's default model.
 DEMO_NAME = "tiny-sdxl-demo"
 DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / DEMO_NAME
+TINY_NAME = "tiny-sdxl"  # the same build with random weights (sdxl/demo/tiny.py)
 
 # A model folder may hold the training settings it is meant to be trained with (TOML sections as in a
 # config, no [model]): they apply wherever the user's config is silent. A 9M-parameter base wants other

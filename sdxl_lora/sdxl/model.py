@@ -13,8 +13,8 @@ import torch
 
 from ..core.weights import (PickleWeights, WeightFileError, float_dtypes, read_json, shape_problems,
                             stored_float_dtype, weight_files)
-from .config import DEMO_DIR, DEMO_NAME, ModelConfig
-from .demo.tiny import TINY_NAME, materialize_tiny
+from .config import DEMO_DIR, DEMO_NAME, TINY_NAME, ModelConfig
+from .demo.tiny import materialize_tiny
 
 # diffusers folder layout of an SDXL pipeline: what must be there for from_pretrained to work.
 CONFIGS = ("model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json",

@@ -15,13 +15,13 @@ from pathlib import Path
 # The built-in models' names come from the task configs: importing sdxl.demo.tiny or llm.tiny would pull in
 # torch, which the page does not need until it trains, renders or plans.
 from sdxl_lora.llm.config import TINY_LLM
-from sdxl_lora.sdxl.config import DEMO_NAME
+from sdxl_lora.sdxl.config import DEMO_NAME, TINY_NAME
 from sdxl_lora.sdxl.images import IMAGE_EXTENSIONS
 
 
 def is_builtin(model: str) -> bool:
     """The shipped demo base or the random-weights tiny SDXL: made by the package, in no folder of the page."""
-    return model in (DEMO_NAME, "tiny-sdxl")
+    return model in (DEMO_NAME, TINY_NAME)
 
 
 class PathRefused(ValueError):

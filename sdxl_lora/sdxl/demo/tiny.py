@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from ...core.fsutil import build_folder_once
+from ..config import TINY_NAME
 
-TINY_NAME = "tiny-sdxl"
 # Bump when the architecture or the build changes, so old materialised copies are not reused.
 TINY_VERSION = 1
 

@@ -246,10 +246,9 @@ def merge_checkpoint(model: str | Path, loras: Sequence[tuple[str | Path, float]
     weights: merged into the full-precision ones (the default) it gives a model close to, not the same
     as, the one trained, and a warning says so. `as_trained` instead quantizes the UNet the same way and
     dequantizes it before merging: the weights the adapter saw, quantization error included."""
-    from ..config import DEMO_NAME, ModelConfig
+    from ..config import DEMO_NAME, TINY_NAME, ModelConfig
     from ..model import CONFIGS_FROM, load_pipeline, resolve_model_path
     from .single_file import save_single_file
-    from ..demo.tiny import TINY_NAME
 
     out = Path(out)
     if not loras:
