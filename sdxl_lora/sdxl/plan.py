@@ -3,6 +3,7 @@ The one path the CLI's `plan`, the UI's Train form and the training task all tak
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,14 +193,27 @@ class BudgetFit:
         return {name: f"{after!r} (was {before!r})" for name, (before, after) in self.changes.items()}
 
 
-# Time per image of each lever against none. fp8 storage and nf4: the eager steps of benchmarks/qlora_memory.py at
-# 1024 (benchmarks/RESULTS.md#qlora-memory). Full checkpointing: runs through the CLI with CUDA graphs, what a
-# budgeted run uses (every block checkpointed at batch 2 by hand: 1.40x and 1.33x at 12 and 16 GB,
-# benchmarks/RESULTS.md#every-card-by-default; the eager step's 1.76x overstated it); selective checkpointing in
-# proportion to the activations it recomputes. A smaller batch costs (B/b)**BATCH_EXPONENT an image (CUDA graphs
-# without compilation, what short runs use: batch 2 against 4 through the CLI, benchmarks/RESULTS.md#memory-budgets).
-SLOWDOWN = {"fp8": 1.26, "nf4": 1.54, "checkpointing": 1.36}
+# Time per image of each lever against none, through the CLI with CUDA graphs (what a budgeted run uses;
+# benchmarks/RESULTS.md#every-card-by-default). A quantized base costs 1 + QUANT_STEP_COST/b at micro-batch b: its
+# weights are turned back to 16 bits at every step whatever the batch (fp8 8 GB cells at batch 1 and 2 against nf4
+# in the same call: 1.17x and 1.14x slower; nf4 at batch 1 against the 16-bit base on the whole card about 1.25x,
+# at batch 4 about 1.0x). Full checkpointing: every block checkpointed at batch 2 by hand, 1.40x and 1.33x at 12 and
+# 16 GB; selective checkpointing in proportion to the activations it recomputes. A smaller batch costs
+# (B/b)**BATCH_EXPONENT an image (batch 2 against 4, benchmarks/RESULTS.md#memory-budgets).
+QUANT_STEP_COST = {"fp8": 0.44, "nf4": 0.25}
+SLOWDOWN = {"checkpointing": 1.36}
 BATCH_EXPONENT = 0.49
+
+
+def planner_bases() -> list[str]:
+    """The quantized bases a budget may choose: nf4 (smaller, and faster under CUDA graphs) where bitsandbytes is
+    installed (the qlora extra), fp8 (torch alone) everywhere."""
+    return ["fp8", "nf4"] if importlib.util.find_spec("bitsandbytes") else ["fp8"]
+
+
+def quant_slowdown(quant: str, batch: int) -> float:
+    """Time per image with a `quant` base at micro-batch `batch` against the 16-bit base."""
+    return 1 + QUANT_STEP_COST.get(quant, 0.0) / batch
 
 
 def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, native: int | None = None,
@@ -219,7 +233,7 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
     base = plan_unet(cfg, unet, native)  # the adapter: the same whatever the memory levers
 
     quants = ([cfg.model.quantize] if "quantize" in cfg.model.model_fields_set or cfg.model.quantize != "none"
-              else ["none", "fp8", "nf4"])
+              else ["none", *planner_bases()])
     ckpt_given = bool({"gradient_checkpointing", "checkpoint_budget_gb"} & given) or bool(
         tc.gradient_checkpointing or tc.checkpoint_budget_gb)
     modes = ["as set"] if ckpt_given else ["none", "selective", "full"]
@@ -254,7 +268,7 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
                 for mode in modes:
                     c, memory = variant(quant, mode == "full", batch, tiling)
                     # Against the settings as given: a base quantized as set costs nothing more here.
-                    slow = (SLOWDOWN.get(quant, 1.0) / SLOWDOWN.get(cfg.model.quantize, 1.0)
+                    slow = (quant_slowdown(quant, batch) / quant_slowdown(cfg.model.quantize, tc.batch_size)
                             * (tc.batch_size / batch) ** BATCH_EXPONENT)
                     if mode == "full":
                         slow *= SLOWDOWN["checkpointing"]

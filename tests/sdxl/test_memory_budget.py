@@ -25,7 +25,7 @@ def sdxl():
 
 def test_each_budget_gets_a_whole_run_that_fits_and_a_smaller_one_costs_more_time(sdxl):
     # The documented ladder (docs/qlora.md), batch 4 at 1024: at 24 and 12 GiB selective checkpointing (more
-    # of it at 12); at 8 GiB an fp8 base (previews then decode in tiles); at 6 GiB tiled encoding while caching
+    # of it at 12); at 8 GiB an nf4 base (previews then decode in tiles); at 6 GiB tiled encoding while caching
     # too.
     cfg, unet, native, parts = sdxl
     fits = {b: fit_budget(cfg, b, unet, native, parts) for b in (80, 24, 12, 8, 6)}
@@ -37,7 +37,7 @@ def test_each_budget_gets_a_whole_run_that_fits_and_a_smaller_one_costs_more_tim
     assert fits[24].cfg.train.checkpoint_budget_gb and fits[24].cfg.model.quantize == "none"
     assert fits[12].cfg.train.checkpoint_budget_gb < fits[24].cfg.train.checkpoint_budget_gb
     assert fits[12].cfg.train.checkpoint_budget_gb and fits[12].cfg.model.quantize == "none"
-    assert fits[8].cfg.model.quantize == "fp8" and fits[8].cfg.train.checkpoint_budget_gb
+    assert fits[8].cfg.model.quantize == "nf4" and fits[8].cfg.train.checkpoint_budget_gb
     assert tiled_previews(fits[8].cfg) and fits[8].memory.phases["previews"] < fits[12].memory.phases["previews"]
     assert fits[6].cfg.model.quantize != "none" and fits[6].cfg.model.tiled_vae_encode
     assert fits[6].memory.phases["caching"] < fits[8].memory.phases["caching"]
@@ -75,6 +75,18 @@ def test_levers_the_user_set_are_kept_by_the_budget(sdxl):
     assert fit.memory.peak <= 12 * GIB
 
 
+def test_without_bitsandbytes_a_small_card_gets_the_fp8_base_that_torch_alone_runs(sdxl, monkeypatch):
+    # nf4 needs the qlora extra: a budget never picks what the run then could not load.
+    import importlib.util
+
+    cfg, unet, native, parts = sdxl
+    assert fit_budget(cfg, 8, unet, native, parts).cfg.model.quantize == "nf4"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    fit = fit_budget(cfg, 8, unet, native, parts)
+    assert fit.cfg.model.quantize == "fp8" and fit.memory.peak <= 8 * GIB
+
+
 def test_a_budget_that_cannot_be_met_is_refused_with_the_smallest_that_works(sdxl, capsys):
     cfg, unet, native, parts = sdxl
     with pytest.raises(ConfigError, match=r"train.vram_gb=3: this run needs at least about (\d+\.\d) GiB") as e:
@@ -93,7 +105,7 @@ def test_plan_prints_every_phase_of_the_run_and_what_the_budget_chose(capsys):
     phases = data["run_memory"]["phases_gib"]
     assert set(phases) == {"caching", "training", "previews", "export"}
     assert data["run_memory"]["peak_gib"] == max(phases.values()) <= 8
-    assert data["budget_choices"]["model.quantize"] == "'fp8' (was 'none')"
+    assert data["budget_choices"]["model.quantize"] == "'nf4' (was 'none')"
     assert main(["plan", "--model", "arch:sdxl"]) == 0
     out = capsys.readouterr().out
     assert "whole run" in out and "previews" in out and "caching" in out

@@ -924,7 +924,7 @@ def test_a_card_preset_fills_the_form_with_what_fits_and_a_goal_preset_with_its_
     assert labels[""] == "no card preset" and re.fullmatch(r"8gb · ~[\d.]+ GiB · [\d.]+x time per image", labels["8gb"])
     # The form sets every field, yet the card's planner chooses the levers, and the filled form fits the card.
     filled = {**values, **card_fill(cfg, "8gb"), "card": "8gb"}
-    assert filled["train.vram_gb"] == 8 and filled["model.quantize"] == "fp8"
+    assert filled["train.vram_gb"] == 8 and filled["model.quantize"] == "nf4"
     line = run_summary(build_config(specs, [filled[s.key] for s in specs], fixed))
     assert "budget 8 GiB: fits as set" in line and "card preset 8gb" in line
     peak = float(re.search(r"~([\d.]+) GiB", line).group(1))
@@ -1209,7 +1209,7 @@ def test_a_form_left_at_its_defaults_lets_the_run_choose_its_speed_and_memory_le
         chosen, why = auto_levers(c, "cuda", 1)
         assert chosen.train.cuda_graphs and "as set" not in why["cuda_graphs"]
         assert "as set" not in why["channels_last"]
-        assert fit_budget(c, 8).cfg.model.quantize == "fp8"  # the budget chose the base's storage
+        assert fit_budget(c, 8).cfg.model.quantize == "nf4"  # the budget chose the base's storage
         assert c.train.lr == values["train.lr"] and c.train.steps == values["train.steps"]  # the rest as shown
     # Ticked on the form: the user's choice, kept by the queue and by auto.
     mine = build_config(specs, [True if s.key == "train.cuda_graphs" else values[s.key] for s in specs], fixed)
