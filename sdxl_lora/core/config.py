@@ -245,6 +245,19 @@ class OutputConfig(Section):
     overwrite: bool = Field(False, description="Replace an existing run of the same name.")
 
 
+def kind_refuses_base(kind: str, quant: str) -> str | None:
+    """Why an adapter of `kind` cannot train over a base stored as `quant`, or None; a memory planner choosing the
+    base's storage asks it too. peft sizes LoHa/LoKr factors from the weight's shape, which a packed 4-bit weight
+    does not have; its DoRA reads an LLM.int8 or fp8 weight's raw storage as the norm of the weight."""
+    if kind in ("loha", "lokr") and quant in ("nf4", "fp4"):
+        return (f"adapter.kind={kind!r} does not train over a 4-bit base (model.quantize={quant!r}): "
+                "use model.quantize='int8' or 'fp8', or kind='lora' / 'dora'")
+    if kind == "dora" and quant in ("int8", "fp8"):
+        return (f"adapter.kind='dora' needs the base weight's norm, which peft cannot read from "
+                f"model.quantize={quant!r}: use model.quantize='nf4' or 'fp4', or kind='lora'")
+    return None
+
+
 class Config(Section):
     """The sections every task reads. A task's config (TASK_CONFIGS) subclasses it, and its sections these."""
     task: Literal[TASKS] = Field("sdxl", description=(
@@ -264,15 +277,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _kind_fits_the_base(self) -> "Config":
-        kind, quant = self.adapter.kind, self.model.quantize
-        # peft sizes LoHa/LoKr factors from the weight's shape, which a packed 4-bit weight does not have; its
-        # DoRA reads an LLM.int8 or fp8 weight's raw storage as the norm of the weight.
-        if kind in ("loha", "lokr") and quant in ("nf4", "fp4"):
-            raise ValueError(f"adapter.kind={kind!r} does not train over a 4-bit base (model.quantize={quant!r}): "
-                             "use model.quantize='int8' or 'fp8', or kind='lora' / 'dora'")
-        if kind == "dora" and quant in ("int8", "fp8"):
-            raise ValueError(f"adapter.kind='dora' needs the base weight's norm, which peft cannot read from "
-                             f"model.quantize={quant!r}: use model.quantize='nf4' or 'fp4', or kind='lora'")
+        kind = self.adapter.kind
+        if why := kind_refuses_base(kind, self.model.quantize):
+            raise ValueError(why)
         if self.train.loraplus_ratio and kind not in ("lora", "dora"):
             raise ValueError(f"train.loraplus_ratio={self.train.loraplus_ratio:g} gives LoRA's B matrix a larger "
                              f"learning rate; adapter.kind={kind!r} has no B: leave it unset")

@@ -65,9 +65,14 @@ class QuantReport:
                 f"{self.bytes_after / gib:.3f} GiB {self.method} ({ratio:.1f}x smaller)")
 
 
+def bitsandbytes_installed() -> bool:
+    """Whether the qlora extra is installed: a memory planner offers its bases (nf4) only then."""
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
 def require_bitsandbytes(method: str, field_name: str = "model.quantize"):
     """bitsandbytes, or a clear error naming the extra that installs it."""
-    if importlib.util.find_spec("bitsandbytes") is None:
+    if not bitsandbytes_installed():
         raise QuantizationError(f"{field_name}={method!r} needs bitsandbytes, which is not installed; install the "
                                 "qlora extra (pip install 'sdxl_lora[qlora]'), or set "
                                 f"{field_name}='fp8' (torch only) or 'none'")

@@ -3,7 +3,6 @@ The one path the CLI's `plan`, the UI's Train form and the training task all tak
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,9 +10,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..core.config import AdapterConfig, Config, ConfigError
+from ..core.config import AdapterConfig, Config, ConfigError, kind_refuses_base
 from ..core.inject import Plan
 from ..core.memory import BUDGET_FILL, GiB
+from ..core.quantize import bitsandbytes_installed
 from .captions import live_text
 from .memory import MemoryEstimate, RunMemory, estimate_for_config, run_memory
 from .preview import tiled_previews
@@ -205,10 +205,11 @@ SLOWDOWN = {"checkpointing": 1.36}
 BATCH_EXPONENT = 0.49
 
 
-def planner_bases() -> list[str]:
-    """The quantized bases a budget may choose: nf4 (smaller, and faster under CUDA graphs) where bitsandbytes is
-    installed (the qlora extra), fp8 (torch alone) everywhere."""
-    return ["fp8", "nf4"] if importlib.util.find_spec("bitsandbytes") else ["fp8"]
+def planner_bases(kind: str) -> list[str]:
+    """The quantized bases a budget may choose for an adapter of `kind`: fp8 (torch alone), and nf4 (smaller, and
+    faster under CUDA graphs) where bitsandbytes is installed (the qlora extra); none the kind cannot train over."""
+    bases = ["fp8", "nf4"] if bitsandbytes_installed() else ["fp8"]
+    return [q for q in bases if not kind_refuses_base(kind, q)]
 
 
 def quant_slowdown(quant: str, batch: int) -> float:
@@ -233,7 +234,7 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
     base = plan_unet(cfg, unet, native)  # the adapter: the same whatever the memory levers
 
     quants = ([cfg.model.quantize] if "quantize" in cfg.model.model_fields_set or cfg.model.quantize != "none"
-              else ["none", *planner_bases()])
+              else ["none", *planner_bases(cfg.adapter.kind)])
     ckpt_given = bool({"gradient_checkpointing", "checkpoint_budget_gb"} & given) or bool(
         tc.gradient_checkpointing or tc.checkpoint_budget_gb)
     modes = ["as set"] if ckpt_given else ["none", "selective", "full"]

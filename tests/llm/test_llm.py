@@ -661,6 +661,10 @@ def test_llm_memory_budget_chooses_checkpointing_then_nf4_and_refuses_what_canno
                                    "llm.offload_embeddings": True}
     # The bf16 base and its checkpointed batch of 4 do not fit 16 GiB: the base goes to nf4 (QLoRA).
     assert fit("--vram", "16") == {"model.quantize": "nf4", "train.gradient_checkpointing": True}
+    # LoHa does not train over a 4-bit base: no nf4 for it, so 16 GiB is refused at the plan, not at the load.
+    assert main([*base, "--vram", "16", "--set", "adapter.kind='loha'"]) == 2
+    err = capsys.readouterr().err
+    assert "train.vram_gb=16: this run needs at least about" in err and "model.quantize" not in err
     # What the config sets itself is kept: no checkpointing asked for, so a smaller batch carries the rows.
     assert fit("--vram", "40", "--set", "train.gradient_checkpointing=false") == {
         "train.batch_size": 1, "train.grad_accum": 4}

@@ -87,6 +87,16 @@ def test_without_bitsandbytes_a_small_card_gets_the_fp8_base_that_torch_alone_ru
     assert fit.cfg.model.quantize == "fp8" and fit.memory.peak <= 8 * GIB
 
 
+@pytest.mark.parametrize("kind, base", [("loha", "fp8"), ("lokr", "fp8"), ("dora", "nf4")])
+def test_a_budget_picks_only_a_base_the_adapter_kind_trains_over(sdxl, kind, base):
+    # LoHa and LoKr cannot train over a 4-bit base, DoRA not over fp8: the budget's choice is one the run accepts.
+    _, unet, native, parts = sdxl
+    cfg = load_config(extra={"model.path": "arch:sdxl", "train.batch_size": 2, "adapter.kind": kind})
+    fit = fit_budget(cfg, 8, unet, native, parts)
+    assert fit.cfg.model.quantize == base and fit.memory.peak <= 8 * GIB
+    type(fit.cfg).model_validate(fit.cfg.model_dump())  # the config the run trains with passes its own checks
+
+
 def test_a_budget_that_cannot_be_met_is_refused_with_the_smallest_that_works(sdxl, capsys):
     cfg, unet, native, parts = sdxl
     with pytest.raises(ConfigError, match=r"train.vram_gb=3: this run needs at least about (\d+\.\d) GiB") as e:
