@@ -219,10 +219,10 @@ def quant_slowdown(quant: str, batch: int) -> float:
 
 def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, native: int | None = None,
                components: tuple[int, int] | None = None) -> BudgetFit:
-    """The fastest config, by the SLOWDOWN model, whose whole run fits `budget_gib`: previews with a tiled VAE
-    decode (no cost to training), selective or full checkpointing, an fp8 or nf4 base, then a smaller batch
-    with gradient accumulation keeping the effective batch. Levers the config sets itself are kept as set.
-    No fit: a BudgetError naming the smallest budget that works."""
+    """The fastest config, by the time model above, whose whole run fits `budget_gib`: previews with a tiled VAE
+    decode (no cost to training), selective or full checkpointing, a quantized base (planner_bases), then a
+    smaller batch with gradient accumulation keeping the effective batch. Levers the config sets itself are kept
+    as set. No fit: a BudgetError naming the smallest budget that works."""
     from .memory import RESERVE
     from .model import unet_skeleton
 
@@ -417,7 +417,7 @@ class CardPlan:
 
     @property
     def slowdown(self) -> float | None:
-        """The time per image against the same settings without a budget (fit_budget's SLOWDOWN model)."""
+        """The time per image against the same settings without a budget (fit_budget's time model)."""
         return None if self.memory is None else self.fit.slowdown if self.fit else 1.0
 
     def as_dict(self) -> dict:
