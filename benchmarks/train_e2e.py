@@ -342,7 +342,7 @@ def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = F
     if chosen:
         result["speed"] = {k: v for k, v in chosen[0].items() if k not in ("event", "time")}
     # What train.checkpoint_budget_gb checkpointed (the share of the forward recomputed): the planner's time
-    # model (sdxl/plan.py: SLOWDOWN) is fitted to images/s against it. Micro-batches: a fallback that split them.
+    # model (sdxl/plan.py: CHECKPOINT_SLOWDOWN) is fitted to images/s against it. Micro-batches: a fallback that split them.
     ckpt = [e for e in events if e["event"] == "checkpointing"]
     if ckpt:  # the first: the fit's choice; a later one: more units after the graphs' capture ran out
         result["checkpointing"] = {"units": len(ckpt[0]["blocks"]), "recomputed_flops": ckpt[0]["recomputed_flops"],

@@ -66,8 +66,17 @@ class QuantReport:
 
 
 def bitsandbytes_installed() -> bool:
-    """Whether the qlora extra is installed: a memory planner offers its bases (nf4) only then."""
+    """Whether the qlora extra is installed."""
     return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def plannable_bases(kind: str, candidates: tuple[str, ...]) -> list[str]:
+    """The quantized bases out of `candidates` a memory planner may choose for an adapter of `kind`: those this
+    install loads (bitsandbytes' only with the qlora extra; fp8 needs torch alone) and the kind trains over."""
+    from .config import kind_refuses_base
+
+    return [q for q in candidates
+            if (q == "fp8" or bitsandbytes_installed()) and not kind_refuses_base(kind, q)]
 
 
 def require_bitsandbytes(method: str, field_name: str = "model.quantize"):

@@ -200,16 +200,15 @@ def fit_budget(cfg, config, budget_gib: float) -> LLMFit:
     the smallest budget that works."""
     from transformers import AutoModelForCausalLM
 
-    from ..core.config import ConfigError, kind_refuses_base
+    from ..core.config import ConfigError
     from ..core.memory import GiB
-    from ..core.quantize import bitsandbytes_installed
+    from ..core.quantize import plannable_bases
     from .offload import reads_on_device
 
     budget = int(budget_gib * GiB * LLM_BUDGET_FILL)
     quantize = [cfg.model.quantize]
-    if (cfg.model.quantize == "none" and "quantize" not in cfg.model.model_fields_set and bitsandbytes_installed()
-            and not kind_refuses_base(cfg.adapter.kind, "nf4")):
-        quantize.append("nf4")
+    if cfg.model.quantize == "none" and "quantize" not in cfg.model.model_fields_set:
+        quantize += plannable_bases(cfg.adapter.kind, ("nf4",))
     checkpointing = [cfg.train.gradient_checkpointing]
     if not cfg.train.gradient_checkpointing and "gradient_checkpointing" not in cfg.train.model_fields_set:
         checkpointing.append(True)

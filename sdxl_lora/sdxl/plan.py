@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..core.config import AdapterConfig, Config, ConfigError, kind_refuses_base
+from ..core.config import AdapterConfig, Config, ConfigError
 from ..core.inject import Plan
 from ..core.memory import BUDGET_FILL, GiB
-from ..core.quantize import bitsandbytes_installed
+from ..core.quantize import plannable_bases
 from .captions import live_text
 from .memory import MemoryEstimate, RunMemory, estimate_for_config, run_memory
 from .preview import tiled_previews
@@ -201,15 +201,8 @@ class BudgetFit:
 # 16 GB; selective checkpointing in proportion to the activations it recomputes. A smaller batch costs
 # (B/b)**BATCH_EXPONENT an image (batch 2 against 4, benchmarks/RESULTS.md#memory-budgets).
 QUANT_STEP_COST = {"fp8": 0.44, "nf4": 0.25}
-SLOWDOWN = {"checkpointing": 1.36}
+CHECKPOINT_SLOWDOWN = 1.36
 BATCH_EXPONENT = 0.49
-
-
-def planner_bases(kind: str) -> list[str]:
-    """The quantized bases a budget may choose for an adapter of `kind`: fp8 (torch alone), and nf4 (smaller, and
-    faster under CUDA graphs) where bitsandbytes is installed (the qlora extra); none the kind cannot train over."""
-    bases = ["fp8", "nf4"] if bitsandbytes_installed() else ["fp8"]
-    return [q for q in bases if not kind_refuses_base(kind, q)]
 
 
 def quant_slowdown(quant: str, batch: int) -> float:
@@ -220,9 +213,10 @@ def quant_slowdown(quant: str, batch: int) -> float:
 def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, native: int | None = None,
                components: tuple[int, int] | None = None) -> BudgetFit:
     """The fastest config, by the time model above, whose whole run fits `budget_gib`: previews with a tiled VAE
-    decode (no cost to training), selective or full checkpointing, a quantized base (planner_bases), then a
-    smaller batch with gradient accumulation keeping the effective batch. Levers the config sets itself are kept
-    as set. No fit: a BudgetError naming the smallest budget that works."""
+    decode (no cost to training), selective or full checkpointing, an fp8 or nf4 base (where it loads and the
+    adapter kind trains over it: plannable_bases), then a smaller batch with gradient accumulation keeping the
+    effective batch. Levers the config sets itself are kept as set. No fit: a BudgetError naming the smallest
+    budget that works."""
     from .memory import RESERVE
     from .model import unet_skeleton
 
@@ -234,7 +228,7 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
     base = plan_unet(cfg, unet, native)  # the adapter: the same whatever the memory levers
 
     quants = ([cfg.model.quantize] if "quantize" in cfg.model.model_fields_set or cfg.model.quantize != "none"
-              else ["none", *planner_bases(cfg.adapter.kind)])
+              else ["none", *plannable_bases(cfg.adapter.kind, ("fp8", "nf4"))])
     ckpt_given = bool({"gradient_checkpointing", "checkpoint_budget_gb"} & given) or bool(
         tc.gradient_checkpointing or tc.checkpoint_budget_gb)
     modes = ["as set"] if ckpt_given else ["none", "selective", "full"]
@@ -272,7 +266,7 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
                     slow = (quant_slowdown(quant, batch) / quant_slowdown(cfg.model.quantize, tc.batch_size)
                             * (tc.batch_size / batch) ** BATCH_EXPONENT)
                     if mode == "full":
-                        slow *= SLOWDOWN["checkpointing"]
+                        slow *= CHECKPOINT_SLOWDOWN
                     elif mode == "selective":
                         # Only as many blocks checkpointed as the budget needs (train.checkpoint_budget_gb): the
                         # training phase shrinks to the budget, the time grows with the share recomputed.
@@ -283,7 +277,7 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
                         c.train.checkpoint_budget_gb = math.floor((memory.step.total - over / RESERVE) / GiB * 100) / 100
                         memory = run_memory_for(c, UNetPlan(base.plan, memory.step, base.resolution, native),
                                                 components)
-                        slow *= 1 + (SLOWDOWN["checkpointing"] - 1) * over / span
+                        slow *= 1 + (CHECKPOINT_SLOWDOWN - 1) * over / span
                     if smallest is None or memory.peak < smallest[1].peak:
                         smallest = (c, memory)
                     if memory.peak <= budget and (best is None or slow < best[2] - 1e-9):
