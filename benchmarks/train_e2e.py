@@ -38,7 +38,8 @@ Settings (each a list of `--set` overrides on top of the defaults):
 --again runs each setting twice (the second launch finds inductor's and the latents' caches warm); --profile
 runs the CLI under cProfile (the top functions by cumulative time beside each run's log).
 --card N caps the CLI's process to an N GiB card before it starts (the run plans for the card it finds, as on a
-card of that size); --cells SETTING:BATCH@CARD ... runs a matrix of such cells (a refusal at start is a result).
+card of that size); --cells SETTING:BATCH[xACCUM][@CARD] ... runs a matrix of such cells (a refusal at start is a
+result; xM: M batches accumulated a step, set by hand).
 --tiny builds the embedded tiny SDXL instead (the CPU smoke test of this script).
 """
 from __future__ import annotations
@@ -270,7 +271,8 @@ def steps_of(args) -> int:
 
 
 def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = False) -> dict:
-    run_name = f"{name}-b{args.batch}" + (f"-card{args.card:g}" if args.card else "") + ("-again" if again else "")
+    run_name = (f"{name}-b{args.batch}" + (f"x{args.accum}" if args.accum > 1 else "")
+                + (f"-card{args.card:g}" if args.card else "") + ("-again" if again else ""))
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / run_name, ignore_errors=True)
     steps = args.run_steps or args.steps
@@ -282,7 +284,9 @@ def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = F
     cmd = [sys.executable, *prof, *launcher, "train", "--model", str(model), "--data", str(data),
            "--batch-size", str(args.batch), "--steps", str(steps), "--out", str(out), "--name", run_name,
            "--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]
-    for s in SETTINGS[name] + list(args.set):
+    # A cell's xM: M batches accumulated a step, by hand (what the planner does when a batch does not fit).
+    accum = [f"train.grad_accum={args.accum}"] if args.accum > 1 else []
+    for s in SETTINGS[name] + accum + list(args.set):
         cmd += ["--set", s]
     print(f"$ {' '.join(cmd)}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -310,7 +314,7 @@ def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = F
         (out / f"{run_name}.prof.txt").write_text(text.getvalue())
     events = _events(events_path) if events_path.is_file() else []
     steps = [e for e in events if e["event"] == "step"]
-    result = {"setting": name + (" (again: caches warm)" if again else ""), "batch": args.batch,
+    result = {"setting": name + (" (again: caches warm)" if again else ""), "batch": args.batch, "accum": args.accum,
               "card_gib": args.card or None, "steps": steps[-1]["step"] if steps else 0, "run_steps": steps_of(args),
               "rc": proc.returncode, "wall_s": round(wall, 1), "peak_gib": mem.peak()}
     budget = next((e for e in events if e["event"] == "budget_plan"), None)
@@ -323,7 +327,7 @@ def measure(name: str, args, model: Path, data: Path, out: Path, again: bool = F
         return result
     steady = [e for e in steps if e["step"] > args.warmup]
     if len(steady) >= 2:
-        images = args.batch * (steady[-1]["step"] - steady[0]["step"])
+        images = args.batch * args.accum * (steady[-1]["step"] - steady[0]["step"])
         result["images_per_s"] = round(images / (steady[-1]["time"] - steady[0]["time"]), 2)
     result["launch_to_first_step_s"] = round(steps[0]["time"] - launch, 1)
     result["log_marks_s"] = log_marks(out / run_name / "train.log", launch)
@@ -364,9 +368,9 @@ def main() -> int:
     ap.add_argument("--card", type=float, default=0, help="cap the CLI's process to a card of this many GiB before "
                                                           "it starts (train.vram_gb unset: the run plans for the "
                                                           "card it finds); 0: the whole GPU")
-    ap.add_argument("--cells", nargs="+", metavar="SETTING:BATCH[@CARD]",
-                    help="a matrix instead of --settings x --batch: each cell a setting, a batch and optionally a "
-                         "card (e.g. defaults:16 qlora:1@8 locon:4@12)")
+    ap.add_argument("--cells", nargs="+", metavar="SETTING:BATCH[xACCUM][@CARD]",
+                    help="a matrix instead of --settings x --batch: each cell a setting, a batch, optionally the "
+                         "batches accumulated a step and a card (e.g. defaults:16 defaults:8x2 qlora:1@8 locon:4@12)")
     ap.add_argument("--set", action="append", default=[], help="more overrides for every setting")
     ap.add_argument("--tiny", action="store_true", help="the tiny SDXL on the CPU: a smoke test of this script")
     ap.add_argument("--json", type=Path, help="also append each run's result here, one JSON line each")
@@ -386,15 +390,16 @@ def main() -> int:
     model = build_apart(args.work / ("tiny-sdxl" if args.tiny else "sdxl-random"), args.tiny)
     print(f"# model {model} ({time.time() - t0:.0f} s)", flush=True)
     results = []
-    cells = [(name, args.batch, args.card) for name in args.settings]
+    cells = [(name, args.batch, 1, args.card) for name in args.settings]
     if args.cells:
         cells = []
         for cell in args.cells:
             name, _, rest = cell.partition(":")
-            batch, _, card = rest.partition("@")
-            cells.append((name, int(batch or args.batch), float(card or args.card)))
-    for name, batch, card in cells:
-        args.batch, args.card = batch, card
+            rest, _, card = rest.partition("@")
+            batch, _, accum = rest.partition("x")
+            cells.append((name, int(batch or args.batch), int(accum or 1), float(card or args.card)))
+    for name, batch, accum, card in cells:
+        args.batch, args.accum, args.card = batch, accum, card
         data = build_dataset(args.work / ("data-square" if name == "one-bucket" else "data"), args.images, args.tiny,
                              square_only=name == "one-bucket")
         for again in (False, True) if args.again else (False,):
