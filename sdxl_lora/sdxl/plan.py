@@ -198,16 +198,22 @@ class BudgetFit:
 # weights are turned back to 16 bits at every step whatever the batch (fp8 8 GB cells at batch 1 and 2 against nf4
 # in the same call: 1.17x and 1.14x slower; nf4 at batch 1 against the 16-bit base on the whole card about 1.25x,
 # at batch 4 about 1.0x). Full checkpointing: every block checkpointed at batch 2 by hand, 1.40x and 1.33x at 12 and
-# 16 GB; selective checkpointing in proportion to the activations it recomputes. A smaller batch costs
-# (B/b)**BATCH_EXPONENT an image (batch 2 against 4, benchmarks/RESULTS.md#memory-budgets).
+# 16 GB; selective checkpointing in proportion to the activations it recomputes. A micro-batch of b images costs
+# the time of b + STEP_IMAGES images: a fixed cost a step (the whole card's rates at batch 1-8 fit 1.05; batch 2 x 2
+# accumulated against batch 4 in one call, 1.24x, fits 1.24; batch 8 x 2 against 16 trained alike).
 QUANT_STEP_COST = {"fp8": 0.44, "nf4": 0.25}
 CHECKPOINT_SLOWDOWN = 1.36
-BATCH_EXPONENT = 0.49
+STEP_IMAGES = 1.1
 
 
 def quant_slowdown(quant: str, batch: int) -> float:
     """Time per image with a `quant` base at micro-batch `batch` against the 16-bit base."""
     return 1 + QUANT_STEP_COST.get(quant, 0.0) / batch
+
+
+def batch_slowdown(micro: int, batch: int) -> float:
+    """Time per image at micro-batch `micro` (accumulated to `batch` a step) against `batch` in one."""
+    return (1 + STEP_IMAGES / micro) / (1 + STEP_IMAGES / batch)
 
 
 def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, native: int | None = None,
@@ -264,7 +270,7 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
                     c, memory = variant(quant, mode == "full", batch, tiling)
                     # Against the settings as given: a base quantized as set costs nothing more here.
                     slow = (quant_slowdown(quant, batch) / quant_slowdown(cfg.model.quantize, tc.batch_size)
-                            * (tc.batch_size / batch) ** BATCH_EXPONENT)
+                            * batch_slowdown(batch, tc.batch_size))
                     if mode == "full":
                         slow *= CHECKPOINT_SLOWDOWN
                     elif mode == "selective":
