@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import gc
 import itertools
 import json
 import logging
@@ -454,6 +455,13 @@ def _plain_unet(model, unet, dequantized: bool = False):
         yield
 
 
+def _release(device: torch.device) -> None:
+    """The memory a failed set held back to the device: what its frames referenced, then torch's cache."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 @contextlib.contextmanager
 def _told(run, step: int, n: int):
     """Yields progress(done, total) for render: a bar in the terminal and the run's phase ("rendering previews",
@@ -521,30 +529,50 @@ def render_previews(task, model, run, step: int) -> list[Path]:
                  "base and previews: %s)", len(images), store)
         run.event("previews_reused", step=0, images=len(images), cache=str(store))
     else:
-        try:
-            for m in ((p.vae,) if texts is not None else aux):
-                m.to(device)
+        def rendered_set(lean: bool) -> tuple[list[Image.Image], float, float]:
             # cuDNN's algorithm search (train.* sets torch.backends.cudnn.benchmark for the training shapes)
             # would time every convolution of the pipeline at each preview size, the VAE decoder's included,
             # for a few images; its heuristics choose at no cost (speed.cudnn_search).
             # The adapter merged into copies of the weights it adapts for the set, as the tools users render with
-            # apply it, and the UNet run as the bare one (_plain_unet).
-            merged = _plain_unet(model, unet, dequantized=task.dequantized_previews)
-            tiled = tiled_previews(cfg)
-            batch = None if device.type == "cpu" else preview_batch(tiled)
+            # apply it, and the UNet run as the bare one (_plain_unet); lean: no copies, one image a call, the
+            # decode in tiles (the least memory a set can take).
+            merged = contextlib.nullcontext() if lean else _plain_unet(model, unet, dequantized=task.dequantized_previews)
+            tiled = lean or tiled_previews(cfg)
+            batch = 1 if lean else None if device.type == "cpu" else preview_batch(tiled)
             with cudnn_search(False), vae_tiles(p.vae, tiled), merged, _told(run, step, len(prompts)) as told:
                 ready = time.perf_counter()
-                images = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps,
-                                guidance=cfg.preview.guidance, width=task.resolution, height=task.resolution,
-                                autocast_dtype=dtype, sampler=Sampler.of_run(cfg), texts=texts, batch=batch,
-                                progress=told)
-                rendered = time.perf_counter()
+                out = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps,
+                             guidance=cfg.preview.guidance, width=task.resolution, height=task.resolution,
+                             autocast_dtype=dtype, sampler=Sampler.of_run(cfg), texts=texts, batch=batch,
+                             progress=told)
+                return out, ready, time.perf_counter()
+
+        images = None
+        try:
+            for m in ((p.vae,) if texts is not None else aux):
+                m.to(device)
+            for lean in (False, True):
+                try:
+                    images, ready, rendered = rendered_set(lean)
+                    if lean:  # not the set the step-0 cache stands for
+                        store = None
+                    break
+                except torch.OutOfMemoryError as e:
+                    oom = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
+                # Outside the handler (its traceback holds the set's tensors): the memory back, then the set again
+                # the lean way, or none. Previews are not what a run is for: training goes on either way.
+                _release(device)
+                then = "again without copies, one image at a time" if not lean else "skipped"
+                log.warning("previews at step %d: the GPU ran out of memory (%s); rendering %s", step, oom[:200], then)
+                run.event("previews_out_of_memory", step=step, error=oom[:300], then=then)
         finally:
             if device.type != "cpu":
                 for m in aux:
                     if id(m) not in keep:
                         m.to("cpu")
             model.train(was_training)
+        if images is None:
+            return []
         # Where a set's time goes (the previews' share of a run is measured from these events, train_e2e.py).
         times = {"render_s": rendered - ready, "around_s": ready - started + time.perf_counter() - rendered}
     names = [run.samples_dir / f"step-{step:06d}-{i:02d}.png" for i in range(len(images))]

@@ -139,6 +139,39 @@ def test_a_step_that_runs_out_of_memory_saves_the_state_and_stops_with_the_resum
     assert read_events(tmp_path / "r" / "events.jsonl")[-1]["event"] == "done"
 
 
+@pytest.mark.parametrize("fails", [1, 2])
+def test_a_preview_set_that_runs_out_of_memory_renders_again_lean_or_is_skipped_and_training_goes_on(
+        tiny_dir, tmp_path, monkeypatch, capsys, fails):
+    # The step-0 set's allocation fails as a GPU's allocator does: once, and the set renders again without
+    # copies, one image a call; twice, and the set is skipped. Either way the run trains on and finishes.
+    import torch
+
+    from sdxl_lora.core.runs import read_events
+    from sdxl_lora.sdxl import preview
+
+    real, batches = preview.render, []
+
+    def render(pipe, prompts, **kw):
+        batches.append(kw["batch"])
+        if len(batches) <= fails:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+        return real(pipe, prompts, **kw)
+
+    monkeypatch.setattr(preview, "render", render)
+    assert main(["train", "--model", str(tiny_dir), "--data", "sample_data/images", "--steps", "2", "--out",
+                 str(tmp_path), "--name", "r", "--set", "train.save_every=0"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    events = read_events(tmp_path / "r" / "events.jsonl")
+    told = [(e["step"], e["then"]) for e in events if e["event"] == "previews_out_of_memory"]
+    assert told == [(0, "again without copies, one image at a time"), (0, "skipped")][:fails]
+    assert batches[1] == 1  # the set again: one prompt a call
+    step0 = sorted(p.name for p in (tmp_path / "r" / "samples").glob("step-000000-*.png"))
+    assert bool(step0) == (fails == 1)
+    assert (tmp_path / "r" / "samples" / "step-000002-grid.png").is_file()  # the final set as usual
+    assert events[-1]["event"] == "done" and (tmp_path / "r" / "r.safetensors").is_file()
+
+
 def test_the_forms_summary_line_names_the_card_and_what_the_run_will_do_on_it(monkeypatch):
     from sdxl_lora.ui import summary
 
