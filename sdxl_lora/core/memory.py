@@ -2,10 +2,18 @@
 adapter, its gradients and the optimizer's state. A task adds its activation model (sdxl/memory.py)."""
 from __future__ import annotations
 
+import gc
+import logging
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
 import torch
 from torch import nn
 
 from .accel import indexed
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 GiB = 2**30
 # The whole process on a GPU, beyond what a task's estimate counts: the CUDA context and library handles
@@ -108,3 +116,24 @@ def cap_process_memory(device: torch.device, gib: float) -> bool:
         return False
     torch.cuda.set_per_process_memory_fraction((gib * GiB - CAP_CONTEXT) / total, index)
     return True
+
+
+def first_that_fits(ways: Sequence[tuple[str, Callable[[], T]]], *, device: torch.device, run, step: int,
+                    what: str) -> T | None:
+    """For work a run can do without (previews): each of `ways` (what the log calls it, the call) in turn until one
+    does not run out of GPU memory, and its result; None where every one ran out. Between tries the memory a
+    failed one held goes back to the device, and each failure is a warning and a `<what>_out_of_memory` event
+    naming what comes next ("skipped" after the last): training goes on."""
+    for i, (_, call) in enumerate(ways):
+        try:
+            return call()
+        except torch.OutOfMemoryError as e:
+            oom = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
+        # Outside the handler: its traceback no longer holds the failed try's tensors.
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        then = ways[i + 1][0] if i + 1 < len(ways) else "skipped"
+        log.warning("%s at step %d: the GPU ran out of memory (%s); %s", what, step, oom[:200], then)
+        run.event(f"{what}_out_of_memory", step=step, error=oom[:300], then=then)
+    return None

@@ -15,6 +15,7 @@ Set-up order: model -> tokenizer and data -> plan -> adapter -> speed levers.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -27,6 +28,7 @@ from ..core import inject
 from ..core.accel import local_device_index
 from ..core.card import this_card
 from ..core.config import Config, ConfigError
+from ..core.memory import first_that_fits
 from ..core.runs import Run
 from ..core.task import Task
 from . import data as llm_data
@@ -403,9 +405,19 @@ class LLMTask(Task):
         # The adapter merged into copies of the weights it adapts and its layers out of the model for the answers,
         # as for SDXL's previews: generation calls the model once a token, and each adapted layer's own code is a
         # Python call or more at each (inject.merged_for_inference; a quantized base's layers keep their adapter).
-        with self.accelerator.autocast(), inject.merged_for_inference(model, unwrap=True):
-            answers = answer(model, self.tokenizer, self.template, prompts, self.cfg.llm.max_new_tokens,
-                             self.cfg.llm.system_prompt)
+        def answers_with(merged: bool) -> list[str]:
+            with self.accelerator.autocast(), (inject.merged_for_inference(model, unwrap=True) if merged
+                                               else contextlib.nullcontext()):
+                return answer(model, self.tokenizer, self.template, prompts, self.cfg.llm.max_new_tokens,
+                              self.cfg.llm.system_prompt)
+
+        # Answers that run out of memory (the estimate was low, another program took memory) come again without
+        # the copies, or not at all: training goes on (core/memory.first_that_fits).
+        answers = first_that_fits([("", lambda: answers_with(True)),
+                                   ("answering again without merged copies", lambda: answers_with(False))],
+                                  device=self.device, run=run, step=step, what="previews")
+        if answers is None:
+            return []
         for p, a in zip(prompts, answers):
             log.info("step %d | %s -> %s", step, p, a)
         return [write_answers(run.samples_dir, step, prompts, answers)]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import gc
 import itertools
 import json
 import logging
@@ -27,6 +26,7 @@ from PIL import Image, ImageDraw
 from ..core.config import TOMLError, parse_toml
 from ..core.fsutil import atomic_save
 from ..core.inject import dequantized_for_inference, merged_for_inference
+from ..core.memory import first_that_fits
 from ..core.speed import cudnn_search
 from .baseline import previews_key
 from .captions import live_text
@@ -34,6 +34,8 @@ from .memory import preview_batch
 from .speed import stock_attention
 
 log = logging.getLogger(__name__)
+# What a preview set that ran out of memory does next (core/memory.first_that_fits).
+LEAN_PREVIEWS = "rendering again without copies, one image at a time"
 
 
 @dataclasses.dataclass
@@ -455,13 +457,6 @@ def _plain_unet(model, unet, dequantized: bool = False):
         yield
 
 
-def _release(device: torch.device) -> None:
-    """The memory a failed set held back to the device: what its frames referenced, then torch's cache."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 @contextlib.contextmanager
 def _told(run, step: int, n: int):
     """Yields progress(done, total) for render: a bar in the terminal and the run's phase ("rendering previews",
@@ -529,7 +524,7 @@ def render_previews(task, model, run, step: int) -> list[Path]:
                  "base and previews: %s)", len(images), store)
         run.event("previews_reused", step=0, images=len(images), cache=str(store))
     else:
-        def rendered_set(lean: bool) -> tuple[list[Image.Image], float, float]:
+        def rendered_set(lean: bool) -> tuple[list[Image.Image], float, float, bool]:
             # cuDNN's algorithm search (train.* sets torch.backends.cudnn.benchmark for the training shapes)
             # would time every convolution of the pipeline at each preview size, the VAE decoder's included,
             # for a few images; its heuristics choose at no cost (speed.cudnn_search).
@@ -545,34 +540,27 @@ def render_previews(task, model, run, step: int) -> list[Path]:
                              guidance=cfg.preview.guidance, width=task.resolution, height=task.resolution,
                              autocast_dtype=dtype, sampler=Sampler.of_run(cfg), texts=texts, batch=batch,
                              progress=told)
-                return out, ready, time.perf_counter()
+                return out, ready, time.perf_counter(), lean
 
-        images = None
         try:
             for m in ((p.vae,) if texts is not None else aux):
                 m.to(device)
-            for lean in (False, True):
-                try:
-                    images, ready, rendered = rendered_set(lean)
-                    if lean:  # not the set the step-0 cache stands for
-                        store = None
-                    break
-                except torch.OutOfMemoryError as e:
-                    oom = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
-                # Outside the handler (its traceback holds the set's tensors): the memory back, then the set again
-                # the lean way, or none. Previews are not what a run is for: training goes on either way.
-                _release(device)
-                then = "again without copies, one image at a time" if not lean else "skipped"
-                log.warning("previews at step %d: the GPU ran out of memory (%s); rendering %s", step, oom[:200], then)
-                run.event("previews_out_of_memory", step=step, error=oom[:300], then=then)
+            # A set that runs out of memory (the estimate was low, another program took memory) renders again in
+            # the least memory, or not at all: previews are not what a run is for.
+            done = first_that_fits([("", lambda: rendered_set(False)),
+                                    (LEAN_PREVIEWS, lambda: rendered_set(True))],
+                                   device=device, run=run, step=step, what="previews")
         finally:
             if device.type != "cpu":
                 for m in aux:
                     if id(m) not in keep:
                         m.to("cpu")
             model.train(was_training)
-        if images is None:
+        if done is None:
             return []
+        images, ready, rendered, lean = done
+        if lean:  # not the set the step-0 cache stands for
+            store = None
         # Where a set's time goes (the previews' share of a run is measured from these events, train_e2e.py).
         times = {"render_s": rendered - ready, "around_s": ready - started + time.perf_counter() - rendered}
     names = [run.samples_dir / f"step-{step:06d}-{i:02d}.png" for i in range(len(images))]

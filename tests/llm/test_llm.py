@@ -863,6 +863,36 @@ def test_a_compiled_run_whose_blocks_the_compiler_gave_up_on_says_so(tmp_path, m
     assert len(failed) == 1
 
 
+def test_preview_answers_that_run_out_of_memory_come_again_without_copies_and_training_goes_on(
+        tmp_path, monkeypatch, capsys):
+    # The step-0 answers' allocation fails as a GPU's allocator does: they come again without the adapter merged
+    # into copies (less memory), the run trains on and answers at the end as usual.
+    from sdxl_lora.core.runs import read_events
+    from sdxl_lora.llm import task as llm_task
+
+    real, merged = llm_task.answer, []
+
+    def answer(model, *a, **kw):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        merged.append(not any(isinstance(m, BaseTunerLayer) for m in model.modules()))  # layers out: merged
+        if len(merged) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, *a, **kw)
+
+    monkeypatch.setattr(llm_task, "answer", answer)
+    assert main(["llm", "train", "--out", str(tmp_path), "--name", "r", "--steps", "2", "--set",
+                 "llm.max_new_tokens=4", "--set", "train.save_every=0"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    events = read_events(tmp_path / "r" / "events.jsonl")
+    told = [(e["step"], e["then"]) for e in events if e["event"] == "previews_out_of_memory"]
+    assert told == [(0, "answering again without merged copies")]
+    assert merged == [True, False, True]  # the failed try merged, its second try and the final answers as usual
+    assert (tmp_path / "r" / "samples" / "answers-step000000.json").is_file()
+    assert (tmp_path / "r" / "samples" / "answers-step000002.json").is_file() and events[-1]["event"] == "done"
+
+
 def test_offloaded_activations_train_through_the_cli_and_need_checkpointing(tmp_path, capsys, caplog):
     common = ["llm", "train", "--out", str(tmp_path), "--steps", "2", "--set", "llm.preview_prompts=[]",
               "--set", "llm.offload_activations=true"]

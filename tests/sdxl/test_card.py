@@ -164,7 +164,7 @@ def test_a_preview_set_that_runs_out_of_memory_renders_again_lean_or_is_skipped_
     assert "Traceback" not in out + err
     events = read_events(tmp_path / "r" / "events.jsonl")
     told = [(e["step"], e["then"]) for e in events if e["event"] == "previews_out_of_memory"]
-    assert told == [(0, "again without copies, one image at a time"), (0, "skipped")][:fails]
+    assert told == [(0, "rendering again without copies, one image at a time"), (0, "skipped")][:fails]
     assert batches[1] == 1  # the set again: one prompt a call
     step0 = sorted(p.name for p in (tmp_path / "r" / "samples").glob("step-000000-*.png"))
     assert bool(step0) == (fails == 1)
