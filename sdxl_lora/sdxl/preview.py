@@ -530,7 +530,10 @@ def render_previews(task, model, run, step: int) -> list[Path]:
             # for a few images; its heuristics choose at no cost (speed.cudnn_search).
             # The adapter merged into copies of the weights it adapts for the set, as the tools users render with
             # apply it, and the UNet run as the bare one (_plain_unet); lean: no copies, one image a call, the
-            # decode in tiles (the least memory a set can take).
+            # decode in tiles (the least memory a set can take). The VAE (and the text encoders where the prompts
+            # are encoded now) visit the device inside the try: their move can run out of memory too.
+            for m in ((p.vae,) if texts is not None else aux):
+                m.to(device)
             merged = contextlib.nullcontext() if lean else _plain_unet(model, unet, dequantized=task.dequantized_previews)
             tiled = lean or tiled_previews(cfg)
             batch = 1 if lean else None if device.type == "cpu" else preview_batch(tiled)
@@ -543,8 +546,6 @@ def render_previews(task, model, run, step: int) -> list[Path]:
                 return out, ready, time.perf_counter(), lean
 
         try:
-            for m in ((p.vae,) if texts is not None else aux):
-                m.to(device)
             # A set that runs out of memory (the estimate was low, another program took memory) renders again in
             # the least memory, or not at all: previews are not what a run is for.
             done = first_that_fits([("", lambda: rendered_set(False)),
