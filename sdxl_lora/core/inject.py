@@ -452,10 +452,15 @@ def remove_adapter(model: nn.Module, adapter_name: str) -> None:
             del model.peft_config
 
 
+def _room_for_copies(device: torch.device) -> float:
+    """Bytes of copies for inference the GPU's free memory holds with room to spare (0.8 of it); unbounded off a
+    GPU (the host's memory is not checked)."""
+    return torch.cuda.mem_get_info(device)[0] * 0.8 if device.type == "cuda" else math.inf
+
+
 def _copies_fit(need: int, device: torch.device) -> bool:
-    """Whether `need` bytes of copies for inference fit in the GPU's free memory, with room to spare (the host's
-    memory is not checked)."""
-    return device.type != "cuda" or need <= torch.cuda.mem_get_info(device)[0] * 0.8
+    """Whether `need` bytes of copies for inference fit in the GPU's free memory, with room to spare."""
+    return need <= _room_for_copies(device)
 
 
 def dequantized_bytes(model: nn.Module) -> int:
@@ -472,15 +477,18 @@ def dequantized_bytes(model: nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def dequantized_for_inference(model: nn.Module):
+def dequantized_for_inference(model: nn.Module, budget: int | None = None):
     """For the duration of a no-grad use (previews), each quantized layer of the frozen base (model.quantize,
     quantize_convs) replaced by a plain Linear or Conv2d holding its weight dequantized to the compute dtype, with
     a plain LoRA on it folded in: the model runs as a 16-bit one with its adapter merged, one product a layer,
     where a quantized layer dequantizes its weight at every call and its adapter adds products and Python calls
     of its own. The quantized weights stay as they are (training resumes on exactly them), and the same modules
     are put back afterwards. DoRA keeps its path (its merge rescales by the weight's norm), and so do adapters
-    with a bias. The copies cost the dequantized weights' memory (dequantized_bytes): where they do not fit in the
-    device's free memory nothing is replaced. Yields how many layers are replaced."""
+    with a bias. The copies cost the dequantized weights' memory (dequantized_bytes): at most `budget` bytes of them
+    (None: no limit but the device's) and no more than the device's free memory holds, the smallest layers first up
+    to the first that does not fit: a replaced layer saves a dequantization and its adapter's own products and
+    Python calls at every call whatever its size, so the small ones save the most per byte. Yields how many layers
+    are replaced."""
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -499,13 +507,21 @@ def dequantized_for_inference(model: nn.Module):
                 if any(child.use_dora.get(a, False) or child.lora_bias.get(a, False) for a in active):
                     continue
                 swaps.append((parent, name, child, child.get_base_layer(), active))
-    if swaps and not _copies_fit(sum(dequantized_bytes(layer) for _, _, _, layer, _ in swaps),
-                                 swaps[0][3].weight.device):
-        swaps = []
+    room = _room_for_copies(swaps[0][3].weight.device) if swaps else 0
+    if budget is not None:
+        room = min(room, budget)
+    chosen, held = [], 0
+    # Ties in the model's order: an attention's projections together.
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    for size, swap in sorted(((dequantized_bytes(s[3]), s) for s in swaps), key=lambda t: (t[0], order[id(t[1][2])])):
+        held += size
+        if held > room:
+            break
+        chosen.append(swap)
     done = []
     try:
         with torch.no_grad():
-            for parent, name, child, layer, adapters in swaps:
+            for parent, name, child, layer, adapters in chosen:
                 weight = dequantize_weight(layer)
                 for adapter in adapters:
                     weight += child.get_delta_weight(adapter).float()

@@ -323,15 +323,24 @@ class RunMemory:
     step: MemoryEstimate
     phases: dict[str, int]
     notes: list[str] = field(default_factory=list)
-    # Previews render from 16-bit copies of a quantized base's layers (counted in the previews phase).
-    dequantized_previews: bool = False
+    # Previews render from 16-bit copies of this many bytes of a quantized base's layers, the smallest first
+    # (counted in the previews phase): (copies, quantized layers) in number.
+    dequantized_bytes: int = 0
+    dequantized_layers: tuple[int, int] = (0, 0)
 
     @property
     def peak(self) -> int:
         return max(self.phases.values())
 
+    @property
+    def dequantized_previews(self) -> str:
+        """Of the quantized layers, which previews render from 16-bit copies of: "all", "part" or "none"."""
+        copies, layers = self.dequantized_layers
+        return "none" if not copies else "all" if copies == layers else "part"
+
     def as_dict(self) -> dict:
         return {"peak_gib": round(self.peak / GiB, 3), "dequantized_previews": self.dequantized_previews,
+                "dequantized_gib": round(self.dequantized_bytes / GiB, 3),
                 "phases_gib": {k: round(v / GiB, 3) for k, v in self.phases.items()}}
 
     def format(self) -> str:

@@ -3,6 +3,7 @@ The one path the CLI's `plan`, the UI's Train form and the training task all tak
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,8 @@ class UNetPlan:
     memory: MemoryEstimate
     resolution: int   # the side of the square the ranks were scaled to and the estimate is for
     native: int       # the model's own resolution
-    quantized_params: int = 0  # weights of the layers model.quantize / quantize_convs store quantized
+    # Weights of each layer model.quantize / quantize_convs store quantized, smallest first.
+    quantized_sizes: tuple[int, ...] = ()
 
 
 def plan_unet(cfg: Config, unet: nn.Module, native: int, resolution: int | None = None,
@@ -42,17 +44,17 @@ def plan_unet(cfg: Config, unet: nn.Module, native: int, resolution: int | None 
     plan = make_plan(unet, cfg.adapter, resolution=resolution, native=native)
     latent_factor = native // int(unet.config.sample_size)
     memory = estimate_for_config(unet, cfg, plan.trainable_params, resolution, mixed_precision, latent_factor)
-    return UNetPlan(plan, memory, resolution, native, quantized_params(cfg, unet))
+    return UNetPlan(plan, memory, resolution, native, quantized_sizes(cfg, unet))
 
 
-def quantized_params(cfg: Config, unet: nn.Module) -> int:
-    """Weights of the layers the config's quantization stores quantized (sdxl/quantize.py's skip rules), from
-    the UNet before it is quantized (any device)."""
+def quantized_sizes(cfg: Config, unet: nn.Module) -> tuple[int, ...]:
+    """Weights of each layer the config's quantization stores quantized (sdxl/quantize.py's skip rules), smallest
+    first, from the UNet before it is quantized (any device)."""
     from ..core.memory import quantized_layers
     from .quantize import unet_conv_skip, unet_skip
 
     linears, convs = quantized_layers(unet, cfg.model.quantize, unet_skip, cfg.model.quantize_convs, unet_conv_skip)
-    return sum(m.weight.numel() for m in (*linears, *convs))
+    return tuple(sorted(m.weight.numel() for m in (*linears, *convs)))
 
 
 def text_encoder_rank_alpha(a: AdapterConfig) -> tuple[int, float]:
@@ -134,28 +136,39 @@ def run_memory_for(cfg: Config, planned: UNetPlan, components: tuple[int, int], 
                                        else None),
                           unet_while_caching=unet_read_on_device(cfg), merged_copies=copies)
 
-    run = phases(merged_copy_bytes(cfg, planned))
-    dequantized = dequantized_copy_bytes(cfg, planned)
-    if previews and dequantized:
-        # A quantized base's previews render from 16-bit copies of its layers (inject.dequantized_for_inference)
-        # where those fit under the run's peak: previews must not raise the peak a quantized run was planned
-        # at, but below it the copies cost nothing the run does not hold at another time anyway.
-        with_copies = phases(merged_copy_bytes(cfg, planned) + dequantized)
-        if with_copies.phases["previews"] <= run.peak:
-            with_copies.dequantized_previews = True
-            with_copies.notes.append("previews render from 16-bit copies of the quantized layers, the adapter "
-                                     "merged in: they fit under the run's peak")
-            return with_copies
-    return run
+    merged = merged_copy_bytes(cfg, planned)
+    run = phases(merged)
+    sizes = dequantized_copy_sizes(cfg, planned)
+    if not previews or not sizes:
+        return run
+    # A quantized base's previews render from 16-bit copies of its layers (inject.dequantized_for_inference), the
+    # smallest first, as many as fit under the run's peak: previews must not raise the peak a quantized run was
+    # planned at, but below it the copies cost nothing the run does not hold at another time anyway. The previews
+    # phase grows with the copies, so the most that fit is found by bisection over the smallest-first prefixes.
+    held = [0, *itertools.accumulate(sizes)]
+    fit, over = 0, len(sizes) + 1
+    while over - fit > 1:
+        mid = (fit + over) // 2
+        fit, over = (mid, over) if phases(merged + held[mid]).phases["previews"] <= run.peak else (fit, mid)
+    if not fit:
+        run.notes.append("previews render from the quantized layers: no 16-bit copy fits under the run's peak")
+        return run
+    out = phases(merged + held[fit])
+    out.dequantized_bytes, out.dequantized_layers = held[fit], (fit, len(sizes))
+    out.notes.append(f"previews render from 16-bit copies of all {fit} quantized layers ({held[fit] / GiB:.2f} GiB): "
+                     "they fit under the run's peak" if fit == len(sizes) else
+                     f"previews render from 16-bit copies of {fit} of {len(sizes)} quantized layers "
+                     f"({held[fit] / GiB:.2f} GiB), the smallest: as many as fit under the run's peak")
+    return out
 
 
-def dequantized_copy_bytes(cfg: Config, planned: UNetPlan) -> int:
-    """Bytes of the 16-bit copies of a quantized base's layers that previews render from
-    (inject.dequantized_for_inference); 0 where nothing is quantized or the adapter is DoRA (which keeps its
+def dequantized_copy_sizes(cfg: Config, planned: UNetPlan) -> tuple[int, ...]:
+    """Bytes of the 16-bit copy of each of a quantized base's layers that previews may render from, smallest first
+    (inject.dequantized_for_inference); none where nothing is quantized or the adapter is DoRA (which keeps its
     path on quantized layers)."""
-    if not planned.quantized_params or cfg.adapter.kind != "lora":
-        return 0
-    return planned.quantized_params * _compute_bytes(planned)
+    if cfg.adapter.kind != "lora":
+        return ()
+    return tuple(n * _compute_bytes(planned) for n in planned.quantized_sizes)
 
 
 def merged_copy_bytes(cfg: Config, planned: UNetPlan) -> int:
@@ -248,6 +261,12 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
                and ("tiled_vae_encode" not in cfg.model.model_fields_set or e == cfg.model.tiled_vae_encode)]
 
     steps: dict[tuple, MemoryEstimate] = {}  # the step's estimate does not depend on the previews' tiling
+    sizes: dict[str, tuple[int, ...]] = {}   # each base's quantized layers (for the previews' 16-bit copies)
+
+    def planned(c: Config, step: MemoryEstimate) -> UNetPlan:
+        if c.model.quantize not in sizes:
+            sizes[c.model.quantize] = quantized_sizes(c, unet)
+        return UNetPlan(base.plan, step, base.resolution, native, sizes[c.model.quantize])
 
     def variant(quant: str, full: bool, batch: int, tiling: tuple[bool, bool]) -> tuple[Config, RunMemory]:
         c = cfg.model_copy(deep=True)
@@ -260,7 +279,7 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
         if key not in steps:
             steps[key] = estimate_for_config(unet, c, base.plan.trainable_params, base.resolution,
                                              latent_factor=native // int(unet.config.sample_size))
-        return c, run_memory_for(c, UNetPlan(base.plan, steps[key], base.resolution, native), components)
+        return c, run_memory_for(c, planned(c, steps[key]), components)
 
     best = smallest = None
     for quant in quants:
@@ -281,8 +300,7 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
                         if over <= 0 or floor > budget:
                             continue
                         c.train.checkpoint_budget_gb = math.floor((memory.step.total - over / RESERVE) / GiB * 100) / 100
-                        memory = run_memory_for(c, UNetPlan(base.plan, memory.step, base.resolution, native),
-                                                components)
+                        memory = run_memory_for(c, planned(c, memory.step), components)
                         slow *= 1 + (CHECKPOINT_SLOWDOWN - 1) * over / span
                     if smallest is None or memory.peak < smallest[1].peak:
                         smallest = (c, memory)
@@ -296,8 +314,7 @@ def fit_budget(cfg: Config, budget_gib: float, unet: nn.Module | None = None, na
             f"{max(memory.phases, key=memory.phases.get)}). Raise train.vram_gb, lower data.resolution, "
             "or turn the previews off (preview.prompts='')")
     c, memory, slow = best
-    return BudgetFit(c, UNetPlan(base.plan, memory.step, base.resolution, native), memory, changes(cfg, c),
-                     round(slow, 3))
+    return BudgetFit(c, planned(c, memory.step), memory, changes(cfg, c), round(slow, 3))
 
 
 def changes(a: Config, b: Config) -> dict[str, tuple]:

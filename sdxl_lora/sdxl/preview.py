@@ -444,17 +444,17 @@ def _copy(src: Path, dest: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _plain_unet(model, unet, dequantized: bool = False):
+def _plain_unet(model, unet, dequantized: int = 0):
     """The adapter merged into copies of the weights it adapts, its layers out of the model and the attentions on
     diffusers' own processor for the duration: the UNet runs as the bare one, without a Python call per adapted
     layer and UNet call (a preview calls the UNet at each of its sampling steps); all put back afterwards.
-    dequantized: a quantized base's layers too, as 16-bit copies with the adapter folded in
-    (inject.dequantized_for_inference)."""
+    dequantized: bytes of a quantized base's layers that go too, as 16-bit copies with the adapter folded in, the
+    smallest first (inject.dequantized_for_inference); 0: none. Yields how many of those layers went."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(merged_for_inference(model, unwrap=True))
-        replaced = stack.enter_context(dequantized_for_inference(model)) if dequantized else 0
-        stack.enter_context(stock_attention(unet, quantized=replaced > 0))
-        yield
+        copied = stack.enter_context(dequantized_for_inference(model, budget=dequantized)) if dequantized else 0
+        stack.enter_context(stock_attention(unet))
+        yield copied
 
 
 @contextlib.contextmanager
@@ -524,7 +524,7 @@ def render_previews(task, model, run, step: int) -> list[Path]:
                  "base and previews: %s)", len(images), store)
         run.event("previews_reused", step=0, images=len(images), cache=str(store))
     else:
-        def rendered_set(lean: bool) -> tuple[list[Image.Image], float, float, bool]:
+        def rendered_set(lean: bool) -> tuple[list[Image.Image], float, float, bool, int]:
             # cuDNN's algorithm search (train.* sets torch.backends.cudnn.benchmark for the training shapes)
             # would time every convolution of the pipeline at each preview size, the VAE decoder's included,
             # for a few images; its heuristics choose at no cost (speed.cudnn_search).
@@ -534,16 +534,17 @@ def render_previews(task, model, run, step: int) -> list[Path]:
             # are encoded now) visit the device inside the try: their move can run out of memory too.
             for m in ((p.vae,) if texts is not None else aux):
                 m.to(device)
-            merged = contextlib.nullcontext() if lean else _plain_unet(model, unet, dequantized=task.dequantized_previews)
+            merged = (contextlib.nullcontext(0) if lean
+                      else _plain_unet(model, unet, dequantized=task.dequantized_previews))
             tiled = lean or tiled_previews(cfg)
             batch = 1 if lean else None if device.type == "cpu" else preview_batch(tiled)
-            with cudnn_search(False), vae_tiles(p.vae, tiled), merged, _told(run, step, len(prompts)) as told:
+            with cudnn_search(False), vae_tiles(p.vae, tiled), merged as copied, _told(run, step, len(prompts)) as told:
                 ready = time.perf_counter()
                 out = render(pipe, prompts, seed=cfg.preview.seed, steps=cfg.preview.steps,
                              guidance=cfg.preview.guidance, width=task.resolution, height=task.resolution,
                              autocast_dtype=dtype, sampler=Sampler.of_run(cfg), texts=texts, batch=batch,
                              progress=told)
-                return out, ready, time.perf_counter(), lean
+                return out, ready, time.perf_counter(), lean, copied
 
         try:
             # A set that runs out of memory (the estimate was low, another program took memory) renders again in
@@ -559,7 +560,7 @@ def render_previews(task, model, run, step: int) -> list[Path]:
             model.train(was_training)
         if done is None:
             return []
-        images, ready, rendered, lean = done
+        images, ready, rendered, lean, copied = done
         if lean:  # not the set the step-0 cache stands for
             store = None
         # Where a set's time goes (the previews' share of a run is measured from these events, train_e2e.py).
@@ -588,9 +589,12 @@ def render_previews(task, model, run, step: int) -> list[Path]:
     if not reused:
         seconds = time.perf_counter() - started
         times["write_s"] = seconds - times["render_s"] - times["around_s"]
+        # How many quantized layers rendered from 16-bit copies: the plan's, or fewer where the GPU had less free.
         log.info("previews at step %d: %d images in %.1f s (rendering %.1f s; the VAE's moves and the adapter's "
-                 "merge %.1f s; writing and scoring %.1f s)", step, len(images), seconds, times["render_s"],
-                 times["around_s"], times["write_s"])
+                 "merge %.1f s; writing and scoring %.1f s)%s", step, len(images), seconds, times["render_s"],
+                 times["around_s"], times["write_s"],
+                 f"; {copied} quantized layers from 16-bit copies" if task.dequantized_previews else "")
         run.event("previews_rendered", step=step, images=len(images), seconds=round(seconds, 2),
-                  **{k: round(v, 2) for k, v in times.items()})
+                  **{k: round(v, 2) for k, v in times.items()},
+                  **({"dequantized_layers": copied} if task.dequantized_previews else {}))
     return paths

@@ -361,17 +361,25 @@ def fuse_projections(model: torch.nn.Module, lora_matmul: str = "peft") -> int:
 
 
 @contextlib.contextmanager
-def stock_attention(model: torch.nn.Module, quantized: bool = False):
+def stock_attention(model: torch.nn.Module):
     """Every attention fused over plain weights on diffusers' stock processor for the duration (then back on the
     fused one): the fused processor computes from the one buffer its base weights were made views of, which does
     not hold an adapter merged into copies of them (inject.merged_for_inference); the stock one calls the
-    projections. Attentions fused over quantized bases too with `quantized` (their layers replaced meanwhile by
-    inject.dequantized_for_inference); otherwise they stay."""
+    projections. So does every attention fused over quantized bases where any of its projections is not over them
+    any more (inject.dequantized_for_inference replaced it by a 16-bit copy, the adapter folded in): the fused
+    processor would compute from the quantized bases with only the adapters still in place, and the stock one
+    calls whatever modules are in place, copies and quantized layers alike. The rest stay fused."""
     from diffusers.models.attention_processor import Attention
 
-    holders = (_FusedWeight, _QuantizedProjections) if quantized else (_FusedWeight,)
-    fused = [m for m in model.modules() if isinstance(m, Attention) and isinstance(m.processor, FusedProjectionsProcessor)
-             and isinstance(getattr(m, "fused_kv" if m.is_cross_attention else "fused_qkv", None), holders)]
+    def moves(attn: Attention) -> bool:
+        holder = getattr(attn, "fused_kv" if attn.is_cross_attention else "fused_qkv", None)
+        if isinstance(holder, _QuantizedProjections):
+            names = ("to_k", "to_v") if attn.is_cross_attention else ("to_q", "to_k", "to_v")
+            return any(base_linear(getattr(attn, n)) is not b for n, b in zip(names, holder.bases))
+        return isinstance(holder, _FusedWeight)
+
+    fused = [m for m in model.modules() if isinstance(m, Attention)
+             and isinstance(m.processor, FusedProjectionsProcessor) and moves(m)]
     processors = [attn.processor for attn in fused]
     try:
         for attn, processor in zip(fused, processors):

@@ -304,9 +304,10 @@ class SDXLTask(Task):
             torch.cuda.empty_cache()
 
     @property
-    def dequantized_previews(self) -> bool:
-        """Previews render from 16-bit copies of a quantized base's layers: the plan found they fit."""
-        return self.run_memory is not None and self.run_memory.dequantized_previews
+    def dequantized_previews(self) -> int:
+        """Bytes of 16-bit copies of a quantized base's layers previews render from: as many as the plan found fit
+        under the run's peak (0: none)."""
+        return self.run_memory.dequantized_bytes if self.run_memory is not None else 0
 
     def _plan(self, unet, run: Run) -> None:
         """The adapter's plan, its ranks scaled to the largest bucket's area (the most tokens any batch

@@ -37,11 +37,11 @@ def _unet(tiny_dir):
     return UNet2DConditionModel.from_pretrained(str(tiny_dir / "unet"))
 
 
-def _inputs(unet, seed=11):
+def _inputs(unet, seed=11, side=8):
     cfg = unet.config
     g = torch.Generator().manual_seed(seed)
     pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-    return dict(sample=torch.randn(2, 4, 8, 8, generator=g), timestep=torch.tensor([10, 700]),
+    return dict(sample=torch.randn(2, 4, side, side, generator=g), timestep=torch.tensor([10, 700]),
                 encoder_hidden_states=torch.randn(2, 77, cfg.cross_attention_dim, generator=g),
                 added_cond_kwargs={"text_embeds": torch.randn(2, pooled, generator=g),
                                    "time_ids": torch.randn(2, 6, generator=g)})
@@ -225,7 +225,7 @@ def test_previews_of_a_quantized_base_run_from_16_bit_copies_and_training_resume
     with torch.no_grad():
         want = unet(**x).sample
     state = {n: t.detach().clone() for n, t in unet.state_dict().items()}
-    with _plain_unet(unet, unet, dequantized=True), torch.no_grad():
+    with _plain_unet(unet, unet, dequantized=inject.dequantized_bytes(unet)), torch.no_grad():
         now = list(unet.modules())
         assert not any(isinstance(m, (BaseTunerLayer, *quantized_classes())) for m in now)
         assert {type(m) for m in now if isinstance(m, nn.Linear)} == {nn.Linear}
@@ -240,14 +240,70 @@ def test_previews_of_a_quantized_base_run_from_16_bit_copies_and_training_resume
         assert torch.equal(unet(**x).sample, want)
 
 
-def test_previews_of_a_quantized_base_keep_its_layers_when_the_copies_do_not_fit(tiny_dir, monkeypatch):
+def test_previews_of_a_quantized_base_copy_its_smallest_layers_up_to_the_budget(tiny_dir):
+    """Where not all the copies fit (the plan's budget: the room under the run's peak), previews copy the
+    smallest quantized layers up to the first that does not fit, and the rest keep their quantized path: the
+    same output either way. An attention fused over quantized bases with only some of
+    its projections copied renders through diffusers' processor, which calls the modules in place (the fused one
+    would compute from the quantized bases and lose the adapter folded into a copy); attentions with none copied
+    keep the fused one. Afterwards the same modules hold the same bits."""
+    from sdxl_lora.core.quantize import quantized_classes
+    from sdxl_lora.sdxl import speed as unet_speed
+    from sdxl_lora.sdxl.preview import _plain_unet
+
+    unet, _ = _trained(tiny_dir, "lora", quantize="nf4")
+    assert unet_speed.fuse_projections(unet, "merged") > 0
+    modules = dict(unet.named_modules())
+    sizes = {n: inject.dequantized_bytes(m) for n, m in modules.items() if isinstance(m, quantized_classes())}
+    order = sorted(sizes, key=sizes.get)  # ties in the model's order
+    # A budget that ends inside an attention's fused projections: its to_q copied, its to_k and to_v not.
+    cut = next(i for i, n in enumerate(order) if n.endswith("attn1.to_q.base_layer")
+               and order[i + 1] == n.replace("to_q", "to_k"))
+    budget = sum(sizes[n] for n in order[:cut + 1])
+    assert budget < sum(sizes.values())
+    x = _inputs(unet, side=32)  # enough tokens a projection for the fused processor's merged product
+    with torch.no_grad():
+        want = unet(**x).sample
+    state = {n: t.detach().clone() for n, t in unet.state_dict().items()}
+    processors = {n: m.processor for n, m in modules.items() if hasattr(m, "processor")}
+    with _plain_unet(unet, unet, dequantized=budget), torch.no_grad():
+        now = dict(unet.named_modules())
+        copied = [n for n in order if not isinstance(now.get(n), quantized_classes())]
+        assert copied == order[:cut + 1]  # the smallest, up to the budget
+        split = order[cut].rsplit(".to_q", 1)[0]
+        for name, attn in now.items():
+            if isinstance(processors.get(name), unet_speed.FusedProjectionsProcessor):
+                projections = {f"{name}.{p}.base_layer" for p in ("to_q", "to_k", "to_v")}
+                fused = isinstance(attn.processor, unet_speed.FusedProjectionsProcessor)
+                assert fused == (not projections & set(copied)), name
+        assert isinstance(processors[split], unet_speed.FusedProjectionsProcessor)
+        assert not isinstance(now[split].processor, unet_speed.FusedProjectionsProcessor)
+        torch.testing.assert_close(unet(**x).sample, want, rtol=1e-4, atol=1e-4)
+    assert dict(unet.named_modules()) == modules
+    assert {n: m.processor for n, m in unet.named_modules() if hasattr(m, "processor")} == processors
+    after = unet.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[n], t) for n, t in state.items())
+    with torch.no_grad():
+        assert torch.equal(unet(**x).sample, want)
+
+
+def test_previews_of_a_quantized_base_copy_no_more_than_the_device_has_room_for(tiny_dir, monkeypatch):
+    from sdxl_lora.core.quantize import quantized_classes
+
     unet, _ = _trained(tiny_dir, "lora", quantize="nf4")
     modules = dict(unet.named_modules())
-    asked = []
-    monkeypatch.setattr(inject, "_copies_fit", lambda need, device: asked.append(need) and False)
-    with inject.dequantized_for_inference(unet) as replaced:
-        assert replaced == 0 and dict(unet.named_modules()) == modules
-    assert asked == [inject.dequantized_bytes(unet)] and asked[0] > 0
+    sizes = sorted(inject.dequantized_bytes(m) for m in modules.values() if isinstance(m, quantized_classes()))
+    # (free room, budget) -> layers copied: the smallest under the lesser of the two; none where none fits.
+    for room, budget, copied in ((0, None, 0), (sizes[0] - 1, None, 0), (sum(sizes[:3]), None, 3),
+                                 (sum(sizes[:3]), sum(sizes), 3), (sum(sizes), sum(sizes[:2]) + 1, 2),
+                                 (sum(sizes), None, len(sizes))):
+        monkeypatch.setattr(inject, "_room_for_copies", lambda device: room)
+        with inject.dequantized_for_inference(unet, budget) as replaced:
+            assert replaced == copied, (room, budget)
+            now = list(unet.modules())
+            assert sum(inject.dequantized_bytes(m) for m in now if isinstance(m, quantized_classes())) == sum(
+                sizes[copied:])
+        assert dict(unet.named_modules()) == modules
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -180,9 +180,10 @@ def test_the_previews_count_the_copies_the_adapter_is_merged_into(sdxl, monkeypa
     assert plan_module.merged_copy_bytes(nf4, plan_config(nf4)) == 0
 
 
-def test_a_quantized_run_previews_from_16_bit_copies_only_below_its_planned_peak(capsys):
-    # QLoRA's previews render from 16-bit copies of the quantized layers where those stay under the run's peak
-    # (the training step at batch 1 holds more), never where they would raise it (with checkpointing).
+def test_a_quantized_run_previews_from_16_bit_copies_of_as_many_layers_as_fit_below_its_planned_peak(capsys):
+    # QLoRA's previews render from 16-bit copies of the quantized layers as far as those stay under the run's peak:
+    # all of them where the training step at batch 1 holds more; with checkpointing (caching is then the peak)
+    # the smallest, up to the room there, never raising the peak.
     def planned(*sets):
         args = [a for s in sets for a in ("--set", s)]
         assert main(["plan", "--model", "arch:sdxl", "--batch-size", "1", "--json",
@@ -190,12 +191,43 @@ def test_a_quantized_run_previews_from_16_bit_copies_only_below_its_planned_peak
         return json.loads(capsys.readouterr().out)["run_memory"]
 
     fast = planned()
-    assert fast["dequantized_previews"] and fast["peak_gib"] == fast["phases_gib"]["training"]
+    assert fast["dequantized_previews"] == "all" and fast["peak_gib"] == fast["phases_gib"]["training"]
+    assert fast["dequantized_gib"] == pytest.approx(4.145, abs=0.005)  # SDXL's Linear layers in bf16
     lean = planned("train.gradient_checkpointing=true")
-    assert not lean["dequantized_previews"] and lean["phases_gib"]["previews"] <= lean["peak_gib"]
-    # The copies are counted: SDXL's Linear layers in bf16, about 4.1 GiB, with the reserve on them.
-    assert fast["phases_gib"]["previews"] - lean["phases_gib"]["previews"] == pytest.approx(4.145 * 1.05, abs=0.05)
-    assert not planned("adapter.kind='dora'")["dequantized_previews"]  # DoRA keeps its path on 4-bit layers
+    assert lean["dequantized_previews"] == "part" and 0.5 < lean["dequantized_gib"] < fast["dequantized_gib"]
+    assert lean["peak_gib"] == lean["phases_gib"]["caching"] > lean["phases_gib"]["training"]
+    # Up to the room: within one more layer (SDXL's largest Linear, 1280x10240 in bf16, 25 MiB) of the peak.
+    assert lean["peak_gib"] - 0.03 <= lean["phases_gib"]["previews"] <= lean["peak_gib"]
+    # The copies are counted, with the whole process's reserve on them.
+    assert fast["phases_gib"]["previews"] - lean["phases_gib"]["previews"] == pytest.approx(
+        (fast["dequantized_gib"] - lean["dequantized_gib"]) * 1.05, abs=0.005)
+    dora = planned("adapter.kind='dora'")  # DoRA keeps its path on 4-bit layers
+    assert dora["dequantized_previews"] == "none" and dora["dequantized_gib"] == 0
+
+
+def test_an_nf4_run_on_an_8_gb_card_previews_from_copies_of_its_smallest_layers_and_on_a_big_card_all(sdxl):
+    # On an 8 GB card the copies of every quantized layer do not fit under the run's peak, but those of the
+    # smallest do: previews render from as many as fit, their bytes counted exactly, the peak unchanged.
+    from sdxl_lora.core.card import pretend_card
+    from sdxl_lora.sdxl.memory import RESERVE
+    from sdxl_lora.sdxl.plan import plan_run, quantized_sizes
+
+    _, unet, _, _ = sdxl
+    small = plan_run(load_config(extra={"model.path": "arch:sdxl", "train.batch_size": 2}), pretend_card(8))
+    memory = small.memory
+    assert small.cfg.model.quantize == "nf4" and memory.peak <= 8 * GIB
+    sizes = quantized_sizes(small.cfg, unet)  # weights, smallest first
+    copies, layers = memory.dequantized_layers
+    assert memory.dequantized_previews == "part" and 0 < copies < layers == len(sizes)
+    assert memory.dequantized_bytes == 2 * sum(sizes[:copies]) > 1.5 * GIB  # bf16 copies of the smallest
+    # Under the peak, and the next layer would have raised it.
+    assert memory.phases["previews"] <= memory.peak < memory.phases["previews"] + RESERVE * 2 * sizes[copies]
+    assert f"previews render from 16-bit copies of {copies} of {layers} quantized layers" in memory.format()
+    big = plan_run(load_config(extra={"model.path": "arch:sdxl", "train.batch_size": 2, "model.quantize": "nf4"}),
+                   pretend_card(80))
+    assert big.memory.dequantized_previews == "all" and big.memory.dequantized_layers == (layers, layers)
+    assert big.memory.dequantized_bytes == 2 * sum(sizes) and big.memory.phases["previews"] <= big.memory.peak
+    assert f"16-bit copies of all {layers} quantized layers" in big.memory.format()
 
 
 def test_train_refuses_an_impossible_budget_before_loading_the_model(tiny_dir, tmp_path, capsys):
