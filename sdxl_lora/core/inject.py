@@ -452,15 +452,29 @@ def remove_adapter(model: nn.Module, adapter_name: str) -> None:
             del model.peft_config
 
 
-def _room_for_copies(device: torch.device) -> float:
-    """Bytes of copies for inference the GPU's free memory holds with room to spare (0.8 of it); unbounded off a
-    GPU (the host's memory is not checked)."""
-    return torch.cuda.mem_get_info(device)[0] * 0.8 if device.type == "cuda" else math.inf
+def _room_for_copies(device: torch.device, need: float = 0.0) -> float:
+    """Bytes of copies for inference the GPU's free memory holds with room to spare (0.8 of it), within a share
+    capped by torch.cuda.set_per_process_memory_fraction (train.vram_gb, a card's budget); unbounded off a GPU (the
+    host's memory is not checked). Where that is less than `need`, torch's cache of blocks it holds unused is handed
+    back first: mid-run it holds about the training step's peak, which the copies may take."""
+    if device.type != "cuda":
+        return math.inf
+
+    def room() -> float:
+        free, total = torch.cuda.mem_get_info(device)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+        if fraction < 1.0:  # a capped share: what the allocator may still reserve under its cap
+            free = min(free, fraction * total - torch.cuda.memory_reserved(device))
+        return max(0.0, free * 0.8)
+
+    if room() < need:
+        torch.cuda.empty_cache()
+    return room()
 
 
 def _copies_fit(need: int, device: torch.device) -> bool:
     """Whether `need` bytes of copies for inference fit in the GPU's free memory, with room to spare."""
-    return need <= _room_for_copies(device)
+    return need <= _room_for_copies(device, need)
 
 
 def dequantized_bytes(model: nn.Module) -> int:
@@ -507,13 +521,13 @@ def dequantized_for_inference(model: nn.Module, budget: int | None = None):
                 if any(child.use_dora.get(a, False) or child.lora_bias.get(a, False) for a in active):
                     continue
                 swaps.append((parent, name, child, child.get_base_layer(), active))
-    room = _room_for_copies(swaps[0][3].weight.device) if swaps else 0
-    if budget is not None:
-        room = min(room, budget)
-    chosen, held = [], 0
     # Ties in the model's order: an attention's projections together.
     order = {id(m): i for i, m in enumerate(model.modules())}
-    for size, swap in sorted(((dequantized_bytes(s[3]), s) for s in swaps), key=lambda t: (t[0], order[id(t[1][2])])):
+    sized = sorted(((dequantized_bytes(s[3]), s) for s in swaps), key=lambda t: (t[0], order[id(t[1][2])]))
+    want = sum(size for size, _ in sized) if budget is None else min(budget, sum(size for size, _ in sized))
+    room = min(want, _room_for_copies(swaps[0][3].weight.device, want)) if swaps else 0
+    chosen, held = [], 0
+    for size, swap in sized:
         held += size
         if held > room:
             break

@@ -297,7 +297,7 @@ def test_previews_of_a_quantized_base_copy_no_more_than_the_device_has_room_for(
     for room, budget, copied in ((0, None, 0), (sizes[0] - 1, None, 0), (sum(sizes[:3]), None, 3),
                                  (sum(sizes[:3]), sum(sizes), 3), (sum(sizes), sum(sizes[:2]) + 1, 2),
                                  (sum(sizes), None, len(sizes))):
-        monkeypatch.setattr(inject, "_room_for_copies", lambda device: room)
+        monkeypatch.setattr(inject, "_room_for_copies", lambda device, need=0: room)
         with inject.dequantized_for_inference(unet, budget) as replaced:
             assert replaced == copied, (room, budget)
             now = list(unet.modules())
