@@ -256,6 +256,7 @@ class GraphedCall:
         torch.cuda.empty_cache()
 
     def _try_capture(self, key: tuple, args: tuple) -> Callable | None:
+        stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
         try:
             return self._capture(key, args)
         except torch.OutOfMemoryError:
@@ -267,8 +268,31 @@ class GraphedCall:
             # capture left behind (the next eager operation raises it).
             if "captur" not in str(e).lower():
                 raise
+            if _raised_in(e, "capture_end"):
+                self._hand_back_abandoned_capture(stream)
+            if _caused_by(e, torch.OutOfMemoryError):
+                # Memory ran out inside the capture and CUDA abandoned it ("a previous error during capture"):
+                # the same as running out before it, so the caller's on_out_of_memory decides.
+                return None
             self.refused = str(e).strip().splitlines()[0]
             return None
+
+    def _hand_back_abandoned_capture(self, stream) -> None:
+        """What torch leaves behind when a capture's end fails (its CUDAGraph.capture_end raises before it tells
+        the allocator the capture is over, and torch.cuda.graph's exit before it leaves the capture's stream):
+        the capture's stream current, and the graphs' pool kept in use, so that every shape captured into it
+        keeps its memory for the rest of the run (an eager step beside it then runs out). Put back here with
+        the allocator's own calls, the ones torch.cuda.use_mem_pool ends with: no public API ends a capture
+        that CUDA abandoned."""
+        if stream is not None:
+            torch.cuda.set_stream(stream)
+        device = torch.cuda.current_device()
+        try:
+            torch._C._cuda_endAllocateToPool(device, self.pool)
+        except RuntimeError as e:  # capture_end failed after telling the allocator (instantiating the graph)
+            if "not currently recording" not in str(e):
+                raise
+        torch._C._cuda_releasePool(device, self.pool)
 
     def _capture(self, key: tuple, args: tuple) -> Callable:
         """The graphs for `key`, captured now, with every shape `others` names on the first capture."""
@@ -313,6 +337,27 @@ class GraphedCall:
                     del out
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
+
+
+def _raised_in(error: BaseException, function: str) -> bool:
+    """Whether `error` was raised inside a Python function of that name (its traceback's frames)."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _caused_by(error: BaseException, kind: type[BaseException]) -> bool:
+    """Whether `error` or an exception it was raised while handling (or from) is a `kind`."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class _Positional(torch.nn.Module):

@@ -1154,6 +1154,56 @@ def test_a_capture_cuda_refuses_leaves_the_run_training_without_graphs(monkeypat
         speed.GraphedCall(lin, lambda x: lin(x), warmup=1)(x)
 
 
+@pytest.mark.parametrize("inside", ["out of memory", "an operation CUDA refused"])
+def test_a_capture_abandoned_at_its_end_hands_its_memory_back_and_memory_runs_go_the_out_of_memory_way(
+        monkeypatch, caplog, inside):
+    # Memory running out inside a capture can leave CUDA abandoning it: torch.cuda.graph's exit then raises
+    # "operation failed due to a previous error during capture" from capture_end, which torch raises before it
+    # tells the allocator the capture is over and before it leaves the capture's stream. The graphs' pool (every
+    # shape captured so far) then stayed held for the rest of the run and the eager step beside it ran out of
+    # memory (H100, a 16 GB card, batch 16): the pool is handed back and the stream put back. Out of memory
+    # inside: the task's on_out_of_memory (checkpoint more) and a capture again, as for memory running out
+    # before the capture; anything else CUDA refused: training on without graphs.
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "the run's stream")
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: calls.append(("set_stream", s)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, p: calls.append(("end", d, p)), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda d, p: calls.append(("release", d, p)), raising=False)
+    pools = iter(["pool 1", "pool 2"])
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(pools))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    first = [True]
+
+    def make_graphed_callables(fn, sample_args, **kw):
+        def capture_end():  # torch.cuda.graph's exit, ending the capture CUDA abandoned
+            raise torch.AcceleratorError("CUDA error: operation failed due to a previous error during capture")
+
+        if first.pop() if first else False:
+            try:
+                if inside == "out of memory":
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 320.00 MiB")
+                raise RuntimeError("an operation that cannot be captured")
+            except (torch.OutOfMemoryError, RuntimeError):
+                capture_end()
+        return lambda *a: fn(*a) * 1  # "replayed"
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
+    lin = torch.nn.Linear(3, 2)
+    asked = []
+    graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1, on_out_of_memory=lambda: asked.append(1) or True)
+    x = torch.randn(4, 3)
+    with caplog.at_level("WARNING"):
+        assert torch.allclose(graphed(x), lin(x))
+    assert calls == [("set_stream", "the run's stream"), ("end", 0, "pool 1"), ("release", 0, "pool 1")]
+    if inside == "out of memory":
+        assert asked == [1] and not graphed.eager and graphed.pool == "pool 2" and len(graphed.graphs) == 1
+        assert "could not be captured" not in caplog.text
+    else:
+        assert not asked and graphed.eager and "CUDA graphs could not be captured" in caplog.text
+
+
 def _task_whose_graphs_do_not_fit(tiny_dir, monkeypatch, checkpointed: int | None = None):
     """An SDXL task under a checkpoint budget whose tiny UNet's units have made-up sizes, `checkpointed` of
     them (default all) checkpointed, its events collected; CUDA graphs' pool handle and cache faked."""
