@@ -257,6 +257,7 @@ class GraphedCall:
 
     def _try_capture(self, key: tuple, args: tuple) -> Callable | None:
         stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
+        ooms = _ooms()
         try:
             return self._capture(key, args)
         except torch.OutOfMemoryError:
@@ -268,28 +269,30 @@ class GraphedCall:
             # capture left behind (the next eager operation raises it).
             if "captur" not in str(e).lower():
                 raise
-            if _raised_in(e, "capture_end"):
+            if stream is not None and torch.cuda.current_stream() != stream:
+                # torch.cuda.graph's exit leaves the capture's stream only after its capture_end returned:
+                # still on it, the capture's end failed (CUDA had abandoned the capture).
                 self._hand_back_abandoned_capture(stream)
-            if _caused_by(e, torch.OutOfMemoryError):
-                # Memory ran out inside the capture and CUDA abandoned it ("a previous error during capture"):
-                # the same as running out before it, so the caller's on_out_of_memory decides.
+            if _caused_by(e, torch.OutOfMemoryError) or _ooms() > ooms:
+                # Memory ran out inside the capture and CUDA abandoned it ("a previous error during capture"),
+                # whether the out-of-memory error reached here or a kernel's fallback caught it (cuDNN tries a
+                # smaller workspace): the same as running out before it, so the caller's on_out_of_memory decides.
                 return None
-            self.refused = str(e).strip().splitlines()[0]
+            self.refused = _first_lines(e)
             return None
 
     def _hand_back_abandoned_capture(self, stream) -> None:
-        """What torch leaves behind when a capture's end fails (its CUDAGraph.capture_end raises before it tells
-        the allocator the capture is over, and torch.cuda.graph's exit before it leaves the capture's stream):
-        the capture's stream current, and the graphs' pool kept in use, so that every shape captured into it
-        keeps its memory for the rest of the run (an eager step beside it then runs out). Put back here with
-        the allocator's own calls, the ones torch.cuda.use_mem_pool ends with: no public API ends a capture
-        that CUDA abandoned."""
-        if stream is not None:
-            torch.cuda.set_stream(stream)
+        """What torch leaves behind when a capture's end fails (its CUDAGraph.capture_end raises before it marks
+        the capture ended, and torch.cuda.graph's exit before it leaves the capture's stream): the capture's
+        stream current, and the graphs' pool in use for good (only a graph whose capture ended gives its pool
+        back), so that every shape captured into it keeps its memory for the rest of the run (an eager step
+        beside it then runs out). Put back here with the allocator's own calls, the ones torch.cuda.use_mem_pool
+        ends with: no public API ends a capture that CUDA abandoned."""
+        torch.cuda.set_stream(stream)
         device = torch.cuda.current_device()
         try:
             torch._C._cuda_endAllocateToPool(device, self.pool)
-        except RuntimeError as e:  # capture_end failed after telling the allocator (instantiating the graph)
+        except RuntimeError as e:  # torch 2.10 on ends the allocator's recording before it checks the capture
             if "not currently recording" not in str(e):
                 raise
         torch._C._cuda_releasePool(device, self.pool)
@@ -339,14 +342,21 @@ class GraphedCall:
                 torch.cuda.empty_cache()
 
 
-def _raised_in(error: BaseException, function: str) -> bool:
-    """Whether `error` was raised inside a Python function of that name (its traceback's frames)."""
-    tb = error.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == function:
-            return True
-        tb = tb.tb_next
-    return False
+def _ooms() -> int:
+    """How many times torch's allocator has run out of memory in this process (0 without CUDA)."""
+    return torch.cuda.memory_stats().get("num_ooms", 0) if torch.cuda.is_available() else 0
+
+
+def _first_lines(error: BaseException) -> str:
+    """The first line of `error`, and of the first error it was raised while handling (what CUDA said first)."""
+    lines = [str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__]
+    inner, seen = error.__cause__ or error.__context__, {id(error)}
+    while inner is not None and (inner.__cause__ or inner.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        inner = inner.__cause__ or inner.__context__
+    if inner is not None and inner is not error and str(inner).strip():
+        lines.append("inside it: " + str(inner).strip().splitlines()[0])
+    return "; ".join(lines)
 
 
 def _caused_by(error: BaseException, kind: type[BaseException]) -> bool:

@@ -1154,20 +1154,23 @@ def test_a_capture_cuda_refuses_leaves_the_run_training_without_graphs(monkeypat
         speed.GraphedCall(lin, lambda x: lin(x), warmup=1)(x)
 
 
-@pytest.mark.parametrize("inside", ["out of memory", "an operation CUDA refused"])
+@pytest.mark.parametrize("inside", ["out of memory", "out of memory a kernel caught", "an operation CUDA refused"])
 def test_a_capture_abandoned_at_its_end_hands_its_memory_back_and_memory_runs_go_the_out_of_memory_way(
         monkeypatch, caplog, inside):
     # Memory running out inside a capture can leave CUDA abandoning it: torch.cuda.graph's exit then raises
-    # "operation failed due to a previous error during capture" from capture_end, which torch raises before it
-    # tells the allocator the capture is over and before it leaves the capture's stream. The graphs' pool (every
-    # shape captured so far) then stayed held for the rest of the run and the eager step beside it ran out of
-    # memory (H100, a 16 GB card, batch 16): the pool is handed back and the stream put back. Out of memory
-    # inside: the task's on_out_of_memory (checkpoint more) and a capture again, as for memory running out
-    # before the capture; anything else CUDA refused: training on without graphs.
+    # "operation failed due to a previous error during capture" from capture_end (C++), which fails before it
+    # marks the capture ended and before the exit leaves the capture's stream. The graphs' pool (every shape
+    # captured so far) then stayed held for the rest of the run and the eager step beside it failed (H100, a
+    # 16 GB card, batch 16): the pool is handed back and the stream put back. Out of memory inside (raised
+    # through, or caught by a kernel's fallback and seen in the allocator's count): the task's on_out_of_memory
+    # (checkpoint more) and a capture again; anything else CUDA refused: training on without graphs.
     calls = []
+    current = ["the run's stream"]
+    stats = {"num_ooms": 3}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "the run's stream")
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: calls.append(("set_stream", s)))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: dict(stats))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: calls.append(("set_stream", s)) or current.__setitem__(0, s))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, p: calls.append(("end", d, p)), raising=False)
     monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda d, p: calls.append(("release", d, p)), raising=False)
@@ -1177,16 +1180,18 @@ def test_a_capture_abandoned_at_its_end_hands_its_memory_back_and_memory_runs_go
     first = [True]
 
     def make_graphed_callables(fn, sample_args, **kw):
-        def capture_end():  # torch.cuda.graph's exit, ending the capture CUDA abandoned
-            raise torch.AcceleratorError("CUDA error: operation failed due to a previous error during capture")
-
         if first.pop() if first else False:
+            current[0] = "the capture's stream"  # torch.cuda.graph's enter
             try:
                 if inside == "out of memory":
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 320.00 MiB")
+                if inside == "out of memory a kernel caught":
+                    stats["num_ooms"] += 1
+                    raise torch.AcceleratorError("CUDA error: operation not permitted when stream is capturing")
                 raise RuntimeError("an operation that cannot be captured")
             except (torch.OutOfMemoryError, RuntimeError):
-                capture_end()
+                # its exit: capture_end raises, and the capture's stream stays current
+                raise torch.AcceleratorError("CUDA error: operation failed due to a previous error during capture")
         return lambda *a: fn(*a) * 1  # "replayed"
 
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
@@ -1197,11 +1202,33 @@ def test_a_capture_abandoned_at_its_end_hands_its_memory_back_and_memory_runs_go
     with caplog.at_level("WARNING"):
         assert torch.allclose(graphed(x), lin(x))
     assert calls == [("set_stream", "the run's stream"), ("end", 0, "pool 1"), ("release", 0, "pool 1")]
-    if inside == "out of memory":
+    assert current == ["the run's stream"]
+    if inside == "an operation CUDA refused":
+        assert not asked and graphed.eager and "CUDA graphs could not be captured" in caplog.text
+        assert "inside it: an operation that cannot be captured" in caplog.text  # what CUDA said first
+    else:
         assert asked == [1] and not graphed.eager and graphed.pool == "pool 2" and len(graphed.graphs) == 1
         assert "could not be captured" not in caplog.text
-    else:
-        assert not asked and graphed.eager and "CUDA graphs could not be captured" in caplog.text
+
+
+def test_a_capture_refused_before_its_end_leaves_the_pool_to_its_graph(monkeypatch):
+    # A capture that ended (torch.cuda.graph's exit back on the run's stream) gives its pool back through its
+    # graph: handing it back here as well would release it twice.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_ooms": 0})
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "the run's stream")
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda d, p: pytest.fail("released twice"), raising=False)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def make_graphed_callables(fn, sample_args, **kw):
+        raise torch.AcceleratorError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
+    lin = torch.nn.Linear(3, 2)
+    graphed = speed.GraphedCall(lin, lambda x: lin(x), warmup=1, on_out_of_memory=lambda: pytest.fail("not memory"))
+    x = torch.randn(4, 3)
+    assert torch.equal(graphed(x), lin(x)) and graphed.eager
 
 
 def _task_whose_graphs_do_not_fit(tiny_dir, monkeypatch, checkpointed: int | None = None):
