@@ -22,15 +22,21 @@ _DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 2
 _NEARLY_FULL = 2**20
 
 
+def error_chain(e: BaseException) -> list[BaseException]:
+    """`e`, then the error it was raised from or while handling, and so on: the first error is the last."""
+    chain, seen = [], e
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return chain
+
+
 def as_disk_full(e: BaseException, target: Path) -> BaseException:
     """`e` as the OSError(ENOSPC) naming `target` when writing `target` failed because its disk is full, so the
     user reads that rather than a writer's traceback; anything else is returned as it is. Call it before
     removing what the failed write left: that clean-up frees the space whose lack is the evidence."""
     target = Path(target)
-    chain, seen = [], e
-    while seen is not None and seen not in chain:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
+    chain = error_chain(e)
     for err in chain:
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             return OSError(err.errno, os.strerror(err.errno), str(target))  # a temp file's name means nothing

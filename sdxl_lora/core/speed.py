@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from .fsutil import error_chain
+
 log = logging.getLogger(__name__)
 
 # The compile backend; tests use "aot_eager" (same graph capture and autograd split, no C++ build).
@@ -273,7 +275,7 @@ class GraphedCall:
                 # torch.cuda.graph's exit leaves the capture's stream only after its capture_end returned:
                 # still on it, the capture's end failed (CUDA had abandoned the capture).
                 self._hand_back_abandoned_capture(stream)
-            if _caused_by(e, torch.OutOfMemoryError) or _ooms() > ooms:
+            if any(isinstance(x, torch.OutOfMemoryError) for x in error_chain(e)) or _ooms() > ooms:
                 # Memory ran out inside the capture and CUDA abandoned it ("a previous error during capture"),
                 # whether the out-of-memory error reached here or a kernel's fallback caught it (cuDNN tries a
                 # smaller workspace): the same as running out before it, so the caller's on_out_of_memory decides.
@@ -349,25 +351,11 @@ def _ooms() -> int:
 
 def _first_lines(error: BaseException) -> str:
     """The first line of `error`, and of the first error it was raised while handling (what CUDA said first)."""
+    chain = error_chain(error)
     lines = [str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__]
-    inner, seen = error.__cause__ or error.__context__, {id(error)}
-    while inner is not None and (inner.__cause__ or inner.__context__) is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        inner = inner.__cause__ or inner.__context__
-    if inner is not None and inner is not error and str(inner).strip():
+    if len(chain) > 1 and str(inner := chain[-1]).strip():
         lines.append("inside it: " + str(inner).strip().splitlines()[0])
     return "; ".join(lines)
-
-
-def _caused_by(error: BaseException, kind: type[BaseException]) -> bool:
-    """Whether `error` or an exception it was raised while handling (or from) is a `kind`."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, kind):
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
 
 
 class _Positional(torch.nn.Module):
